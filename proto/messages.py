@@ -1,0 +1,235 @@
+"""Every internal message between specserve processes: frozen, tagged msgspec Structs.
+
+Two conversations, each over one ZeroMQ ROUTER socket bound by the scheduler:
+
+- gateway <-> scheduler: `GatewayToScheduler` in, `SchedulerToGateway` out;
+- worker  <-> scheduler: `WorkerToScheduler` in, `SchedulerToWorker` out.
+
+Every message is one msgpack frame whose tag names its type. Token ids are ints in the
+model's vocabulary; positions are 0-based indices into a sequence (prompt then output).
+"""
+
+from __future__ import annotations
+
+from typing import Generic, Literal, TypeVar
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+Role = Literal["target", "draft"]
+
+
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How to pick the next token. temperature 0 means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
+    top_k: int = 0  # 0 = no top-k cut
+    seed: int = 0  # always set: the scheduler draws one when the client gave none
+
+
+# ---------------------------------------------------------------- gateway -> scheduler
+
+
+class SubmitRequest(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fields=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int  # completion tokens at most
+    sampling: SamplingParams
+    stop_token_ids: list[int]  # finish (reason "stop") when one is generated; eos is here unless ignore_eos
+    seed_given: bool = True  # False: the scheduler replaces sampling.seed with a random one
+
+
+class AbortRequest(msgspec.Struct, tag="abort", frozen=True, forbid_unknown_fields=True):
+    request_id: str
+    reason: str  # why, for the log: "client_cancelled", "stop_string", ...
+
+
+class InfoQuery(msgspec.Struct, tag="info_query", frozen=True, forbid_unknown_fields=True):
+    query_id: int
+
+
+class GatewayHello(msgspec.Struct, tag="gateway_hello", frozen=True, forbid_unknown_fields=True):
+    gateway_id: str
+    protocol_version: int
+
+
+GatewayToScheduler = SubmitRequest | AbortRequest | InfoQuery | GatewayHello
+
+
+# ---------------------------------------------------------------- scheduler -> gateway
+
+
+FinishReason = Literal["stop", "length", "abort"]
+ErrorCode = Literal["INVALID_ARGUMENT", "UNAVAILABLE", "RESOURCE_EXHAUSTED", "INTERNAL"]
+
+
+class TokenDelta(msgspec.Struct, tag="tokens", frozen=True, forbid_unknown_fields=True):
+    """New tokens of one request, in order; the last delta of a request has finish_reason."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_completion_tokens: int  # completion tokens so far, these included
+
+
+class RequestError(msgspec.Struct, tag="request_error", frozen=True, forbid_unknown_fields=True):
+    """The request ended without (further) output; code maps to a gRPC status."""
+
+    request_id: str
+    code: ErrorCode
+    message: str
+
+
+class ProcessInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    process_id: str
+    role: Role
+    state: str  # a proto.lifecycle.State value
+    incarnation: int
+    heartbeat_age_s: float
+    num_used_kv_slots: int  # as last reported by the process itself
+    num_kv_slots: int
+    num_running: int  # sequences the scheduler has placed on it
+    failure: str  # "" unless FAILED/DEAD: the phase and the cause
+
+
+class InfoReply(msgspec.Struct, tag="info", frozen=True, forbid_unknown_fields=True):
+    query_id: int
+    model_name: str
+    max_model_len: int
+    num_waiting: int
+    num_running: int
+    processes: list[ProcessInfo]
+
+
+SchedulerToGateway = TokenDelta | RequestError | InfoReply
+
+
+# ---------------------------------------------------------------- scheduler -> worker
+
+
+class SeqWork(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One sequence's part of a step: append token_ids to its KV slot, then maybe sample.
+
+    The slot already holds exactly `start_position` tokens of this sequence (the worker
+    checks). If `sample` is set the worker returns one new token (plus, when verifying,
+    the accepted draft tokens); otherwise this was a non-final prefill chunk.
+    """
+
+    request_id: str
+    slot: int
+    start_position: int
+    token_ids: list[int]
+    sample: bool
+    sampling: SamplingParams
+    num_draft_tokens: int = 0  # trailing entries of token_ids that are unverified proposals
+
+
+class StepRequest(msgspec.Struct, tag="step", frozen=True, forbid_unknown_fields=True):
+    step_id: int
+    incarnation: int  # of the worker this step is meant for; any other incarnation refuses it
+    seqs: list[SeqWork]
+    release_slots: list[int]  # slots to empty before the step runs
+
+
+class ReleaseSlots(msgspec.Struct, tag="release", frozen=True, forbid_unknown_fields=True):
+    incarnation: int
+    slots: list[int]
+
+
+class Drain(msgspec.Struct, tag="drain", frozen=True, forbid_unknown_fields=True):
+    """Finish the step in flight, then stop."""
+
+    incarnation: int
+
+
+SchedulerToWorker = StepRequest | ReleaseSlots | Drain
+
+
+# ---------------------------------------------------------------- worker -> scheduler
+
+
+class WorkerHello(msgspec.Struct, tag="hello", frozen=True, forbid_unknown_fields=True):
+    """First message of every process incarnation; everything here is known before loading."""
+
+    worker_id: str
+    role: Role
+    incarnation: int  # larger for every restart; older incarnations' messages are dropped
+    protocol_version: int
+    pid: int
+    model_name: str
+    model_fingerprint: str  # hash of the config and the weight file's tensor index
+    vocab_size: int
+    max_model_len: int  # tokens per sequence at most
+    num_kv_slots: int  # sequences it can hold at once
+    dtype: str
+    device: str
+
+
+class LifecycleReport(msgspec.Struct, tag="lifecycle", frozen=True, forbid_unknown_fields=True):
+    worker_id: str
+    incarnation: int
+    state: str  # the state just entered
+    previous_state: str
+    previous_duration_s: float  # time spent in previous_state
+
+
+class WorkerFailed(msgspec.Struct, tag="failed", frozen=True, forbid_unknown_fields=True):
+    worker_id: str
+    incarnation: int
+    phase: str  # the state it was in when it failed
+    error_type: str
+    message: str
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True, forbid_unknown_fields=True):
+    worker_id: str
+    incarnation: int
+    state: str
+    num_used_kv_slots: int
+    num_steps: int
+
+
+class SeqOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    request_id: str
+    token_ids: list[int]  # new tokens in order: accepted drafts, then one sampled token
+    num_accepted_draft: int = 0
+
+
+class StepResult(msgspec.Struct, tag="step_result", frozen=True, forbid_unknown_fields=True):
+    worker_id: str
+    incarnation: int
+    step_id: int
+    outputs: list[SeqOutput]  # one per SeqWork with sample=True, in request order
+    duration_ms: float
+
+
+class StepRefused(msgspec.Struct, tag="step_refused", frozen=True, forbid_unknown_fields=True):
+    worker_id: str
+    incarnation: int
+    step_id: int
+    state: str
+    reason: str
+
+
+WorkerToScheduler = WorkerHello | LifecycleReport | WorkerFailed | Heartbeat | StepResult | StepRefused
+
+
+T = TypeVar("T")
+
+
+class Codec(Generic[T]):
+    """msgpack encoder plus a strict decoder for one direction's union of messages."""
+
+    def __init__(self, union: object) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(union)
+
+    def encode(self, message: msgspec.Struct) -> bytes:
+        return self._encoder.encode(message)
+
+    def decode(self, frame: bytes) -> T:
+        """Raises msgspec.DecodeError (or ValidationError) on anything malformed."""
+        return self._decoder.decode(frame)
