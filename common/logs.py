@@ -37,5 +37,6 @@ def configure(service: str, *, json_logs: bool | None = None, level: str | None 
 
 
 def get_logger(**context: object) -> structlog.typing.FilteringBoundLogger:
-    logger: structlog.typing.FilteringBoundLogger = structlog.get_logger().bind(**context)
+    """A lazy logger: safe at module level, it takes the configuration in force when it first logs."""
+    logger: structlog.typing.FilteringBoundLogger = structlog.get_logger(**context)
     return logger

@@ -35,13 +35,15 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class SubmitRequest(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fields=True):
     request_id: str
     prompt_token_ids: list[int]
-    max_tokens: int  # completion tokens at most
+    max_tokens: int | None  # completion tokens at most; None = until the context is full
     sampling: SamplingParams
     stop_token_ids: list[int]  # finish (reason "stop") when one is generated; eos is here unless ignore_eos
     seed_given: bool = True  # False: the scheduler replaces sampling.seed with a random one
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True, forbid_unknown_fields=True):
+    """Stop a request and free its KV; the scheduler sends nothing more for it."""
+
     request_id: str
     reason: str  # why, for the log: "client_cancelled", "stop_string", ...
 
@@ -131,7 +133,6 @@ class StepRequest(msgspec.Struct, tag="step", frozen=True, forbid_unknown_fields
     step_id: int
     incarnation: int  # of the worker this step is meant for; any other incarnation refuses it
     seqs: list[SeqWork]
-    release_slots: list[int]  # slots to empty before the step runs
 
 
 class ReleaseSlots(msgspec.Struct, tag="release", frozen=True, forbid_unknown_fields=True):

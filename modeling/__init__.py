@@ -1,0 +1,1 @@
+"""Llama-family model code shared by target workers and the draft service."""

@@ -1,0 +1,118 @@
+"""Packs the sequences of one step into the index tensors the model's forward pass uses.
+
+Every new token of every sequence becomes one row of a packed batch `[N]`, so the
+linear layers never see padding. Attention is planned in groups: sequences with few new
+tokens (decode, verify) attend together with their queries padded to the longest;
+each sequence with many new tokens (a prefill chunk) attends alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Sequences with at most this many new tokens share one padded attention call.
+MAX_SHARED_QUERY_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SeqSpan:
+    """New tokens `token_ids` of the sequence in `slot`, at positions start .. start+len-1."""
+
+    slot: int
+    start: int
+    token_ids: list[int]
+    num_logits: int  # logits wanted for the last num_logits new positions (0: none)
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Sequences attended in one call: R rows of up to T query positions each."""
+
+    slot_start: int  # rows are slots slot_start .. slot_start+R-1 when slot_index is None
+    slot_index: torch.Tensor | None  # [R] slot of each row, when they are not one run
+    num_rows: int  # R
+    num_query_tokens: int  # T
+    kv_len: int  # L: key positions attended, the longest row's end
+    query_rows: torch.Tensor  # [R*T] packed row of each padded query (padding repeats row 0)
+    mask: torch.Tensor  # [R, 1, T, L] additive: 0 where allowed, -inf elsewhere
+    real: torch.Tensor  # [K] indices into the R*T padded queries that are real tokens
+    real_rows: torch.Tensor  # [K] packed row of each real query, aligned with `real`
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    token_ids: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N]
+    slots: torch.Tensor  # [N] slot of each token
+    logit_rows: torch.Tensor  # [M] packed rows whose logits are returned, in span order
+    groups: list[AttentionGroup]
+
+
+def build_step_batch(spans: list[SeqSpan], device: torch.device) -> StepBatch:
+    token_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    logit_rows: list[int] = []
+    offsets: list[int] = []
+    for span in spans:
+        offsets.append(len(token_ids))
+        n = len(span.token_ids)
+        token_ids.extend(span.token_ids)
+        positions.extend(range(span.start, span.start + n))
+        slots.extend([span.slot] * n)
+        logit_rows.extend(range(len(token_ids) - span.num_logits, len(token_ids)))
+    shared = [i for i, s in enumerate(spans) if len(s.token_ids) <= MAX_SHARED_QUERY_TOKENS]
+    alone = [[i] for i, s in enumerate(spans) if len(s.token_ids) > MAX_SHARED_QUERY_TOKENS]
+    groups = [_plan_group([spans[i] for i in g], [offsets[i] for i in g], device) for g in ([shared] if shared else []) + alone]
+
+    def as_tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return StepBatch(as_tensor(token_ids), as_tensor(positions), as_tensor(slots), as_tensor(logit_rows), groups)
+
+
+def _plan_group(spans: list[SeqSpan], offsets: list[int], device: torch.device) -> AttentionGroup:
+    slot_lo = min(s.slot for s in spans)
+    slot_hi = max(s.slot for s in spans) + 1
+    # A run of slots is one view of the cache; holes in it cost wasted rows, so use it
+    # only while the holes are few, else gather the rows' slots.
+    as_run = slot_hi - slot_lo <= 2 * len(spans)
+    row_of_slot = {s.slot: i for i, s in enumerate(spans)}
+    row_slots = list(range(slot_lo, slot_hi)) if as_run else [s.slot for s in spans]
+    num_rows = len(row_slots)
+    num_query = max(len(s.token_ids) for s in spans)
+    kv_len = max(s.start + len(s.token_ids) for s in spans)
+    query_rows = [0] * (num_rows * num_query)
+    query_pos = [[0] * num_query for _ in range(num_rows)]
+    real: list[int] = []
+    real_rows: list[int] = []
+    for r, slot in enumerate(row_slots):
+        i = row_of_slot.get(slot)
+        if i is None:
+            continue
+        span = spans[i]
+        for t in range(len(span.token_ids)):
+            query_rows[r * num_query + t] = offsets[i] + t
+            query_pos[r][t] = span.start + t
+            real.append(r * num_query + t)
+            real_rows.append(offsets[i] + t)
+    pos = torch.tensor(query_pos, dtype=torch.long, device=device)  # [R, T]
+    allowed = torch.arange(kv_len, device=device).view(1, 1, kv_len) <= pos.unsqueeze(-1)  # [R, T, L]
+    mask = torch.zeros(allowed.shape, dtype=torch.float32, device=device).masked_fill_(~allowed, float("-inf"))
+
+    def as_tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return AttentionGroup(
+        slot_start=slot_lo,
+        slot_index=None if as_run else as_tensor(row_slots),
+        num_rows=num_rows,
+        num_query_tokens=num_query,
+        kv_len=kv_len,
+        query_rows=as_tensor(query_rows),
+        mask=mask.unsqueeze(1),
+        real=as_tensor(real),
+        real_rows=as_tensor(real_rows),
+    )

@@ -1,0 +1,190 @@
+"""The Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU) over packed ragged batches and a slot KV cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from modeling.batch import AttentionGroup, StepBatch
+from modeling.config import ModelConfig
+from modeling.kv_cache import KVCache
+
+
+class WeightError(ValueError):
+    """The weight files do not match the config (a missing or misshapen tensor)."""
+
+
+class DecoderLayer(torch.nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        q_size = config.num_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_sizes = (q_size, kv_size, kv_size)
+        self.input_norm = torch.nn.Parameter(torch.ones(config.hidden_size), requires_grad=False)
+        self.qkv_proj = torch.nn.Parameter(torch.empty(q_size + 2 * kv_size, config.hidden_size), requires_grad=False)
+        self.qkv_bias = torch.nn.Parameter(torch.zeros(q_size + 2 * kv_size), requires_grad=False) if config.attention_bias else None
+        self.o_proj = torch.nn.Parameter(torch.empty(config.hidden_size, q_size), requires_grad=False)
+        self.post_attention_norm = torch.nn.Parameter(torch.ones(config.hidden_size), requires_grad=False)
+        self.gate_up_proj = torch.nn.Parameter(torch.empty(2 * config.intermediate_size, config.hidden_size), requires_grad=False)
+        self.down_proj = torch.nn.Parameter(torch.empty(config.hidden_size, config.intermediate_size), requires_grad=False)
+
+
+class LlamaModel(torch.nn.Module):
+    """Scores the new tokens of a step; `forward` returns the hidden states of `logit_rows`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = torch.nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
+        self.layers = torch.nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = torch.nn.Parameter(torch.ones(config.hidden_size), requires_grad=False)
+        self.lm_head = (
+            self.embed_tokens
+            if config.tie_word_embeddings
+            else torch.nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
+        )
+        self._rope_cos: torch.Tensor | None = None  # [max_len, head_dim], built by set_rope_cache
+        self._rope_sin: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ building
+
+    def load_weights(self, folder: Path) -> None:
+        """Read every *.safetensors file in `folder` (HF names) into the fused parameters."""
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise WeightError(f"no *.safetensors file in {folder}")
+        tensors: dict[str, torch.Tensor] = {}
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    tensors[name] = f.get_tensor(name)
+        _copy_hf_weights(self, tensors)
+
+    def set_rope_cache(self, max_len: int) -> None:
+        """Precompute cos/sin for positions 0..max_len-1 exactly as HF does (fp32, then cast)."""
+        cfg = self.config
+        device = self.embed_tokens.device
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64, device=device).float() / cfg.head_dim))
+        freqs = torch.outer(torch.arange(max_len, device=device).float(), inv_freq)  # [L, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [L, D]
+        self._rope_cos = emb.cos().to(self.embed_tokens.dtype)
+        self._rope_sin = emb.sin().to(self.embed_tokens.dtype)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, batch: StepBatch, cache: KVCache) -> torch.Tensor:
+        """Append the batch's tokens to the cache and return hidden states `[M, hidden]` of batch.logit_rows."""
+        if self._rope_cos is None or self._rope_sin is None:
+            raise RuntimeError("set_rope_cache() must run before forward()")
+        cos = self._rope_cos[batch.positions].unsqueeze(1)  # [N, 1, D]
+        sin = self._rope_sin[batch.positions].unsqueeze(1)
+        masks = [g.mask.repeat(1, 1, self.config.num_queries_per_kv, 1) for g in batch.groups]  # [R, 1, G*T, L]
+        x = F.embedding(batch.token_ids, self.embed_tokens)  # [N, hidden]
+        for index, layer in enumerate(self.layers):
+            h = self._attention(index, layer, _rms_norm(x, layer.input_norm, self.config.rms_norm_eps), cos, sin, batch, masks, cache)
+            x = x + h
+            h = _rms_norm(x, layer.post_attention_norm, self.config.rms_norm_eps)
+            gate, up = F.linear(h, layer.gate_up_proj).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down_proj)
+        return _rms_norm(x[batch.logit_rows], self.norm, self.config.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[M, hidden]` -> float32 logits `[M, vocab]`."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def _attention(
+        self,
+        index: int,
+        layer: DecoderLayer,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: StepBatch,
+        masks: list[torch.Tensor],
+        cache: KVCache,
+    ) -> torch.Tensor:
+        cfg = self.config
+        n = h.shape[0]
+        qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)  # [N, (H + 2*KVH) * D]
+        q, k, v = qkv.split(layer.qkv_sizes, dim=-1)
+        q = _rope(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)  # [N, H, D]
+        k = _rope(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # [N, KVH, D]
+        keys, values = cache.keys[index], cache.values[index]  # [S, KVH, L, D]
+        keys[batch.slots, :, batch.positions] = k
+        values[batch.slots, :, batch.positions] = v.view(n, cfg.num_kv_heads, cfg.head_dim)
+        out = torch.empty(n, cfg.num_heads * cfg.head_dim, dtype=h.dtype, device=h.device)  # [N, H*D]
+        for group, mask in zip(batch.groups, masks):
+            out[group.real_rows] = self._group_attention(group, mask, q, keys, values)
+        return F.linear(out, layer.o_proj)
+
+    def _group_attention(
+        self, group: AttentionGroup, mask: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of one group's real queries: returns `[K, H*D]` aligned with group.real_rows."""
+        cfg = self.config
+        r, t, length = group.num_rows, group.num_query_tokens, group.kv_len
+        kvh, g, d = cfg.num_kv_heads, cfg.num_queries_per_kv, cfg.head_dim
+        # Query head h uses kv head h // G (as HF's repeat_kv), so heads split as [KVH, G].
+        qg = q[group.query_rows].view(r, t, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(r, kvh, g * t, d)
+        if group.slot_index is None:
+            k_rows = keys[group.slot_start : group.slot_start + r, :, :length]  # [R, KVH, L, D] view
+            v_rows = values[group.slot_start : group.slot_start + r, :, :length]
+        else:
+            k_rows = keys[:, :, :length].index_select(0, group.slot_index)
+            v_rows = values[:, :, :length].index_select(0, group.slot_index)
+        scores = torch.matmul(qg, k_rows.transpose(-1, -2)).float() * (d**-0.5) + mask  # [R, KVH, G*T, L]
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        out = torch.matmul(probs, v_rows)  # [R, KVH, G*T, D]
+        out = out.view(r, kvh, g, t, d).permute(0, 3, 1, 2, 4).reshape(r * t, kvh * g * d)  # [R*T, H*D]
+        return out[group.real]
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in HF's rotate-half layout; x `[N, heads, D]`, cos/sin `[N, 1, D]`."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _copy_hf_weights(model: LlamaModel, tensors: dict[str, torch.Tensor]) -> None:
+    cfg = model.config
+
+    def take(name: str) -> torch.Tensor:
+        try:
+            return tensors[name]
+        except KeyError as exc:
+            raise WeightError(f"weight {name!r} is missing") from exc
+
+    def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+        if param.shape != value.shape:
+            raise WeightError(f"weight {name!r} has shape {tuple(value.shape)}, the config implies {tuple(param.shape)}")
+        param.copy_(value)
+
+    with torch.no_grad():
+        put(model.embed_tokens, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        put(model.norm, take("model.norm.weight"), "model.norm.weight")
+        if not cfg.tie_word_embeddings:
+            put(model.lm_head, take("lm_head.weight"), "lm_head.weight")
+        for i, layer in enumerate(model.layers):
+            p = f"model.layers.{i}."
+            assert isinstance(layer, DecoderLayer)
+            put(layer.input_norm, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
+            put(layer.post_attention_norm, take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm.weight")
+            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            put(layer.qkv_proj, qkv, p + "self_attn.qkv_proj")
+            if layer.qkv_bias is not None:
+                put(layer.qkv_bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]), p + "self_attn.qkv_bias")
+            put(layer.o_proj, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            put(layer.gate_up_proj, gate_up, p + "mlp.gate_up_proj")
+            put(layer.down_proj, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")

@@ -1,0 +1,72 @@
+"""Token sampling: temperature, top-k and top-p on float32 logits, with per-position seeded draws.
+
+A draw for the token at position `p` of a request with seed `s` uses a generator seeded
+from (s, p) alone, so a seeded request gives the same tokens whatever else shares its
+batch, and whichever worker runs it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+_MASK_64 = (1 << 63) - 1
+
+
+class SamplingLike(Protocol):
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def seed(self) -> int: ...
+
+
+def is_greedy(params: SamplingLike) -> bool:
+    return params.temperature == 0.0
+
+
+def target_probs(logits: torch.Tensor, params: SamplingLike) -> torch.Tensor:
+    """The distribution a sampled token is drawn from: logits `[..., V]` -> probs `[..., V]` (float32)."""
+    scaled = logits.float() / params.temperature
+    if 0 < params.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of strictly better tokens
+        drop_sorted = mass_before >= params.top_p  # never drops the best token
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return torch.softmax(scaled, dim=-1)
+
+
+def generator_for(seed: int, position: int, device: torch.device) -> torch.Generator:
+    """The generator for the draw at `position`; a pure function of (seed, position)."""
+    mixed = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 1) & _MASK_64
+    generator = torch.Generator(device=device)
+    generator.manual_seed(mixed)
+    return generator
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from probs `[V]` by the exponential race: argmax p_i / E_i with E_i ~ Exp(1)."""
+    uniform = torch.rand(probs.shape, generator=generator, device=probs.device, dtype=torch.float32)
+    race = probs / -torch.log(uniform.clamp_min_(1e-20))
+    return int(torch.argmax(race))
+
+
+def sample(logits: torch.Tensor, params: list[SamplingLike], positions: list[int]) -> list[int]:
+    """One token per row of logits `[M, V]`; `positions[i]` is the position the new token will take."""
+    greedy_ids = torch.argmax(logits, dim=-1).tolist()  # [M]
+    tokens: list[int] = []
+    for row, (p, position) in enumerate(zip(params, positions)):
+        if is_greedy(p):
+            tokens.append(greedy_ids[row])
+        else:
+            tokens.append(draw(target_probs(logits[row], p), generator_for(p.seed, position, logits.device)))
+    return tokens

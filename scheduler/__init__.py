@@ -1,0 +1,1 @@
+"""The scheduler process: all request state, continuous batching, placement on workers, recovery."""

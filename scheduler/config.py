@@ -1,0 +1,53 @@
+"""The scheduler's frozen configuration, parsed and validated once at the command line."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    gateway_address: str  # bound ROUTER for gateways
+    worker_address: str  # bound ROUTER for workers (and the draft service)
+    model_name: str
+    max_model_len: int  # prompt plus completion tokens at most
+    max_num_batched_tokens: int  # new tokens in one step
+    max_num_seqs: int  # sequences in one step
+    max_queue_len: int  # waiting requests at most; more are refused with RESOURCE_EXHAUSTED
+    no_worker_timeout_s: float  # a request waiting this long with no READY worker fails UNAVAILABLE
+    heartbeat_timeout_s: float  # a worker silent this long is DEAD
+    step_timeout_s: float  # a step unanswered this long marks its worker DEAD
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gateway-address", default="tcp://127.0.0.1:5555")
+    parser.add_argument("--worker-address", default="tcp://127.0.0.1:5556")
+    parser.add_argument("--model-name", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-queue-len", type=int, default=1024)
+    parser.add_argument("--no-worker-timeout-s", type=float, default=30.0)
+    parser.add_argument("--heartbeat-timeout-s", type=float, default=5.0)
+    parser.add_argument("--step-timeout-s", type=float, default=60.0)
+
+
+def from_arguments(args: argparse.Namespace) -> SchedulerConfig:
+    positive = ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "max_queue_len",
+                "no_worker_timeout_s", "heartbeat_timeout_s", "step_timeout_s")
+    for name in positive:
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    return SchedulerConfig(
+        gateway_address=args.gateway_address,
+        worker_address=args.worker_address,
+        model_name=args.model_name,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_queue_len=args.max_queue_len,
+        no_worker_timeout_s=args.no_worker_timeout_s,
+        heartbeat_timeout_s=args.heartbeat_timeout_s,
+        step_timeout_s=args.step_timeout_s,
+    )

@@ -1,0 +1,336 @@
+"""The scheduler's functional core: every event in, every message to send out; no I/O, no clock of its own.
+
+The asyncio shell (service.py) feeds it decoded messages with the current monotonic
+time and sends what collects in `outbox`. Everything about requests, placement,
+batching, lifecycle views and recovery is decided here and tested as plain code.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass
+
+import msgspec
+
+from common.logs import get_logger
+from proto import messages as m
+from proto.lifecycle import State
+from scheduler.batching import BatchLimits, ScheduledSeq, plan_step
+from scheduler.config import SchedulerConfig
+from scheduler.registry import InFlightStep, WorkerRecord, least_loaded_ready, new_record
+from scheduler.request import FINISH_REASONS, Request, RequestStatus
+
+log = get_logger()
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    to_worker: bool  # False: to a gateway
+    identity: bytes
+    message: msgspec.Struct
+
+
+class RequestRejected(Exception):
+    def __init__(self, code: m.ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class SchedulerCore:
+    def __init__(self, config: SchedulerConfig, rng: random.Random | None = None) -> None:
+        self._config = config
+        self._limits = BatchLimits(config.max_num_batched_tokens, config.max_num_seqs)
+        self._rng = rng or random.Random()
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        self._waiting: deque[Request] = deque()
+        self._workers: dict[str, WorkerRecord] = {}  # current incarnation of each worker id
+        self._gateways: set[bytes] = set()
+        self._target_fingerprint: str | None = None
+        self._next_step_id = 0
+        self.outbox: list[Outgoing] = []
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._requests) - len(self._waiting)
+
+    def has_ready_target(self) -> bool:
+        return any(w.is_ready and w.hello.role == "target" for w in self._workers.values())
+
+    def info(self, query_id: int, now_s: float) -> m.InfoReply:
+        return m.InfoReply(
+            query_id=query_id, model_name=self._config.model_name, max_model_len=self._config.max_model_len,
+            num_waiting=self.num_waiting, num_running=self.num_running,
+            processes=[w.info(now_s) for w in self._workers.values()],
+        )
+
+    # ------------------------------------------------------------------ gateway events
+
+    def on_gateway_message(self, identity: bytes, message: m.GatewayToScheduler, now_s: float) -> None:
+        match message:
+            case m.GatewayHello():
+                self._gateways.add(identity)
+            case m.SubmitRequest():
+                self._submit(identity, message, now_s)
+            case m.AbortRequest():
+                self._abort(message)
+            case m.InfoQuery():
+                self.outbox.append(Outgoing(False, identity, self.info(message.query_id, now_s)))
+
+    def knows_gateway(self, identity: bytes) -> bool:
+        return identity in self._gateways
+
+    def _submit(self, identity: bytes, submit: m.SubmitRequest, now_s: float) -> None:
+        try:
+            request = self._admit(identity, submit, now_s)
+        except RequestRejected as exc:
+            log.info("request.rejected", request_id=submit.request_id, code=exc.code, reason=exc.message)
+            self.outbox.append(Outgoing(False, identity, m.RequestError(submit.request_id, exc.code, exc.message)))
+            return
+        self._requests[request.request_id] = request
+        self._waiting.append(request)
+        log.info("request.queued", request_id=request.request_id, num_prompt_tokens=len(request.prompt_token_ids),
+                 max_tokens=request.max_tokens, num_waiting=len(self._waiting))
+        self._place_waiting()
+        self._dispatch(now_s)
+
+    def _admit(self, identity: bytes, submit: m.SubmitRequest, now_s: float) -> Request:
+        limit = self._config.max_model_len
+        num_prompt = len(submit.prompt_token_ids)
+        if submit.request_id in self._requests:
+            raise RequestRejected("INVALID_ARGUMENT", f"request_id {submit.request_id!r} is already in use")
+        if num_prompt == 0:
+            raise RequestRejected("INVALID_ARGUMENT", "prompt_token_ids is empty")
+        if submit.max_tokens is not None and submit.max_tokens < 1:
+            raise RequestRejected("INVALID_ARGUMENT", f"max_tokens must be at least 1, got {submit.max_tokens}")
+        max_tokens = submit.max_tokens if submit.max_tokens is not None else limit - num_prompt
+        if num_prompt + max(max_tokens, 1) > limit:
+            raise RequestRejected(
+                "INVALID_ARGUMENT",
+                f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds the context of {limit} tokens",
+            )
+        if len(self._waiting) >= self._config.max_queue_len:
+            raise RequestRejected("RESOURCE_EXHAUSTED", f"the queue is full ({self._config.max_queue_len} waiting requests)")
+        sampling = submit.sampling
+        if not submit.seed_given:
+            sampling = msgspec.structs.replace(sampling, seed=self._rng.getrandbits(63))
+        return Request(
+            request_id=submit.request_id, gateway=identity, prompt_token_ids=list(submit.prompt_token_ids),
+            max_tokens=max_tokens, sampling=sampling, stop_token_ids=frozenset(submit.stop_token_ids),
+            waiting_since_s=now_s,
+        )
+
+    def _abort(self, abort: m.AbortRequest) -> None:
+        request = self._requests.get(abort.request_id)
+        if request is None:
+            return  # already finished: nothing to do
+        self._finish(request, RequestStatus.FINISHED_ABORTED, notify=False, reason=abort.reason)
+
+    # ------------------------------------------------------------------ worker events
+
+    def on_worker_message(self, identity: bytes, message: m.WorkerToScheduler, now_s: float) -> bool:
+        """Apply one worker message; False when it was dropped as stale or unexpected."""
+        if isinstance(message, m.WorkerHello):
+            return self._on_hello(identity, message, now_s)
+        worker = self._workers.get(message.worker_id)
+        if worker is None or worker.incarnation != message.incarnation or worker.state in (State.DEAD, State.FAILED, State.STOPPED):
+            return False
+        worker.last_seen_s = now_s
+        match message:
+            case m.Heartbeat():
+                worker.num_used_kv_slots = message.num_used_kv_slots
+            case m.LifecycleReport():
+                self._on_lifecycle(worker, State(message.state), now_s)
+            case m.WorkerFailed():
+                worker.failure = f"{message.phase}: {message.error_type}: {message.message}"
+                self._lose_worker(worker, State.FAILED, now_s)
+            case m.StepResult():
+                return self._on_step_result(worker, message, now_s)
+            case m.StepRefused():
+                log.error("step.refused", worker_id=worker.worker_id, step_id=message.step_id, reason=message.reason)
+                worker.failure = f"refused a step: {message.reason}"
+                self._lose_worker(worker, State.FAILED, now_s)
+        return True
+
+    def _on_hello(self, identity: bytes, hello: m.WorkerHello, now_s: float) -> bool:
+        known = self._workers.get(hello.worker_id)
+        if known is not None and known.incarnation >= hello.incarnation:
+            return False  # a stale or repeated hello
+        if known is not None:
+            known.failure = known.failure or "replaced by a new incarnation"
+            self._lose_worker(known, State.DEAD, now_s)
+        worker = new_record(hello, identity, now_s)
+        self._workers[hello.worker_id] = worker
+        problem = self._incompatibility(hello)
+        log.info("worker.hello", worker_id=hello.worker_id, incarnation=hello.incarnation, role=hello.role,
+                 fingerprint=hello.model_fingerprint, num_kv_slots=hello.num_kv_slots, refused=problem)
+        if problem:
+            worker.failure = f"refused: {problem}"
+            worker.state = State.FAILED
+            self.outbox.append(Outgoing(True, identity, m.Drain(hello.incarnation)))
+        elif hello.role == "target":
+            self._target_fingerprint = self._target_fingerprint or hello.model_fingerprint
+        return True
+
+    def _incompatibility(self, hello: m.WorkerHello) -> str:
+        if hello.protocol_version != m.PROTOCOL_VERSION:
+            return f"protocol version {hello.protocol_version}, the scheduler speaks {m.PROTOCOL_VERSION}"
+        if hello.role != "target":
+            return f"role {hello.role!r} is not served yet"
+        if self._target_fingerprint not in (None, hello.model_fingerprint):
+            return f"model fingerprint {hello.model_fingerprint} differs from the other replicas' {self._target_fingerprint}"
+        if hello.max_model_len < self._config.max_model_len:
+            return f"max_model_len {hello.max_model_len} is below the scheduler's {self._config.max_model_len}"
+        return ""
+
+    def _on_lifecycle(self, worker: WorkerRecord, state: State, now_s: float) -> None:
+        log.info("worker.lifecycle", worker_id=worker.worker_id, incarnation=worker.incarnation, state=state)
+        if state in (State.FAILED, State.STOPPED):
+            self._lose_worker(worker, state, now_s)
+            return
+        worker.state = state
+        if state is State.READY:
+            self._place_waiting()
+            self._dispatch(now_s)
+
+    def _on_step_result(self, worker: WorkerRecord, result: m.StepResult, now_s: float) -> bool:
+        step = worker.in_flight
+        if step is None or step.step_id != result.step_id:
+            return False
+        worker.in_flight = None
+        outputs = {o.request_id: o for o in result.outputs}
+        for request_id, num_tokens, samples in step.seqs:
+            request = worker.requests.get(request_id)
+            if request is None:
+                continue  # finished or aborted while the step ran; its slot is already released
+            request.num_computed_tokens += num_tokens
+            output = outputs.get(request_id)
+            if samples and output is not None:
+                self._append_tokens(request, output.token_ids)
+        self._place_waiting()
+        self._dispatch(now_s)
+        return True
+
+    # ------------------------------------------------------------------ time
+
+    def check_timeouts(self, now_s: float) -> None:
+        cfg = self._config
+        for worker in list(self._workers.values()):
+            if worker.state in (State.DEAD, State.FAILED, State.STOPPED):
+                continue
+            if now_s - worker.last_seen_s > cfg.heartbeat_timeout_s:
+                worker.failure = f"no heartbeat for {now_s - worker.last_seen_s:.1f} s (--heartbeat-timeout-s {cfg.heartbeat_timeout_s})"
+                self._lose_worker(worker, State.DEAD, now_s)
+            elif worker.in_flight and now_s - worker.in_flight.sent_at_s > cfg.step_timeout_s:
+                worker.failure = f"step {worker.in_flight.step_id} unanswered for {cfg.step_timeout_s} s (--step-timeout-s)"
+                self.outbox.append(Outgoing(True, worker.identity, m.Drain(worker.incarnation)))
+                self._lose_worker(worker, State.DEAD, now_s)
+        if not self.has_ready_target():
+            for request in [r for r in self._waiting if now_s - r.waiting_since_s > cfg.no_worker_timeout_s]:
+                self._fail(request, "UNAVAILABLE", f"no READY worker within {cfg.no_worker_timeout_s} s (--no-worker-timeout-s)")
+
+    # ------------------------------------------------------------------ internals
+
+    def _place_waiting(self) -> None:
+        """Give waiting requests a slot on the least-loaded READY worker, first come first served."""
+        while self._waiting:
+            worker = least_loaded_ready(list(self._workers.values()))
+            if worker is None:
+                return
+            request = self._waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.worker_id = worker.worker_id
+            request.slot = worker.take_slot()
+            worker.requests[request.request_id] = request
+            log.debug("request.placed", request_id=request.request_id, worker_id=worker.worker_id, slot=request.slot)
+
+    def _dispatch(self, now_s: float) -> None:
+        for worker in self._workers.values():
+            if worker.is_ready and worker.in_flight is None and worker.requests:
+                plan = plan_step(list(worker.requests.values()), self._limits)
+                if plan:
+                    self._send_step(worker, plan, now_s)
+
+    def _send_step(self, worker: WorkerRecord, plan: list[ScheduledSeq], now_s: float) -> None:
+        self._next_step_id += 1
+        seqs = []
+        for item in plan:
+            r = item.request
+            assert r.slot is not None  # placed requests hold a slot
+            start = r.num_computed_tokens
+            seqs.append(m.SeqWork(
+                request_id=r.request_id, slot=r.slot, start_position=start,
+                token_ids=r.token_slice(start, start + item.num_tokens), sample=item.completes, sampling=r.sampling,
+            ))
+        worker.in_flight = InFlightStep(self._next_step_id, now_s, [(i.request.request_id, i.num_tokens, i.completes) for i in plan])
+        self.outbox.append(Outgoing(True, worker.identity, m.StepRequest(self._next_step_id, worker.incarnation, seqs)))
+
+    def _append_tokens(self, request: Request, token_ids: list[int]) -> None:
+        emitted: list[int] = []
+        status = None
+        for token in token_ids:
+            request.output_token_ids.append(token)
+            emitted.append(token)
+            status = request.finish_status_after_append(self._config.max_model_len)
+            if status is not None:
+                break
+        self._emit(request, emitted, None)
+        if status is not None:
+            self._finish(request, status, notify=True)
+
+    def _emit(self, request: Request, token_ids: list[int], finish_reason: m.FinishReason | None) -> None:
+        if not token_ids and finish_reason is None:
+            return
+        self.outbox.append(Outgoing(False, request.gateway, m.TokenDelta(
+            request_id=request.request_id, token_ids=token_ids, finish_reason=finish_reason,
+            num_prompt_tokens=len(request.prompt_token_ids), num_completion_tokens=len(request.output_token_ids),
+        )))
+
+    def _finish(self, request: Request, status: RequestStatus, *, notify: bool, reason: str = "") -> None:
+        self._release(request)
+        request.status = status
+        del self._requests[request.request_id]
+        log.info("request.finished", request_id=request.request_id, status=status.value, reason=reason or None,
+                 num_completion_tokens=len(request.output_token_ids))
+        if notify and status in FINISH_REASONS:
+            self._emit(request, [], FINISH_REASONS[status])
+
+    def _fail(self, request: Request, code: m.ErrorCode, message: str) -> None:
+        self._finish(request, RequestStatus.FAILED, notify=False, reason=message)
+        self.outbox.append(Outgoing(False, request.gateway, m.RequestError(request.request_id, code, message)))
+
+    def _release(self, request: Request) -> None:
+        """Take the request off its worker or the queue, freeing its KV slot at once."""
+        if request.status is RequestStatus.WAITING:
+            self._waiting.remove(request)
+            return
+        worker = self._workers.get(request.worker_id or "")
+        if worker is not None and request.slot is not None and worker.requests.pop(request.request_id, None):
+            worker.give_back_slot(request.slot)
+            # Sent on the step socket: the worker applies it after any step in flight.
+            self.outbox.append(Outgoing(True, worker.identity, m.ReleaseSlots(worker.incarnation, [request.slot])))
+        request.worker_id = request.slot = None
+
+    def _lose_worker(self, worker: WorkerRecord, state: State, now_s: float) -> None:
+        """The worker will run nothing more: its requests go back to the front of the queue."""
+        log.warning("worker.lost", worker_id=worker.worker_id, incarnation=worker.incarnation, state=state,
+                    failure=worker.failure, num_requeued=len(worker.requests))
+        worker.state = state
+        worker.in_flight = None
+        for request in reversed(list(worker.requests.values())):
+            request.status = RequestStatus.WAITING
+            request.worker_id = request.slot = None
+            request.num_computed_tokens = 0  # recomputed from prompt + tokens already streamed
+            request.waiting_since_s = now_s
+            self._waiting.appendleft(request)
+        worker.requests.clear()
+        worker.free_slots = []
+        self._place_waiting()
+        self._dispatch(now_s)

@@ -1,0 +1,74 @@
+"""The scheduler's view of every worker process: identity, incarnation, lifecycle state, slots, placed requests."""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from proto.lifecycle import State
+from proto.messages import ProcessInfo, WorkerHello
+from scheduler.request import Request
+
+
+@dataclass
+class InFlightStep:
+    step_id: int
+    sent_at_s: float
+    seqs: list[tuple[str, int, bool]]  # (request_id, num_tokens, samples) in step order
+
+
+@dataclass
+class WorkerRecord:
+    hello: WorkerHello
+    identity: bytes  # ZeroMQ routing identity of its main socket
+    state: State
+    last_seen_s: float
+    free_slots: list[int]  # a heap: the lowest free slot is used first, keeping slots dense
+    requests: dict[str, Request] = field(default_factory=dict)  # placed here, in placement order
+    in_flight: InFlightStep | None = None
+    num_used_kv_slots: int = 0  # as the worker last reported
+    failure: str = ""
+
+    @property
+    def worker_id(self) -> str:
+        return self.hello.worker_id
+
+    @property
+    def incarnation(self) -> int:
+        return self.hello.incarnation
+
+    @property
+    def is_ready(self) -> bool:
+        return self.state is State.READY
+
+    def take_slot(self) -> int:
+        return heapq.heappop(self.free_slots)
+
+    def give_back_slot(self, slot: int) -> None:
+        heapq.heappush(self.free_slots, slot)
+
+    def info(self, now_s: float) -> ProcessInfo:
+        return ProcessInfo(
+            process_id=self.worker_id,
+            role=self.hello.role,
+            state=self.state,
+            incarnation=self.incarnation,
+            heartbeat_age_s=round(now_s - self.last_seen_s, 3),
+            num_used_kv_slots=self.num_used_kv_slots,
+            num_kv_slots=self.hello.num_kv_slots,
+            num_running=len(self.requests),
+            failure=self.failure,
+        )
+
+
+def new_record(hello: WorkerHello, identity: bytes, now_s: float) -> WorkerRecord:
+    return WorkerRecord(
+        hello=hello, identity=identity, state=State.STARTING, last_seen_s=now_s,
+        free_slots=list(range(hello.num_kv_slots)),
+    )
+
+
+def least_loaded_ready(workers: list[WorkerRecord]) -> WorkerRecord | None:
+    """The READY worker with a free slot and the fewest placed requests (ties: registration order)."""
+    candidates = [w for w in workers if w.is_ready and w.free_slots]
+    return min(candidates, key=lambda w: len(w.requests), default=None)

@@ -1,0 +1,71 @@
+"""One generation request as the scheduler holds it, with its lifecycle of statuses."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from proto.messages import FinishReason, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # in the queue, no worker yet
+    RUNNING = "running"  # placed on a worker, holds a KV slot there
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FAILED = "failed"
+
+
+FINISHED: frozenset[RequestStatus] = frozenset(
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED, RequestStatus.FAILED}
+)
+
+FINISH_REASONS: dict[RequestStatus, FinishReason] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class Request:
+    request_id: str
+    gateway: bytes  # routing identity of the gateway that streams this request
+    prompt_token_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop_token_ids: frozenset[int]
+    waiting_since_s: float  # monotonic time it (last) entered the queue
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    worker_id: str | None = None
+    slot: int | None = None
+    num_computed_tokens: int = 0  # tokens whose keys and values the worker's slot holds
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens start..stop-1 of prompt-then-output."""
+        num_prompt = len(self.prompt_token_ids)
+        if stop <= num_prompt:
+            return self.prompt_token_ids[start:stop]
+        return (self.prompt_token_ids + self.output_token_ids)[start:stop]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in FINISHED
+
+    def finish_status_after_append(self, max_model_len: int) -> RequestStatus | None:
+        """The status a just-extended request finishes with, or None to keep generating."""
+        if self.output_token_ids and self.output_token_ids[-1] in self.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if len(self.output_token_ids) >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
