@@ -22,6 +22,7 @@ class WorkerConfig:
     max_draft_tokens: int  # the longest proposal a verify step carries
     heartbeat_interval_s: float
     num_threads: int  # torch intra-op threads on CPU; 0 = torch's default
+    status_file: Path | None  # the current lifecycle state is written here (container health checks)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-draft-tokens", type=int, default=8)
     parser.add_argument("--heartbeat-interval-s", type=float, default=0.5)
     parser.add_argument("--num-threads", type=int, default=0)
+    parser.add_argument("--status-file", type=Path, default=None, help="write the lifecycle state here at every transition")
 
 
 def from_arguments(args: argparse.Namespace) -> WorkerConfig:
@@ -56,4 +58,5 @@ def from_arguments(args: argparse.Namespace) -> WorkerConfig:
         max_draft_tokens=args.max_draft_tokens,
         heartbeat_interval_s=args.heartbeat_interval_s,
         num_threads=args.num_threads,
+        status_file=args.status_file,
     )

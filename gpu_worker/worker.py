@@ -13,6 +13,7 @@ import torch
 import zmq
 
 from common.logs import get_logger
+from common.status_file import write_status_file
 from common.protocol_errors import ProtocolErrors
 from gpu_worker.config import WorkerConfig
 from gpu_worker.runner import ModelRunner
@@ -169,6 +170,8 @@ class Worker:
 
     def _on_transition(self, old: State, new: State, duration_s: float) -> None:
         self._log.info("lifecycle.transition", previous=old, state=new, previous_duration_s=round(duration_s, 3))
+        if self._config.status_file is not None:
+            write_status_file(self._config.status_file, new)
         self._send(m.LifecycleReport(
             worker_id=self._config.worker_id, incarnation=self._incarnation, state=new,
             previous_state=old, previous_duration_s=duration_s,

@@ -15,7 +15,7 @@ import msgspec
 
 from common.logs import get_logger
 from proto import messages as m
-from proto.lifecycle import State
+from proto.lifecycle import TRANSITIONS, State
 from scheduler.batching import BatchLimits, ScheduledSeq, plan_step
 from scheduler.config import SchedulerConfig
 from scheduler.registry import InFlightStep, WorkerRecord, least_loaded_ready, new_record
@@ -29,6 +29,9 @@ class Outgoing:
     to_worker: bool  # False: to a gateway
     identity: bytes
     message: msgspec.Struct
+
+
+_NO_OUTPUT = m.SeqOutput(request_id="", token_ids=[])
 
 
 class RequestRejected(Exception):
@@ -48,6 +51,7 @@ class SchedulerCore:
         self._workers: dict[str, WorkerRecord] = {}  # current incarnation of each worker id
         self._gateways: set[bytes] = set()
         self._target_fingerprint: str | None = None
+        self._no_ready_target_since_s: float | None = 0.0  # None while a target worker is READY
         self._next_step_id = 0
         self.outbox: list[Outgoing] = []
 
@@ -147,7 +151,7 @@ class SchedulerCore:
             case m.Heartbeat():
                 worker.num_used_kv_slots = message.num_used_kv_slots
             case m.LifecycleReport():
-                self._on_lifecycle(worker, State(message.state), now_s)
+                return self._on_lifecycle(worker, message.state, now_s)
             case m.WorkerFailed():
                 worker.failure = f"{message.phase}: {message.error_type}: {message.message}"
                 self._lose_worker(worker, State.FAILED, now_s)
@@ -186,34 +190,49 @@ class SchedulerCore:
             return f"role {hello.role!r} is not served yet"
         if self._target_fingerprint not in (None, hello.model_fingerprint):
             return f"model fingerprint {hello.model_fingerprint} differs from the other replicas' {self._target_fingerprint}"
+        if hello.num_kv_slots < 1:
+            return "it has no KV slot"
         if hello.max_model_len < self._config.max_model_len:
             return f"max_model_len {hello.max_model_len} is below the scheduler's {self._config.max_model_len}"
         return ""
 
-    def _on_lifecycle(self, worker: WorkerRecord, state: State, now_s: float) -> None:
+    def _on_lifecycle(self, worker: WorkerRecord, reported: str, now_s: float) -> bool:
+        """Follow a reported transition; one the table does not allow is dropped as a protocol error."""
+        try:
+            state = State(reported)
+        except ValueError:
+            return False
+        if state not in TRANSITIONS[worker.state]:
+            log.warning("worker.illegal_transition", worker_id=worker.worker_id, state=worker.state, reported=state)
+            return False
         log.info("worker.lifecycle", worker_id=worker.worker_id, incarnation=worker.incarnation, state=state)
         if state in (State.FAILED, State.STOPPED):
             self._lose_worker(worker, state, now_s)
-            return
+            return True
         worker.state = state
         if state is State.READY:
+            self._no_ready_target_since_s = None
             self._place_waiting()
             self._dispatch(now_s)
+        return True
 
     def _on_step_result(self, worker: WorkerRecord, result: m.StepResult, now_s: float) -> bool:
         step = worker.in_flight
         if step is None or step.step_id != result.step_id:
             return False
-        worker.in_flight = None
         outputs = {o.request_id: o for o in result.outputs}
-        for request_id, num_tokens, samples in step.seqs:
-            request = worker.requests.get(request_id)
-            if request is None:
+        missing = [r.request_id for r, _, samples in step.seqs if samples and not outputs.get(r.request_id, _NO_OUTPUT).token_ids]
+        if missing:
+            worker.failure = f"step {step.step_id} returned no token for {missing}"
+            self._lose_worker(worker, State.FAILED, now_s)
+            return True
+        worker.in_flight = None
+        for request, num_tokens, samples in step.seqs:
+            if worker.requests.get(request.request_id) is not request:
                 continue  # finished or aborted while the step ran; its slot is already released
             request.num_computed_tokens += num_tokens
-            output = outputs.get(request_id)
-            if samples and output is not None:
-                self._append_tokens(request, output.token_ids)
+            if samples:
+                self._append_tokens(request, outputs[request.request_id].token_ids)
         self._place_waiting()
         self._dispatch(now_s)
         return True
@@ -233,7 +252,10 @@ class SchedulerCore:
                 self.outbox.append(Outgoing(True, worker.identity, m.Drain(worker.incarnation)))
                 self._lose_worker(worker, State.DEAD, now_s)
         if not self.has_ready_target():
-            for request in [r for r in self._waiting if now_s - r.waiting_since_s > cfg.no_worker_timeout_s]:
+            if self._no_ready_target_since_s is None:
+                self._no_ready_target_since_s = now_s
+            since_s = self._no_ready_target_since_s
+            for request in [r for r in self._waiting if now_s - max(since_s, r.waiting_since_s) > cfg.no_worker_timeout_s]:
                 self._fail(request, "UNAVAILABLE", f"no READY worker within {cfg.no_worker_timeout_s} s (--no-worker-timeout-s)")
 
     # ------------------------------------------------------------------ internals
@@ -269,7 +291,7 @@ class SchedulerCore:
                 request_id=r.request_id, slot=r.slot, start_position=start,
                 token_ids=r.token_slice(start, start + item.num_tokens), sample=item.completes, sampling=r.sampling,
             ))
-        worker.in_flight = InFlightStep(self._next_step_id, now_s, [(i.request.request_id, i.num_tokens, i.completes) for i in plan])
+        worker.in_flight = InFlightStep(self._next_step_id, now_s, [(i.request, i.num_tokens, i.completes) for i in plan])
         self.outbox.append(Outgoing(True, worker.identity, m.StepRequest(self._next_step_id, worker.incarnation, seqs)))
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> None:
@@ -312,7 +334,7 @@ class SchedulerCore:
             self._waiting.remove(request)
             return
         worker = self._workers.get(request.worker_id or "")
-        if worker is not None and request.slot is not None and worker.requests.pop(request.request_id, None):
+        if worker is not None and request.slot is not None and worker.requests.pop(request.request_id, None) is not None:
             worker.give_back_slot(request.slot)
             # Sent on the step socket: the worker applies it after any step in flight.
             self.outbox.append(Outgoing(True, worker.identity, m.ReleaseSlots(worker.incarnation, [request.slot])))

@@ -14,7 +14,7 @@ from scheduler.request import Request
 class InFlightStep:
     step_id: int
     sent_at_s: float
-    seqs: list[tuple[str, int, bool]]  # (request_id, num_tokens, samples) in step order
+    seqs: list[tuple[Request, int, bool]]  # (request, num_tokens, samples) in step order
 
 
 @dataclass

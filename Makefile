@@ -1,0 +1,36 @@
+# Two commands matter: `make serve` (set up, then start the stack on the embedded default)
+# and `make test` (set up, then run every test). Set-up is idempotent.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.specserve-installed
+SERVE_ARGS ?=
+
+.PHONY: setup serve test unit lint bench model
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	# Pinned: on a machine without a GPU this takes the CPU wheel, never a multi-GB CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m modeling.model_store > /dev/null
+	touch $(STAMP)
+
+model: setup
+	$(PY) -m modeling.model_store
+
+serve: setup
+	$(VENV)/bin/specserve up $(SERVE_ARGS)
+
+test: setup
+	$(PY) -m pytest -p no:cacheprovider -q
+
+unit: setup
+	$(PY) -m pytest -q tests/unit
+
+lint: setup
+	$(PY) -m mypy proto common modeling gpu_worker scheduler gateway specserve
+
+bench: setup
+	$(PY) bench/grpc_bench.py

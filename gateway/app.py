@@ -1,0 +1,139 @@
+"""The gateway process as a whole: start in named phases, serve until a signal, drain, stop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import Iterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common.logs import get_logger
+from gateway.config import GatewayConfig
+from gateway.errors import StartupError
+from gateway.health import HealthReporter
+from gateway.scheduler_client import SchedulerClient
+from gateway.server import SpecServeServicer
+from gateway.tokenizer import Tokenizer
+from proto import specserve_pb2 as pb
+from proto import specserve_pb2_grpc as pb_grpc
+
+SPECSERVE_SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["SpecServe"].full_name
+
+
+class ShutdownSignals:
+    """SIGTERM / SIGINT: the first asks for a drain, the second for an immediate stop."""
+
+    def __init__(self) -> None:
+        self.drain_requested = asyncio.Event()
+        self.stop_now_requested = asyncio.Event()
+        self._num_signals = 0
+        self._log = get_logger(component="signals")
+
+    def install(self) -> None:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self._on_signal, signum)
+
+    def uninstall(self) -> None:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+
+    def _on_signal(self, signum: signal.Signals) -> None:
+        self._num_signals += 1
+        self._log.info("gateway.signal", signal=signum.name, num_signals=self._num_signals)
+        event = self.drain_requested if self._num_signals == 1 else self.stop_now_requested
+        event.set()
+
+
+class Gateway:
+    """Owns the gRPC server, the scheduler link and the health reporter; `run()` is the whole process life."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self._config = config
+        self._signals = ShutdownSignals()
+        self._log = get_logger(component="gateway")
+
+    async def run(self) -> None:
+        """Start (raises StartupError, undoing what was started), serve until a signal, drain."""
+        self._signals.install()
+        async with contextlib.AsyncExitStack() as resources:
+            resources.callback(self._signals.uninstall)
+            with self._phase("load_tokenizer"):
+                tokenizer = Tokenizer.load(self._config.model_dir)
+            with self._phase("connect_scheduler"):
+                scheduler = SchedulerClient(
+                    self._config.scheduler_address,
+                    self._config.gateway_id,
+                    reply_timeout_s=self._config.scheduler_timeout_s,
+                )
+                resources.callback(scheduler.close)
+                await scheduler.connect()
+            with self._phase("start_server"):
+                server = grpc.aio.server()
+                reporter = HealthReporter(
+                    health.aio.HealthServicer(), scheduler, poll_interval_s=self._config.health_poll_interval_s
+                )
+                add_services(server, SpecServeServicer(tokenizer, scheduler), reporter.servicer)
+                port = self._bind(server)
+                await reporter.start()
+                await server.start()
+                resources.push_async_callback(server.stop, None)
+            self._log.info("gateway.listening", host=self._config.host, port=port, model=str(self._config.model_dir))
+            await self._serve(server, scheduler, reporter)
+        self._log.info("gateway.stopped")
+
+    async def _serve(self, server: grpc.aio.Server, scheduler: SchedulerClient, reporter: HealthReporter) -> None:
+        async with asyncio.TaskGroup() as tasks:
+            background = [
+                tasks.create_task(scheduler.run(), name="scheduler_client"),
+                tasks.create_task(reporter.run(), name="health_reporter"),
+            ]
+            await self._signals.drain_requested.wait()
+            await self._drain(server, reporter)
+            for task in background:
+                task.cancel()
+
+    async def _drain(self, server: grpc.aio.Server, reporter: HealthReporter) -> None:
+        """Refuse new RPCs, let streams in flight finish within the grace period; a second signal cuts it short."""
+        self._log.info("gateway.draining", grace_s=self._config.shutdown_grace_s)
+        await reporter.enter_shutdown()
+        graceful = asyncio.create_task(server.stop(self._config.shutdown_grace_s), name="server_stop")
+        stop_now = asyncio.create_task(self._signals.stop_now_requested.wait(), name="stop_now")
+        done, _ = await asyncio.wait({graceful, stop_now}, return_when=asyncio.FIRST_COMPLETED)
+        if stop_now in done:
+            self._log.info("gateway.stopping_now")
+            await server.stop(None)
+        stop_now.cancel()
+        await graceful
+
+    def _bind(self, server: grpc.aio.Server) -> int:
+        address = f"{self._config.host}:{self._config.port}"
+        try:
+            port: int = server.add_insecure_port(address)
+        except RuntimeError as error:
+            raise StartupError(f"cannot listen on {address}: {error} (is the port in use? see --port)") from error
+        if port == 0:
+            raise StartupError(f"cannot listen on {address} (is the port in use? see --port)")
+        return port
+
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        started_at = time.monotonic()
+        self._log.info("gateway.phase_started", phase=name)
+        yield
+        self._log.info("gateway.phase_done", phase=name, duration_s=round(time.monotonic() - started_at, 3))
+
+
+def add_services(server: grpc.aio.Server, servicer: SpecServeServicer, health_servicer: health.aio.HealthServicer) -> None:
+    """SpecServe, grpc.health.v1.Health and server reflection (so `grpcurl list` works)."""
+    pb_grpc.add_SpecServeServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SPECSERVE_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )

@@ -1,0 +1,62 @@
+"""The gateway's settings: one frozen object built from the command line and checked there."""
+
+from __future__ import annotations
+
+import argparse
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model_dir: Path  # holds tokenizer.json, tokenizer_config.json, config.json
+    scheduler_address: str  # ZeroMQ endpoint of the scheduler's gateway ROUTER
+    host: str
+    port: int  # 0: any free port (the chosen one is logged)
+    log_json: bool
+    gateway_id: str
+    scheduler_timeout_s: float = 2.0  # an info query unanswered this long means the scheduler is unreachable
+    health_poll_interval_s: float = 0.5
+    shutdown_grace_s: float = 30.0  # streams in flight get this long to finish after the first SIGTERM/SIGINT
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m gateway", description="specserve gateway: the public gRPC API in front of the scheduler."
+    )
+    parser.add_argument("--model", required=True, type=Path, help="model folder with tokenizer.json and config.json")
+    parser.add_argument("--scheduler-address", default="tcp://127.0.0.1:5555", help="the scheduler's gateway endpoint")
+    parser.add_argument("--host", default="0.0.0.0", help="address the gRPC server listens on")
+    parser.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one")
+    parser.add_argument("--log-json", action="store_true", help="log JSON lines instead of console text")
+    parser.add_argument("--gateway-id", default=None, help="this gateway's name at the scheduler (default: random)")
+    parser.add_argument("--scheduler-timeout-s", type=float, default=2.0, help="wait for a scheduler answer")
+    parser.add_argument("--health-poll-interval-s", type=float, default=0.5, help="how often health asks the scheduler")
+    parser.add_argument("--shutdown-grace-s", type=float, default=30.0, help="time streams get to finish on shutdown")
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
+    """The config from the command line; exits with a usage error (status 2) on a bad value."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not (args.model / "tokenizer.json").is_file():
+        parser.error(f"--model {args.model}: no tokenizer.json there")
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port {args.port}: must be in [0, 65535]")
+    for name in ("scheduler_timeout_s", "health_poll_interval_s", "shutdown_grace_s"):
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')}: must be > 0")
+    return GatewayConfig(
+        model_dir=args.model,
+        scheduler_address=args.scheduler_address,
+        host=args.host,
+        port=args.port,
+        log_json=args.log_json,
+        gateway_id=args.gateway_id or f"gateway-{uuid.uuid4().hex[:12]}",
+        scheduler_timeout_s=args.scheduler_timeout_s,
+        health_poll_interval_s=args.health_poll_interval_s,
+        shutdown_grace_s=args.shutdown_grace_s,
+    )

@@ -1,0 +1,74 @@
+"""One request's output: the scheduler's token deltas in, client chunks (text, token ids, finish, usage) out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.detokenizer import IncrementalDetokenizer, TokenDecoder
+from gateway.stop_strings import StopStringMatcher
+from proto import messages
+
+
+@dataclass(frozen=True)
+class Chunk:
+    text: str  # new text since the previous chunk
+    token_ids: list[int]  # new tokens since the previous chunk
+    finish_reason: messages.FinishReason | None  # set on the last chunk only
+    stop_string: str | None  # the stop string that ended the output, if one did
+    num_prompt_tokens: int
+    num_completion_tokens: int  # tokens sent in all chunks so far, these included
+
+
+class RequestOutput:
+    """Detokenizes token by token and cuts at the first stop string.
+
+    When a stop string completes inside a delta, the tokens after the one that completed
+    it are dropped and the output finishes with reason "stop"; the caller then aborts the
+    request in the scheduler. Calling `add` after the output finished raises.
+    """
+
+    def __init__(self, decoder: TokenDecoder, prompt_token_ids: Sequence[int], stop_strings: Sequence[str]) -> None:
+        self._detokenizer = IncrementalDetokenizer(decoder, prompt_token_ids)
+        self._matcher = StopStringMatcher(stop_strings)
+        self._num_prompt_tokens = len(prompt_token_ids)
+        self._num_completion_tokens = 0
+        self._finish_reason: messages.FinishReason | None = None
+
+    @property
+    def finish_reason(self) -> messages.FinishReason | None:
+        return self._finish_reason
+
+    def add(self, token_ids: Sequence[int], finish_reason: messages.FinishReason | None) -> Chunk:
+        """The chunk for one delta; finish_reason is the scheduler's (None: more deltas follow)."""
+        if self._finish_reason is not None:
+            raise RuntimeError(f"RequestOutput.add after the output finished ({self._finish_reason})")
+        text_parts: list[str] = []
+        sent_ids: list[int] = []
+        for token_id in token_ids:
+            sent_ids.append(token_id)
+            text_parts.append(self._feed(self._detokenizer.add([token_id])))
+            if self._matcher.matched is not None:
+                break
+        if self._matcher.matched is None and finish_reason is not None:
+            text_parts.append(self._feed(self._detokenizer.flush()))
+            if self._matcher.matched is None:
+                text_parts.append(self._matcher.flush())
+        return self._chunk("".join(text_parts), sent_ids, finish_reason)
+
+    def _feed(self, text: str) -> str:
+        return self._matcher.feed(text).text if text else ""
+
+    def _chunk(self, text: str, token_ids: list[int], finish_reason: messages.FinishReason | None) -> Chunk:
+        self._num_completion_tokens += len(token_ids)
+        if self._matcher.matched is not None:
+            finish_reason = "stop"
+        self._finish_reason = finish_reason
+        return Chunk(
+            text=text,
+            token_ids=token_ids,
+            finish_reason=finish_reason,
+            stop_string=self._matcher.matched,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_completion_tokens=self._num_completion_tokens,
+        )

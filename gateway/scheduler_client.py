@@ -1,0 +1,288 @@
+"""The gateway's link to the scheduler: one DEALER socket, replies demultiplexed to per-request streams and info queries."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import time
+from types import TracebackType
+from typing import assert_never
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from common.logs import get_logger
+from common.protocol_errors import ProtocolErrors
+from gateway.errors import InvalidArgument, SchedulerUnavailable
+from proto import messages
+
+# A stream that has heard nothing for this long checks that the scheduler still answers.
+STREAM_LIVENESS_CHECK_S = 5.0
+
+RequestMessage = messages.TokenDelta | messages.RequestError
+
+
+class StreamState(enum.Enum):
+    OPEN = "open"  # registered, not submitted yet
+    SUBMITTED = "submitted"
+    FINISHED = "finished"  # the scheduler sent the last delta
+    FAILED = "failed"  # the scheduler sent a RequestError
+    ABORTED = "aborted"  # the gateway sent an AbortRequest
+
+
+# A stream in one of these states gets nothing more from the scheduler.
+TERMINAL_STATES = frozenset({StreamState.FINISHED, StreamState.FAILED, StreamState.ABORTED})
+
+
+class SchedulerClient:
+    """Talks to the scheduler's ROUTER; `connect()`, then run `run()` as a task for as long as the link is used.
+
+    Every received frame is decoded once: TokenDelta / RequestError go to the queue of
+    their request (dropped, and counted, when the request is unknown), InfoReply to the
+    query waiting for its query_id. A malformed frame is counted, logged (the first of its kind) and dropped.
+    """
+
+    def __init__(self, address: str, gateway_id: str, *, reply_timeout_s: float) -> None:
+        self.address = address
+        self.gateway_id = gateway_id
+        self.reply_timeout_s = reply_timeout_s  # how long an info query waits; see --scheduler-timeout-s
+        self.protocol_errors = ProtocolErrors("gateway.scheduler")  # malformed frames: counted, first of a kind logged
+        self._log = get_logger(component="scheduler_client")
+        self.num_dropped_messages = 0
+        self._codec_out: messages.Codec[messages.GatewayToScheduler] = messages.Codec(messages.GatewayToScheduler)
+        self._codec_in: messages.Codec[messages.SchedulerToGateway] = messages.Codec(messages.SchedulerToGateway)
+        self._context: zmq.asyncio.Context | None = None
+        self._socket: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._queues: dict[str, asyncio.Queue[RequestMessage]] = {}
+        self._queries: dict[int, asyncio.Future[messages.InfoReply]] = {}
+        self._query_ids = itertools.count(1)
+        self._last_heard_at = -float("inf")  # time.monotonic() of the last frame received
+        self._connected = asyncio.Event()  # set while the TCP (or IPC) connection is up, per the socket monitor
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def connect(self) -> None:
+        """Create the socket and queue the GatewayHello; the connection itself is made in the background."""
+        if self._socket is not None:
+            raise RuntimeError("SchedulerClient.connect called twice")
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.ROUTING_ID, self.gateway_id.encode())
+        # Monitor before connecting, so the first EVENT_CONNECTED is seen and counted too.
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._socket.connect(self.address)
+        await self._send_hello()
+
+    async def run(self) -> None:
+        """Receive until cancelled; also re-sends the hello whenever the connection is made again."""
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(self._receive_loop(), name="scheduler_client.receive")
+            tasks.create_task(self._monitor_loop(), name="scheduler_client.monitor")
+
+    def close(self) -> None:
+        for future in self._queries.values():
+            future.cancel()
+        if self._context is not None:
+            self._context.destroy(linger=0)
+        self._context = self._socket = self._monitor = None
+
+    # ------------------------------------------------------------------ public API
+
+    def open_request(self, request_id: str) -> RequestStream:
+        """Register a request's queue; use the result as `async with`. Raises InvalidArgument for an id in flight."""
+        if request_id in self._queues:
+            raise InvalidArgument("request_id", f"{request_id!r} is already in flight")
+        queue: asyncio.Queue[RequestMessage] = asyncio.Queue()
+        self._queues[request_id] = queue
+        return RequestStream(self, request_id, queue)
+
+    def close_request(self, request_id: str) -> None:
+        """Forget a request; its later messages are dropped."""
+        self._queues.pop(request_id, None)
+
+    async def send(self, message: messages.GatewayToScheduler) -> None:
+        """Queue one message; raises SchedulerUnavailable if the socket stays full for reply_timeout_s."""
+        try:
+            async with asyncio.timeout(self.reply_timeout_s):
+                await self._require_socket().send(self._codec_out.encode(message))
+        except TimeoutError as error:
+            raise SchedulerUnavailable(self._silence_message()) from error
+
+    async def query_info(self) -> messages.InfoReply:
+        """The scheduler's InfoReply; raises SchedulerUnavailable when none comes within reply_timeout_s.
+
+        Nothing is sent while disconnected, so queries do not pile up for a scheduler that is down.
+        """
+        query_id = next(self._query_ids)
+        future: asyncio.Future[messages.InfoReply] = asyncio.get_running_loop().create_future()
+        self._queries[query_id] = future
+        try:
+            async with asyncio.timeout(self.reply_timeout_s):
+                await self._connected.wait()
+                await self._require_socket().send(self._codec_out.encode(messages.InfoQuery(query_id=query_id)))
+                return await future
+        except TimeoutError as error:
+            raise SchedulerUnavailable(self._silence_message()) from error
+        finally:
+            self._queries.pop(query_id, None)
+
+    async def ensure_reachable(self) -> None:
+        """Return at once if the scheduler spoke lately, else ask it; raises SchedulerUnavailable."""
+        if time.monotonic() - self._last_heard_at > self.reply_timeout_s:
+            await self.query_info()
+
+    # ------------------------------------------------------------------ receiving
+
+    async def _receive_loop(self) -> None:
+        socket = self._require_socket()
+        while True:
+            frames = await socket.recv_multipart()
+            self._last_heard_at = time.monotonic()
+            self._dispatch(frames)
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        if len(frames) != 1:
+            self.protocol_errors.record("frames", num_frames=len(frames))
+            return
+        try:
+            message = self._codec_in.decode(frames[0])
+        except msgspec.DecodeError as error:  # ValidationError is a DecodeError too
+            self.protocol_errors.record("decode", error=str(error), num_bytes=len(frames[0]), head=frames[0][:32].hex())
+            return
+        match message:
+            case messages.TokenDelta() | messages.RequestError():
+                self._route_to_request(message)
+            case messages.InfoReply():
+                self._resolve_query(message)
+            case _:
+                assert_never(message)
+
+    def _route_to_request(self, message: RequestMessage) -> None:
+        queue = self._queues.get(message.request_id)
+        if queue is None:  # normal after an abort or a client that went away
+            self.num_dropped_messages += 1
+            self._log.debug("scheduler.message_dropped", request_id=message.request_id, type=type(message).__name__)
+            return
+        queue.put_nowait(message)
+
+    def _resolve_query(self, reply: messages.InfoReply) -> None:
+        future = self._queries.get(reply.query_id)
+        if future is not None and not future.done():
+            future.set_result(reply)
+
+    # ------------------------------------------------------------------ connection events
+
+    async def _monitor_loop(self) -> None:
+        if self._monitor is None:
+            raise RuntimeError("SchedulerClient is not connected: call connect() first")
+        num_connects = 0
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_CONNECTED:
+                num_connects += 1
+                self._connected.set()
+                self._log.info("scheduler.connected", address=self.address, num_connects=num_connects)
+                if num_connects > 1:  # the first hello went out with connect()
+                    await self._send_hello()
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._connected.clear()
+                self._log.warning("scheduler.disconnected", address=self.address)
+
+    async def _send_hello(self) -> None:
+        hello = messages.GatewayHello(gateway_id=self.gateway_id, protocol_version=messages.PROTOCOL_VERSION)
+        await self.send(hello)
+
+    def _require_socket(self) -> zmq.asyncio.Socket:
+        if self._socket is None:
+            raise RuntimeError("SchedulerClient is not connected: call connect() first")
+        return self._socket
+
+    def _silence_message(self) -> str:
+        return (
+            f"the scheduler at {self.address} did not answer within {self.reply_timeout_s:g} s "
+            "(is it running? the wait is set by --scheduler-timeout-s)"
+        )
+
+
+class RequestStream:
+    """One request's conversation with the scheduler: submit, read messages in order, maybe abort.
+
+    Use as `async with`: leaving the block unregisters the request and, if the scheduler
+    has not ended it, sends an AbortRequest ("client_cancelled" when the block was left by
+    cancellation, "gateway_error" when by another exception).
+    """
+
+    def __init__(self, client: SchedulerClient, request_id: str, queue: asyncio.Queue[RequestMessage]) -> None:
+        self.request_id = request_id
+        self._client = client
+        self._queue = queue
+        self._state = StreamState.OPEN
+        self._log = get_logger(component="request_stream")
+
+    @property
+    def state(self) -> StreamState:
+        return self._state
+
+    async def submit(self, request: messages.SubmitRequest) -> None:
+        self._require_state(StreamState.OPEN, "submit")
+        self._state = StreamState.SUBMITTED
+        await self._client.send(request)
+
+    async def next(self) -> RequestMessage:
+        """The next TokenDelta or RequestError; raises SchedulerUnavailable if the scheduler stops answering."""
+        self._require_state(StreamState.SUBMITTED, "next")
+        while True:
+            try:
+                async with asyncio.timeout(STREAM_LIVENESS_CHECK_S):
+                    message = await self._queue.get()
+            except TimeoutError:
+                await self._client.ensure_reachable()
+                continue
+            self._state = next_state(message)
+            return message
+
+    async def abort(self, reason: str) -> None:
+        """Tell the scheduler to stop the request; nothing is sent if it has already ended."""
+        if self._state in TERMINAL_STATES:
+            return
+        submitted = self._state is StreamState.SUBMITTED
+        self._state = StreamState.ABORTED
+        if submitted:
+            await self._client.send(messages.AbortRequest(request_id=self.request_id, reason=reason))
+            self._log.info("request.aborted", request_id=self.request_id, reason=reason)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self._client.close_request(self.request_id)
+        cancelled = exc_type is not None and issubclass(exc_type, asyncio.CancelledError | GeneratorExit)
+        try:
+            await self.abort("client_cancelled" if cancelled else "gateway_error")
+        except SchedulerUnavailable as error:  # the request is over for the client either way
+            self._log.warning("request.abort_not_sent", request_id=self.request_id, error=error.message)
+
+    def _require_state(self, expected: StreamState, action: str) -> None:
+        if self._state is not expected:
+            raise RuntimeError(f"RequestStream.{action} in state {self._state.value}, expected {expected.value}")
+
+
+def next_state(message: RequestMessage) -> StreamState:
+    """The stream's state after the scheduler sent message."""
+    match message:
+        case messages.TokenDelta(finish_reason=None):
+            return StreamState.SUBMITTED
+        case messages.TokenDelta():
+            return StreamState.FINISHED
+        case messages.RequestError():
+            return StreamState.FAILED
+        case _:
+            assert_never(message)
+

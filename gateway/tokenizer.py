@@ -1,0 +1,203 @@
+"""The model's tokenizer: text and chat messages to token ids, token ids to text, and the end-of-sequence ids."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
+
+from gateway.errors import InvalidArgument, StartupError
+
+# Keys of tokenizer_config.json whose token text chat templates read (transformers passes them too).
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+class Tokenizer:
+    """A loaded tokenizer; build it with `Tokenizer.load(model_dir)`."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        chat_template: jinja2.Template | None,
+        special_tokens: dict[str, Any],
+        eos_token_ids: tuple[int, ...],
+        vocab_size: int,
+    ) -> None:
+        self._backend = backend
+        self._chat_template = chat_template
+        self._special_tokens = special_tokens
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size  # token ids the model accepts: 0 <= id < vocab_size
+
+    @classmethod
+    def load(cls, model_dir: Path) -> Tokenizer:
+        """Read tokenizer.json, tokenizer_config.json, config.json and generation_config.json; raises StartupError."""
+        tokenizer_file = model_dir / "tokenizer.json"
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as error:  # tokenizers raises a bare Exception for unreadable files
+            raise StartupError(f"cannot load {tokenizer_file}: {error}") from error
+        backend.no_truncation()
+        backend.no_padding()
+        tokenizer_config = read_json(model_dir / "tokenizer_config.json")
+        model_config = read_json(model_dir / "config.json")
+        generation_config = read_json(model_dir / "generation_config.json")
+        special_tokens = special_token_strings(tokenizer_config)
+        return cls(
+            backend,
+            chat_template=load_chat_template(model_dir, tokenizer_config),
+            special_tokens=special_tokens,
+            eos_token_ids=eos_token_ids(backend, special_tokens, model_config, generation_config),
+            vocab_size=int(model_config.get("vocab_size", backend.get_vocab_size(with_added_tokens=True))),
+        )
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._chat_template is not None
+
+    def encode(self, text: str) -> list[int]:
+        """Plain text to ids, with the special tokens the tokenizer itself adds (a BOS, for some models)."""
+        ids: list[int] = self._backend.encode(text, add_special_tokens=True).ids
+        return ids
+
+    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
+        """The chat template's text for messages plus the assistant's generation prompt.
+
+        Raises InvalidArgument (field "chat") when the model has no template or the
+        template rejects the conversation.
+        """
+        if self._chat_template is None:
+            raise InvalidArgument("chat", "the model has no chat template; send prompt or token_ids instead")
+        conversation = [{"role": message.role, "content": message.content} for message in messages]
+        try:
+            return self._chat_template.render(
+                messages=conversation, add_generation_prompt=True, **self._special_tokens
+            )
+        except jinja2.TemplateError as error:
+            raise InvalidArgument("chat", f"the model's chat template rejected the messages: {error}") from error
+
+    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """Chat messages to ids; the template writes the special tokens, so none are added."""
+        ids: list[int] = self._backend.encode(self.render_chat(messages), add_special_tokens=False).ids
+        return ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Ids to text, special tokens left out; incomplete UTF-8 at either end decodes to U+FFFD."""
+        text: str = self._backend.decode(list(token_ids), skip_special_tokens=True)
+        return text
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """The object in a JSON file, or {} when the file does not exist; raises StartupError if unreadable."""
+    if not path.exists():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise StartupError(f"cannot read {path}: {error}") from error
+    if not isinstance(value, dict):
+        raise StartupError(f"{path} does not hold a JSON object")
+    return value
+
+
+def token_text(value: object) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken object."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        content: str = value["content"]
+        return content
+    return None
+
+
+def special_token_strings(tokenizer_config: dict[str, Any]) -> dict[str, Any]:
+    """The template variables bos_token, eos_token, ... (and additional_special_tokens) that are set."""
+    strings: dict[str, Any] = {}
+    for key in SPECIAL_TOKEN_KEYS:
+        text = token_text(tokenizer_config.get(key))
+        if text is not None:
+            strings[key] = text
+    additional = [token_text(value) for value in tokenizer_config.get("additional_special_tokens") or []]
+    strings["additional_special_tokens"] = [text for text in additional if text is not None]
+    return strings
+
+
+def eos_token_ids(
+    backend: tokenizers.Tokenizer,
+    special_tokens: dict[str, Any],
+    model_config: dict[str, Any],
+    generation_config: dict[str, Any],
+) -> tuple[int, ...]:
+    """Every end-of-sequence id any of the three files names, in that order, without repeats."""
+    found: list[int] = []
+    for config in (generation_config, model_config):
+        value = config.get("eos_token_id")
+        found.extend(value if isinstance(value, list) else [value] if isinstance(value, int) else [])
+    eos_text = special_tokens.get("eos_token")
+    eos_id = backend.token_to_id(eos_text) if isinstance(eos_text, str) else None
+    if eos_id is not None:
+        found.append(eos_id)
+    return tuple(dict.fromkeys(found))
+
+
+def chat_template_source(model_dir: Path, tokenizer_config: dict[str, Any]) -> str | None:
+    """chat_template.jinja if present, else tokenizer_config's chat_template (a string or named templates)."""
+    template_file = model_dir / "chat_template.jinja"
+    if template_file.exists():
+        return template_file.read_text(encoding="utf-8")
+    value = tokenizer_config.get("chat_template")
+    if isinstance(value, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {entry.get("name"): entry.get("template") for entry in value if isinstance(entry, dict)}
+        value = named.get("default")
+    return value if isinstance(value, str) else None
+
+
+def load_chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> jinja2.Template | None:
+    source = chat_template_source(model_dir, tokenizer_config)
+    if source is None:
+        return None
+    try:
+        return template_environment().from_string(source)
+    except jinja2.TemplateError as error:
+        raise StartupError(f"the chat template in {model_dir} does not compile: {error}") from error
+
+
+def template_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    """A sandbox set up the way transformers renders chat templates."""
+    environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    environment.filters["tojson"] = template_tojson
+    environment.globals["raise_exception"] = template_raise_exception
+    environment.globals["strftime_now"] = template_strftime_now
+    return environment
+
+
+def template_tojson(
+    value: object, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    # Jinja's own tojson escapes HTML characters, which chat templates do not want.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def template_raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def template_strftime_now(format_string: str) -> str:
+    return datetime.now().strftime(format_string)

@@ -1,0 +1,158 @@
+"""`specserve up | generate | scheduler | worker | gateway | prepare-model`: the one command users run."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from common import logs
+
+SERVICE_MODULES = {"scheduler": "scheduler", "worker": "gpu_worker", "gateway": "gateway"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SERVICE_MODULES:
+        # `specserve worker ARGS` is `python -m gpu_worker ARGS`: one process, nothing in between.
+        module = SERVICE_MODULES[argv[0]]
+        os.execv(sys.executable, [sys.executable, "-m", module, *argv[1:]])
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    result: int = args.run(args)
+    return result
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    from specserve.client import add_generate_arguments, run_generate
+
+    parser = argparse.ArgumentParser(prog="specserve", description="LLM serving with speculative decoding")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    up = commands.add_parser("up", help="start every service locally and supervise them")
+    _add_up_arguments(up)
+    up.set_defaults(run=_run_up)
+    generate = commands.add_parser("generate", help="generate text through a running stack's gRPC API")
+    add_generate_arguments(generate)
+    generate.set_defaults(run=run_generate)
+    prepare = commands.add_parser("prepare-model", help="convert the embedded default model once and print its folder")
+    prepare.set_defaults(run=_run_prepare_model)
+    for name, module in SERVICE_MODULES.items():
+        commands.add_parser(name, help=f"run one {name} process (`python -m {module} --help`)", add_help=False)
+    return parser
+
+
+def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, default=None, help="a local Hugging Face Llama-family folder (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: the faster one on this machine")
+    parser.add_argument("--num-workers", type=int, default=1, help="data-parallel target worker processes")
+    parser.add_argument("--device", default=None, help="cpu, or cuda (one worker per GPU); default: cuda when present")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50051, help="the gRPC port")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--num-kv-slots", type=int, default=64, help="sequences each worker holds at once")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--ready-timeout-s", type=float, default=600.0)
+    parser.add_argument("--log-json", action="store_true")
+
+
+def _run_prepare_model(args: argparse.Namespace) -> int:
+    from modeling.model_store import ensure_default_model
+
+    print(ensure_default_model())
+    return 0
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from modeling.model_store import ensure_default_model
+    from specserve.supervisor import GaveUp, RestartPolicy, Supervisor
+
+    logs.configure("supervisor", json_logs=args.log_json or None)
+    if args.num_workers < 1:
+        raise SystemExit("specserve up: --num-workers must be at least 1")
+    model = args.model or ensure_default_model()
+    if not (model / "config.json").is_file():
+        raise SystemExit(f"specserve up: --model {model} has no config.json")
+    device = args.device or _default_device()
+    dtype = args.dtype or _default_dtype(device)
+    supervisor = Supervisor(_service_specs(args, model, device, dtype), RestartPolicy())
+    supervisor.start()
+    try:
+        supervisor.watch(until=lambda: _is_serving(args.host, args.port))
+        if not supervisor.stopping:
+            print(f"specserve ready: gRPC on {args.host}:{args.port}, model {model.name} ({dtype}, {args.num_workers} worker(s) on {device})", flush=True)
+            supervisor.watch()
+    except GaveUp as exc:
+        print(f"specserve up: {exc}; stopping", file=sys.stderr)
+        supervisor.stop(grace_s=10.0)
+        return 1
+    supervisor.stop(grace_s=30.0)
+    return 0
+
+
+def _service_specs(args: argparse.Namespace, model: Path, device: str, dtype: str) -> list:  # type: ignore[type-arg]
+    from specserve.supervisor import ServiceSpec
+
+    gateway_port, worker_port = _free_port(), _free_port()
+    gateway_address, worker_address = f"tcp://127.0.0.1:{gateway_port}", f"tcp://127.0.0.1:{worker_port}"
+    log_flag = ["--log-json"] if args.log_json else []
+    python = [sys.executable, "-m"]
+    specs = [
+        ServiceSpec("scheduler", python + ["scheduler", "--gateway-address", gateway_address, "--worker-address", worker_address,
+                                           "--model-name", model.name, "--max-model-len", str(args.max_model_len),
+                                           "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                                           "--max-num-seqs", str(args.num_kv_slots)] + log_flag, stop_order=3),
+        ServiceSpec("gateway", python + ["gateway", "--model", str(model), "--scheduler-address", gateway_address,
+                                         "--host", args.host, "--port", str(args.port)] + log_flag, stop_order=0),
+    ]
+    num_threads = max(1, (os.cpu_count() or 1) // args.num_workers) if device == "cpu" else 0
+    for i in range(args.num_workers):
+        worker_device = f"cuda:{i}" if device == "cuda" else device
+        specs.append(ServiceSpec(f"worker-{i}", python + [
+            "gpu_worker", "--worker-id", f"worker-{i}", "--model", str(model), "--scheduler-address", worker_address,
+            "--device", worker_device, "--dtype", dtype, "--max-model-len", str(args.max_model_len),
+            "--num-kv-slots", str(args.num_kv_slots), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--num-threads", str(num_threads)] + log_flag, stop_order=1))
+    return specs
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _default_dtype(device: str) -> str:
+    """bfloat16 where the hardware computes it natively (GPUs, CPUs with AVX512-BF16 or AMX), else float32."""
+    import torch
+
+    if device.startswith("cuda"):
+        return "bfloat16"
+    return "bfloat16" if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _is_serving(host: str, port: int) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    target = f"{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
+    try:
+        with grpc.insecure_channel(target) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+    except grpc.RpcError:
+        time.sleep(0.5)
+        return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Real stacks shared by the end-to-end tests; after every test each stack must be idle with its KV empty."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.stack import Stack, StackOptions
+
+
+def _running_stack(options: StackOptions, log_dir: Path) -> Iterator[Stack]:
+    stack = Stack(options, log_dir)
+    try:
+        stack.start()
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="session")
+def fp32_stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Two float32 data-parallel workers."""
+    yield from _running_stack(StackOptions(default_model_dir, dtype="float32", num_workers=2, num_kv_slots=8),
+                              tmp_path_factory.mktemp("fp32_stack"))
+
+
+@pytest.fixture(scope="session")
+def bf16_stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    yield from _running_stack(StackOptions(default_model_dir, dtype="bfloat16", num_workers=1, num_kv_slots=16),
+                              tmp_path_factory.mktemp("bf16_stack"))
+
+
+@pytest.fixture(autouse=True)
+def _stacks_idle_after_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    for name in ("fp32_stack", "bf16_stack"):
+        if name in request.fixturenames:
+            stack: Stack = request.getfixturevalue(name)
+            stack.wait_idle()
+
+
+@pytest.fixture(scope="session")
+def no_worker_stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A scheduler and a gateway but no worker: a queue of 2 and a 3 s wait for a READY worker."""
+    options = StackOptions(default_model_dir, num_workers=0, scheduler_args=["--max-queue-len", "2", "--no-worker-timeout-s", "3"])
+    stack = Stack(options, tmp_path_factory.mktemp("no_worker_stack"))
+    try:
+        stack.start(wait_serving=False)
+        stack.wait_reachable()
+        yield stack
+    finally:
+        stack.stop()

@@ -1,0 +1,302 @@
+"""In-memory stand-ins for a gateway and for workers that drive a SchedulerCore through its public methods only.
+
+`Sim` owns a core, a fake monotonic clock and the record of every message the core
+has sent. `FakeWorker` plays one incarnation of a worker process: it sends hello,
+lifecycle reports, heartbeats and step results, and it keeps a model of its KV slots
+so that every StepRequest is checked the way a real worker checks it (a sequence's
+slot holds exactly `start_position` tokens before the step).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+import msgspec
+
+from proto import messages as m
+from proto.lifecycle import INIT_PHASES, State
+from scheduler.config import SchedulerConfig
+from scheduler.core import Outgoing, SchedulerCore
+
+GATEWAY = b"gateway-1"
+DEFAULT_TOKEN = 7  # what a fake worker samples when a test does not say
+EOS = 2
+FINGERPRINT = "fp-smol-1"
+
+
+def make_config(**overrides: object) -> SchedulerConfig:
+    config = SchedulerConfig(
+        gateway_address="inproc://gateway",
+        worker_address="inproc://workers",
+        model_name="tiny-llama",
+        max_model_len=64,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        max_queue_len=16,
+        no_worker_timeout_s=10.0,
+        heartbeat_timeout_s=5.0,
+        step_timeout_s=30.0,
+    )
+    return replace(config, **overrides)  # type: ignore[arg-type]
+
+
+def prompt(n: int, first: int = 100) -> list[int]:
+    """n distinct prompt tokens (never a stop token, never DEFAULT_TOKEN)."""
+    return list(range(first, first + n))
+
+
+class Sim:
+    """A SchedulerCore, a clock, one gateway, and the log of everything the core sent."""
+
+    def __init__(self, *, rng: random.Random | None = None, **config_overrides: object) -> None:
+        self.config = make_config(**config_overrides)
+        self.core = SchedulerCore(self.config, rng=rng or random.Random(0))
+        self.now_s = 100.0
+        self.sent: list[Outgoing] = []
+        self.core.on_gateway_message(GATEWAY, m.GatewayHello("gateway-1", m.PROTOCOL_VERSION), self.now_s)
+        self.collect()
+
+    # ---------------------------------------------------------------- driving
+
+    def collect(self) -> list[Outgoing]:
+        """Move what the core put in its outbox into `sent`; returns just those."""
+        new = list(self.core.outbox)
+        self.core.outbox.clear()
+        self.sent.extend(new)
+        return new
+
+    def advance(self, seconds: float) -> None:
+        self.now_s += seconds
+
+    def check_timeouts(self) -> list[Outgoing]:
+        self.core.check_timeouts(self.now_s)
+        return self.collect()
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int] = (100, 101, 102),
+        *,
+        max_tokens: int | None = 4,
+        stop_token_ids: Sequence[int] = (EOS,),
+        sampling: m.SamplingParams | None = None,
+        seed_given: bool = True,
+    ) -> list[Outgoing]:
+        submit = m.SubmitRequest(
+            request_id=request_id, prompt_token_ids=list(prompt_token_ids), max_tokens=max_tokens,
+            sampling=sampling or m.SamplingParams(), stop_token_ids=list(stop_token_ids), seed_given=seed_given,
+        )
+        self.core.on_gateway_message(GATEWAY, submit, self.now_s)
+        return self.collect()
+
+    def abort(self, request_id: str, reason: str = "client_cancelled") -> list[Outgoing]:
+        self.core.on_gateway_message(GATEWAY, m.AbortRequest(request_id, reason), self.now_s)
+        return self.collect()
+
+    def info(self) -> m.InfoReply:
+        return self.core.info(0, self.now_s)
+
+    def process(self, worker_id: str) -> m.ProcessInfo:
+        (found,) = [p for p in self.info().processes if p.process_id == worker_id]
+        return found
+
+    # ---------------------------------------------------------------- reading what went to the gateway
+
+    def to_gateway(self, items: Sequence[Outgoing] | None = None) -> list[msgspec.Struct]:
+        return [o.message for o in (self.sent if items is None else items) if not o.to_worker]
+
+    def deltas(self, request_id: str) -> list[m.TokenDelta]:
+        return [g for g in self.to_gateway() if isinstance(g, m.TokenDelta) and g.request_id == request_id]
+
+    def streamed(self, request_id: str) -> list[int]:
+        return [t for d in self.deltas(request_id) for t in d.token_ids]
+
+    def finish_reason(self, request_id: str) -> str | None:
+        deltas = self.deltas(request_id)
+        return deltas[-1].finish_reason if deltas else None
+
+    def errors(self, request_id: str | None = None) -> list[m.RequestError]:
+        return [g for g in self.to_gateway()
+                if isinstance(g, m.RequestError) and request_id in (None, g.request_id)]
+
+    def worker(self, worker_id: str = "w0", *, identity: bytes | None = None, **hello_overrides: object) -> FakeWorker:
+        return FakeWorker(self, worker_id, identity=identity, **hello_overrides)
+
+
+class FakeWorker:
+    """One incarnation of a worker process, talking to the core through on_worker_message."""
+
+    def __init__(self, sim: Sim, worker_id: str, *, identity: bytes | None = None, **hello_overrides: object) -> None:
+        self.sim = sim
+        fields: dict[str, object] = dict(
+            worker_id=worker_id, role="target", incarnation=1, protocol_version=m.PROTOCOL_VERSION, pid=4242,
+            model_name=sim.config.model_name, model_fingerprint=FINGERPRINT, vocab_size=49152,
+            max_model_len=sim.config.max_model_len, num_kv_slots=4, dtype="float32", device="cpu",
+        )
+        fields.update(hello_overrides)
+        self.hello_message = m.WorkerHello(**fields)  # type: ignore[arg-type]
+        self.identity = identity or worker_id.encode()
+        self.state = State.STARTING
+        self.kv: dict[int, list[int]] = {}  # slot -> tokens whose keys and values it holds
+        self.steps: list[m.StepRequest] = []
+        self.releases: list[m.ReleaseSlots] = []
+        self.drains: list[m.Drain] = []
+        self._num_seen = 0
+        self._answered_step_ids: set[int] = set()
+
+    @property
+    def worker_id(self) -> str:
+        return self.hello_message.worker_id
+
+    @property
+    def incarnation(self) -> int:
+        return self.hello_message.incarnation
+
+    # ---------------------------------------------------------------- sending
+
+    def send(self, message: m.WorkerToScheduler) -> bool:
+        accepted = self.sim.core.on_worker_message(self.identity, message, self.sim.now_s)
+        self.sim.collect()
+        return accepted
+
+    def hello(self) -> bool:
+        return self.send(self.hello_message)
+
+    def report(self, state: State) -> bool:
+        previous, self.state = self.state, state
+        return self.send(m.LifecycleReport(self.worker_id, self.incarnation, state.value, previous.value, 0.25))
+
+    def start(self, until: State = State.READY) -> FakeWorker:
+        """Hello, then the lifecycle reports in order up to `until` (STARTING: hello only)."""
+        assert self.hello(), f"{self.worker_id} incarnation {self.incarnation}: hello dropped"
+        return self.boot(until)
+
+    def boot(self, until: State = State.READY) -> FakeWorker:
+        """The lifecycle reports from the current state up to `until`, each phase in order."""
+        order = (*INIT_PHASES, State.READY)
+        for state in order[order.index(self.state) + 1:order.index(until) + 1]:
+            self.report(state)
+        return self
+
+    def heartbeat(self, num_used_kv_slots: int = 0) -> bool:
+        return self.send(m.Heartbeat(self.worker_id, self.incarnation, self.state.value, num_used_kv_slots, len(self.steps)))
+
+    def fail(self, message: str = "CUDA error: device-side assert") -> bool:
+        return self.send(m.WorkerFailed(self.worker_id, self.incarnation, self.state.value, "RuntimeError", message))
+
+    def refuse_step(self) -> bool:
+        step = self.pending_step()
+        assert step is not None
+        return self.send(m.StepRefused(self.worker_id, self.incarnation, step.step_id, self.state.value, "not READY"))
+
+    def complete(
+        self, tokens: Mapping[str, Sequence[int]] | None = None, *, step: m.StepRequest | None = None,
+    ) -> bool:
+        """Answer the pending step (or `step`): each sampling sequence returns tokens[request_id] or [DEFAULT_TOKEN]."""
+        step = step or self.pending_step()
+        assert step is not None, f"{self.worker_id} has no step to answer"
+        self._answered_step_ids.add(step.step_id)
+        tokens = tokens or {}
+        outputs = [m.SeqOutput(s.request_id, list(tokens.get(s.request_id, [DEFAULT_TOKEN]))) for s in step.seqs if s.sample]
+        return self.send(m.StepResult(self.worker_id, self.incarnation, step.step_id, outputs, duration_ms=3.0))
+
+    def run(self, scripts: Mapping[str, Sequence[int]] | None = None, max_steps: int = 200) -> int:
+        """Answer steps until none is pending; each request samples the next token of its script (else DEFAULT_TOKEN)."""
+        remaining = {rid: list(tokens) for rid, tokens in (scripts or {}).items()}
+        for num_steps in range(max_steps):
+            step = self.pending_step()
+            if step is None:
+                return num_steps
+            sampled = {s.request_id: [remaining[s.request_id].pop(0)] for s in step.seqs
+                       if s.sample and remaining.get(s.request_id)}
+            self.complete(sampled)
+        raise AssertionError(f"still stepping after {max_steps} steps")
+
+    # ---------------------------------------------------------------- receiving
+
+    def inbox(self) -> list[m.StepRequest | m.ReleaseSlots | m.Drain]:
+        """Every message the core sent to this incarnation, in order, applied to the KV model as it arrives."""
+        new = self.sim.sent[self._num_seen:]
+        self._num_seen = len(self.sim.sent)
+        for item in new:
+            message = item.message
+            if not item.to_worker or item.identity != self.identity:
+                continue
+            assert isinstance(message, (m.StepRequest, m.ReleaseSlots, m.Drain))
+            if message.incarnation != self.incarnation:
+                continue
+            self._apply(message)
+        return [*self.steps, *self.releases, *self.drains]
+
+    def _apply(self, message: m.StepRequest | m.ReleaseSlots | m.Drain) -> None:
+        match message:
+            case m.StepRequest():
+                for seq in message.seqs:
+                    held = self.kv.setdefault(seq.slot, [])
+                    assert seq.start_position == len(held), (
+                        f"step {message.step_id}: {seq.request_id} starts at {seq.start_position} "
+                        f"but slot {seq.slot} holds {len(held)} tokens"
+                    )
+                    held.extend(seq.token_ids)
+                self.steps.append(message)
+            case m.ReleaseSlots():
+                for slot in message.slots:
+                    self.kv.pop(slot, None)
+                self.releases.append(message)
+            case m.Drain():
+                self.drains.append(message)
+
+    def all_steps(self) -> list[m.StepRequest]:
+        self.inbox()
+        return list(self.steps)
+
+    def pending_step(self) -> m.StepRequest | None:
+        """The latest step sent here that this fake has not answered yet."""
+        steps = self.all_steps()
+        if steps and steps[-1].step_id not in self._answered_step_ids:
+            return steps[-1]
+        return None
+
+    def step(self) -> m.StepRequest:
+        """The pending step; fails the test when there is none."""
+        step = self.pending_step()
+        assert step is not None, f"{self.worker_id} has no pending step"
+        return step
+
+    def seqs_of(self, request_id: str) -> list[m.SeqWork]:
+        return [s for step in self.all_steps() for s in step.seqs if s.request_id == request_id]
+
+    def released_slots(self) -> list[int]:
+        self.inbox()
+        return [slot for r in self.releases for slot in r.slots]
+
+    def held_slots(self) -> dict[int, str]:
+        """Slots that a step filled for a request and no ReleaseSlots has freed since: slot -> request_id."""
+        held: dict[int, str] = {}
+        events: list[tuple[str, int, str]] = []
+        for item in self.sim.sent:
+            message = item.message
+            if item.identity != self.identity or not item.to_worker or getattr(message, "incarnation", None) != self.incarnation:
+                continue
+            if isinstance(message, m.StepRequest):
+                events += [("use", s.slot, s.request_id) for s in message.seqs]
+            elif isinstance(message, m.ReleaseSlots):
+                events += [("free", slot, "") for slot in message.slots]
+        for kind, slot, request_id in events:
+            if kind == "use":
+                assert held.setdefault(slot, request_id) == request_id, f"slot {slot} shared by {held[slot]} and {request_id}"
+            else:
+                held.pop(slot, None)
+        return held
+
+
+def assert_all_free(sim: Sim, *workers: FakeWorker) -> None:
+    """Nothing queued or running, no process holds a request, and every slot a step filled was released."""
+    info = sim.info()
+    assert (info.num_waiting, info.num_running) == (0, 0)
+    assert sim.core.num_waiting == 0 and sim.core.num_running == 0
+    assert [p.num_running for p in info.processes] == [0] * len(info.processes)
+    for worker in workers:
+        assert worker.held_slots() == {}, f"{worker.worker_id} still holds slots"

@@ -1,0 +1,735 @@
+"""SchedulerCore through its public methods: placement, streaming, KV budget, aborts, errors, seeds, worker loss.
+
+Workers are simulated with the messages a real one sends (tests/unit/scheduler_fakes.py);
+every StepRequest a fake worker receives is checked against its model of the KV slots.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+
+from proto import messages as m
+from proto.lifecycle import State
+from scheduler.core import Outgoing
+from tests.unit.scheduler_fakes import DEFAULT_TOKEN, EOS, GATEWAY, FakeWorker, Sim, assert_all_free, prompt
+
+
+def ready(sim: Sim, worker_id: str = "w0", **hello: object) -> FakeWorker:
+    return sim.worker(worker_id, identity=None, **hello).start()
+
+
+def assert_stream(sim: Sim, request_id: str, tokens: list[int], finish_reason: str, num_prompt_tokens: int) -> None:
+    """The deltas carry exactly `tokens` in order, running usage counts, and only the last one finishes."""
+    deltas = sim.deltas(request_id)
+    assert sim.streamed(request_id) == tokens
+    assert [d.finish_reason for d in deltas] == [None] * (len(deltas) - 1) + [finish_reason]
+    assert all(d.num_prompt_tokens == num_prompt_tokens for d in deltas)
+    counts, total = [], 0
+    for d in deltas:
+        total += len(d.token_ids)
+        counts.append(total)
+    assert [d.num_completion_tokens for d in deltas] == counts
+
+
+def steps_to(worker: FakeWorker) -> list[list[str]]:
+    return [[s.request_id for s in step.seqs] for step in worker.all_steps()]
+
+
+# ---------------------------------------------------------------- only READY workers run steps
+
+
+@pytest.mark.parametrize("stage", [State.STARTING, State.LOADING, State.ALLOCATING, State.WARMING])
+def test_nothing_is_dispatched_to_a_worker_that_is_not_ready(stage: State) -> None:
+    sim = Sim()
+    worker = sim.worker().start(until=stage)
+    sim.submit("a")
+    assert worker.all_steps() == []
+    assert (sim.core.num_waiting, sim.core.num_running) == (1, 0)
+    assert not sim.core.has_ready_target()
+    worker.boot(State.READY)
+    assert steps_to(worker) == [["a"]]
+    assert (sim.core.num_waiting, sim.core.num_running) == (0, 1)
+
+
+def test_a_worker_that_failed_during_init_never_gets_a_step() -> None:
+    sim = Sim()
+    worker = sim.worker().start(until=State.LOADING)
+    worker.fail("model.safetensors: no such file")
+    sim.submit("a")
+    assert not worker.report(State.READY)  # a FAILED incarnation is not heard any more
+    assert worker.all_steps() == []
+    assert sim.core.num_waiting == 1
+    process = sim.process("w0")
+    assert process.state == "FAILED"
+    assert process.failure == "LOADING: RuntimeError: model.safetensors: no such file"
+
+
+def test_has_ready_target_follows_the_lifecycle() -> None:
+    sim = Sim()
+    worker = sim.worker().start(until=State.WARMING)
+    assert not sim.core.has_ready_target()
+    worker.boot()
+    assert sim.core.has_ready_target()
+    worker.fail()
+    assert not sim.core.has_ready_target()
+
+
+# ---------------------------------------------------------------- steps and streaming
+
+
+def test_each_step_starts_every_sequence_at_its_computed_tokens() -> None:
+    sim = Sim()
+    worker = ready(sim)
+    sim.submit("a", prompt(5), max_tokens=3)
+    worker.run({"a": [11, 12, 13]})
+    assert [(s.start_position, s.token_ids, s.sample, s.slot) for s in worker.seqs_of("a")] == [
+        (0, prompt(5), True, 0), (5, [11], True, 0), (6, [12], True, 0),
+    ]
+
+
+def test_tokens_stream_in_order_and_the_last_delta_finishes_with_length_at_max_tokens() -> None:
+    sim = Sim()
+    worker = ready(sim)
+    sim.submit("a", prompt(4), max_tokens=4)
+    worker.run({"a": [11, 12, 13, 14, 15]})
+    assert_stream(sim, "a", [11, 12, 13, 14], "length", num_prompt_tokens=4)
+    assert len(worker.all_steps()) == 4
+
+
+def test_a_stop_token_finishes_with_stop() -> None:
+    sim = Sim()
+    worker = ready(sim)
+    sim.submit("a", prompt(3), max_tokens=10, stop_token_ids=[EOS, 9])
+    worker.run({"a": [11, 9, 12]})
+    assert_stream(sim, "a", [11, 9], "stop", num_prompt_tokens=3)
+    assert len(worker.all_steps()) == 2
+
+
+def test_max_tokens_none_fills_the_context_and_finishes_with_length_at_max_model_len() -> None:
+    sim = Sim(max_model_len=16)
+    worker = ready(sim)
+    sim.submit("a", prompt(11), max_tokens=None)
+    worker.run()
+    assert_stream(sim, "a", [DEFAULT_TOKEN] * 5, "length", num_prompt_tokens=11)
+    assert max(s.start_position + len(s.token_ids) for s in worker.seqs_of("a")) == 15  # the 16th is never fed back
+
+
+def test_several_tokens_from_one_step_are_cut_at_the_stop_token() -> None:
+    sim = Sim()
+    worker = ready(sim)
+    sim.submit("a", prompt(3), max_tokens=10)
+    worker.complete({"a": [11, 12, EOS, 13, 14]})
+    assert_stream(sim, "a", [11, 12, EOS], "stop", num_prompt_tokens=3)
+    assert worker.pending_step() is None
+
+
+def test_several_tokens_from_one_step_are_cut_at_max_tokens() -> None:
+    sim = Sim()
+    worker = ready(sim)
+    sim.submit("a", prompt(3), max_tokens=2)
+    worker.complete({"a": [11, 12, 13]})
+    assert_stream(sim, "a", [11, 12], "length", num_prompt_tokens=3)
+
+
+def test_deltas_go_to_the_gateway_that_submitted() -> None:
+    sim = Sim()
+    worker = ready(sim)
+    sim.submit("a", max_tokens=1)
+    worker.run()
+    assert {o.identity for o in sim.sent if not o.to_worker} == {GATEWAY}
+
+
+# ---------------------------------------------------------------- placement
+
+
+def test_least_loaded_placement_across_two_ready_workers_and_a_request_stays_on_its_worker() -> None:
+    sim = Sim()
+    w0, w1 = ready(sim, "w0"), ready(sim, "w1")
+    for rid in "abcd":
+        sim.submit(rid, prompt(3), max_tokens=3)
+    w0.run()
+    w1.run()
+    assert {r for step in steps_to(w0) for r in step} == {"a", "c"}
+    assert {r for step in steps_to(w1) for r in step} == {"b", "d"}
+    assert [p.num_running for p in sim.info().processes] == [0, 0]
+    sim.submit("e", max_tokens=1)  # both idle: a tie goes to the first registered
+    assert steps_to(w0)[-1] == ["e"]
+    w0.run()
+    assert_all_free(sim, w0, w1)
+
+
+def test_placement_prefers_the_worker_with_fewer_requests() -> None:
+    sim = Sim()
+    w0 = ready(sim, "w0")
+    sim.submit("a", max_tokens=5)
+    sim.submit("b", max_tokens=5)
+    w1 = ready(sim, "w1")  # w0 holds two, w1 none
+    sim.submit("c", max_tokens=1)
+    assert steps_to(w1) == [["c"]]
+    w0.run(), w1.run()
+    assert_all_free(sim, w0, w1)
+
+
+# ---------------------------------------------------------------- KV budget
+
+
+def test_with_two_slots_a_third_request_waits_until_one_finishes_then_gets_the_freed_slot() -> None:
+    sim = Sim()
+    worker = ready(sim, num_kv_slots=2)
+    sim.submit("a", prompt(3), max_tokens=2)
+    sim.submit("b", prompt(3, first=200), max_tokens=6)
+    sim.submit("c", prompt(3, first=300), max_tokens=2)
+    assert (sim.core.num_waiting, sim.core.num_running) == (1, 2)
+    worker.complete()
+    assert steps_to(worker)[-1] == ["a", "b"]
+    (slot_a,) = {s.slot for s in worker.seqs_of("a")}
+    worker.complete()  # a finishes: its slot is released and c takes it
+    assert sim.finish_reason("a") == "length"
+    assert worker.released_slots() == [slot_a]
+    assert steps_to(worker)[-1] == ["b", "c"]
+    first_c = worker.seqs_of("c")[0]
+    assert (first_c.slot, first_c.start_position) == (slot_a, 0)
+    assert (sim.core.num_waiting, sim.core.num_running) == (0, 2)
+    worker.run()
+    assert sorted(worker.released_slots()) == [0, 0, 1]
+    assert_all_free(sim, worker)
+
+
+def test_every_finished_request_releases_its_slot_and_all_slots_are_free_at_the_end() -> None:
+    sim = Sim()
+    worker = ready(sim, num_kv_slots=3)
+    for i in range(7):
+        sim.submit(f"r{i}", prompt(2 + i), max_tokens=1 + i % 3, stop_token_ids=[EOS])
+    worker.run({"r1": [11, EOS], "r4": [EOS]})
+    assert len(worker.released_slots()) == 7
+    assert all(sim.finish_reason(f"r{i}") in ("stop", "length") for i in range(7))
+    release = worker.releases[0]
+    assert release.incarnation == 1
+    assert_all_free(sim, worker)
+
+
+# ---------------------------------------------------------------- aborts
+
+
+def test_aborting_a_waiting_request_removes_it_silently() -> None:
+    sim = Sim()
+    sim.submit("a")
+    sent = sim.abort("a")
+    assert sent == []
+    assert (sim.core.num_waiting, sim.core.num_running) == (0, 0)
+    worker = ready(sim)
+    assert worker.all_steps() == []
+    assert sim.to_gateway() == []
+
+
+def test_aborting_a_running_request_releases_its_slot_at_once_even_while_its_step_is_in_flight() -> None:
+    sim = Sim()
+    worker = ready(sim)
+    sim.submit("a", prompt(3), max_tokens=10)
+    sim.submit("b", prompt(3, first=200), max_tokens=3)
+    worker.complete({"a": [11]})
+    assert worker.pending_step() is not None  # a (and b) in flight
+    sent = sim.abort("a")
+    assert [o.message for o in sent] == [m.ReleaseSlots(incarnation=1, slots=[0])]
+    assert sim.core.num_running == 1
+    assert worker.complete({"a": [12], "b": [21]})  # the late result: accepted for b, ignored for a
+    assert sim.streamed("a") == [11]
+    assert all(d.finish_reason is None for d in sim.deltas("a"))  # the gateway asked: no "abort" delta
+    assert all("a" not in step for step in steps_to(worker)[2:])
+    worker.run({"b": [22, 23]})
+    assert_stream(sim, "b", [21, 22, 23], "length", num_prompt_tokens=3)
+    assert_all_free(sim, worker)
+
+
+def test_aborting_frees_a_slot_for_a_waiting_request() -> None:
+    sim = Sim()
+    worker = ready(sim, num_kv_slots=1)
+    sim.submit("a", max_tokens=10)
+    sim.submit("b", max_tokens=1)
+    assert sim.core.num_waiting == 1
+    sim.abort("a")
+    worker.complete()  # a's step returns; b gets the slot
+    assert steps_to(worker)[-1] == ["b"]
+    assert worker.seqs_of("b")[0].slot == 0
+    worker.run()
+    assert sim.finish_reason("b") == "length"
+    assert_all_free(sim, worker)
+
+
+def test_aborting_an_unknown_or_finished_request_does_nothing() -> None:
+    sim = Sim()
+    worker = ready(sim)
+    sim.submit("a", max_tokens=1)
+    worker.run()
+    before = sim.info()
+    assert sim.abort("a") == []
+    assert sim.abort("never-seen") == []
+    assert sim.info() == before
+
+
+def test_a_late_result_for_an_aborted_request_is_not_credited_to_a_new_request_with_the_same_id() -> None:
+    sim = Sim()
+    worker = ready(sim)
+    sim.submit("a", prompt(3), max_tokens=10)  # step 1 (a's prefill) in flight
+    sim.abort("a")
+    sim.submit("a", prompt(6, first=500), max_tokens=2)  # the client retries with its own request_id
+    worker.complete({"a": [99]})  # step 1's result for the aborted request
+    assert sim.streamed("a") == []
+    worker.run({"a": [11, 12]})
+    assert sim.streamed("a") == [11, 12]
+    assert worker.seqs_of("a")[1].token_ids == prompt(6, first=500)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_prompt_plus_max_tokens_past_max_model_len_is_invalid_and_names_both_numbers() -> None:
+    sim = Sim(max_model_len=64)
+    sim.submit("a", prompt(60), max_tokens=10)
+    (error,) = sim.errors("a")
+    assert error.code == "INVALID_ARGUMENT"
+    assert "60" in error.message and "10" in error.message and "64" in error.message
+    sim.submit("b", prompt(60), max_tokens=4)  # exactly the context: fine
+    assert sim.errors("b") == []
+
+
+@pytest.mark.parametrize(("prompt_token_ids", "max_tokens"), [([], 4), (prompt(3), 0), (prompt(3), -1), (prompt(64), None)])
+def test_other_invalid_requests_are_refused(prompt_token_ids: list[int], max_tokens: int | None) -> None:
+    sim = Sim(max_model_len=64)
+    sim.submit("a", prompt_token_ids, max_tokens=max_tokens)
+    assert [e.code for e in sim.errors("a")] == ["INVALID_ARGUMENT"]
+    assert sim.core.num_waiting == 0
+
+
+def test_a_full_queue_refuses_with_resource_exhausted() -> None:
+    sim = Sim(max_queue_len=2)
+    sim.submit("a")
+    sim.submit("b")
+    sim.submit("c")
+    assert [(e.request_id, e.code) for e in sim.errors()] == [("c", "RESOURCE_EXHAUSTED")]
+    assert sim.core.num_waiting == 2
+
+
+def test_the_queue_limit_counts_waiting_requests_only() -> None:
+    sim = Sim(max_queue_len=1)
+    ready(sim, num_kv_slots=4)
+    for rid in "abcd":
+        sim.submit(rid)
+    assert sim.errors() == []
+    assert (sim.core.num_waiting, sim.core.num_running) == (0, 4)
+
+
+def test_a_duplicate_request_id_is_invalid_while_waiting_and_while_running_but_free_after_finishing() -> None:
+    sim = Sim()
+    sim.submit("a", max_tokens=2)
+    sim.submit("a", max_tokens=2)
+    worker = ready(sim)
+    sim.submit("a", max_tokens=2)
+    assert [(e.code, "already in use" in e.message) for e in sim.errors("a")] == [("INVALID_ARGUMENT", True)] * 2
+    worker.run({"a": [11, 12]})
+    assert_stream(sim, "a", [11, 12], "length", num_prompt_tokens=3)  # the original is untouched
+    sim.submit("a", max_tokens=1)
+    assert len(sim.errors("a")) == 2
+    worker.run()
+    assert_all_free(sim, worker)
+
+
+BAD_SUBMISSIONS: list[Callable[[Sim], list[Outgoing]]] = [
+    lambda sim: sim.submit("a", max_tokens=2),  # duplicate of the running one
+    lambda sim: sim.submit("w", max_tokens=2),  # duplicate of the waiting one
+    lambda sim: sim.submit("x", prompt(60), max_tokens=10),
+    lambda sim: sim.submit("y", [], max_tokens=1),
+    lambda sim: sim.submit("z", max_tokens=0),
+]
+
+
+@pytest.mark.parametrize("bad", BAD_SUBMISSIONS, ids=["dup-running", "dup-waiting", "too-long", "empty", "zero-max-tokens"])
+def test_a_rejected_request_changes_no_state(bad: Callable[[Sim], list[Outgoing]]) -> None:
+    sim = Sim()
+    worker = ready(sim, num_kv_slots=1)
+    sim.submit("a", prompt(3), max_tokens=2)
+    sim.submit("w", prompt(3, first=200), max_tokens=2)  # waits for a's slot
+    before = sim.info()
+    sent = bad(sim)
+    assert [type(o.message) for o in sent] == [m.RequestError]  # to the gateway, nothing to any worker
+    assert sim.info() == before
+    worker.run({"a": [11, 12], "w": [21, 22]})
+    assert_stream(sim, "a", [11, 12], "length", num_prompt_tokens=3)
+    assert_stream(sim, "w", [21, 22], "length", num_prompt_tokens=3)
+    assert_all_free(sim, worker)
+
+
+def test_no_ready_worker_fails_a_waiting_request_unavailable_after_the_timeout_and_not_before() -> None:
+    sim = Sim(no_worker_timeout_s=10.0)
+    loading = sim.worker().start(until=State.LOADING)  # a worker that is not READY does not count
+    sim.submit("a")
+    sim.advance(4.0)
+    loading.heartbeat()
+    sim.advance(6.0)  # exactly the timeout
+    loading.heartbeat()
+    assert sim.check_timeouts() == []
+    sim.advance(0.01)
+    sent = sim.check_timeouts()
+    assert [o.message for o in sent] == sim.errors("a")
+    assert [e.code for e in sim.errors("a")] == ["UNAVAILABLE"]
+    assert "--no-worker-timeout-s" in sim.errors("a")[0].message
+    assert sim.core.num_waiting == 0
+    sim.advance(60.0)
+    assert sim.to_gateway(sim.check_timeouts()) == []
+
+
+def test_a_request_waiting_for_a_slot_on_a_ready_worker_does_not_time_out() -> None:
+    sim = Sim(no_worker_timeout_s=10.0)
+    worker = ready(sim, num_kv_slots=1)
+    sim.submit("a", max_tokens=30)
+    sim.submit("b", max_tokens=1)
+    for _ in range(20):
+        sim.advance(1.0)
+        worker.complete()
+        sim.check_timeouts()
+    assert sim.errors() == []
+    assert sim.core.num_waiting == 1
+    worker.run()
+    assert_all_free(sim, worker)
+
+
+def test_the_no_worker_timeout_counts_only_time_without_a_ready_worker() -> None:
+    sim = Sim(no_worker_timeout_s=10.0)
+    worker = ready(sim, num_kv_slots=1)
+    sim.submit("a", max_tokens=60)
+    sim.submit("b", max_tokens=1)  # waits for a's slot while w0 is READY
+    for _ in range(30):
+        sim.advance(1.0)
+        worker.complete()
+    worker.fail()  # from now on no READY worker; both a and b wait
+    sim.advance(1.0)
+    sim.check_timeouts()
+    assert sim.errors() == []  # only 1 s without a READY worker, far below 10 s
+
+
+# ---------------------------------------------------------------- seeds
+
+
+def seeds_of(worker: FakeWorker) -> dict[str, int]:
+    return {s.request_id: s.sampling.seed for step in worker.all_steps() for s in step.seqs}
+
+
+def run_with_rng(rng_seed: int) -> dict[str, int]:
+    sim = Sim(rng=random.Random(rng_seed))
+    worker = ready(sim)
+    sampling = m.SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=0)
+    sim.submit("a", sampling=sampling, seed_given=False)
+    sim.submit("b", sampling=sampling, seed_given=False)
+    sim.submit("c", sampling=m.SamplingParams(temperature=0.8, seed=42), seed_given=True)
+    assert {s.request_id: s.sampling.temperature for s in worker.step().seqs} == {"a": 0.8}
+    worker.run()
+    return seeds_of(worker)
+
+
+def test_a_request_without_a_seed_gets_a_random_one_and_a_given_seed_is_kept() -> None:
+    seeds = run_with_rng(1234)
+    assert seeds["c"] == 42
+    assert seeds["a"] != seeds["b"]
+    assert all(0 <= seeds[r] < 2**63 for r in "ab")
+    assert run_with_rng(1234) == seeds  # drawn from the injected rng only
+    assert run_with_rng(99)["a"] != seeds["a"]
+
+
+def test_the_drawn_seed_keeps_the_other_sampling_params() -> None:
+    sim = Sim(rng=random.Random(5))
+    worker = ready(sim)
+    sim.submit("a", sampling=m.SamplingParams(temperature=0.5, top_p=0.7, top_k=3), seed_given=False)
+    sampling = worker.seqs_of("a")[0].sampling
+    assert (sampling.temperature, sampling.top_p, sampling.top_k) == (0.5, 0.7, 3)
+
+
+# ---------------------------------------------------------------- worker loss and recovery
+
+
+def lose_by_worker_failed(sim: Sim, worker: FakeWorker) -> None:
+    worker.fail("CUDA error: an illegal memory access")
+
+
+def lose_by_reported_failure(sim: Sim, worker: FakeWorker) -> None:
+    worker.report(State.FAILED)
+
+
+def lose_by_step_refused(sim: Sim, worker: FakeWorker) -> None:
+    worker.refuse_step()
+
+
+def lose_by_heartbeat_timeout(sim: Sim, worker: FakeWorker) -> None:
+    sim.advance(sim.config.heartbeat_timeout_s)
+    sim.check_timeouts()
+    assert sim.process(worker.worker_id).state == "READY"  # exactly the timeout: not yet
+    sim.advance(0.01)
+    sim.check_timeouts()
+
+
+def lose_by_step_timeout(sim: Sim, worker: FakeWorker) -> None:
+    for _ in range(int(sim.config.step_timeout_s)):  # alive and heartbeating, but the step never returns
+        sim.advance(1.0)
+        worker.heartbeat()
+        sim.check_timeouts()
+    assert sim.process(worker.worker_id).state == "READY"  # exactly the timeout: not yet
+    sim.advance(0.5)
+    worker.heartbeat()
+    sim.check_timeouts()
+    assert m.Drain(worker.incarnation) in worker.inbox()
+
+
+LOSSES = {
+    "worker_failed": (lose_by_worker_failed, "FAILED", "READY: RuntimeError: CUDA error: an illegal memory access"),
+    "reported_failed": (lose_by_reported_failure, "FAILED", ""),
+    "step_refused": (lose_by_step_refused, "FAILED", "refused a step: not READY"),
+    "heartbeat_timeout": (lose_by_heartbeat_timeout, "DEAD", "--heartbeat-timeout-s"),
+    "step_timeout": (lose_by_step_timeout, "DEAD", "--step-timeout-s"),
+}
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_a_lost_workers_requests_are_recomputed_elsewhere_without_duplicate_or_missing_tokens(loss: str) -> None:
+    lose, state, failure = LOSSES[loss]
+    sim = Sim()
+    w0 = ready(sim, "w0")
+    sim.submit("a", prompt(4), max_tokens=6)
+    sim.submit("b", prompt(3, first=200), max_tokens=5)
+    w0.complete({"a": [10]})
+    w0.complete({"a": [11], "b": [20]})
+    w0.complete({"a": [12], "b": [21]})
+    assert w0.pending_step() is not None  # the fourth step is in flight when the worker goes
+
+    lose(sim, w0)
+    assert (sim.core.num_waiting, sim.core.num_running) == (2, 0)
+    process = sim.process("w0")
+    assert (process.state, process.num_running) == (state, 0)
+    assert failure in process.failure
+    assert not w0.complete({"a": [98], "b": [99]})  # the late result of a lost worker is dropped
+    assert sim.streamed("a") == [10, 11, 12] and sim.streamed("b") == [20, 21]
+
+    w1 = ready(sim, "w1")
+    resent = w1.step()
+    assert [(s.request_id, s.start_position, s.token_ids, s.sample) for s in resent.seqs] == [
+        ("a", 0, prompt(4) + [10, 11, 12], True),
+        ("b", 0, prompt(3, first=200) + [20, 21], True),
+    ]
+    w1.run({"a": [13, 14, 15], "b": [22, 23, 24]})
+    assert_stream(sim, "a", [10, 11, 12, 13, 14, 15], "length", num_prompt_tokens=4)
+    assert_stream(sim, "b", [20, 21, 22, 23, 24], "length", num_prompt_tokens=3)
+    assert w0.all_steps()[-1].step_id < resent.step_id
+    assert len(w0.all_steps()) == 4  # nothing more went to the lost worker
+    assert_all_free(sim, w1)
+
+
+def test_requests_of_a_lost_worker_move_to_another_ready_worker_at_once() -> None:
+    sim = Sim()
+    w0, w1 = ready(sim, "w0"), ready(sim, "w1")
+    sim.submit("a", max_tokens=3)
+    sim.submit("b", max_tokens=3)
+    w0.complete()
+    w0.fail()  # b's step is in flight on w1: a is placed there and joins its next step
+    assert (sim.core.num_waiting, sim.process("w1").num_running) == (0, 2)
+    w1.complete()
+    assert [(s.request_id, s.start_position, s.token_ids) for s in w1.step().seqs] == [
+        ("b", 3, [DEFAULT_TOKEN]), ("a", 0, [100, 101, 102, DEFAULT_TOKEN]),
+    ]
+    w1.run()
+    assert [sim.finish_reason(r) for r in "ab"] == ["length", "length"]
+    assert sim.streamed("a") == [DEFAULT_TOKEN] * 3
+    assert_all_free(sim, w1)
+
+
+def test_a_recomputed_request_is_chunked_by_the_token_budget() -> None:
+    sim = Sim(max_num_batched_tokens=8)
+    w0 = ready(sim, "w0")
+    sim.submit("a", prompt(10), max_tokens=4)
+    w0.complete()
+    w0.complete({"a": [11]})  # two prefill chunks: [11] streamed, its decode in flight
+    w0.fail()
+    w1 = ready(sim, "w1")
+    w1.run({"a": [13, 14, 15]})
+    assert [(s.start_position, len(s.token_ids), s.sample) for s in w1.seqs_of("a")][:2] == [(0, 8, False), (8, 3, True)]
+    assert sim.streamed("a") == [11, 13, 14, 15]
+
+
+def test_heartbeats_keep_a_worker_alive() -> None:
+    sim = Sim()
+    worker = ready(sim)
+    for _ in range(10):
+        sim.advance(4.0)
+        worker.heartbeat(num_used_kv_slots=0)
+        sim.check_timeouts()
+    assert sim.process("w0").state == "READY"
+
+
+def test_a_draining_worker_gets_no_new_step_and_its_requests_move_on_when_it_stops() -> None:
+    sim = Sim()
+    w0 = ready(sim, "w0")
+    sim.submit("a", prompt(3), max_tokens=4)
+    w0.report(State.DRAINING)
+    w0.complete({"a": [11]})  # the step in flight finishes
+    assert len(w0.all_steps()) == 1
+    sim.submit("b", max_tokens=1)
+    w0.report(State.STOPPED)
+    assert sim.core.num_waiting == 2
+    w1 = ready(sim, "w1")
+    w1.run({"a": [12, 13, 14]})
+    assert_stream(sim, "a", [11, 12, 13, 14], "length", num_prompt_tokens=3)
+    assert sim.finish_reason("b") == "length"
+    assert_all_free(sim, w1)
+
+
+# ---------------------------------------------------------------- incarnations
+
+
+def test_a_new_incarnation_replaces_the_old_and_the_old_ones_messages_are_dropped() -> None:
+    sim = Sim()
+    old = ready(sim, "w0")
+    sim.submit("a", prompt(3), max_tokens=3)
+    old.complete({"a": [11]})
+    new = sim.worker("w0", incarnation=2)
+    assert new.hello()
+    (process,) = sim.info().processes
+    assert (process.process_id, process.incarnation, process.state, process.num_running) == ("w0", 2, "STARTING", 0)
+    assert sim.core.num_waiting == 1
+
+    assert not old.heartbeat()
+    assert not old.complete({"a": [99]})
+    assert not old.report(State.READY)
+    assert not old.fail()
+    assert not old.hello()  # a stale hello
+    assert not new.hello()  # a repeated one
+    assert sim.streamed("a") == [11]
+
+    new.boot()
+    step = new.step()
+    assert (step.incarnation, [(s.start_position, s.token_ids) for s in step.seqs]) == (2, [(0, prompt(3) + [11])])
+    new.run({"a": [12, 13]})
+    assert_stream(sim, "a", [11, 12, 13], "length", num_prompt_tokens=3)
+    assert old.all_steps()[-1].step_id < step.step_id
+    assert_all_free(sim, new)
+
+
+def test_a_dead_worker_comes_back_as_a_new_incarnation() -> None:
+    sim = Sim()
+    ready(sim, "w0").fail()
+    sim.submit("a", max_tokens=1)
+    back = sim.worker("w0", incarnation=7).start()
+    back.run()
+    assert sim.finish_reason("a") == "length"
+    process = sim.process("w0")
+    assert (process.incarnation, process.state, process.failure) == (7, "READY", "")
+
+
+INCOMPATIBLE: dict[str, dict[str, object]] = {
+    "protocol_version": {"protocol_version": m.PROTOCOL_VERSION + 1},
+    "fingerprint": {"model_fingerprint": "fp-some-other-model"},
+    "max_model_len": {"max_model_len": 32},
+    "role": {"role": "draft"},
+}
+
+
+@pytest.mark.parametrize("problem", INCOMPATIBLE)
+def test_an_incompatible_hello_is_refused_with_a_drain_and_never_gets_a_step(problem: str) -> None:
+    sim = Sim(max_model_len=64)
+    first = sim.worker("w0")
+    first.hello()  # the first target pins the model fingerprint
+    refused = sim.worker("w1", identity=None, **INCOMPATIBLE[problem])
+    refused.hello()
+    assert refused.inbox() == [m.Drain(1)]
+    process = sim.process("w1")
+    assert process.state == "FAILED"
+    assert process.failure.startswith("refused: ")
+    assert not refused.report(State.LOADING)
+    refused.state = State.WARMING
+    assert not refused.report(State.READY)
+    sim.submit("a", max_tokens=1)
+    assert refused.all_steps() == [] and not sim.core.has_ready_target()
+    first.boot()
+    first.run()
+    assert sim.finish_reason("a") == "length"
+    assert refused.all_steps() == []
+
+
+def test_a_compatible_replica_with_a_longer_context_is_accepted() -> None:
+    sim = Sim(max_model_len=64)
+    ready(sim, "w0")
+    w1 = ready(sim, "w1", max_model_len=4096, num_kv_slots=8)
+    assert w1.inbox() == []
+    assert sim.process("w1").state == "READY"
+
+
+# ---------------------------------------------------------------- info
+
+
+def test_info_lists_every_process_with_role_state_incarnation_and_failure() -> None:
+    sim = Sim()
+    w0 = ready(sim, "w0", num_kv_slots=4)
+    w1 = sim.worker("w1", incarnation=3, num_kv_slots=2).start(until=State.LOADING)
+    sim.submit("a", max_tokens=5)
+    sim.advance(1.5)
+    w0.heartbeat(num_used_kv_slots=1)
+    sim.advance(0.5)
+    w1.fail("out of memory")
+    sim.advance(2.0)
+    info = sim.info()
+    assert (info.model_name, info.max_model_len, info.num_waiting, info.num_running) == ("tiny-llama", 64, 0, 1)
+    assert info.processes == [
+        m.ProcessInfo("w0", "target", "READY", 1, heartbeat_age_s=2.5, num_used_kv_slots=1, num_kv_slots=4,
+                      num_running=1, failure=""),
+        m.ProcessInfo("w1", "target", "FAILED", 3, heartbeat_age_s=2.0, num_used_kv_slots=0, num_kv_slots=2,
+                      num_running=0, failure="LOADING: RuntimeError: out of memory"),
+    ]
+
+
+def test_an_info_query_is_answered_to_the_gateway_that_asked() -> None:
+    sim = Sim()
+    sim.submit("a")
+    sim.core.on_gateway_message(b"gateway-2", m.InfoQuery(query_id=31), sim.now_s)
+    (reply,) = sim.collect()
+    assert reply.identity == b"gateway-2" and not reply.to_worker
+    assert reply.message == sim.core.info(31, sim.now_s)
+    assert (reply.message.query_id, reply.message.num_waiting) == (31, 1)
+
+
+# ---------------------------------------------------------------- malformed worker messages (bugs)
+
+
+def test_a_lifecycle_report_with_an_unknown_state_is_dropped() -> None:
+    sim = Sim()
+    worker = ready(sim)
+    report = m.LifecycleReport("w0", 1, "SLEEPING", "READY", 1.0)
+    try:
+        accepted = worker.send(report)
+    except ValueError as exc:
+        raise AssertionError(f"on_worker_message raised {exc!r}") from exc
+    assert not accepted
+    assert sim.process("w0").state == "READY"
+
+
+def test_a_worker_reporting_an_illegal_transition_is_ignored_and_keeps_serving() -> None:
+    sim = Sim()
+    w0 = ready(sim, "w0")
+    sim.submit("a", prompt(3), max_tokens=3)
+    w0.complete({"a": [11]})
+    assert not w0.send(m.LifecycleReport("w0", 1, State.DEAD, State.READY, 1.0))  # never reported by a process itself
+    assert not w0.send(m.LifecycleReport("w0", 1, State.LOADING, State.READY, 1.0))  # READY -> LOADING is illegal
+    assert sim.process("w0").state == "READY"
+    w0.run({"a": [12, 13]})
+    assert sim.streamed("a") == [11, 12, 13]
+
+
+def test_a_step_result_missing_a_sampled_output_does_not_strand_the_request() -> None:
+    sim = Sim()
+    w0 = ready(sim, "w0")
+    sim.submit("a", prompt(3), max_tokens=2)
+    step = w0.step()
+    w0.send(m.StepResult("w0", 1, step.step_id, outputs=[], duration_ms=1.0))  # should have held one SeqOutput
+    w1 = ready(sim, "w1")
+    for worker in (w0, w1, w0, w1):
+        if worker.pending_step() is not None:
+            worker.run()
+    assert sim.finish_reason("a") == "length" or sim.errors("a")
