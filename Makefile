@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
 	$(PY) -m modeling.model_store > /dev/null
+	# A real compose parser for the compose-file test (Debian's docker-compose; no engine needed).
+	command -v docker-compose > /dev/null || { apt-get update -qq && apt-get install -y -qq docker-compose > /dev/null; }
 	touch $(STAMP)
 
 model: setup

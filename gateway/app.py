@@ -75,7 +75,8 @@ class Gateway:
                 resources.callback(scheduler.close)
                 await scheduler.connect()
             with self._phase("start_server"):
-                server = grpc.aio.server()
+                # No SO_REUSEPORT: a second gateway on a taken port must fail, not share it.
+                server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
                 reporter = HealthReporter(
                     health.aio.HealthServicer(), scheduler, poll_interval_s=self._config.health_poll_interval_s
                 )
@@ -126,7 +127,12 @@ class Gateway:
     def _phase(self, name: str) -> Iterator[None]:
         started_at = time.monotonic()
         self._log.info("gateway.phase_started", phase=name)
-        yield
+        try:
+            yield
+        except Exception as error:
+            duration_s = round(time.monotonic() - started_at, 3)
+            self._log.error("gateway.phase_failed", phase=name, duration_s=duration_s, error_type=type(error).__name__)
+            raise
         self._log.info("gateway.phase_done", phase=name, duration_s=round(time.monotonic() - started_at, 3))
 
 

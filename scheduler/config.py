@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class SchedulerConfig:
     no_worker_timeout_s: float  # a request waiting this long with no READY worker fails UNAVAILABLE
     heartbeat_timeout_s: float  # a worker silent this long is DEAD
     step_timeout_s: float  # a step unanswered this long marks its worker DEAD
+    status_file: Path | None = None  # "READY" once listening, for container health checks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-worker-timeout-s", type=float, default=30.0)
     parser.add_argument("--heartbeat-timeout-s", type=float, default=5.0)
     parser.add_argument("--step-timeout-s", type=float, default=60.0)
+    parser.add_argument("--status-file", type=Path, default=None, help="write READY here once listening")
 
 
 def from_arguments(args: argparse.Namespace) -> SchedulerConfig:
@@ -50,4 +53,5 @@ def from_arguments(args: argparse.Namespace) -> SchedulerConfig:
         no_worker_timeout_s=args.no_worker_timeout_s,
         heartbeat_timeout_s=args.heartbeat_timeout_s,
         step_timeout_s=args.step_timeout_s,
+        status_file=args.status_file,
     )

@@ -12,6 +12,7 @@ import zmq.asyncio
 
 from common.logs import get_logger
 from common.protocol_errors import ProtocolErrors
+from common.status_file import write_status_file
 from proto import messages as m
 from scheduler.config import SchedulerConfig
 from scheduler.core import SchedulerCore
@@ -42,6 +43,8 @@ class SchedulerService:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._stop.set)
+        if self._config.status_file is not None:
+            write_status_file(self._config.status_file, "READY")
         log.info("scheduler.listening", gateway_address=self._config.gateway_address, worker_address=self._config.worker_address)
         try:
             async with asyncio.TaskGroup() as tasks:

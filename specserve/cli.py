@@ -39,6 +39,11 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(run=run_generate)
     prepare = commands.add_parser("prepare-model", help="convert the embedded default model once and print its folder")
     prepare.set_defaults(run=_run_prepare_model)
+    health = commands.add_parser("healthcheck", help="exit 0 when a service is ready (for container health checks)")
+    target = health.add_mutually_exclusive_group(required=True)
+    target.add_argument("--grpc", metavar="HOST:PORT", help="a gateway: its gRPC health is SERVING")
+    target.add_argument("--status-file", type=Path, help="a worker or scheduler: its status file says READY")
+    health.set_defaults(run=_run_healthcheck)
     for name, module in SERVICE_MODULES.items():
         commands.add_parser(name, help=f"run one {name} process (`python -m {module} --help`)", add_help=False)
     return parser
@@ -63,6 +68,19 @@ def _run_prepare_model(args: argparse.Namespace) -> int:
 
     print(ensure_default_model())
     return 0
+
+
+def _run_healthcheck(args: argparse.Namespace) -> int:
+    from common.status_file import read_status_file
+
+    if args.status_file is not None:
+        state = read_status_file(args.status_file)
+        print(state or "no status yet")
+        return 0 if state == "READY" else 1
+    host, _, port = args.grpc.rpartition(":")
+    serving = _is_serving(host, int(port))
+    print("SERVING" if serving else "NOT_SERVING")
+    return 0 if serving else 1
 
 
 def _run_up(args: argparse.Namespace) -> int:

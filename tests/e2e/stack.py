@@ -115,7 +115,7 @@ class Stack:
         deadline = time.monotonic() + timeout_s
         while self.health() != health_pb2.HealthCheckResponse.SERVING:
             for name, process in self.processes.items():
-                if process.poll() is not None and name in ("scheduler", "gateway"):
+                if process.poll() is not None:
                     raise RuntimeError(f"{name} exited with {process.returncode}\n{self.logs()}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the stack did not become SERVING in {timeout_s} s\n{self.logs()}")

@@ -1,0 +1,23 @@
+# One image for every specserve service; the compose file picks the command.
+FROM python:3.11-slim
+
+# TORCH_SPEC: on GPU hosts the default PyPI wheel of torch 2.13.0 carries CUDA; for a
+# CPU-only image build with --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG TORCH_SPEC=torch==2.13.0
+ARG TORCH_INDEX=
+RUN pip install --no-cache-dir ${TORCH_INDEX:+--index-url ${TORCH_INDEX}} "${TORCH_SPEC}"
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY proto ./proto
+COPY common ./common
+COPY modeling ./modeling
+COPY gpu_worker ./gpu_worker
+COPY scheduler ./scheduler
+COPY gateway ./gateway
+COPY specserve ./specserve
+RUN pip install --no-cache-dir .
+
+ENV SPECSERVE_CACHE_DIR=/models \
+    SPECSERVE_LOG_JSON=1
+ENTRYPOINT ["specserve"]

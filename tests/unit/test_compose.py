@@ -1,0 +1,72 @@
+"""docker-compose.yml: valid for a real compose parser, and every command is one the CLI accepts."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+import gateway.config
+import gpu_worker.config
+import scheduler.config
+from specserve.cli import _build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def resolved() -> dict:  # type: ignore[type-arg]
+    compose = shutil.which("docker-compose")
+    assert compose, "docker-compose (Debian package) is needed to parse the compose file; `make setup` installs it"
+    out = subprocess.run([compose, "-f", str(ROOT / "docker-compose.yml"), "config"], capture_output=True, text=True, check=True)
+    config: dict = yaml.safe_load(out.stdout)  # type: ignore[type-arg]
+    return config
+
+
+def _service_parser(name: str) -> argparse.ArgumentParser:
+    parsers = {"scheduler": scheduler.config.add_arguments, "worker": gpu_worker.config.add_arguments}
+    if name == "gateway":
+        return gateway.config.build_parser()
+    parser = argparse.ArgumentParser(prog=name, exit_on_error=False)
+    parsers[name](parser)
+    return parser
+
+
+def _accepts(argv: list[str]) -> None:
+    """Parse argv as `specserve ARGV` would, without running anything; raises SystemExit if refused."""
+    if argv[0] in ("scheduler", "worker", "gateway"):
+        _service_parser(argv[0]).parse_args(argv[1:])
+    else:
+        _build_parser().parse_args(argv)
+
+
+def test_every_service_command_and_health_check_is_accepted(resolved: dict) -> None:  # type: ignore[type-arg]
+    services = resolved["services"]
+    assert {"model-init", "scheduler", "gateway"} <= services.keys()
+    assert any(name.startswith("gpu-worker") for name in services)
+    for name, service in services.items():
+        _accepts(service["command"])
+        if "healthcheck" in service:
+            test = service["healthcheck"]["test"]
+            assert test[:2] == ["CMD", "specserve"], name
+            _accepts(test[2:])
+
+
+def test_workers_reserve_a_gpu_and_follow_readiness(resolved: dict) -> None:  # type: ignore[type-arg]
+    for name, service in resolved["services"].items():
+        if not name.startswith("gpu-worker"):
+            continue
+        devices = service["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["capabilities"] == ["gpu"] and len(devices[0]["device_ids"]) == 1
+        assert "--status-file" in service["command"] and "healthcheck" in service
+        assert service["depends_on"]["scheduler"]["condition"] == "service_healthy"
+    assert resolved["services"]["gateway"]["healthcheck"]["test"][-2:] == ["--grpc", "127.0.0.1:50051"]
+
+
+def test_a_wrong_command_is_refused() -> None:
+    with pytest.raises((SystemExit, argparse.ArgumentError)):
+        _accepts(["worker", "--model", "/models/m", "--no-such-flag"])
