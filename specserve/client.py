@@ -35,9 +35,14 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """Send the request; 0 when the stream finished, 1 on a gRPC error (printed to stderr), 130 on Ctrl-C."""
+    """Send the request; 0 when the stream finished, 1 on a gRPC error (printed to stderr), 2 on a bad option, 130 on Ctrl-C."""
+    try:
+        request = build_request(args)
+    except ValueError as error:  # protobuf refuses a number out of its field's range
+        print(f"error: invalid option value: {error}", file=sys.stderr)
+        return 2
     with grpc.insecure_channel(args.address) as channel:
-        call = pb_grpc.SpecServeStub(channel).Generate(build_request(args))
+        call = pb_grpc.SpecServeStub(channel).Generate(request)
         try:
             result = consume(call, stream_to=None if args.json else sys.stdout)
         except grpc.RpcError as error:

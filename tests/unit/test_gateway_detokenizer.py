@@ -6,7 +6,7 @@ import random
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from gateway.detokenizer import IncrementalDetokenizer
@@ -91,7 +91,7 @@ decodable_text = st.text(
 )
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=200, deadline=None)
 @given(text=decodable_text, seed=st.integers(0, 2**32 - 1))
 def test_incremental_output_equals_full_decode(tokenizer: Tokenizer, text: str, seed: int) -> None:
     token_ids = tokenizer.encode(text)
@@ -103,7 +103,7 @@ def test_incremental_output_equals_full_decode(tokenizer: Tokenizer, text: str, 
     assert all(REPLACEMENT not in delta for delta in deltas)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=200, deadline=None)
 @given(data=st.data())
 def test_random_ids_concatenate_to_full_decode(tokenizer: Tokenizer, data: st.DataObject) -> None:
     token_ids = data.draw(st.lists(st.integers(0, tokenizer.vocab_size - 1), max_size=30))

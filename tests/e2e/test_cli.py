@@ -1,0 +1,70 @@
+"""`specserve up` starts the whole stack and prints one ready line; `generate` talks to it; Ctrl-C leaves no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.e2e.stack import free_port
+
+SPECSERVE = [sys.executable, "-m", "specserve.cli"]
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat").read_text().split()
+    return stat[2] != "Z"
+
+
+def test_up_generate_and_ctrl_c(default_model_dir: Path) -> None:
+    port = free_port()
+    up = subprocess.Popen([*SPECSERVE, "up", "--model", str(default_model_dir), "--dtype", "float32", "--port", str(port),
+                           "--num-kv-slots", "4", "--num-workers", "2"],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert up.stdout is not None
+        ready_line = up.stdout.readline()  # blocks until the stack is ready (or up exits)
+        assert ready_line.startswith("specserve ready: gRPC on 127.0.0.1:"), ready_line
+        children = _children(up.pid)
+        assert len(children) == 4  # scheduler, gateway, two workers
+
+        out = subprocess.run([*SPECSERVE, "generate", "--address", f"127.0.0.1:{port}", "--chat", "Say hello.",
+                              "--max-tokens", "8", "--json"], capture_output=True, text=True, timeout=120, check=True)
+        result = json.loads(out.stdout)
+        assert set(result) >= {"token_ids", "text", "finish_reason", "usage"}
+        assert 1 <= len(result["token_ids"]) <= 8 and result["usage"]["completion_tokens"] == len(result["token_ids"])
+
+        streamed = subprocess.run([*SPECSERVE, "generate", "--address", f"127.0.0.1:{port}", "--prompt", "Once upon a time",
+                                   "--max-tokens", "8"], capture_output=True, text=True, timeout=120, check=True)
+        assert streamed.stdout.strip()
+
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in children if _alive(pid)], "a service outlived `specserve up`"
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+def test_generate_without_a_server_fails_clearly() -> None:
+    out = subprocess.run([*SPECSERVE, "generate", "--address", f"127.0.0.1:{free_port()}", "--prompt", "hi"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert out.stderr.startswith("error: UNAVAILABLE")
