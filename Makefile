@@ -4,6 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specserve-installed
 SERVE_ARGS ?=
+BENCH_ARGS ?=
 
 .PHONY: setup serve test unit lint bench model
 
@@ -35,4 +36,4 @@ lint: setup
 	$(PY) -m mypy proto common modeling gpu_worker scheduler gateway specserve
 
 bench: setup
-	$(PY) bench/grpc_bench.py
+	$(PY) -m bench.grpc_bench --start $(BENCH_ARGS)

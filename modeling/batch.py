@@ -36,9 +36,10 @@ class AttentionGroup:
     num_query_tokens: int  # T
     kv_len: int  # L: key positions attended, the longest row's end
     query_rows: torch.Tensor  # [R*T] packed row of each padded query (padding repeats row 0)
-    mask: torch.Tensor  # [R, 1, T, L] additive: 0 where allowed, -inf elsewhere
+    mask: torch.Tensor | None  # [R, 1, T, L] additive: 0 where allowed, -inf elsewhere; None: all allowed
     real: torch.Tensor  # [K] indices into the R*T padded queries that are real tokens
     real_rows: torch.Tensor  # [K] packed row of each real query, aligned with `real`
+    is_identity: bool  # the padded queries are exactly the packed rows 0..N-1 in order (no gather, no scatter)
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def build_step_batch(spans: list[SeqSpan], device: torch.device) -> StepBatch:
         logit_rows.extend(range(len(token_ids) - span.num_logits, len(token_ids)))
     shared = [i for i, s in enumerate(spans) if len(s.token_ids) <= MAX_SHARED_QUERY_TOKENS]
     alone = [[i] for i, s in enumerate(spans) if len(s.token_ids) > MAX_SHARED_QUERY_TOKENS]
-    groups = [_plan_group([spans[i] for i in g], [offsets[i] for i in g], device) for g in ([shared] if shared else []) + alone]
+    groups = [_plan_group([spans[i] for i in g], [offsets[i] for i in g], len(token_ids), device) for g in ([shared] if shared else []) + alone]
 
     def as_tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
@@ -73,7 +74,7 @@ def build_step_batch(spans: list[SeqSpan], device: torch.device) -> StepBatch:
     return StepBatch(as_tensor(token_ids), as_tensor(positions), as_tensor(slots), as_tensor(logit_rows), groups)
 
 
-def _plan_group(spans: list[SeqSpan], offsets: list[int], device: torch.device) -> AttentionGroup:
+def _plan_group(spans: list[SeqSpan], offsets: list[int], num_tokens: int, device: torch.device) -> AttentionGroup:
     slot_lo = min(s.slot for s in spans)
     slot_hi = max(s.slot for s in spans) + 1
     # A run of slots is one view of the cache; holes in it cost wasted rows, so use it
@@ -98,9 +99,9 @@ def _plan_group(spans: list[SeqSpan], offsets: list[int], device: torch.device) 
             query_pos[r][t] = span.start + t
             real.append(r * num_query + t)
             real_rows.append(offsets[i] + t)
-    pos = torch.tensor(query_pos, dtype=torch.long, device=device)  # [R, T]
-    allowed = torch.arange(kv_len, device=device).view(1, 1, kv_len) <= pos.unsqueeze(-1)  # [R, T, L]
-    mask = torch.zeros(allowed.shape, dtype=torch.float32, device=device).masked_fill_(~allowed, float("-inf"))
+    # One-token rows that all end at kv_len (a decode batch of equal lengths) attend to everything.
+    needs_mask = any(query_pos[r][t] != kv_len - 1 for r in range(num_rows) for t in range(num_query))
+    mask = _causal_mask(query_pos, kv_len, device) if needs_mask else None
 
     def as_tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
@@ -112,7 +113,16 @@ def _plan_group(spans: list[SeqSpan], offsets: list[int], device: torch.device) 
         num_query_tokens=num_query,
         kv_len=kv_len,
         query_rows=as_tensor(query_rows),
-        mask=mask.unsqueeze(1),
+        mask=mask,
         real=as_tensor(real),
         real_rows=as_tensor(real_rows),
+        is_identity=num_rows * num_query == num_tokens and real == real_rows == list(range(num_tokens)),
     )
+
+
+def _causal_mask(query_pos: list[list[int]], kv_len: int, device: torch.device) -> torch.Tensor:
+    """`[R, 1, T, L]`: query (r, t) at position p may see key positions 0..p."""
+    pos = torch.tensor(query_pos, dtype=torch.long, device=device)  # [R, T]
+    allowed = torch.arange(kv_len, device=device).view(1, 1, kv_len) <= pos.unsqueeze(-1)  # [R, T, L]
+    mask = torch.zeros(allowed.shape, dtype=torch.float32, device=device).masked_fill_(~allowed, float("-inf"))
+    return mask.unsqueeze(1)

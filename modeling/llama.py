@@ -81,15 +81,14 @@ class LlamaModel(torch.nn.Module):
             raise RuntimeError("set_rope_cache() must run before forward()")
         cos = self._rope_cos[batch.positions].unsqueeze(1)  # [N, 1, D]
         sin = self._rope_sin[batch.positions].unsqueeze(1)
-        masks = [g.mask.repeat(1, 1, self.config.num_queries_per_kv, 1) for g in batch.groups]  # [R, 1, G*T, L]
+        masks = [None if g.mask is None else g.mask.to(self.embed_tokens.dtype) for g in batch.groups]
         x = F.embedding(batch.token_ids, self.embed_tokens)  # [N, hidden]
+        eps = self.config.rms_norm_eps
         for index, layer in enumerate(self.layers):
-            h = self._attention(index, layer, _rms_norm(x, layer.input_norm, self.config.rms_norm_eps), cos, sin, batch, masks, cache)
-            x = x + h
-            h = _rms_norm(x, layer.post_attention_norm, self.config.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up_proj).chunk(2, dim=-1)
+            x = x + self._attention(index, layer, _rms_norm(x, layer.input_norm, eps), cos, sin, batch, masks, cache)
+            gate, up = F.linear(_rms_norm(x, layer.post_attention_norm, eps), layer.gate_up_proj).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.down_proj)
-        return _rms_norm(x[batch.logit_rows], self.norm, self.config.rms_norm_eps)
+        return _rms_norm(x[batch.logit_rows], self.norm, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[M, hidden]` -> float32 logits `[M, vocab]`."""
@@ -103,43 +102,61 @@ class LlamaModel(torch.nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: StepBatch,
-        masks: list[torch.Tensor],
+        masks: list[torch.Tensor | None],
         cache: KVCache,
     ) -> torch.Tensor:
         cfg = self.config
         n = h.shape[0]
+        q_size = layer.qkv_sizes[0]
         qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)  # [N, (H + 2*KVH) * D]
-        q, k, v = qkv.split(layer.qkv_sizes, dim=-1)
-        q = _rope(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)  # [N, H, D]
-        k = _rope(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # [N, KVH, D]
+        # Queries and keys rotate together: one RoPE over H + KVH heads.
+        qk = _rope(qkv[:, : q_size + layer.qkv_sizes[1]].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # [N, H, D], [N, KVH, D]
+        v = qkv[:, q_size + layer.qkv_sizes[1] :].view(n, cfg.num_kv_heads, cfg.head_dim)
         keys, values = cache.keys[index], cache.values[index]  # [S, KVH, L, D]
         keys[batch.slots, :, batch.positions] = k
-        values[batch.slots, :, batch.positions] = v.view(n, cfg.num_kv_heads, cfg.head_dim)
-        out = torch.empty(n, cfg.num_heads * cfg.head_dim, dtype=h.dtype, device=h.device)  # [N, H*D]
-        for group, mask in zip(batch.groups, masks):
-            out[group.real_rows] = self._group_attention(group, mask, q, keys, values)
+        values[batch.slots, :, batch.positions] = v
+        if len(batch.groups) == 1 and batch.groups[0].is_identity:
+            out = self._group_attention(batch.groups[0], masks[0], q, keys, values)
+        else:
+            out = torch.empty(n, cfg.num_heads * cfg.head_dim, dtype=h.dtype, device=h.device)  # [N, H*D]
+            for group, mask in zip(batch.groups, masks):
+                out[group.real_rows] = self._group_attention(group, mask, q, keys, values)
         return F.linear(out, layer.o_proj)
 
     def _group_attention(
-        self, group: AttentionGroup, mask: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+        self, group: AttentionGroup, mask: torch.Tensor | None, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> torch.Tensor:
         """Attention of one group's real queries: returns `[K, H*D]` aligned with group.real_rows."""
         cfg = self.config
         r, t, length = group.num_rows, group.num_query_tokens, group.kv_len
-        kvh, g, d = cfg.num_kv_heads, cfg.num_queries_per_kv, cfg.head_dim
-        # Query head h uses kv head h // G (as HF's repeat_kv), so heads split as [KVH, G].
-        qg = q[group.query_rows].view(r, t, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(r, kvh, g * t, d)
+        rows = q if group.is_identity else q[group.query_rows]  # [R*T, H, D]
+        q_rows = rows.view(r, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)  # [R, H, T, D]
         if group.slot_index is None:
             k_rows = keys[group.slot_start : group.slot_start + r, :, :length]  # [R, KVH, L, D] view
             v_rows = values[group.slot_start : group.slot_start + r, :, :length]
         else:
             k_rows = keys[:, :, :length].index_select(0, group.slot_index)
             v_rows = values[:, :, :length].index_select(0, group.slot_index)
-        scores = torch.matmul(qg, k_rows.transpose(-1, -2)).float() * (d**-0.5) + mask  # [R, KVH, G*T, L]
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        out = torch.matmul(probs, v_rows)  # [R, KVH, G*T, D]
-        out = out.view(r, kvh, g, t, d).permute(0, 3, 1, 2, 4).reshape(r * t, kvh * g * d)  # [R*T, H*D]
-        return out[group.real]
+        if r == 1:  # one sequence: the fused kernel is fastest
+            # Query head h reads kv head h // G, as HF's repeat_kv.
+            out = F.scaled_dot_product_attention(q_rows, k_rows, v_rows, attn_mask=mask, enable_gqa=True)  # [R, H, T, D]
+        else:  # many short rows: batched matmuls over the strided cache view beat the fused kernel on CPU
+            out = _grouped_attention(q_rows, k_rows, v_rows, mask, cfg.num_queries_per_kv)
+        out = out.transpose(1, 2).reshape(r * t, cfg.num_heads * cfg.head_dim)  # [R*T, H*D]
+        return out if group.is_identity else out[group.real]
+
+
+def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, g: int) -> torch.Tensor:
+    """Softmax attention, q `[R, H, T, D]` over k, v `[R, KVH, L, D]` with H = KVH * G -> `[R, H, T, D]`."""
+    r, h, t, d = q.shape
+    kvh = k.shape[1]
+    qg = q.reshape(r, kvh, g * t, d)  # heads split as [KVH, G]: the G query heads of a kv head, stacked
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (d**-0.5)  # [R, KVH, G*T, L]
+    if mask is not None:
+        scores = scores.view(r, kvh, g, t, -1).add_(mask.unsqueeze(1)).view(r, kvh, g * t, -1)
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, v).view(r, h, t, d)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -123,7 +123,8 @@ def _service_specs(args: argparse.Namespace, model: Path, device: str, dtype: st
                                            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                                            "--max-num-seqs", str(args.num_kv_slots)] + log_flag, stop_order=3),
         ServiceSpec("gateway", python + ["gateway", "--model", str(model), "--scheduler-address", gateway_address,
-                                         "--host", args.host, "--port", str(args.port)] + log_flag, stop_order=0),
+                                         "--host", args.host, "--port", str(args.port),
+                                         "--shutdown-grace-s", "25"] + log_flag, stop_order=0),
     ]
     num_threads = max(1, (os.cpu_count() or 1) // args.num_workers) if device == "cpu" else 0
     for i in range(args.num_workers):

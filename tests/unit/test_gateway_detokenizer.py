@@ -85,7 +85,7 @@ decodable_text = st.text(
         st.characters(min_codepoint=0xA0, max_codepoint=0x24F),
         st.characters(min_codepoint=0x4E00, max_codepoint=0x9FFF),
         st.characters(min_codepoint=0x1F300, max_codepoint=0x1FAFF),
-        st.characters(blacklist_categories=("Cs",), blacklist_characters=REPLACEMENT),
+        st.characters(exclude_categories=["Cs"], exclude_characters=REPLACEMENT),
     ),
     max_size=60,
 )

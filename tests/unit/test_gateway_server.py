@@ -425,7 +425,7 @@ def test_gateway_process_starts_without_scheduler_reports_not_serving_and_stops_
             assert check.status == health_pb2.HealthCheckResponse.NOT_SERVING
             with pytest.raises(grpc.RpcError) as caught:
                 pb_grpc.SpecServeStub(channel).GetServerInfo(pb.ServerInfoRequest(), timeout=5)
-            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "specserve.v1.SpecServe" in reflected_services(channel)
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=15) == 0

@@ -1,0 +1,414 @@
+"""Benchmark a specserve stack through its gRPC API: real-text prompts of fixed length, greedy, at several concurrencies."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import shlex
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+if not __package__:
+    # Run as a file (`python bench/grpc_bench.py`, as `make bench` does): make the repository root importable.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.local_stack import ReadyStack, StackError, StackOptions, running_stack
+from bench.prompts import PromptWindows
+from proto import specserve_pb2 as pb
+from proto import specserve_pb2_grpc as pb_grpc
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+DEFAULT_CONCURRENCIES = (1, 4, 16, 64)
+NUM_WARMUP_REQUESTS = 2
+SERVER_INFO_TIMEOUT_S = 10.0
+
+
+class BenchError(RuntimeError):
+    """Ends the benchmark with this message and exit code 1."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    input_len: int  # prompt tokens per request
+    output_len: int  # completion tokens per request (ignore_eos, so exactly this many)
+    num_prompts: int | None  # requests per concurrency; None: max(8, 2 * concurrency)
+    max_prompts: int | None  # cap on the default above
+    request_timeout_s: float
+
+    def num_requests(self, concurrency: int) -> int:
+        if self.num_prompts is not None:
+            return self.num_prompts
+        default = max(8, 2 * concurrency)
+        return default if self.max_prompts is None else min(default, self.max_prompts)
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    request_id: str
+    ttft_s: float  # request sent -> first chunk with tokens
+    itls_s: tuple[float, ...]  # one per token after the first chunk: gap since the previous chunk / tokens in the chunk
+    e2e_s: float  # request sent -> stream closed
+    num_output_tokens: int  # token ids over all chunks
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    concurrency: int
+    num_requests: int
+    duration_s: float
+    num_output_tokens: int
+    output_tokens_per_s: float
+    requests_per_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    e2e_p50_s: float
+
+
+# ---------------------------------------------------------------- one request
+
+
+def build_request(request_id: str, prompt_token_ids: list[int], output_len: int) -> pb.GenerateRequest:
+    params = pb.SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt_token_ids), params=params, request_id=request_id)
+
+
+async def timed_generate(stub: pb_grpc.SpecServeStub, request: pb.GenerateRequest,
+                         timeout_s: float) -> RequestRecord | RequestFailure:
+    """Stream one request, noting when each chunk with tokens arrived and how many it carried."""
+    arrivals: list[tuple[float, int]] = []  # (perf_counter seconds, tokens in the chunk)
+    start_s = time.perf_counter()
+    try:
+        async for chunk in stub.Generate(request, timeout=timeout_s):
+            if chunk.token_ids:
+                arrivals.append((time.perf_counter(), len(chunk.token_ids)))
+    except grpc.aio.AioRpcError as error:
+        return RequestFailure(request.request_id, f"{error.code().name}: {error.details()}")
+    end_s = time.perf_counter()
+    if not arrivals:
+        return RequestFailure(request.request_id, "the stream ended without a token")
+    return RequestRecord(request_id=request.request_id, ttft_s=arrivals[0][0] - start_s,
+                         itls_s=inter_token_latencies_s(arrivals), e2e_s=end_s - start_s,
+                         num_output_tokens=sum(num_tokens for _, num_tokens in arrivals))
+
+
+def inter_token_latencies_s(arrivals: Sequence[tuple[float, int]]) -> tuple[float, ...]:
+    """Each chunk after the first spreads the gap since the previous chunk evenly over its tokens."""
+    itls_s: list[float] = []
+    for (previous_s, _), (arrival_s, num_tokens) in pairwise(arrivals):
+        itls_s.extend([(arrival_s - previous_s) / num_tokens] * num_tokens)
+    return tuple(itls_s)
+
+
+def check_length(result: RequestRecord | RequestFailure, output_len: int) -> RequestRecord | RequestFailure:
+    if isinstance(result, RequestRecord) and result.num_output_tokens != output_len:
+        return RequestFailure(result.request_id, f"got {result.num_output_tokens} tokens, expected {output_len}")
+    return result
+
+
+# ---------------------------------------------------------------- one run
+
+
+async def run_requests(stub: pb_grpc.SpecServeStub, requests: list[pb.GenerateRequest], concurrency: int,
+                       workload: Workload) -> tuple[list[RequestRecord | RequestFailure], float]:
+    """Send the requests with at most `concurrency` in flight; returns the results and the run's wall time."""
+    pending = iter(requests)  # shared by the clients: each takes the next request when its last one is done
+    results: list[RequestRecord | RequestFailure] = []
+
+    async def client() -> None:
+        for request in pending:
+            result = await timed_generate(stub, request, workload.request_timeout_s)
+            results.append(check_length(result, workload.output_len))
+
+    start_s = time.perf_counter()
+    async with asyncio.TaskGroup() as clients:
+        for i in range(min(concurrency, len(requests))):
+            clients.create_task(client(), name=f"bench-client-{i}")
+    return results, time.perf_counter() - start_s
+
+
+def summarize(concurrency: int, records: list[RequestRecord], duration_s: float) -> RunSummary:
+    num_output_tokens = sum(r.num_output_tokens for r in records)
+    ttfts_s = [r.ttft_s for r in records]
+    itls_s = [itl for r in records for itl in r.itls_s]
+    return RunSummary(
+        concurrency=concurrency, num_requests=len(records), duration_s=duration_s,
+        num_output_tokens=num_output_tokens, output_tokens_per_s=num_output_tokens / duration_s,
+        requests_per_s=len(records) / duration_s,
+        ttft_p50_ms=1000 * percentile(ttfts_s, 50), ttft_p99_ms=1000 * percentile(ttfts_s, 99),
+        itl_p50_ms=1000 * percentile(itls_s, 50), itl_p99_ms=1000 * percentile(itls_s, 99),
+        e2e_p50_s=percentile([r.e2e_s for r in records], 50),
+    )
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default); NaN for no values."""
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    position = (len(ordered) - 1) * q / 100
+    lower = math.floor(position)
+    upper = min(lower + 1, len(ordered) - 1)
+    return ordered[lower] + (ordered[upper] - ordered[lower]) * (position - lower)
+
+
+def split_results(results: list[RequestRecord | RequestFailure]) -> list[RequestRecord]:
+    """The records, or BenchError naming the failures."""
+    failures = [r for r in results if isinstance(r, RequestFailure)]
+    if failures:
+        shown = "\n".join(f"  {f.request_id}: {f.reason}" for f in failures[:5])
+        raise BenchError(f"{len(failures)} of {len(results)} requests failed:\n{shown}")
+    return [r for r in results if isinstance(r, RequestRecord)]
+
+
+# ---------------------------------------------------------------- the benchmark
+
+
+async def fetch_server_info(stub: pb_grpc.SpecServeStub, address: str) -> pb.ServerInfoResponse:
+    try:
+        info: pb.ServerInfoResponse = await stub.GetServerInfo(pb.ServerInfoRequest(), timeout=SERVER_INFO_TIMEOUT_S)
+    except grpc.aio.AioRpcError as error:
+        raise BenchError(f"no specserve gateway answers at {address} ({error.code().name}: {error.details()}); "
+                         f"start one with `specserve up`, or pass --start") from error
+    return info
+
+
+def check_server(info: pb.ServerInfoResponse, workload: Workload) -> None:
+    if not any(p.role == "target" and p.state == "READY" for p in info.processes):
+        raise BenchError(f"the stack has no READY target worker: {[(p.process_id, p.state) for p in info.processes]}")
+    if workload.input_len + workload.output_len > info.max_model_len:
+        raise BenchError(f"--input-len + --output-len = {workload.input_len + workload.output_len} exceeds the "
+                         f"server's max_model_len {info.max_model_len}")
+
+
+async def benchmark(address: str, prompts: PromptWindows, concurrencies: Sequence[int],
+                    workload: Workload) -> tuple[pb.ServerInfoResponse, list[RunSummary]]:
+    """Warm up, then one run per concurrency; every request gets a prompt window no other request had."""
+    requests = RequestFactory(prompts, workload.output_len, prefix=f"bench-{os.getpid()}")
+    summaries: list[RunSummary] = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.SpecServeStub(channel)
+        info = await fetch_server_info(stub, address)
+        check_server(info, workload)
+        warmup = requests.take("warmup", NUM_WARMUP_REQUESTS)
+        split_results((await run_requests(stub, warmup, NUM_WARMUP_REQUESTS, workload))[0])
+        for concurrency in concurrencies:
+            measured = requests.take(f"c{concurrency}", workload.num_requests(concurrency))
+            results, duration_s = await run_requests(stub, measured, concurrency, workload)
+            summaries.append(summarize(concurrency, split_results(results), duration_s))
+            print(f"concurrency {concurrency}: {len(measured)} requests in {duration_s:.1f} s, "
+                  f"{summaries[-1].output_tokens_per_s:.1f} output tok/s", file=sys.stderr, flush=True)
+    return info, summaries
+
+
+class RequestFactory:
+    """Hands out requests whose prompts are successive windows, so no two requests of a benchmark share a prompt."""
+
+    def __init__(self, prompts: PromptWindows, output_len: int, prefix: str) -> None:
+        self._prompts = prompts
+        self._output_len = output_len
+        self._prefix = prefix
+        self._num_taken = 0
+
+    def take(self, label: str, num_requests: int) -> list[pb.GenerateRequest]:
+        first = self._num_taken
+        self._num_taken += num_requests
+        return [build_request(f"{self._prefix}-{label}-{i}", self._prompts.prompt_token_ids(first + i), self._output_len)
+                for i in range(num_requests)]
+
+
+# ---------------------------------------------------------------- report
+
+
+def format_table(summaries: Sequence[RunSummary]) -> str:
+    header = ("| concurrency | requests | output tok/s | req/s | TTFT p50 (ms) | TTFT p99 (ms) "
+              "| ITL p50 (ms) | ITL p99 (ms) | E2E p50 (s) |")
+    rows = [header, "|" + "---:|" * 9]
+    for s in summaries:
+        figures = (s.output_tokens_per_s, s.requests_per_s, s.ttft_p50_ms, s.ttft_p99_ms, s.itl_p50_ms,
+                   s.itl_p99_ms, s.e2e_p50_s)
+        precisions = (1, 2, 1, 1, 1, 1, 2)
+        cells = [str(s.concurrency), str(s.num_requests)] + [_number(v, p) for v, p in zip(figures, precisions)]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def _number(value: float, precision: int) -> str:
+    return "-" if math.isnan(value) else f"{value:.{precision}f}"
+
+
+def describe_machine(dtype: str | None, device: str | None) -> dict[str, Any]:
+    return {
+        "cpu_model": _cpu_model(),
+        "num_cpus": os.cpu_count(),
+        "num_cpus_usable": len(os.sched_getaffinity(0)),
+        "torch_version": _package_version("torch"),
+        "dtype": dtype,
+        "device": device,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
+
+
+def _cpu_model() -> str | None:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    models = [line.partition(":")[2].strip() for line in lines if line.startswith("model name")]
+    return models[0] if models else None
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def describe_server(address: str, info: pb.ServerInfoResponse) -> dict[str, Any]:
+    return {
+        "address": address,
+        "model_name": info.model_name,
+        "max_model_len": info.max_model_len,
+        "processes": [{"process_id": p.process_id, "role": p.role, "num_kv_slots": p.num_kv_slots} for p in info.processes],
+    }
+
+
+def build_report(args: argparse.Namespace, address: str, stack: ReadyStack | None, info: pb.ServerInfoResponse,
+                 summaries: Sequence[RunSummary]) -> dict[str, Any]:
+    dtype = args.dtype or (stack.dtype if stack else None)
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join(sys.orig_argv),
+        "machine": describe_machine(dtype, stack.device if stack else None),
+        "server": describe_server(address, info) | {"started_by_bench": stack is not None},
+        "workload": {"input_len": args.input_len, "output_len": args.output_len, "temperature": 0.0,
+                     "ignore_eos": True, "prompts": "windows of an English essay (bench/prompts.py), as token_ids",
+                     "num_warmup_requests": NUM_WARMUP_REQUESTS},
+        "runs": [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(s).items()} for s in summaries],
+    }
+
+
+# ---------------------------------------------------------------- command line
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.grpc_bench", description=__doc__)
+    target = parser.add_mutually_exclusive_group()
+    target.add_argument("--address", default=DEFAULT_ADDRESS, help=f"a running gateway, HOST:PORT (default {DEFAULT_ADDRESS})")
+    target.add_argument("--start", action="store_true", help="start a stack with `specserve up`, stop it at the end")
+    stack = parser.add_argument_group("with --start")
+    stack.add_argument("--port", type=positive_int, default=None, help="the stack's gRPC port (default: a free one)")
+    stack.add_argument("--num-workers", type=positive_int, default=None)
+    stack.add_argument("--num-kv-slots", type=positive_int, default=None, help="sequences each worker holds at once")
+    stack.add_argument("--ready-timeout-s", type=float, default=600.0)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="passed to `specserve up` with --start; otherwise only recorded in the JSON")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="the model folder whose tokenizer makes the prompts (default: the embedded default model); "
+                             "passed to `specserve up` with --start")
+    parser.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens per request")
+    parser.add_argument("--output-len", type=positive_int, default=128, help="completion tokens per request")
+    parser.add_argument("--concurrency", type=positive_int, nargs="+", default=list(DEFAULT_CONCURRENCIES),
+                        help="requests in flight at most, one run each")
+    parser.add_argument("--num-prompts", type=positive_int, default=None, help="requests per run (default: max(8, 2 * concurrency))")
+    parser.add_argument("--max-prompts", type=positive_int, default=None, help="cap on the default --num-prompts")
+    parser.add_argument("--request-timeout-s", type=float, default=1800.0)
+    parser.add_argument("--json-out", type=Path, default=None, help="also write the figures, machine and command here")
+    args = parser.parse_args(argv)
+    if not args.start:
+        given = [flag for flag, value in (("--port", args.port), ("--num-workers", args.num_workers),
+                                          ("--num-kv-slots", args.num_kv_slots)) if value is not None]
+        if given:
+            parser.error(f"{', '.join(given)} need --start")
+    return args
+
+
+def model_dir(args: argparse.Namespace) -> Path:
+    if args.model is not None:
+        return Path(args.model)
+    from modeling.model_store import default_model_dir  # imported here: it pulls in numpy and gguf
+
+    return default_model_dir()
+
+
+def stack_options(args: argparse.Namespace) -> StackOptions:
+    specserve = Path(sys.executable).parent / "specserve"
+    return StackOptions(specserve=specserve, port=args.port or _free_port(), model=args.model, dtype=args.dtype,
+                        num_workers=args.num_workers, num_kv_slots=args.num_kv_slots,
+                        ready_timeout_s=args.ready_timeout_s)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def run(args: argparse.Namespace) -> tuple[list[RunSummary], dict[str, Any]]:
+    """The whole benchmark, stack included; returns the figures and the report for --json-out."""
+    workload = Workload(input_len=args.input_len, output_len=args.output_len, num_prompts=args.num_prompts,
+                        max_prompts=args.max_prompts, request_timeout_s=args.request_timeout_s)
+    try:
+        prompts = PromptWindows.from_model_folder(model_dir(args), args.input_len)
+    except FileNotFoundError as error:
+        raise BenchError(str(error)) from error
+    if not args.start:
+        info, summaries = asyncio.run(benchmark(args.address, prompts, args.concurrency, workload))
+        return summaries, build_report(args, args.address, None, info, summaries)
+    options = stack_options(args)
+    print(f"starting: {shlex.join(options.argv())}", file=sys.stderr, flush=True)
+    with running_stack(options) as stack:
+        print(f"{stack.ready_line} (log: {stack.log_path})", file=sys.stderr, flush=True)
+        info, summaries = asyncio.run(benchmark(stack.address, prompts, args.concurrency, workload))
+    return summaries, build_report(args, stack.address, stack, info, summaries)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        summaries, report = run(args)
+    except (BenchError, StackError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    print(format_table(summaries))
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json_out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
