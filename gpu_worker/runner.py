@@ -7,6 +7,7 @@ import torch
 from gpu_worker.config import WorkerConfig
 from modeling.batch import SeqSpan, build_step_batch
 from modeling.config import ModelConfig
+from modeling.cpu_kernels import can_prepack, prepack_linears
 from modeling.kv_cache import KVCache, SlotError, SlotTable
 from modeling.llama import LlamaModel
 from modeling.sampling import sample
@@ -39,6 +40,8 @@ class ModelRunner:
         model = LlamaModel(self._model_config)
         model.load_weights(self._config.model)
         model = model.to(device=self._device, dtype=self._dtype)
+        if can_prepack(self._dtype, self._device):
+            prepack_linears(model)
         model.set_rope_cache(self._config.max_model_len)
         model.eval()
         self._model = model

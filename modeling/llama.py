@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,6 +47,8 @@ class LlamaModel(torch.nn.Module):
             if config.tie_word_embeddings
             else torch.nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
         )
+        # y = x @ W^T (+ b); a built model may swap in a faster kernel (see cpu_kernels.py).
+        self.linear: Callable[..., torch.Tensor] = F.linear
         self._rope_cos: torch.Tensor | None = None  # [max_len, head_dim], built by set_rope_cache
         self._rope_sin: torch.Tensor | None = None
 
@@ -86,13 +89,13 @@ class LlamaModel(torch.nn.Module):
         eps = self.config.rms_norm_eps
         for index, layer in enumerate(self.layers):
             x = x + self._attention(index, layer, _rms_norm(x, layer.input_norm, eps), cos, sin, batch, masks, cache)
-            gate, up = F.linear(_rms_norm(x, layer.post_attention_norm, eps), layer.gate_up_proj).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down_proj)
+            gate, up = self.linear(_rms_norm(x, layer.post_attention_norm, eps), layer.gate_up_proj).chunk(2, dim=-1)
+            x = x + self.linear(F.silu(gate) * up, layer.down_proj)
         return _rms_norm(x[batch.logit_rows], self.norm, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[M, hidden]` -> float32 logits `[M, vocab]`."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.linear(hidden, self.lm_head).float()
 
     def _attention(
         self,
@@ -108,7 +111,7 @@ class LlamaModel(torch.nn.Module):
         cfg = self.config
         n = h.shape[0]
         q_size = layer.qkv_sizes[0]
-        qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)  # [N, (H + 2*KVH) * D]
+        qkv = self.linear(h, layer.qkv_proj, layer.qkv_bias)  # [N, (H + 2*KVH) * D]
         # Queries and keys rotate together: one RoPE over H + KVH heads.
         qk = _rope(qkv[:, : q_size + layer.qkv_sizes[1]].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # [N, H, D], [N, KVH, D]
@@ -122,7 +125,7 @@ class LlamaModel(torch.nn.Module):
             out = torch.empty(n, cfg.num_heads * cfg.head_dim, dtype=h.dtype, device=h.device)  # [N, H*D]
             for group, mask in zip(batch.groups, masks):
                 out[group.real_rows] = self._group_attention(group, mask, q, keys, values)
-        return F.linear(out, layer.o_proj)
+        return self.linear(out, layer.o_proj)
 
     def _group_attention(
         self, group: AttentionGroup, mask: torch.Tensor | None, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
