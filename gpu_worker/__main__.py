@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-import argparse
-import sys
+import os
 
-from common import logs
-from gpu_worker.config import add_arguments, from_arguments
-from gpu_worker.worker import Worker
+# Before torch loads libgomp: keep the OpenMP threads spinning ~ms between parallel regions,
+# so the short gap between two decode steps does not put them to sleep (measured here:
+# ~15% more tokens/s at batch 1). Idle longer than that, they sleep as usual.
+os.environ.setdefault("GOMP_SPINCOUNT", "3000000")
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+
+from common import logs  # noqa: E402
+from gpu_worker.config import add_arguments, from_arguments  # noqa: E402
+from gpu_worker.worker import Worker  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -104,7 +104,8 @@ class SchedulerService:
 
     async def _flush(self) -> None:
         outbox, self._core.outbox = self._core.outbox, []
-        for item in outbox:
+        # Workers first: a waiting worker is idle hardware, a waiting gateway is not.
+        for item in sorted(outbox, key=lambda o: not o.to_worker):
             sock = self._worker_socket if item.to_worker else self._gateway_socket
             codec = self._worker_codec if item.to_worker else self._gateway_codec
             await sock.send_multipart([item.identity, codec.encode(item.message)])
