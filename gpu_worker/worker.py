@@ -49,7 +49,9 @@ class Worker:
     def run(self) -> int:
         self._install_signal_handlers()
         try:
-            self._start()
+            if not self._start():
+                self._close()
+                return 0
         except Exception as exc:  # noqa: BLE001 - any init failure ends in FAILED, reported with its cause
             return self._fail(exc)
         try:
@@ -60,7 +62,8 @@ class Worker:
             self._close()
         return 0
 
-    def _start(self) -> None:
+    def _start(self) -> bool:
+        """The start-up phases; True once READY, False when told to stop on the way."""
         cfg = self._config
         self._socket.setsockopt(zmq.IDENTITY, cfg.worker_id.encode())
         self._socket.setsockopt(zmq.LINGER, 2000)
@@ -78,14 +81,16 @@ class Worker:
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
         runner = ModelRunner(cfg, model_config)
-        self._lifecycle.move_to(State.LOADING)
-        runner.load()
-        self._lifecycle.move_to(State.ALLOCATING)
-        runner.allocate()
-        self._lifecycle.move_to(State.WARMING)
-        runner.warm_up()
+        for state, phase in ((State.LOADING, runner.load), (State.ALLOCATING, runner.allocate), (State.WARMING, runner.warm_up)):
+            self._lifecycle.move_to(state)
+            phase()
+            self._handle_queued_messages()  # a step sent before READY is refused, never run later
+            if self._stop_requested.is_set():
+                self._lifecycle.move_to(State.STOPPED)
+                return False
         self._runner = runner
         self._lifecycle.move_to(State.READY)
+        return True
 
     def _fail(self, exc: BaseException) -> int:
         phase = self._lifecycle.state
@@ -109,6 +114,10 @@ class Worker:
                 self._handle_frame(self._socket.recv())
         self._lifecycle.move_to(State.DRAINING)
         self._lifecycle.move_to(State.STOPPED)
+
+    def _handle_queued_messages(self) -> None:
+        while self._socket.poll(0):
+            self._handle_frame(self._socket.recv())
 
     def _handle_frame(self, frame: bytes) -> None:
         try:

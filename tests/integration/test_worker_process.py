@@ -1,0 +1,130 @@
+"""A real worker process driven over a real ZeroMQ socket by the test acting as its scheduler.
+
+It must announce itself, report every start-up phase in order, refuse any step that
+arrives before it is READY (never running it later), run steps once READY, and refuse
+an inconsistent step without changing its state.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from proto import messages as m
+from tests.e2e.stack import free_port
+
+GREEDY = m.SamplingParams()
+
+
+class FakeScheduler:
+    def __init__(self) -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.address = f"tcp://127.0.0.1:{free_port()}"
+        self.socket.bind(self.address)
+        self.codec: m.Codec[m.WorkerToScheduler] = m.Codec(m.WorkerToScheduler)
+        self.identity = b""
+
+    def receive(self, kind: type, timeout_s: float = 120.0) -> msgspec.Struct:
+        """The next message of `kind` from the worker's main socket (heartbeats skipped)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.socket.poll(100):
+                identity, frame = self.socket.recv_multipart()
+                message = self.codec.decode(frame)
+                if isinstance(message, m.Heartbeat):
+                    continue
+                self.identity = self.identity or identity
+                if isinstance(message, kind):
+                    return message
+                if isinstance(message, m.WorkerFailed):
+                    raise AssertionError(f"the worker failed: {message}")
+        raise TimeoutError(f"no {kind.__name__} within {timeout_s} s")
+
+    def send(self, message: msgspec.Struct) -> None:
+        self.socket.send_multipart([self.identity, self.codec.encode(message)])
+
+    def close(self) -> None:
+        self.socket.close(0)
+        self.context.term()
+
+
+@pytest.fixture
+def scheduler() -> Iterator[FakeScheduler]:
+    fake = FakeScheduler()
+    yield fake
+    fake.close()
+
+
+def _start_worker(model: Path, address: str, tmp_path: Path) -> subprocess.Popen[bytes]:
+    log = (tmp_path / "worker.log").open("wb")
+    return subprocess.Popen([sys.executable, "-m", "gpu_worker", "--model", str(model), "--scheduler-address", address,
+                             "--dtype", "float32", "--num-kv-slots", "2", "--max-model-len", "256",
+                             "--max-num-batched-tokens", "64", "--status-file", str(tmp_path / "status")],
+                            stdout=log, stderr=subprocess.STDOUT)
+
+
+def test_phases_refusal_before_ready_and_steps_after(default_model_dir: Path, scheduler: FakeScheduler, tmp_path: Path) -> None:
+    worker = _start_worker(default_model_dir, scheduler.address, tmp_path)
+    try:
+        hello = scheduler.receive(m.WorkerHello)
+        assert isinstance(hello, m.WorkerHello)
+        assert (hello.role, hello.vocab_size, hello.max_model_len, hello.num_kv_slots) == ("target", 49152, 256, 2)
+        early = m.StepRequest(1, hello.incarnation, [m.SeqWork("r", 0, 0, [1, 2, 3], True, GREEDY)])
+        scheduler.send(early)  # while it is still starting: must be refused, and never run later
+        states = []
+        refused = None
+        while "READY" not in states:
+            message = scheduler.receive(msgspec.Struct)
+            if isinstance(message, m.LifecycleReport):
+                states.append(message.state)
+            elif isinstance(message, m.StepRefused):
+                refused = message
+            elif isinstance(message, m.StepResult):
+                raise AssertionError("a step sent before READY was run")
+        assert states == ["LOADING", "ALLOCATING", "WARMING", "READY"]
+        assert refused is not None and refused.step_id == 1 and "not READY" in refused.reason
+        assert (tmp_path / "status").read_text().strip() == "READY"
+
+        scheduler.send(m.StepRequest(2, hello.incarnation, [m.SeqWork("r", 0, 0, [1, 2, 3], True, GREEDY)]))
+        result = scheduler.receive(m.StepResult)
+        assert isinstance(result, m.StepResult) and result.step_id == 2 and len(result.outputs[0].token_ids) == 1
+
+        # Inconsistent steps are refused and change nothing: wrong start, unknown slot, wrong incarnation.
+        for step_id, seq, incarnation in [
+            (3, m.SeqWork("r", 0, 7, [5], True, GREEDY), hello.incarnation),
+            (4, m.SeqWork("s", 9, 0, [5], True, GREEDY), hello.incarnation),
+            (5, m.SeqWork("r", 0, 3, [5], True, GREEDY), hello.incarnation + 1),
+        ]:
+            scheduler.send(m.StepRequest(step_id, incarnation, [seq]))
+            refusal = scheduler.receive(m.StepRefused)
+            assert isinstance(refusal, m.StepRefused) and refusal.step_id == step_id
+        scheduler.send(m.StepRequest(6, hello.incarnation, [m.SeqWork("r", 0, 3, [5], True, GREEDY)]))
+        assert scheduler.receive(m.StepResult).step_id == 6  # type: ignore[attr-defined]
+
+        scheduler.send(m.Drain(hello.incarnation))
+        assert worker.wait(30) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+
+
+def test_a_worker_told_to_stop_during_start_up_exits_cleanly(default_model_dir: Path, scheduler: FakeScheduler, tmp_path: Path) -> None:
+    worker = _start_worker(default_model_dir, scheduler.address, tmp_path)
+    try:
+        hello = scheduler.receive(m.WorkerHello)
+        scheduler.send(m.Drain(hello.incarnation))  # as the scheduler does for an incompatible worker
+        assert worker.wait(120) == 0
+        assert (tmp_path / "status").read_text().strip() == "STOPPED"
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
