@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from modeling.llama import DecoderLayer, LlamaModel
+from modeling.llama import LlamaModel
 
 # The batch size oneDNN tunes the packed layout for; the packed weights serve every size.
 _PACK_BATCH_HINT = 1
@@ -24,8 +24,6 @@ def prepack_linears(model: LlamaModel) -> None:
     """Reorder every projection weight (and a separate LM-head copy) into oneDNN's layout."""
     with torch.no_grad():
         for layer in model.layers:
-            if not isinstance(layer, DecoderLayer):
-                raise TypeError(f"unexpected layer type {type(layer).__name__}")
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
                 setattr(layer, name, _packed(getattr(layer, name)))
         # The embedding lookup needs the plain table, so the LM head gets its own packed copy.

@@ -40,7 +40,7 @@ class LlamaModel(torch.nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = torch.nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
-        self.layers = torch.nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers: list[DecoderLayer] = torch.nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))  # type: ignore[assignment]
         self.norm = torch.nn.Parameter(torch.ones(config.hidden_size), requires_grad=False)
         self.lm_head = (
             self.embed_tokens
@@ -197,7 +197,6 @@ def _copy_hf_weights(model: LlamaModel, tensors: dict[str, torch.Tensor]) -> Non
             put(model.lm_head, take("lm_head.weight"), "lm_head.weight")
         for i, layer in enumerate(model.layers):
             p = f"model.layers.{i}."
-            assert isinstance(layer, DecoderLayer)
             put(layer.input_norm, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
             put(layer.post_attention_norm, take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm.weight")
             qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
