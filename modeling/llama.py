@@ -151,15 +151,20 @@ class LlamaModel(torch.nn.Module):
 
 
 def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, g: int) -> torch.Tensor:
-    """Softmax attention, q `[R, H, T, D]` over k, v `[R, KVH, L, D]` with H = KVH * G -> `[R, H, T, D]`."""
+    """Softmax attention, q `[R, H, T, D]` over k, v `[R, KVH, L, D]` with H = KVH * G -> `[R, H, T, D]`.
+
+    k and v are strided views of the cache whose (R, KVH) dimensions merge into one batch
+    dimension, so the batched matmuls read the cache in place instead of copying it.
+    """
     r, h, t, d = q.shape
-    kvh = k.shape[1]
-    qg = q.reshape(r, kvh, g * t, d)  # heads split as [KVH, G]: the G query heads of a kv head, stacked
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (d**-0.5)  # [R, KVH, G*T, L]
+    kvh, length = k.shape[1], k.shape[2]
+    qg = q.reshape(r * kvh, g * t, d)  # heads split as [KVH, G]: the G query heads of a kv head, stacked
+    keys, values = k.reshape(r * kvh, length, d), v.reshape(r * kvh, length, d)  # views, no copy
+    scores = torch.bmm(qg, keys.transpose(1, 2)).float() * (d**-0.5)  # [R*KVH, G*T, L]
     if mask is not None:
-        scores = scores.view(r, kvh, g, t, -1).add_(mask.unsqueeze(1)).view(r, kvh, g * t, -1)
+        scores = scores.view(r, kvh, g, t, length).add_(mask.unsqueeze(1)).view(r * kvh, g * t, length)
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.matmul(probs, v).view(r, h, t, d)
+    return torch.bmm(probs, values).view(r, h, t, d)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
