@@ -152,6 +152,9 @@ class Worker:
             return
         self._num_steps += 1
         duration_ms = (time.perf_counter() - started) * 1000
+        for work in step.seqs:
+            if work.start_position == 0:  # one line per request on this worker, so a grep finds it here too
+                self._log.info("seq.started", request_id=work.request_id, slot=work.slot, step_id=step.step_id)
         self._send(m.StepResult(
             worker_id=self._config.worker_id, incarnation=self._incarnation, step_id=step.step_id,
             outputs=outputs, duration_ms=duration_ms,

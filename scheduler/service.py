@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from collections.abc import AsyncIterator
+from typing import TypeVar
 
 import msgspec
 import zmq
@@ -18,6 +20,8 @@ from scheduler.config import SchedulerConfig
 from scheduler.core import SchedulerCore
 
 log = get_logger()
+
+T = TypeVar("T")
 
 _TICK_S = 0.05
 
@@ -63,17 +67,7 @@ class SchedulerService:
         log.info("scheduler.stopped")
 
     async def _receive_gateways(self) -> None:
-        while True:
-            frames = await self._gateway_socket.recv_multipart()
-            identity, payload = frames[0], frames[-1]
-            try:
-                message = self._gateway_codec.decode(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                self._gateway_errors.record("decode", error=str(exc), num_bytes=len(payload))
-                continue
-            if len(frames) != 2:
-                self._gateway_errors.record("frames", num_frames=len(frames))
-                continue
+        async for identity, message in _decoded(self._gateway_socket, self._gateway_codec, self._gateway_errors):
             if not isinstance(message, m.GatewayHello) and not self._core.knows_gateway(identity):
                 self._gateway_errors.record("unknown_sender", message=type(message).__name__)
                 continue
@@ -81,17 +75,7 @@ class SchedulerService:
             await self._flush()
 
     async def _receive_workers(self) -> None:
-        while True:
-            frames = await self._worker_socket.recv_multipart()
-            identity, payload = frames[0], frames[-1]
-            try:
-                message = self._worker_codec.decode(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                self._worker_errors.record("decode", error=str(exc), num_bytes=len(payload))
-                continue
-            if len(frames) != 2:
-                self._worker_errors.record("frames", num_frames=len(frames))
-                continue
+        async for identity, message in _decoded(self._worker_socket, self._worker_codec, self._worker_errors):
             if not self._core.on_worker_message(identity, message, time.monotonic()):
                 self._worker_errors.record("stale_or_unexpected", message=type(message).__name__)
             await self._flush()
@@ -109,3 +93,17 @@ class SchedulerService:
             sock = self._worker_socket if item.to_worker else self._gateway_socket
             codec = self._worker_codec if item.to_worker else self._gateway_codec
             await sock.send_multipart([item.identity, codec.encode(item.message)])
+
+
+async def _decoded(socket: zmq.asyncio.Socket, codec: m.Codec[T], errors: ProtocolErrors) -> AsyncIterator[tuple[bytes, T]]:
+    """(sender identity, message) for every well-formed frame; anything else is counted and dropped."""
+    while True:
+        frames = await socket.recv_multipart()
+        if len(frames) != 2:
+            errors.record("frames", num_frames=len(frames))
+            continue
+        identity, payload = frames
+        try:
+            yield identity, codec.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            errors.record("decode", error=str(exc), num_bytes=len(payload))

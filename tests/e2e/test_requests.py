@@ -126,3 +126,12 @@ def test_no_ready_worker_is_unavailable_and_a_full_queue_resource_exhausted(no_w
                 future.result()
             assert unavailable.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "no-worker-timeout-s" in unavailable.value.details()
+
+
+def test_one_request_id_is_found_in_every_process_log(fp32_stack: Stack) -> None:
+    request_id = "trace-me-0123456789"
+    fp32_stack.generate(pb.GenerateRequest(prompt="Hello there", request_id=request_id, params=pb.SamplingParams(max_tokens=3)))
+    logs = {p.stem: p.read_text() for p in fp32_stack.log_dir.glob("*.log")}
+    found = {name for name, text in logs.items() if request_id in text}
+    assert {"gateway", "scheduler"} <= found
+    assert any(name.startswith("worker-") for name in found), f"request id only in {sorted(found)}"
