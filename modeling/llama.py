@@ -141,11 +141,8 @@ class LlamaModel(torch.nn.Module):
         else:
             k_rows = keys[:, :, :length].index_select(0, group.slot_index)
             v_rows = values[:, :, :length].index_select(0, group.slot_index)
-        if r == 1:  # one sequence: the fused kernel is fastest
-            # Query head h reads kv head h // G, as HF's repeat_kv.
-            out = F.scaled_dot_product_attention(q_rows, k_rows, v_rows, attn_mask=mask, enable_gqa=True)  # [R, H, T, D]
-        else:  # many short rows: batched matmuls over the strided cache view beat the fused kernel on CPU
-            out = _grouped_attention(q_rows, k_rows, v_rows, mask, cfg.num_queries_per_kv)
+        # Measured here, this beats torch's fused CPU attention kernel at every shape we run.
+        out = _grouped_attention(q_rows, k_rows, v_rows, mask, cfg.num_queries_per_kv)  # [R, H, T, D]
         out = out.transpose(1, 2).reshape(r * t, cfg.num_heads * cfg.head_dim)  # [R*T, H*D]
         return out if group.is_identity else out[group.real]
 
