@@ -157,13 +157,13 @@ def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     kvh, length = k.shape[1], k.shape[2]
     qg = q.reshape(r * kvh, g * t, d)  # heads split as [KVH, G]: the G query heads of a kv head, stacked
     keys, values = k.reshape(r * kvh, length, d), v.reshape(r * kvh, length, d)  # views, no copy
-    # Scores as keys @ queries^T ([R*KVH, L, G*T]): on CPU, bf16 batched matmul is ~25% faster
-    # with the cache's rows as the left operand than with a transposed right operand.
-    scores = torch.bmm(keys, qg.transpose(1, 2)).float() * (d**-0.5)  # [R*KVH, L, G*T]
-    if mask is not None:  # [R, 1, T, L] -> [R, 1, L, 1, T]
-        scores = scores.view(r, kvh, length, g, t).add_(mask.transpose(-1, -2).unsqueeze(3)).view(r * kvh, length, g * t)
-    probs = torch.softmax(scores, dim=1).to(q.dtype)
-    return torch.bmm(probs.transpose(1, 2), values).view(r, h, t, d)
+    # Scores as keys @ queries^T: on CPU, bf16 batched matmul is ~25% faster with the cache's
+    # rows as the left operand; turned back to [R*KVH, G*T, L] so softmax runs along memory.
+    scores = torch.bmm(keys, qg.transpose(1, 2)).transpose(1, 2).float() * (d**-0.5)  # [R*KVH, G*T, L]
+    if mask is not None:  # [R, 1, T, L], the same for the G heads of each kv head
+        scores = scores.view(r, kvh, g, t, length).add_(mask.unsqueeze(1)).view(r * kvh, g * t, length)
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.bmm(probs, values).view(r, h, t, d)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
