@@ -157,6 +157,9 @@ class SchedulerClient:
         match message:
             case messages.TokenDelta() | messages.RequestError():
                 self._route_to_request(message)
+            case messages.TokenDeltas(deltas=deltas):
+                for delta in deltas:
+                    self._route_to_request(delta)
             case messages.InfoReply():
                 self._resolve_query(message)
             case _:

@@ -33,18 +33,24 @@ class StopStringMatcher:
             raise RuntimeError("StopStringMatcher.feed after a stop string matched: the text has ended")
         pending = self._held + text
         match = earliest_match(pending, self._stop_strings)
-        if match is not None:
+        # The earliest place a stop string may still begin and complete with more text.
+        hold_from = len(pending) - partial_match_length(pending, self._stop_strings)
+        if match is not None and match[0] <= hold_from:
             start, self._matched = match
             self._held = ""
             return StopCheck(pending[:start], self._matched)
-        num_held = partial_match_length(pending, self._stop_strings)
-        self._held = pending[len(pending) - num_held :]
-        return StopCheck(pending[: len(pending) - num_held], None)
+        # No match yet, or one that a longer stop string starting earlier may still beat.
+        self._held = pending[hold_from:]
+        return StopCheck(pending[:hold_from], None)
 
     def flush(self) -> str:
-        """The held tail: the text ended without completing a stop string."""
+        """The held text once the text has ended: cut at a stop string it holds (then `matched` is set)."""
         held, self._held = self._held, ""
-        return held
+        match = earliest_match(held, self._stop_strings)
+        if match is None:
+            return held
+        start, self._matched = match
+        return held[:start]
 
 
 def earliest_match(text: str, stop_strings: Sequence[str]) -> tuple[int, str] | None:

@@ -77,6 +77,12 @@ class TokenDelta(msgspec.Struct, tag="tokens", frozen=True, forbid_unknown_field
     num_completion_tokens: int  # completion tokens so far, these included
 
 
+class TokenDeltas(msgspec.Struct, tag="token_deltas", frozen=True, forbid_unknown_fields=True):
+    """The deltas for one gateway from one scheduler event (a step's results), in order: one frame, not one per request."""
+
+    deltas: list[TokenDelta]
+
+
 class RequestError(msgspec.Struct, tag="request_error", frozen=True, forbid_unknown_fields=True):
     """The request ended without (further) output; code maps to a gRPC status."""
 
@@ -106,7 +112,7 @@ class InfoReply(msgspec.Struct, tag="info", frozen=True, forbid_unknown_fields=T
     processes: list[ProcessInfo]
 
 
-SchedulerToGateway = TokenDelta | RequestError | InfoReply
+SchedulerToGateway = TokenDelta | TokenDeltas | RequestError | InfoReply
 
 
 # ---------------------------------------------------------------- scheduler -> worker

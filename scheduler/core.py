@@ -54,6 +54,7 @@ class SchedulerCore:
         self._no_ready_target_since_s: float | None = 0.0  # None while a target worker is READY
         self._next_step_id = 0
         self.outbox: list[Outgoing] = []
+        self._pending_deltas: dict[bytes, list[m.TokenDelta]] = {}  # per gateway, sent as one frame per event
 
     # ------------------------------------------------------------------ views
 
@@ -78,6 +79,10 @@ class SchedulerCore:
     # ------------------------------------------------------------------ gateway events
 
     def on_gateway_message(self, identity: bytes, message: m.GatewayToScheduler, now_s: float) -> None:
+        self._on_gateway_message(identity, message, now_s)
+        self._flush_deltas()
+
+    def _on_gateway_message(self, identity: bytes, message: m.GatewayToScheduler, now_s: float) -> None:
         match message:
             case m.GatewayHello():
                 self._gateways.add(identity)
@@ -86,7 +91,7 @@ class SchedulerCore:
             case m.AbortRequest():
                 self._abort(message)
             case m.InfoQuery():
-                self.outbox.append(Outgoing(False, identity, self.info(message.query_id, now_s)))
+                self._to_gateway(identity, self.info(message.query_id, now_s))
 
     def knows_gateway(self, identity: bytes) -> bool:
         return identity in self._gateways
@@ -96,7 +101,7 @@ class SchedulerCore:
             request = self._admit(identity, submit, now_s)
         except RequestRejected as exc:
             log.info("request.rejected", request_id=submit.request_id, code=exc.code, reason=exc.message)
-            self.outbox.append(Outgoing(False, identity, m.RequestError(submit.request_id, exc.code, exc.message)))
+            self._to_gateway(identity, m.RequestError(submit.request_id, exc.code, exc.message))
             return
         self._requests[request.request_id] = request
         self._waiting.append(request)
@@ -141,6 +146,11 @@ class SchedulerCore:
 
     def on_worker_message(self, identity: bytes, message: m.WorkerToScheduler, now_s: float) -> bool:
         """Apply one worker message; False when it was dropped as stale or unexpected."""
+        accepted = self._on_worker_message(identity, message, now_s)
+        self._flush_deltas()
+        return accepted
+
+    def _on_worker_message(self, identity: bytes, message: m.WorkerToScheduler, now_s: float) -> bool:
         if isinstance(message, m.WorkerHello):
             return self._on_hello(identity, message, now_s)
         worker = self._workers.get(message.worker_id)
@@ -240,6 +250,10 @@ class SchedulerCore:
     # ------------------------------------------------------------------ time
 
     def check_timeouts(self, now_s: float) -> None:
+        self._check_timeouts(now_s)
+        self._flush_deltas()
+
+    def _check_timeouts(self, now_s: float) -> None:
         cfg = self._config
         for worker in list(self._workers.values()):
             if worker.state in (State.DEAD, State.FAILED, State.STOPPED):
@@ -310,10 +324,21 @@ class SchedulerCore:
     def _emit(self, request: Request, token_ids: list[int], finish_reason: m.FinishReason | None) -> None:
         if not token_ids and finish_reason is None:
             return
-        self.outbox.append(Outgoing(False, request.gateway, m.TokenDelta(
+        self._pending_deltas.setdefault(request.gateway, []).append(m.TokenDelta(
             request_id=request.request_id, token_ids=token_ids, finish_reason=finish_reason,
             num_prompt_tokens=len(request.prompt_token_ids), num_completion_tokens=len(request.output_token_ids),
-        )))
+        ))
+
+    def _to_gateway(self, identity: bytes, message: msgspec.Struct) -> None:
+        """Any other message to a gateway goes after the deltas already pending for it."""
+        self._flush_deltas(identity)
+        self.outbox.append(Outgoing(False, identity, message))
+
+    def _flush_deltas(self, only: bytes | None = None) -> None:
+        for gateway in [only] if only is not None else list(self._pending_deltas):
+            deltas = self._pending_deltas.pop(gateway, None)
+            if deltas:
+                self.outbox.append(Outgoing(False, gateway, m.TokenDeltas(deltas)))
 
     def _finish(self, request: Request, status: RequestStatus, *, notify: bool, reason: str = "") -> None:
         self._release(request)
@@ -326,7 +351,7 @@ class SchedulerCore:
 
     def _fail(self, request: Request, code: m.ErrorCode, message: str) -> None:
         self._finish(request, RequestStatus.FAILED, notify=False, reason=message)
-        self.outbox.append(Outgoing(False, request.gateway, m.RequestError(request.request_id, code, message)))
+        self._to_gateway(request.gateway, m.RequestError(request.request_id, code, message))
 
     def _release(self, request: Request) -> None:
         """Take the request off its worker or the queue, freeing its KV slot at once."""

@@ -105,7 +105,12 @@ class Sim:
     # ---------------------------------------------------------------- reading what went to the gateway
 
     def to_gateway(self, items: Sequence[Outgoing] | None = None) -> list[msgspec.Struct]:
-        return [o.message for o in (self.sent if items is None else items) if not o.to_worker]
+        """Messages to the gateway in order, a TokenDeltas batch counted as its deltas."""
+        messages: list[msgspec.Struct] = []
+        for o in self.sent if items is None else items:
+            if not o.to_worker:
+                messages.extend(o.message.deltas if isinstance(o.message, m.TokenDeltas) else [o.message])
+        return messages
 
     def deltas(self, request_id: str) -> list[m.TokenDelta]:
         return [g for g in self.to_gateway() if isinstance(g, m.TokenDelta) and g.request_id == request_id]

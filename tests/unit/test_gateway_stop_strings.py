@@ -156,3 +156,11 @@ def test_output_length_finish_keeps_the_scheduler_reason(tokenizer: Tokenizer) -
     output = RequestOutput(tokenizer, [], [])
     chunk = output.add(tokenizer.encode("abc"), "length")
     assert (chunk.text, chunk.finish_reason) == ("abc", "length")
+
+
+def test_a_longer_stop_string_that_starts_earlier_wins_across_chunks() -> None:
+    """'a' completes first, but '#aa' began earlier: the text is cut where '#aa' begins, as on the whole text."""
+    sent, matched = run(["a", "#aa"], ["#a", "a"])
+    assert "".join(sent) == "" and matched == "#aa"
+    sent, matched = run(["a", "#aa"], ["#a", "b"])  # '#aa' fails: the earlier 'a' wins
+    assert "".join(sent) == "#" and matched == "a"

@@ -23,6 +23,7 @@ GATEWAY_TO_SCHEDULER: list[msgspec.Struct] = [
 SCHEDULER_TO_GATEWAY: list[msgspec.Struct] = [
     m.TokenDelta("r-1", [11, 12], None, 3, 2),
     m.TokenDelta("r-1", [], "length", 3, 16),
+    m.TokenDeltas([m.TokenDelta("r-1", [13], None, 3, 3), m.TokenDelta("r-3", [7], "stop", 5, 9)]),
     m.RequestError("r-2", "UNAVAILABLE", "no READY worker within 30.0 s (--no-worker-timeout-s)"),
     m.InfoReply(7, "SmolLM2-135M-Instruct", 2048, 1, 2, [
         m.ProcessInfo("w0", "target", "READY", 3, 0.25, 2, 64, 2, ""),

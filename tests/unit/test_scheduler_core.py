@@ -733,3 +733,16 @@ def test_a_step_result_missing_a_sampled_output_does_not_strand_the_request() ->
         if worker.pending_step() is not None:
             worker.run()
     assert sim.finish_reason("a") == "length" or sim.errors("a")
+
+
+def test_one_steps_tokens_reach_the_gateway_as_one_frame() -> None:
+    sim = Sim()
+    worker = ready(sim)
+    for name in ("a", "b", "c"):
+        sim.submit(name, prompt(3), max_tokens=4)
+    worker.complete()  # the first step held only "a": the others came while it ran
+    num_sent = len(sim.sent)
+    worker.complete()  # the next step: "a" decodes, "b" and "c" prefill, one token each
+    frames = [o.message for o in sim.sent[num_sent:] if not o.to_worker]
+    assert len(frames) == 1 and isinstance(frames[0], m.TokenDeltas)
+    assert sorted(d.request_id for d in frames[0].deltas) == ["a", "b", "c"]
