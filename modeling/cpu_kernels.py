@@ -17,7 +17,15 @@ _PACK_BATCH_HINT = 1
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    """bf16 on a CPU whose torch build has oneDNN and these (private) ops; else the plain path is used."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight  # noqa: B018 - probing for the op
+        torch.ops.mkldnn._linear_pointwise  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 def prepack_linears(model: LlamaModel) -> None:
