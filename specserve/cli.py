@@ -96,6 +96,7 @@ def _run_up(args: argparse.Namespace) -> int:
     device = args.device or _default_device()
     dtype = args.dtype or _default_dtype(device)
     supervisor = Supervisor(_service_specs(args, model, device, dtype), RestartPolicy())
+    supervisor.install_signal_handlers()
     supervisor.start()
     try:
         supervisor.watch(until=lambda: _is_serving(args.host, args.port))

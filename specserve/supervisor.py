@@ -58,9 +58,12 @@ class Supervisor:
         self._stop = threading.Event()
         self._num_signals = 0
 
-    def start(self) -> None:
+    def install_signal_handlers(self) -> None:
+        """SIGINT/SIGTERM stop the watch; a second one kills every child at once."""
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
+
+    def start(self) -> None:
         for spec in self._specs:
             self._children[spec.name] = _Child(spec, _spawn(spec))
 
