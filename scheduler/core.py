@@ -31,9 +31,6 @@ class Outgoing:
     message: msgspec.Struct
 
 
-_NO_OUTPUT = m.SeqOutput(request_id="", token_ids=[])
-
-
 class RequestRejected(Exception):
     def __init__(self, code: m.ErrorCode, message: str) -> None:
         super().__init__(message)
@@ -230,8 +227,8 @@ class SchedulerCore:
         step = worker.in_flight
         if step is None or step.step_id != result.step_id:
             return False
-        outputs = {o.request_id: o for o in result.outputs}
-        missing = [r.request_id for r, _, samples in step.seqs if samples and not outputs.get(r.request_id, _NO_OUTPUT).token_ids]
+        tokens_of = {o.request_id: o.token_ids for o in result.outputs}
+        missing = [r.request_id for r, _, samples in step.seqs if samples and not tokens_of.get(r.request_id)]
         if missing:
             worker.failure = f"step {step.step_id} returned no token for {missing}"
             self._lose_worker(worker, State.FAILED, now_s)
@@ -242,7 +239,7 @@ class SchedulerCore:
                 continue  # finished or aborted while the step ran; its slot is already released
             request.num_computed_tokens += num_tokens
             if samples:
-                self._append_tokens(request, outputs[request.request_id].token_ids)
+                self._append_tokens(request, tokens_of[request.request_id])
         self._place_waiting()
         self._dispatch(now_s)
         return True
