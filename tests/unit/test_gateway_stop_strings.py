@@ -14,7 +14,7 @@ from gateway.tokenizer import Tokenizer
 
 
 def run(stop_strings: list[str], chunks: list[str]) -> tuple[list[str], str | None]:
-    """The text sent for each chunk (the flush last, if no match) and the stop string matched."""
+    """The text sent for each chunk (the flush last, if no match earlier) and the stop string matched."""
     matcher = StopStringMatcher(stop_strings)
     sent = []
     for chunk in chunks:
@@ -22,8 +22,8 @@ def run(stop_strings: list[str], chunks: list[str]) -> tuple[list[str], str | No
         sent.append(check.text)
         if check.matched is not None:
             return sent, check.matched
-    sent.append(matcher.flush())
-    return sent, None
+    sent.append(matcher.flush())  # the end of the text can still settle a held match
+    return sent, matcher.matched
 
 
 def test_stop_string_spanning_chunks_is_cut_with_everything_after() -> None:
