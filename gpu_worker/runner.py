@@ -81,9 +81,6 @@ class ModelRunner:
         for slot in slots:
             self._slots.release(slot)
 
-    def release_all(self) -> None:
-        self.release(list(range(self._config.num_kv_slots)))
-
     def execute(self, seqs: list[SeqWork]) -> list[SeqOutput]:
         """Run one step; raises SlotError, before touching any state, if it is inconsistent."""
         self._check(seqs)

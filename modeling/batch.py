@@ -68,10 +68,7 @@ def build_step_batch(spans: list[SeqSpan], device: torch.device) -> StepBatch:
     alone = [[i] for i, s in enumerate(spans) if len(s.token_ids) > MAX_SHARED_QUERY_TOKENS]
     groups = [_plan_group([spans[i] for i in g], [offsets[i] for i in g], len(token_ids), device) for g in ([shared] if shared else []) + alone]
 
-    def as_tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
-    return StepBatch(as_tensor(token_ids), as_tensor(positions), as_tensor(slots), as_tensor(logit_rows), groups)
+    return StepBatch(_ids(token_ids, device), _ids(positions, device), _ids(slots, device), _ids(logit_rows, device), groups)
 
 
 def _plan_group(spans: list[SeqSpan], offsets: list[int], num_tokens: int, device: torch.device) -> AttentionGroup:
@@ -103,19 +100,16 @@ def _plan_group(spans: list[SeqSpan], offsets: list[int], num_tokens: int, devic
     needs_mask = any(query_pos[r][t] != kv_len - 1 for r in range(num_rows) for t in range(num_query))
     mask = _causal_mask(query_pos, kv_len, device) if needs_mask else None
 
-    def as_tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
     return AttentionGroup(
         slot_start=slot_lo,
-        slot_index=None if as_run else as_tensor(row_slots),
+        slot_index=None if as_run else _ids(row_slots, device),
         num_rows=num_rows,
         num_query_tokens=num_query,
         kv_len=kv_len,
-        query_rows=as_tensor(query_rows),
+        query_rows=_ids(query_rows, device),
         mask=mask,
-        real=as_tensor(real),
-        real_rows=as_tensor(real_rows),
+        real=_ids(real, device),
+        real_rows=_ids(real_rows, device),
         is_identity=num_rows * num_query == num_tokens and real == real_rows == list(range(num_tokens)),
     )
 
@@ -126,3 +120,7 @@ def _causal_mask(query_pos: list[list[int]], kv_len: int, device: torch.device) 
     allowed = torch.arange(kv_len, device=device).view(1, 1, kv_len) <= pos.unsqueeze(-1)  # [R, T, L]
     mask = torch.zeros(allowed.shape, dtype=torch.float32, device=device).masked_fill_(~allowed, float("-inf"))
     return mask.unsqueeze(1)
+
+
+def _ids(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)

@@ -23,15 +23,6 @@ class KVCache:
         self.num_slots = num_slots
         self.max_len = max_len
 
-    @property
-    def num_bytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()
-
-    @staticmethod
-    def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-        element_size = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element_size
-
 
 class SlotError(ValueError):
     """A step asked for something inconsistent with what the slots hold (a protocol error)."""

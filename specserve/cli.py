@@ -6,10 +6,10 @@ import argparse
 import os
 import socket
 import sys
-import time
 from pathlib import Path
 
 from common import logs
+from specserve.supervisor import GaveUp, RestartPolicy, ServiceSpec, Supervisor
 
 SERVICE_MODULES = {"scheduler": "scheduler", "worker": "gpu_worker", "gateway": "gateway"}
 
@@ -85,7 +85,6 @@ def _run_healthcheck(args: argparse.Namespace) -> int:
 
 def _run_up(args: argparse.Namespace) -> int:
     from modeling.model_store import ensure_default_model
-    from specserve.supervisor import GaveUp, RestartPolicy, Supervisor
 
     logs.configure("supervisor", json_logs=args.log_json or None)
     if args.num_workers < 1:
@@ -111,9 +110,7 @@ def _run_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _service_specs(args: argparse.Namespace, model: Path, device: str, dtype: str) -> list:  # type: ignore[type-arg]
-    from specserve.supervisor import ServiceSpec
-
+def _service_specs(args: argparse.Namespace, model: Path, device: str, dtype: str) -> list[ServiceSpec]:
     gateway_port, worker_port = _free_port(), _free_port()
     gateway_address, worker_address = f"tcp://127.0.0.1:{gateway_port}", f"tcp://127.0.0.1:{worker_port}"
     log_flag = ["--log-json"] if args.log_json else []
@@ -169,7 +166,6 @@ def _is_serving(host: str, port: int) -> bool:
         with grpc.insecure_channel(target) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
     except grpc.RpcError:
-        time.sleep(0.5)
         return False
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
