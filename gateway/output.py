@@ -18,6 +18,14 @@ class Chunk:
     stop_string: str | None  # the stop string that ended the output, if one did
     num_prompt_tokens: int
     num_completion_tokens: int  # tokens sent in all chunks so far, these included
+    speculation: SpecUsage  # the request's speculation so far, as the scheduler last reported it
+
+
+@dataclass(frozen=True)
+class SpecUsage:
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    num_verify_steps: int = 0
 
 
 class RequestOutput:
@@ -34,15 +42,19 @@ class RequestOutput:
         self._num_prompt_tokens = len(prompt_token_ids)
         self._num_completion_tokens = 0
         self._finish_reason: messages.FinishReason | None = None
+        self._speculation = SpecUsage()
 
     @property
     def finish_reason(self) -> messages.FinishReason | None:
         return self._finish_reason
 
-    def add(self, token_ids: Sequence[int], finish_reason: messages.FinishReason | None) -> Chunk:
+    def add(self, token_ids: Sequence[int], finish_reason: messages.FinishReason | None,
+            speculation: SpecUsage | None = None) -> Chunk:
         """The chunk for one delta; finish_reason is the scheduler's (None: more deltas follow)."""
         if self._finish_reason is not None:
             raise RuntimeError(f"RequestOutput.add after the output finished ({self._finish_reason})")
+        if speculation is not None:
+            self._speculation = speculation
         text_parts: list[str] = []
         sent_ids: list[int] = []
         for token_id in token_ids:
@@ -71,4 +83,5 @@ class RequestOutput:
             stop_string=self._matcher.matched,
             num_prompt_tokens=self._num_prompt_tokens,
             num_completion_tokens=self._num_completion_tokens,
+            speculation=self._speculation,
         )

@@ -12,7 +12,7 @@ import structlog
 
 from common.logs import get_logger
 from gateway.errors import InvalidArgument, RequestFailed
-from gateway.output import Chunk, RequestOutput
+from gateway.output import Chunk, RequestOutput, SpecUsage
 from gateway.scheduler_client import RequestStream, SchedulerClient
 from gateway.tokenizer import Tokenizer
 from gateway.validation import ChatPrompt, Prompt, Submission, TextPrompt, TokenPrompt, request_id_of, validate
@@ -81,6 +81,8 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
             stop_string=chunk.stop_string,
             num_prompt_tokens=chunk.num_prompt_tokens,
             num_completion_tokens=chunk.num_completion_tokens,
+            num_draft_tokens=chunk.speculation.num_draft_tokens,
+            num_accepted_draft_tokens=chunk.speculation.num_accepted_draft_tokens,
             duration_s=round(time.monotonic() - started_at, 3),
         )
 
@@ -90,7 +92,8 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
             message = await stream.next()
             if isinstance(message, messages.RequestError):
                 raise RequestFailed.from_scheduler(message)
-            chunk = output.add(message.token_ids, message.finish_reason)
+            speculation = SpecUsage(message.num_draft_tokens, message.num_accepted_draft_tokens, message.num_verify_steps)
+            chunk = output.add(message.token_ids, message.finish_reason, speculation)
             if chunk.text or chunk.token_ids or chunk.finish_reason is not None:
                 return chunk
 
@@ -133,6 +136,9 @@ def to_response(chunk: Chunk, request_id: str) -> pb.GenerateResponse:
         response.finish_reason = FINISH_REASONS[chunk.finish_reason]
         response.usage.prompt_tokens = chunk.num_prompt_tokens
         response.usage.completion_tokens = chunk.num_completion_tokens
+        response.usage.draft_tokens = chunk.speculation.num_draft_tokens
+        response.usage.accepted_draft_tokens = chunk.speculation.num_accepted_draft_tokens
+        response.usage.verify_steps = chunk.speculation.num_verify_steps
     return response
 
 
@@ -143,6 +149,18 @@ def to_server_info(reply: messages.InfoReply) -> pb.ServerInfoResponse:
         num_waiting=reply.num_waiting,
         num_running=reply.num_running,
         processes=[to_process(process) for process in reply.processes],
+        speculation=to_speculation(reply.speculation) if reply.speculation else None,
+    )
+
+
+def to_speculation(spec: messages.SpeculationInfo) -> pb.Speculation:
+    return pb.Speculation(
+        num_draft_tokens=spec.num_draft_tokens,
+        num_accepted_draft_tokens=spec.num_accepted_draft_tokens,
+        num_verify_steps=spec.num_verify_steps,
+        num_plain_decode_steps=spec.num_plain_decode_steps,
+        acceptance_rate=spec.acceptance_rate,
+        mean_accepted_length=spec.mean_accepted_length,
     )
 
 

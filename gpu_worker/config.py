@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-DTYPES = ("float32", "bfloat16", "float16")
+from modeling.engine import DTYPES
 
 
 @dataclass(frozen=True)

@@ -92,3 +92,20 @@ def model_fingerprint(folder: Path) -> str:
 
 
 _SAMPLE_BYTES = 64 * 1024
+
+
+def vocab_fingerprint(folder: Path) -> str:
+    """A short hash of the tokenizer's vocabulary (token strings and ids, added tokens too).
+
+    Two models whose fingerprints match give the same id the same meaning, which a draft
+    model needs in order to propose tokens for a target. Without a tokenizer.json the
+    vocabulary size stands in.
+    """
+    path = folder / "tokenizer.json"
+    if not path.exists():
+        return f"vocab-size-{ModelConfig.from_folder(folder).vocab_size}"
+    tokenizer = json.loads(path.read_text())
+    vocab = tokenizer.get("model", {}).get("vocab", {})
+    added = {token["content"]: token["id"] for token in tokenizer.get("added_tokens", [])}
+    canonical = json.dumps({"vocab": vocab, "added": added}, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]

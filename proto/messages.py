@@ -3,7 +3,8 @@
 Two conversations, each over one ZeroMQ ROUTER socket bound by the scheduler:
 
 - gateway <-> scheduler: `GatewayToScheduler` in, `SchedulerToGateway` out;
-- worker  <-> scheduler: `WorkerToScheduler` in, `SchedulerToWorker` out.
+- worker  <-> scheduler: `WorkerToScheduler` in, `SchedulerToWorker` out to target
+  workers, `SchedulerToDraft` out to the draft service (both roles share the socket).
 
 Every message is one msgpack frame whose tag names its type. Token ids are ints in the
 model's vocabulary; positions are 0-based indices into a sequence (prompt then output).
@@ -75,6 +76,10 @@ class TokenDelta(msgspec.Struct, tag="tokens", frozen=True, forbid_unknown_field
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_completion_tokens: int  # completion tokens so far, these included
+    # Speculation so far for this request (cumulative, so any delta can close the usage).
+    num_draft_tokens: int = 0  # draft tokens sent to verification
+    num_accepted_draft_tokens: int = 0
+    num_verify_steps: int = 0  # target steps that verified at least one draft token
 
 
 class TokenDeltas(msgspec.Struct, tag="token_deltas", frozen=True, forbid_unknown_fields=True):
@@ -103,6 +108,17 @@ class ProcessInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     failure: str  # "" unless FAILED/DEAD: the phase and the cause
 
 
+class SpeculationInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Server-wide speculation counters since the scheduler started."""
+
+    num_draft_tokens: int  # proposed tokens sent to verification
+    num_accepted_draft_tokens: int
+    num_verify_steps: int  # per sequence: verify passes with at least one draft token
+    num_plain_decode_steps: int  # per sequence: decode passes without a draft
+    acceptance_rate: float  # accepted / proposed, 0 when nothing was proposed
+    mean_accepted_length: float  # accepted draft tokens per verify step (the bonus token not counted)
+
+
 class InfoReply(msgspec.Struct, tag="info", frozen=True, forbid_unknown_fields=True):
     query_id: int
     model_name: str
@@ -110,12 +126,20 @@ class InfoReply(msgspec.Struct, tag="info", frozen=True, forbid_unknown_fields=T
     num_waiting: int
     num_running: int
     processes: list[ProcessInfo]
+    speculation: SpeculationInfo | None = None
 
 
 SchedulerToGateway = TokenDelta | TokenDeltas | RequestError | InfoReply
 
 
 # ---------------------------------------------------------------- scheduler -> worker
+
+
+class SparseDist(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """A distribution over a few tokens (all others have probability 0): what a draft sampled from."""
+
+    token_ids: list[int]
+    probs: list[float]
 
 
 class SeqWork(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -133,6 +157,9 @@ class SeqWork(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sample: bool
     sampling: SamplingParams
     num_draft_tokens: int = 0  # trailing entries of token_ids that are unverified proposals
+    # When sampling: the distribution each draft token was drawn from, one per draft token.
+    # None: the proposer is deterministic (each draft token had probability 1).
+    draft_dists: list[SparseDist] | None = None
 
 
 class StepRequest(msgspec.Struct, tag="step", frozen=True, forbid_unknown_fields=True):
@@ -155,6 +182,44 @@ class Drain(msgspec.Struct, tag="drain", frozen=True, forbid_unknown_fields=True
 SchedulerToWorker = StepRequest | ReleaseSlots | Drain
 
 
+# ---------------------------------------------------------------- scheduler -> draft service
+
+
+class ProposeSeq(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One sequence of a propose request.
+
+    The draft service first drops the last `num_drop` tokens it holds for the sequence
+    (its rejected proposals), then appends `new_token_ids` (what was accepted since; the
+    whole sequence the first time), then proposes up to `num_tokens` continuation tokens.
+    `num_held` is how many tokens it should hold before appending: a mismatch means the
+    two sides disagree, and the service starts the sequence over (it proposes nothing
+    and answers num_held 0, so the next request sends the whole sequence).
+    """
+
+    request_id: str
+    num_held: int
+    num_drop: int
+    new_token_ids: list[int]
+    num_tokens: int  # k, at least 1
+    sampling: SamplingParams  # greedy requests get greedy proposals; sampled ones a sparse q
+
+
+class ProposeRequest(msgspec.Struct, tag="propose", frozen=True, forbid_unknown_fields=True):
+    propose_id: int
+    incarnation: int  # of the draft service it is meant for
+    seqs: list[ProposeSeq]
+
+
+class ReleaseSequences(msgspec.Struct, tag="release_seqs", frozen=True, forbid_unknown_fields=True):
+    """Forget these sequences (finished, aborted): their draft KV is free again."""
+
+    incarnation: int
+    request_ids: list[str]
+
+
+SchedulerToDraft = ProposeRequest | ReleaseSequences | Drain
+
+
 # ---------------------------------------------------------------- worker -> scheduler
 
 
@@ -173,6 +238,8 @@ class WorkerHello(msgspec.Struct, tag="hello", frozen=True, forbid_unknown_field
     num_kv_slots: int  # sequences it can hold at once
     dtype: str
     device: str
+    vocab_fingerprint: str = ""  # hash of the tokenizer's vocabulary; "" = works on any vocabulary (n-gram)
+    max_draft_tokens: int = 0  # target: the longest proposal a verify step may carry; draft: the longest it makes
 
 
 class LifecycleReport(msgspec.Struct, tag="lifecycle", frozen=True, forbid_unknown_fields=True):
@@ -221,7 +288,32 @@ class StepRefused(msgspec.Struct, tag="step_refused", frozen=True, forbid_unknow
     reason: str
 
 
-WorkerToScheduler = WorkerHello | LifecycleReport | WorkerFailed | Heartbeat | StepResult | StepRefused
+class Proposal(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    request_id: str
+    num_held: int  # tokens the service holds for the sequence now, its proposal excluded
+    token_ids: list[int]  # the proposal, possibly empty (no n-gram match, no free draft slot)
+    dists: list[SparseDist] | None = None  # sampled proposals: what each token was drawn from
+
+
+class ProposeResult(msgspec.Struct, tag="proposal", frozen=True, forbid_unknown_fields=True):
+    worker_id: str
+    incarnation: int
+    propose_id: int
+    proposals: list[Proposal]  # one per ProposeSeq, in request order
+    duration_ms: float
+
+
+class ProposeRefused(msgspec.Struct, tag="propose_refused", frozen=True, forbid_unknown_fields=True):
+    worker_id: str
+    incarnation: int
+    propose_id: int
+    state: str
+    reason: str
+
+
+WorkerToScheduler = (
+    WorkerHello | LifecycleReport | WorkerFailed | Heartbeat | StepResult | StepRefused | ProposeResult | ProposeRefused
+)
 
 
 T = TypeVar("T")

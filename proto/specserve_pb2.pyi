@@ -73,12 +73,18 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "draft_tokens", "accepted_draft_tokens", "verify_steps")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    draft_tokens: int
+    accepted_draft_tokens: int
+    verify_steps: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., verify_steps: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "usage", "request_id")
@@ -120,16 +126,34 @@ class Process(_message.Message):
     failure: str
     def __init__(self, process_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., incarnation: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., num_used_kv_slots: _Optional[int] = ..., num_kv_slots: _Optional[int] = ..., num_running: _Optional[int] = ..., failure: _Optional[str] = ...) -> None: ...
 
+class Speculation(_message.Message):
+    __slots__ = ("num_draft_tokens", "num_accepted_draft_tokens", "num_verify_steps", "num_plain_decode_steps", "acceptance_rate", "mean_accepted_length")
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PLAIN_DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+    num_verify_steps: int
+    num_plain_decode_steps: int
+    acceptance_rate: float
+    mean_accepted_length: float
+    def __init__(self, num_draft_tokens: _Optional[int] = ..., num_accepted_draft_tokens: _Optional[int] = ..., num_verify_steps: _Optional[int] = ..., num_plain_decode_steps: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ...) -> None: ...
+
 class ServerInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "num_waiting", "num_running", "processes")
+    __slots__ = ("model_name", "max_model_len", "num_waiting", "num_running", "processes", "speculation")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     num_waiting: int
     num_running: int
     processes: _containers.RepeatedCompositeFieldContainer[Process]
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[Process, _Mapping]]] = ...) -> None: ...
+    speculation: Speculation
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[Process, _Mapping]]] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ...) -> None: ...

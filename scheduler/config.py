@@ -20,6 +20,9 @@ class SchedulerConfig:
     heartbeat_timeout_s: float  # a worker silent this long is DEAD
     step_timeout_s: float  # a step unanswered this long marks its worker DEAD
     status_file: Path | None = None  # "READY" once listening, for container health checks
+    num_speculative_tokens: int = 4  # k: draft tokens proposed per sequence and step; 0 turns speculation off
+    spec_disable_batch_threshold: int = 4  # speculate only in steps of at most this many sequences
+    propose_timeout_s: float = 2.0  # a proposal unanswered this long: the step runs without one
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,14 +37,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heartbeat-timeout-s", type=float, default=5.0)
     parser.add_argument("--step-timeout-s", type=float, default=60.0)
     parser.add_argument("--status-file", type=Path, default=None, help="write READY here once listening")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4,
+                        help="draft tokens proposed per sequence in a speculative step (0: never speculate)")
+    parser.add_argument("--spec-disable-batch-threshold", type=int, default=4,
+                        help="speculate only when a step has at most this many sequences; larger ones decode plainly")
+    parser.add_argument("--propose-timeout-s", type=float, default=2.0,
+                        help="how long a step waits for the draft service before it runs without proposals")
 
 
 def from_arguments(args: argparse.Namespace) -> SchedulerConfig:
     positive = ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "max_queue_len",
-                "no_worker_timeout_s", "heartbeat_timeout_s", "step_timeout_s")
+                "no_worker_timeout_s", "heartbeat_timeout_s", "step_timeout_s", "propose_timeout_s")
     for name in positive:
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("num_speculative_tokens", "spec_disable_batch_threshold"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 0, got {getattr(args, name)}")
     return SchedulerConfig(
         gateway_address=args.gateway_address,
         worker_address=args.worker_address,
@@ -54,4 +66,7 @@ def from_arguments(args: argparse.Namespace) -> SchedulerConfig:
         heartbeat_timeout_s=args.heartbeat_timeout_s,
         step_timeout_s=args.step_timeout_s,
         status_file=args.status_file,
+        num_speculative_tokens=args.num_speculative_tokens,
+        spec_disable_batch_threshold=args.spec_disable_batch_threshold,
+        propose_timeout_s=args.propose_timeout_s,
     )

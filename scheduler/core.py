@@ -15,13 +15,16 @@ import msgspec
 
 from common.logs import get_logger
 from proto import messages as m
-from proto.lifecycle import TRANSITIONS, State
+from proto.lifecycle import TERMINAL, TRANSITIONS, State
 from scheduler.batching import BatchLimits, ScheduledSeq, plan_step
 from scheduler.config import SchedulerConfig
-from scheduler.registry import InFlightStep, WorkerRecord, least_loaded_ready, new_record
+from scheduler.registry import InFlightStep, StepSeq, WorkerRecord, least_loaded_ready, new_record
 from scheduler.request import FINISH_REASONS, Request, RequestStatus
+from scheduler.speculation import PendingProposal, SpecCounters, SpecLimits, proposal_problem, speculation_plan
 
 log = get_logger()
+
+_SPEC_LOG_INTERVAL_S = 10.0  # speculation.stats is logged at most this often
 
 
 @dataclass(frozen=True)
@@ -48,10 +51,18 @@ class SchedulerCore:
         self._workers: dict[str, WorkerRecord] = {}  # current incarnation of each worker id
         self._gateways: set[bytes] = set()
         self._target_fingerprint: str | None = None
+        self._target_vocab_size = 0
         self._no_ready_target_since_s: float | None = 0.0  # None while a target worker is READY
         self._next_step_id = 0
         self.outbox: list[Outgoing] = []
         self._pending_deltas: dict[bytes, list[m.TokenDelta]] = {}  # per gateway, sent as one frame per event
+        self._target_vocab: str | None = None  # the targets' vocabulary fingerprint
+        self._proposals: dict[int, PendingProposal] = {}  # propose requests the draft service has not answered
+        self._abandoned: dict[int, PendingProposal] = {}  # timed out; a late answer still updates the draft views
+        self._next_propose_id = 0
+        self._draft_forget: list[str] = []  # finished requests the draft service must forget, sent once per event
+        self.spec = SpecCounters()
+        self._spec_logged_s = 0.0
 
     # ------------------------------------------------------------------ views
 
@@ -64,20 +75,24 @@ class SchedulerCore:
         return len(self._requests) - len(self._waiting)
 
     def has_ready_target(self) -> bool:
-        return any(w.is_ready and w.hello.role == "target" for w in self._workers.values())
+        return any(w.is_ready and w.is_target for w in self._workers.values())
+
+    def ready_draft(self) -> WorkerRecord | None:
+        return next((w for w in self._workers.values() if w.is_ready and not w.is_target), None)
 
     def info(self, query_id: int, now_s: float) -> m.InfoReply:
         return m.InfoReply(
             query_id=query_id, model_name=self._config.model_name, max_model_len=self._config.max_model_len,
             num_waiting=self.num_waiting, num_running=self.num_running,
             processes=[w.info(now_s) for w in self._workers.values()],
+            speculation=self.spec.info(),
         )
 
     # ------------------------------------------------------------------ gateway events
 
     def on_gateway_message(self, identity: bytes, message: m.GatewayToScheduler, now_s: float) -> None:
         self._on_gateway_message(identity, message, now_s)
-        self._flush_deltas()
+        self._end_event()
 
     def _on_gateway_message(self, identity: bytes, message: m.GatewayToScheduler, now_s: float) -> None:
         match message:
@@ -144,7 +159,7 @@ class SchedulerCore:
     def on_worker_message(self, identity: bytes, message: m.WorkerToScheduler, now_s: float) -> bool:
         """Apply one worker message; False when it was dropped as stale or unexpected."""
         accepted = self._on_worker_message(identity, message, now_s)
-        self._flush_deltas()
+        self._end_event()
         return accepted
 
     def _on_worker_message(self, identity: bytes, message: m.WorkerToScheduler, now_s: float) -> bool:
@@ -168,13 +183,19 @@ class SchedulerCore:
                 log.error("step.refused", worker_id=worker.worker_id, step_id=message.step_id, reason=message.reason)
                 worker.failure = f"refused a step: {message.reason}"
                 self._lose_worker(worker, State.FAILED, now_s)
+            case m.ProposeResult():
+                return self._on_proposal(worker, message, now_s)
+            case m.ProposeRefused():
+                log.error("propose.refused", worker_id=worker.worker_id, propose_id=message.propose_id, reason=message.reason)
+                worker.failure = f"refused a propose request: {message.reason}"
+                self._lose_worker(worker, State.FAILED, now_s)
         return True
 
     def _on_hello(self, identity: bytes, hello: m.WorkerHello, now_s: float) -> bool:
         known = self._workers.get(hello.worker_id)
         if known is not None and known.incarnation >= hello.incarnation:
             return False  # a stale or repeated hello
-        if known is not None:
+        if known is not None and known.state not in TERMINAL:
             known.failure = known.failure or "replaced by a new incarnation"
             self._lose_worker(known, State.DEAD, now_s)
         worker = new_record(hello, identity, now_s)
@@ -183,24 +204,41 @@ class SchedulerCore:
         log.info("worker.hello", worker_id=hello.worker_id, incarnation=hello.incarnation, role=hello.role,
                  fingerprint=hello.model_fingerprint, num_kv_slots=hello.num_kv_slots, refused=problem)
         if problem:
-            worker.failure = f"refused: {problem}"
-            worker.state = State.FAILED
-            self.outbox.append(Outgoing(True, identity, m.Drain(hello.incarnation)))
+            self._refuse(worker, problem)
         elif hello.role == "target":
             self._target_fingerprint = self._target_fingerprint or hello.model_fingerprint
+            self._target_vocab = self._target_vocab or hello.vocab_fingerprint
+            self._target_vocab_size = hello.vocab_size
+            for draft in [w for w in self._workers.values() if not w.is_target and w.state not in TERMINAL]:
+                if draft_problem := self._draft_incompatibility(draft.hello):
+                    self._refuse(draft, draft_problem)
         return True
+
+    def _refuse(self, worker: WorkerRecord, problem: str) -> None:
+        log.error("worker.refused", worker_id=worker.worker_id, incarnation=worker.incarnation, role=worker.hello.role,
+                  reason=problem)
+        worker.failure = f"refused: {problem}"
+        worker.state = State.FAILED
+        self.outbox.append(Outgoing(True, worker.identity, m.Drain(worker.incarnation)))
 
     def _incompatibility(self, hello: m.WorkerHello) -> str:
         if hello.protocol_version != m.PROTOCOL_VERSION:
             return f"protocol version {hello.protocol_version}, the scheduler speaks {m.PROTOCOL_VERSION}"
-        if hello.role != "target":
-            return f"role {hello.role!r} is not served yet"
-        if self._target_fingerprint not in (None, hello.model_fingerprint):
-            return f"model fingerprint {hello.model_fingerprint} differs from the other replicas' {self._target_fingerprint}"
         if hello.num_kv_slots < 1:
             return "it has no KV slot"
         if hello.max_model_len < self._config.max_model_len:
             return f"max_model_len {hello.max_model_len} is below the scheduler's {self._config.max_model_len}"
+        if hello.role == "draft":
+            return self._draft_incompatibility(hello)
+        if self._target_fingerprint not in (None, hello.model_fingerprint):
+            return f"model fingerprint {hello.model_fingerprint} differs from the other replicas' {self._target_fingerprint}"
+        return ""
+
+    def _draft_incompatibility(self, hello: m.WorkerHello) -> str:
+        """A draft must propose in the targets' vocabulary; one that works on any (n-gram) always fits."""
+        if self._target_vocab and hello.vocab_fingerprint and hello.vocab_fingerprint != self._target_vocab:
+            return (f"the draft's vocabulary (fingerprint {hello.vocab_fingerprint}, {hello.vocab_size} tokens) differs "
+                    f"from the target's (fingerprint {self._target_vocab}, {self._target_vocab_size} tokens)")
         return ""
 
     def _on_lifecycle(self, worker: WorkerRecord, reported: str, now_s: float) -> bool:
@@ -217,7 +255,7 @@ class SchedulerCore:
             self._lose_worker(worker, state, now_s)
             return True
         worker.state = state
-        if state is State.READY:
+        if state is State.READY and worker.is_target:
             self._no_ready_target_since_s = None
             self._place_waiting()
             self._dispatch(now_s)
@@ -227,33 +265,75 @@ class SchedulerCore:
         step = worker.in_flight
         if step is None or step.step_id != result.step_id:
             return False
-        tokens_of = {o.request_id: o.token_ids for o in result.outputs}
-        missing = [r.request_id for r, _, samples in step.seqs if samples and not tokens_of.get(r.request_id)]
-        if missing:
-            worker.failure = f"step {step.step_id} returned no token for {missing}"
+        outputs = {o.request_id: o for o in result.outputs}
+        problem = _result_problem(step.seqs, outputs)
+        if problem:
+            worker.failure = f"step {step.step_id}: {problem}"
             self._lose_worker(worker, State.FAILED, now_s)
             return True
         worker.in_flight = None
-        for request, num_tokens, samples in step.seqs:
+        for seq in step.seqs:
+            request = seq.request
             if worker.requests.get(request.request_id) is not request:
                 continue  # finished or aborted while the step ran; its slot is already released
-            request.num_computed_tokens += num_tokens
-            if samples:
-                self._append_tokens(request, tokens_of[request.request_id])
+            request.num_computed_tokens += seq.num_tokens
+            if seq.samples:
+                output = outputs[request.request_id]
+                request.num_computed_tokens += output.num_accepted_draft
+                self._record_speculation(request, seq, output.num_accepted_draft)
+                self._append_tokens(request, output.token_ids)
         self._place_waiting()
         self._dispatch(now_s)
         return True
+
+    def _record_speculation(self, request: Request, seq: StepSeq, num_accepted: int) -> None:
+        num_drafts = len(seq.draft_token_ids)
+        if num_drafts:
+            request.num_draft_tokens += num_drafts
+            request.num_accepted_draft_tokens += num_accepted
+            request.num_verify_steps += 1
+            request.draft.accept(num_accepted)
+        if num_drafts or seq.num_tokens == 1:  # a decode step, with or without a proposal
+            self.spec.record(num_drafts, num_accepted)
+
+    def _on_proposal(self, draft: WorkerRecord, result: m.ProposeResult, now_s: float) -> bool:
+        pending = self._proposals.pop(result.propose_id, None) or self._abandoned.pop(result.propose_id, None)
+        if pending is None:
+            return False
+        asked = pending.num_tokens
+        proposals: dict[str, m.Proposal] = {}
+        for proposal in result.proposals:
+            request = self._requests.get(proposal.request_id)
+            if request is None or proposal.request_id not in asked:
+                continue
+            # Whatever happens to the step, the draft service now holds this.
+            request.draft.num_stable, request.draft.num_proposed = proposal.num_held, len(proposal.token_ids)
+            problem = proposal_problem(proposal, asked[proposal.request_id], self._target_vocab_size)
+            if problem:
+                self._errors_from(draft, "bad_proposal", problem)
+                request.draft.reset()
+            elif proposal.token_ids:
+                proposals[proposal.request_id] = proposal
+        worker = self._workers.get(pending.worker_id)
+        if worker is not None and worker.incarnation == pending.worker_incarnation and worker.awaiting_proposal == pending.propose_id:
+            worker.awaiting_proposal = None
+            if worker.is_ready:
+                self._send_step(worker, pending.plan, proposals, now_s)
+        return True
+
+    def _errors_from(self, worker: WorkerRecord, kind: str, problem: str) -> None:
+        log.warning("worker.protocol_error", worker_id=worker.worker_id, kind=kind, problem=problem)
 
     # ------------------------------------------------------------------ time
 
     def check_timeouts(self, now_s: float) -> None:
         self._check_timeouts(now_s)
-        self._flush_deltas()
+        self._end_event()
 
     def _check_timeouts(self, now_s: float) -> None:
         cfg = self._config
         for worker in list(self._workers.values()):
-            if worker.state in (State.DEAD, State.FAILED, State.STOPPED):
+            if worker.state in TERMINAL:
                 continue
             if now_s - worker.last_seen_s > cfg.heartbeat_timeout_s:
                 worker.failure = f"no heartbeat for {now_s - worker.last_seen_s:.1f} s (--heartbeat-timeout-s {cfg.heartbeat_timeout_s})"
@@ -262,6 +342,13 @@ class SchedulerCore:
                 worker.failure = f"step {worker.in_flight.step_id} unanswered for {cfg.step_timeout_s} s (--step-timeout-s)"
                 self.outbox.append(Outgoing(True, worker.identity, m.Drain(worker.incarnation)))
                 self._lose_worker(worker, State.DEAD, now_s)
+        for pending in [p for p in self._proposals.values() if now_s - p.sent_at_s > cfg.propose_timeout_s]:
+            log.warning("propose.timeout", propose_id=pending.propose_id, waited_s=round(now_s - pending.sent_at_s, 3),
+                        note="the step runs without proposals (--propose-timeout-s)")
+            self._give_up_proposal(pending, now_s, answer_may_come=True)
+        if now_s - self._spec_logged_s >= _SPEC_LOG_INTERVAL_S and self.spec.num_draft_tokens:
+            self._spec_logged_s = now_s
+            log.info("speculation.stats", **msgspec.structs.asdict(self.spec.info()))
         if not self.has_ready_target():
             if self._no_ready_target_since_s is None:
                 self._no_ready_target_since_s = now_s
@@ -286,23 +373,79 @@ class SchedulerCore:
 
     def _dispatch(self, now_s: float) -> None:
         for worker in self._workers.values():
-            if worker.is_ready and worker.in_flight is None and worker.requests:
+            if worker.is_target and worker.is_ready and not worker.is_busy and worker.requests:
                 plan = plan_step(list(worker.requests.values()), self._limits)
                 if plan:
-                    self._send_step(worker, plan, now_s)
+                    self._propose_or_step(worker, plan, now_s)
 
-    def _send_step(self, worker: WorkerRecord, plan: list[ScheduledSeq], now_s: float) -> None:
-        self._next_step_id += 1
+    def _propose_or_step(self, worker: WorkerRecord, plan: list[ScheduledSeq], now_s: float) -> None:
+        """Ask the draft service for proposals first when the policy says so; otherwise step at once."""
+        draft = self.ready_draft()
+        cfg = self._config
+        num_tokens: dict[str, int] = {}
+        if draft is not None:
+            limits = SpecLimits(
+                num_speculative_tokens=min(cfg.num_speculative_tokens, worker.hello.max_draft_tokens, draft.hello.max_draft_tokens),
+                spec_disable_batch_threshold=cfg.spec_disable_batch_threshold,
+                max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len,
+            )
+            num_tokens = speculation_plan(plan, limits)
+        if draft is None or not num_tokens:
+            self._send_step(worker, plan, {}, now_s)
+            return
+        self._next_propose_id += 1
         seqs = []
+        for item in plan:
+            r = item.request
+            if r.request_id in num_tokens:
+                view = r.draft
+                view.known = True
+                seqs.append(m.ProposeSeq(
+                    request_id=r.request_id, num_held=view.num_held, num_drop=view.num_proposed,
+                    new_token_ids=r.token_slice(view.num_stable, r.num_tokens), num_tokens=num_tokens[r.request_id],
+                    sampling=r.sampling,
+                ))
+        pending = PendingProposal(self._next_propose_id, worker.worker_id, worker.incarnation, plan, num_tokens, now_s)
+        self._proposals[pending.propose_id] = pending
+        worker.awaiting_proposal = pending.propose_id
+        self.outbox.append(Outgoing(True, draft.identity, m.ProposeRequest(pending.propose_id, draft.incarnation, seqs)))
+
+    def _give_up_proposal(self, pending: PendingProposal, now_s: float, *, answer_may_come: bool) -> None:
+        """Step without proposals. What the draft holds for these requests is unknown until its answer comes, if it does."""
+        self._proposals.pop(pending.propose_id, None)
+        if answer_may_come:
+            self._abandoned[pending.propose_id] = pending
+        for request_id in pending.num_tokens:
+            if (request := self._requests.get(request_id)) is not None:
+                request.draft.reset()
+        worker = self._workers.get(pending.worker_id)
+        if worker is not None and worker.incarnation == pending.worker_incarnation and worker.awaiting_proposal == pending.propose_id:
+            worker.awaiting_proposal = None
+            if worker.is_ready:
+                self._send_step(worker, pending.plan, {}, now_s)
+
+    def _send_step(self, worker: WorkerRecord, plan: list[ScheduledSeq], proposals: dict[str, m.Proposal], now_s: float) -> None:
+        # A plan that waited for proposals may have lost requests on the way (finished, aborted).
+        plan = [item for item in plan if worker.requests.get(item.request.request_id) is item.request]
+        if not plan:
+            self._dispatch(now_s)
+            return
+        self._next_step_id += 1
+        seqs: list[m.SeqWork] = []
+        step_seqs: list[StepSeq] = []
         for item in plan:
             r = item.request
             assert r.slot is not None  # placed requests hold a slot
             start = r.num_computed_tokens
+            proposal = proposals.get(r.request_id)
+            drafts = proposal.token_ids if proposal else []
             seqs.append(m.SeqWork(
                 request_id=r.request_id, slot=r.slot, start_position=start,
-                token_ids=r.token_slice(start, start + item.num_tokens), sample=item.completes, sampling=r.sampling,
+                token_ids=r.token_slice(start, start + item.num_tokens) + drafts, sample=item.completes, sampling=r.sampling,
+                num_draft_tokens=len(drafts), draft_dists=proposal.dists if proposal and r.sampling.temperature > 0 else None,
             ))
-        worker.in_flight = InFlightStep(self._next_step_id, now_s, [(i.request, i.num_tokens, i.completes) for i in plan])
+            step_seqs.append(StepSeq(r, item.num_tokens, item.completes, drafts))
+        worker.in_flight = InFlightStep(self._next_step_id, now_s, step_seqs)
         self.outbox.append(Outgoing(True, worker.identity, m.StepRequest(self._next_step_id, worker.incarnation, seqs)))
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> None:
@@ -324,12 +467,22 @@ class SchedulerCore:
         self._pending_deltas.setdefault(request.gateway, []).append(m.TokenDelta(
             request_id=request.request_id, token_ids=token_ids, finish_reason=finish_reason,
             num_prompt_tokens=len(request.prompt_token_ids), num_completion_tokens=len(request.output_token_ids),
+            num_draft_tokens=request.num_draft_tokens, num_accepted_draft_tokens=request.num_accepted_draft_tokens,
+            num_verify_steps=request.num_verify_steps,
         ))
 
     def _to_gateway(self, identity: bytes, message: msgspec.Struct) -> None:
         """Any other message to a gateway goes after the deltas already pending for it."""
         self._flush_deltas(identity)
         self.outbox.append(Outgoing(False, identity, message))
+
+    def _end_event(self) -> None:
+        """What collects during one event goes out as one frame per destination."""
+        self._flush_deltas()
+        draft = self.ready_draft()
+        if self._draft_forget and draft is not None:
+            self.outbox.append(Outgoing(True, draft.identity, m.ReleaseSequences(draft.incarnation, self._draft_forget)))
+        self._draft_forget = []
 
     def _flush_deltas(self, only: bytes | None = None) -> None:
         for gateway in [only] if only is not None else list(self._pending_deltas):
@@ -339,10 +492,13 @@ class SchedulerCore:
 
     def _finish(self, request: Request, status: RequestStatus, *, notify: bool, reason: str = "") -> None:
         self._release(request)
+        if request.draft.known:
+            self._draft_forget.append(request.request_id)
         request.status = status
         del self._requests[request.request_id]
         log.info("request.finished", request_id=request.request_id, status=status.value, reason=reason or None,
-                 num_completion_tokens=len(request.output_token_ids))
+                 num_completion_tokens=len(request.output_token_ids), num_draft_tokens=request.num_draft_tokens,
+                 num_accepted_draft_tokens=request.num_accepted_draft_tokens, num_verify_steps=request.num_verify_steps)
         if notify and status in FINISH_REASONS:
             self._emit(request, [], FINISH_REASONS[status])
 
@@ -362,12 +518,25 @@ class SchedulerCore:
             self.outbox.append(Outgoing(True, worker.identity, m.ReleaseSlots(worker.incarnation, [request.slot])))
         request.worker_id = request.slot = None
 
+    def _lose_draft(self, draft: WorkerRecord, now_s: float) -> None:
+        """Steps go on without speculation; a new incarnation starts from nothing."""
+        for request in self._requests.values():
+            request.draft.reset()
+            request.draft.known = False
+        self._abandoned.clear()
+        for pending in list(self._proposals.values()):
+            self._give_up_proposal(pending, now_s, answer_may_come=False)
+
     def _lose_worker(self, worker: WorkerRecord, state: State, now_s: float) -> None:
         """The worker will run nothing more: its requests go back to the front of the queue."""
         log.warning("worker.lost", worker_id=worker.worker_id, incarnation=worker.incarnation, state=state,
                     failure=worker.failure, num_requeued=len(worker.requests))
         worker.state = state
         worker.in_flight = None
+        worker.awaiting_proposal = None  # its pending proposal, when answered, only updates the draft views
+        if not worker.is_target:
+            self._lose_draft(worker, now_s)
+            return
         for request in reversed(list(worker.requests.values())):
             request.status = RequestStatus.WAITING
             request.worker_id = request.slot = None
@@ -378,3 +547,19 @@ class SchedulerCore:
         worker.free_slots = []
         self._place_waiting()
         self._dispatch(now_s)
+
+
+def _result_problem(seqs: list[StepSeq], outputs: dict[str, m.SeqOutput]) -> str:
+    """Why a step result cannot be right ("" when it can): every sampling sequence gets its tokens,
+    the accepted drafts are a prefix of what was proposed, then exactly one more token."""
+    for seq in seqs:
+        if not seq.samples:
+            continue
+        output = outputs.get(seq.request.request_id)
+        if output is None or not output.token_ids:
+            return f"no token for {seq.request.request_id}"
+        accepted = output.num_accepted_draft
+        if not 0 <= accepted <= len(seq.draft_token_ids) or len(output.token_ids) != accepted + 1 \
+                or output.token_ids[:accepted] != seq.draft_token_ids[:accepted]:
+            return f"{seq.request.request_id}: {len(output.token_ids)} tokens with {accepted} accepted of {len(seq.draft_token_ids)} drafts"
+    return ""

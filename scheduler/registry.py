@@ -10,11 +10,19 @@ from proto.messages import ProcessInfo, WorkerHello
 from scheduler.request import Request
 
 
+@dataclass(frozen=True)
+class StepSeq:
+    request: Request
+    num_tokens: int  # tokens of the sequence itself the step computes (draft tokens not counted)
+    samples: bool
+    draft_token_ids: list[int]  # the proposal it verifies; empty without one
+
+
 @dataclass
 class InFlightStep:
     step_id: int
     sent_at_s: float
-    seqs: list[tuple[Request, int, bool]]  # (request, num_tokens, samples) in step order
+    seqs: list[StepSeq]  # in step order
 
 
 @dataclass
@@ -26,6 +34,7 @@ class WorkerRecord:
     free_slots: list[int]  # a heap: the lowest free slot is used first, keeping slots dense
     requests: dict[str, Request] = field(default_factory=dict)  # placed here, in placement order
     in_flight: InFlightStep | None = None
+    awaiting_proposal: int | None = None  # the propose_id its next step waits for
     num_used_kv_slots: int = 0  # as the worker last reported
     failure: str = ""
 
@@ -40,6 +49,14 @@ class WorkerRecord:
     @property
     def is_ready(self) -> bool:
         return self.state is State.READY
+
+    @property
+    def is_target(self) -> bool:
+        return self.hello.role == "target"
+
+    @property
+    def is_busy(self) -> bool:
+        return self.in_flight is not None or self.awaiting_proposal is not None
 
     def take_slot(self) -> int:
         return heapq.heappop(self.free_slots)
@@ -69,6 +86,6 @@ def new_record(hello: WorkerHello, identity: bytes, now_s: float) -> WorkerRecor
 
 
 def least_loaded_ready(workers: list[WorkerRecord]) -> WorkerRecord | None:
-    """The READY worker with a free slot and the fewest placed requests (ties: registration order)."""
-    candidates = [w for w in workers if w.is_ready and w.free_slots]
+    """The READY target worker with a free slot and the fewest placed requests (ties: registration order)."""
+    candidates = [w for w in workers if w.is_target and w.is_ready and w.free_slots]
     return min(candidates, key=lambda w: len(w.requests), default=None)

@@ -29,6 +29,32 @@ FINISH_REASONS: dict[RequestStatus, FinishReason] = {
 
 
 @dataclass
+class DraftView:
+    """What the draft service holds for a request: `num_stable` of its tokens, then its last proposal.
+
+    The next propose request drops the `num_proposed` tokens that are not (yet) part of
+    the sequence and appends the sequence from `num_stable` on.
+    """
+
+    num_stable: int = 0
+    num_proposed: int = 0
+    known: bool = False  # the draft service was ever told about it (so it must be told to forget it)
+
+    @property
+    def num_held(self) -> int:
+        return self.num_stable + self.num_proposed
+
+    def accept(self, num_accepted: int) -> None:
+        """The first num_accepted proposed tokens became part of the sequence."""
+        self.num_stable += num_accepted
+        self.num_proposed -= num_accepted
+
+    def reset(self) -> None:
+        """The draft service's state is unknown (timeout) or gone (new incarnation)."""
+        self.num_stable = self.num_proposed = 0
+
+
+@dataclass
 class Request:
     request_id: str
     gateway: bytes  # routing identity of the gateway that streams this request
@@ -42,6 +68,11 @@ class Request:
     worker_id: str | None = None
     slot: int | None = None
     num_computed_tokens: int = 0  # tokens whose keys and values the worker's slot holds
+    draft: DraftView = field(default_factory=lambda: DraftView())
+    # Speculation so far: draft tokens verified, accepted, and verify steps.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    num_verify_steps: int = 0
 
     @property
     def num_tokens(self) -> int:

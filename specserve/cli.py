@@ -11,7 +11,7 @@ from pathlib import Path
 from common import logs
 from specserve.supervisor import GaveUp, RestartPolicy, ServiceSpec, Supervisor
 
-SERVICE_MODULES = {"scheduler": "scheduler", "worker": "gpu_worker", "gateway": "gateway"}
+SERVICE_MODULES = {"scheduler": "scheduler", "worker": "gpu_worker", "draft": "draft_service", "gateway": "gateway"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,8 +59,20 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--num-kv-slots", type=int, default=64, help="sequences each worker holds at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--draft", default="ngram", type=_draft_choice,
+                        help="the draft service's proposer: none (no speculation), ngram (prompt lookup), or model:PATH "
+                             "(a draft model folder whose vocabulary matches the target's)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens per sequence in a speculative step")
+    parser.add_argument("--spec-disable-batch-threshold", type=int, default=4,
+                        help="speculate only when a step has at most this many sequences")
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
     parser.add_argument("--log-json", action="store_true")
+
+
+def _draft_choice(value: str) -> str:
+    if value in ("none", "ngram") or (value.startswith("model:") and len(value) > len("model:")):
+        return value
+    raise argparse.ArgumentTypeError(f"expected none, ngram or model:PATH, got {value!r}")
 
 
 def _run_prepare_model(args: argparse.Namespace) -> int:
@@ -92,6 +104,8 @@ def _run_up(args: argparse.Namespace) -> int:
     model = args.model or ensure_default_model()
     if not (model / "config.json").is_file():
         raise SystemExit(f"specserve up: --model {model} has no config.json")
+    if args.draft.startswith("model:") and not (Path(args.draft.removeprefix("model:")) / "config.json").is_file():
+        raise SystemExit(f"specserve up: --draft {args.draft}: the folder has no config.json")
     device = args.device or _default_device()
     dtype = args.dtype or _default_dtype(device)
     supervisor = Supervisor(_service_specs(args, model, device, dtype), RestartPolicy())
@@ -100,7 +114,8 @@ def _run_up(args: argparse.Namespace) -> int:
     try:
         supervisor.watch(until=lambda: _is_serving(args.host, args.port))
         if not supervisor.stopping:
-            print(f"specserve ready: gRPC on {args.host}:{args.port}, model {model.name} ({dtype}, {args.num_workers} worker(s) on {device})", flush=True)
+            print(f"specserve ready: gRPC on {args.host}:{args.port}, model {model.name} ({dtype}, {args.num_workers} worker(s) "
+                  f"on {device}), draft {args.draft}", flush=True)
             supervisor.watch()
     except GaveUp as exc:
         print(f"specserve up: {exc}; stopping", file=sys.stderr)
@@ -119,7 +134,10 @@ def _service_specs(args: argparse.Namespace, model: Path, device: str, dtype: st
         ServiceSpec("scheduler", python + ["scheduler", "--gateway-address", gateway_address, "--worker-address", worker_address,
                                            "--model-name", model.name, "--max-model-len", str(args.max_model_len),
                                            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                                           "--max-num-seqs", str(args.num_kv_slots)] + log_flag, stop_order=3),
+                                           "--max-num-seqs", str(args.num_kv_slots),
+                                           "--num-speculative-tokens", str(args.num_speculative_tokens),
+                                           "--spec-disable-batch-threshold", str(args.spec_disable_batch_threshold)]
+                     + log_flag, stop_order=3),
         ServiceSpec("gateway", python + ["gateway", "--model", str(model), "--scheduler-address", gateway_address,
                                          "--host", args.host, "--port", str(args.port),
                                          "--shutdown-grace-s", "25"] + log_flag, stop_order=0),
@@ -132,6 +150,13 @@ def _service_specs(args: argparse.Namespace, model: Path, device: str, dtype: st
             "--device", worker_device, "--dtype", dtype, "--max-model-len", str(args.max_model_len),
             "--num-kv-slots", str(args.num_kv_slots), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--num-threads", str(num_threads)] + log_flag, stop_order=1))
+    if args.draft != "none":
+        proposer = args.draft if args.draft == "ngram" else f"model:{Path(args.draft.removeprefix('model:')).resolve()}"
+        specs.append(ServiceSpec("draft", python + [
+            "draft_service", "--worker-id", "draft-0", "--proposer", proposer, "--scheduler-address", worker_address,
+            "--device", "cuda:0" if device == "cuda" else device, "--dtype", dtype, "--max-model-len", str(args.max_model_len),
+            "--num-seqs", str(args.num_kv_slots * args.num_workers), "--max-draft-tokens", str(max(args.num_speculative_tokens, 1)),
+            "--num-threads", "1" if device == "cpu" else "0"] + log_flag, stop_order=1))
     return specs
 
 

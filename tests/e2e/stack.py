@@ -34,6 +34,8 @@ class StackOptions:
     max_num_batched_tokens: int = 256
     scheduler_args: list[str] = field(default_factory=list)
     worker_args: list[str] = field(default_factory=list)
+    draft: str | None = None  # a draft service's --proposer; None: no draft service
+    draft_args: list[str] = field(default_factory=list)
 
 
 class Stack:
@@ -55,6 +57,8 @@ class Stack:
                                  "--max-num-batched-tokens", str(o.max_num_batched_tokens), *o.scheduler_args])
         for i in range(o.num_workers):
             self.start_worker(i)
+        if o.draft is not None:
+            self.start_draft()
         self.spawn("gateway", ["gateway", "--model", str(o.model), "--scheduler-address", self.gateway_address,
                                "--host", "127.0.0.1", "--port", str(self.grpc_port)])
         if wait_serving:
@@ -69,6 +73,24 @@ class Stack:
                                        "--max-model-len", str(o.max_model_len), "--num-kv-slots", str(o.num_kv_slots),
                                        "--max-num-batched-tokens", str(o.max_num_batched_tokens), "--num-threads", threads,
                                        *o.worker_args, *(extra or [])])
+
+    def start_draft(self) -> None:
+        o = self.options
+        assert o.draft is not None
+        self.spawn("draft", ["draft_service", "--worker-id", "draft-0", "--proposer", o.draft,
+                             "--scheduler-address", self.worker_address, "--dtype", o.dtype,
+                             "--max-model-len", str(o.max_model_len), "--num-seqs", str(o.num_kv_slots * o.num_workers),
+                             "--num-threads", "1", *o.draft_args])
+
+    def wait_process_state(self, process_id: str, state: str, timeout_s: float = 120.0) -> pb.Process:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = [p for p in self.info().processes if p.process_id == process_id]
+            if found and found[-1].state == state:
+                return found[-1]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{process_id} is not {state} after {timeout_s} s: {found}\n{self.logs()}")
+            time.sleep(0.1)
 
     def spawn(self, name: str, module_argv: list[str]) -> None:
         log = (self.log_dir / f"{name}.log").open("ab")

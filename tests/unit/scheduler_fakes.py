@@ -4,7 +4,10 @@
 has sent. `FakeWorker` plays one incarnation of a worker process: it sends hello,
 lifecycle reports, heartbeats and step results, and it keeps a model of its KV slots
 so that every StepRequest is checked the way a real worker checks it (a sequence's
-slot holds exactly `start_position` tokens before the step).
+slot holds exactly `start_position` tokens before the step). It verifies draft tokens
+greedily against what the test says the target would produce, and cuts its KV model
+back past the rejected ones. `FakeDraft` plays the draft service: it keeps the tokens
+it holds per sequence and checks every propose request's counts against them.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ GATEWAY = b"gateway-1"
 DEFAULT_TOKEN = 7  # what a fake worker samples when a test does not say
 EOS = 2
 FINGERPRINT = "fp-smol-1"
+VOCAB = "vocab-smol"
 
 
 def make_config(**overrides: object) -> SchedulerConfig:
@@ -129,6 +133,9 @@ class Sim:
     def worker(self, worker_id: str = "w0", *, identity: bytes | None = None, **hello_overrides: object) -> FakeWorker:
         return FakeWorker(self, worker_id, identity=identity, **hello_overrides)
 
+    def draft(self, worker_id: str = "d0", **hello_overrides: object) -> FakeDraft:
+        return FakeDraft(self, worker_id, **hello_overrides)
+
 
 class FakeWorker:
     """One incarnation of a worker process, talking to the core through on_worker_message."""
@@ -139,6 +146,7 @@ class FakeWorker:
             worker_id=worker_id, role="target", incarnation=1, protocol_version=m.PROTOCOL_VERSION, pid=4242,
             model_name=sim.config.model_name, model_fingerprint=FINGERPRINT, vocab_size=49152,
             max_model_len=sim.config.max_model_len, num_kv_slots=4, dtype="float32", device="cpu",
+            vocab_fingerprint=VOCAB, max_draft_tokens=8,
         )
         fields.update(hello_overrides)
         self.hello_message = m.WorkerHello(**fields)  # type: ignore[arg-type]
@@ -150,6 +158,7 @@ class FakeWorker:
         self.drains: list[m.Drain] = []
         self._num_seen = 0
         self._answered_step_ids: set[int] = set()
+        self.last_outputs: list[m.SeqOutput] = []
 
     @property
     def worker_id(self) -> str:
@@ -160,11 +169,6 @@ class FakeWorker:
         return self.hello_message.incarnation
 
     # ---------------------------------------------------------------- sending
-
-    def send(self, message: m.WorkerToScheduler) -> bool:
-        accepted = self.sim.core.on_worker_message(self.identity, message, self.sim.now_s)
-        self.sim.collect()
-        return accepted
 
     def hello(self) -> bool:
         return self.send(self.hello_message)
@@ -199,25 +203,55 @@ class FakeWorker:
     def complete(
         self, tokens: Mapping[str, Sequence[int]] | None = None, *, step: m.StepRequest | None = None,
     ) -> bool:
-        """Answer the pending step (or `step`): each sampling sequence returns tokens[request_id] or [DEFAULT_TOKEN]."""
+        """Answer the pending step (or `step`) as a greedy target whose next tokens are tokens[request_id].
+
+        A sequence without drafts returns the first of them (DEFAULT_TOKEN when none is
+        given); one with drafts accepts the drafts that match them, then adds the next.
+        """
         step = step or self.pending_step()
         assert step is not None, f"{self.worker_id} has no step to answer"
         self._answered_step_ids.add(step.step_id)
         tokens = tokens or {}
-        outputs = [m.SeqOutput(s.request_id, list(tokens.get(s.request_id, [DEFAULT_TOKEN]))) for s in step.seqs if s.sample]
+        outputs = []
+        for seq in step.seqs:
+            if not seq.sample:
+                continue
+            truth = list(tokens.get(seq.request_id, [])) or [DEFAULT_TOKEN]
+            drafts = seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens:] if seq.num_draft_tokens else []
+            accepted = 0
+            while accepted < len(drafts) and accepted + 1 < len(truth) and drafts[accepted] == truth[accepted]:
+                accepted += 1
+            outputs.append(m.SeqOutput(seq.request_id, truth[:accepted + 1], num_accepted_draft=accepted))
+            held = self.kv.get(seq.slot, [])  # released (aborted) while the step ran: nothing to cut
+            del held[len(held) - len(drafts) + accepted:]  # the rejected drafts' KV is cut off
         return self.send(m.StepResult(self.worker_id, self.incarnation, step.step_id, outputs, duration_ms=3.0))
 
-    def run(self, scripts: Mapping[str, Sequence[int]] | None = None, max_steps: int = 200) -> int:
-        """Answer steps until none is pending; each request samples the next token of its script (else DEFAULT_TOKEN)."""
+    def run(self, scripts: Mapping[str, Sequence[int]] | None = None, max_steps: int = 200,
+            draft: FakeDraft | None = None) -> int:
+        """Answer steps (and, with a draft, proposals) until nothing is pending.
+
+        Each request produces the next tokens of its script (then DEFAULT_TOKEN); drafts
+        that match the script are accepted.
+        """
         remaining = {rid: list(tokens) for rid, tokens in (scripts or {}).items()}
         for num_steps in range(max_steps):
+            if draft is not None and draft.pending_propose() is not None:
+                draft.answer()
             step = self.pending_step()
             if step is None:
                 return num_steps
-            sampled = {s.request_id: [remaining[s.request_id].pop(0)] for s in step.seqs
-                       if s.sample and remaining.get(s.request_id)}
-            self.complete(sampled)
+            truths = {s.request_id: remaining.get(s.request_id, [])[:s.num_draft_tokens + 1] for s in step.seqs if s.sample}
+            self.complete(truths)
+            for output in self.last_outputs:
+                del remaining.get(output.request_id, [])[:len(output.token_ids)]
         raise AssertionError(f"still stepping after {max_steps} steps")
+
+    def send(self, message: m.WorkerToScheduler) -> bool:
+        if isinstance(message, m.StepResult):
+            self.last_outputs = list(message.outputs)  # what run() consumes from the scripts
+        accepted = self.sim.core.on_worker_message(self.identity, message, self.sim.now_s)
+        self.sim.collect()
+        return accepted
 
     # ---------------------------------------------------------------- receiving
 
@@ -229,7 +263,7 @@ class FakeWorker:
             message = item.message
             if not item.to_worker or item.identity != self.identity:
                 continue
-            assert isinstance(message, (m.StepRequest, m.ReleaseSlots, m.Drain))
+            assert isinstance(message, (m.StepRequest, m.ReleaseSlots, m.Drain)), message
             if message.incarnation != self.incarnation:
                 continue
             self._apply(message)
@@ -305,3 +339,73 @@ def assert_all_free(sim: Sim, *workers: FakeWorker) -> None:
     assert [p.num_running for p in info.processes] == [0] * len(info.processes)
     for worker in workers:
         assert worker.held_slots() == {}, f"{worker.worker_id} still holds slots"
+
+
+class FakeDraft(FakeWorker):
+    """The draft service: holds each sequence's tokens, checks the counts of every propose request,
+    and proposes what the test scripts (`script[request_id]`: the continuation it believes in)."""
+
+    def __init__(self, sim: Sim, worker_id: str, **hello_overrides: object) -> None:
+        fields: dict[str, object] = dict(role="draft", vocab_fingerprint="", vocab_size=0, num_kv_slots=64, max_draft_tokens=8)
+        fields.update(hello_overrides)
+        super().__init__(sim, worker_id, **fields)
+        self.held: dict[str, list[int]] = {}
+        self.proposes: list[m.ProposeRequest] = []
+        self._forgotten: list[str] = []
+        self.script: dict[str, list[int]] = {}  # request_id -> whole sequence the draft believes in
+        self.strict = True  # a propose request whose counts disagree fails the test; else it restarts the sequence
+        self.restarts: list[str] = []
+        self._answered: set[int] = set()
+        self._num_seen_draft = 0
+
+    def draft_inbox(self) -> list[msgspec.Struct]:
+        new = self.sim.sent[self._num_seen_draft:]
+        self._num_seen_draft = len(self.sim.sent)
+        for item in new:
+            message = item.message
+            if not item.to_worker or item.identity != self.identity or getattr(message, "incarnation", None) != self.incarnation:
+                continue
+            match message:
+                case m.ProposeRequest():
+                    self.proposes.append(message)
+                case m.ReleaseSequences():
+                    for rid in message.request_ids:
+                        self.held.pop(rid, None)
+                        self._forgotten.append(rid)
+                case m.Drain():
+                    self.drains.append(message)
+        return [*self.proposes, *self.drains]
+
+    def forgotten(self) -> list[str]:
+        """Request ids the scheduler told it to forget, in order."""
+        self.draft_inbox()
+        return list(self._forgotten)
+
+    def pending_propose(self) -> m.ProposeRequest | None:
+        self.draft_inbox()
+        pending = [p for p in self.proposes if p.propose_id not in self._answered]
+        return pending[-1] if pending else None
+
+    def answer(self, proposals: Mapping[str, Sequence[int]] | None = None) -> bool:
+        """Answer the pending propose request: the given tokens, else the script's continuation, else nothing."""
+        request = self.pending_propose()
+        assert request is not None, f"{self.worker_id} has no propose request"
+        self._answered.add(request.propose_id)
+        answers = []
+        for seq in request.seqs:
+            held = self.held.get(seq.request_id, [])
+            if seq.num_held != len(held):  # what the real service does: start the sequence over
+                assert not self.strict, f"{seq.request_id}: told it holds {seq.num_held}, holds {len(held)}"
+                self.held.pop(seq.request_id, None)
+                self.restarts.append(seq.request_id)
+                answers.append(m.Proposal(seq.request_id, 0, []))
+                continue
+            tokens = held[:len(held) - seq.num_drop] + list(seq.new_token_ids)
+            if proposals is not None and seq.request_id in proposals:
+                proposal = list(proposals[seq.request_id])  # as given, even when longer than asked
+            else:
+                script = self.script.get(seq.request_id, [])
+                proposal = script[len(tokens):len(tokens) + seq.num_tokens] if script[:len(tokens)] == tokens else []
+            self.held[seq.request_id] = tokens + proposal
+            answers.append(m.Proposal(seq.request_id, len(tokens), proposal))
+        return self.send(m.ProposeResult(self.worker_id, self.incarnation, request.propose_id, answers, 1.0))

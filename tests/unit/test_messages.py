@@ -35,9 +35,19 @@ SCHEDULER_TO_WORKER: list[msgspec.Struct] = [
         m.SeqWork("r-1", 0, 0, [1, 2, 3], True, SAMPLING),
         m.SeqWork("r-2", 5, 17, [9, 8, 7], True, m.SamplingParams(), num_draft_tokens=2),
         m.SeqWork("r-3", 1, 0, [4] * 32, False, m.SamplingParams()),
+        m.SeqWork("r-4", 2, 40, [5, 6, 7], True, SAMPLING, num_draft_tokens=2,
+                  draft_dists=[m.SparseDist([6, 9], [0.75, 0.25]), m.SparseDist([7], [1.0])]),
     ]),
     m.ReleaseSlots(2, [0, 5]),
     m.Drain(2),
+]
+SCHEDULER_TO_DRAFT: list[msgspec.Struct] = [
+    m.ProposeRequest(3, 9, [
+        m.ProposeSeq("r-1", 0, 0, [1, 2, 3, 4], 4, m.SamplingParams()),
+        m.ProposeSeq("r-2", 12, 3, [8], 2, SAMPLING),
+    ]),
+    m.ReleaseSequences(9, ["r-1", "r-2"]),
+    m.Drain(9),
 ]
 WORKER_TO_SCHEDULER: list[msgspec.Struct] = [
     m.WorkerHello("w0", "target", 2, m.PROTOCOL_VERSION, 4242, "SmolLM2-135M-Instruct", "fp-1", 49152, 2048, 64, "bfloat16", "cuda:0"),
@@ -46,12 +56,19 @@ WORKER_TO_SCHEDULER: list[msgspec.Struct] = [
     m.Heartbeat("w0", 2, "READY", 3, 118),
     m.StepResult("w0", 2, 4, [m.SeqOutput("r-1", [42]), m.SeqOutput("r-2", [9, 8, 13], num_accepted_draft=2)], 12.5),
     m.StepRefused("w0", 2, 4, "WARMING", "not READY"),
+    m.ProposeResult("d0", 9, 3, [
+        m.Proposal("r-1", 4, [5, 6, 7, 8]),
+        m.Proposal("r-2", 10, [9], [m.SparseDist([9, 3], [0.5, 0.5])]),
+        m.Proposal("r-3", 0, []),
+    ], 1.5),
+    m.ProposeRefused("d0", 9, 3, "LOADING", "not READY"),
 ]
 
 DIRECTIONS = {
     "gateway_to_scheduler": (m.GatewayToScheduler, GATEWAY_TO_SCHEDULER),
     "scheduler_to_gateway": (m.SchedulerToGateway, SCHEDULER_TO_GATEWAY),
     "scheduler_to_worker": (m.SchedulerToWorker, SCHEDULER_TO_WORKER),
+    "scheduler_to_draft": (m.SchedulerToDraft, SCHEDULER_TO_DRAFT),
     "worker_to_scheduler": (m.WorkerToScheduler, WORKER_TO_SCHEDULER),
 }
 ALL_CASES = [(name, message) for name, (_, messages) in DIRECTIONS.items() for message in messages]
@@ -80,7 +97,8 @@ def test_every_message_round_trips(direction: str, message: msgspec.Struct) -> N
 
 
 def test_tags_are_unique_across_all_messages() -> None:
-    tags = [tag_of(t) for _, (union, _) in DIRECTIONS.items() for t in typing.get_args(union)]
+    types = {t for union, _ in DIRECTIONS.values() for t in typing.get_args(union)}  # Drain goes to both roles
+    tags = [tag_of(t) for t in types]
     assert len(tags) == len(set(tags))
 
 

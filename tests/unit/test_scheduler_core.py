@@ -119,19 +119,25 @@ def test_max_tokens_none_fills_the_context_and_finishes_with_length_at_max_model
 
 def test_several_tokens_from_one_step_are_cut_at_the_stop_token() -> None:
     sim = Sim()
-    worker = ready(sim)
+    worker, draft = ready(sim), sim.draft().start()
     sim.submit("a", prompt(3), max_tokens=10)
+    worker.complete({"a": [10]})
+    draft.answer({"a": [11, 12, EOS, 13]})
     worker.complete({"a": [11, 12, EOS, 13, 14]})
-    assert_stream(sim, "a", [11, 12, EOS], "stop", num_prompt_tokens=3)
+    assert_stream(sim, "a", [10, 11, 12, EOS], "stop", num_prompt_tokens=3)
     assert worker.pending_step() is None
+    assert draft.forgotten() == ["a"]
 
 
-def test_several_tokens_from_one_step_are_cut_at_max_tokens() -> None:
+def test_a_step_result_with_more_tokens_than_drafts_plus_one_loses_the_worker() -> None:
     sim = Sim()
     worker = ready(sim)
-    sim.submit("a", prompt(3), max_tokens=2)
-    worker.complete({"a": [11, 12, 13]})
-    assert_stream(sim, "a", [11, 12], "length", num_prompt_tokens=3)
+    sim.submit("a", prompt(3), max_tokens=10)
+    step = worker.step()
+    worker.send(m.StepResult("w0", 1, step.step_id, [m.SeqOutput("a", [11, 12, 13])], 3.0))
+    assert sim.process("w0").state == "FAILED"
+    assert "3 tokens with 0 accepted of 0 drafts" in sim.process("w0").failure
+    assert sim.streamed("a") == []
 
 
 def test_deltas_go_to_the_gateway_that_submitted() -> None:
@@ -628,7 +634,7 @@ INCOMPATIBLE: dict[str, dict[str, object]] = {
     "protocol_version": {"protocol_version": m.PROTOCOL_VERSION + 1},
     "fingerprint": {"model_fingerprint": "fp-some-other-model"},
     "max_model_len": {"max_model_len": 32},
-    "role": {"role": "draft"},
+    "draft_vocabulary": {"role": "draft", "vocab_fingerprint": "vocab-of-another-tokenizer"},
 }
 
 

@@ -1,0 +1,196 @@
+"""What every model process (target worker, draft service) shares: announce, start in phases, serve, drain.
+
+A subclass says who it is (`hello`), what its start-up phases do (`phases`) and how it
+answers a message (`handle`); this class owns the socket to the scheduler, the
+lifecycle and its reports, heartbeats on their own thread, signals, and the rule that
+any exception during start-up ends in FAILED with its phase and cause and exit 1.
+"""
+
+from __future__ import annotations
+
+import abc
+import signal
+import threading
+import time
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Generic, TypeVar
+
+import msgspec
+import zmq
+
+from common.logs import get_logger
+from common.protocol_errors import ProtocolErrors
+from common.status_file import write_status_file
+from proto import messages as m
+from proto.lifecycle import Lifecycle, State
+
+log = get_logger()
+
+T = TypeVar("T")
+
+_POLL_MS = 100
+
+Phase = tuple[State, Callable[[], None]]
+
+
+class LifecycleProcess(abc.ABC, Generic[T]):
+    """One process talking to the scheduler over a DEALER socket. `run()` returns the exit code."""
+
+    def __init__(self, *, process_id: str, scheduler_address: str, heartbeat_interval_s: float,
+                 status_file: Path | None, inbound: object) -> None:
+        self.process_id = process_id
+        self.incarnation = time.time_ns()
+        self.errors = ProtocolErrors(process_id)
+        self.log = log.bind(worker_id=process_id, incarnation=self.incarnation)
+        self.num_steps = 0  # steps or proposals served, for heartbeats
+        self._scheduler_address = scheduler_address
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._status_file = status_file
+        self._lifecycle = Lifecycle(self._on_transition)
+        self._codec: m.Codec[T] = m.Codec(inbound)
+        self._codec_out: m.Codec[m.WorkerToScheduler] = m.Codec(m.WorkerToScheduler)
+        self._heartbeat_codec: m.Codec[m.WorkerToScheduler] = m.Codec(m.WorkerToScheduler)  # its own encoder, its own thread
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._send_lock = threading.Lock()
+        self._stop_requested = threading.Event()
+
+    # ------------------------------------------------------------------ what a subclass provides
+
+    @abc.abstractmethod
+    def hello(self) -> m.WorkerHello:
+        """The announcement; may read the model's config, never load weights."""
+
+    @abc.abstractmethod
+    def phases(self) -> list[Phase]:
+        """(state, work) for LOADING, ALLOCATING and WARMING, in order."""
+
+    @abc.abstractmethod
+    def handle(self, message: T) -> None:
+        """Answer one decoded message other than Drain, whatever the state (refuse work unless READY)."""
+
+    @abc.abstractmethod
+    def num_used_slots(self) -> int:
+        """KV slots (or sequences) held now, for heartbeats."""
+
+    # ------------------------------------------------------------------ shared behaviour
+
+    @property
+    def state(self) -> State:
+        return self._lifecycle.state
+
+    def run(self) -> int:
+        self._install_signal_handlers()
+        try:
+            if not self._start():
+                self._close()
+                return 0
+        except Exception as exc:  # noqa: BLE001 - any init failure ends in FAILED, reported with its cause
+            return self._fail(exc)
+        try:
+            self._serve()
+        except Exception as exc:  # noqa: BLE001 - a crash while serving is fatal for this process
+            return self._fail(exc)
+        finally:
+            self._close()
+        return 0
+
+    def send(self, message: msgspec.Struct) -> None:
+        with self._send_lock:
+            self._socket.send(self._codec_out.encode(message))
+
+    def _start(self) -> bool:
+        """The start-up phases; True once READY, False when told to stop on the way."""
+        self._socket.setsockopt(zmq.IDENTITY, self.process_id.encode())
+        self._socket.setsockopt(zmq.LINGER, 2000)
+        self._socket.connect(self._scheduler_address)
+        self.send(self.hello())
+        threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+        for state, work in self.phases():
+            self._lifecycle.move_to(state)
+            work()
+            self._handle_queued_messages()  # work sent before READY is refused, never run later
+            if self._stop_requested.is_set():
+                self._lifecycle.move_to(State.STOPPED)
+                return False
+        self._lifecycle.move_to(State.READY)
+        return True
+
+    def _fail(self, exc: BaseException) -> int:
+        phase = self._lifecycle.state
+        self.log.error("process.failed", phase=phase, error_type=type(exc).__name__, error=str(exc), exc_info=exc)
+        self.send(m.WorkerFailed(
+            worker_id=self.process_id, incarnation=self.incarnation, phase=phase,
+            error_type=type(exc).__name__, message=str(exc),
+        ))
+        if self._lifecycle.state not in (State.FAILED, State.STOPPED):
+            self._lifecycle.move_to(State.FAILED)
+        self._close()
+        return 1
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stop_requested.is_set():
+            if poller.poll(_POLL_MS):
+                self._handle_frame(self._socket.recv())
+        self._lifecycle.move_to(State.DRAINING)
+        self._lifecycle.move_to(State.STOPPED)
+
+    def _handle_queued_messages(self) -> None:
+        while self._socket.poll(0):
+            self._handle_frame(self._socket.recv())
+
+    def _handle_frame(self, frame: bytes) -> None:
+        try:
+            message = self._codec.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.errors.record("decode", error=str(exc), num_bytes=len(frame))
+            return
+        if isinstance(message, m.Drain):
+            if message.incarnation == self.incarnation:
+                self._stop_requested.set()
+            else:
+                self.errors.record("stale_incarnation", message="drain", incarnation=message.incarnation)
+            return
+        self.handle(message)
+
+    def _on_transition(self, old: State, new: State, duration_s: float) -> None:
+        self.log.info("lifecycle.transition", previous=old, state=new, previous_duration_s=round(duration_s, 3))
+        if self._status_file is not None:
+            write_status_file(self._status_file, new)
+        self.send(m.LifecycleReport(
+            worker_id=self.process_id, incarnation=self.incarnation, state=new,
+            previous_state=old, previous_duration_s=duration_s,
+        ))
+
+    def _heartbeat_loop(self) -> None:
+        """Runs on its own thread and socket, so heartbeats go on during long phases and steps."""
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.IDENTITY, f"{self.process_id}/heartbeat".encode())
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(self._scheduler_address)
+        while self._lifecycle.state not in (State.STOPPED, State.FAILED):
+            socket.send(self._heartbeat_codec.encode(m.Heartbeat(
+                worker_id=self.process_id, incarnation=self.incarnation, state=self._lifecycle.state,
+                num_used_kv_slots=self.num_used_slots(), num_steps=self.num_steps,
+            )))
+            time.sleep(self._heartbeat_interval_s)
+        socket.close()
+
+    def _install_signal_handlers(self) -> None:
+        def on_signal(signum: int, frame: types.FrameType | None) -> None:
+            if self._stop_requested.is_set():
+                raise SystemExit(1)  # a second signal: exit at once
+            self.log.info("process.drain_requested", signal=signal.Signals(signum).name)
+            self._stop_requested.set()
+            if self._lifecycle.state is not State.READY:
+                raise SystemExit(0)  # nothing in flight during start-up: stop at once
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    def _close(self) -> None:
+        self._socket.close(linger=2000)

@@ -1,0 +1,76 @@
+"""The draft service's frozen configuration, parsed and validated once at the command line."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from modeling.engine import DTYPES
+
+PROPOSER_HELP = (
+    "what proposes: 'ngram' (prompt lookup), 'model:PATH' (a draft model folder whose vocabulary matches the "
+    "target's), or, for tests only, 'random:VOCAB_SIZE' (random tokens) and 'replay:FILE' (continuations from a JSON list "
+    "of token-id sequences)"
+)
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    worker_id: str
+    scheduler_address: str
+    proposer: str  # see PROPOSER_HELP
+    max_draft_tokens: int  # the longest proposal it makes (k)
+    ngram_min: int  # n-gram lookup tries n = ngram_max down to ngram_min
+    ngram_max: int
+    max_model_len: int  # tokens per sequence it can hold
+    num_seqs: int  # sequences it holds at once (draft model: KV slots)
+    device: str
+    dtype: str
+    draft_top_k: int  # a sampled draft token is drawn from the draft's k most likely tokens at most
+    heartbeat_interval_s: float
+    num_threads: int  # torch intra-op threads on CPU; 0 = torch's default
+    status_file: Path | None
+
+    @property
+    def model_path(self) -> Path | None:
+        return Path(self.proposer.removeprefix("model:")) if self.proposer.startswith("model:") else None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--worker-id", default="draft-0")
+    parser.add_argument("--scheduler-address", default="tcp://127.0.0.1:5556")
+    parser.add_argument("--proposer", default="ngram", help=PROPOSER_HELP)
+    parser.add_argument("--max-draft-tokens", type=int, default=8)
+    parser.add_argument("--ngram-min", type=int, default=2)
+    parser.add_argument("--ngram-max", type=int, default=4)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--num-seqs", type=int, default=64)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    parser.add_argument("--draft-top-k", type=int, default=32)
+    parser.add_argument("--heartbeat-interval-s", type=float, default=0.5)
+    parser.add_argument("--num-threads", type=int, default=0)
+    parser.add_argument("--status-file", type=Path, default=None, help="write the lifecycle state here at every transition")
+
+
+def from_arguments(args: argparse.Namespace) -> DraftConfig:
+    for name in ("max_draft_tokens", "ngram_min", "max_model_len", "num_seqs", "draft_top_k"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.ngram_max < args.ngram_min:
+        raise ValueError(f"--ngram-max ({args.ngram_max}) is below --ngram-min ({args.ngram_min})")
+    kind = args.proposer.split(":", 1)[0]
+    if kind not in ("ngram", "model", "random", "replay") or (kind != "ngram") != (":" in args.proposer):
+        raise ValueError(f"--proposer {args.proposer!r}: {PROPOSER_HELP}")
+    if kind == "random" and not args.proposer.split(":", 1)[1].isdigit():
+        raise ValueError(f"--proposer {args.proposer!r}: random needs the vocabulary size, e.g. random:49152")
+    if not (args.device == "cpu" or args.device.startswith("cuda")):
+        raise ValueError(f"--device must be 'cpu' or 'cuda:N', got {args.device!r}")
+    return DraftConfig(
+        worker_id=args.worker_id, scheduler_address=args.scheduler_address, proposer=args.proposer,
+        max_draft_tokens=args.max_draft_tokens, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+        max_model_len=args.max_model_len, num_seqs=args.num_seqs, device=args.device, dtype=args.dtype,
+        draft_top_k=args.draft_top_k, heartbeat_interval_s=args.heartbeat_interval_s, num_threads=args.num_threads,
+        status_file=args.status_file,
+    )

@@ -1,0 +1,212 @@
+"""Proposers: given whole sequences, propose up to k continuation tokens each.
+
+One small interface (`Proposer`) with the implementations users run:
+
+- `NgramProposer`: prompt lookup. The continuation of the latest earlier occurrence of
+  the sequence's last n tokens, for n from `ngram_max` down to `ngram_min`. A proposal
+  is a deterministic function of the sequence, so its distribution is a point mass.
+- `ModelProposer`: a small Llama-family draft model run by the target's model code, with
+  a KV slot per sequence that follows the sequence (cut back when tokens are dropped).
+  Greedy requests get its argmax; sampled ones a token drawn from its truncated
+  distribution, which is sent along (sparse) for lossless verification.
+
+Proposers for tests live in `draft_service.testing_proposers`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from modeling.batch import SeqSpan
+from modeling.config import ModelConfig, vocab_fingerprint
+from modeling.engine import ModelEngine
+from modeling.kv_cache import SlotTable
+from modeling.sampling import generator_for, is_greedy, target_probs
+from proto.messages import SamplingParams, SparseDist
+
+# The draft's draws use their own stream, apart from the target's draws at the same positions.
+_DRAFT_STREAM = 0x2545F4914F6CDD1D
+
+
+@dataclass(frozen=True)
+class ProposeInput:
+    request_id: str
+    token_ids: list[int]  # the whole sequence so far: prompt, then every accepted token
+    num_stable: int  # the first num_stable tokens are unchanged since this sequence's previous proposal
+    num_tokens: int  # k: propose at most this many
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class Proposed:
+    token_ids: list[int]  # possibly empty
+    dists: list[SparseDist] | None = None  # per token, what it was drawn from; None = a point mass
+
+
+class Proposer(Protocol):
+    vocab_size: int  # 0: works on any vocabulary
+    vocab_fingerprint: str  # "": works on any vocabulary
+
+    def phases(self) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
+        """The work of LOADING, ALLOCATING and WARMING."""
+        ...
+
+    def propose(self, batch: list[ProposeInput]) -> list[Proposed]: ...
+
+    def forget(self, request_id: str) -> None:
+        """Drop anything held for the sequence (its draft KV slot)."""
+        ...
+
+    @property
+    def num_used_slots(self) -> int: ...
+
+
+def _nothing() -> None:
+    return None
+
+
+class NgramProposer:
+    vocab_size = 0
+    vocab_fingerprint = ""
+
+    def __init__(self, ngram_min: int, ngram_max: int) -> None:
+        self._ngram_min = ngram_min
+        self._ngram_max = ngram_max
+
+    def phases(self) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
+        return _nothing, _nothing, self._self_check
+
+    def _self_check(self) -> None:
+        sequence = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]
+        proposal = self.lookup(sequence, 3)
+        if proposal != [8, 9, 1]:
+            raise RuntimeError(f"n-gram self-check: expected [8, 9, 1], got {proposal}")
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """The k tokens after the latest earlier occurrence of the last n tokens, trying the longest n first."""
+        length = len(tokens)
+        for n in range(min(self._ngram_max, length - 1), self._ngram_min - 1, -1):
+            pattern = tokens[length - n:]
+            last = pattern[-1]
+            # Candidate ends of an earlier occurrence, latest first: positions < length - 1 holding `last`.
+            end = length - 2
+            while end >= n - 1:
+                if tokens[end] == last and tokens[end - n + 1:end + 1] == pattern:
+                    return tokens[end + 1:end + 1 + k]
+                end -= 1
+        return []
+
+    def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
+        return [Proposed(self.lookup(item.token_ids, item.num_tokens)) for item in batch]
+
+    def forget(self, request_id: str) -> None:
+        return None
+
+    @property
+    def num_used_slots(self) -> int:
+        return 0
+
+
+class ModelProposer:
+    """A draft model with one KV slot per sequence; a sequence with no free slot gets no proposal."""
+
+    def __init__(self, folder: Path, *, device: str, dtype: str, num_slots: int, max_len: int, max_draft_tokens: int,
+                 draft_top_k: int) -> None:
+        self._config = ModelConfig.from_folder(folder)
+        if max_len > self._config.max_position_embeddings:
+            raise ValueError(f"--max-model-len {max_len} exceeds the draft model's {self._config.max_position_embeddings} positions")
+        self.vocab_size = self._config.vocab_size
+        self.vocab_fingerprint = vocab_fingerprint(folder)
+        self._engine = ModelEngine(folder, self._config, device=device, dtype=dtype, num_slots=num_slots, max_len=max_len)
+        self._slots = SlotTable(num_slots, max_len)
+        self._slot_of: dict[str, int] = {}
+        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self._max_draft_tokens = max_draft_tokens
+        self._draft_top_k = draft_top_k
+
+    def phases(self) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
+        return self._engine.load, self._engine.allocate, self._warm_up
+
+    @property
+    def num_used_slots(self) -> int:
+        return len(self._slot_of)
+
+    def _warm_up(self) -> None:
+        """A proposal for every slot at once at the longest k, greedy and sampled, then the engine's self-check."""
+        k = self._max_draft_tokens
+        prompt = [(11 * i + 5) % self.vocab_size for i in range(8)]
+        batch = [ProposeInput(f"warm-up-{i}", prompt, 0, k, SamplingParams(temperature=float(i % 2), seed=i))
+                 for i in range(self._engine.num_slots)]
+        proposals = self.propose(batch)
+        if any(len(p.token_ids) != k for p in proposals):
+            raise RuntimeError("warm-up: the draft model did not propose k tokens for every sequence")
+        for item in batch:
+            self.forget(item.request_id)
+        self._engine.self_check()
+
+    def forget(self, request_id: str) -> None:
+        slot = self._slot_of.pop(request_id, None)
+        if slot is not None:
+            self._slots.release(slot)
+            self._free.append(slot)
+
+    def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
+        tokens: dict[str, list[int]] = {}  # proposed so far, per sequence
+        dists: dict[str, list[SparseDist]] = {}
+        active: list[ProposeInput] = []
+        spans: list[SeqSpan] = []
+        for item in batch:
+            slot = self._slot_for(item)
+            if slot is None:
+                continue
+            # The slot's keys and values stand where the sequence did not change; catch up from there.
+            # The last token is always fed, so there is a row to sample from.
+            cached = min(self._slots.length(slot), item.num_stable, len(item.token_ids) - 1)
+            spans.append(SeqSpan(slot, cached, item.token_ids[cached:], 1))
+            active.append(item)
+            tokens[item.request_id], dists[item.request_id] = [], []
+        while active:
+            logits = self._engine.forward(spans)
+            for span in spans:
+                self._slots.set_length(span.slot, span.start + len(span.token_ids))
+            next_active: list[ProposeInput] = []
+            next_spans: list[SeqSpan] = []
+            for row, (item, span) in enumerate(zip(active, spans)):
+                position = span.start + len(span.token_ids)
+                token = self._draw(logits[row], item.sampling, position, dists[item.request_id])
+                tokens[item.request_id].append(token)
+                if len(tokens[item.request_id]) < item.num_tokens and position + 1 < self._engine.max_len:
+                    next_active.append(item)
+                    next_spans.append(SeqSpan(span.slot, position, [token], 1))
+            active, spans = next_active, next_spans
+        return [
+            Proposed(tokens.get(item.request_id, []), None if is_greedy(item.sampling) else dists.get(item.request_id, []))
+            for item in batch
+        ]
+
+    def _slot_for(self, item: ProposeInput) -> int | None:
+        slot = self._slot_of.get(item.request_id)
+        if slot is None:
+            if not self._free or len(item.token_ids) >= self._engine.max_len:
+                return None
+            slot = self._free.pop()
+            self._slot_of[item.request_id] = slot
+        return slot
+
+    def _draw(self, logits: torch.Tensor, params: SamplingParams, position: int, dists: list[SparseDist]) -> int:
+        if is_greedy(params):
+            return int(torch.argmax(logits))
+        probs = target_probs(logits, params)
+        kept = torch.topk(probs, min(self._draft_top_k, probs.shape[-1]))
+        support = kept.values > 0
+        values, ids = kept.values[support], kept.indices[support]
+        q = values / values.sum()
+        generator = generator_for(params.seed ^ _DRAFT_STREAM, position, probs.device)
+        choice = int(torch.multinomial(q, 1, generator=generator))
+        dists.append(SparseDist(ids.tolist(), q.tolist()))
+        return int(ids[choice])

@@ -1,0 +1,130 @@
+"""The draft service process: one proposer behind the lifecycle; answers batched propose requests."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from common.lifecycle_process import LifecycleProcess, Phase
+from draft_service.config import DraftConfig
+from draft_service.proposers import ModelProposer, NgramProposer, ProposeInput, Proposer
+from draft_service.sequences import SequenceStore
+from draft_service.testing_proposers import RandomProposer, ReplayProposer
+from proto import messages as m
+from proto.lifecycle import State
+
+
+def make_proposer(config: DraftConfig) -> Proposer:
+    kind, _, argument = config.proposer.partition(":")
+    match kind:
+        case "ngram":
+            return NgramProposer(config.ngram_min, config.ngram_max)
+        case "model":
+            return ModelProposer(Path(argument), device=config.device, dtype=config.dtype, num_slots=config.num_seqs,
+                                 max_len=config.max_model_len, max_draft_tokens=config.max_draft_tokens,
+                                 draft_top_k=config.draft_top_k)
+        case "random":
+            return RandomProposer(int(argument))
+        case "replay":
+            return ReplayProposer(Path(argument))
+    raise ValueError(f"unknown proposer {config.proposer!r}")
+
+
+class DraftService(LifecycleProcess[m.SchedulerToDraft]):
+    def __init__(self, config: DraftConfig) -> None:
+        super().__init__(process_id=config.worker_id, scheduler_address=config.scheduler_address,
+                         heartbeat_interval_s=config.heartbeat_interval_s, status_file=config.status_file,
+                         inbound=m.SchedulerToDraft)
+        self._config = config
+        self._sequences = SequenceStore()
+        self._proposer: Proposer | None = None
+
+    def hello(self) -> m.WorkerHello:
+        cfg = self._config
+        self._proposer = make_proposer(cfg)
+        model = cfg.model_path
+        return m.WorkerHello(
+            worker_id=cfg.worker_id, role="draft", incarnation=self.incarnation, protocol_version=m.PROTOCOL_VERSION,
+            pid=os.getpid(), model_name=model.name if model else cfg.proposer, model_fingerprint="",
+            vocab_size=self._proposer.vocab_size, max_model_len=cfg.max_model_len, num_kv_slots=cfg.num_seqs,
+            dtype=cfg.dtype if model else "", device=cfg.device if model else "",
+            vocab_fingerprint=self._proposer.vocab_fingerprint, max_draft_tokens=cfg.max_draft_tokens,
+        )
+
+    def phases(self) -> list[Phase]:
+        if self._config.num_threads > 0:
+            torch.set_num_threads(self._config.num_threads)
+        assert self._proposer is not None  # made by hello()
+        load, allocate, warm_up = self._proposer.phases()
+        return [(State.LOADING, load), (State.ALLOCATING, allocate), (State.WARMING, warm_up)]
+
+    def num_used_slots(self) -> int:
+        return len(self._sequences)
+
+    def handle(self, message: m.SchedulerToDraft) -> None:
+        match message:
+            case m.ProposeRequest():
+                self._handle_propose(message)
+            case m.ReleaseSequences():
+                if message.incarnation != self.incarnation:
+                    self.errors.record("stale_incarnation", message="release_seqs", incarnation=message.incarnation)
+                    return
+                for request_id in message.request_ids:
+                    self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self._sequences.forget(request_id)
+        if self._proposer is not None:
+            self._proposer.forget(request_id)
+
+    def _handle_propose(self, request: m.ProposeRequest) -> None:
+        problem = self._problem(request)
+        if problem:
+            self.log.warning("propose.refused", propose_id=request.propose_id, reason=problem)
+            self.send(m.ProposeRefused(worker_id=self.process_id, incarnation=self.incarnation,
+                                       propose_id=request.propose_id, state=self.state, reason=problem))
+            return
+        assert self._proposer is not None
+        started = time.perf_counter()
+        inputs: list[ProposeInput] = []
+        num_held: dict[str, int] = {}
+        for seq in request.seqs:
+            update = self._sequences.update(seq)
+            if update.restarted:
+                self._proposer.forget(seq.request_id)
+                self.log.warning("propose.sequence_restarted", request_id=seq.request_id, expected=seq.num_held)
+                continue
+            num_held[seq.request_id] = len(update.token_ids)
+            num_tokens = min(seq.num_tokens, self._config.max_draft_tokens, self._config.max_model_len - len(update.token_ids))
+            if num_tokens > 0:
+                inputs.append(ProposeInput(seq.request_id, update.token_ids, update.num_stable, num_tokens, seq.sampling))
+        proposed = dict(zip((i.request_id for i in inputs), self._proposer.propose(inputs)))
+        proposals = []
+        for seq in request.seqs:
+            made = proposed.get(seq.request_id)
+            tokens = made.token_ids if made else []
+            if seq.request_id in num_held:
+                self._sequences.record_proposal(seq.request_id, tokens)
+            proposals.append(m.Proposal(seq.request_id, num_held.get(seq.request_id, 0), tokens, made.dists if made else None))
+        self.num_steps += 1
+        self.send(m.ProposeResult(worker_id=self.process_id, incarnation=self.incarnation, propose_id=request.propose_id,
+                                  proposals=proposals, duration_ms=(time.perf_counter() - started) * 1000))
+
+    def _problem(self, request: m.ProposeRequest) -> str:
+        if self.state is not State.READY or self._proposer is None:
+            return f"not READY (state {self.state})"
+        if request.incarnation != self.incarnation:
+            return f"propose for incarnation {request.incarnation}, this is {self.incarnation}"
+        ids = [seq.request_id for seq in request.seqs]
+        if len(set(ids)) != len(ids):
+            return "a sequence appears twice in one propose request"
+        vocab = self._proposer.vocab_size
+        for seq in request.seqs:
+            if seq.num_tokens < 1 or seq.num_held < 0 or seq.num_drop < 0:
+                return f"request {seq.request_id}: num_tokens must be >= 1 and num_held, num_drop >= 0"
+            if vocab and any(not 0 <= t < vocab for t in seq.new_token_ids):
+                return f"request {seq.request_id}: a token id is outside the vocabulary 0..{vocab - 1}"
+        return ""

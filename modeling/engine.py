@@ -1,0 +1,75 @@
+"""A model replica with its KV cache, built in phases: what a target worker and a draft model both run.
+
+`ModelEngine` loads the weights (prepacked for oneDNN on CPU in bf16), allocates the
+cache, forwards packed ragged batches, and checks itself: prefilling a prompt at once
+and token by token must give the same next-token logits. Which slot holds what is the
+owner's business (see `SlotTable`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from modeling.batch import SeqSpan, build_step_batch
+from modeling.config import ModelConfig
+from modeling.cpu_kernels import can_prepack, prepack_linears
+from modeling.kv_cache import KVCache
+from modeling.llama import LlamaModel
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class SelfCheckFailed(RuntimeError):
+    """The model gave inconsistent results on the process's own start-up check."""
+
+
+class ModelEngine:
+    def __init__(self, folder: Path, config: ModelConfig, *, device: str, dtype: str, num_slots: int, max_len: int) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype: torch.dtype = getattr(torch, dtype)
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self._folder = folder
+        self._model: LlamaModel | None = None
+        self._cache: KVCache | None = None
+
+    def load(self) -> None:
+        model = LlamaModel(self.config)
+        model.load_weights(self._folder)
+        model = model.to(device=self.device, dtype=self.dtype)
+        if can_prepack(self.dtype, self.device):
+            prepack_linears(model)
+        model.set_rope_cache(self.max_len)
+        model.eval()
+        self._model = model
+
+    def allocate(self) -> None:
+        self._cache = KVCache(self.config, self.num_slots, self.max_len, self.dtype, self.device)
+
+    def forward(self, spans: list[SeqSpan]) -> torch.Tensor:
+        """Write every span's tokens into its slot and return the logits it asks for: `[sum num_logits, V]`."""
+        if self._model is None or self._cache is None:
+            raise RuntimeError("the engine is not built: load() and allocate() come first")
+        with torch.inference_mode():
+            batch = build_step_batch(spans, self.device)
+            return self._model.logits(self._model(batch, self._cache))
+
+    def self_check(self) -> None:
+        """Uses slots 0 and 1 (left dirty: the owner's slot table still says they are empty)."""
+        prompt = [(7 * i + 3) % self.config.vocab_size for i in range(12)]
+        whole = self.forward([SeqSpan(0, 0, prompt, 1)])
+        self.forward([SeqSpan(1, 0, prompt[:4], 0)])
+        for position in range(4, len(prompt)):
+            stepped = self.forward([SeqSpan(1, position, [prompt[position]], 1)])
+        if not torch.isfinite(whole).all():
+            raise SelfCheckFailed("the model produced non-finite logits")
+        # Different batch shapes round differently; a broken cache is off by the logits' own scale.
+        relative = 1e-4 if self.dtype == torch.float32 else 0.04
+        tolerance = relative * float(whole.abs().max())
+        gap = float((whole - stepped).abs().max())
+        if gap > tolerance:
+            raise SelfCheckFailed(f"prefill and step-by-step logits differ by {gap:.4g} (> {tolerance})")

@@ -1,0 +1,102 @@
+"""The speculation decision and its bookkeeping, as plain functions and records.
+
+First version of the policy: a step speculates when it has at most
+`spec_disable_batch_threshold` sequences; then every sequence that is decoding gets k
+draft tokens, fewer when its max_tokens, the context or the step's token budget leave
+less room. Larger steps decode plainly: there the target is busy enough that verifying
+rejected tokens costs more than it saves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proto import messages as m
+from scheduler.batching import ScheduledSeq
+
+
+@dataclass(frozen=True)
+class SpecLimits:
+    num_speculative_tokens: int  # k at most (the smallest of the scheduler's, the target's and the draft's)
+    spec_disable_batch_threshold: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+def speculation_plan(plan: list[ScheduledSeq], limits: SpecLimits) -> dict[str, int]:
+    """k per request id for the decoding sequences of a planned step; empty: decode plainly."""
+    if limits.num_speculative_tokens < 1 or len(plan) > limits.spec_disable_batch_threshold:
+        return {}
+    decodes = [item for item in plan if item.completes and item.num_tokens == 1]
+    if not decodes:
+        return {}
+    spare = limits.max_num_batched_tokens - sum(item.num_tokens for item in plan)
+    k_max = min(limits.num_speculative_tokens, spare // len(decodes))
+    ks: dict[str, int] = {}
+    for item in decodes:
+        r = item.request
+        # Every new token (the accepted drafts plus one) must fit in max_tokens and the context.
+        k = min(k_max, r.max_tokens - len(r.output_token_ids) - 1, limits.max_model_len - r.num_tokens - 1)
+        if k >= 1:
+            ks[r.request_id] = k
+    return ks
+
+
+@dataclass
+class PendingProposal:
+    """A target worker's next step, waiting for the draft service's proposals."""
+
+    propose_id: int
+    worker_id: str
+    worker_incarnation: int
+    plan: list[ScheduledSeq]
+    num_tokens: dict[str, int]  # k asked for, per request id
+    sent_at_s: float
+
+
+def proposal_problem(proposal: m.Proposal, num_tokens: int, vocab_size: int) -> str:
+    """Why a proposal cannot be verified ("" when it can): a bad draft must never reach a target."""
+    if len(proposal.token_ids) > num_tokens:
+        return f"{len(proposal.token_ids)} tokens proposed, {num_tokens} asked for"
+    if vocab_size and any(not 0 <= t < vocab_size for t in proposal.token_ids):
+        return f"a proposed token is outside the vocabulary 0..{vocab_size - 1}"
+    if proposal.dists is None:
+        return ""
+    if len(proposal.dists) != len(proposal.token_ids):
+        return f"{len(proposal.dists)} distributions for {len(proposal.token_ids)} tokens"
+    for token, dist in zip(proposal.token_ids, proposal.dists):
+        if len(dist.token_ids) != len(dist.probs) or token not in dist.token_ids:
+            return "a distribution does not cover the token drawn from it"
+        if vocab_size and any(not 0 <= t < vocab_size for t in dist.token_ids):
+            return "a distribution has a token outside the vocabulary"
+        if any(not 0.0 <= q <= 1.0 for q in dist.probs):
+            return "a distribution has a probability outside [0, 1]"
+    return ""
+
+
+@dataclass
+class SpecCounters:
+    """Server-wide, per sequence and step: what was proposed and accepted."""
+
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    num_verify_steps: int = 0
+    num_plain_decode_steps: int = 0
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        if num_draft_tokens:
+            self.num_draft_tokens += num_draft_tokens
+            self.num_accepted_draft_tokens += num_accepted
+            self.num_verify_steps += 1
+        else:
+            self.num_plain_decode_steps += 1
+
+    def info(self) -> m.SpeculationInfo:
+        return m.SpeculationInfo(
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_draft_tokens=self.num_accepted_draft_tokens,
+            num_verify_steps=self.num_verify_steps,
+            num_plain_decode_steps=self.num_plain_decode_steps,
+            acceptance_rate=self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0,
+            mean_accepted_length=self.num_accepted_draft_tokens / self.num_verify_steps if self.num_verify_steps else 0.0,
+        )

@@ -1,0 +1,185 @@
+"""Speculative decoding through the whole stack: greedy output is the output without speculation, whatever proposes.
+
+One float32 target worker and a draft service whose proposer changes between runs (the
+service is stopped and a new one started, so speculation also stops and resumes):
+n-gram lookup, a draft model folder (the target's first 4 layers: a poor draft), random
+tokens, and a replay of the reference output (a perfect draft). Eight prompts are sent
+with staggered arrivals, so the step size crosses the speculation threshold (4) on the
+way up and on the way down, and steps mix verify and plain-decode sequences.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from gateway.tokenizer import ChatMessage, Tokenizer
+from proto import specserve_pb2 as pb
+from tests.e2e.stack import GenerateResult, Stack, StackOptions
+
+NUM_TOKENS = 40
+STAGGER_S = 0.15
+PROMPTS = [
+    ("chat", "Rewrite this sentence with correct spelling: 'The quick brwn fox jumpd over the lazzy dog.'"),
+    ("raw", "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return"),
+    ("chat", "What is the capital of France?"),
+    ("raw", "1, 2, 3, 4, 5, 6, 7, 8,"),
+    ("chat", "List three colours of the rainbow."),
+    ("raw", "The quick brown fox jumps over the lazy dog. The quick brown fox"),
+    ("chat", "Write a haiku about the sea."),
+    ("raw", "Once upon a time, in a small village by the mountains,"),
+]
+
+
+def prompt_ids(tokenizer: Tokenizer) -> list[list[int]]:
+    return [tokenizer.encode_chat([ChatMessage("user", text)]) if kind == "chat" else tokenizer.encode(text)
+            for kind, text in PROMPTS]
+
+
+def request(ids: list[int], **params: object) -> pb.GenerateRequest:
+    defaults: dict[str, object] = {"max_tokens": NUM_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    defaults.update(params)
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), params=pb.SamplingParams(**defaults))  # type: ignore[arg-type]
+
+
+def run_staggered(stack: Stack, requests: list[pb.GenerateRequest]) -> list[GenerateResult]:
+    def run(index: int) -> GenerateResult:
+        time.sleep(index * STAGGER_S)
+        return stack.generate(requests[index])
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(run, range(len(requests))))
+
+
+@pytest.fixture(scope="module")
+def truncated_draft(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The target's embedding and first 4 of its 30 layers, untrained: a draft that is mostly wrong."""
+    folder = tmp_path_factory.mktemp("draft_4_layers")
+    config = json.loads((default_model_dir / "config.json").read_text())
+    config["num_hidden_layers"] = 4
+    (folder / "config.json").write_text(json.dumps(config))
+    weights = load_file(default_model_dir / "model.safetensors")
+    kept = {name: tensor for name, tensor in weights.items()
+            if not name.startswith("model.layers.") or int(name.split(".")[2]) < 4}
+    save_file(kept, folder / "model.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (folder / name).write_bytes((default_model_dir / name).read_bytes())
+    return folder
+
+
+@pytest.fixture(scope="module")
+def spec_stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    options = StackOptions(default_model_dir, dtype="float32", num_workers=1, num_kv_slots=8,
+                           scheduler_args=["--num-speculative-tokens", "4", "--spec-disable-batch-threshold", "4"])
+    stack = Stack(options, tmp_path_factory.mktemp("spec_stack"))
+    try:
+        stack.start()
+        yield stack
+    finally:
+        stack.stop()
+
+
+def draft_process(stack: Stack) -> pb.Process | None:
+    return next((p for p in stack.info().processes if p.role == "draft"), None)
+
+
+def switch_draft(stack: Stack, proposer: str | None) -> None:
+    """Stop the running draft service (if any) and start one with `proposer` (if any); wait until it is READY."""
+    old = stack.processes.pop("draft", None)
+    if old is not None:
+        old.terminate()
+        assert old.wait(30) == 0, "the draft service did not drain cleanly"
+    if proposer is None:
+        return
+    before = draft_process(stack)
+    stack.options.draft = proposer
+    stack.start_draft()
+    deadline = time.monotonic() + 120
+    while True:
+        now = draft_process(stack)
+        if now is not None and now.state == "READY" and (before is None or now.incarnation != before.incarnation):
+            return
+        assert time.monotonic() < deadline and stack.processes["draft"].poll() is None, stack.logs()
+        time.sleep(0.1)
+
+
+def test_greedy_is_lossless_with_every_proposer(spec_stack: Stack, default_model_dir: Path, truncated_draft: Path,
+                                                tmp_path: Path) -> None:
+    ids = prompt_ids(Tokenizer.load(default_model_dir))
+    requests = [request(p) for p in ids]
+    switch_draft(spec_stack, None)
+    baseline = [r.token_ids for r in run_staggered(spec_stack, requests)]
+    assert all(len(tokens) == NUM_TOKENS for tokens in baseline)
+    replay = tmp_path / "replay.json"
+    replay.write_text(json.dumps([p + out for p, out in zip(ids, baseline)]))
+
+    for proposer in ("ngram", f"model:{truncated_draft}", "random:49152", f"replay:{replay}"):
+        switch_draft(spec_stack, proposer)
+        before = spec_stack.info().speculation
+        results = run_staggered(spec_stack, requests)
+        for index, (result, expected) in enumerate(zip(results, baseline)):
+            assert result.token_ids == expected, f"{proposer}: prompt {index} differs from greedy without speculation"
+        info = spec_stack.wait_idle()  # the target's and the draft's KV are empty again
+        assert sorted(p.role for p in info.processes if p.state == "READY") == ["draft", "target"]
+        after = info.speculation
+        proposed = after.num_draft_tokens - before.num_draft_tokens
+        accepted = after.num_accepted_draft_tokens - before.num_accepted_draft_tokens
+        assert proposed > 0, f"{proposer}: nothing was proposed"
+        if proposer.startswith("replay"):
+            assert accepted / proposed > 0.9, "the reference output should nearly always be accepted"
+        else:  # (with the perfect draft requests finish too fast to pile up)
+            assert after.num_plain_decode_steps > before.num_plain_decode_steps  # steps above the threshold decoded plainly
+        if proposer.startswith("random"):
+            assert accepted / proposed < 0.05, "random tokens should nearly always be rejected"
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "model"])
+def test_seeded_sampling_with_speculation_is_reproducible(spec_stack: Stack, default_model_dir: Path, truncated_draft: Path,
+                                                          proposer: str) -> None:
+    switch_draft(spec_stack, "ngram" if proposer == "ngram" else f"model:{truncated_draft}")
+    ids = prompt_ids(Tokenizer.load(default_model_dir))
+    sampled = request(ids[1], temperature=0.8, top_p=0.95, seed=1234, max_tokens=32)
+    first, second = spec_stack.generate(sampled), spec_stack.generate(sampled)
+    assert first.token_ids == second.token_ids
+    assert len(first.token_ids) == 32
+
+
+def test_usage_reports_the_requests_speculation(spec_stack: Stack, default_model_dir: Path) -> None:
+    switch_draft(spec_stack, "ngram")
+    ids = prompt_ids(Tokenizer.load(default_model_dir))
+    final = list(spec_stack.stub.Generate(request(ids[3], max_tokens=24), timeout=60))[-1]
+    usage = final.usage
+    assert usage.completion_tokens == 24
+    assert 0 < usage.verify_steps and 0 <= usage.accepted_draft_tokens <= usage.draft_tokens
+    # Every verify step yields its accepted drafts plus one token, as does every other step.
+    assert usage.accepted_draft_tokens + usage.verify_steps <= usage.completion_tokens
+
+
+def test_a_draft_of_another_vocabulary_is_refused_with_its_reason(spec_stack: Stack, tmp_path: Path,
+                                                                  truncated_draft: Path) -> None:
+    other = tmp_path / "other_vocab"
+    other.mkdir()
+    for path in truncated_draft.iterdir():
+        (other / path.name).symlink_to(path)
+    (other / "tokenizer.json").unlink()
+    tokenizer = json.loads((truncated_draft / "tokenizer.json").read_text())
+    tokenizer["model"]["vocab"]["specserve-extra"] = tokenizer["model"]["vocab"].pop("<|im_end|>", 0)
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    switch_draft(spec_stack, None)
+    spec_stack.options.draft = f"model:{other}"
+    spec_stack.start_draft()
+    deadline = time.monotonic() + 60
+    while spec_stack.processes["draft"].poll() is None:
+        assert time.monotonic() < deadline, "the refused draft service did not stop"
+        time.sleep(0.1)
+    refused = [p for p in spec_stack.info().processes if p.role == "draft"][-1]
+    assert refused.state in ("FAILED", "STOPPED") and "vocabulary" in refused.failure
+    assert "vocabulary" in spec_stack.logs()
+    del spec_stack.processes["draft"]
+    assert spec_stack.generate(request([1, 2, 3], max_tokens=4)).completion_tokens == 4  # serving goes on without it

@@ -1,0 +1,287 @@
+"""SchedulerCore with a draft service: propose then verify, the batch-size switch, the draft's counts, its loss and return.
+
+The fake draft (tests/unit/scheduler_fakes.py) checks every propose request against the
+tokens it holds per sequence; the fake target verifies drafts greedily against a script
+and checks every step against its KV model, cut back past rejected drafts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from proto import messages as m
+from scheduler.batching import ScheduledSeq
+from scheduler.request import Request
+from scheduler.speculation import SpecLimits, proposal_problem, speculation_plan
+from tests.unit.scheduler_fakes import EOS, FakeDraft, FakeWorker, Sim, assert_all_free, prompt
+
+SCRIPT = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
+
+
+def setup(**config: object) -> tuple[Sim, FakeWorker, FakeDraft]:
+    sim = Sim(**config)
+    worker = sim.worker("w0").start()
+    draft = sim.draft("d0").start()
+    return sim, worker, draft
+
+
+def proposes(draft: FakeDraft) -> list[m.ProposeRequest]:
+    draft.draft_inbox()
+    return list(draft.proposes)
+
+
+# ---------------------------------------------------------------- the flow
+
+
+@pytest.mark.parametrize("draft_script", ["right", "wrong", "half_right", "none"])
+def test_greedy_output_is_the_targets_whatever_the_draft_proposes(draft_script: str) -> None:
+    sim, worker, draft = setup(num_speculative_tokens=4)
+    sim.submit("a", prompt(3), max_tokens=10)
+    sequence = prompt(3) + SCRIPT
+    draft.script["a"] = {
+        "right": sequence,
+        "wrong": prompt(3) + [t + 100 for t in SCRIPT],
+        "half_right": prompt(3) + [t if i % 2 == 0 else 99 for i, t in enumerate(SCRIPT)],
+        "none": [],
+    }[draft_script]
+    worker.run({"a": SCRIPT}, draft=draft)
+    assert sim.streamed("a") == SCRIPT[:10]
+    assert sim.finish_reason("a") == "length"
+    final = sim.deltas("a")[-1]
+    expected_accepted = {"right": 4 + 3, "wrong": 0, "half_right": None, "none": 0}[draft_script]
+    if expected_accepted is not None:
+        assert final.num_accepted_draft_tokens == expected_accepted
+    assert final.num_accepted_draft_tokens <= final.num_draft_tokens
+    assert draft.forgotten() == ["a"]
+    assert_all_free(sim, worker)
+
+
+def test_a_verify_step_carries_the_last_token_then_the_drafts_and_the_draft_gets_only_what_is_new() -> None:
+    sim, worker, draft = setup(num_speculative_tokens=3)
+    sim.submit("a", prompt(3), max_tokens=10)
+    worker.complete({"a": [11]})  # prefill: no proposal yet
+    (first,) = proposes(draft)
+    assert first.seqs[0] == m.ProposeSeq("a", 0, 0, prompt(3) + [11], 3, m.SamplingParams())
+    draft.answer({"a": [12, 13, 77]})
+    seq = worker.step().seqs[0]
+    assert (seq.start_position, seq.token_ids, seq.num_draft_tokens) == (3, [11, 12, 13, 77], 3)
+    worker.complete({"a": [12, 13, 14]})  # accepts 12, 13; rejects 77 and adds 14
+    assert sim.streamed("a") == [11, 12, 13, 14]
+    second = proposes(draft)[-1].seqs[0]
+    # The draft holds 4 + 3 tokens; 77 is dropped and only 14 is new.
+    assert (second.num_held, second.num_drop, second.new_token_ids) == (7, 1, [14])
+    assert worker.kv[0] == prompt(3) + [11, 12, 13]  # the rejected draft's KV was cut
+
+
+def test_a_sequence_without_a_proposal_decodes_plainly_in_the_same_step() -> None:
+    sim, worker, draft = setup()
+    sim.submit("a", prompt(3), max_tokens=10)
+    sim.submit("b", prompt(3, first=300), max_tokens=10)
+    worker.complete({"a": [11]})  # a's prefill; b joins the next step
+    draft.answer({"a": []})
+    worker.complete({"a": [12], "b": [41]})
+    assert [s.request_id for s in proposes(draft)[-1].seqs] == ["a", "b"]
+    draft.answer({"a": [13, 14], "b": []})
+    by_id = {s.request_id: s for s in worker.step().seqs}
+    assert (by_id["a"].num_draft_tokens, by_id["b"].num_draft_tokens) == (2, 0)
+    assert by_id["b"].token_ids == [41]
+
+
+def test_above_the_threshold_steps_decode_plainly_and_below_it_speculation_resumes() -> None:
+    sim, worker, draft = setup(spec_disable_batch_threshold=2, max_num_seqs=8)
+    for rid in "abc":
+        sim.submit(rid, prompt(3, first=100 + 10 * ord(rid)), max_tokens=3 if rid == "c" else 8)
+    worker.run(draft=draft)
+    steps = worker.all_steps()
+    sizes_with_proposals = {len(s.seqs) for s in steps if any(w.num_draft_tokens for w in s.seqs)}
+    asked = [len(p.seqs) for p in proposes(draft)]
+    assert asked and max(asked) <= 2  # never asked for a step of 3 sequences
+    assert sizes_with_proposals <= {1, 2}
+    assert any(len(s.seqs) == 3 for s in steps)  # the big steps ran, plainly
+    assert sim.finish_reason("a") == sim.finish_reason("c") == "length"
+
+
+def test_threshold_zero_or_k_zero_never_proposes() -> None:
+    for config in ({"spec_disable_batch_threshold": 0}, {"num_speculative_tokens": 0}):
+        sim, worker, draft = setup(**config)
+        sim.submit("a", max_tokens=6)
+        worker.run(draft=draft)
+        assert proposes(draft) == []
+        assert len(sim.streamed("a")) == 6
+
+
+def test_k_never_runs_past_max_tokens() -> None:
+    sim, worker, draft = setup(num_speculative_tokens=8)
+    sim.submit("a", prompt(3), max_tokens=4)
+    draft.script["a"] = prompt(3) + SCRIPT
+    worker.run({"a": SCRIPT}, draft=draft)
+    assert [s.num_tokens for p in proposes(draft) for s in p.seqs] == [2]  # 1 streamed, room for 3 more: k = 2
+    assert sim.streamed("a") == SCRIPT[:4]
+
+
+def test_a_stop_token_among_accepted_drafts_ends_the_request_there() -> None:
+    sim, worker, draft = setup()
+    sim.submit("a", prompt(3), max_tokens=10)
+    script = [11, 12, EOS, 14, 15]
+    draft.script["a"] = prompt(3) + script
+    worker.run({"a": script}, draft=draft)
+    assert sim.streamed("a") == [11, 12, EOS]
+    assert sim.finish_reason("a") == "stop"
+
+
+# ---------------------------------------------------------------- the draft going away
+
+
+def test_no_draft_service_means_plain_decoding() -> None:
+    sim = Sim()
+    worker = sim.worker("w0").start()
+    sim.submit("a", max_tokens=5)
+    worker.run()
+    assert all(s.num_draft_tokens == 0 for step in worker.all_steps() for s in step.seqs)
+    assert sim.deltas("a")[-1].num_draft_tokens == 0
+
+
+def test_a_draft_lost_while_proposing_lets_the_step_run_plainly_and_a_new_incarnation_starts_from_nothing() -> None:
+    sim, worker, draft = setup()
+    sim.submit("a", prompt(3), max_tokens=12)
+    draft.script["a"] = prompt(3) + SCRIPT
+    worker.complete({"a": [11]})
+    draft.answer()
+    worker.complete({"a": SCRIPT[1:6]})  # 4 drafts accepted, one more
+    assert proposes(draft)[-1] and worker.pending_step() is None  # waiting for the draft
+    draft.fail("draft model crashed")
+    step = worker.step()  # sent at once, without proposals
+    assert step.seqs[0].num_draft_tokens == 0
+    worker.complete({"a": [SCRIPT[6]]})  # the next step goes out plainly too: no draft is READY
+    back = sim.draft("d0", incarnation=2).start()
+    back.script["a"] = prompt(3) + SCRIPT
+    worker.run({"a": SCRIPT[7:]}, draft=back)
+    first = proposes(back)[0].seqs[0]
+    assert (first.num_held, first.num_drop, first.new_token_ids) == (0, 0, prompt(3) + SCRIPT[:8])
+    assert sim.streamed("a") == SCRIPT[:12]
+    assert sim.finish_reason("a") == "length"
+
+
+def test_an_unanswered_proposal_times_out_and_the_step_runs_plainly() -> None:
+    sim, worker, draft = setup(propose_timeout_s=0.5)
+    sim.submit("a", prompt(3), max_tokens=5)
+    worker.complete({"a": [11]})
+    assert draft.pending_propose() is not None and worker.pending_step() is None
+    sim.advance(0.4)
+    sim.check_timeouts()
+    assert worker.pending_step() is None
+    sim.advance(0.2)
+    sim.check_timeouts()
+    assert worker.step().seqs[0].num_draft_tokens == 0
+    draft.answer({"a": [12]})  # too late: only the draft's counts are taken from it
+    worker.complete({"a": [12]})
+    nxt = proposes(draft)[-1].seqs[0]
+    assert (nxt.num_held, nxt.num_drop) == (5, 1)  # it holds 4 + its late proposal; that goes
+    draft.answer({"a": [13]})
+    worker.run({"a": [13, 14, 15]}, draft=draft)
+    assert sim.streamed("a") == [11, 12, 13, 14, 15]
+
+
+def test_a_bad_proposal_never_reaches_the_target() -> None:
+    sim, worker, draft = setup(num_speculative_tokens=2)
+    draft.strict = False
+    sim.submit("a", prompt(3), max_tokens=8)
+    worker.complete({"a": [11]})
+    draft.answer({"a": [12, 13, 14]})  # three tokens where two were asked for
+    assert worker.step().seqs[0].num_draft_tokens == 0
+    worker.complete({"a": [12]})
+    again = proposes(draft)[-1].seqs[0]
+    assert (again.num_held, again.num_drop) == (0, 0)  # counts reset: the draft starts the sequence over
+    draft.answer()
+    assert draft.restarts == ["a"]
+    worker.complete({"a": [13]})
+    draft.answer({"a": [49152]})  # outside the target's vocabulary
+    assert worker.step().seqs[0].num_draft_tokens == 0
+
+
+def test_a_draft_with_another_vocabulary_is_refused_whichever_comes_first() -> None:
+    sim = Sim()
+    sim.worker("w0").start()
+    late = sim.draft("d0", vocab_fingerprint="other-tokenizer", vocab_size=32000)
+    late.hello()
+    assert "vocabulary" in sim.process("d0").failure and sim.process("d0").state == "FAILED"
+    assert late.draft_inbox() == [m.Drain(1)]
+
+    sim = Sim()
+    early = sim.draft("d0", vocab_fingerprint="other-tokenizer", vocab_size=32000).start()
+    assert sim.process("d0").state == "READY"  # nothing to compare with yet
+    sim.worker("w0").start()
+    assert sim.process("d0").state == "FAILED" and "vocabulary" in sim.process("d0").failure
+    assert early.draft_inbox() == [m.Drain(1)]
+
+
+def test_a_draft_with_the_same_vocabulary_or_none_is_accepted() -> None:
+    sim = Sim()
+    sim.worker("w0").start()
+    sim.draft("d0").start()  # n-gram: works on any vocabulary
+    sim.draft("d1", vocab_fingerprint="vocab-smol", vocab_size=49152).start()
+    assert [p.state for p in sim.info().processes] == ["READY", "READY", "READY"]
+
+
+def test_requests_are_never_placed_on_the_draft_service() -> None:
+    sim = Sim()
+    draft = sim.draft("d0").start()
+    sim.submit("a", max_tokens=2)
+    assert sim.core.num_waiting == 1 and proposes(draft) == []
+
+
+# ---------------------------------------------------------------- stats
+
+
+def test_per_request_and_server_wide_stats() -> None:
+    sim, worker, draft = setup(num_speculative_tokens=4)
+    sim.submit("a", prompt(3), max_tokens=10)
+    draft.script["a"] = prompt(3) + SCRIPT[:3] + [99] * 20
+    worker.run({"a": SCRIPT}, draft=draft)
+    final = sim.deltas("a")[-1]
+    # 11 comes from the prefill; then [12, 13, 99, 99] verified: 2 accepted, 14 added; then the draft is off its script.
+    assert (final.num_draft_tokens, final.num_accepted_draft_tokens, final.num_verify_steps) == (4, 2, 1)
+    spec = sim.info().speculation
+    assert spec is not None
+    assert spec.num_draft_tokens == final.num_draft_tokens
+    assert spec.num_accepted_draft_tokens == final.num_accepted_draft_tokens
+    assert spec.num_verify_steps == final.num_verify_steps
+    assert spec.acceptance_rate == pytest.approx(final.num_accepted_draft_tokens / final.num_draft_tokens)
+
+
+# ---------------------------------------------------------------- pure policy
+
+
+def request(rid: str, num_output: int, max_tokens: int = 100, num_prompt: int = 5) -> Request:
+    r = Request(rid, b"g", list(range(num_prompt)), max_tokens, m.SamplingParams(), frozenset(), 0.0)
+    r.output_token_ids = [1] * num_output
+    r.num_computed_tokens = r.num_tokens - 1
+    return r
+
+
+LIMITS = SpecLimits(num_speculative_tokens=4, spec_disable_batch_threshold=4, max_num_batched_tokens=64, max_model_len=64)
+
+
+def test_policy_speculates_only_up_to_the_threshold() -> None:
+    plan = [ScheduledSeq(request(f"r{i}", 1), 1) for i in range(5)]
+    assert speculation_plan(plan[:4], LIMITS) == {f"r{i}": 4 for i in range(4)}
+    assert speculation_plan(plan, LIMITS) == {}
+
+
+def test_policy_leaves_prefill_chunks_alone_and_respects_budget_and_context() -> None:
+    prefill = request("p", 0)
+    prefill.num_computed_tokens = 0
+    plan = [ScheduledSeq(request("a", 1), 1), ScheduledSeq(prefill, 5)]
+    tight = SpecLimits(4, 4, max_num_batched_tokens=8, max_model_len=64)
+    assert speculation_plan(plan, tight) == {"a": 2}  # 8 - 6 tokens planned
+    near_end = request("z", 55, num_prompt=6)  # 61 of 64 tokens
+    assert speculation_plan([ScheduledSeq(near_end, 1)], LIMITS) == {"z": 2}
+
+
+def test_proposal_problems_are_named() -> None:
+    good = m.Proposal("a", 3, [5, 6], [m.SparseDist([5, 9], [0.5, 0.5]), m.SparseDist([6], [1.0])])
+    assert proposal_problem(good, 2, 100) == ""
+    assert "asked for" in proposal_problem(good, 1, 100)
+    assert "vocabulary" in proposal_problem(m.Proposal("a", 3, [500]), 2, 100)
+    assert "cover" in proposal_problem(m.Proposal("a", 3, [5], [m.SparseDist([9], [1.0])]), 2, 100)
+    assert "probability" in proposal_problem(m.Proposal("a", 3, [5], [m.SparseDist([5], [1.5])]), 2, 100)
