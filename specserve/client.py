@@ -90,6 +90,9 @@ class GenerateResult:
     finish_reason: str = "unspecified"
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    verify_steps: int = 0
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -97,7 +100,9 @@ class GenerateResult:
             "text": "".join(self.text_parts),
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
-            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens},
+            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                      "draft_tokens": self.draft_tokens, "accepted_draft_tokens": self.accepted_draft_tokens,
+                      "verify_steps": self.verify_steps},
         }
 
 
@@ -115,6 +120,9 @@ def consume(responses: Iterable[pb.GenerateResponse], stream_to: TextIO | None) 
             result.finish_reason = finish_reason_name(response.finish_reason)
             result.prompt_tokens = response.usage.prompt_tokens
             result.completion_tokens = response.usage.completion_tokens
+            result.draft_tokens = response.usage.draft_tokens
+            result.accepted_draft_tokens = response.usage.accepted_draft_tokens
+            result.verify_steps = response.usage.verify_steps
     return result
 
 

@@ -39,13 +39,14 @@ def test_up_generate_and_ctrl_c(default_model_dir: Path) -> None:
         ready_line = up.stdout.readline()  # blocks until the stack is ready (or up exits)
         assert ready_line.startswith("specserve ready: gRPC on 127.0.0.1:"), ready_line
         children = _children(up.pid)
-        assert len(children) == 4  # scheduler, gateway, two workers
+        assert len(children) == 5  # scheduler, gateway, two workers, the draft service (n-gram by default)
 
         out = subprocess.run([*SPECSERVE, "generate", "--address", f"127.0.0.1:{port}", "--chat", "Say hello.",
                               "--max-tokens", "8", "--json"], capture_output=True, text=True, timeout=120, check=True)
         result = json.loads(out.stdout)
         assert set(result) >= {"token_ids", "text", "finish_reason", "usage"}
         assert 1 <= len(result["token_ids"]) <= 8 and result["usage"]["completion_tokens"] == len(result["token_ids"])
+        assert result["usage"]["accepted_draft_tokens"] <= result["usage"]["draft_tokens"]
 
         streamed = subprocess.run([*SPECSERVE, "generate", "--address", f"127.0.0.1:{port}", "--prompt", "Once upon a time",
                                    "--max-tokens", "8"], capture_output=True, text=True, timeout=120, check=True)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import draft_service.config
 import gateway.config
 import gpu_worker.config
 import scheduler.config
@@ -28,7 +29,8 @@ def resolved() -> dict:  # type: ignore[type-arg]
 
 
 def _service_parser(name: str) -> argparse.ArgumentParser:
-    parsers = {"scheduler": scheduler.config.add_arguments, "worker": gpu_worker.config.add_arguments}
+    parsers = {"scheduler": scheduler.config.add_arguments, "worker": gpu_worker.config.add_arguments,
+               "draft": draft_service.config.add_arguments}
     if name == "gateway":
         return gateway.config.build_parser()
     parser = argparse.ArgumentParser(prog=name, exit_on_error=False)
@@ -38,15 +40,18 @@ def _service_parser(name: str) -> argparse.ArgumentParser:
 
 def _accepts(argv: list[str]) -> None:
     """Parse argv as `specserve ARGV` would, without running anything; raises SystemExit if refused."""
-    if argv[0] in ("scheduler", "worker", "gateway"):
-        _service_parser(argv[0]).parse_args(argv[1:])
+    if argv[0] in ("scheduler", "worker", "draft", "gateway"):
+        parser = _service_parser(argv[0])
+        args = parser.parse_args(argv[1:])
+        if argv[0] == "draft":
+            draft_service.config.from_arguments(args)  # the proposer spec is checked here
     else:
         _build_parser().parse_args(argv)
 
 
 def test_every_service_command_and_health_check_is_accepted(resolved: dict) -> None:  # type: ignore[type-arg]
     services = resolved["services"]
-    assert {"model-init", "scheduler", "gateway"} <= services.keys()
+    assert {"model-init", "scheduler", "draft", "gateway"} <= services.keys()
     assert any(name.startswith("gpu-worker") for name in services)
     for name, service in services.items():
         _accepts(service["command"])

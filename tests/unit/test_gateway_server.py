@@ -196,6 +196,24 @@ def endless_script(tokenizer: Tokenizer) -> Script:
 # ---------------------------------------------------------------- Generate
 
 
+def test_usage_carries_the_schedulers_speculation_counts_even_when_a_stop_string_ends_the_output(
+    run: Any, tokenizer: Tokenizer,
+) -> None:
+    def script(submit: m.SubmitRequest) -> list[m.TokenDelta]:
+        ids = tokenizer.encode("one two three four")
+        return [m.TokenDelta(submit.request_id, ids[:2], None, 3, 2, num_draft_tokens=4, num_accepted_draft_tokens=1, num_verify_steps=1),
+                m.TokenDelta(submit.request_id, ids[2:], "length", 3, len(ids), 8, 3, 2)]
+
+    async def scenario() -> None:
+        async with gateway(tokenizer, script) as h:
+            whole = (await collect(h.stub.Generate(pb.GenerateRequest(prompt="x"))))[-1].usage
+            cut = (await collect(h.stub.Generate(pb.GenerateRequest(prompt="x", params=pb.SamplingParams(stop=[" two"])))))[-1].usage
+        assert (whole.draft_tokens, whole.accepted_draft_tokens, whole.verify_steps) == (8, 3, 2)
+        assert (cut.draft_tokens, cut.accepted_draft_tokens, cut.verify_steps) == (4, 1, 1)
+
+    run(scenario())
+
+
 def test_generate_streams_text_ids_and_usage(run: Any, tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
         async with gateway(tokenizer, text_script(tokenizer, "Hello 😀 世界")) as h:
@@ -534,7 +552,8 @@ def test_cli_generate_prints_json_streams_text_and_reports_errors(run: Any, toke
             assert (submit.max_tokens, submit.sampling.seed, submit.seed_given) == (5, 3, True)
             printed = json.loads(capsys.readouterr().out)
             assert printed["text"] == "P" and printed["finish_reason"] == "stop"  # stop string "a" cuts "Paris"
-            assert printed["usage"] == {"prompt_tokens": len(submit.prompt_token_ids), "completion_tokens": len(printed["token_ids"])}
+            assert printed["usage"] == {"prompt_tokens": len(submit.prompt_token_ids), "completion_tokens": len(printed["token_ids"]),
+                                        "draft_tokens": 0, "accepted_draft_tokens": 0, "verify_steps": 0}
             assert await asyncio.to_thread(run_generate, generate_args(address, "--prompt", "Capital?")) == 0
             assert capsys.readouterr().out == "Paris 🇫🇷"
             assert await asyncio.to_thread(run_generate, generate_args(address, "--prompt", "x", "--top-p", "0")) == 1

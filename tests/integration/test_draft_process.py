@@ -1,0 +1,95 @@
+"""A real draft service process over a real ZeroMQ socket, the test acting as its scheduler.
+
+Same lifecycle as a target worker: hello, every phase reported, work refused before
+READY (never run later), proposals once READY, a failed start-up reported with its
+phase and cause and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+
+from proto import messages as m
+from tests.integration.test_worker_process import GREEDY, FakeScheduler, scheduler  # noqa: F401  (fixture)
+
+
+def _start_draft(proposer: str, address: str, tmp_path: Path) -> subprocess.Popen[bytes]:
+    log = (tmp_path / "draft.log").open("wb")
+    return subprocess.Popen([sys.executable, "-m", "draft_service", "--proposer", proposer, "--scheduler-address", address,
+                             "--dtype", "float32", "--num-seqs", "2", "--max-model-len", "256", "--max-draft-tokens", "3",
+                             "--status-file", str(tmp_path / "status")], stdout=log, stderr=subprocess.STDOUT)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def test_a_draft_model_service_starts_in_phases_refuses_early_work_and_proposes(
+    default_model_dir: Path, scheduler: FakeScheduler, tmp_path: Path,  # noqa: F811
+) -> None:
+    draft = _start_draft(f"model:{default_model_dir}", scheduler.address, tmp_path)
+    try:
+        hello = scheduler.receive(m.WorkerHello)
+        assert isinstance(hello, m.WorkerHello)
+        assert (hello.role, hello.vocab_size, hello.num_kv_slots, hello.max_draft_tokens) == ("draft", 49152, 2, 3)
+        assert hello.vocab_fingerprint
+        prompt = [1, 504, 2365, 6354, 16438, 27003]
+        scheduler.send(m.ProposeRequest(1, hello.incarnation, [m.ProposeSeq("r", 0, 0, prompt, 3, GREEDY)]))
+        states: list[str] = []
+        refused = None
+        while "READY" not in states:
+            message = scheduler.receive(msgspec.Struct)
+            if isinstance(message, m.LifecycleReport):
+                states.append(message.state)
+            elif isinstance(message, m.ProposeRefused):
+                refused = message
+            elif isinstance(message, m.ProposeResult):
+                raise AssertionError("a propose request sent before READY was answered")
+        assert states == ["LOADING", "ALLOCATING", "WARMING", "READY"]
+        assert refused is not None and refused.propose_id == 1 and "not READY" in refused.reason
+
+        scheduler.send(m.ProposeRequest(2, hello.incarnation, [m.ProposeSeq("r", 0, 0, prompt, 3, GREEDY)]))
+        result = scheduler.receive(m.ProposeResult)
+        assert isinstance(result, m.ProposeResult) and result.propose_id == 2
+        (proposal,) = result.proposals
+        assert (proposal.num_held, len(proposal.token_ids)) == (len(prompt), 3)
+        # The draft here is the target itself: its greedy proposal continues the prompt as the target would,
+        # and the next request (one token accepted, one new) gets the continuation after that.
+        scheduler.send(m.ProposeRequest(3, hello.incarnation, [
+            m.ProposeSeq("r", len(prompt) + 3, 2, [7], 3, GREEDY),
+        ]))
+        second = scheduler.receive(m.ProposeResult)
+        assert second.proposals[0].num_held == len(prompt) + 2  # type: ignore[attr-defined]
+
+        # Counts that disagree restart the sequence; a wrong incarnation is refused.
+        scheduler.send(m.ProposeRequest(4, hello.incarnation, [m.ProposeSeq("r", 99, 0, [8], 3, GREEDY)]))
+        assert scheduler.receive(m.ProposeResult).proposals[0] == m.Proposal("r", 0, [])  # type: ignore[attr-defined]
+        scheduler.send(m.ProposeRequest(5, hello.incarnation + 1, [m.ProposeSeq("r", 0, 0, prompt, 3, GREEDY)]))
+        assert "incarnation" in scheduler.receive(m.ProposeRefused).reason  # type: ignore[attr-defined]
+
+        scheduler.send(m.ReleaseSequences(hello.incarnation, ["r"]))
+        scheduler.send(m.Drain(hello.incarnation))
+        assert draft.wait(30) == 0
+    finally:
+        _stop(draft)
+
+
+def test_a_draft_that_cannot_load_fails_in_its_phase_and_exits_non_zero(scheduler: FakeScheduler, tmp_path: Path) -> None:  # noqa: F811
+    replay = tmp_path / "broken.json"
+    replay.write_text('{"not": "a list"}')
+    draft = _start_draft(f"replay:{replay}", scheduler.address, tmp_path)
+    try:
+        scheduler.receive(m.WorkerHello)
+        failed = scheduler.receive(m.WorkerFailed)
+        assert isinstance(failed, m.WorkerFailed)
+        assert (failed.phase, failed.error_type) == ("LOADING", "ValueError") and "token-id lists" in failed.message
+        assert draft.wait(30) == 1
+        assert (tmp_path / "status").read_text().strip() == "FAILED"
+    finally:
+        _stop(draft)
