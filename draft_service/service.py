@@ -81,6 +81,9 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
             self._proposer.forget(request_id)
 
     def _handle_propose(self, request: m.ProposeRequest) -> None:
+        if request.incarnation != self.incarnation:  # meant for an earlier run of this service: it is gone
+            self.errors.record("stale_incarnation", message="propose", incarnation=request.incarnation)
+            return
         problem = self._problem(request)
         if problem:
             self.log.warning("propose.refused", propose_id=request.propose_id, reason=problem)
@@ -92,8 +95,9 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
         inputs: list[ProposeInput] = []
         num_held: dict[str, int] = {}
         for seq in request.seqs:
-            update = self._sequences.update(seq)
-            if update.restarted:
+            update = self._sequences.update(seq) if self._consistent(seq) else None
+            if update is None or update.restarted:
+                self._sequences.forget(seq.request_id)
                 self._proposer.forget(seq.request_id)
                 self.log.warning("propose.sequence_restarted", request_id=seq.request_id, expected=seq.num_held)
                 continue
@@ -116,15 +120,14 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
     def _problem(self, request: m.ProposeRequest) -> str:
         if self.state is not State.READY or self._proposer is None:
             return f"not READY (state {self.state})"
-        if request.incarnation != self.incarnation:
-            return f"propose for incarnation {request.incarnation}, this is {self.incarnation}"
         ids = [seq.request_id for seq in request.seqs]
         if len(set(ids)) != len(ids):
             return "a sequence appears twice in one propose request"
-        vocab = self._proposer.vocab_size
-        for seq in request.seqs:
-            if seq.num_tokens < 1 or seq.num_held < 0 or seq.num_drop < 0:
-                return f"request {seq.request_id}: num_tokens must be >= 1 and num_held, num_drop >= 0"
-            if vocab and any(not 0 <= t < vocab for t in seq.new_token_ids):
-                return f"request {seq.request_id}: a token id is outside the vocabulary 0..{vocab - 1}"
         return ""
+
+    def _consistent(self, seq: m.ProposeSeq) -> bool:
+        """A sequence this service can take as given; any other starts over (the scheduler then resends it whole)."""
+        vocab = self._proposer.vocab_size if self._proposer else 0
+        if seq.num_tokens < 1 or seq.num_held < 0 or seq.num_drop < 0:
+            return False
+        return not (vocab and any(not 0 <= t < vocab for t in seq.new_token_ids))

@@ -9,7 +9,7 @@ from modeling.batch import SeqSpan
 from modeling.config import ModelConfig
 from modeling.engine import ModelEngine
 from modeling.kv_cache import SlotError, SlotTable
-from modeling.rejection import verify, verify_greedy
+from modeling.rejection import sparse_dist_problem, verify, verify_greedy
 from modeling.sampling import is_greedy
 from proto.messages import SeqOutput, SeqWork
 
@@ -106,9 +106,6 @@ class ModelRunner:
             return
         if len(w.draft_dists) != k:
             raise SlotError(f"request {w.request_id}: {len(w.draft_dists)} draft distributions for {k} draft tokens")
-        vocab = self._model_config.vocab_size
         for dist in w.draft_dists:
-            if len(dist.token_ids) != len(dist.probs) or not dist.token_ids:
-                raise SlotError(f"request {w.request_id}: a draft distribution has {len(dist.token_ids)} tokens and {len(dist.probs)} probabilities")
-            if any(not 0 <= t < vocab for t in dist.token_ids) or any(not 0.0 <= q <= 1.0 for q in dist.probs):
-                raise SlotError(f"request {w.request_id}: a draft distribution has a token outside the vocabulary or a probability outside [0, 1]")
+            if problem := sparse_dist_problem(dist, self._model_config.vocab_size):
+                raise SlotError(f"request {w.request_id}: {problem}")

@@ -62,12 +62,12 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
                 self._handle_release(message)
 
     def _handle_step(self, step: m.StepRequest) -> None:
+        if step.incarnation != self.incarnation:  # meant for an earlier run of this worker: that one is gone
+            self.errors.record("stale_incarnation", message="step", incarnation=step.incarnation)
+            return
         state = self.state
         if state is not State.READY or self._runner is None:
             self._refuse(step, f"not READY (state {state})")
-            return
-        if step.incarnation != self.incarnation:
-            self._refuse(step, f"step for incarnation {step.incarnation}, this is {self.incarnation}")
             return
         started = time.perf_counter()
         try:

@@ -96,3 +96,19 @@ def _dense(dist: SparseDistLike | None, token: int, vocab_size: int, device: tor
     else:
         q[torch.tensor(dist.token_ids, dtype=torch.long, device=device)] = torch.tensor(dist.probs, dtype=torch.float32, device=device)
     return q
+
+
+def sparse_dist_problem(dist: SparseDistLike, vocab_size: int) -> str:
+    """Why `dist` is not a distribution over the vocabulary ("" when it is); rejection sampling needs a true q."""
+    if len(dist.token_ids) != len(dist.probs) or not dist.token_ids:
+        return f"a distribution has {len(dist.token_ids)} tokens and {len(dist.probs)} probabilities"
+    if len(set(dist.token_ids)) != len(dist.token_ids) or (vocab_size and len(dist.token_ids) > vocab_size):
+        return "a distribution repeats a token"
+    if vocab_size and any(not 0 <= t < vocab_size for t in dist.token_ids):
+        return "a distribution has a token outside the vocabulary"
+    if any(not 0.0 <= q <= 1.0 for q in dist.probs) or abs(sum(dist.probs) - 1.0) > _SUM_TOLERANCE:
+        return "a distribution has a probability outside [0, 1] or does not sum to 1"
+    return ""
+
+
+_SUM_TOLERANCE = 1e-3  # float32 probabilities renormalised by the draft sum to 1 well within this

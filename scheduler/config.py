@@ -20,7 +20,7 @@ class SchedulerConfig:
     heartbeat_timeout_s: float  # a worker silent this long is DEAD
     step_timeout_s: float  # a step unanswered this long marks its worker DEAD
     status_file: Path | None = None  # "READY" once listening, for container health checks
-    num_speculative_tokens: int = 4  # k: draft tokens proposed per sequence and step; 0 turns speculation off
+    num_speculative_tokens: int = 6  # k: draft tokens proposed per sequence and step; 0 turns speculation off
     spec_disable_batch_threshold: int = 4  # speculate only in steps of at most this many sequences
     propose_timeout_s: float = 2.0  # a proposal unanswered this long: the step runs without one
 
@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heartbeat-timeout-s", type=float, default=5.0)
     parser.add_argument("--step-timeout-s", type=float, default=60.0)
     parser.add_argument("--status-file", type=Path, default=None, help="write READY here once listening")
-    parser.add_argument("--num-speculative-tokens", type=int, default=4,
+    parser.add_argument("--num-speculative-tokens", type=int, default=6,
                         help="draft tokens proposed per sequence in a speculative step (0: never speculate)")
     parser.add_argument("--spec-disable-batch-threshold", type=int, default=4,
                         help="speculate only when a step has at most this many sequences; larger ones decode plainly")

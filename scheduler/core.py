@@ -25,6 +25,7 @@ from scheduler.speculation import PendingProposal, SpecCounters, SpecLimits, pro
 log = get_logger()
 
 _SPEC_LOG_INTERVAL_S = 10.0  # speculation.stats is logged at most this often
+_ABANDONED_TIMEOUTS = 10  # a timed-out proposal's late answer is still awaited for this many propose timeouts
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class SchedulerCore:
         self._abandoned: dict[int, PendingProposal] = {}  # timed out; a late answer still updates the draft views
         self._next_propose_id = 0
         self._draft_forget: list[str] = []  # finished requests the draft service must forget, sent once per event
+        self._draft_in_use: tuple[str, int] | None = None  # (worker_id, incarnation) the requests' draft views describe
         self.spec = SpecCounters()
         self._spec_logged_s = 0.0
 
@@ -77,8 +79,17 @@ class SchedulerCore:
     def has_ready_target(self) -> bool:
         return any(w.is_ready and w.is_target for w in self._workers.values())
 
-    def ready_draft(self) -> WorkerRecord | None:
-        return next((w for w in self._workers.values() if w.is_ready and not w.is_target), None)
+    def _current_draft(self) -> WorkerRecord | None:
+        """The draft service proposals go to: the one in use while it is READY, else the first READY one."""
+        in_use = self._draft_in_use
+        current = self._workers.get(in_use[0]) if in_use else None
+        if current is not None and in_use is not None and current.incarnation == in_use[1] and current.is_ready:
+            return current
+        draft = next((w for w in self._workers.values() if w.is_ready and not w.is_target), None)
+        if draft is not None:
+            self._forget_draft_views()  # what another draft (incarnation) held says nothing about this one
+            self._draft_in_use = (draft.worker_id, draft.incarnation)
+        return draft
 
     def info(self, query_id: int, now_s: float) -> m.InfoReply:
         return m.InfoReply(
@@ -188,6 +199,7 @@ class SchedulerCore:
             case m.ProposeRefused():
                 log.error("propose.refused", worker_id=worker.worker_id, propose_id=message.propose_id, reason=message.reason)
                 worker.failure = f"refused a propose request: {message.reason}"
+                self.outbox.append(Outgoing(True, worker.identity, m.Drain(worker.incarnation)))  # it exits; a supervisor restarts it
                 self._lose_worker(worker, State.FAILED, now_s)
         return True
 
@@ -292,7 +304,8 @@ class SchedulerCore:
             request.num_draft_tokens += num_drafts
             request.num_accepted_draft_tokens += num_accepted
             request.num_verify_steps += 1
-            request.draft.accept(num_accepted)
+            if request.draft.generation == seq.draft_generation:  # else the draft's state was reset meanwhile
+                request.draft.accept(num_accepted)
         if num_drafts or seq.num_tokens == 1:  # a decode step, with or without a proposal
             self.spec.record(num_drafts, num_accepted)
 
@@ -306,13 +319,14 @@ class SchedulerCore:
             request = self._requests.get(proposal.request_id)
             if request is None or proposal.request_id not in asked:
                 continue
-            # Whatever happens to the step, the draft service now holds this.
-            request.draft.num_stable, request.draft.num_proposed = proposal.num_held, len(proposal.token_ids)
-            problem = proposal_problem(proposal, asked[proposal.request_id], self._target_vocab_size)
+            problem = proposal_problem(proposal, asked[proposal.request_id], self._target_vocab_size, request.num_tokens)
             if problem:
                 self._errors_from(draft, "bad_proposal", problem)
                 request.draft.reset()
-            elif proposal.token_ids:
+                continue
+            # Whatever happens to the step, the draft service now holds this.
+            request.draft.num_stable, request.draft.num_proposed = proposal.num_held, len(proposal.token_ids)
+            if proposal.token_ids:
                 proposals[proposal.request_id] = proposal
         worker = self._workers.get(pending.worker_id)
         if worker is not None and worker.incarnation == pending.worker_incarnation and worker.awaiting_proposal == pending.propose_id:
@@ -342,6 +356,8 @@ class SchedulerCore:
                 worker.failure = f"step {worker.in_flight.step_id} unanswered for {cfg.step_timeout_s} s (--step-timeout-s)"
                 self.outbox.append(Outgoing(True, worker.identity, m.Drain(worker.incarnation)))
                 self._lose_worker(worker, State.DEAD, now_s)
+        for pending in [p for p in self._abandoned.values() if now_s - p.sent_at_s > _ABANDONED_TIMEOUTS * cfg.propose_timeout_s]:
+            del self._abandoned[pending.propose_id]  # no answer will come now; the views were reset at the timeout
         for pending in [p for p in self._proposals.values() if now_s - p.sent_at_s > cfg.propose_timeout_s]:
             log.warning("propose.timeout", propose_id=pending.propose_id, waited_s=round(now_s - pending.sent_at_s, 3),
                         note="the step runs without proposals (--propose-timeout-s)")
@@ -380,7 +396,7 @@ class SchedulerCore:
 
     def _propose_or_step(self, worker: WorkerRecord, plan: list[ScheduledSeq], now_s: float) -> None:
         """Ask the draft service for proposals first when the policy says so; otherwise step at once."""
-        draft = self.ready_draft()
+        draft = self._current_draft()
         cfg = self._config
         num_tokens: dict[str, int] = {}
         if draft is not None:
@@ -444,7 +460,7 @@ class SchedulerCore:
                 token_ids=r.token_slice(start, start + item.num_tokens) + drafts, sample=item.completes, sampling=r.sampling,
                 num_draft_tokens=len(drafts), draft_dists=proposal.dists if proposal and r.sampling.temperature > 0 else None,
             ))
-            step_seqs.append(StepSeq(r, item.num_tokens, item.completes, drafts))
+            step_seqs.append(StepSeq(r, item.num_tokens, item.completes, drafts, r.draft.generation))
         worker.in_flight = InFlightStep(self._next_step_id, now_s, step_seqs)
         self.outbox.append(Outgoing(True, worker.identity, m.StepRequest(self._next_step_id, worker.incarnation, seqs)))
 
@@ -479,7 +495,7 @@ class SchedulerCore:
     def _end_event(self) -> None:
         """What collects during one event goes out as one frame per destination."""
         self._flush_deltas()
-        draft = self.ready_draft()
+        draft = self._current_draft()
         if self._draft_forget and draft is not None:
             self.outbox.append(Outgoing(True, draft.identity, m.ReleaseSequences(draft.incarnation, self._draft_forget)))
         self._draft_forget = []
@@ -520,12 +536,18 @@ class SchedulerCore:
 
     def _lose_draft(self, draft: WorkerRecord, now_s: float) -> None:
         """Steps go on without speculation; a new incarnation starts from nothing."""
-        for request in self._requests.values():
-            request.draft.reset()
-            request.draft.known = False
+        if self._draft_in_use != (draft.worker_id, draft.incarnation):
+            return  # not the one proposals went to: nothing depends on it
+        self._draft_in_use = None
+        self._forget_draft_views()
         self._abandoned.clear()
         for pending in list(self._proposals.values()):
             self._give_up_proposal(pending, now_s, answer_may_come=False)
+
+    def _forget_draft_views(self) -> None:
+        for request in self._requests.values():
+            request.draft.reset()
+            request.draft.known = False
 
     def _lose_worker(self, worker: WorkerRecord, state: State, now_s: float) -> None:
         """The worker will run nothing more: its requests go back to the front of the queue."""

@@ -16,6 +16,7 @@ class StepSeq:
     num_tokens: int  # tokens of the sequence itself the step computes (draft tokens not counted)
     samples: bool
     draft_token_ids: list[int]  # the proposal it verifies; empty without one
+    draft_generation: int = 0  # the request's DraftView generation when the proposal was made
 
 
 @dataclass
@@ -81,7 +82,7 @@ class WorkerRecord:
 def new_record(hello: WorkerHello, identity: bytes, now_s: float) -> WorkerRecord:
     return WorkerRecord(
         hello=hello, identity=identity, state=State.STARTING, last_seen_s=now_s,
-        free_slots=list(range(hello.num_kv_slots)),
+        free_slots=list(range(hello.num_kv_slots)) if hello.role == "target" else [],  # the draft holds no request
     )
 
 

@@ -39,6 +39,7 @@ class DraftView:
     num_stable: int = 0
     num_proposed: int = 0
     known: bool = False  # the draft service was ever told about it (so it must be told to forget it)
+    generation: int = 0  # bumped by reset(): a verify result for an older generation must not move the counts
 
     @property
     def num_held(self) -> int:
@@ -52,6 +53,7 @@ class DraftView:
     def reset(self) -> None:
         """The draft service's state is unknown (timeout) or gone (new incarnation)."""
         self.num_stable = self.num_proposed = 0
+        self.generation += 1
 
 
 @dataclass

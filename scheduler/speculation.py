@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from proto import messages as m
+from modeling.rejection import sparse_dist_problem
 from scheduler.batching import ScheduledSeq
 
 
@@ -54,8 +55,10 @@ class PendingProposal:
     sent_at_s: float
 
 
-def proposal_problem(proposal: m.Proposal, num_tokens: int, vocab_size: int) -> str:
+def proposal_problem(proposal: m.Proposal, num_tokens: int, vocab_size: int, sequence_len: int) -> str:
     """Why a proposal cannot be verified ("" when it can): a bad draft must never reach a target."""
+    if not 0 <= proposal.num_held <= sequence_len:
+        return f"num_held {proposal.num_held} for a sequence of {sequence_len} tokens"
     if len(proposal.token_ids) > num_tokens:
         return f"{len(proposal.token_ids)} tokens proposed, {num_tokens} asked for"
     if vocab_size and any(not 0 <= t < vocab_size for t in proposal.token_ids):
@@ -65,12 +68,10 @@ def proposal_problem(proposal: m.Proposal, num_tokens: int, vocab_size: int) -> 
     if len(proposal.dists) != len(proposal.token_ids):
         return f"{len(proposal.dists)} distributions for {len(proposal.token_ids)} tokens"
     for token, dist in zip(proposal.token_ids, proposal.dists):
-        if len(dist.token_ids) != len(dist.probs) or token not in dist.token_ids:
+        if problem := sparse_dist_problem(dist, vocab_size):
+            return problem
+        if token not in dist.token_ids:
             return "a distribution does not cover the token drawn from it"
-        if vocab_size and any(not 0 <= t < vocab_size for t in dist.token_ids):
-            return "a distribution has a token outside the vocabulary"
-        if any(not 0.0 <= q <= 1.0 for q in dist.probs):
-            return "a distribution has a probability outside [0, 1]"
     return ""
 
 

@@ -62,7 +62,7 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", default="ngram", type=_draft_choice,
                         help="the draft service's proposer: none (no speculation), ngram (prompt lookup), or model:PATH "
                              "(a draft model folder whose vocabulary matches the target's)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens per sequence in a speculative step")
+    parser.add_argument("--num-speculative-tokens", type=int, default=6, help="draft tokens per sequence in a speculative step")
     parser.add_argument("--spec-disable-batch-threshold", type=int, default=4,
                         help="speculate only when a step has at most this many sequences")
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
@@ -156,7 +156,7 @@ def _service_specs(args: argparse.Namespace, model: Path, device: str, dtype: st
             "draft_service", "--worker-id", "draft-0", "--proposer", proposer, "--scheduler-address", worker_address,
             "--device", "cuda:0" if device == "cuda" else device, "--dtype", dtype, "--max-model-len", str(args.max_model_len),
             "--num-seqs", str(args.num_kv_slots * args.num_workers), "--max-draft-tokens", str(max(args.num_speculative_tokens, 1)),
-            "--num-threads", "1" if device == "cpu" else "0"] + log_flag, stop_order=1))
+            "--num-threads", "1" if device == "cpu" else "0"] + log_flag, stop_order=1, essential=False))
     return specs
 
 

@@ -28,6 +28,7 @@ class ServiceSpec:
     name: str
     argv: list[str]
     stop_order: int  # lower stops first
+    essential: bool = True  # False: past the restart limit it stays down and the rest go on (the draft service)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class _Child:
     process: subprocess.Popen[bytes]
     restarts_s: list[float] = field(default_factory=list)
     restart_at_s: float | None = None
+    given_up: bool = False
 
 
 class GaveUp(RuntimeError):
@@ -97,6 +99,8 @@ class Supervisor:
             log.info("supervisor.stopped", service=child.spec.name, returncode=child.process.returncode)
 
     def _check(self, child: _Child, now_s: float) -> None:
+        if child.given_up:
+            return
         if child.restart_at_s is not None:
             if now_s >= child.restart_at_s:
                 child.restart_at_s = None
@@ -108,7 +112,12 @@ class Supervisor:
             return
         child.restarts_s = [t for t in child.restarts_s if now_s - t < self._policy.window_s] + [now_s]
         if len(child.restarts_s) > self._policy.max_restarts:
-            raise GaveUp(f"{child.spec.name} exited {len(child.restarts_s)} times in {self._policy.window_s:.0f} s (last status {returncode})")
+            reason = f"{child.spec.name} exited {len(child.restarts_s)} times in {self._policy.window_s:.0f} s (last status {returncode})"
+            if child.spec.essential:
+                raise GaveUp(reason)
+            child.given_up = True
+            log.error("supervisor.gave_up", service=child.spec.name, reason=reason, note="the other services go on without it")
+            return
         backoff_s = min(self._policy.initial_backoff_s * 2 ** (len(child.restarts_s) - 1), self._policy.max_backoff_s)
         child.restart_at_s = now_s + backoff_s
         log.warning("supervisor.exited", service=child.spec.name, returncode=returncode, restart_in_s=backoff_s)

@@ -70,8 +70,14 @@ def test_a_draft_model_service_starts_in_phases_refuses_early_work_and_proposes(
         # Counts that disagree restart the sequence; a wrong incarnation is refused.
         scheduler.send(m.ProposeRequest(4, hello.incarnation, [m.ProposeSeq("r", 99, 0, [8], 3, GREEDY)]))
         assert scheduler.receive(m.ProposeResult).proposals[0] == m.Proposal("r", 0, [])  # type: ignore[attr-defined]
+        # Bad counts or tokens outside the vocabulary restart that sequence only; another incarnation's work is dropped.
         scheduler.send(m.ProposeRequest(5, hello.incarnation + 1, [m.ProposeSeq("r", 0, 0, prompt, 3, GREEDY)]))
-        assert "incarnation" in scheduler.receive(m.ProposeRefused).reason  # type: ignore[attr-defined]
+        scheduler.send(m.ProposeRequest(6, hello.incarnation, [
+            m.ProposeSeq("r", 0, 0, prompt, 3, GREEDY), m.ProposeSeq("bad", 0, -1, [49152], 3, GREEDY),
+        ]))
+        answer = scheduler.receive(m.ProposeResult)
+        assert answer.propose_id == 6  # type: ignore[attr-defined]
+        assert [(p.num_held, len(p.token_ids)) for p in answer.proposals] == [(len(prompt), 3), (0, 0)]  # type: ignore[attr-defined]
 
         scheduler.send(m.ReleaseSequences(hello.incarnation, ["r"]))
         scheduler.send(m.Drain(hello.incarnation))

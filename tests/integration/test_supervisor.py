@@ -30,6 +30,22 @@ def test_a_crashing_service_is_restarted_with_backoff_then_given_up() -> None:
         supervisor.stop(grace_s=5)
 
 
+def test_a_crashing_optional_service_stays_down_and_the_rest_go_on() -> None:
+    supervisor = Supervisor([ServiceSpec("draft", CRASH, 1, essential=False), ServiceSpec("sleeper", SLEEP, 0)], FAST)
+    supervisor.start()
+    sleeper = supervisor.pids()["sleeper"]
+    try:
+        deadline = time.monotonic() + 3.0
+        supervisor.watch(until=lambda: time.monotonic() > deadline, poll_s=0.02)  # no GaveUp
+        last_draft = supervisor.pids()["draft"]
+        time.sleep(0.5)
+        supervisor.watch(until=lambda: True)
+        assert supervisor.pids() == {"draft": last_draft, "sleeper": sleeper}  # no more restarts
+        os.kill(sleeper, 0)
+    finally:
+        supervisor.stop(grace_s=5)
+
+
 def test_stop_terminates_every_child() -> None:
     supervisor = Supervisor([ServiceSpec("a", SLEEP, 0), ServiceSpec("b", SLEEP, 1)], FAST)
     supervisor.start()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from proto import messages as m
+from proto.lifecycle import State
 from scheduler.batching import ScheduledSeq
 from scheduler.request import Request
 from scheduler.speculation import SpecLimits, proposal_problem, speculation_plan
@@ -280,8 +281,42 @@ def test_policy_leaves_prefill_chunks_alone_and_respects_budget_and_context() ->
 
 def test_proposal_problems_are_named() -> None:
     good = m.Proposal("a", 3, [5, 6], [m.SparseDist([5, 9], [0.5, 0.5]), m.SparseDist([6], [1.0])])
-    assert proposal_problem(good, 2, 100) == ""
-    assert "asked for" in proposal_problem(good, 1, 100)
-    assert "vocabulary" in proposal_problem(m.Proposal("a", 3, [500]), 2, 100)
-    assert "cover" in proposal_problem(m.Proposal("a", 3, [5], [m.SparseDist([9], [1.0])]), 2, 100)
-    assert "probability" in proposal_problem(m.Proposal("a", 3, [5], [m.SparseDist([5], [1.5])]), 2, 100)
+    assert proposal_problem(good, 2, 100, 3) == ""
+    assert "asked for" in proposal_problem(good, 1, 100, 3)
+    assert "num_held" in proposal_problem(good, 2, 100, 2)  # it cannot hold more than the sequence has
+    assert "num_held" in proposal_problem(m.Proposal("a", -1, []), 2, 100, 3)
+    assert "vocabulary" in proposal_problem(m.Proposal("a", 3, [500]), 2, 100, 3)
+    assert "cover" in proposal_problem(m.Proposal("a", 3, [5], [m.SparseDist([9], [1.0])]), 2, 100, 3)
+    assert "probability" in proposal_problem(m.Proposal("a", 3, [5], [m.SparseDist([5], [1.5])]), 2, 100, 3)
+    assert "sum to 1" in proposal_problem(m.Proposal("a", 3, [5], [m.SparseDist([5, 6], [0.5, 0.1])]), 2, 100, 3)
+    assert "repeats" in proposal_problem(m.Proposal("a", 3, [5], [m.SparseDist([5, 5], [0.5, 0.5])]), 2, 100, 3)
+
+
+def test_a_draft_lost_while_a_verify_step_runs_leaves_consistent_counts_for_the_next_one() -> None:
+    sim, worker, draft = setup()
+    sim.submit("a", prompt(3), max_tokens=20)
+    draft.script["a"] = prompt(3) + SCRIPT
+    worker.complete({"a": [11]})
+    draft.answer()
+    assert worker.step().seqs[0].num_draft_tokens > 0  # the verify step is in flight
+    draft.report(State.DRAINING)
+    draft.report(State.STOPPED)  # a graceful restart of the draft service
+    worker.complete({"a": SCRIPT[1:8]})  # its result comes back after the draft is gone
+    back = sim.draft("d0", incarnation=2).start()  # strict: fails the test if the counts disagree
+    back.script["a"] = prompt(3) + SCRIPT
+    worker.run({"a": SCRIPT[len(sim.streamed("a")):]}, draft=back)
+    assert proposes(back)[0].seqs[0].num_held == 0
+    assert sim.streamed("a") == SCRIPT + [7] * 8 and sim.finish_reason("a") == "length"
+
+
+def test_losing_a_draft_that_is_not_in_use_changes_nothing() -> None:
+    sim, worker, draft = setup()
+    spare = sim.draft("d1").start()
+    sim.submit("a", prompt(3), max_tokens=12)
+    draft.script["a"] = prompt(3) + SCRIPT
+    worker.complete({"a": [11]})
+    draft.answer()
+    worker.complete({"a": SCRIPT[1:6]})
+    spare.fail("spare crashed")
+    worker.run({"a": SCRIPT[len(sim.streamed("a")):]}, draft=draft)  # strict: the in-use draft's counts were kept
+    assert proposes(spare) == [] and sim.streamed("a") == SCRIPT[:12]

@@ -1,0 +1,196 @@
+"""Speculative decoding benchmark: one request at a time, greedy, with and without the n-gram draft service.
+
+For each stack configuration (`specserve up --draft none`, then `--draft ngram`, ...) it
+sends every prompt of each workload (bench/spec_prompts.py) one after another, and
+reports completion tokens per second, the acceptance rate and the mean accepted length
+(from the server's counters), and whether the outputs are token-identical to the first
+configuration's. Figures are ratios measured in one run on the same machine.
+
+    python bench/spec_bench.py --output-len 128 --config none --config ngram
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+if not __package__:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.grpc_bench import _free_port, describe_machine
+from bench.local_stack import StackOptions, running_stack
+from bench.spec_prompts import WORKLOADS
+from proto import specserve_pb2 as pb
+from proto import specserve_pb2_grpc as pb_grpc
+
+
+@dataclass(frozen=True)
+class WorkloadResult:
+    config: str
+    workload: str
+    num_requests: int
+    num_output_tokens: int
+    duration_s: float
+    tokens_per_s: float
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+    num_verify_steps: int
+    acceptance_rate: float
+    mean_accepted_length: float  # accepted draft tokens per verify step
+    outputs: list[list[int]]
+
+
+async def _one(stub: pb_grpc.SpecServeStub, prompt_ids: list[int], output_len: int) -> list[int]:
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt_ids),
+                                 params=pb.SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True))
+    tokens: list[int] = []
+    async for chunk in stub.Generate(request, timeout=600):
+        tokens.extend(chunk.token_ids)
+    return tokens
+
+
+async def _run_config(address: str, config: str, prompts_of: dict[str, list[list[int]]], output_len: int,
+                      repeats: int) -> list[WorkloadResult]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.SpecServeStub(channel)
+        await _one(stub, [1, 2, 3], 8)  # warm-up
+        results = []
+        for workload, prompts in prompts_of.items():
+            before = (await stub.GetServerInfo(pb.ServerInfoRequest(), timeout=10)).speculation
+            outputs: list[list[int]] = []
+            started = time.perf_counter()
+            for _ in range(repeats):
+                outputs = [await _one(stub, ids, output_len) for ids in prompts]
+            duration_s = time.perf_counter() - started
+            after = (await stub.GetServerInfo(pb.ServerInfoRequest(), timeout=10)).speculation
+            proposed = after.num_draft_tokens - before.num_draft_tokens
+            accepted = after.num_accepted_draft_tokens - before.num_accepted_draft_tokens
+            verify_steps = after.num_verify_steps - before.num_verify_steps
+            num_tokens = repeats * sum(len(o) for o in outputs)
+            results.append(WorkloadResult(
+                config=config, workload=workload, num_requests=repeats * len(prompts), num_output_tokens=num_tokens,
+                duration_s=duration_s, tokens_per_s=num_tokens / duration_s, num_draft_tokens=proposed,
+                num_accepted_draft_tokens=accepted, num_verify_steps=verify_steps,
+                acceptance_rate=accepted / proposed if proposed else 0.0,
+                mean_accepted_length=accepted / verify_steps if verify_steps else 0.0, outputs=outputs,
+            ))
+            print(f"  {config:>28} {workload:>8}: {num_tokens / duration_s:6.1f} tok/s, "
+                  f"acceptance {results[-1].acceptance_rate:.2f}, accepted/verify {results[-1].mean_accepted_length:.2f}",
+                  file=sys.stderr, flush=True)
+        return results
+
+
+@dataclass(frozen=True)
+class Divergence:
+    config: str
+    workload: str
+    prompt_index: int
+    position: int  # first completion token that differs from the first configuration's output
+    top2_margin: float  # the target's top-2 logit gap there, recomputed on the first configuration's prefix
+
+
+def find_divergences(results: Sequence[WorkloadResult]) -> list[tuple[WorkloadResult, int, int]]:
+    """(result, prompt index, first differing position) against the first configuration's outputs."""
+    baseline = {r.workload: r for r in results if r.config == results[0].config}
+    found = []
+    for r in results:
+        for index, (ours, theirs) in enumerate(zip(r.outputs, baseline[r.workload].outputs)):
+            position = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+            if position is not None:
+                found.append((r, index, position))
+    return found
+
+
+def explain_divergences(results: Sequence[WorkloadResult], prompts_of: dict[str, list[list[int]]], dtype: str,
+                        model: Path) -> list[Divergence]:
+    """The target's top-2 logit margin at each divergence: a near-tie means rounding, not a wrong token."""
+    import torch
+
+    from modeling.batch import SeqSpan
+    from modeling.config import ModelConfig
+    from modeling.engine import ModelEngine
+
+    found = find_divergences(results)
+    if not found:
+        return []
+    engine = ModelEngine(model, ModelConfig.from_folder(model), device="cpu", dtype=dtype, num_slots=1, max_len=2048)
+    engine.load()
+    engine.allocate()
+    baseline = {r.workload: r for r in results if r.config == results[0].config}
+    explained = []
+    for r, index, position in found:
+        prefix = prompts_of[r.workload][index] + baseline[r.workload].outputs[index][:position]
+        logits = engine.forward([SeqSpan(0, 0, prefix, 1)])[0].float()
+        top2 = torch.topk(logits, 2).values
+        explained.append(Divergence(r.config, r.workload, index, position, float(top2[0] - top2[1])))
+    return explained
+
+
+def format_table(results: Sequence[WorkloadResult]) -> str:
+    baseline = {r.workload: r for r in results if r.config == results[0].config}
+    lines = ["| config | workload | tok/s | vs first | acceptance | accepted per verify | identical to first |",
+             "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    for r in results:
+        base = baseline[r.workload]
+        same = sum(1 for a, b in zip(r.outputs, base.outputs) if a == b)
+        lines.append(f"| {r.config} | {r.workload} | {r.tokens_per_s:.1f} | {r.tokens_per_s / base.tokens_per_s:.2f}x | "
+                     f"{r.acceptance_rate:.2f} | {r.mean_accepted_length:.2f} | {same}/{len(r.outputs)} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", action="append", default=None,
+                        help="`specserve up` speculation options for one stack, e.g. 'none' or 'ngram' or "
+                             "'ngram --num-speculative-tokens 6' (repeatable; default: none, ngram)")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1, help="passes over each workload's prompts")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    parser.add_argument("--json-out", type=Path, default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    configs = args.config or ["none", "ngram"]
+    specserve = Path(sys.executable).parent / "specserve"
+    from gateway.tokenizer import ChatMessage, Tokenizer
+    from modeling.model_store import default_model_dir
+
+    model = default_model_dir()
+    tokenizer = Tokenizer.load(model)
+    prompts_of = {name: [tokenizer.encode_chat([ChatMessage("user", text)]) for text in texts] for name, texts in WORKLOADS.items()}
+    results: list[WorkloadResult] = []
+    for config in configs:
+        draft, *rest = shlex.split(config)
+        options = StackOptions(specserve=specserve, port=_free_port(), dtype=args.dtype,
+                               extra_args=("--draft", draft, *rest))
+        print(f"starting: {shlex.join(options.argv())}", file=sys.stderr, flush=True)
+        with running_stack(options) as stack:
+            dtype = stack.dtype or "bfloat16"
+            results += asyncio.run(_run_config(stack.address, config, prompts_of, args.output_len, args.repeats))
+    print(format_table(results))
+    divergences = explain_divergences(results, prompts_of, dtype, model)
+    for d in divergences:
+        print(f"{d.config} / {d.workload} prompt {d.prompt_index}: first different token at {d.position}, "
+              f"where the target's top-2 logit margin is {d.top2_margin:.4f}")
+    if args.json_out is not None:
+        report: dict[str, Any] = {"command": shlex.join(sys.argv), "machine": describe_machine(args.dtype, None),
+                                  "results": [asdict(r) | {"outputs": None} for r in results],
+                                  "divergences": [asdict(d) for d in divergences]}
+        args.json_out.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

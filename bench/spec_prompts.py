@@ -1,0 +1,94 @@
+"""Real prompts for the speculation benchmark: editing tasks whose answers repeat the prompt, and ordinary chat.
+
+Random token prompts would make the model repeat itself and n-gram lookup accept nearly
+everything; these are the kinds of requests users send.
+"""
+
+from __future__ import annotations
+
+_FUNCTION_1 = '''def merge_intervals(intervals):
+    if not intervals:
+        return []
+    intervals = sorted(intervals, key=lambda pair: pair[0])
+    merged = [list(intervals[0])]
+    for start, end in intervals[1:]:
+        last = merged[-1]
+        if start <= last[1]:
+            last[1] = max(last[1], end)
+        else:
+            merged.append([start, end])
+    return [tuple(pair) for pair in merged]
+'''
+
+_FUNCTION_2 = '''def word_counts(path, min_length, ignore_case):
+    counts = {}
+    with open(path) as handle:
+        for line in handle:
+            for word in line.split():
+                word = word.strip(".,;:!?")
+                if ignore_case:
+                    word = word.lower()
+                if len(word) < min_length:
+                    continue
+                counts[word] = counts.get(word, 0) + 1
+    return sorted(counts.items(), key=lambda item: item[1], reverse=True)
+'''
+
+_FUNCTION_3 = '''class Inventory:
+    def __init__(self):
+        self.items = {}
+
+    def add(self, name, quantity, price):
+        if name in self.items:
+            self.items[name]["quantity"] += quantity
+        else:
+            self.items[name] = {"quantity": quantity, "price": price}
+
+    def remove(self, name, quantity):
+        if name not in self.items:
+            raise KeyError(name)
+        self.items[name]["quantity"] -= quantity
+        if self.items[name]["quantity"] <= 0:
+            del self.items[name]
+
+    def total_value(self):
+        return sum(item["quantity"] * item["price"] for item in self.items.values())
+'''
+
+_PARAGRAPH_1 = (
+    "The comittee met on tuesday to discus the new budjet for the libary. Most members agred that the "
+    "childrens section needed more books, but their was a long debate about weather the computer room "
+    "should be expanded. In the end they decided to postpone the desicion untill the next meeting, when "
+    "the tresurer will present a more detailed report on the costs of both projects."
+)
+
+_PARAGRAPH_2 = (
+    "Our hiking trip started early in the morning. We drove to the trailhead, packed our bags and began "
+    "the climb through the pine forest. After two hours we reached the lake, where we stopped for lunch "
+    "and watched the clouds move over the mountains. In the afternoon the weather changed, so we walked "
+    "back quickly and arrived at the car just before the rain started."
+)
+
+EDITING: list[str] = [
+    f"Rewrite this Python function with type hints. Keep everything else the same.\n\n{_FUNCTION_1}",
+    f"Add type hints to this function and return only the code.\n\n{_FUNCTION_2}",
+    f"Rename the method total_value to total and return the whole class.\n\n{_FUNCTION_3}",
+    f"Fix the spelling mistakes in this paragraph and return the corrected paragraph.\n\n{_PARAGRAPH_1}",
+    f"Rewrite this paragraph in the present tense.\n\n{_PARAGRAPH_2}",
+    f"Add a docstring to this function and return the full code.\n\n{_FUNCTION_1}",
+    f"Convert this function to use collections.Counter, keeping its behaviour, and return the code.\n\n{_FUNCTION_2}",
+    f"Repeat this paragraph exactly, but replace 'lake' with 'river'.\n\n{_PARAGRAPH_2}",
+]
+
+CHAT: list[str] = [
+    "Explain how photosynthesis works in a few paragraphs.",
+    "What are the main differences between a list and a tuple in Python?",
+    "Give me some tips for learning a new language as an adult.",
+    "Describe the water cycle.",
+    "Why is the sky blue?",
+    "Write a short story about a robot who learns to paint.",
+    "What should I consider when buying a used car?",
+    "Summarize the causes of the French Revolution.",
+]
+
+WORKLOADS: dict[str, list[str]] = {"editing": EDITING, "chat": CHAT}
