@@ -9,6 +9,7 @@ any exception during start-up ends in FAILED with its phase and cause and exit 1
 from __future__ import annotations
 
 import abc
+import os
 import signal
 import threading
 import time
@@ -20,6 +21,7 @@ from typing import Generic, TypeVar
 import msgspec
 import zmq
 
+from common.faults import FaultInjector
 from common.logs import get_logger
 from common.protocol_errors import ProtocolErrors
 from common.status_file import write_status_file
@@ -39,7 +41,8 @@ class LifecycleProcess(abc.ABC, Generic[T]):
     """One process talking to the scheduler over a DEALER socket. `run()` returns the exit code."""
 
     def __init__(self, *, process_id: str, scheduler_address: str, heartbeat_interval_s: float,
-                 status_file: Path | None, inbound: object) -> None:
+                 status_file: Path | None, inbound: object, phase_timeout_s: float, step_timeout_s: float,
+                 drain_timeout_s: float) -> None:
         self.process_id = process_id
         self.incarnation = time.time_ns()
         self.errors = ProtocolErrors(process_id)
@@ -55,7 +58,13 @@ class LifecycleProcess(abc.ABC, Generic[T]):
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
         self._send_lock = threading.Lock()
-        self._stop_requested = threading.Event()
+        self._stop_requested = threading.Event()  # stop after the current message
+        self._drain_requested = threading.Event()  # SIGTERM while READY: finish what runs, take nothing new
+        self._drain_timeout_s = drain_timeout_s
+        self._phase_timeout_s = phase_timeout_s
+        self._step_timeout_s = step_timeout_s
+        self._deadline: tuple[str, float, str] | None = None  # (what runs, when it must end, the setting), for the watchdog
+        self.faults: FaultInjector | None = None
 
     # ------------------------------------------------------------------ what a subclass provides
 
@@ -80,6 +89,11 @@ class LifecycleProcess(abc.ABC, Generic[T]):
     @property
     def state(self) -> State:
         return self._lifecycle.state
+
+    @property
+    def runs_work(self) -> bool:
+        """READY, or DRAINING: the work already placed here still runs to its end."""
+        return self._lifecycle.state in (State.READY, State.DRAINING)
 
     def run(self) -> int:
         self._install_signal_handlers()
@@ -106,17 +120,36 @@ class LifecycleProcess(abc.ABC, Generic[T]):
         self._socket.setsockopt(zmq.IDENTITY, self.process_id.encode())
         self._socket.setsockopt(zmq.LINGER, 2000)
         self._socket.connect(self._scheduler_address)
+        self.faults = FaultInjector(self.process_id)
+        self._watch(State.STARTING, self._phase_timeout_s, "--phase-timeout-s")
         self.send(self.hello())
         threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+        self.faults.at_phase(State.STARTING)  # after the hello, so that the scheduler sees what happens
         for state, work in self.phases():
             self._lifecycle.move_to(state)
+            self._watch(state, self._phase_timeout_s, "--phase-timeout-s")
+            self.faults.at_phase(state)
             work()
             self._handle_queued_messages()  # work sent before READY is refused, never run later
             if self._stop_requested.is_set():
                 self._lifecycle.move_to(State.STOPPED)
                 return False
+        self._deadline = None
         self._lifecycle.move_to(State.READY)
         return True
+
+    def _watch(self, what: str, timeout_s: float, setting: str) -> None:
+        self._deadline = (what, time.monotonic() + timeout_s, f"{timeout_s:g} s, {setting}")
+
+    def run_step(self, work: Callable[[], None]) -> None:
+        """Run one step (or proposal) under the step deadline, with any fault injected for it."""
+        self._watch(f"step {self.num_steps + 1}", self._step_timeout_s, "--step-timeout-s")
+        try:
+            if self.faults is not None:
+                self.faults.at_step(self.num_steps + 1)
+            work()
+        finally:
+            self._deadline = None
 
     def _fail(self, exc: BaseException) -> int:
         phase = self._lifecycle.state
@@ -131,12 +164,23 @@ class LifecycleProcess(abc.ABC, Generic[T]):
         return 1
 
     def _serve(self) -> None:
+        """Serve until told to stop (Drain). After SIGTERM: DRAINING, serving what the scheduler still sends
+        (the steps of requests already placed here) until it says Drain or --drain-timeout-s runs out."""
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        drain_until_s = float("inf")
         while not self._stop_requested.is_set():
+            if self._drain_requested.is_set() and self.state is State.READY:
+                self._lifecycle.move_to(State.DRAINING)
+                drain_until_s = time.monotonic() + self._drain_timeout_s
+            if time.monotonic() > drain_until_s:
+                self.log.warning("process.drain_timeout", drain_timeout_s=self._drain_timeout_s,
+                                 note="stopping with work left; the scheduler recomputes it elsewhere")
+                break
             if poller.poll(_POLL_MS):
                 self._handle_frame(self._socket.recv())
-        self._lifecycle.move_to(State.DRAINING)
+        if self.state is State.READY:
+            self._lifecycle.move_to(State.DRAINING)
         self._lifecycle.move_to(State.STOPPED)
 
     def _handle_queued_messages(self) -> None:
@@ -173,6 +217,9 @@ class LifecycleProcess(abc.ABC, Generic[T]):
         socket.setsockopt(zmq.LINGER, 0)
         socket.connect(self._scheduler_address)
         while self._lifecycle.state not in (State.STOPPED, State.FAILED):
+            deadline = self._deadline
+            if deadline is not None and time.monotonic() > deadline[1]:
+                self._give_up(socket, *deadline)
             socket.send(self._heartbeat_codec.encode(m.Heartbeat(
                 worker_id=self.process_id, incarnation=self.incarnation, state=self._lifecycle.state,
                 num_used_kv_slots=self.num_used_slots(), num_steps=self.num_steps,
@@ -180,12 +227,25 @@ class LifecycleProcess(abc.ABC, Generic[T]):
             time.sleep(self._heartbeat_interval_s)
         socket.close()
 
+    def _give_up(self, socket: zmq.Socket[bytes], what: str, _: float, limit: str) -> None:
+        """The watchdog: a phase or step ran past its deadline; report it and end the process now."""
+        message = f"{what} ran past its deadline ({limit})"
+        self.log.error("process.deadline_exceeded", what=what, limit=limit)
+        socket.send(self._heartbeat_codec.encode(m.WorkerFailed(
+            worker_id=self.process_id, incarnation=self.incarnation, phase=self._lifecycle.state,
+            error_type="DeadlineExceeded", message=message,
+        )))
+        if self._status_file is not None:
+            write_status_file(self._status_file, State.FAILED)
+        time.sleep(0.3)  # let ZeroMQ's I/O thread put the report on the wire; exiting skips the usual flush
+        os._exit(1)
+
     def _install_signal_handlers(self) -> None:
         def on_signal(signum: int, frame: types.FrameType | None) -> None:
-            if self._stop_requested.is_set():
+            if self._drain_requested.is_set() or self._stop_requested.is_set():
                 raise SystemExit(1)  # a second signal: exit at once
             self.log.info("process.drain_requested", signal=signal.Signals(signum).name)
-            self._stop_requested.set()
+            self._drain_requested.set()
             if self._lifecycle.state is not State.READY:
                 raise SystemExit(0)  # nothing in flight during start-up: stop at once
 

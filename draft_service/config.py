@@ -29,6 +29,9 @@ class DraftConfig:
     dtype: str
     draft_top_k: int  # a sampled draft token is drawn from the draft's k most likely tokens at most
     heartbeat_interval_s: float
+    phase_timeout_s: float  # a start-up phase running longer ends the process (FAILED)
+    step_timeout_s: float  # a step (proposal) running longer ends the process (FAILED)
+    drain_timeout_s: float  # after SIGTERM, how long work in flight may take before the process stops anyway
     num_threads: int  # torch intra-op threads on CPU; 0 = torch's default
     status_file: Path | None
 
@@ -50,6 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     parser.add_argument("--draft-top-k", type=int, default=32)
     parser.add_argument("--heartbeat-interval-s", type=float, default=0.5)
+    parser.add_argument("--phase-timeout-s", type=float, default=600.0,
+                        help="a start-up phase (loading, allocating, warming) running longer fails the process")
+    parser.add_argument("--step-timeout-s", type=float, default=120.0, help="a step running longer fails the process")
+    parser.add_argument("--drain-timeout-s", type=float, default=30.0,
+                        help="after SIGTERM, how long requests in flight may take before the process stops anyway")
     parser.add_argument("--num-threads", type=int, default=0)
     parser.add_argument("--status-file", type=Path, default=None, help="write the lifecycle state here at every transition")
 
@@ -58,6 +66,9 @@ def from_arguments(args: argparse.Namespace) -> DraftConfig:
     for name in ("max_draft_tokens", "ngram_min", "max_model_len", "num_seqs", "draft_top_k"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("heartbeat_interval_s", "phase_timeout_s", "step_timeout_s", "drain_timeout_s"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.ngram_max < args.ngram_min:
         raise ValueError(f"--ngram-max ({args.ngram_max}) is below --ngram-min ({args.ngram_min})")
     kind = args.proposer.split(":", 1)[0]
@@ -71,6 +82,7 @@ def from_arguments(args: argparse.Namespace) -> DraftConfig:
         worker_id=args.worker_id, scheduler_address=args.scheduler_address, proposer=args.proposer,
         max_draft_tokens=args.max_draft_tokens, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         max_model_len=args.max_model_len, num_seqs=args.num_seqs, device=args.device, dtype=args.dtype,
-        draft_top_k=args.draft_top_k, heartbeat_interval_s=args.heartbeat_interval_s, num_threads=args.num_threads,
+        draft_top_k=args.draft_top_k, heartbeat_interval_s=args.heartbeat_interval_s,
+        phase_timeout_s=args.phase_timeout_s, step_timeout_s=args.step_timeout_s, drain_timeout_s=args.drain_timeout_s, num_threads=args.num_threads,
         status_file=args.status_file,
     )

@@ -37,7 +37,8 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
     def __init__(self, config: DraftConfig) -> None:
         super().__init__(process_id=config.worker_id, scheduler_address=config.scheduler_address,
                          heartbeat_interval_s=config.heartbeat_interval_s, status_file=config.status_file,
-                         inbound=m.SchedulerToDraft)
+                         inbound=m.SchedulerToDraft, phase_timeout_s=config.phase_timeout_s,
+                         step_timeout_s=config.step_timeout_s, drain_timeout_s=config.drain_timeout_s)
         self._config = config
         self._sequences = SequenceStore()
         self._proposer: Proposer | None = None
@@ -90,7 +91,10 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
             self.send(m.ProposeRefused(worker_id=self.process_id, incarnation=self.incarnation,
                                        propose_id=request.propose_id, state=self.state, reason=problem))
             return
-        assert self._proposer is not None
+        self.run_step(lambda: self._propose(request))
+
+    def _propose(self, request: m.ProposeRequest) -> None:
+        assert self._proposer is not None  # READY
         started = time.perf_counter()
         inputs: list[ProposeInput] = []
         num_held: dict[str, int] = {}

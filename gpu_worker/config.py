@@ -21,6 +21,9 @@ class WorkerConfig:
     max_num_batched_tokens: int  # the largest prefill chunk the scheduler will send
     max_draft_tokens: int  # the longest proposal a verify step carries
     heartbeat_interval_s: float
+    phase_timeout_s: float  # a start-up phase running longer ends the process (FAILED)
+    step_timeout_s: float  # a step (proposal) running longer ends the process (FAILED)
+    drain_timeout_s: float  # after SIGTERM, how long work in flight may take before the process stops anyway
     num_threads: int  # torch intra-op threads on CPU; 0 = torch's default
     status_file: Path | None  # the current lifecycle state is written here (container health checks)
 
@@ -36,6 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-draft-tokens", type=int, default=8)
     parser.add_argument("--heartbeat-interval-s", type=float, default=0.5)
+    parser.add_argument("--phase-timeout-s", type=float, default=600.0,
+                        help="a start-up phase (loading, allocating, warming) running longer fails the process")
+    parser.add_argument("--step-timeout-s", type=float, default=120.0, help="a step running longer fails the process")
+    parser.add_argument("--drain-timeout-s", type=float, default=30.0,
+                        help="after SIGTERM, how long requests in flight may take before the process stops anyway")
     parser.add_argument("--num-threads", type=int, default=0)
     parser.add_argument("--status-file", type=Path, default=None, help="write the lifecycle state here at every transition")
 
@@ -44,6 +52,9 @@ def from_arguments(args: argparse.Namespace) -> WorkerConfig:
     for name in ("max_model_len", "num_kv_slots", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("heartbeat_interval_s", "phase_timeout_s", "step_timeout_s", "drain_timeout_s"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if not (args.device == "cpu" or args.device.startswith("cuda")):
         raise ValueError(f"--device must be 'cpu' or 'cuda:N', got {args.device!r}")
     return WorkerConfig(
@@ -57,6 +68,7 @@ def from_arguments(args: argparse.Namespace) -> WorkerConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_draft_tokens=args.max_draft_tokens,
         heartbeat_interval_s=args.heartbeat_interval_s,
+        phase_timeout_s=args.phase_timeout_s, step_timeout_s=args.step_timeout_s, drain_timeout_s=args.drain_timeout_s,
         num_threads=args.num_threads,
         status_file=args.status_file,
     )

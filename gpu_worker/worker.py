@@ -22,7 +22,8 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(process_id=config.worker_id, scheduler_address=config.scheduler_address,
                          heartbeat_interval_s=config.heartbeat_interval_s, status_file=config.status_file,
-                         inbound=m.SchedulerToWorker)
+                         inbound=m.SchedulerToWorker, phase_timeout_s=config.phase_timeout_s,
+                         step_timeout_s=config.step_timeout_s, drain_timeout_s=config.drain_timeout_s)
         self._config = config
         self._runner: ModelRunner | None = None  # set once READY
 
@@ -66,12 +67,14 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
             self.errors.record("stale_incarnation", message="step", incarnation=step.incarnation)
             return
         state = self.state
-        if state is not State.READY or self._runner is None:
+        if not self.runs_work or self._runner is None:
             self._refuse(step, f"not READY (state {state})")
             return
+        runner = self._runner
         started = time.perf_counter()
+        outputs: list[m.SeqOutput] = []
         try:
-            outputs = self._runner.execute(step.seqs)
+            self.run_step(lambda: outputs.extend(runner.execute(step.seqs)))
         except SlotError as exc:
             self._refuse(step, str(exc))
             return

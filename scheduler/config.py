@@ -23,6 +23,7 @@ class SchedulerConfig:
     num_speculative_tokens: int = 6  # k: draft tokens proposed per sequence and step; 0 turns speculation off
     spec_disable_batch_threshold: int = 4  # speculate only in steps of at most this many sequences
     propose_timeout_s: float = 2.0  # a proposal unanswered this long: the step runs without one
+    phase_timeout_s: float = 600.0  # a start-up phase (STARTING .. WARMING) longer than this FAILs the process
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,13 +42,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="draft tokens proposed per sequence in a speculative step (0: never speculate)")
     parser.add_argument("--spec-disable-batch-threshold", type=int, default=4,
                         help="speculate only when a step has at most this many sequences; larger ones decode plainly")
+    parser.add_argument("--phase-timeout-s", type=float, default=600.0,
+                        help="a worker or draft start-up phase running longer is FAILED and the process told to stop")
     parser.add_argument("--propose-timeout-s", type=float, default=2.0,
                         help="how long a step waits for the draft service before it runs without proposals")
 
 
 def from_arguments(args: argparse.Namespace) -> SchedulerConfig:
     positive = ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "max_queue_len",
-                "no_worker_timeout_s", "heartbeat_timeout_s", "step_timeout_s", "propose_timeout_s")
+                "no_worker_timeout_s", "heartbeat_timeout_s", "step_timeout_s", "propose_timeout_s", "phase_timeout_s")
     for name in positive:
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -69,4 +72,5 @@ def from_arguments(args: argparse.Namespace) -> SchedulerConfig:
         num_speculative_tokens=args.num_speculative_tokens,
         spec_disable_batch_threshold=args.spec_disable_batch_threshold,
         propose_timeout_s=args.propose_timeout_s,
+        phase_timeout_s=args.phase_timeout_s,
     )

@@ -15,7 +15,7 @@ import msgspec
 
 from common.logs import get_logger
 from proto import messages as m
-from proto.lifecycle import TERMINAL, TRANSITIONS, State
+from proto.lifecycle import INIT_PHASES, TERMINAL, TRANSITIONS, State
 from scheduler.batching import BatchLimits, ScheduledSeq, plan_step
 from scheduler.config import SchedulerConfig
 from scheduler.registry import InFlightStep, StepSeq, WorkerRecord, least_loaded_ready, new_record
@@ -267,10 +267,13 @@ class SchedulerCore:
             self._lose_worker(worker, state, now_s)
             return True
         worker.state = state
+        worker.state_since_s = now_s
         if state is State.READY and worker.is_target:
             self._no_ready_target_since_s = None
             self._place_waiting()
-            self._dispatch(now_s)
+        if state is State.DRAINING and not worker.is_target:
+            self._lose_draft(worker, now_s)  # no proposal goes to a draining draft service
+        self._dispatch(now_s)
         return True
 
     def _on_step_result(self, worker: WorkerRecord, result: m.StepResult, now_s: float) -> bool:
@@ -331,7 +334,7 @@ class SchedulerCore:
         worker = self._workers.get(pending.worker_id)
         if worker is not None and worker.incarnation == pending.worker_incarnation and worker.awaiting_proposal == pending.propose_id:
             worker.awaiting_proposal = None
-            if worker.is_ready:
+            if worker.runs_steps:
                 self._send_step(worker, pending.plan, proposals, now_s)
         return True
 
@@ -349,7 +352,11 @@ class SchedulerCore:
         for worker in list(self._workers.values()):
             if worker.state in TERMINAL:
                 continue
-            if now_s - worker.last_seen_s > cfg.heartbeat_timeout_s:
+            if worker.state in INIT_PHASES and now_s - worker.state_since_s > cfg.phase_timeout_s:
+                worker.failure = f"{worker.state} ran past its {cfg.phase_timeout_s:g} s deadline (--phase-timeout-s)"
+                self.outbox.append(Outgoing(True, worker.identity, m.Drain(worker.incarnation)))
+                self._lose_worker(worker, State.FAILED, now_s)
+            elif now_s - worker.last_seen_s > cfg.heartbeat_timeout_s:
                 worker.failure = f"no heartbeat for {now_s - worker.last_seen_s:.1f} s (--heartbeat-timeout-s {cfg.heartbeat_timeout_s})"
                 self._lose_worker(worker, State.DEAD, now_s)
             elif worker.in_flight and now_s - worker.in_flight.sent_at_s > cfg.step_timeout_s:
@@ -389,7 +396,10 @@ class SchedulerCore:
 
     def _dispatch(self, now_s: float) -> None:
         for worker in self._workers.values():
-            if worker.is_target and worker.is_ready and not worker.is_busy and worker.requests:
+            if worker.state is State.DRAINING and not worker.requests and not worker.is_busy and not worker.told_to_stop:
+                worker.told_to_stop = True  # drained: it may stop now
+                self.outbox.append(Outgoing(True, worker.identity, m.Drain(worker.incarnation)))
+            elif worker.is_target and worker.runs_steps and not worker.is_busy and worker.requests:
                 plan = plan_step(list(worker.requests.values()), self._limits)
                 if plan:
                     self._propose_or_step(worker, plan, now_s)
@@ -437,7 +447,7 @@ class SchedulerCore:
         worker = self._workers.get(pending.worker_id)
         if worker is not None and worker.incarnation == pending.worker_incarnation and worker.awaiting_proposal == pending.propose_id:
             worker.awaiting_proposal = None
-            if worker.is_ready:
+            if worker.runs_steps:
                 self._send_step(worker, pending.plan, {}, now_s)
 
     def _send_step(self, worker: WorkerRecord, plan: list[ScheduledSeq], proposals: dict[str, m.Proposal], now_s: float) -> None:

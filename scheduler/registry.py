@@ -32,10 +32,12 @@ class WorkerRecord:
     identity: bytes  # ZeroMQ routing identity of its main socket
     state: State
     last_seen_s: float
+    state_since_s: float  # when it entered `state` (as the scheduler saw it)
     free_slots: list[int]  # a heap: the lowest free slot is used first, keeping slots dense
     requests: dict[str, Request] = field(default_factory=dict)  # placed here, in placement order
     in_flight: InFlightStep | None = None
     awaiting_proposal: int | None = None  # the propose_id its next step waits for
+    told_to_stop: bool = False  # a Drain was sent to this incarnation
     num_used_kv_slots: int = 0  # as the worker last reported
     failure: str = ""
 
@@ -50,6 +52,11 @@ class WorkerRecord:
     @property
     def is_ready(self) -> bool:
         return self.state is State.READY
+
+    @property
+    def runs_steps(self) -> bool:
+        """READY, or DRAINING: the requests already placed here run to their end; nothing new is placed."""
+        return self.state in (State.READY, State.DRAINING)
 
     @property
     def is_target(self) -> bool:
@@ -81,7 +88,7 @@ class WorkerRecord:
 
 def new_record(hello: WorkerHello, identity: bytes, now_s: float) -> WorkerRecord:
     return WorkerRecord(
-        hello=hello, identity=identity, state=State.STARTING, last_seen_s=now_s,
+        hello=hello, identity=identity, state=State.STARTING, last_seen_s=now_s, state_since_s=now_s,
         free_slots=list(range(hello.num_kv_slots)) if hello.role == "target" else [],  # the draft holds no request
     )
 

@@ -571,21 +571,35 @@ def test_heartbeats_keep_a_worker_alive() -> None:
     assert sim.process("w0").state == "READY"
 
 
-def test_a_draining_worker_gets_no_new_step_and_its_requests_move_on_when_it_stops() -> None:
+def test_a_draining_worker_finishes_its_requests_gets_no_new_one_and_is_told_to_stop_when_empty() -> None:
     sim = Sim()
     w0 = ready(sim, "w0")
     sim.submit("a", prompt(3), max_tokens=4)
     w0.report(State.DRAINING)
-    w0.complete({"a": [11]})  # the step in flight finishes
-    assert len(w0.all_steps()) == 1
-    sim.submit("b", max_tokens=1)
+    assert sim.process("w0").state == "DRAINING" and not sim.core.has_ready_target()  # health turns NOT_SERVING
+    sim.submit("b", max_tokens=1)  # waits: nothing new goes to a draining worker
+    w0.run({"a": [11, 12, 13, 14]})
+    assert_stream(sim, "a", [11, 12, 13, 14], "length", num_prompt_tokens=3)
+    assert all(s.request_id == "a" for step in w0.all_steps() for s in step.seqs)
+    assert w0.inbox()[-1] == m.Drain(1)  # drained: it may stop
     w0.report(State.STOPPED)
-    assert sim.core.num_waiting == 2
+    w1 = ready(sim, "w1")
+    w1.run()
+    assert sim.finish_reason("b") == "length"
+    assert_all_free(sim, w1)
+
+
+def test_a_worker_that_stops_while_draining_has_its_requests_recomputed_elsewhere() -> None:
+    sim = Sim()
+    w0 = ready(sim, "w0")
+    sim.submit("a", prompt(3), max_tokens=4)
+    w0.report(State.DRAINING)
+    w0.complete({"a": [11]})
+    w0.report(State.STOPPED)  # its --drain-timeout-s ran out
+    assert sim.core.num_waiting == 1
     w1 = ready(sim, "w1")
     w1.run({"a": [12, 13, 14]})
     assert_stream(sim, "a", [11, 12, 13, 14], "length", num_prompt_tokens=3)
-    assert sim.finish_reason("b") == "length"
-    assert_all_free(sim, w1)
 
 
 # ---------------------------------------------------------------- incarnations
@@ -752,3 +766,27 @@ def test_one_steps_tokens_reach_the_gateway_as_one_frame() -> None:
     frames = [o.message for o in sim.sent[num_sent:] if not o.to_worker]
     assert len(frames) == 1 and isinstance(frames[0], m.TokenDeltas)
     assert sorted(d.request_id for d in frames[0].deltas) == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("stuck_in", [State.STARTING, State.LOADING, State.ALLOCATING, State.WARMING])
+def test_a_phase_past_its_deadline_fails_the_worker_names_the_setting_and_it_never_gets_a_step(stuck_in: State) -> None:
+    sim = Sim(phase_timeout_s=30.0)
+    other = ready(sim, "w1")
+    stuck = sim.worker("w0", identity=None).start(until=stuck_in)
+    sim.advance(20)
+    other.heartbeat()
+    stuck.heartbeat()  # heartbeats alone do not keep a phase alive
+    sim.check_timeouts()
+    assert sim.process("w0").state == stuck_in.value
+    sim.advance(15)
+    other.heartbeat()
+    stuck.heartbeat()
+    sim.check_timeouts()
+    process = sim.process("w0")
+    assert process.state == "FAILED" and "--phase-timeout-s" in process.failure and stuck_in.value in process.failure
+    assert stuck.inbox() == [m.Drain(1)]
+    sim.submit("a", max_tokens=2)
+    other.run()
+    assert sim.finish_reason("a") == "length"
+    assert not stuck.report(State.READY if stuck_in is State.WARMING else State.LOADING)  # later reports are dropped
+    assert stuck.all_steps() == []

@@ -28,6 +28,7 @@ def runner(folder: Path, num_slots: int = 4) -> ModelRunner:
     config = WorkerConfig(
         worker_id="w", model=folder, scheduler_address="inproc://x", device="cpu", dtype="float32", max_model_len=128,
         num_kv_slots=num_slots, max_num_batched_tokens=64, max_draft_tokens=6, heartbeat_interval_s=1.0,
+        phase_timeout_s=60.0, step_timeout_s=60.0, drain_timeout_s=10.0,
         num_threads=0, status_file=None,
     )
     r = ModelRunner(config, ModelConfig.from_folder(folder))
