@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.faults import ENV_VAR
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 
@@ -65,22 +67,23 @@ class Stack:
             self.wait_serving()
         return self
 
-    def start_worker(self, index: int, extra: list[str] | None = None) -> None:
+    def start_worker(self, index: int | str, extra: list[str] | None = None, fault: str | None = None) -> None:
+        """Start worker `index` (its id is worker-INDEX); `fault` sets SPECSERVE_FAULT for it alone."""
         o = self.options
         threads = "1" if o.num_workers > 1 else "0"
         self.spawn(f"worker-{index}", ["gpu_worker", "--worker-id", f"worker-{index}", "--model", str(o.model),
                                        "--scheduler-address", self.worker_address, "--dtype", o.dtype,
                                        "--max-model-len", str(o.max_model_len), "--num-kv-slots", str(o.num_kv_slots),
                                        "--max-num-batched-tokens", str(o.max_num_batched_tokens), "--num-threads", threads,
-                                       *o.worker_args, *(extra or [])])
+                                       *o.worker_args, *(extra or [])], fault=fault)
 
-    def start_draft(self) -> None:
+    def start_draft(self, fault: str | None = None) -> None:
         o = self.options
         assert o.draft is not None
         self.spawn("draft", ["draft_service", "--worker-id", "draft-0", "--proposer", o.draft,
                              "--scheduler-address", self.worker_address, "--dtype", o.dtype,
                              "--max-model-len", str(o.max_model_len), "--num-seqs", str(o.num_kv_slots * o.num_workers),
-                             "--num-threads", "1", *o.draft_args])
+                             "--num-threads", "1", *o.draft_args], fault=fault)
 
     def wait_process_state(self, process_id: str, state: str, timeout_s: float = 120.0) -> pb.Process:
         deadline = time.monotonic() + timeout_s
@@ -92,9 +95,13 @@ class Stack:
                 raise TimeoutError(f"{process_id} is not {state} after {timeout_s} s: {found}\n{self.logs()}")
             time.sleep(0.1)
 
-    def spawn(self, name: str, module_argv: list[str]) -> None:
+    def spawn(self, name: str, module_argv: list[str], fault: str | None = None) -> None:
         log = (self.log_dir / f"{name}.log").open("ab")
-        self.processes[name] = subprocess.Popen([sys.executable, "-m", *module_argv], stdout=log, stderr=subprocess.STDOUT)
+        env = {**os.environ, ENV_VAR: fault} if fault else None
+        self.processes[name] = subprocess.Popen([sys.executable, "-m", *module_argv], stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def process_info(self, process_id: str) -> pb.Process | None:
+        return next((p for p in self.info().processes if p.process_id == process_id), None)
 
     def stop(self) -> None:
         if self._channel is not None:
