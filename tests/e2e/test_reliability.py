@@ -108,6 +108,7 @@ def test_32_streams_survive_a_sigkilled_worker_token_for_token(two_workers: Stac
         killed = killer.submit(kill_soon)
         disturbed = run_all(two_workers, requests)
         killed_at = killed.result()
+    print(f"\nSIGKILL: {sum(1 for line in (two_workers.log_dir / 'scheduler.log').read_text().splitlines() if 'worker.lost' in line and 'worker-1' in line and 'num_requeued=0' not in line)} loss event(s)")
     assert disturbed == undisturbed  # all 32 complete, none with a missing or duplicated token
     lost = wait_for(lambda: (p := two_workers.process_info("worker-1")) and p.state == "DEAD" and p, 10, "worker-1 DEAD",
                     two_workers)
@@ -167,14 +168,18 @@ def test_sigterm_drains_a_worker_its_requests_finish_there_and_it_exits_0(
         requests = [greedy(ids, 32) for ids in prompts(default_model_dir, 12)]
         undisturbed = run_all(stack, requests)
         with ThreadPoolExecutor(1) as signaller:
-            def drain_soon() -> None:
+            def drain_soon() -> tuple[float, int]:
                 wait_for(lambda: stack.info().num_running >= 10, 30, "10 requests running", stack)
+                in_flight = stack.info().num_running
                 stack.processes["worker-0"].send_signal(signal.SIGTERM)
+                return time.monotonic(), in_flight
             signalled = signaller.submit(drain_soon)
             disturbed = run_all(stack, requests)
-            signalled.result()
+            signalled_at, in_flight = signalled.result()
         assert disturbed == undisturbed
         assert stack.processes["worker-0"].wait(30) == 0
+        print(f"\nSIGTERM with {in_flight} requests in flight: worker-0 exited 0 {time.monotonic() - signalled_at:.1f} s later "
+              "(at most; measured after the last request)")
         scheduler_log = (tmp_path / "scheduler.log").read_text()
         lost = [line for line in scheduler_log.splitlines() if "worker.lost" in line and "worker-0" in line]
         assert len(lost) == 1 and "num_requeued=0" in lost[0] and "STOPPED" in lost[0]  # nothing had to be recomputed
@@ -201,12 +206,13 @@ def test_killing_the_draft_service_mid_run_fails_no_request_and_changes_no_token
         undisturbed = run_all(stack, requests)
         assert stack.info().speculation.num_accepted_draft_tokens > 0
         with ThreadPoolExecutor(1) as killer:
-            def kill_soon() -> None:
+            def kill_soon() -> float:
                 time.sleep(0.5)
                 stack.processes["draft"].send_signal(signal.SIGKILL)
+                return time.monotonic()
             killed = killer.submit(kill_soon)
             assert run_all(stack, requests) == undisturbed
-            killed.result()
+            print(f"\ndraft SIGKILL: all {len(requests)} requests done {time.monotonic() - killed.result():.1f} s after the kill")
         wait_for(lambda: (p := stack.process_info("draft-0")) and p.state == "DEAD", 10, "draft DEAD", stack)
         assert run_all(stack, requests) == undisturbed  # and without it
     finally:
