@@ -10,6 +10,10 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
+
+from proto import specserve_pb2 as pb
+from proto import specserve_pb2_grpc as pb_grpc
 from tests.e2e.stack import free_port
 
 SPECSERVE = [sys.executable, "-m", "specserve.cli"]
@@ -18,6 +22,12 @@ SPECSERVE = [sys.executable, "-m", "specserve.cli"]
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
+
+
+def _process(port: int, process_id: str) -> pb.Process | None:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        info = pb_grpc.SpecServeStub(channel).GetServerInfo(pb.ServerInfoRequest(), timeout=5)
+    return next((p for p in info.processes if p.process_id == process_id), None)
 
 
 def _alive(pid: int) -> bool:
@@ -51,6 +61,17 @@ def test_up_generate_and_ctrl_c(default_model_dir: Path) -> None:
         streamed = subprocess.run([*SPECSERVE, "generate", "--address", f"127.0.0.1:{port}", "--prompt", "Once upon a time",
                                    "--max-tokens", "8"], capture_output=True, text=True, timeout=120, check=True)
         assert streamed.stdout.strip()
+
+        # A worker killed with SIGKILL is restarted by the supervisor and comes back READY as a new incarnation.
+        (victim,) = [pid for pid in children if "--worker-id\0worker-1\0" in Path(f"/proc/{pid}/cmdline").read_text()]
+        before = _process(port, "worker-1")
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while (now := _process(port, "worker-1")) is None or now.incarnation == before.incarnation or now.state != "READY":
+            assert time.monotonic() < deadline, f"worker-1 did not come back: {now}"
+            time.sleep(0.2)
+        children = _children(up.pid)
+        assert len(children) == 5 and victim not in children
 
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0

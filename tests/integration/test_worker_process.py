@@ -7,6 +7,7 @@ an inconsistent step without changing its state.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -126,3 +127,32 @@ def test_a_worker_told_to_stop_during_start_up_exits_cleanly(default_model_dir: 
         if worker.poll() is None:
             worker.kill()
             worker.wait()
+
+
+def test_sigterm_drains_steps_still_run_then_drain_stops_it_and_a_second_signal_exits_at_once(
+    default_model_dir: Path, scheduler: FakeScheduler, tmp_path: Path,
+) -> None:
+    for second_signal in (False, True):
+        worker = _start_worker(default_model_dir, scheduler.address, tmp_path)
+        scheduler.identity = b""
+        try:
+            hello = scheduler.receive(m.WorkerHello)
+            assert isinstance(hello, m.WorkerHello)
+            while scheduler.receive(m.LifecycleReport).state != "READY":  # type: ignore[attr-defined]
+                pass
+            worker.send_signal(signal.SIGTERM)
+            assert scheduler.receive(m.LifecycleReport).state == "DRAINING"  # type: ignore[attr-defined]
+            # What was placed here still runs while it drains.
+            scheduler.send(m.StepRequest(1, hello.incarnation, [m.SeqWork("r", 0, 0, [1, 2, 3], True, GREEDY)]))
+            assert scheduler.receive(m.StepResult).step_id == 1  # type: ignore[attr-defined]
+            if second_signal:
+                worker.send_signal(signal.SIGTERM)
+                assert worker.wait(10) == 1
+            else:
+                scheduler.send(m.Drain(hello.incarnation))
+                assert scheduler.receive(m.LifecycleReport).state == "STOPPED"  # type: ignore[attr-defined]
+                assert worker.wait(30) == 0
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
