@@ -369,7 +369,7 @@ def stack_options(args: argparse.Namespace) -> StackOptions:
     speculation = {"--draft": args.draft, "--num-speculative-tokens": args.num_speculative_tokens,
                    "--spec-disable-batch-threshold": args.spec_disable_batch_threshold}
     extra = tuple(part for flag, value in speculation.items() if value is not None for part in (flag, str(value)))
-    return StackOptions(specserve=specserve, port=args.port or _free_port(), model=args.model, dtype=args.dtype,
+    return StackOptions(specserve=specserve, port=args.port or _free_port(), http_port=_free_port(), model=args.model, dtype=args.dtype,
                         num_workers=args.num_workers, num_kv_slots=args.num_kv_slots,
                         ready_timeout_s=args.ready_timeout_s, extra_args=extra)
 

@@ -34,13 +34,15 @@ class StackOptions:
     num_kv_slots: int | None = None
     ready_timeout_s: float = 600.0
     stop_timeout_s: float = 90.0
-    extra_args: tuple[str, ...] = ()  # more `specserve up` options (--draft, --num-speculative-tokens, ...)
+    extra_args: tuple[str, ...] = ()
+    http_port: int = 8000  # more `specserve up` options (--draft, --num-speculative-tokens, ...)
 
     def argv(self) -> list[str]:
         optional = {"--model": self.model, "--dtype": self.dtype, "--num-workers": self.num_workers,
                     "--num-kv-slots": self.num_kv_slots}
         given = [part for flag, value in optional.items() if value is not None for part in (flag, str(value))]
-        return [str(self.specserve), "up", "--host", "127.0.0.1", "--port", str(self.port), *given, *self.extra_args]
+        return [str(self.specserve), "up", "--host", "127.0.0.1", "--port", str(self.port), "--http-port", str(self.http_port),
+                *given, *self.extra_args]
 
 
 @dataclass(frozen=True)

@@ -173,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: list[WorkloadResult] = []
     for config in configs:
         draft, *rest = shlex.split(config)
-        options = StackOptions(specserve=specserve, port=_free_port(), dtype=args.dtype,
+        options = StackOptions(specserve=specserve, port=_free_port(), http_port=_free_port(), dtype=args.dtype,
                                extra_args=("--draft", draft, *rest))
         print(f"starting: {shlex.join(options.argv())}", file=sys.stderr, flush=True)
         with running_stack(options) as stack:

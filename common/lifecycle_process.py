@@ -9,6 +9,7 @@ any exception during start-up ends in FAILED with its phase and cause and exit 1
 from __future__ import annotations
 
 import abc
+import argparse
 import os
 import signal
 import threading
@@ -16,7 +17,7 @@ import time
 import types
 from collections.abc import Callable
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 import zmq
@@ -254,3 +255,42 @@ class LifecycleProcess(abc.ABC, Generic[T]):
 
     def _close(self) -> None:
         self._socket.close(linger=2000)
+
+
+def add_process_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command-line settings every lifecycle process has (liveness, deadlines, drain, threads, status file)."""
+    parser.add_argument("--heartbeat-interval-s", type=float, default=0.5)
+    parser.add_argument("--phase-timeout-s", type=float, default=600.0,
+                        help="a start-up phase (loading, allocating, warming) running longer fails the process")
+    parser.add_argument("--step-timeout-s", type=float, default=120.0, help="a step running longer fails the process")
+    parser.add_argument("--drain-timeout-s", type=float, default=30.0,
+                        help="after SIGTERM, how long requests in flight may take before the process stops anyway")
+    parser.add_argument("--num-threads", type=int, default=0)
+    parser.add_argument("--status-file", type=Path, default=None, help="write the lifecycle state here at every transition")
+
+
+def check_process_arguments(args: argparse.Namespace) -> None:
+    """Raises ValueError naming the setting."""
+    for name in ("heartbeat_interval_s", "phase_timeout_s", "step_timeout_s", "drain_timeout_s"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not (args.device == "cpu" or args.device.startswith("cuda")):
+        raise ValueError(f"--device must be 'cpu' or 'cuda:N', got {args.device!r}")
+
+
+def process_main(argv: list[str] | None, *, prog: str, description: str,
+                 add_arguments: Callable[[argparse.ArgumentParser], None],
+                 build: Callable[[argparse.Namespace], LifecycleProcess[Any]]) -> int:
+    """`python -m <service>`: parse and check the arguments (a bad one is a usage error), configure logs, run."""
+    from common import logs
+
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_arguments(parser)
+    parser.add_argument("--log-json", action="store_true")
+    args = parser.parse_args(argv)
+    logs.configure(prog, json_logs=args.log_json or None)
+    try:
+        process = build(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return process.run()

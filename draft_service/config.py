@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.lifecycle_process import add_process_arguments, check_process_arguments
 from modeling.engine import DTYPES
 
 PROPOSER_HELP = (
@@ -52,23 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     parser.add_argument("--draft-top-k", type=int, default=32)
-    parser.add_argument("--heartbeat-interval-s", type=float, default=0.5)
-    parser.add_argument("--phase-timeout-s", type=float, default=600.0,
-                        help="a start-up phase (loading, allocating, warming) running longer fails the process")
-    parser.add_argument("--step-timeout-s", type=float, default=120.0, help="a step running longer fails the process")
-    parser.add_argument("--drain-timeout-s", type=float, default=30.0,
-                        help="after SIGTERM, how long requests in flight may take before the process stops anyway")
-    parser.add_argument("--num-threads", type=int, default=0)
-    parser.add_argument("--status-file", type=Path, default=None, help="write the lifecycle state here at every transition")
+    add_process_arguments(parser)
 
 
 def from_arguments(args: argparse.Namespace) -> DraftConfig:
     for name in ("max_draft_tokens", "ngram_min", "max_model_len", "num_seqs", "draft_top_k"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    for name in ("heartbeat_interval_s", "phase_timeout_s", "step_timeout_s", "drain_timeout_s"):
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    check_process_arguments(args)
     if args.ngram_max < args.ngram_min:
         raise ValueError(f"--ngram-max ({args.ngram_max}) is below --ngram-min ({args.ngram_min})")
     kind = args.proposer.split(":", 1)[0]
@@ -76,8 +68,6 @@ def from_arguments(args: argparse.Namespace) -> DraftConfig:
         raise ValueError(f"--proposer {args.proposer!r}: {PROPOSER_HELP}")
     if kind == "random" and not args.proposer.split(":", 1)[1].isdigit():
         raise ValueError(f"--proposer {args.proposer!r}: random needs the vocabulary size, e.g. random:49152")
-    if not (args.device == "cpu" or args.device.startswith("cuda")):
-        raise ValueError(f"--device must be 'cpu' or 'cuda:N', got {args.device!r}")
     return DraftConfig(
         worker_id=args.worker_id, scheduler_address=args.scheduler_address, proposer=args.proposer,
         max_draft_tokens=args.max_draft_tokens, ngram_min=args.ngram_min, ngram_max=args.ngram_max,

@@ -66,20 +66,34 @@ class Proposer(Protocol):
     def num_used_slots(self) -> int: ...
 
 
-def _nothing() -> None:
+def nothing() -> None:
     return None
 
 
-class NgramProposer:
+class StatelessProposer:
+    """A proposer that holds nothing per sequence (the service keeps the tokens); works on any vocabulary."""
+
     vocab_size = 0
     vocab_fingerprint = ""
 
+    def phases(self) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
+        return nothing, nothing, nothing
+
+    def forget(self, request_id: str) -> None:
+        return None
+
+    @property
+    def num_used_slots(self) -> int:
+        return 0
+
+
+class NgramProposer(StatelessProposer):
     def __init__(self, ngram_min: int, ngram_max: int) -> None:
         self._ngram_min = ngram_min
         self._ngram_max = ngram_max
 
     def phases(self) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
-        return _nothing, _nothing, self._self_check
+        return nothing, nothing, self._self_check
 
     def _self_check(self) -> None:
         sequence = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]
@@ -103,13 +117,6 @@ class NgramProposer:
 
     def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
         return [Proposed(self.lookup(item.token_ids, item.num_tokens)) for item in batch]
-
-    def forget(self, request_id: str) -> None:
-        return None
-
-    @property
-    def num_used_slots(self) -> int:
-        return 0
 
 
 class ModelProposer:

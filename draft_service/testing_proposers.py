@@ -16,21 +16,12 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-from draft_service.proposers import ProposeInput, Proposed
+from draft_service.proposers import ProposeInput, Proposed, StatelessProposer, nothing
 
 
-def _nothing() -> None:
-    return None
-
-
-class RandomProposer:
-    vocab_fingerprint = ""
-
+class RandomProposer(StatelessProposer):
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-
-    def phases(self) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
-        return _nothing, _nothing, _nothing
 
     def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
         proposals = []
@@ -40,24 +31,14 @@ class RandomProposer:
             proposals.append(Proposed([rng.randrange(self.vocab_size) for _ in range(item.num_tokens)]))
         return proposals
 
-    def forget(self, request_id: str) -> None:
-        return None
 
-    @property
-    def num_used_slots(self) -> int:
-        return 0
-
-
-class ReplayProposer:
-    vocab_size = 0
-    vocab_fingerprint = ""
-
+class ReplayProposer(StatelessProposer):
     def __init__(self, path: Path) -> None:
         self._path = path
         self._references: list[list[int]] = []
 
     def phases(self) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
-        return self._load, _nothing, _nothing
+        return self._load, nothing, nothing
 
     def _load(self) -> None:
         references = json.loads(self._path.read_text())
@@ -72,10 +53,3 @@ class ReplayProposer:
             match = next((r for r in self._references if len(r) > n and r[:n] == item.token_ids), None)
             proposals.append(Proposed(match[n:n + item.num_tokens] if match else []))
         return proposals
-
-    def forget(self, request_id: str) -> None:
-        return None
-
-    @property
-    def num_used_slots(self) -> int:
-        return 0

@@ -9,13 +9,17 @@ import time
 from collections.abc import Iterator
 
 import grpc
+from aiohttp import web
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.logs import get_logger
 from gateway.config import GatewayConfig
 from gateway.errors import StartupError
+from gateway.generation import Generation
 from gateway.health import HealthReporter
+from gateway.http_api import HttpApi
+from gateway.metrics import GatewayMetrics
 from gateway.scheduler_client import SchedulerClient
 from gateway.server import SpecServeServicer
 from gateway.tokenizer import Tokenizer
@@ -80,22 +84,43 @@ class Gateway:
                 reporter = HealthReporter(
                     health.aio.HealthServicer(), scheduler, poll_interval_s=self._config.health_poll_interval_s
                 )
-                add_services(server, SpecServeServicer(tokenizer, scheduler), reporter.servicer)
+                generation = Generation(tokenizer, scheduler, GatewayMetrics())
+                add_services(server, SpecServeServicer(generation), reporter.servicer)
                 port = self._bind(server)
                 await reporter.start()
                 await server.start()
                 resources.push_async_callback(server.stop, None)
-            self._log.info("gateway.listening", host=self._config.host, port=port, model=str(self._config.model_dir))
-            await self._serve(server, scheduler, reporter)
+            with self._phase("start_http"):
+                http = HttpApi(generation, reporter, self._config.model_dir.name)
+                runner = web.AppRunner(http.application(), handler_cancellation=True, access_log=None)
+                await runner.setup()
+                resources.push_async_callback(runner.cleanup)
+                http_port = await self._bind_http(runner)
+            self._log.info("gateway.listening", host=self._config.host, port=port, http_port=http_port,
+                           model=str(self._config.model_dir))
+            await self._serve(server, scheduler, reporter, http)
         self._log.info("gateway.stopped")
 
-    async def _serve(self, server: grpc.aio.Server, scheduler: SchedulerClient, reporter: HealthReporter) -> None:
+    async def _bind_http(self, runner: web.AppRunner) -> int:
+        site = web.TCPSite(runner, self._config.host, self._config.http_port, reuse_port=False)
+        try:
+            await site.start()
+        except OSError as error:
+            raise StartupError(f"cannot listen on {self._config.host}:{self._config.http_port}: {error} "
+                               "(is the port in use? see --http-port)") from error
+        server = site._server  # the bound socket tells the port that 0 picked
+        sockets = getattr(server, "sockets", None) or []
+        return int(sockets[0].getsockname()[1]) if sockets else self._config.http_port
+
+    async def _serve(self, server: grpc.aio.Server, scheduler: SchedulerClient, reporter: HealthReporter,
+                     http: HttpApi) -> None:
         async with asyncio.TaskGroup() as tasks:
             background = [
                 tasks.create_task(scheduler.run(), name="scheduler_client"),
                 tasks.create_task(reporter.run(), name="health_reporter"),
             ]
             await self._signals.drain_requested.wait()
+            http.draining = True
             await self._drain(server, reporter)
             for task in background:
                 task.cancel()

@@ -17,6 +17,7 @@ class GatewayConfig:
     port: int  # 0: any free port (the chosen one is logged)
     log_json: bool
     gateway_id: str
+    http_port: int = 8000  # the OpenAI-compatible HTTP API; 0: any free port (logged)
     scheduler_timeout_s: float = 2.0  # an info query unanswered this long means the scheduler is unreachable
     health_poll_interval_s: float = 0.5
     shutdown_grace_s: float = 30.0  # streams in flight get this long to finish after the first SIGTERM/SIGINT
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scheduler-address", default="tcp://127.0.0.1:5555", help="the scheduler's gateway endpoint")
     parser.add_argument("--host", default="0.0.0.0", help="address the gRPC server listens on")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one")
+    parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port; 0 picks a free one")
     parser.add_argument("--log-json", action="store_true", help="log JSON lines instead of console text")
     parser.add_argument("--gateway-id", default=None, help="this gateway's name at the scheduler (default: random)")
     parser.add_argument("--scheduler-timeout-s", type=float, default=2.0, help="wait for a scheduler answer")
@@ -44,8 +46,9 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
     args = parser.parse_args(argv)
     if not (args.model / "tokenizer.json").is_file():
         parser.error(f"--model {args.model}: no tokenizer.json there")
-    if not 0 <= args.port <= 65535:
-        parser.error(f"--port {args.port}: must be in [0, 65535]")
+    for name in ("port", "http_port"):
+        if not 0 <= getattr(args, name) <= 65535:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be in [0, 65535]")
     for name in ("scheduler_timeout_s", "health_poll_interval_s", "shutdown_grace_s"):
         if not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')}: must be > 0")
@@ -54,6 +57,7 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
         scheduler_address=args.scheduler_address,
         host=args.host,
         port=args.port,
+        http_port=args.http_port,
         log_json=args.log_json,
         gateway_id=args.gateway_id or f"gateway-{uuid.uuid4().hex[:12]}",
         scheduler_timeout_s=args.scheduler_timeout_s,

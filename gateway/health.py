@@ -42,7 +42,13 @@ class HealthReporter:
         self._source = source
         self._poll_interval_s = poll_interval_s
         self._status: ServingStatus | None = None
+        self._shutting_down = False
         self._log = get_logger(component="health")
+
+    @property
+    def status(self) -> ServingStatus:
+        """SERVING only after an answer listing a READY target, and never once shutting down."""
+        return NOT_SERVING if self._shutting_down or self._status is None else self._status
 
     async def start(self) -> None:
         """NOT_SERVING for every service until the first answer (the servicer starts out SERVING)."""
@@ -66,6 +72,7 @@ class HealthReporter:
 
     async def enter_shutdown(self) -> None:
         """NOT_SERVING for good: the server is draining."""
+        self._shutting_down = True
         await self.servicer.enter_graceful_shutdown()
         self._log.info("health.changed", status="NOT_SERVING", reason="shutting_down")
 

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from typing import assert_never
 
 import grpc
 import structlog
 
 from common.logs import get_logger
-from gateway.errors import InvalidArgument, RequestFailed
-from gateway.output import Chunk, RequestOutput, SpecUsage
-from gateway.scheduler_client import RequestStream, SchedulerClient
-from gateway.tokenizer import Tokenizer
-from gateway.validation import ChatPrompt, Prompt, Submission, TextPrompt, TokenPrompt, request_id_of, validate
+from gateway.errors import RequestFailed
+from gateway.generation import Generation
+from gateway.output import Chunk
+from gateway.validation import request_id_of, validate
 from proto import messages
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
@@ -30,9 +29,9 @@ FINISH_REASONS: dict[messages.FinishReason, pb.FinishReason] = {
 class SpecServeServicer(pb_grpc.SpecServeServicer):
     """Generate and GetServerInfo; every request's log lines carry its request_id."""
 
-    def __init__(self, tokenizer: Tokenizer, scheduler: SchedulerClient) -> None:
-        self._tokenizer = tokenizer
-        self._scheduler = scheduler
+    def __init__(self, generation: Generation) -> None:
+        self._generation = generation
+        self._scheduler = generation.scheduler
         self._log = get_logger(component="servicer")
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
@@ -61,69 +60,10 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
             raise  # not reached: abort raises
 
     async def _generate(self, request: pb.GenerateRequest, request_id: str, context: grpc.aio.ServicerContext) -> None:
-        started_at = time.monotonic()
-        submission = validate(request, request_id=request_id, vocab_size=self._tokenizer.vocab_size)
-        prompt_token_ids = await asyncio.to_thread(self._tokenize, submission.prompt)
-        submit = submission.to_submit_request(prompt_token_ids, self._tokenizer.eos_token_ids)
-        output = RequestOutput(self._tokenizer, prompt_token_ids, submission.stop_strings)
-        self._log_received(submission, submit)
-        async with self._scheduler.open_request(request_id) as stream:
-            await self._scheduler.ensure_reachable()
-            await stream.submit(submit)
-            while (chunk := await self._next_chunk(stream, output)).finish_reason is None:
+        submission = validate(request, request_id=request_id, vocab_size=self._generation.tokenizer.vocab_size)
+        async with contextlib.aclosing(self._generation.chunks(submission, "grpc")) as chunks:
+            async for chunk in chunks:
                 await write_chunk(context, chunk, request_id)
-            if chunk.stop_string is not None:
-                await stream.abort("stop_string")  # sends nothing if the scheduler had finished anyway
-            await write_chunk(context, chunk, request_id)
-        self._log.info(
-            "request.finished",
-            finish_reason=chunk.finish_reason,
-            stop_string=chunk.stop_string,
-            num_prompt_tokens=chunk.num_prompt_tokens,
-            num_completion_tokens=chunk.num_completion_tokens,
-            num_draft_tokens=chunk.speculation.num_draft_tokens,
-            num_accepted_draft_tokens=chunk.speculation.num_accepted_draft_tokens,
-            duration_s=round(time.monotonic() - started_at, 3),
-        )
-
-    async def _next_chunk(self, stream: RequestStream, output: RequestOutput) -> Chunk:
-        """Read scheduler messages until one yields something to send (text, ids or the finish)."""
-        while True:
-            message = await stream.next()
-            if isinstance(message, messages.RequestError):
-                raise RequestFailed.from_scheduler(message)
-            speculation = SpecUsage(message.num_draft_tokens, message.num_accepted_draft_tokens, message.num_verify_steps)
-            chunk = output.add(message.token_ids, message.finish_reason, speculation)
-            if chunk.text or chunk.token_ids or chunk.finish_reason is not None:
-                return chunk
-
-    def _tokenize(self, prompt: Prompt) -> list[int]:
-        match prompt:
-            case TextPrompt(text=text):
-                token_ids = self._tokenizer.encode(text)
-            case ChatPrompt(messages=chat_messages):
-                token_ids = self._tokenizer.encode_chat(chat_messages)
-            case TokenPrompt(token_ids=ids):
-                token_ids = list(ids)
-            case _:
-                assert_never(prompt)
-        if not token_ids:
-            raise InvalidArgument("prompt", "tokenizes to no tokens")
-        return token_ids
-
-    def _log_received(self, submission: Submission, submit: messages.SubmitRequest) -> None:
-        self._log.info(
-            "request.received",
-            prompt_kind=type(submission.prompt).__name__,
-            num_prompt_tokens=len(submit.prompt_token_ids),
-            max_tokens=submit.max_tokens,
-            temperature=submit.sampling.temperature,
-            top_p=submit.sampling.top_p,
-            top_k=submit.sampling.top_k,
-            seed_given=submit.seed_given,
-            num_stop_strings=len(submission.stop_strings),
-            ignore_eos=submission.ignore_eos,
-        )
 
 
 async def write_chunk(context: grpc.aio.ServicerContext, chunk: Chunk, request_id: str) -> None:

@@ -9,25 +9,16 @@ import os
 # ~15% more tokens/s at batch 1). Idle longer than that, they sleep as usual.
 os.environ.setdefault("GOMP_SPINCOUNT", "3000000")
 
-import argparse  # noqa: E402
 import sys  # noqa: E402
 
-from common import logs  # noqa: E402
+from common.lifecycle_process import process_main  # noqa: E402
 from gpu_worker.config import add_arguments, from_arguments  # noqa: E402
 from gpu_worker.worker import Worker  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gpu_worker", description="a specserve target worker process")
-    add_arguments(parser)
-    parser.add_argument("--log-json", action="store_true")
-    args = parser.parse_args(argv)
-    logs.configure("gpu_worker", json_logs=args.log_json or None)
-    try:
-        config = from_arguments(args)
-    except ValueError as exc:
-        parser.error(str(exc))
-    return Worker(config).run()
+    return process_main(argv, prog="gpu_worker", description="a specserve target worker process",
+                        add_arguments=add_arguments, build=lambda args: Worker(from_arguments(args)))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.lifecycle_process import add_process_arguments, check_process_arguments
 from modeling.engine import DTYPES
 
 
@@ -38,25 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kv-slots", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-draft-tokens", type=int, default=8)
-    parser.add_argument("--heartbeat-interval-s", type=float, default=0.5)
-    parser.add_argument("--phase-timeout-s", type=float, default=600.0,
-                        help="a start-up phase (loading, allocating, warming) running longer fails the process")
-    parser.add_argument("--step-timeout-s", type=float, default=120.0, help="a step running longer fails the process")
-    parser.add_argument("--drain-timeout-s", type=float, default=30.0,
-                        help="after SIGTERM, how long requests in flight may take before the process stops anyway")
-    parser.add_argument("--num-threads", type=int, default=0)
-    parser.add_argument("--status-file", type=Path, default=None, help="write the lifecycle state here at every transition")
+    add_process_arguments(parser)
 
 
 def from_arguments(args: argparse.Namespace) -> WorkerConfig:
     for name in ("max_model_len", "num_kv_slots", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    for name in ("heartbeat_interval_s", "phase_timeout_s", "step_timeout_s", "drain_timeout_s"):
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if not (args.device == "cpu" or args.device.startswith("cuda")):
-        raise ValueError(f"--device must be 'cpu' or 'cuda:N', got {args.device!r}")
+    check_process_arguments(args)
     return WorkerConfig(
         worker_id=args.worker_id,
         model=args.model,

@@ -59,12 +59,12 @@ class ModelEngine:
             return self._model.logits(self._model(batch, self._cache))
 
     def self_check(self) -> None:
-        """Uses slots 0 and 1 (left dirty: the owner's slot table still says they are empty)."""
+        """Uses slot 0, twice (left dirty: the owner's slot table still says it is empty), so one slot is enough."""
         prompt = [(7 * i + 3) % self.config.vocab_size for i in range(12)]
         whole = self.forward([SeqSpan(0, 0, prompt, 1)])
-        self.forward([SeqSpan(1, 0, prompt[:4], 0)])
+        self.forward([SeqSpan(0, 0, prompt[:4], 0)])
         for position in range(4, len(prompt)):
-            stepped = self.forward([SeqSpan(1, position, [prompt[position]], 1)])
+            stepped = self.forward([SeqSpan(0, position, [prompt[position]], 1)])
         if not torch.isfinite(whole).all():
             raise SelfCheckFailed("the model produced non-finite logits")
         # Different batch shapes round differently; a broken cache is off by the logits' own scale.

@@ -117,6 +117,7 @@ class SpeculationInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_plain_decode_steps: int  # per sequence: decode passes without a draft
     acceptance_rate: float  # accepted / proposed, 0 when nothing was proposed
     mean_accepted_length: float  # accepted draft tokens per verify step (the bonus token not counted)
+    steps_by_k: dict[int, int] = msgspec.field(default_factory=dict)  # target steps by the k chosen (0: plain decode)
 
 
 class InfoReply(msgspec.Struct, tag="info", frozen=True, forbid_unknown_fields=True):

@@ -416,6 +416,7 @@ class SchedulerCore:
                 max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len,
             )
             num_tokens = speculation_plan(plan, limits)
+        self.spec.decide(max(num_tokens.values(), default=0))
         if draft is None or not num_tokens:
             self._send_step(worker, plan, {}, now_s)
             return

@@ -56,6 +56,7 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu, or cuda (one worker per GPU); default: cuda when present")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051, help="the gRPC port")
+    parser.add_argument("--http-port", type=int, default=8000, help="the OpenAI-compatible HTTP port")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--num-kv-slots", type=int, default=64, help="sequences each worker holds at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -114,7 +115,7 @@ def _run_up(args: argparse.Namespace) -> int:
     try:
         supervisor.watch(until=lambda: _is_serving(args.host, args.port))
         if not supervisor.stopping:
-            print(f"specserve ready: gRPC on {args.host}:{args.port}, model {model.name} ({dtype}, {args.num_workers} worker(s) "
+            print(f"specserve ready: gRPC on {args.host}:{args.port}, HTTP on {args.host}:{args.http_port}, model {model.name} ({dtype}, {args.num_workers} worker(s) "
                   f"on {device}), draft {args.draft}", flush=True)
             supervisor.watch()
     except GaveUp as exc:
@@ -139,7 +140,7 @@ def _service_specs(args: argparse.Namespace, model: Path, device: str, dtype: st
                                            "--spec-disable-batch-threshold", str(args.spec_disable_batch_threshold)]
                      + log_flag, stop_order=3),
         ServiceSpec("gateway", python + ["gateway", "--model", str(model), "--scheduler-address", gateway_address,
-                                         "--host", args.host, "--port", str(args.port),
+                                         "--host", args.host, "--port", str(args.port), "--http-port", str(args.http_port),
                                          "--shutdown-grace-s", "25"] + log_flag, stop_order=0),
     ]
     num_threads = max(1, (os.cpu_count() or 1) // args.num_workers) if device == "cpu" else 0

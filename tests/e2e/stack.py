@@ -45,6 +45,7 @@ class Stack:
         self.options = options
         self.log_dir = log_dir
         self.grpc_port = free_port()
+        self.http_port = free_port()
         self.gateway_address = f"tcp://127.0.0.1:{free_port()}"
         self.worker_address = f"tcp://127.0.0.1:{free_port()}"
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
@@ -62,7 +63,7 @@ class Stack:
         if o.draft is not None:
             self.start_draft()
         self.spawn("gateway", ["gateway", "--model", str(o.model), "--scheduler-address", self.gateway_address,
-                               "--host", "127.0.0.1", "--port", str(self.grpc_port)])
+                               "--host", "127.0.0.1", "--port", str(self.grpc_port), "--http-port", str(self.http_port)])
         if wait_serving:
             self.wait_serving()
         return self

@@ -42,6 +42,7 @@ def _alive(pid: int) -> bool:
 def test_up_generate_and_ctrl_c(default_model_dir: Path) -> None:
     port = free_port()
     up = subprocess.Popen([*SPECSERVE, "up", "--model", str(default_model_dir), "--dtype", "float32", "--port", str(port),
+                           "--http-port", str(free_port()),
                            "--num-kv-slots", "4", "--num-workers", "2"],
                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:

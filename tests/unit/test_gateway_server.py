@@ -23,7 +23,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.logs import configure
 from gateway.app import add_services
+from gateway.generation import Generation
 from gateway.health import HealthReporter
+from gateway.metrics import GatewayMetrics
 from gateway.scheduler_client import SchedulerClient
 from gateway.server import SpecServeServicer
 from gateway.tokenizer import ChatMessage, Tokenizer
@@ -154,7 +156,7 @@ async def gateway(tokenizer: Tokenizer, script: Script, *, delay_s: float = 0.0,
     await client.connect()
     server = grpc.aio.server()
     reporter = HealthReporter(health.aio.HealthServicer(), client, poll_interval_s=0.1)
-    add_services(server, SpecServeServicer(tokenizer, client), reporter.servicer)
+    add_services(server, SpecServeServicer(Generation(tokenizer, client, GatewayMetrics())), reporter.servicer)
     port = server.add_insecure_port("127.0.0.1:0")
     await reporter.start()
     await server.start()
@@ -427,7 +429,7 @@ def test_hello_is_sent_again_when_the_scheduler_comes_back(run: Any, tokenizer: 
 def gateway_command(model_dir: Path, scheduler_address: str, *options: str) -> list[str]:
     return [
         sys.executable, "-m", "gateway", "--model", str(model_dir), "--scheduler-address", scheduler_address,
-        "--host", "127.0.0.1", "--port", "0", "--log-json", *options,
+        "--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--log-json", *options,
     ]  # fmt: skip
 
 

@@ -1,0 +1,113 @@
+"""One request from a checked Submission to its output chunks: the path both public APIs (gRPC, HTTP) share.
+
+`Generation.chunks` tokenizes, submits to the scheduler, and yields a Chunk whenever there
+is something to send (text, token ids or the finish); it records the request's metrics
+and log lines. Leaving the iteration early (a client gone, a stop string) aborts the
+request in the scheduler; use it with `contextlib.aclosing`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator
+from typing import assert_never
+
+from common.logs import get_logger
+from gateway.errors import InvalidArgument, RequestFailed
+from gateway.metrics import GatewayMetrics
+from gateway.output import Chunk, RequestOutput, SpecUsage
+from gateway.scheduler_client import RequestStream, SchedulerClient
+from gateway.tokenizer import Tokenizer
+from gateway.validation import ChatPrompt, Prompt, Submission, TextPrompt, TokenPrompt
+from proto import messages
+
+
+class Generation:
+    def __init__(self, tokenizer: Tokenizer, scheduler: SchedulerClient, metrics: GatewayMetrics) -> None:
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self._log = get_logger(component="generation")
+
+    async def chunks(self, submission: Submission, api: str) -> AsyncGenerator[Chunk, None]:
+        started_at = time.monotonic()
+        outcome = "error"
+        try:
+            prompt_token_ids = await asyncio.to_thread(self._tokenize, submission.prompt)
+            submit = submission.to_submit_request(prompt_token_ids, self.tokenizer.eos_token_ids)
+            output = RequestOutput(self.tokenizer, prompt_token_ids, submission.stop_strings)
+            self._log_received(submission, submit)
+            self.metrics.prompt_tokens.labels(api).inc(len(prompt_token_ids))
+            last_token_at: float | None = None
+            async with self.scheduler.open_request(submission.request_id) as stream:
+                await self.scheduler.ensure_reachable()
+                await stream.submit(submit)
+                while True:
+                    chunk = await self._next_chunk(stream, output)
+                    if chunk.token_ids:
+                        now = time.monotonic()
+                        self.metrics.observe_tokens(api, len(chunk.token_ids), now - (last_token_at or started_at),
+                                                    first=last_token_at is None)
+                        last_token_at = now
+                    if chunk.finish_reason is not None:
+                        break
+                    yield chunk
+                if chunk.stop_string is not None:
+                    await stream.abort("stop_string")  # sends nothing if the scheduler had finished anyway
+            outcome = chunk.finish_reason or "error"
+            self._log.info(
+                "request.finished", finish_reason=chunk.finish_reason, stop_string=chunk.stop_string,
+                num_prompt_tokens=chunk.num_prompt_tokens, num_completion_tokens=chunk.num_completion_tokens,
+                num_draft_tokens=chunk.speculation.num_draft_tokens,
+                num_accepted_draft_tokens=chunk.speculation.num_accepted_draft_tokens,
+                duration_s=round(time.monotonic() - started_at, 3),
+            )
+        except RequestFailed as error:
+            outcome = error.status.name.lower()
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            raise
+        finally:
+            self.metrics.requests.labels(api, outcome).inc()
+        yield chunk  # the last one, after the request is fully accounted for
+
+    async def _next_chunk(self, stream: RequestStream, output: RequestOutput) -> Chunk:
+        """Read scheduler messages until one yields something to send (text, ids or the finish)."""
+        while True:
+            message = await stream.next()
+            if isinstance(message, messages.RequestError):
+                raise RequestFailed.from_scheduler(message)
+            speculation = SpecUsage(message.num_draft_tokens, message.num_accepted_draft_tokens, message.num_verify_steps)
+            chunk = output.add(message.token_ids, message.finish_reason, speculation)
+            if chunk.text or chunk.token_ids or chunk.finish_reason is not None:
+                return chunk
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        match prompt:
+            case TextPrompt(text=text):
+                token_ids = self.tokenizer.encode(text)
+            case ChatPrompt(messages=chat_messages):
+                token_ids = self.tokenizer.encode_chat(chat_messages)
+            case TokenPrompt(token_ids=ids):
+                token_ids = list(ids)
+            case _:
+                assert_never(prompt)
+        if not token_ids:
+            raise InvalidArgument("prompt", "tokenizes to no tokens")
+        return token_ids
+
+    def _log_received(self, submission: Submission, submit: messages.SubmitRequest) -> None:
+        self._log.info(
+            "request.received",
+            prompt_kind=type(submission.prompt).__name__,
+            num_prompt_tokens=len(submit.prompt_token_ids),
+            max_tokens=submit.max_tokens,
+            temperature=submit.sampling.temperature,
+            top_p=submit.sampling.top_p,
+            top_k=submit.sampling.top_k,
+            seed_given=submit.seed_given,
+            num_stop_strings=len(submission.stop_strings),
+            ignore_eos=submission.ignore_eos,
+        )

@@ -1,0 +1,288 @@
+"""The OpenAI-compatible HTTP API (aiohttp on the gateway's uvloop), on the same path to the scheduler as gRPC.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events
+ending with `data: [DONE]`, or one JSON body), GET /v1/models, GET /health (the gateway is
+alive), GET /ready (200 only while a target worker is READY), GET /metrics (Prometheus).
+
+A request body is turned into the gRPC request message and checked by the same
+`validate` as gRPC, so both APIs accept and refuse the same things; errors come back in
+OpenAI's format with the matching HTTP status, the offending field in `param`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from common.logs import get_logger
+from gateway.errors import InvalidArgument, RequestFailed
+from gateway.generation import Generation
+from gateway.health import SERVING, HealthReporter
+from gateway.output import Chunk
+from gateway.validation import Submission, validate
+from proto import specserve_pb2 as pb
+
+HTTP_STATUS: dict[grpc.StatusCode, int] = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.INTERNAL: 500,
+}
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable",
+               500: "internal_error"}
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def response(self) -> web.Response:
+        body = {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "error"), "param": self.param,
+                          "code": self.code}}
+        return web.json_response(body, status=self.status)
+
+    @classmethod
+    def from_failure(cls, failure: RequestFailed) -> ApiError:
+        param = failure.field.removeprefix("params.") if isinstance(failure, InvalidArgument) else None
+        return cls(HTTP_STATUS.get(failure.status, 500), failure.message, param)
+
+
+class HttpApi:
+    def __init__(self, generation: Generation, reporter: HealthReporter, model_name: str) -> None:
+        self._generation = generation
+        self._reporter = reporter
+        self._model_name = model_name
+        self._created = int(time.time())
+        self.draining = False  # after the first SIGTERM: new generation requests get 503
+        self._log = get_logger(component="http_api")
+
+    def application(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as error:
+            return error.response()
+        except RequestFailed as failure:
+            return ApiError.from_failure(failure).response()
+        except web.HTTPException as error:  # unknown route, wrong method
+            return ApiError(error.status, error.reason or "not found").response()
+
+    # ------------------------------------------------------------------ the simple routes
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self._model_name, "object": "model", "created": self._created, "owned_by": "specserve"}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        if self._reporter.status == SERVING:
+            return web.json_response({"status": "ready"})
+        return web.json_response({"status": "not ready: no target worker is READY"}, status=503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        try:
+            info = await self._generation.scheduler.query_info()
+        except RequestFailed:
+            info = None
+        body = self._generation.metrics.exposition(info)
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    # ------------------------------------------------------------------ generation
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
+        prompt = body.get("prompt")
+        message = pb.GenerateRequest()
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            message.prompt = prompt
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            message.token_ids.ids.extend(prompt)
+        else:
+            raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", "prompt")
+        return await self._run(request, body, message, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "messages must be a non-empty list of {role, content}", "messages")
+        message = pb.GenerateRequest()
+        for index, item in enumerate(messages):
+            content = item.get("content") if isinstance(item, dict) else None
+            if isinstance(content, list):  # content parts: text only
+                texts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
+                content = "".join(t for t in texts if isinstance(t, str)) if len(texts) == len(content) else None
+            if not isinstance(item, dict) or not isinstance(item.get("role"), str) or not isinstance(content, str):
+                raise ApiError(400, f"messages[{index}] must have a string role and text content", f"messages[{index}]")
+            message.chat.messages.add(role=item["role"], content=content)
+        return await self._run(request, body, message, chat=True)
+
+    async def _run(self, request: web.Request, body: dict[str, Any], message: pb.GenerateRequest, *, chat: bool) -> web.StreamResponse:
+        if self.draining:
+            raise ApiError(503, "the server is shutting down")
+        model = body.get("model")
+        if model is not None and model != self._model_name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self._model_name!r}", "model",
+                           "model_not_found")
+        _sampling_params(body, message, chat=chat)
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        submission = validate(message, request_id=request_id, vocab_size=self._generation.tokenizer.vocab_size)
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise ApiError(400, "stream must be a boolean", "stream")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise ApiError(400, "stream_options must be an object", "stream_options")
+        shape = _Shape(request_id, self._model_name, chat)
+        if stream:
+            return await self._stream(request, submission, shape, bool(options.get("include_usage", False)))
+        return await self._whole(submission, shape)
+
+    async def _whole(self, submission: Submission, shape: _Shape) -> web.Response:
+        text: list[str] = []
+        last: Chunk | None = None
+        async with contextlib.aclosing(self._generation.chunks(submission, "http")) as chunks:
+            async for chunk in chunks:
+                text.append(chunk.text)
+                last = chunk
+        assert last is not None  # the generation always ends with a finishing chunk
+        return web.json_response(shape.whole("".join(text), last))
+
+    async def _stream(self, request: web.Request, submission: Submission, shape: _Shape, include_usage: bool) -> web.StreamResponse:
+        chunks = self._generation.chunks(submission, "http")
+        async with contextlib.aclosing(chunks):
+            # Pull the first chunk before answering 200, so an early failure (bad prompt, queue full, no worker)
+            # is still an ordinary error response.
+            first = await anext(chunks)
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await response.prepare(request)
+            try:
+                if shape.chat:
+                    await _send_event(response, shape.delta_event({"role": "assistant", "content": ""}, None))
+                chunk = first
+                while True:
+                    await _send_event(response, shape.stream_event(chunk))
+                    if chunk.finish_reason is not None:
+                        break
+                    chunk = await anext(chunks)
+                if include_usage:
+                    await _send_event(response, shape.usage_event(chunk))
+                await response.write(b"data: [DONE]\n\n")
+            except RequestFailed as failure:  # after the 200: report it in the stream, as OpenAI does
+                await _send_event(response, {"error": {"message": failure.message, "code": failure.status.name}})
+            except ConnectionResetError:
+                self._log.info("request.client_gone", request_id=shape.request_id)  # aclosing aborts the request
+                raise
+        await response.write_eof()
+        return response
+
+
+class _Shape:
+    """How OpenAI's responses look for one request."""
+
+    def __init__(self, request_id: str, model: str, chat: bool) -> None:
+        self.request_id, self.model, self.chat = request_id, model, chat
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str) -> dict[str, Any]:
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self, text: str, last: Chunk) -> dict[str, Any]:
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                      "finish_reason": last.finish_reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": last.finish_reason, "logprobs": None}
+        return {**self._envelope("chat.completion" if self.chat else "text_completion"), "choices": [choice],
+                "usage": _usage(last)}
+
+    def delta_event(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+        return {**self._envelope("chat.completion.chunk"),
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+
+    def stream_event(self, chunk: Chunk) -> dict[str, Any]:
+        if self.chat:
+            return self.delta_event({"content": chunk.text} if chunk.text else {}, chunk.finish_reason)
+        return {**self._envelope("text_completion"),
+                "choices": [{"index": 0, "text": chunk.text, "finish_reason": chunk.finish_reason, "logprobs": None}]}
+
+    def usage_event(self, last: Chunk) -> dict[str, Any]:
+        return {**self._envelope("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+                "usage": _usage(last)}
+
+
+def _usage(last: Chunk) -> dict[str, Any]:
+    return {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": last.num_completion_tokens,
+            "total_tokens": last.num_prompt_tokens + last.num_completion_tokens,
+            "speculation": {"draft_tokens": last.speculation.num_draft_tokens,
+                            "accepted_draft_tokens": last.speculation.num_accepted_draft_tokens,
+                            "verify_steps": last.speculation.num_verify_steps}}
+
+
+async def _send_event(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ApiError(400, f"the body is not valid JSON: {error}") from error
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return body
+
+
+def _sampling_params(body: dict[str, Any], message: pb.GenerateRequest, *, chat: bool) -> None:
+    """Copy OpenAI's parameters into the gRPC message (types checked here, values by `validate`)."""
+    params = message.params
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens", DEFAULT_MAX_TOKENS)
+    fields: dict[str, tuple[object, type | tuple[type, ...]]] = {
+        "max_tokens": (max_tokens, int), "temperature": (body.get("temperature"), (int, float)),
+        "top_p": (body.get("top_p"), (int, float)), "top_k": (body.get("top_k"), int), "seed": (body.get("seed"), int),
+    }
+    for name, (value, kind) in fields.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise ApiError(400, f"{name} must be a number", name)
+        setattr(params, name, value)
+    if body.get("temperature") is None:
+        params.temperature = 1.0  # OpenAI's default
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        params.stop.append(stop)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        params.stop.extend(stop)
+    elif stop is not None:
+        raise ApiError(400, "stop must be a string or a list of strings", "stop")
+    if body.get("n", 1) != 1:
+        raise ApiError(400, "only n=1 is supported", "n")
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+        raise ApiError(400, "logprobs are not supported", "logprobs")
+    if body.get("ignore_eos") is True:  # an extension, as in vLLM
+        params.ignore_eos = True

@@ -1,0 +1,93 @@
+"""Prometheus metrics of the gateway: its own request figures, plus the scheduler's as of the latest InfoReply.
+
+Request, token and latency figures are counted here as requests stream. Queue length,
+running requests, speculation counters and each process's lifecycle state come from the
+scheduler's InfoReply (the same message GetServerInfo and health use), fetched when
+/metrics is scraped: no second channel to the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from proto import messages
+from proto.lifecycle import State
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("specserve_requests", "Finished requests by API and outcome (stop, length, abort, "
+                                "cancelled, or the error status)", ["api", "outcome"], registry=self.registry)
+        self.prompt_tokens = Counter("specserve_prompt_tokens", "Prompt tokens submitted", ["api"], registry=self.registry)
+        self.generation_tokens = Counter("specserve_generation_tokens", "Completion tokens sent to clients", ["api"],
+                                         registry=self.registry)
+        self.time_to_first_token = Histogram("specserve_time_to_first_token_seconds", "From the request's arrival to its "
+                                             "first token", ["api"], buckets=_LATENCY_BUCKETS_S, registry=self.registry)
+        self.inter_token_latency = Histogram("specserve_inter_token_latency_seconds", "Between two tokens of a stream "
+                                             "(a chunk's gap spread evenly over its tokens)", ["api"],
+                                             buckets=_LATENCY_BUCKETS_S, registry=self.registry)
+        self._scheduler = SchedulerCollector()
+        self.registry.register(self._scheduler)
+
+    def observe_tokens(self, api: str, num_tokens: int, gap_s: float, *, first: bool) -> None:
+        """A chunk of num_tokens arrived gap_s after the previous one (after the request's arrival if first)."""
+        self.generation_tokens.labels(api).inc(num_tokens)
+        if first:
+            self.time_to_first_token.labels(api).observe(gap_s)
+            num_tokens -= 1
+            if num_tokens == 0:
+                return
+            gap_s = 0.0  # the first chunk's other tokens came with it
+        for _ in range(num_tokens):
+            self.inter_token_latency.labels(api).observe(gap_s / num_tokens)
+
+    def exposition(self, info: messages.InfoReply | None) -> bytes:
+        """The text format, with the scheduler's figures from `info` (None: the scheduler did not answer)."""
+        self._scheduler.info = info
+        return generate_latest(self.registry)
+
+
+class SchedulerCollector(Collector):
+    def __init__(self) -> None:
+        self.info: messages.InfoReply | None = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        info = self.info
+        up = GaugeMetricFamily("specserve_scheduler_up", "1 when the scheduler answered this scrape")
+        up.add_metric([], 0.0 if info is None else 1.0)
+        yield up
+        if info is None:
+            return
+        yield GaugeMetricFamily("specserve_queue_length", "Requests waiting for a KV slot", value=info.num_waiting)
+        yield GaugeMetricFamily("specserve_running_requests", "Requests placed on a worker (the running batch)",
+                                value=info.num_running)
+        state = GaugeMetricFamily("specserve_process_state", "1 for each process's current lifecycle state",
+                                  labels=["process_id", "role", "state"])
+        heartbeat = GaugeMetricFamily("specserve_process_heartbeat_age_seconds", "Since each process was last heard",
+                                      labels=["process_id", "role"])
+        for process in info.processes:
+            for name in State:
+                state.add_metric([process.process_id, process.role, name.value], 1.0 if process.state == name.value else 0.0)
+            heartbeat.add_metric([process.process_id, process.role], process.heartbeat_age_s)
+        yield state
+        yield heartbeat
+        spec = info.speculation
+        if spec is None:
+            return
+        yield CounterMetricFamily("specserve_draft_tokens", "Draft tokens sent to verification", value=spec.num_draft_tokens)
+        yield CounterMetricFamily("specserve_accepted_draft_tokens", "Draft tokens the target accepted",
+                                  value=spec.num_accepted_draft_tokens)
+        yield GaugeMetricFamily("specserve_acceptance_rate", "Accepted / proposed draft tokens since start",
+                                value=spec.acceptance_rate)
+        decisions = CounterMetricFamily("specserve_speculation_decisions", "Steps by the k the scheduler chose "
+                                        "(0: decoded plainly)", labels=["k"])
+        for k, count in sorted(spec.steps_by_k.items()):
+            decisions.add_metric([str(k)], count)
+        yield decisions

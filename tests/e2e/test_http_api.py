@@ -1,0 +1,205 @@
+"""The OpenAI-compatible HTTP API on a real stack, called with the official `openai` client.
+
+Greedy text equals the gRPC API's for the same prompt; every error has its HTTP status and
+an OpenAI-format body; /ready follows READY workers; /metrics parses and its token
+counters match what clients received; a client that goes away mid-stream frees its KV.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from proto import specserve_pb2 as pb
+from tests.e2e.stack import Stack, StackOptions
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{stack.http_port}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def call(stack: Stack, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, Any] | str]:
+    connection = http.client.HTTPConnection("127.0.0.1", stack.http_port, timeout=60)
+    try:
+        connection.request(method, path, body=json.dumps(body) if body is not None else None,
+                           headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        text = response.read().decode()
+        try:
+            return response.status, json.loads(text)
+        except json.JSONDecodeError:
+            return response.status, text
+    finally:
+        connection.close()
+
+
+def grpc_text(stack: Stack, request: pb.GenerateRequest) -> str:
+    return stack.generate(request).text
+
+
+def metric(stack: Stack, name: str, labels: dict[str, str] | None = None) -> float:
+    status, text = call(stack, "GET", "/metrics")
+    assert status == 200 and isinstance(text, str)
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
+                total += sample.value
+    return total
+
+
+def test_completions_with_the_openai_client_equal_grpc(fp32_stack: Stack) -> None:
+    api = client(fp32_stack)
+    prompt = "The capital of France is"
+    whole = api.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    streamed = api.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                      stream_options={"include_usage": True})
+    events = list(streamed)
+    text = "".join(e.choices[0].text for e in events if e.choices)
+    reference = grpc_text(fp32_stack, pb.GenerateRequest(prompt=prompt, params=pb.SamplingParams(max_tokens=12)))
+    assert whole.choices[0].text == text == reference
+    assert whole.usage is not None and whole.usage.completion_tokens == 12
+    assert events[-1].usage is not None and events[-1].usage.completion_tokens == 12 and events[-1].choices == []
+    assert [e.choices[0].finish_reason for e in events if e.choices][-1] == "length"
+
+
+def test_chat_completions_with_the_openai_client_equal_grpc(fp32_stack: Stack) -> None:
+    api = client(fp32_stack)
+    messages: list[Any] = [{"role": "user", "content": "What is the capital of France?"}]
+    whole = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    streamed = list(api.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0, stream=True))
+    text = "".join(e.choices[0].delta.content or "" for e in streamed if e.choices)
+    reference = grpc_text(fp32_stack, pb.GenerateRequest(
+        chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="What is the capital of France?")]),
+        params=pb.SamplingParams(max_tokens=24)))
+    assert whole.choices[0].message.content == text == reference
+    assert whole.choices[0].message.role == "assistant" and streamed[0].choices[0].delta.role == "assistant"
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    assert [m.id for m in api.models.list()] == [MODEL]
+
+
+def test_sampling_parameters_and_stop_strings_reach_the_scheduler(fp32_stack: Stack) -> None:
+    api = client(fp32_stack)
+    seeded = [api.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0.9, top_p=0.9,
+                                     seed=7, extra_body={"top_k": 40}).choices[0].text for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    stopped = api.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=32, temperature=0, stop=[" 7"])
+    assert stopped.choices[0].finish_reason == "stop" and " 7" not in stopped.choices[0].text
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": "x", "stop": [1]}, "stop"),
+    ({"prompt": "x", "logprobs": 3}, "logprobs"),
+])
+def test_bad_parameters_are_400_naming_the_field(fp32_stack: Stack, body: dict[str, Any], param: str) -> None:
+    status, answer = call(fp32_stack, "POST", "/v1/completions", body)
+    assert status == 400 and isinstance(answer, dict)
+    assert answer["error"]["param"] == param and answer["error"]["type"] == "invalid_request_error"
+    assert answer["error"]["message"]
+
+
+def test_unknown_model_is_404_and_bad_json_400(fp32_stack: Stack) -> None:
+    status, answer = call(fp32_stack, "POST", "/v1/chat/completions",
+                          {"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 404 and isinstance(answer, dict)
+    assert (answer["error"]["param"], answer["error"]["code"]) == ("model", "model_not_found")
+    with pytest.raises(openai.NotFoundError):
+        client(fp32_stack).completions.create(model="gpt-17", prompt="x")
+    status, answer = call(fp32_stack, "POST", "/v1/chat/completions", {"messages": "hello"})
+    assert status == 400 and isinstance(answer, dict) and answer["error"]["param"] == "messages"
+
+
+def test_metrics_parse_and_count_the_tokens_clients_received(fp32_stack: Stack) -> None:
+    before = {api: metric(fp32_stack, "specserve_generation_tokens_total", {"api": api}) for api in ("http", "grpc")}
+    api = client(fp32_stack)
+    received = {"http": 0, "grpc": 0}
+    for max_tokens in (3, 9):
+        received["http"] += api.completions.create(model=MODEL, prompt="Hello", max_tokens=max_tokens, temperature=0).usage.completion_tokens  # type: ignore[union-attr]
+        streamed = list(api.completions.create(model=MODEL, prompt="Bye", max_tokens=max_tokens, temperature=0, stream=True,
+                                               stream_options={"include_usage": True}))
+        received["http"] += streamed[-1].usage.completion_tokens  # type: ignore[union-attr]
+        received["grpc"] += len(fp32_stack.generate(pb.GenerateRequest(prompt="Hi", params=pb.SamplingParams(max_tokens=max_tokens))).token_ids)
+    stopped = api.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=32, temperature=0, stop=[" 7"])
+    received["http"] += stopped.usage.completion_tokens  # type: ignore[union-attr]
+    for name in ("http", "grpc"):
+        assert metric(fp32_stack, "specserve_generation_tokens_total", {"api": name}) - before[name] == received[name]
+    assert metric(fp32_stack, "specserve_requests_total", {"api": "http", "outcome": "length"}) >= 4
+    assert metric(fp32_stack, "specserve_time_to_first_token_seconds_count", {"api": "http"}) >= 5
+    assert metric(fp32_stack, "specserve_inter_token_latency_seconds_count") > 0
+    assert metric(fp32_stack, "specserve_process_state", {"process_id": "worker-0", "state": "READY"}) == 1
+    assert metric(fp32_stack, "specserve_scheduler_up") == 1
+    assert metric(fp32_stack, "specserve_speculation_decisions_total", {"k": "0"}) > 0
+
+
+def test_a_client_leaving_mid_stream_frees_its_kv(fp32_stack: Stack) -> None:
+    connection = http.client.HTTPConnection("127.0.0.1", fp32_stack.http_port, timeout=60)
+    body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 1500, "temperature": 0, "stream": True, "ignore_eos": True}
+    connection.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    for _ in range(5):
+        assert response.readline().startswith(b"data: ")
+        response.readline()
+    assert fp32_stack.info().num_running == 1
+    connection.sock.close()  # type: ignore[union-attr]
+    connection.close()
+    fp32_stack.wait_idle(timeout_s=10)  # the request was aborted and its slot freed
+    assert metric(fp32_stack, "specserve_requests_total", {"api": "http", "outcome": "cancelled"}) >= 1
+
+
+@pytest.fixture(scope="module")
+def lonely_stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A scheduler and a gateway; workers come and go in the test. A queue of 1."""
+    options = StackOptions(default_model_dir, num_workers=0, num_kv_slots=1,
+                           scheduler_args=["--max-queue-len", "1", "--no-worker-timeout-s", "4", "--heartbeat-timeout-s", "2"])
+    stack = Stack(options, tmp_path_factory.mktemp("lonely_stack"))
+    try:
+        stack.start(wait_serving=False)
+        stack.wait_reachable()
+        yield stack
+    finally:
+        stack.stop()
+
+
+def test_ready_follows_ready_workers_and_errors_without_one_are_503_and_429(lonely_stack: Stack) -> None:
+    assert call(lonely_stack, "GET", "/health")[0] == 200
+    assert call(lonely_stack, "GET", "/ready")[0] == 503  # no worker yet
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(call, lonely_stack, "POST", "/v1/completions", body)
+        _wait(lambda: lonely_stack.info().num_waiting == 1, 30)
+        status, answer = call(lonely_stack, "POST", "/v1/completions", body)  # the queue of 1 is full
+        assert status == 429 and isinstance(answer, dict) and answer["error"]["type"] == "rate_limit_error"
+        status, answer = waiting.result(timeout=60)  # no READY worker within --no-worker-timeout-s
+    assert status == 503 and isinstance(answer, dict) and "no READY worker" in answer["error"]["message"]
+
+    lonely_stack.start_worker(0)
+    _wait(lambda: call(lonely_stack, "GET", "/ready")[0] == 200, 120)
+    assert client(lonely_stack).completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens == 2  # type: ignore[union-attr]
+    lonely_stack.processes["worker-0"].terminate()
+    assert lonely_stack.processes["worker-0"].wait(30) == 0
+    _wait(lambda: call(lonely_stack, "GET", "/ready")[0] == 503, 30)  # none READY again
+
+
+def _wait(condition, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
