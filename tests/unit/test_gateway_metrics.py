@@ -1,0 +1,40 @@
+"""Gateway metrics: token counts and latency histograms as chunks arrive; the scheduler's figures from an InfoReply."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.metrics import GatewayMetrics
+from proto import messages as m
+
+
+def samples(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text.decode()) for s in family.samples}
+
+
+def test_chunks_count_tokens_first_token_latency_and_spread_gaps() -> None:
+    metrics = GatewayMetrics()
+    metrics.observe_tokens("http", 1, 0.5, first=True)  # first token after 0.5 s
+    metrics.observe_tokens("http", 4, 0.2, first=False)  # four tokens 0.2 s later: 0.05 s each
+    got = samples(metrics.exposition(None))
+    assert got[("specserve_generation_tokens_total", (("api", "http"),))] == 5
+    assert got[("specserve_time_to_first_token_seconds_count", (("api", "http"),))] == 1
+    assert got[("specserve_time_to_first_token_seconds_sum", (("api", "http"),))] == 0.5
+    assert got[("specserve_inter_token_latency_seconds_count", (("api", "http"),))] == 4
+    assert abs(got[("specserve_inter_token_latency_seconds_sum", (("api", "http"),))] - 0.2) < 1e-9
+    assert got[("specserve_scheduler_up", ())] == 0  # no InfoReply: only that is said about the scheduler
+
+
+def test_scheduler_figures_come_from_the_info_reply() -> None:
+    info = m.InfoReply(1, "model", 2048, num_waiting=3, num_running=5, processes=[
+        m.ProcessInfo("worker-0", "target", "READY", 1, 0.2, 2, 8, 5, ""),
+        m.ProcessInfo("draft-0", "draft", "FAILED", 1, 4.0, 0, 64, 0, "LOADING: OSError"),
+    ], speculation=m.SpeculationInfo(10, 4, 3, 20, 0.4, 4 / 3, {0: 20, 6: 3}))
+    got = samples(GatewayMetrics().exposition(info))
+    assert got[("specserve_queue_length", ())] == 3 and got[("specserve_running_requests", ())] == 5
+    assert got[("specserve_process_state", (("process_id", "draft-0"), ("role", "draft"), ("state", "FAILED")))] == 1
+    assert got[("specserve_process_state", (("process_id", "draft-0"), ("role", "draft"), ("state", "READY")))] == 0
+    assert got[("specserve_draft_tokens_total", ())] == 10 and got[("specserve_accepted_draft_tokens_total", ())] == 4
+    assert got[("specserve_acceptance_rate", ())] == 0.4
+    assert got[("specserve_speculation_decisions_total", (("k", "6"),))] == 3
