@@ -45,7 +45,12 @@ def _stacks_idle_after_test(request: pytest.FixtureRequest) -> Iterator[None]:
 def no_worker_stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """A scheduler and a gateway but no worker: a queue of 2 and a 3 s wait for a READY worker."""
     options = StackOptions(default_model_dir, num_workers=0, scheduler_args=["--max-queue-len", "2", "--no-worker-timeout-s", "3"])
-    stack = Stack(options, tmp_path_factory.mktemp("no_worker_stack"))
+    yield from workerless_stack(options, tmp_path_factory.mktemp("no_worker_stack"))
+
+
+def workerless_stack(options: StackOptions, log_dir: Path) -> Iterator[Stack]:
+    """A stack that starts without waiting to serve (it has no worker yet): reachable, not SERVING."""
+    stack = Stack(options, log_dir)
     try:
         stack.start(wait_serving=False)
         stack.wait_reachable()

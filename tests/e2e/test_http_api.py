@@ -20,6 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proto import specserve_pb2 as pb
+from tests.e2e.conftest import workerless_stack
 from tests.e2e.stack import Stack, StackOptions
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -169,13 +170,7 @@ def lonely_stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
     """A scheduler and a gateway; workers come and go in the test. A queue of 1."""
     options = StackOptions(default_model_dir, num_workers=0, num_kv_slots=1,
                            scheduler_args=["--max-queue-len", "1", "--no-worker-timeout-s", "4", "--heartbeat-timeout-s", "2"])
-    stack = Stack(options, tmp_path_factory.mktemp("lonely_stack"))
-    try:
-        stack.start(wait_serving=False)
-        stack.wait_reachable()
-        yield stack
-    finally:
-        stack.stop()
+    yield from workerless_stack(options, tmp_path_factory.mktemp("lonely_stack"))
 
 
 def test_ready_follows_ready_workers_and_errors_without_one_are_503_and_429(lonely_stack: Stack) -> None:
