@@ -20,7 +20,14 @@ from scheduler.batching import BatchLimits, ScheduledSeq, plan_step
 from scheduler.config import SchedulerConfig
 from scheduler.registry import InFlightStep, StepSeq, WorkerRecord, least_loaded_ready, new_record
 from scheduler.request import FINISH_REASONS, Request, RequestStatus
-from scheduler.speculation import PendingProposal, SpecCounters, SpecLimits, proposal_problem, speculation_plan
+from scheduler.speculation import (
+    PendingProposal,
+    SpecCounters,
+    SpecLimits,
+    proposal_problem,
+    speculation_plan,
+    step_result_problem,
+)
 
 log = get_logger()
 
@@ -281,7 +288,7 @@ class SchedulerCore:
         if step is None or step.step_id != result.step_id:
             return False
         outputs = {o.request_id: o for o in result.outputs}
-        problem = _result_problem(step.seqs, outputs)
+        problem = step_result_problem(step.seqs, outputs)
         if problem:
             worker.failure = f"step {step.step_id}: {problem}"
             self._lose_worker(worker, State.FAILED, now_s)
@@ -506,8 +513,10 @@ class SchedulerCore:
     def _end_event(self) -> None:
         """What collects during one event goes out as one frame per destination."""
         self._flush_deltas()
+        if not self._draft_forget:
+            return
         draft = self._current_draft()
-        if self._draft_forget and draft is not None:
+        if draft is not None:
             self.outbox.append(Outgoing(True, draft.identity, m.ReleaseSequences(draft.incarnation, self._draft_forget)))
         self._draft_forget = []
 
@@ -581,18 +590,3 @@ class SchedulerCore:
         self._place_waiting()
         self._dispatch(now_s)
 
-
-def _result_problem(seqs: list[StepSeq], outputs: dict[str, m.SeqOutput]) -> str:
-    """Why a step result cannot be right ("" when it can): every sampling sequence gets its tokens,
-    the accepted drafts are a prefix of what was proposed, then exactly one more token."""
-    for seq in seqs:
-        if not seq.samples:
-            continue
-        output = outputs.get(seq.request.request_id)
-        if output is None or not output.token_ids:
-            return f"no token for {seq.request.request_id}"
-        accepted = output.num_accepted_draft
-        if not 0 <= accepted <= len(seq.draft_token_ids) or len(output.token_ids) != accepted + 1 \
-                or output.token_ids[:accepted] != seq.draft_token_ids[:accepted]:
-            return f"{seq.request.request_id}: {len(output.token_ids)} tokens with {accepted} accepted of {len(seq.draft_token_ids)} drafts"
-    return ""

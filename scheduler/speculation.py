@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from proto import messages as m
 from modeling.rejection import sparse_dist_problem
 from scheduler.batching import ScheduledSeq
+from scheduler.registry import StepSeq
 
 
 @dataclass(frozen=True)
@@ -106,3 +107,19 @@ class SpecCounters:
             mean_accepted_length=self.num_accepted_draft_tokens / self.num_verify_steps if self.num_verify_steps else 0.0,
             steps_by_k=dict(self.steps_by_k),
         )
+
+
+def step_result_problem(seqs: list[StepSeq], outputs: dict[str, m.SeqOutput]) -> str:
+    """Why a step result cannot be right ("" when it can): every sampling sequence gets its tokens,
+    the accepted drafts are a prefix of what was proposed, then exactly one more token."""
+    for seq in seqs:
+        if not seq.samples:
+            continue
+        output = outputs.get(seq.request.request_id)
+        if output is None or not output.token_ids:
+            return f"no token for {seq.request.request_id}"
+        accepted = output.num_accepted_draft
+        if not 0 <= accepted <= len(seq.draft_token_ids) or len(output.token_ids) != accepted + 1 \
+                or output.token_ids[:accepted] != seq.draft_token_ids[:accepted]:
+            return f"{seq.request.request_id}: {len(output.token_ids)} tokens with {accepted} accepted of {len(seq.draft_token_ids)} drafts"
+    return ""
