@@ -12,8 +12,9 @@ import torch
 
 from modeling.llama import LlamaModel
 
-# The batch size oneDNN tunes the packed layout for; the packed weights serve every size.
-_PACK_BATCH_HINT = 1
+# The batch size oneDNN tunes the packed layout for; the packed weights serve every size
+# (and one row runs as two, see _onednn_linear).
+_PACK_BATCH_HINT = 2
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -33,16 +34,49 @@ def prepack_linears(model: LlamaModel) -> None:
     with torch.no_grad():
         for layer in model.layers:
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-                setattr(layer, name, _packed(getattr(layer, name)))
+                setattr(layer, name, prepack_weight(getattr(layer, name)))
         # The embedding lookup needs the plain table, so the LM head gets its own packed copy.
-        model.lm_head = _packed(model.lm_head)
-    model.linear = _onednn_linear
+        model.lm_head = prepack_weight(model.lm_head)
+        weights = [model.lm_head, *(getattr(layer, name) for layer in model.layers
+                                    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))]
+        shapes = {tuple(w.shape): w for w in weights}
+        model.linear = OneDnnLinear({shape for shape, w in shapes.items() if not _one_row_matches_many(w)})
 
 
-def _packed(weight: torch.Tensor) -> torch.nn.Parameter:
+def prepack_weight(weight: torch.Tensor) -> torch.nn.Parameter:
     return torch.nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT), requires_grad=False)
 
 
-def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+class OneDnnLinear:
+    """y = x @ W^T (+ b) on prepacked weights, each row computed the same way whatever the number of rows.
+
+    oneDNN runs a single row through a matrix-vector kernel. For some weight shapes (here
+    576 x 1536: long rows) it sums in another order than the matrix kernel, and so rounds
+    some outputs differently in bf16: a verify step's rows would then differ from the
+    plain decode steps they stand for, and greedy speculation would not be lossless. For
+    those shapes one row runs as two. Which shapes they are is measured when the weights
+    are packed (`_one_row_matches_many`), since it depends on the oneDNN build and the CPU.
+    """
+
+    def __init__(self, two_row_shapes: set[tuple[int, ...]]) -> None:
+        self.two_row_shapes = frozenset(two_row_shapes)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[0] == 1 and tuple(weight.shape) in self.two_row_shapes:
+            doubled = _linear(x.expand(2, -1).contiguous(), weight, bias)
+            return doubled[:1]
+        return _linear(x, weight, bias)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return out
+
+
+def _one_row_matches_many(weight: torch.Tensor, num_rows: int = 64) -> bool:
+    """Whether each of `num_rows` random rows alone gives bit for bit what it gives among all of them."""
+    generator = torch.Generator().manual_seed(0)
+    scale = torch.rand(num_rows, 1, generator=generator) * 3  # rows of different magnitudes, as activations are
+    rows = (torch.randn(num_rows, weight.shape[1], generator=generator) * scale).to(torch.bfloat16)
+    together = _linear(rows, weight, None)
+    return all(torch.equal(_linear(rows[r : r + 1].clone(), weight, None)[0], together[r]) for r in range(num_rows))

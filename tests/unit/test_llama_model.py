@@ -89,3 +89,30 @@ def test_prepacked_bfloat16_linears_give_the_same_logits(tiny_folder: Path) -> N
         cache = KVCache(model.config, 4, 128, torch.bfloat16, torch.device("cpu"))
         outputs.append(_step(model, cache, spans))
     torch.testing.assert_close(outputs[1], outputs[0], atol=0.05, rtol=0.02)
+
+
+def test_prepacked_bfloat16_rows_do_not_depend_on_the_number_of_rows(tiny_folder: Path) -> None:
+    """A decode step (one row) must give exactly what the same row gives in a verify step (several rows).
+
+    With the default model's down projection shape (576 x 1536) oneDNN's one-row kernel
+    rounds some rows differently from its many-row kernel; the model's linear hides that.
+    """
+    from modeling.cpu_kernels import OneDnnLinear, can_prepack, prepack_linears
+
+    if not can_prepack(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("oneDNN is not available in this torch build")
+    generator = torch.Generator().manual_seed(0)
+    model, _ = _ours(tiny_folder)
+    model = model.to(torch.bfloat16)
+    # A weight of that shape in the model, since which shapes need care is measured at packing time.
+    model.layers[0].down_proj = torch.nn.Parameter((torch.randn(576, 1536, generator=generator) * 0.05).to(torch.bfloat16))
+    prepack_linears(model)
+    linear, weight = model.linear, model.layers[0].down_proj
+    assert isinstance(linear, OneDnnLinear)
+    rows = (torch.randn(64, 1536, generator=generator) * torch.rand(64, 1, generator=generator) * 3).to(torch.bfloat16)
+    with torch.inference_mode():
+        together = linear(rows, weight)
+        for size in (1, 2, 3, 7):
+            for start in range(0, 64 - size + 1, size):
+                alone = linear(rows[start : start + size].clone(), weight)
+                assert torch.equal(alone, together[start : start + size]), f"{size} rows from row {start} differ"
