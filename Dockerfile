@@ -13,6 +13,9 @@ COPY proto ./proto
 COPY common ./common
 COPY modeling ./modeling
 COPY gpu_worker ./gpu_worker
+COPY draft_service ./draft_service
+COPY distill ./distill
+COPY drafts ./drafts
 COPY scheduler ./scheduler
 COPY gateway ./gateway
 COPY specserve ./specserve

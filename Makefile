@@ -33,7 +33,7 @@ unit: setup
 	$(PY) -m pytest -q tests/unit
 
 lint: setup
-	$(PY) -m mypy proto/messages.py proto/lifecycle.py common modeling gpu_worker draft_service scheduler gateway specserve --ignore-missing-imports
+	$(PY) -m mypy proto/messages.py proto/lifecycle.py common modeling gpu_worker draft_service distill scheduler gateway specserve --ignore-missing-imports
 
 bench: setup
 	$(PY) -m bench.grpc_bench --start $(BENCH_ARGS)

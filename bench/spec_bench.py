@@ -152,10 +152,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", action="append", default=None,
                         help="`specserve up` speculation options for one stack, e.g. 'none' or 'ngram' or "
-                             "'ngram --num-speculative-tokens 6' (repeatable; default: none, ngram)")
+                             "'ngram --num-speculative-tokens 6' or 'default' (the shipped EAGLE head) (repeatable; default: none, ngram)")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1, help="passes over each workload's prompts")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS), default=None,
+                        help="workloads to run (repeatable; default: all)")
     parser.add_argument("--json-out", type=Path, default=None)
     return parser.parse_args(argv)
 
@@ -169,7 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     model = default_model_dir()
     tokenizer = Tokenizer.load(model)
-    prompts_of = {name: [tokenizer.encode_chat([ChatMessage("user", text)]) for text in texts] for name, texts in WORKLOADS.items()}
+    prompts_of = {name: [tokenizer.encode_chat([ChatMessage("user", text)]) for text in texts] for name, texts in WORKLOADS.items()
+                  if args.workload is None or name in args.workload}
     results: list[WorkloadResult] = []
     for config in configs:
         draft, *rest = shlex.split(config)

@@ -91,4 +91,16 @@ CHAT: list[str] = [
     "Summarize the causes of the French Revolution.",
 ]
 
-WORKLOADS: dict[str, list[str]] = {"editing": EDITING, "chat": CHAT}
+# Programming questions, none of them among `specserve distill`'s training requests (distill/prompts.py).
+CODE: list[str] = [
+    "Write a Python class for a bank account with deposit and withdraw methods that refuses overdrafts.",
+    "Explain the difference between a process and a thread, with a short Python example.",
+    "Write a SQL query that lists the ten customers with the highest total order value.",
+    "How do I read a large file line by line in Python without loading it all into memory?",
+    "Write a bash script that renames every .txt file in a folder to .md.",
+    "What does the yield keyword do in Python? Show an example.",
+    "Write a Python decorator that measures how long a function takes to run.",
+    "How do I sort a dictionary by its values in Python?",
+]
+
+WORKLOADS: dict[str, list[str]] = {"editing": EDITING, "chat": CHAT, "code": CODE}

@@ -11,7 +11,7 @@ from modeling.engine import DTYPES
 
 PROPOSER_HELP = (
     "what proposes: 'ngram' (prompt lookup), 'model:PATH' (a draft model folder whose vocabulary matches the "
-    "target's), or, for tests only, 'random:VOCAB_SIZE' (random tokens) and 'replay:FILE' (continuations from a JSON list "
+    "target's), 'eagle:PATH' (a draft head made by `specserve distill` for the target named by --target-model), or, for tests only, 'random:VOCAB_SIZE' (random tokens) and 'replay:FILE' (continuations from a JSON list "
     "of token-id sequences)"
 )
 
@@ -21,6 +21,7 @@ class DraftConfig:
     worker_id: str
     scheduler_address: str
     proposer: str  # see PROPOSER_HELP
+    target_model: Path | None  # the target's folder: an EAGLE head reads its embeddings and must have been trained for it
     max_draft_tokens: int  # the longest proposal it makes (k)
     ngram_min: int  # n-gram lookup tries n = ngram_max down to ngram_min
     ngram_max: int
@@ -38,13 +39,15 @@ class DraftConfig:
 
     @property
     def model_path(self) -> Path | None:
-        return Path(self.proposer.removeprefix("model:")) if self.proposer.startswith("model:") else None
+        kind, _, path = self.proposer.partition(":")
+        return Path(path) if kind in ("model", "eagle") else None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-id", default="draft-0")
     parser.add_argument("--scheduler-address", default="tcp://127.0.0.1:5556")
     parser.add_argument("--proposer", default="ngram", help=PROPOSER_HELP)
+    parser.add_argument("--target-model", type=Path, default=None, help="the target's model folder (needed by eagle:PATH)")
     parser.add_argument("--max-draft-tokens", type=int, default=8)
     parser.add_argument("--ngram-min", type=int, default=2)
     parser.add_argument("--ngram-max", type=int, default=4)
@@ -64,12 +67,15 @@ def from_arguments(args: argparse.Namespace) -> DraftConfig:
     if args.ngram_max < args.ngram_min:
         raise ValueError(f"--ngram-max ({args.ngram_max}) is below --ngram-min ({args.ngram_min})")
     kind = args.proposer.split(":", 1)[0]
-    if kind not in ("ngram", "model", "random", "replay") or (kind != "ngram") != (":" in args.proposer):
+    if kind not in ("ngram", "model", "eagle", "random", "replay") or (kind != "ngram") != (":" in args.proposer):
         raise ValueError(f"--proposer {args.proposer!r}: {PROPOSER_HELP}")
     if kind == "random" and not args.proposer.split(":", 1)[1].isdigit():
         raise ValueError(f"--proposer {args.proposer!r}: random needs the vocabulary size, e.g. random:49152")
+    if kind == "eagle" and args.target_model is None:
+        raise ValueError("--proposer eagle:PATH needs --target-model (the target's folder: the head reads its embeddings)")
     return DraftConfig(
         worker_id=args.worker_id, scheduler_address=args.scheduler_address, proposer=args.proposer,
+        target_model=args.target_model,
         max_draft_tokens=args.max_draft_tokens, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         max_model_len=args.max_model_len, num_seqs=args.num_seqs, device=args.device, dtype=args.dtype,
         draft_top_k=args.draft_top_k, heartbeat_interval_s=args.heartbeat_interval_s,

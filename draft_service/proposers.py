@@ -9,6 +9,9 @@ One small interface (`Proposer`) with the implementations users run:
   a KV slot per sequence that follows the sequence (cut back when tokens are dropped).
   Greedy requests get its argmax; sampled ones a token drawn from its truncated
   distribution, which is sent along (sparse) for lossless verification.
+- `EagleProposer`: an EAGLE-style head trained for one target (`specserve distill`),
+  reading the target's own final hidden states, which the scheduler forwards with the
+  tokens; it proposes among its draft vocabulary, mapped back to the target's ids.
 
 Proposers for tests live in `draft_service.testing_proposers`.
 """
@@ -24,6 +27,7 @@ import torch
 
 from modeling.batch import SeqSpan
 from modeling.config import ModelConfig, vocab_fingerprint
+from modeling.eagle import EagleEngine
 from modeling.engine import ModelEngine
 from modeling.kv_cache import SlotTable
 from modeling.sampling import generator_for, is_greedy, target_probs
@@ -40,6 +44,9 @@ class ProposeInput:
     num_stable: int  # the first num_stable tokens are unchanged since this sequence's previous proposal
     num_tokens: int  # k: propose at most this many
     sampling: SamplingParams
+    # For a proposer that reads target features: `[rows, width]`, the target's final hidden
+    # state at positions 0 .. rows-1 (every position but the last when complete).
+    features: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,8 @@ class Proposed:
 class Proposer(Protocol):
     vocab_size: int  # 0: works on any vocabulary
     vocab_fingerprint: str  # "": works on any vocabulary
+    feature_width: int  # 0: reads no target features
+    target_fingerprint: str  # "": serves any target
 
     def phases(self) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
         """The work of LOADING, ALLOCATING and WARMING."""
@@ -75,6 +84,8 @@ class StatelessProposer:
 
     vocab_size = 0
     vocab_fingerprint = ""
+    feature_width = 0
+    target_fingerprint = ""
 
     def phases(self) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
         return nothing, nothing, nothing
@@ -121,6 +132,9 @@ class NgramProposer(StatelessProposer):
 
 class ModelProposer:
     """A draft model with one KV slot per sequence; a sequence with no free slot gets no proposal."""
+
+    feature_width = 0
+    target_fingerprint = ""
 
     def __init__(self, folder: Path, *, device: str, dtype: str, num_slots: int, max_len: int, max_draft_tokens: int,
                  draft_top_k: int) -> None:
@@ -206,14 +220,127 @@ class ModelProposer:
         return slot
 
     def _draw(self, logits: torch.Tensor, params: SamplingParams, position: int, dists: list[SparseDist]) -> int:
-        if is_greedy(params):
-            return int(torch.argmax(logits))
-        probs = target_probs(logits, params)
-        kept = torch.topk(probs, min(self._draft_top_k, probs.shape[-1]))
-        support = kept.values > 0
-        values, ids = kept.values[support], kept.indices[support]
-        q = values / values.sum()
-        generator = generator_for(params.seed ^ _DRAFT_STREAM, position, probs.device)
-        choice = int(torch.multinomial(q, 1, generator=generator))
-        dists.append(SparseDist(ids.tolist(), q.tolist()))
-        return int(ids[choice])
+        return draw(logits, params, position, dists, self._draft_top_k, None)
+
+
+def draw(logits: torch.Tensor, params: SamplingParams, position: int, dists: list[SparseDist], top_k: int,
+         token_ids: torch.Tensor | None) -> int:
+    """The draft's token from its logits: the argmax when greedy, else a draw from its `top_k` most likely (the
+    distribution drawn from is appended to `dists`). `token_ids` maps logit columns to vocabulary ids (None: the same)."""
+    if is_greedy(params):
+        column = int(torch.argmax(logits))
+        return column if token_ids is None else int(token_ids[column])
+    probs = target_probs(logits, params)
+    kept = torch.topk(probs, min(top_k, probs.shape[-1]))
+    support = kept.values > 0
+    values, columns = kept.values[support], kept.indices[support]
+    ids = columns if token_ids is None else token_ids[columns]
+    q = values / values.sum()
+    generator = generator_for(params.seed ^ _DRAFT_STREAM, position, probs.device)
+    choice = int(torch.multinomial(q, 1, generator=generator))
+    dists.append(SparseDist(ids.tolist(), q.tolist()))
+    return int(ids[choice])
+
+
+class EagleProposer:
+    """An EAGLE-style head (modeling/eagle.py) with one KV slot per sequence.
+
+    Draft position j holds the pair (target feature f_j, token x_{j+1}). The pairs built
+    from the target's own features stand until the sequence changes before them; the
+    pairs a proposal adds (built from the head's predicted features) are recomputed from
+    the target's features on the next request, since the scheduler sends those then.
+    """
+
+    def __init__(self, folder: Path, target_folder: Path, *, device: str, dtype: str, num_slots: int, max_len: int,
+                 max_draft_tokens: int, draft_top_k: int) -> None:
+        self._engine = EagleEngine(folder, target_folder, device=device, dtype=dtype, num_slots=num_slots, max_len=max_len)
+        config = self._engine.config
+        if max_len > config.max_position_embeddings:
+            raise ValueError(f"--max-model-len {max_len} exceeds the target's {config.max_position_embeddings} positions")
+        self.vocab_size = config.vocab_size
+        self.vocab_fingerprint = self._engine.meta.vocab_fingerprint
+        self.target_fingerprint = self._engine.meta.target_fingerprint
+        self.feature_width = config.hidden_size
+        self._slots = SlotTable(num_slots, max_len)
+        self._slot_of: dict[str, int] = {}
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._from_target: dict[int, int] = {}  # per slot: leading draft positions built from the target's features
+        self._max_draft_tokens = max_draft_tokens
+        self._draft_top_k = draft_top_k
+
+    def phases(self) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
+        return self._engine.load, self._engine.allocate, self._warm_up
+
+    @property
+    def num_used_slots(self) -> int:
+        return len(self._slot_of)
+
+    def _warm_up(self) -> None:
+        """A proposal for every slot at once at the longest k, greedy and sampled."""
+        k = self._max_draft_tokens
+        prompt = [(11 * i + 5) % self.vocab_size for i in range(8)]
+        features = torch.randn(len(prompt) - 1, self.feature_width, generator=torch.Generator().manual_seed(0))
+        batch = [ProposeInput(f"warm-up-{i}", prompt, 0, k, SamplingParams(temperature=float(i % 2), seed=i), features)
+                 for i in range(self._engine.num_slots)]
+        proposals = self.propose(batch)
+        if any(len(p.token_ids) != k for p in proposals):
+            raise RuntimeError("warm-up: the draft head did not propose k tokens for every sequence")
+        for item in batch:
+            self.forget(item.request_id)
+
+    def forget(self, request_id: str) -> None:
+        slot = self._slot_of.pop(request_id, None)
+        if slot is not None:
+            self._slots.release(slot)
+            self._from_target.pop(slot, None)
+            self._free.append(slot)
+
+    def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
+        tokens: dict[str, list[int]] = {}
+        dists: dict[str, list[SparseDist]] = {}
+        active: list[ProposeInput] = []
+        spans: list[SeqSpan] = []
+        rows: list[torch.Tensor] = []
+        for item in batch:
+            n = len(item.token_ids)
+            if item.features is None or item.features.shape[0] < n - 1 or n < 2 or n >= self._engine.max_len:
+                continue  # without every feature the head has nothing sound to read
+            slot = self._slot_for(item)
+            if slot is None:
+                continue
+            # Pairs before `cached` stand; pair n-2 (the last token and the feature before it) is always fed.
+            cached = max(0, min(self._from_target.get(slot, 0), item.num_stable - 1, n - 2))
+            spans.append(SeqSpan(slot, cached, item.token_ids[cached + 1 : n], 1))
+            rows.append(item.features[cached : n - 1])
+            self._from_target[slot] = n - 1
+            active.append(item)
+            tokens[item.request_id], dists[item.request_id] = [], []
+        while active:
+            logits, predicted = self._engine.forward(spans, torch.cat(rows))
+            next_active: list[ProposeInput] = []
+            next_spans: list[SeqSpan] = []
+            next_rows: list[torch.Tensor] = []
+            for row, (item, span) in enumerate(zip(active, spans)):
+                position = span.start + len(span.token_ids)
+                self._slots.set_length(span.slot, position)
+                token = draw(logits[row], item.sampling, len(item.token_ids) + len(tokens[item.request_id]), dists[item.request_id],
+                             self._draft_top_k, self._engine.draft_vocab)
+                tokens[item.request_id].append(token)
+                if len(tokens[item.request_id]) < item.num_tokens and position + 1 < self._engine.max_len:
+                    next_active.append(item)
+                    next_spans.append(SeqSpan(span.slot, position, [token], 1))
+                    next_rows.append(predicted[row : row + 1])
+            active, spans, rows = next_active, next_spans, next_rows
+        return [
+            Proposed(tokens.get(item.request_id, []), None if is_greedy(item.sampling) else dists.get(item.request_id, []))
+            for item in batch
+        ]
+
+    def _slot_for(self, item: ProposeInput) -> int | None:
+        slot = self._slot_of.get(item.request_id)
+        if slot is None:
+            if not self._free:
+                return None
+            slot = self._free.pop()
+            self._slot_of[item.request_id] = slot
+        return slot

@@ -10,7 +10,7 @@ import torch
 
 from common.lifecycle_process import LifecycleProcess, Phase
 from draft_service.config import DraftConfig
-from draft_service.proposers import ModelProposer, NgramProposer, ProposeInput, Proposer
+from draft_service.proposers import EagleProposer, ModelProposer, NgramProposer, ProposeInput, Proposer
 from draft_service.sequences import SequenceStore
 from draft_service.testing_proposers import RandomProposer, ReplayProposer
 from proto import messages as m
@@ -22,6 +22,11 @@ def make_proposer(config: DraftConfig) -> Proposer:
     match kind:
         case "ngram":
             return NgramProposer(config.ngram_min, config.ngram_max)
+        case "eagle":
+            assert config.target_model is not None  # checked with the arguments
+            return EagleProposer(Path(argument), config.target_model, device=config.device, dtype=config.dtype,
+                                 num_slots=config.num_seqs, max_len=config.max_model_len,
+                                 max_draft_tokens=config.max_draft_tokens, draft_top_k=config.draft_top_k)
         case "model":
             return ModelProposer(Path(argument), device=config.device, dtype=config.dtype, num_slots=config.num_seqs,
                                  max_len=config.max_model_len, max_draft_tokens=config.max_draft_tokens,
@@ -53,6 +58,7 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
             vocab_size=self._proposer.vocab_size, max_model_len=cfg.max_model_len, num_kv_slots=cfg.num_seqs,
             dtype=cfg.dtype if model else "", device=cfg.device if model else "",
             vocab_fingerprint=self._proposer.vocab_fingerprint, max_draft_tokens=cfg.max_draft_tokens,
+            feature_width=self._proposer.feature_width, target_fingerprint=self._proposer.target_fingerprint,
         )
 
     def phases(self) -> list[Phase]:
@@ -108,7 +114,8 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
             num_held[seq.request_id] = len(update.token_ids)
             num_tokens = min(seq.num_tokens, self._config.max_draft_tokens, self._config.max_model_len - len(update.token_ids))
             if num_tokens > 0:
-                inputs.append(ProposeInput(seq.request_id, update.token_ids, update.num_stable, num_tokens, seq.sampling))
+                inputs.append(ProposeInput(seq.request_id, update.token_ids, update.num_stable, num_tokens, seq.sampling,
+                                           update.features))
         proposed = dict(zip((i.request_id for i in inputs), self._proposer.propose(inputs)))
         proposals = []
         for seq in request.seqs:

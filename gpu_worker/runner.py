@@ -8,10 +8,11 @@ from gpu_worker.config import WorkerConfig
 from modeling.batch import SeqSpan
 from modeling.config import ModelConfig
 from modeling.engine import ModelEngine
+from modeling.features import to_rows
 from modeling.kv_cache import SlotError, SlotTable
 from modeling.rejection import sparse_dist_problem, verify, verify_greedy
 from modeling.sampling import is_greedy
-from proto.messages import SeqOutput, SeqWork
+from proto.messages import SeqFeatures, SeqOutput, SeqWork
 
 
 class ModelRunner:
@@ -53,19 +54,22 @@ class ModelRunner:
         for slot in slots:
             self._slots.release(slot)
 
-    def execute(self, seqs: list[SeqWork]) -> list[SeqOutput]:
+    def execute(self, seqs: list[SeqWork], return_features: bool = False) -> tuple[list[SeqOutput], list[SeqFeatures]]:
         """Run one step; raises SlotError, before touching any state, if it is inconsistent.
 
         A sampling sequence with k draft tokens gets k+1 rows of logits (after its last
         accepted token and after each draft token); the accepted drafts and one more token
-        come back, and its slot is cut back to the tokens that stand.
+        come back, and its slot is cut back to the tokens that stand. With
+        `return_features`, so do the final hidden states of the step's tokens that stand.
         """
         self._check(seqs)
         spans = [SeqSpan(w.slot, w.start_position, w.token_ids, w.num_draft_tokens + 1 if w.sample else 0) for w in seqs]
-        logits = self._engine.forward(spans)  # [M, V]: the rows of each sampling sequence in step order
+        logits, hidden = self._engine.forward_with_features(spans)  # logits [M, V]: the sampling rows, in step order
         best = torch.argmax(logits, dim=-1).tolist()  # one batched argmax serves every greedy sequence
         outputs: list[SeqOutput] = []
+        features: list[SeqFeatures] = []
         row = 0
+        token_row = 0  # the sequence's first row in `hidden`
         for w in seqs:
             num_drafts = w.num_draft_tokens
             num_standing = len(w.token_ids) - num_drafts
@@ -81,7 +85,11 @@ class ModelRunner:
                 num_standing += verdict.num_accepted
             # Rejected drafts' keys and values stay behind the slot's length and are overwritten later.
             self._slots.set_length(w.slot, w.start_position + num_standing)
-        return outputs
+            if return_features:
+                kept = hidden[token_row : token_row + num_standing]
+                features.append(SeqFeatures(w.request_id, to_rows(kept, w.start_position)))
+            token_row += len(w.token_ids)
+        return outputs, features
 
     def _check(self, seqs: list[SeqWork]) -> None:
         seen: set[int] = set()

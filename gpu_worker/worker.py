@@ -37,7 +37,7 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
             pid=os.getpid(), model_name=cfg.model.name, model_fingerprint=model_fingerprint(cfg.model),
             vocab_size=self._model_config.vocab_size, max_model_len=cfg.max_model_len, num_kv_slots=cfg.num_kv_slots,
             dtype=cfg.dtype, device=cfg.device, vocab_fingerprint=vocab_fingerprint(cfg.model),
-            max_draft_tokens=cfg.max_draft_tokens,
+            max_draft_tokens=cfg.max_draft_tokens, feature_width=self._model_config.hidden_size,
         )
 
     def phases(self) -> list[Phase]:
@@ -73,8 +73,15 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
         runner = self._runner
         started = time.perf_counter()
         outputs: list[m.SeqOutput] = []
+        features: list[m.SeqFeatures] = []
+
+        def execute() -> None:
+            done, rows = runner.execute(step.seqs, step.return_features)
+            outputs.extend(done)
+            features.extend(rows)
+
         try:
-            self.run_step(lambda: outputs.extend(runner.execute(step.seqs)))
+            self.run_step(execute)
         except SlotError as exc:
             self._refuse(step, str(exc))
             return
@@ -85,7 +92,7 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
                 self.log.info("seq.started", request_id=work.request_id, slot=work.slot, step_id=step.step_id)
         self.send(m.StepResult(
             worker_id=self.process_id, incarnation=self.incarnation, step_id=step.step_id,
-            outputs=outputs, duration_ms=duration_ms,
+            outputs=outputs, duration_ms=duration_ms, features=features,
         ))
         self.log.debug("step.done", step_id=step.step_id, num_seqs=len(step.seqs), duration_ms=round(duration_ms, 2),
                        request_ids=[w.request_id for w in step.seqs])

@@ -52,11 +52,19 @@ class ModelEngine:
 
     def forward(self, spans: list[SeqSpan]) -> torch.Tensor:
         """Write every span's tokens into its slot and return the logits it asks for: `[sum num_logits, V]`."""
+        return self.forward_with_features(spans)[0]
+
+    def forward_with_features(self, spans: list[SeqSpan]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like forward, and also the final hidden state of every new token, in span order: `[sum len(token_ids), H]`.
+
+        These features are what an EAGLE-style draft head reads (modeling/eagle.py).
+        """
         if self._model is None or self._cache is None:
             raise RuntimeError("the engine is not built: load() and allocate() come first")
         with torch.inference_mode():
             batch = build_step_batch(spans, self.device)
-            return self._model.logits(self._model(batch, self._cache))
+            hidden = self._model(batch, self._cache)
+            return self._model.logits(hidden[batch.logit_rows]), hidden
 
     def self_check(self) -> None:
         """Uses slot 0, twice (left dirty: the owner's slot table still says it is empty), so one slot is enough."""

@@ -78,20 +78,23 @@ class LlamaModel(torch.nn.Module):
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, batch: StepBatch, cache: KVCache) -> torch.Tensor:
-        """Append the batch's tokens to the cache and return hidden states `[M, hidden]` of batch.logit_rows."""
+    def forward(self, batch: StepBatch, cache: KVCache, inputs: torch.Tensor | None = None) -> torch.Tensor:
+        """Append the batch's tokens to the cache and return the final (normed) hidden states of every row `[N, hidden]`.
+
+        `inputs` `[N, hidden]` replaces the token embeddings (a draft head feeds its own mix).
+        """
         if self._rope_cos is None or self._rope_sin is None:
             raise RuntimeError("set_rope_cache() must run before forward()")
         cos = self._rope_cos[batch.positions].unsqueeze(1)  # [N, 1, D]
         sin = self._rope_sin[batch.positions].unsqueeze(1)
         masks = [None if g.mask is None else g.mask.to(self.embed_tokens.dtype) for g in batch.groups]
-        x = F.embedding(batch.token_ids, self.embed_tokens)  # [N, hidden]
+        x = F.embedding(batch.token_ids, self.embed_tokens) if inputs is None else inputs  # [N, hidden]
         eps = self.config.rms_norm_eps
         for index, layer in enumerate(self.layers):
             x = x + self._attention(index, layer, _rms_norm(x, layer.input_norm, eps), cos, sin, batch, masks, cache)
             gate, up = self.linear(_rms_norm(x, layer.post_attention_norm, eps), layer.gate_up_proj).chunk(2, dim=-1)
             x = x + self.linear(F.silu(gate) * up, layer.down_proj)
-        return _rms_norm(x[batch.logit_rows], self.norm, eps)
+        return _rms_norm(x, self.norm, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[M, hidden]` -> float32 logits `[M, vocab]`."""

@@ -48,6 +48,11 @@ def default_model_dir(cache_dir: Path | None = None) -> Path:
     return (cache_dir or default_cache_dir()) / DEFAULT_MODEL_NAME
 
 
+def default_draft_dir() -> Path:
+    """The EAGLE draft head trained for the default model by `specserve distill`, committed to the repository."""
+    return Path(__file__).resolve().parent.parent / "drafts" / DEFAULT_MODEL_NAME
+
+
 def ensure_default_model(cache_dir: Path | None = None) -> Path:
     """The converted default model folder, downloading and converting it first if needed."""
     model_dir = default_model_dir(cache_dir)

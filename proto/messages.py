@@ -143,6 +143,19 @@ class SparseDist(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_
     probs: list[float]
 
 
+class FeatureRows(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A target's final hidden states at consecutive positions, raw: row-major `num_rows` x `width` values of `dtype`.
+
+    What an EAGLE-style draft head reads (modeling/eagle.py); the scheduler only moves the bytes.
+    """
+
+    start_position: int
+    num_rows: int
+    width: int
+    dtype: str  # a torch dtype name: "bfloat16", "float32", "float16"
+    data: bytes
+
+
 class SeqWork(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One sequence's part of a step: append token_ids to its KV slot, then maybe sample.
 
@@ -167,6 +180,8 @@ class StepRequest(msgspec.Struct, tag="step", frozen=True, forbid_unknown_fields
     step_id: int
     incarnation: int  # of the worker this step is meant for; any other incarnation refuses it
     seqs: list[SeqWork]
+    # Return the final hidden state of every token that stands after the step (a draft head reads them).
+    return_features: bool = False
 
 
 class ReleaseSlots(msgspec.Struct, tag="release", frozen=True, forbid_unknown_fields=True):
@@ -203,6 +218,9 @@ class ProposeSeq(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     new_token_ids: list[int]
     num_tokens: int  # k, at least 1
     sampling: SamplingParams  # greedy requests get greedy proposals; sampled ones a sparse q
+    # For a draft that reads target features: the rows from `features.start_position` up to
+    # the one before the last token (the service keeps every earlier row it was sent).
+    features: FeatureRows | None = None
 
 
 class ProposeRequest(msgspec.Struct, tag="propose", frozen=True, forbid_unknown_fields=True):
@@ -241,6 +259,9 @@ class WorkerHello(msgspec.Struct, tag="hello", frozen=True, forbid_unknown_field
     device: str
     vocab_fingerprint: str = ""  # hash of the tokenizer's vocabulary; "" = works on any vocabulary (n-gram)
     max_draft_tokens: int = 0  # target: the longest proposal a verify step may carry; draft: the longest it makes
+    # Target: the width of the features it returns. Draft: the width it reads (0: it reads none).
+    feature_width: int = 0
+    target_fingerprint: str = ""  # draft: the model_fingerprint of the only target it serves ("": any)
 
 
 class LifecycleReport(msgspec.Struct, tag="lifecycle", frozen=True, forbid_unknown_fields=True):
@@ -273,12 +294,18 @@ class SeqOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_accepted_draft: int = 0
 
 
+class SeqFeatures(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    request_id: str
+    rows: FeatureRows  # the positions of the step that stand: every new token but rejected drafts
+
+
 class StepResult(msgspec.Struct, tag="step_result", frozen=True, forbid_unknown_fields=True):
     worker_id: str
     incarnation: int
     step_id: int
     outputs: list[SeqOutput]  # one per SeqWork with sample=True, in request order
     duration_ms: float
+    features: list[SeqFeatures] = []  # when asked (return_features): one per SeqWork, in request order
 
 
 class StepRefused(msgspec.Struct, tag="step_refused", frozen=True, forbid_unknown_fields=True):

@@ -60,6 +60,7 @@ class SchedulerCore:
         self._gateways: set[bytes] = set()
         self._target_fingerprint: str | None = None
         self._target_vocab_size = 0
+        self._target_feature_width = 0  # the width of the features the targets return
         self._no_ready_target_since_s: float | None = 0.0  # None while a target worker is READY
         self._next_step_id = 0
         self.outbox: list[Outgoing] = []
@@ -228,6 +229,7 @@ class SchedulerCore:
             self._target_fingerprint = self._target_fingerprint or hello.model_fingerprint
             self._target_vocab = self._target_vocab or hello.vocab_fingerprint
             self._target_vocab_size = hello.vocab_size
+            self._target_feature_width = hello.feature_width
             for draft in [w for w in self._workers.values() if not w.is_target and w.state not in TERMINAL]:
                 if draft_problem := self._draft_incompatibility(draft.hello):
                     self._refuse(draft, draft_problem)
@@ -254,11 +256,24 @@ class SchedulerCore:
         return ""
 
     def _draft_incompatibility(self, hello: m.WorkerHello) -> str:
-        """A draft must propose in the targets' vocabulary; one that works on any (n-gram) always fits."""
+        """A draft must propose in the targets' vocabulary; one that works on any (n-gram) always fits.
+
+        A draft trained for one target (it names the target's fingerprint) serves only that
+        target, and one that reads target features needs them at its width.
+        """
         if self._target_vocab and hello.vocab_fingerprint and hello.vocab_fingerprint != self._target_vocab:
             return (f"the draft's vocabulary (fingerprint {hello.vocab_fingerprint}, {hello.vocab_size} tokens) differs "
                     f"from the target's (fingerprint {self._target_vocab}, {self._target_vocab_size} tokens)")
+        if self._target_fingerprint and hello.target_fingerprint and hello.target_fingerprint != self._target_fingerprint:
+            return (f"the draft was trained for another target model (fingerprint {hello.target_fingerprint}, "
+                    f"the target's is {self._target_fingerprint})")
+        if self._target_feature_width and hello.feature_width and hello.feature_width != self._target_feature_width:
+            return f"the draft reads features of width {hello.feature_width}, the target's are {self._target_feature_width} wide"
         return ""
+
+    def _wants_features(self) -> bool:
+        """Steps return target features while a draft that reads them is around (from its hello on, so none is missed)."""
+        return any(w.hello.feature_width > 0 and not w.is_target and w.state not in TERMINAL for w in self._workers.values())
 
     def _on_lifecycle(self, worker: WorkerRecord, reported: str, now_s: float) -> bool:
         """Follow a reported transition; one the table does not allow is dropped as a protocol error."""
@@ -304,6 +319,15 @@ class SchedulerCore:
                 request.num_computed_tokens += output.num_accepted_draft
                 self._record_speculation(request, seq, output.num_accepted_draft)
                 self._append_tokens(request, output.token_ids)
+        for features in result.features:
+            owner = self._requests.get(features.request_id)
+            if owner is None or worker.requests.get(features.request_id) is not owner:
+                continue
+            if problem := owner.features.problem(features.rows):
+                self._errors_from(worker, "bad_features", problem)
+                owner.features.clear()
+            elif not owner.features.put(features.rows):
+                owner.features.clear()  # a gap (the steps before were not asked for features): none until recomputed
         self._place_waiting()
         self._dispatch(now_s)
         return True
@@ -336,6 +360,8 @@ class SchedulerCore:
                 continue
             # Whatever happens to the step, the draft service now holds this.
             request.draft.num_stable, request.draft.num_proposed = proposal.num_held, len(proposal.token_ids)
+            if proposal.num_held == 0:  # it started the sequence over: it holds no features either
+                request.draft.num_features = 0
             if proposal.token_ids:
                 proposals[proposal.request_id] = proposal
         worker = self._workers.get(pending.worker_id)
@@ -423,6 +449,8 @@ class SchedulerCore:
                 max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len,
             )
             num_tokens = speculation_plan(plan, limits)
+            if draft.hello.feature_width:  # only sequences whose every feature is at hand
+                num_tokens = {rid: k for rid, k in num_tokens.items() if self._has_features(self._requests[rid])}
         self.spec.decide(max(num_tokens.values(), default=0))
         if draft is None or not num_tokens:
             self._send_step(worker, plan, {}, now_s)
@@ -434,15 +462,26 @@ class SchedulerCore:
             if r.request_id in num_tokens:
                 view = r.draft
                 view.known = True
+                features = None
+                if draft.hello.feature_width:
+                    features = r.features.rows_from(view.num_features, r.num_tokens - 1)
+                    view.num_features = r.num_tokens - 1
                 seqs.append(m.ProposeSeq(
                     request_id=r.request_id, num_held=view.num_held, num_drop=view.num_proposed,
                     new_token_ids=r.token_slice(view.num_stable, r.num_tokens), num_tokens=num_tokens[r.request_id],
-                    sampling=r.sampling,
+                    sampling=r.sampling, features=features,
                 ))
         pending = PendingProposal(self._next_propose_id, worker.worker_id, worker.incarnation, plan, num_tokens, now_s)
         self._proposals[pending.propose_id] = pending
         worker.awaiting_proposal = pending.propose_id
         self.outbox.append(Outgoing(True, draft.identity, m.ProposeRequest(pending.propose_id, draft.incarnation, seqs)))
+
+    @staticmethod
+    def _has_features(request: Request) -> bool:
+        """Every position but the last has its feature, and the draft holds no more rows than there are."""
+        if request.draft.num_features > request.features.count:
+            request.draft.reset()  # the rows it holds were recomputed or lost: start its sequence over
+        return request.features.count >= request.num_tokens - 1
 
     def _give_up_proposal(self, pending: PendingProposal, now_s: float, *, answer_may_come: bool) -> None:
         """Step without proposals. What the draft holds for these requests is unknown until its answer comes, if it does."""
@@ -480,7 +519,8 @@ class SchedulerCore:
             ))
             step_seqs.append(StepSeq(r, item.num_tokens, item.completes, drafts, r.draft.generation))
         worker.in_flight = InFlightStep(self._next_step_id, now_s, step_seqs)
-        self.outbox.append(Outgoing(True, worker.identity, m.StepRequest(self._next_step_id, worker.incarnation, seqs)))
+        self.outbox.append(Outgoing(True, worker.identity, m.StepRequest(self._next_step_id, worker.incarnation, seqs,
+                                                                         return_features=self._wants_features())))
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> None:
         emitted: list[int] = []

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from proto.messages import FinishReason, SamplingParams
+from scheduler.features import FeatureStore
 
 
 class RequestStatus(enum.Enum):
@@ -38,6 +39,7 @@ class DraftView:
 
     num_stable: int = 0
     num_proposed: int = 0
+    num_features: int = 0  # target feature rows it holds (positions 0 .. num_features-1), for a draft that reads them
     known: bool = False  # the draft service was ever told about it (so it must be told to forget it)
     generation: int = 0  # bumped by reset(): a verify result for an older generation must not move the counts
 
@@ -52,7 +54,7 @@ class DraftView:
 
     def reset(self) -> None:
         """The draft service's state is unknown (timeout) or gone (new incarnation)."""
-        self.num_stable = self.num_proposed = 0
+        self.num_stable = self.num_proposed = self.num_features = 0
         self.generation += 1
 
 
@@ -71,6 +73,7 @@ class Request:
     slot: int | None = None
     num_computed_tokens: int = 0  # tokens whose keys and values the worker's slot holds
     draft: DraftView = field(default_factory=lambda: DraftView())
+    features: FeatureStore = field(default_factory=FeatureStore, compare=False, repr=False)  # while a draft reads features
     # Speculation so far: draft tokens verified, accepted, and verify steps.
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0

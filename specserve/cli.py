@@ -37,6 +37,9 @@ def _build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="generate text through a running stack's gRPC API")
     add_generate_arguments(generate)
     generate.set_defaults(run=run_generate)
+    distill = commands.add_parser("distill", help="train an EAGLE-style draft head for a target, from the target's own outputs")
+    _add_distill_arguments(distill)
+    distill.set_defaults(run=_run_distill)
     prepare = commands.add_parser("prepare-model", help="convert the embedded default model once and print its folder")
     prepare.set_defaults(run=_run_prepare_model)
     health = commands.add_parser("healthcheck", help="exit 0 when a service is ready (for container health checks)")
@@ -60,9 +63,11 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--num-kv-slots", type=int, default=64, help="sequences each worker holds at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--draft", default="ngram", type=_draft_choice,
-                        help="the draft service's proposer: none (no speculation), ngram (prompt lookup), or model:PATH "
-                             "(a draft model folder whose vocabulary matches the target's)")
+    parser.add_argument("--draft", default=None, type=_draft_choice,
+                        help="the draft service's proposer: none (no speculation), ngram (prompt lookup), default (the "
+                             "EAGLE head shipped for the embedded default model), eagle:PATH (a head made by `specserve "
+                             "distill` for --model), or model:PATH (a draft model folder whose vocabulary matches the "
+                             "target's); default: 'default' when the shipped head was trained for --model (the embedded model), else ngram")
     parser.add_argument("--num-speculative-tokens", type=int, default=6, help="draft tokens per sequence in a speculative step")
     parser.add_argument("--spec-disable-batch-threshold", type=int, default=4,
                         help="speculate only when a step has at most this many sequences")
@@ -71,9 +76,46 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _draft_choice(value: str) -> str:
-    if value in ("none", "ngram") or (value.startswith("model:") and len(value) > len("model:")):
+    kind, _, path = value.partition(":")
+    if value in ("none", "ngram", "default") or (kind in ("model", "eagle") and path):
         return value
-    raise argparse.ArgumentTypeError(f"expected none, ngram or model:PATH, got {value!r}")
+    raise argparse.ArgumentTypeError(f"expected none, ngram, default, eagle:PATH or model:PATH, got {value!r}")
+
+
+def default_draft(model: Path) -> str:
+    """`up`'s draft when none is named: the shipped EAGLE head when it was trained for this model, else n-gram lookup."""
+    from modeling.eagle import DraftMismatch, check_target
+    from modeling.model_store import default_draft_dir
+
+    try:
+        check_target(default_draft_dir(), model)
+    except (DraftMismatch, OSError, KeyError, ValueError):
+        return "ngram"
+    return "default"
+
+
+def _draft_proposer(draft: str) -> str:
+    """The draft service's --proposer for `up --draft` (paths made absolute)."""
+    from modeling.model_store import default_draft_dir
+
+    if draft == "default":
+        return f"eagle:{default_draft_dir()}"
+    kind, _, path = draft.partition(":")
+    return f"{kind}:{Path(path).resolve()}" if path else draft
+
+
+def _add_distill_arguments(parser: argparse.ArgumentParser) -> None:
+    from distill.train import add_arguments
+
+    add_arguments(parser)
+    parser.set_defaults(parser=parser)
+
+
+def _run_distill(args: argparse.Namespace) -> int:
+    from distill.train import check_arguments, run
+
+    run(check_arguments(args.parser, args))
+    return 0
 
 
 def _run_prepare_model(args: argparse.Namespace) -> int:
@@ -105,8 +147,10 @@ def _run_up(args: argparse.Namespace) -> int:
     model = args.model or ensure_default_model()
     if not (model / "config.json").is_file():
         raise SystemExit(f"specserve up: --model {model} has no config.json")
-    if args.draft.startswith("model:") and not (Path(args.draft.removeprefix("model:")) / "config.json").is_file():
-        raise SystemExit(f"specserve up: --draft {args.draft}: the folder has no config.json")
+    args.draft = args.draft or default_draft(model)
+    proposer = _draft_proposer(args.draft)
+    if ":" in proposer and not (Path(proposer.partition(":")[2]) / "config.json").is_file():
+        raise SystemExit(f"specserve up: --draft {args.draft}: {proposer.partition(':')[2]} has no config.json")
     device = args.device or _default_device()
     dtype = args.dtype or _default_dtype(device)
     supervisor = Supervisor(_service_specs(args, model, device, dtype), RestartPolicy())
@@ -152,9 +196,10 @@ def _service_specs(args: argparse.Namespace, model: Path, device: str, dtype: st
             "--num-kv-slots", str(args.num_kv_slots), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--num-threads", str(num_threads)] + log_flag, stop_order=1))
     if args.draft != "none":
-        proposer = args.draft if args.draft == "ngram" else f"model:{Path(args.draft.removeprefix('model:')).resolve()}"
+        proposer = _draft_proposer(args.draft)
+        target = ["--target-model", str(model)] if proposer.startswith("eagle:") else []
         specs.append(ServiceSpec("draft", python + [
-            "draft_service", "--worker-id", "draft-0", "--proposer", proposer, "--scheduler-address", worker_address,
+            "draft_service", "--worker-id", "draft-0", "--proposer", proposer, *target, "--scheduler-address", worker_address,
             "--device", "cuda:0" if device == "cuda" else device, "--dtype", dtype, "--max-model-len", str(args.max_model_len),
             "--num-seqs", str(args.num_kv_slots * args.num_workers), "--max-draft-tokens", str(max(args.num_speculative_tokens, 1)),
             "--num-threads", "1" if device == "cpu" else "0"] + log_flag, stop_order=1, essential=False))

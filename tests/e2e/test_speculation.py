@@ -20,6 +20,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from gateway.tokenizer import ChatMessage, Tokenizer
+from modeling.model_store import default_draft_dir
 from proto import specserve_pb2 as pb
 from tests.e2e.stack import GenerateResult, Stack, StackOptions
 
@@ -139,11 +140,13 @@ def test_greedy_is_lossless_with_every_proposer(spec_stack: Stack, default_model
             assert accepted / proposed < 0.05, "random tokens should nearly always be rejected"
 
 
-def test_greedy_is_lossless_in_bfloat16(default_model_dir: Path, tmp_path: Path) -> None:
+def test_greedy_is_lossless_in_bfloat16_and_with_the_shipped_draft_head(default_model_dir: Path, tmp_path: Path) -> None:
     """bf16 rounds differently when a kernel changes; every row of a step is computed the same way whatever else is in it,
-    so a verify step's rows are exactly the plain decode steps they replace."""
+    so a verify step's rows are exactly the plain decode steps they replace. The shipped EAGLE head (drafts/, made by
+    `specserve distill`) reads the target's features through the scheduler, and must both agree often and change nothing."""
     options = StackOptions(default_model_dir, dtype="bfloat16", num_workers=1, num_kv_slots=8,
-                           scheduler_args=["--num-speculative-tokens", "6", "--spec-disable-batch-threshold", "4"])
+                           scheduler_args=["--num-speculative-tokens", "6", "--spec-disable-batch-threshold", "4"],
+                           draft_args=["--target-model", str(default_model_dir)])
     (tmp_path / "logs").mkdir()
     stack = Stack(options, tmp_path / "logs")
     try:
@@ -154,12 +157,18 @@ def test_greedy_is_lossless_in_bfloat16(default_model_dir: Path, tmp_path: Path)
         baseline = [r.token_ids for r in run_staggered(stack, requests)]
         replay = tmp_path / "replay.json"
         replay.write_text(json.dumps([p + out for p, out in zip(ids, baseline)]))
-        for proposer in ("ngram", f"replay:{replay}"):
+        for proposer in ("ngram", f"replay:{replay}", f"eagle:{default_draft_dir()}"):
             switch_draft(stack, proposer)
+            before = stack.info().speculation
             results = run_staggered(stack, requests)
             for index, (result, expected) in enumerate(zip(results, baseline)):
                 assert result.token_ids == expected, f"{proposer}: prompt {index} differs from greedy without speculation"
-        assert stack.wait_idle().speculation.num_accepted_draft_tokens > 0
+            after = stack.wait_idle().speculation
+            proposed = after.num_draft_tokens - before.num_draft_tokens
+            accepted = after.num_accepted_draft_tokens - before.num_accepted_draft_tokens
+            assert proposed > 0 and accepted > 0, proposer
+            if proposer.startswith("eagle"):
+                assert accepted / proposed > 0.3, f"the shipped head accepted only {accepted} of {proposed} draft tokens"
     finally:
         stack.stop()
 

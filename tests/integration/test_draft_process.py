@@ -17,11 +17,11 @@ from proto import messages as m
 from tests.integration.test_worker_process import GREEDY, FakeScheduler, scheduler  # noqa: F401  (fixture)
 
 
-def _start_draft(proposer: str, address: str, tmp_path: Path) -> subprocess.Popen[bytes]:
-    log = (tmp_path / "draft.log").open("wb")
+def _start_draft(proposer: str, address: str, tmp_path: Path, *extra: str) -> subprocess.Popen[bytes]:
+    log = (tmp_path / "draft.log").open("ab")
     return subprocess.Popen([sys.executable, "-m", "draft_service", "--proposer", proposer, "--scheduler-address", address,
-                             "--dtype", "float32", "--num-seqs", "2", "--max-model-len", "256", "--max-draft-tokens", "3",
-                             "--status-file", str(tmp_path / "status")], stdout=log, stderr=subprocess.STDOUT)
+                             "--dtype", "float32", "--num-seqs", "2", "--max-model-len", "128", "--max-draft-tokens", "3",
+                             "--status-file", str(tmp_path / "status"), *extra], stdout=log, stderr=subprocess.STDOUT)
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
@@ -99,3 +99,55 @@ def test_a_draft_that_cannot_load_fails_in_its_phase_and_exits_non_zero(schedule
         assert (tmp_path / "status").read_text().strip() == "FAILED"
     finally:
         _stop(draft)
+
+
+def test_an_eagle_head_service_reads_target_features_and_refuses_another_target(
+    tiny_llama_folder: Path, scheduler: FakeScheduler, tmp_path: Path,  # noqa: F811
+) -> None:
+    import json
+    import shutil
+
+    import torch
+
+    from modeling.config import model_fingerprint
+    from modeling.features import to_rows
+    from tests.eagle_helpers import tiny_head
+
+    folder = tmp_path / "head"
+    tiny_head(tiny_llama_folder).save(folder, tiny_llama_folder, {"note": "untrained, for tests"})
+    draft = _start_draft(f"eagle:{folder}", scheduler.address, tmp_path, "--target-model", str(tiny_llama_folder))
+    try:
+        hello = scheduler.receive(m.WorkerHello)
+        assert isinstance(hello, m.WorkerHello)
+        assert (hello.feature_width, hello.target_fingerprint) == (64, model_fingerprint(tiny_llama_folder))
+        while (report := scheduler.receive(m.LifecycleReport)).state != "READY":  # type: ignore[attr-defined]
+            pass
+        tokens = [5, 17, 3, 88, 42, 7]
+        features = to_rows(torch.randn(len(tokens) - 1, 64), 0)
+        scheduler.send(m.ProposeRequest(1, hello.incarnation, [m.ProposeSeq("r", 0, 0, tokens, 3, GREEDY, features)]))
+        (proposal,) = scheduler.receive(m.ProposeResult).proposals  # type: ignore[attr-defined]
+        assert (proposal.num_held, len(proposal.token_ids)) == (len(tokens), 3)
+        assert all(t % 2 == 0 for t in proposal.token_ids)  # the head's vocabulary: even ids
+        # Feature rows that leave a gap restart the sequence; without features there is no proposal.
+        gap = to_rows(torch.randn(1, 64), 9)
+        scheduler.send(m.ProposeRequest(2, hello.incarnation, [m.ProposeSeq("r", 9, 3, [7], 3, GREEDY, gap),
+                                                               m.ProposeSeq("s", 0, 0, tokens, 3, GREEDY)]))
+        answer = scheduler.receive(m.ProposeResult)
+        assert [(p.num_held, p.token_ids) for p in answer.proposals] == [(0, []), (len(tokens), [])]  # type: ignore[attr-defined]
+        scheduler.send(m.Drain(hello.incarnation))
+        assert draft.wait(30) == 0
+    finally:
+        _stop(draft)
+
+    other = tmp_path / "other_target"
+    shutil.copytree(tiny_llama_folder, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "rope_theta": 20000.0}))
+    refused = _start_draft(f"eagle:{folder}", scheduler.address, tmp_path, "--target-model", str(other))
+    try:
+        failed = scheduler.receive(m.WorkerFailed)
+        assert isinstance(failed, m.WorkerFailed) and failed.error_type == "DraftMismatch"
+        assert "trained for another target model" in failed.message
+        assert refused.wait(30) == 1
+    finally:
+        _stop(refused)

@@ -13,6 +13,7 @@ it holds per sequence and checks every propose request's counts against them.
 from __future__ import annotations
 
 import random
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
@@ -28,6 +29,17 @@ DEFAULT_TOKEN = 7  # what a fake worker samples when a test does not say
 EOS = 2
 FINGERPRINT = "fp-smol-1"
 VOCAB = "vocab-smol"
+FEATURE_WIDTH = 2  # a fake target's "final hidden state" at position p is [p, p] (float32)
+
+
+def fake_features(start: int, count: int) -> m.FeatureRows:
+    values = [float(p) for p in range(start, start + count) for _ in range(FEATURE_WIDTH)]
+    return m.FeatureRows(start, count, FEATURE_WIDTH, "float32", struct.pack(f"<{len(values)}f", *values))
+
+
+def feature_positions(rows: m.FeatureRows) -> list[int]:
+    values = struct.unpack(f"<{rows.num_rows * rows.width}f", rows.data)
+    return [int(v) for v in values[:: rows.width]]
 
 
 def make_config(**overrides: object) -> SchedulerConfig:
@@ -146,7 +158,7 @@ class FakeWorker:
             worker_id=worker_id, role="target", incarnation=1, protocol_version=m.PROTOCOL_VERSION, pid=4242,
             model_name=sim.config.model_name, model_fingerprint=FINGERPRINT, vocab_size=49152,
             max_model_len=sim.config.max_model_len, num_kv_slots=4, dtype="float32", device="cpu",
-            vocab_fingerprint=VOCAB, max_draft_tokens=8,
+            vocab_fingerprint=VOCAB, max_draft_tokens=8, feature_width=FEATURE_WIDTH,
         )
         fields.update(hello_overrides)
         self.hello_message = m.WorkerHello(**fields)  # type: ignore[arg-type]
@@ -213,18 +225,23 @@ class FakeWorker:
         self._answered_step_ids.add(step.step_id)
         tokens = tokens or {}
         outputs = []
+        features = []
         for seq in step.seqs:
-            if not seq.sample:
-                continue
-            truth = list(tokens.get(seq.request_id, [])) or [DEFAULT_TOKEN]
-            drafts = seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens:] if seq.num_draft_tokens else []
-            accepted = 0
-            while accepted < len(drafts) and accepted + 1 < len(truth) and drafts[accepted] == truth[accepted]:
-                accepted += 1
-            outputs.append(m.SeqOutput(seq.request_id, truth[:accepted + 1], num_accepted_draft=accepted))
-            held = self.kv.get(seq.slot, [])  # released (aborted) while the step ran: nothing to cut
-            del held[len(held) - len(drafts) + accepted:]  # the rejected drafts' KV is cut off
-        return self.send(m.StepResult(self.worker_id, self.incarnation, step.step_id, outputs, duration_ms=3.0))
+            num_standing = len(seq.token_ids) - seq.num_draft_tokens
+            if seq.sample:
+                truth = list(tokens.get(seq.request_id, [])) or [DEFAULT_TOKEN]
+                drafts = seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens:] if seq.num_draft_tokens else []
+                accepted = 0
+                while accepted < len(drafts) and accepted + 1 < len(truth) and drafts[accepted] == truth[accepted]:
+                    accepted += 1
+                outputs.append(m.SeqOutput(seq.request_id, truth[:accepted + 1], num_accepted_draft=accepted))
+                held = self.kv.get(seq.slot, [])  # released (aborted) while the step ran: nothing to cut
+                del held[len(held) - len(drafts) + accepted:]  # the rejected drafts' KV is cut off
+                num_standing += accepted
+            if step.return_features:  # like the real worker: every position of the step that stands
+                features.append(m.SeqFeatures(seq.request_id, fake_features(seq.start_position, num_standing)))
+        return self.send(m.StepResult(self.worker_id, self.incarnation, step.step_id, outputs, duration_ms=3.0,
+                                      features=features))
 
     def run(self, scripts: Mapping[str, Sequence[int]] | None = None, max_steps: int = 200,
             draft: FakeDraft | None = None) -> int:
@@ -346,10 +363,12 @@ class FakeDraft(FakeWorker):
     and proposes what the test scripts (`script[request_id]`: the continuation it believes in)."""
 
     def __init__(self, sim: Sim, worker_id: str, **hello_overrides: object) -> None:
-        fields: dict[str, object] = dict(role="draft", vocab_fingerprint="", vocab_size=0, num_kv_slots=64, max_draft_tokens=8)
+        fields: dict[str, object] = dict(role="draft", vocab_fingerprint="", vocab_size=0, num_kv_slots=64, max_draft_tokens=8,
+                                         feature_width=0)
         fields.update(hello_overrides)
         super().__init__(sim, worker_id, **fields)
         self.held: dict[str, list[int]] = {}
+        self.features: dict[str, list[int]] = {}  # a feature-reading draft: the positions whose features it holds
         self.proposes: list[m.ProposeRequest] = []
         self._forgotten: list[str] = []
         self.script: dict[str, list[int]] = {}  # request_id -> whole sequence the draft believes in
@@ -371,6 +390,7 @@ class FakeDraft(FakeWorker):
                 case m.ReleaseSequences():
                     for rid in message.request_ids:
                         self.held.pop(rid, None)
+                        self.features.pop(rid, None)
                         self._forgotten.append(rid)
                 case m.Drain():
                     self.drains.append(message)
@@ -394,13 +414,23 @@ class FakeDraft(FakeWorker):
         answers = []
         for seq in request.seqs:
             held = self.held.get(seq.request_id, [])
-            if seq.num_held != len(held):  # what the real service does: start the sequence over
+            have = self.features.get(seq.request_id, [])
+            reads = self.hello_message.feature_width > 0
+            if seq.num_held != len(held) or (reads and (seq.features is None or seq.features.start_position != len(have))):
                 assert not self.strict, f"{seq.request_id}: told it holds {seq.num_held}, holds {len(held)}"
-                self.held.pop(seq.request_id, None)
+                self.held.pop(seq.request_id, None)  # what the real service does: start the sequence over
+                self.features.pop(seq.request_id, None)
                 self.restarts.append(seq.request_id)
                 answers.append(m.Proposal(seq.request_id, 0, []))
                 continue
             tokens = held[:len(held) - seq.num_drop] + list(seq.new_token_ids)
+            if reads:
+                assert seq.features is not None
+                have = have + feature_positions(seq.features)
+                assert have == list(range(len(tokens) - 1)), f"{seq.request_id}: features of {have} for {len(tokens)} tokens"
+                self.features[seq.request_id] = have
+            else:
+                assert seq.features is None
             if proposals is not None and seq.request_id in proposals:
                 proposal = list(proposals[seq.request_id])  # as given, even when longer than asked
             else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,15 @@ def test_workers_reserve_a_gpu_and_follow_readiness(resolved: dict) -> None:  # 
 def test_a_wrong_command_is_refused() -> None:
     with pytest.raises((SystemExit, argparse.ArgumentError)):
         _accepts(["worker", "--model", "/models/m", "--no-such-flag"])
+
+
+def test_the_image_holds_every_package_and_the_shipped_draft() -> None:
+    """`pip install .` in the Dockerfile installs what pyproject lists; each of those must be copied in first."""
+    root = ROOT
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+    packages = [p.removesuffix("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]]
+    dockerfile = (root / "Dockerfile").read_text()
+    for name in [*packages, "drafts"]:
+        assert f"COPY {name} ./{name}" in dockerfile, f"the Dockerfile does not copy {name}/"
+    on_disk = {p.parent.name for p in root.glob("*/__init__.py")} - {"tests", "bench"}
+    assert on_disk <= set(packages), f"packages missing from pyproject: {on_disk - set(packages)}"

@@ -14,7 +14,7 @@ from proto.lifecycle import State
 from scheduler.batching import ScheduledSeq
 from scheduler.request import Request
 from scheduler.speculation import SpecLimits, proposal_problem, speculation_plan
-from tests.unit.scheduler_fakes import EOS, FakeDraft, FakeWorker, Sim, assert_all_free, prompt
+from tests.unit.scheduler_fakes import EOS, FINGERPRINT, FakeDraft, FakeWorker, Sim, assert_all_free, prompt
 
 SCRIPT = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
 
@@ -320,3 +320,62 @@ def test_losing_a_draft_that_is_not_in_use_changes_nothing() -> None:
     spare.fail("spare crashed")
     worker.run({"a": SCRIPT[len(sim.streamed("a")):]}, draft=draft)  # strict: the in-use draft's counts were kept
     assert proposes(spare) == [] and sim.streamed("a") == SCRIPT[:12]
+
+
+# ---------------------------------------------------------------- a draft that reads target features
+
+
+@pytest.mark.parametrize("draft_script", ["right", "wrong", "half_right"])
+def test_a_feature_reading_draft_gets_every_target_feature_once_in_order(draft_script: str) -> None:
+    sim = Sim(num_speculative_tokens=3, max_num_batched_tokens=4)  # prompts arrive in chunks
+    worker = sim.worker("w0").start()
+    draft = sim.draft("d0", feature_width=2, target_fingerprint=FINGERPRINT).start()
+    sim.submit("a", prompt(7), max_tokens=10)
+    sim.submit("b", prompt(5, first=300), max_tokens=8)
+    for rid, p in (("a", prompt(7)), ("b", prompt(5, first=300))):
+        draft.script[rid] = {"right": p + SCRIPT, "wrong": p + [t + 100 for t in SCRIPT],
+                             "half_right": p + [t if i % 2 else 99 for i, t in enumerate(SCRIPT)]}[draft_script]
+    worker.run({"a": SCRIPT, "b": SCRIPT}, draft=draft)  # the fake draft checks every feature row it is sent
+    assert sim.streamed("a") == SCRIPT[:10] and sim.streamed("b") == SCRIPT[:8]
+    assert all(step.return_features for step in worker.all_steps())
+    assert draft.restarts == [] and sum(len(p.seqs) for p in draft.proposes) > 4
+    assert_all_free(sim, worker)
+
+
+def test_steps_return_features_only_while_a_draft_reads_them() -> None:
+    sim, worker, draft = setup()
+    sim.submit("a", prompt(3), max_tokens=4)
+    worker.run({"a": SCRIPT}, draft=draft)
+    assert not any(step.return_features for step in worker.all_steps())
+    assert all(seq.features is None for p in draft.proposes for seq in p.seqs)
+
+
+def test_a_request_without_every_feature_decodes_plainly_while_others_speculate() -> None:
+    sim = Sim(num_speculative_tokens=3)
+    worker = sim.worker("w0").start()
+    sim.submit("old", prompt(3), max_tokens=10)
+    worker.complete({"old": [11]})  # prefill before any draft: no features come back
+    draft = sim.draft("d0", feature_width=2).start()
+    worker.complete({"old": [12]})  # the draft is READY now, but "old" lacks the features of its prompt
+    sim.submit("new", prompt(3, first=300), max_tokens=10)
+    worker.run({"old": SCRIPT, "new": SCRIPT}, draft=draft)
+    proposed_for = {seq.request_id for p in draft.proposes for seq in p.seqs}
+    assert proposed_for == {"new"}
+    assert sim.streamed("old") == [11, 12] + SCRIPT[:8]
+    assert_all_free(sim, worker)
+
+
+def test_a_draft_trained_for_another_target_or_width_is_refused_whichever_comes_first() -> None:
+    for draft_first in (True, False):
+        for overrides, reason in (({"target_fingerprint": "fp-other"}, "another target model"),
+                                  ({"feature_width": 3}, "width 3")):
+            sim = Sim()
+            if draft_first:
+                draft = sim.draft("d0", **overrides).start()
+                sim.worker("w0").start()
+            else:
+                sim.worker("w0").start()
+                draft = sim.draft("d0", **overrides)
+                draft.hello()
+            assert reason in sim.process("d0").failure, (draft_first, overrides)
+            assert [d.incarnation for d in draft.draft_inbox() if isinstance(d, m.Drain)] == [1]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from draft_service.proposers import ModelProposer, NgramProposer, ProposeInput
 from draft_service.sequences import SequenceStore
@@ -38,10 +39,10 @@ def runner(folder: Path, num_slots: int = 4) -> ModelRunner:
 
 
 def plain_greedy(r: ModelRunner, slot: int, prompt: list[int], n: int, params: SamplingParams = GREEDY) -> list[int]:
-    (out,) = r.execute([SeqWork("p", slot, 0, prompt, True, params)])
+    (out,), _ = r.execute([SeqWork("p", slot, 0, prompt, True, params)])
     tokens = list(out.token_ids)
     while len(tokens) < n:
-        (out,) = r.execute([SeqWork("p", slot, len(prompt) + len(tokens) - 1, [tokens[-1]], True, params)])
+        (out,), _ = r.execute([SeqWork("p", slot, len(prompt) + len(tokens) - 1, [tokens[-1]], True, params)])
         tokens += out.token_ids
     r.release([slot])
     return tokens
@@ -49,12 +50,12 @@ def plain_greedy(r: ModelRunner, slot: int, prompt: list[int], n: int, params: S
 
 def speculative(r: ModelRunner, slot: int, prompt: list[int], n: int, propose, params: SamplingParams = GREEDY) -> tuple[list[int], int]:
     """Decode with drafts from propose(sequence) -> list of tokens; returns (tokens, num_accepted)."""
-    (out,) = r.execute([SeqWork("s", slot, 0, prompt, True, params)])
+    (out,), _ = r.execute([SeqWork("s", slot, 0, prompt, True, params)])
     tokens = list(out.token_ids)
     num_accepted = 0
     while len(tokens) < n:
         drafts = propose(prompt + tokens)[: n - len(tokens) - 1]
-        (out,) = r.execute([SeqWork("s", slot, len(prompt) + len(tokens) - 1, [tokens[-1], *drafts], True, params,
+        (out,), _ = r.execute([SeqWork("s", slot, len(prompt) + len(tokens) - 1, [tokens[-1], *drafts], True, params,
                                     num_draft_tokens=len(drafts))])
         assert out.token_ids[: out.num_accepted_draft] == drafts[: out.num_accepted_draft]
         assert len(out.token_ids) == out.num_accepted_draft + 1
@@ -86,7 +87,7 @@ def test_a_mixed_step_verifies_each_sequence_on_its_own_rows(tiny_llama_folder: 
     reference_other = plain_greedy(r, 0, other, 2)
     r.execute([SeqWork("a", 0, 0, PROMPT, True, GREEDY)])
     r.execute([SeqWork("b", 1, 0, other, True, GREEDY)])
-    outputs = r.execute([
+    outputs, _ = r.execute([
         SeqWork("b", 1, len(other), [reference_other[0]], True, GREEDY),  # plain decode
         SeqWork("a", 0, len(PROMPT), [reference[0], *reference[1:4]], True, GREEDY, num_draft_tokens=3),
         SeqWork("c", 2, 0, [1, 2, 3], False, GREEDY),  # a prefill chunk
@@ -210,3 +211,28 @@ def test_sequences_beyond_the_draft_slots_get_no_proposal(tiny_llama_folder: Pat
     assert [len(p.token_ids) for p in out] == [2, 2, 0]
     proposer.forget("a")
     assert len(proposer.propose([ProposeInput("c", PROMPT, 0, 2, GREEDY)])[0].token_ids) == 2
+
+
+def test_a_step_returns_the_features_of_the_tokens_that_stand(tiny_llama_folder: Path) -> None:
+    """Prefill chunk: every row; decode: its row; verify: the last token and the accepted drafts, not the rejected."""
+    from modeling.features import from_rows
+
+    r = runner(tiny_llama_folder)
+    reference = plain_greedy(r, 0, PROMPT, 6)
+    _, prefill = r.execute([SeqWork("a", 1, 0, PROMPT, True, GREEDY)], return_features=True)
+    (rows,) = prefill
+    assert (rows.request_id, rows.rows.start_position, rows.rows.num_rows, rows.rows.width) == ("a", 0, len(PROMPT), 64)
+    wrong = (reference[2] + 1) % 97
+    outputs, verify = r.execute([SeqWork("a", 1, len(PROMPT), [reference[0], reference[1], wrong, reference[3]], True,
+                                         GREEDY, num_draft_tokens=3)], return_features=True)
+    assert outputs[0].num_accepted_draft == 1
+    (rows,) = verify
+    assert (rows.rows.start_position, rows.rows.num_rows) == (len(PROMPT), 2)  # the last token and one accepted draft
+    # The same features as one prefill of the whole sequence computes (float32: equal up to summation order).
+    _, (whole,) = runner(tiny_llama_folder).execute([SeqWork("z", 0, 0, PROMPT + reference[:2], True, GREEDY)],
+                                                    return_features=True)
+    expected = from_rows(whole.rows)
+    got = torch.cat((from_rows(prefill[0].rows), from_rows(rows.rows)))
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    _, nothing = r.execute([SeqWork("a", 1, len(PROMPT) + 2, [reference[2]], True, GREEDY)])
+    assert nothing == []  # not asked for

@@ -1,0 +1,260 @@
+"""`specserve distill`: train an EAGLE-style draft head for a target, from the target's own outputs.
+
+Steps: (1) the target answers the shipped requests and reads local Python source, which
+gives tokens and the target's final hidden states (cached in OUT/data.pt); (2) the head
+learns to predict the next hidden state (smooth L1) and the target's next-token
+distribution over the draft vocabulary (cross-entropy), with noise on its input features
+so it tolerates its own errors when it chains; (3) the head is written as a draft folder
+(OUT), with the exact arguments and the figures in its config.json; (4) chained greedy
+acceptance is measured on held-out requests through the serving engine.
+
+The data (OUT/training/data.pt) and checkpoints (OUT/training/checkpoint.pt, written every
+--checkpoint-every steps and at the end) stay apart from the draft's own files;
+--resume continues from them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from distill.data import Sequence, chunk_tokens, draft_vocabulary, generate, read_text, stdlib_sources
+from distill.prompts import training_prompts
+from gateway.tokenizer import ChatMessage, Tokenizer
+from modeling.config import ModelConfig
+from modeling.eagle import EagleHead, load_target_tensors
+from modeling.engine import ModelEngine
+
+
+
+@dataclass(frozen=True)
+class DistillArgs:
+    target: Path
+    out: Path
+    dtype: str = "bfloat16"
+    num_prompts: int = 800
+    max_new_tokens: int = 192
+    text_tokens: int = 60_000
+    draft_vocab_size: int = 8192
+    steps: int = 700
+    batch_sequences: int = 16
+    lr: float = 1e-3
+    feature_noise: float = 0.1
+    cls_weight: float = 0.5
+    unroll: int = 2
+    seed: int = 0
+    checkpoint_every: int = 100
+    resume: bool = False
+    num_threads: int = 0
+
+    def record(self) -> dict[str, object]:
+        return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items() if k not in ("out", "resume", "num_threads")}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = DistillArgs(Path(), Path())
+    parser.add_argument("--target", type=Path, required=True, help="the target's Hugging Face folder")
+    parser.add_argument("--out", type=Path, required=True, help="the draft folder to write (data and checkpoints go there too)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype, help="the target's dtype while it makes the data")
+    parser.add_argument("--num-prompts", type=int, default=d.num_prompts, help="shipped chat requests the target answers")
+    parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    parser.add_argument("--text-tokens", type=int, default=d.text_tokens, help="tokens of local Python source the target reads")
+    parser.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size, help="the ids the draft may propose")
+    parser.add_argument("--steps", type=int, default=d.steps)
+    parser.add_argument("--batch-sequences", type=int, default=d.batch_sequences)
+    parser.add_argument("--lr", type=float, default=d.lr)
+    parser.add_argument("--feature-noise", type=float, default=d.feature_noise,
+                        help="std of the noise on input features, relative to their RMS")
+    parser.add_argument("--cls-weight", type=float, default=d.cls_weight,
+                        help="weight of the next-token loss against the feature regression (EAGLE used 0.1)")
+    parser.add_argument("--unroll", type=int, default=d.unroll,
+                        help="draft steps trained per position: step 2 reads the head's own step-1 prediction, as when it chains")
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
+    parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt (and reuse OUT/data.pt)")
+    parser.add_argument("--num-threads", type=int, default=d.num_threads, help="torch threads (0: torch's default)")
+
+
+def check_arguments(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> DistillArgs:
+    for name in ("num_prompts", "max_new_tokens", "draft_vocab_size", "steps", "batch_sequences", "checkpoint_every", "unroll"):
+        if getattr(ns, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(ns, name)}")
+    if ns.text_tokens < 0 or not ns.lr > 0 or not ns.feature_noise >= 0 or not ns.cls_weight >= 0:
+        parser.error("--text-tokens, --feature-noise and --cls-weight must be >= 0 and --lr > 0")
+    if not (ns.target / "config.json").exists():
+        parser.error(f"--target {ns.target}: no config.json there")
+    return DistillArgs(**{k: v for k, v in vars(ns).items() if k in DistillArgs.__dataclass_fields__})  # type: ignore[arg-type]
+
+
+def run(args: DistillArgs, log: Callable[[str], None] = print) -> dict[str, float]:
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    torch.manual_seed(args.seed)
+    (args.out / "training").mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    sequences = _data(args, log)
+    data_s = time.monotonic() - started
+    config = ModelConfig.from_folder(args.target)
+    tensors = load_target_tensors(args.target)
+    vocab = draft_vocabulary(sequences, args.draft_vocab_size, config.vocab_size)
+    head = EagleHead(config, tensors["model.embed_tokens.weight"], vocab)
+    head.init_layer_from(tensors, config.num_layers - 1, tensors["model.norm.weight"])
+    del tensors
+    params = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    checkpoint = args.out / "training" / "checkpoint.pt"
+    step, history = 0, []
+    if args.resume and checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        head.load_state_dict(state["head"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, history = state["step"], state["history"]
+        log(f"resuming at step {step} of {args.steps}")
+    train, held = _split(sequences)
+    rng = random.Random(args.seed + step)
+    bar = tqdm(total=args.steps, initial=step, desc="distill", unit="step", file=sys.stderr, dynamic_ncols=True)
+    while step < args.steps:
+        batch = rng.sample(train, min(args.batch_sequences, len(train)))
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(step, args.steps, args.lr)
+        head.train()
+        reg, cls, acc = _losses(head, batch, args.feature_noise, args.unroll)
+        loss = reg + args.cls_weight * cls
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        step += 1
+        losses = (float(reg.detach()), float(cls.detach()), float(acc))
+        history.append(losses)
+        bar.update(1)
+        bar.set_postfix(reg=f"{losses[0]:.3f}", cls=f"{losses[1]:.3f}", top1=f"{losses[2]:.2f}")
+        if step % args.checkpoint_every == 0 or step == args.steps:
+            _save_checkpoint(checkpoint, head, optimizer, step, history)
+    bar.close()
+    figures = _figures(head, held, history)
+    figures["data_minutes"] = round(data_s / 60, 1)
+    figures["total_minutes"] = round((time.monotonic() - started) / 60, 1)
+    head.save(args.out, args.target, {"arguments": args.record(), "figures": figures})
+    log(json.dumps(figures))
+    return figures
+
+
+def _data(args: DistillArgs, log: Callable[[str], None]) -> list[Sequence]:
+    path = args.out / "training" / "data.pt"
+    if args.resume and path.exists():
+        return [Sequence(**s) for s in torch.load(path, weights_only=False)]
+    config = ModelConfig.from_folder(args.target)
+    tokenizer = Tokenizer.load(args.target)
+    max_len = min(config.max_position_embeddings, 1024)
+    engine = ModelEngine(args.target, config, device="cpu", dtype=args.dtype, num_slots=16, max_len=max_len)
+    engine.load()
+    engine.allocate()
+    render = tokenizer.encode_chat if tokenizer.has_chat_template else None
+    prompts = [render([ChatMessage("user", p)]) if render else tokenizer.encode(p) for p in training_prompts(args.num_prompts, args.seed)]
+    prompts = [p[: max_len - args.max_new_tokens - 1] for p in prompts]
+    text = chunk_tokens([tokenizer.encode(t) for t in stdlib_sources(args.text_tokens * 8)], min(256, max_len), args.text_tokens)
+    bar = tqdm(total=len(prompts) + len(text), desc="target data", unit="seq", file=sys.stderr, dynamic_ncols=True)
+    sequences = generate(engine, prompts, args.max_new_tokens, set(tokenizer.eos_token_ids), lambda: bar.update(1))
+    sequences += read_text(engine, text, lambda: bar.update(1))
+    bar.close()
+    torch.save([{"tokens": s.tokens, "features": s.features, "first_generated": s.first_generated} for s in sequences], path)
+    log(f"target data: {len(sequences)} sequences, {sum(len(s.tokens) for s in sequences)} tokens")
+    return sequences
+
+
+def _split(sequences: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+    """One in twenty sequences is held out for the figures (the benchmarks use prompts the command never sees)."""
+    held = sequences[::20]
+    train = [s for i, s in enumerate(sequences) if i % 20]
+    return train or held, held
+
+
+def _lr(step: int, total: int, peak: float) -> float:
+    warmup = max(1, total // 20)
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _pad(batch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> input features `[B, T, H]` (f_0..f_{T-1}), next tokens `[B, T]` (x_1..x_T), target features (f_1..f_T), mask `[B, T]`."""
+    t = max(len(s.tokens) - 2 for s in batch)
+    h = batch[0].features.shape[1]
+    feats = torch.zeros(len(batch), t, h)
+    targets = torch.zeros(len(batch), t, h)
+    tokens = torch.zeros(len(batch), t, dtype=torch.long)
+    mask = torch.zeros(len(batch), t, dtype=torch.bool)
+    for i, s in enumerate(batch):
+        n = len(s.tokens) - 2  # pairs (f_j, x_{j+1}) whose next feature f_{j+1} is known
+        if n <= 0:
+            continue
+        f = s.features.float()
+        feats[i, :n] = f[:n]
+        targets[i, :n] = f[1 : n + 1]
+        tokens[i, :n] = torch.tensor(s.tokens[1 : n + 1])
+        mask[i, :n] = True
+    return feats, tokens, targets, mask
+
+
+def _losses(head: EagleHead, batch: list[Sequence], noise: float, unroll: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Feature regression, next-token cross-entropy and top-1 agreement (of the first step), averaged over `unroll` steps.
+
+    Step 1 reads the target's features; step d reads, at every position j > 0, what
+    step d-1 predicted for f_j: the input a chained draft token sees.
+    """
+    feats, tokens, targets, mask = _pad(batch)
+    if noise > 0 and head.training:
+        scale = feats.pow(2).mean(-1, keepdim=True).sqrt()
+        feats = feats + torch.randn_like(feats) * scale * noise
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        teacher = head.draft_logits(targets).float()[mask]
+    p = teacher.softmax(-1)
+    regs, clss = [], []
+    acc = torch.tensor(0.0)
+    inputs = feats
+    for depth in range(unroll):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            predicted = head(inputs, tokens)
+            student = head.draft_logits(predicted).float()[mask]
+        predicted = predicted.float()
+        regs.append(F.smooth_l1_loss(predicted[mask], targets[mask]))
+        clss.append(-(p * student.log_softmax(-1)).sum(-1).mean())
+        if depth == 0:
+            acc = (student.argmax(-1) == teacher.argmax(-1)).float().mean()
+        inputs = torch.cat((feats[:, :1], predicted[:, :-1]), dim=1)
+    return torch.stack(regs).mean(), torch.stack(clss).mean(), acc
+
+
+def _figures(head: EagleHead, held: list[Sequence], history: list[tuple[float, float, float]]) -> dict[str, float]:
+    head.eval()
+    with torch.no_grad():
+        reg, cls, acc = _losses(head, held, 0.0) if held else (torch.tensor(0.0),) * 3
+    first = history[: max(1, len(history) // 20)]
+    last = history[-max(1, len(history) // 20) :]
+    return {
+        "steps": len(history),
+        "train_cls_first": round(sum(h[1] for h in first) / len(first), 4),
+        "train_cls_last": round(sum(h[1] for h in last) / len(last), 4),
+        "held_out_reg": round(float(reg), 4),
+        "held_out_cls": round(float(cls), 4),
+        "held_out_top1": round(float(acc), 4),
+    }
+
+
+def _save_checkpoint(path: Path, head: EagleHead, optimizer: torch.optim.Optimizer, step: int, history: list) -> None:  # type: ignore[type-arg]
+    tmp = path.with_suffix(".tmp")
+    torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "history": history}, tmp)
+    tmp.replace(path)

@@ -1,0 +1,159 @@
+"""The EAGLE-style draft head: training form against serving form, target checks, the proposer, and a short distillation.
+
+All on the tiny random target from tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from distill.train import DistillArgs, run
+from draft_service.proposers import EagleProposer, ProposeInput
+from modeling.batch import SeqSpan
+from modeling.eagle import DraftMismatch, EagleEngine, EagleHead, check_target
+from proto.messages import SamplingParams
+from tests.eagle_helpers import tiny_head
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tiny_llama_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[EagleHead, Path]:
+    head = tiny_head(tiny_llama_folder)
+    folder = tmp_path_factory.mktemp("eagle") / "draft"
+    head.save(folder, tiny_llama_folder, {"note": "untrained, for tests"})
+    return head, folder
+
+
+def test_the_serving_engine_computes_what_the_training_head_computes(tiny_llama_folder: Path,
+                                                                      tiny_draft: tuple[EagleHead, Path]) -> None:
+    head, folder = tiny_draft
+    engine = EagleEngine(folder, tiny_llama_folder, device="cpu", dtype="float32", num_slots=2, max_len=64)
+    engine.load()
+    engine.allocate()
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(9, 64, generator=generator)
+    tokens = torch.randint(0, 97, (9,), generator=generator)
+    with torch.no_grad():
+        expected = head(features[None], tokens[None])[0]  # [9, H]
+    # A prefill of 6 pairs in slot 1, then 3 one-pair steps: the slot cache must give the same as one full pass.
+    logits, predicted = engine.forward([SeqSpan(1, 0, tokens[:6].tolist(), 6)], features[:6])
+    torch.testing.assert_close(predicted, expected[:6], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits, head.draft_logits(expected[:6]), atol=1e-3, rtol=1e-4)
+    for position in range(6, 9):
+        _, predicted = engine.forward([SeqSpan(1, position, [int(tokens[position])], 1)], features[position : position + 1])
+        torch.testing.assert_close(predicted[0], expected[position], atol=1e-4, rtol=1e-4)
+    assert torch.equal(engine.to_full_ids(torch.tensor([0, 1, 5])), torch.tensor([0, 2, 10]))
+
+
+def test_a_draft_for_another_target_is_refused(tiny_llama_folder: Path, tiny_draft: tuple[EagleHead, Path],
+                                                tmp_path: Path) -> None:
+    _, folder = tiny_draft
+    assert check_target(folder, tiny_llama_folder).draft_vocab_size == 49
+    other = tmp_path / "other_target"
+    shutil.copytree(tiny_llama_folder, other)
+    config = json.loads((other / "config.json").read_text())
+    config["rope_theta"] = 20000.0
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DraftMismatch, match="another target model"):
+        check_target(folder, other)
+    with pytest.raises(DraftMismatch, match="another target model"):
+        EagleProposer(folder, other, device="cpu", dtype="float32", num_slots=1, max_len=64, max_draft_tokens=2, draft_top_k=4)
+    config["vocab_size"] = 98
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DraftMismatch, match="vocabulary"):
+        check_target(folder, other)
+
+
+def _built(folder: Path, target: Path, num_slots: int = 2) -> EagleProposer:
+    proposer = EagleProposer(folder, target, device="cpu", dtype="float32", num_slots=num_slots, max_len=64,
+                             max_draft_tokens=4, draft_top_k=8)
+    for phase in proposer.phases():
+        phase()
+    return proposer
+
+
+def test_the_proposer_proposes_from_the_draft_vocabulary_and_follows_the_sequence(
+    tiny_llama_folder: Path, tiny_draft: tuple[EagleHead, Path],
+) -> None:
+    head, folder = tiny_draft
+    proposer = _built(folder, tiny_llama_folder)
+    assert proposer.num_used_slots == 0  # warm-up forgot its sequences
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 97, (12,), generator=generator).tolist()
+    features = torch.randn(11, 64, generator=generator)
+    (first,) = proposer.propose([ProposeInput("r", tokens, 0, 4, GREEDY, features)])
+    assert len(first.token_ids) == 4 and all(t % 2 == 0 for t in first.token_ids)  # the draft vocabulary: even ids
+    # Greedy proposals are the head's own chain: its argmax, fed back with its predicted feature.
+    with torch.no_grad():
+        f, x = features.clone(), list(tokens[1:])
+        chain = []
+        for _ in range(4):
+            g = head(f[None], torch.tensor(x)[None])[0, -1]
+            chain.append(int(head.draft_vocab[head.draft_logits(g).argmax()]))
+            f, x = torch.cat((f, g[None])), x + [chain[-1]]
+    assert first.token_ids == chain
+    # The same sequence again, grown by two tokens (and their features): the stale proposal is recomputed.
+    more = tokens + [first.token_ids[0], 7]
+    more_features = torch.cat((features, torch.randn(2, 64, generator=generator)))
+    (second,) = proposer.propose([ProposeInput("r", more, 13, 3, GREEDY, more_features)])
+    (fresh,) = _built(folder, tiny_llama_folder).propose([ProposeInput("r", more, 0, 3, GREEDY, more_features)])
+    assert second.token_ids == fresh.token_ids
+    # Without every feature there is nothing sound to read: no proposal.
+    (none,) = proposer.propose([ProposeInput("s", tokens, 0, 3, GREEDY, features[:5])])
+    assert none.token_ids == []
+    sampled = SamplingParams(temperature=1.0, seed=5)
+    (drawn,) = proposer.propose([ProposeInput("t", tokens, 0, 3, sampled, features)])
+    assert drawn.dists is not None and len(drawn.dists) == 3
+    for token, dist in zip(drawn.token_ids, drawn.dists):
+        assert token in dist.token_ids and abs(sum(dist.probs) - 1) < 1e-5 and all(t % 2 == 0 for t in dist.token_ids)
+
+
+@pytest.fixture(scope="module")
+def tiny_target_with_tokenizer(tiny_llama_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny target plus a 97-token BPE tokenizer trained here, so the command can render its prompts."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from distill.prompts import training_prompts
+
+    folder = tmp_path_factory.mktemp("tiny_with_tokenizer") / "target"
+    shutil.copytree(tiny_llama_folder, folder)
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=97, special_tokens=["<unk>", "<eos>"], initial_alphabet=[], show_progress=False)
+    tokenizer.train_from_iterator(training_prompts(200), trainer)
+    assert tokenizer.get_vocab_size() <= 97
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_a_short_distillation_lowers_the_loss_and_writes_a_draft_the_proposer_serves(tiny_target_with_tokenizer: Path,
+                                                                                      tmp_path: Path) -> None:
+    tiny_llama_folder = tiny_target_with_tokenizer
+    out = tmp_path / "distilled"
+    args = DistillArgs(target=tiny_llama_folder, out=out, dtype="float32", num_prompts=24, max_new_tokens=24,
+                       text_tokens=600, draft_vocab_size=64, steps=40, batch_sequences=8, lr=3e-3, checkpoint_every=20)
+    figures = run(args, log=lambda line: None)
+    assert figures["train_cls_last"] < figures["train_cls_first"]
+    assert (out / "training" / "checkpoint.pt").exists() and (out / "training" / "data.pt").exists()
+    config = json.loads((out / "config.json").read_text())
+    assert config["specserve_eagle"]["training"]["arguments"]["steps"] == 40
+    proposer = _built(out, tiny_llama_folder, num_slots=1)
+    (proposal,) = proposer.propose([ProposeInput("r", [1, 2, 3, 4], 0, 3, GREEDY, torch.randn(3, 64))])
+    assert len(proposal.token_ids) == 3
+    # Resuming at the end trains no further and keeps the same figures' step count.
+    again = run(DistillArgs(**{**args.__dict__, "resume": True}), log=lambda line: None)
+    assert again["steps"] == 40
+
+
+def test_up_uses_the_shipped_head_only_for_the_model_it_was_trained_for(default_model_dir: Path,
+                                                                        tiny_llama_folder: Path) -> None:
+    from specserve.cli import default_draft
+
+    assert default_draft(default_model_dir) == "default"
+    assert default_draft(tiny_llama_folder) == "ngram"
