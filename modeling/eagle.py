@@ -32,7 +32,7 @@ from modeling.batch import SeqSpan, build_step_batch
 from modeling.config import ModelConfig, model_fingerprint, vocab_fingerprint
 from modeling.cpu_kernels import can_prepack, prepack_linears
 from modeling.kv_cache import KVCache
-from modeling.llama import LlamaModel, WeightError
+from modeling.llama import LlamaModel, WeightError, copy_hf_weights
 
 ARCHITECTURE = "SpecserveEagleDraft"
 _LAYER = "model.layers.0."
@@ -225,9 +225,7 @@ class EagleEngine:
             raise WeightError(f"fc.weight has shape {tuple(fc.shape)}, expected {(cfg.hidden_size, 2 * cfg.hidden_size)}")
         model = LlamaModel(replace(cfg, tie_word_embeddings=True))
         weights["model.embed_tokens.weight"] = embed
-        from modeling.llama import _copy_hf_weights
-
-        _copy_hf_weights(model, weights)
+        copy_hf_weights(model, weights)
         # The LM head: the target's (tied) rows for the draft vocabulary only.
         model.lm_head = torch.nn.Parameter(embed[vocab].clone(), requires_grad=False)
         model = model.to(device=self.device, dtype=self.dtype)

@@ -64,7 +64,7 @@ class LlamaModel(torch.nn.Module):
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
                     tensors[name] = f.get_tensor(name)
-        _copy_hf_weights(self, tensors)
+        copy_hf_weights(self, tensors)
 
     def set_rope_cache(self, max_len: int) -> None:
         """Precompute cos/sin for positions 0..max_len-1 exactly as HF does (fp32, then cast)."""
@@ -183,7 +183,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
-def _copy_hf_weights(model: LlamaModel, tensors: dict[str, torch.Tensor]) -> None:
+def copy_hf_weights(model: LlamaModel, tensors: dict[str, torch.Tensor]) -> None:
     cfg = model.config
 
     def take(name: str) -> torch.Tensor:

@@ -63,12 +63,13 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--num-kv-slots", type=int, default=64, help="sequences each worker holds at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--draft", default=None, type=_draft_choice,
-                        help="the draft service's proposer: none (no speculation), ngram (prompt lookup), default (the "
-                             "EAGLE head shipped for the embedded default model), eagle:PATH (a head made by `specserve "
-                             "distill` for --model), or model:PATH (a draft model folder whose vocabulary matches the "
-                             "target's); default: 'default' when the shipped head was trained for --model (the embedded model), else ngram")
-    parser.add_argument("--num-speculative-tokens", type=int, default=6, help="draft tokens per sequence in a speculative step")
+    parser.add_argument("--draft", default="ngram", type=_draft_choice,
+                        help="the draft service's proposer: none (no speculation), ngram (prompt lookup, the default), "
+                             "default (the EAGLE head shipped for the embedded default model), eagle:PATH (a head made by "
+                             "`specserve distill` for --model), or model:PATH (a draft model folder whose vocabulary "
+                             "matches the target's)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="draft tokens per sequence in a speculative step (default: 2 for a draft head, else 6)")
     parser.add_argument("--spec-disable-batch-threshold", type=int, default=4,
                         help="speculate only when a step has at most this many sequences")
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
@@ -80,18 +81,6 @@ def _draft_choice(value: str) -> str:
     if value in ("none", "ngram", "default") or (kind in ("model", "eagle") and path):
         return value
     raise argparse.ArgumentTypeError(f"expected none, ngram, default, eagle:PATH or model:PATH, got {value!r}")
-
-
-def default_draft(model: Path) -> str:
-    """`up`'s draft when none is named: the shipped EAGLE head when it was trained for this model, else n-gram lookup."""
-    from modeling.eagle import DraftMismatch, check_target
-    from modeling.model_store import default_draft_dir
-
-    try:
-        check_target(default_draft_dir(), model)
-    except (DraftMismatch, OSError, KeyError, ValueError):
-        return "ngram"
-    return "default"
 
 
 def _draft_proposer(draft: str) -> str:
@@ -147,8 +136,10 @@ def _run_up(args: argparse.Namespace) -> int:
     model = args.model or ensure_default_model()
     if not (model / "config.json").is_file():
         raise SystemExit(f"specserve up: --model {model} has no config.json")
-    args.draft = args.draft or default_draft(model)
     proposer = _draft_proposer(args.draft)
+    if args.num_speculative_tokens is None:
+        # Measured: the shipped head's proposals past the second are almost never accepted (docs/benchmarks.md).
+        args.num_speculative_tokens = 2 if proposer.startswith("eagle:") else 6
     if ":" in proposer and not (Path(proposer.partition(":")[2]) / "config.json").is_file():
         raise SystemExit(f"specserve up: --draft {args.draft}: {proposer.partition(':')[2]} has no config.json")
     device = args.device or _default_device()

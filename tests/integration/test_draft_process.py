@@ -120,7 +120,7 @@ def test_an_eagle_head_service_reads_target_features_and_refuses_another_target(
         hello = scheduler.receive(m.WorkerHello)
         assert isinstance(hello, m.WorkerHello)
         assert (hello.feature_width, hello.target_fingerprint) == (64, model_fingerprint(tiny_llama_folder))
-        while (report := scheduler.receive(m.LifecycleReport)).state != "READY":  # type: ignore[attr-defined]
+        while scheduler.receive(m.LifecycleReport).state != "READY":  # type: ignore[attr-defined]
             pass
         tokens = [5, 17, 3, 88, 42, 7]
         features = to_rows(torch.randn(len(tokens) - 1, 64), 0)

@@ -150,10 +150,3 @@ def test_a_short_distillation_lowers_the_loss_and_writes_a_draft_the_proposer_se
     again = run(DistillArgs(**{**args.__dict__, "resume": True}), log=lambda line: None)
     assert again["steps"] == 40
 
-
-def test_up_uses_the_shipped_head_only_for_the_model_it_was_trained_for(default_model_dir: Path,
-                                                                        tiny_llama_folder: Path) -> None:
-    from specserve.cli import default_draft
-
-    assert default_draft(default_model_dir) == "default"
-    assert default_draft(tiny_llama_folder) == "ngram"
