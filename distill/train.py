@@ -1,7 +1,7 @@
 """`specserve distill`: train an EAGLE-style draft head for a target, from the target's own outputs.
 
 Steps: (1) the target answers the shipped requests and reads local Python source, which
-gives tokens and the target's final hidden states (cached in OUT/data.pt); (2) the head
+gives tokens and the target's final hidden states (cached in OUT/training/data.pt); (2) the head
 learns to predict the next hidden state (smooth L1) and the target's next-token
 distribution over the draft vocabulary (cross-entropy), with noise on its input features
 so it tolerates its own errors when it chains; (3) the head is written as a draft folder
@@ -33,9 +33,8 @@ from distill.data import Sequence, chunk_tokens, draft_vocabulary, generate, rea
 from distill.prompts import training_prompts
 from gateway.tokenizer import ChatMessage, Tokenizer
 from modeling.config import ModelConfig
-from modeling.eagle import EagleHead, load_target_tensors
+from modeling.eagle import EagleHead, load_target_tensors, unsupported_target
 from modeling.engine import ModelEngine
-
 
 
 @dataclass(frozen=True)
@@ -59,7 +58,17 @@ class DistillArgs:
     num_threads: int = 0
 
     def record(self) -> dict[str, object]:
+        """The arguments that decide the result (recorded in the draft's config.json, checked on --resume)."""
         return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items() if k not in ("out", "resume", "num_threads")}
+
+    def data_record(self) -> dict[str, object]:
+        """The arguments that decide the training data."""
+        record = self.record()
+        return {k: record[k] for k in ("target", "dtype", "num_prompts", "max_new_tokens", "text_tokens", "seed")}
+
+
+class ResumeMismatch(ValueError):
+    """--resume found data or a checkpoint made with other arguments."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,7 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="draft steps trained per position: step 2 reads the head's own step-1 prediction, as when it chains")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
-    parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt (and reuse OUT/data.pt)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from OUT/training/checkpoint.pt and reuse OUT/training/data.pt (made with the same arguments)")
     parser.add_argument("--num-threads", type=int, default=d.num_threads, help="torch threads (0: torch's default)")
 
 
@@ -94,10 +104,16 @@ def check_arguments(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> 
         parser.error("--text-tokens, --feature-noise and --cls-weight must be >= 0 and --lr > 0")
     if not (ns.target / "config.json").exists():
         parser.error(f"--target {ns.target}: no config.json there")
+    if problem := unsupported_target(ModelConfig.from_folder(ns.target)):
+        parser.error(f"--target {ns.target}: {problem}")
     return DistillArgs(**{k: v for k, v in vars(ns).items() if k in DistillArgs.__dataclass_fields__})  # type: ignore[arg-type]
 
 
-def run(args: DistillArgs, log: Callable[[str], None] = print) -> dict[str, float]:
+def run(args: DistillArgs, log: Callable[[str], None] = print, stop_after: int | None = None) -> dict[str, float]:
+    """Make the data (or reuse it), train, write the draft folder; returns the figures.
+
+    `stop_after` ends the run after that step's checkpoint (an interruption, for tests).
+    """
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     torch.manual_seed(args.seed)
@@ -115,14 +131,18 @@ def run(args: DistillArgs, log: Callable[[str], None] = print) -> dict[str, floa
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     checkpoint = args.out / "training" / "checkpoint.pt"
     step, history = 0, []
+    train, held = _split(sequences)
+    rng = random.Random(args.seed)
     if args.resume and checkpoint.exists():
         state = torch.load(checkpoint, weights_only=False)
+        if state["arguments"] != args.record():
+            raise ResumeMismatch(f"{checkpoint} was made with other arguments: {state['arguments']}")
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
         step, history = state["step"], state["history"]
+        torch.set_rng_state(state["torch_rng"])
+        rng.setstate(state["sampler"])
         log(f"resuming at step {step} of {args.steps}")
-    train, held = _split(sequences)
-    rng = random.Random(args.seed + step)
     bar = tqdm(total=args.steps, initial=step, desc="distill", unit="step", file=sys.stderr, dynamic_ncols=True)
     while step < args.steps:
         batch = rng.sample(train, min(args.batch_sequences, len(train)))
@@ -140,8 +160,13 @@ def run(args: DistillArgs, log: Callable[[str], None] = print) -> dict[str, floa
         history.append(losses)
         bar.update(1)
         bar.set_postfix(reg=f"{losses[0]:.3f}", cls=f"{losses[1]:.3f}", top1=f"{losses[2]:.2f}")
-        if step % args.checkpoint_every == 0 or step == args.steps:
-            _save_checkpoint(checkpoint, head, optimizer, step, history)
+        if step % args.checkpoint_every == 0 or step == args.steps or step == stop_after:
+            _save_checkpoint(checkpoint, {"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                                          "history": history, "arguments": args.record(),
+                                          "torch_rng": torch.get_rng_state(), "sampler": rng.getstate()})
+        if step == stop_after:
+            bar.close()
+            return {}
     bar.close()
     figures = _figures(head, held, history)
     figures["data_minutes"] = round(data_s / 60, 1)
@@ -154,7 +179,10 @@ def run(args: DistillArgs, log: Callable[[str], None] = print) -> dict[str, floa
 def _data(args: DistillArgs, log: Callable[[str], None]) -> list[Sequence]:
     path = args.out / "training" / "data.pt"
     if args.resume and path.exists():
-        return [Sequence(**s) for s in torch.load(path, weights_only=False)]
+        saved = torch.load(path, weights_only=False)
+        if saved["arguments"] != args.data_record():
+            raise ResumeMismatch(f"{path} was made with other arguments: {saved['arguments']}")
+        return [Sequence(**s) for s in saved["sequences"]]
     config = ModelConfig.from_folder(args.target)
     tokenizer = Tokenizer.load(args.target)
     max_len = min(config.max_position_embeddings, 1024)
@@ -169,7 +197,9 @@ def _data(args: DistillArgs, log: Callable[[str], None]) -> list[Sequence]:
     sequences = generate(engine, prompts, args.max_new_tokens, set(tokenizer.eos_token_ids), lambda: bar.update(1))
     sequences += read_text(engine, text, lambda: bar.update(1))
     bar.close()
-    torch.save([{"tokens": s.tokens, "features": s.features, "first_generated": s.first_generated} for s in sequences], path)
+    torch.save({"arguments": args.data_record(),
+                "sequences": [{"tokens": s.tokens, "features": s.features, "first_generated": s.first_generated} for s in sequences]},
+               path)
     log(f"target data: {len(sequences)} sequences, {sum(len(s.tokens) for s in sequences)} tokens")
     return sequences
 
@@ -254,7 +284,7 @@ def _figures(head: EagleHead, held: list[Sequence], history: list[tuple[float, f
     }
 
 
-def _save_checkpoint(path: Path, head: EagleHead, optimizer: torch.optim.Optimizer, step: int, history: list) -> None:  # type: ignore[type-arg]
+def _save_checkpoint(path: Path, state: dict[str, object]) -> None:
     tmp = path.with_suffix(".tmp")
-    torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "history": history}, tmp)
+    torch.save(state, tmp)
     tmp.replace(path)

@@ -58,13 +58,6 @@ class EagleMeta:
         return EagleMeta(meta["target_fingerprint"], meta["vocab_fingerprint"], int(meta["draft_vocab_size"]), meta.get("training", {}))
 
 
-def is_eagle_folder(folder: Path) -> bool:
-    try:
-        return ARCHITECTURE in json.loads((folder / "config.json").read_text()).get("architectures", [])
-    except (OSError, ValueError):
-        return False
-
-
 def check_target(draft: Path, target: Path) -> EagleMeta:
     """Refuse a draft trained for another target: vocabulary first (the clearer reason), then the model itself."""
     meta = EagleMeta.read(draft)
@@ -79,6 +72,15 @@ def check_target(draft: Path, target: Path) -> EagleMeta:
 
 def head_config(target: ModelConfig) -> ModelConfig:
     return replace(target, num_layers=1)
+
+
+def unsupported_target(target: ModelConfig) -> str:
+    """Why a head cannot be made for this target ("" if it can): it reads the LM head as the tied embedding rows."""
+    if not target.tie_word_embeddings:
+        return "its LM head is not tied to its embeddings (draft heads read the LM head as embedding rows)"
+    if target.attention_bias:
+        return "its attention layers have biases (draft heads have none)"
+    return ""
 
 
 class EagleHead(torch.nn.Module):
@@ -203,7 +205,10 @@ class EagleEngine:
 
     def __init__(self, folder: Path, target_folder: Path, *, device: str, dtype: str, num_slots: int, max_len: int) -> None:
         self.meta = check_target(folder, target_folder)
-        self.config = head_config(ModelConfig.from_folder(target_folder))
+        target = ModelConfig.from_folder(target_folder)
+        if problem := unsupported_target(target):
+            raise DraftMismatch(f"{target_folder} cannot be served by a draft head: {problem}")
+        self.config = head_config(target)
         self.device = torch.device(device)
         self.dtype: torch.dtype = getattr(torch, dtype)
         self.num_slots, self.max_len = num_slots, max_len
@@ -220,6 +225,8 @@ class EagleEngine:
         vocab = weights.pop("draft_vocab").long()
         if vocab.numel() == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= cfg.vocab_size:
             raise WeightError(f"the draft vocabulary of {self._folder} has ids outside 0..{cfg.vocab_size - 1}")
+        if vocab.unique().numel() != vocab.numel():
+            raise WeightError(f"the draft vocabulary of {self._folder} repeats ids")
         fc = weights.pop("fc.weight")
         if tuple(fc.shape) != (cfg.hidden_size, 2 * cfg.hidden_size):
             raise WeightError(f"fc.weight has shape {tuple(fc.shape)}, expected {(cfg.hidden_size, 2 * cfg.hidden_size)}")
@@ -250,8 +257,3 @@ class EagleEngine:
             x = model.linear(torch.cat((tokens, features.to(self.dtype)), dim=-1), self._fc)
             hidden = model(batch, self._cache, inputs=x)[batch.logit_rows]
             return model.logits(hidden), hidden
-
-    def to_full_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        assert self.draft_vocab is not None
-        return self.draft_vocab[draft_ids]
-

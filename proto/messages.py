@@ -16,7 +16,7 @@ from typing import Generic, Literal, TypeVar
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: target features for draft heads
 
 Role = Literal["target", "draft"]
 

@@ -61,6 +61,7 @@ class SchedulerCore:
         self._target_fingerprint: str | None = None
         self._target_vocab_size = 0
         self._target_feature_width = 0  # the width of the features the targets return
+        self._features_wanted = False  # a draft that reads target features has said hello (and was not refused)
         self._no_ready_target_since_s: float | None = 0.0  # None while a target worker is READY
         self._next_step_id = 0
         self.outbox: list[Outgoing] = []
@@ -225,7 +226,9 @@ class SchedulerCore:
                  fingerprint=hello.model_fingerprint, num_kv_slots=hello.num_kv_slots, refused=problem)
         if problem:
             self._refuse(worker, problem)
-        elif hello.role == "target":
+        elif hello.role != "target":
+            self._note_feature_reader(worker)
+        else:
             self._target_fingerprint = self._target_fingerprint or hello.model_fingerprint
             self._target_vocab = self._target_vocab or hello.vocab_fingerprint
             self._target_vocab_size = hello.vocab_size
@@ -271,9 +274,14 @@ class SchedulerCore:
             return f"the draft reads features of width {hello.feature_width}, the target's are {self._target_feature_width} wide"
         return ""
 
-    def _wants_features(self) -> bool:
-        """Steps return target features while a draft that reads them is around (from its hello on, so none is missed)."""
-        return any(w.hello.feature_width > 0 and not w.is_target and w.state not in TERMINAL for w in self._workers.values())
+    def _note_feature_reader(self, worker: WorkerRecord) -> None:
+        """From the first hello of a draft that reads target features on, every step returns them.
+
+        Kept on when that draft goes away: a restarted draft then finds every running
+        request's features complete, where a gap would cost the request speculation for good.
+        """
+        if worker.hello.feature_width > 0:
+            self._features_wanted = True
 
     def _on_lifecycle(self, worker: WorkerRecord, reported: str, now_s: float) -> bool:
         """Follow a reported transition; one the table does not allow is dropped as a protocol error."""
@@ -450,6 +458,8 @@ class SchedulerCore:
             )
             num_tokens = speculation_plan(plan, limits)
             if draft.hello.feature_width:  # only sequences whose every feature is at hand
+                for rid in num_tokens:
+                    self._reset_view_if_ahead(self._requests[rid])
                 num_tokens = {rid: k for rid, k in num_tokens.items() if self._has_features(self._requests[rid])}
         self.spec.decide(max(num_tokens.values(), default=0))
         if draft is None or not num_tokens:
@@ -477,10 +487,14 @@ class SchedulerCore:
         self.outbox.append(Outgoing(True, draft.identity, m.ProposeRequest(pending.propose_id, draft.incarnation, seqs)))
 
     @staticmethod
-    def _has_features(request: Request) -> bool:
-        """Every position but the last has its feature, and the draft holds no more rows than there are."""
+    def _reset_view_if_ahead(request: Request) -> None:
+        """The draft holds rows that were recomputed or lost here since: it starts the sequence over."""
         if request.draft.num_features > request.features.count:
-            request.draft.reset()  # the rows it holds were recomputed or lost: start its sequence over
+            request.draft.reset()
+
+    @staticmethod
+    def _has_features(request: Request) -> bool:
+        """Every position but the last has its feature."""
         return request.features.count >= request.num_tokens - 1
 
     def _give_up_proposal(self, pending: PendingProposal, now_s: float, *, answer_may_come: bool) -> None:
@@ -520,7 +534,7 @@ class SchedulerCore:
             step_seqs.append(StepSeq(r, item.num_tokens, item.completes, drafts, r.draft.generation))
         worker.in_flight = InFlightStep(self._next_step_id, now_s, step_seqs)
         self.outbox.append(Outgoing(True, worker.identity, m.StepRequest(self._next_step_id, worker.incarnation, seqs,
-                                                                         return_features=self._wants_features())))
+                                                                         return_features=self._features_wanted)))
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> None:
         emitted: list[int] = []

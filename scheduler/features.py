@@ -26,7 +26,7 @@ class FeatureStore:
             return f"feature dtype {rows.dtype!r} is unknown"
         if rows.num_rows < 0 or rows.width <= 0 or len(rows.data) != rows.num_rows * rows.width * size:
             return f"{len(rows.data)} bytes of features do not make ({rows.num_rows}, {rows.width}) {rows.dtype}"
-        if self.count and (rows.width, rows.dtype) != (self._width, self._dtype):
+        if self.count and rows.start_position > 0 and (rows.width, rows.dtype) != (self._width, self._dtype):
             return f"features of ({rows.width}, {rows.dtype}) after ({self._width}, {self._dtype})"
         if rows.start_position < 0:
             return f"features at position {rows.start_position}"

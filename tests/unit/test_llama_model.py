@@ -74,22 +74,24 @@ def test_rewriting_positions_after_truncation(tiny_folder: Path) -> None:
     torch.testing.assert_close(out, _reference_logits(tiny_folder, [1, 2, 3, 40, 41])[3:], atol=1e-4, rtol=1e-4)
 
 
-def test_prepacked_bfloat16_linears_give_the_same_logits(tiny_folder: Path) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prepacked_linears_give_the_same_logits(tiny_folder: Path, dtype: torch.dtype) -> None:
     from modeling.cpu_kernels import can_prepack, prepack_linears
 
-    if not can_prepack(torch.bfloat16, torch.device("cpu")):
+    if not can_prepack(dtype, torch.device("cpu")):
         pytest.skip("oneDNN is not available in this torch build")
     spans = [SeqSpan(0, 0, [5, 17, 3, 88, 42], 2), SeqSpan(1, 0, [9, 9], 1)]
     outputs = []
     for prepack in (False, True):
         model, _ = _ours(tiny_folder)
-        model = model.to(torch.bfloat16)
+        model = model.to(dtype)
         model.set_rope_cache(128)
         if prepack:
             prepack_linears(model)
-        cache = KVCache(model.config, 4, 128, torch.bfloat16, torch.device("cpu"))
+        cache = KVCache(model.config, 4, 128, dtype, torch.device("cpu"))
         outputs.append(_step(model, cache, spans))
-    torch.testing.assert_close(outputs[1], outputs[0], atol=0.05, rtol=0.02)
+    tolerance = {"atol": 0.05, "rtol": 0.02} if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
+    torch.testing.assert_close(outputs[1], outputs[0], **tolerance)
 
 
 def test_prepacked_bfloat16_rows_do_not_depend_on_the_number_of_rows(tiny_folder: Path) -> None:

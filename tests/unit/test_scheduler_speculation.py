@@ -379,3 +379,23 @@ def test_a_draft_trained_for_another_target_or_width_is_refused_whichever_comes_
                 draft.hello()
             assert reason in sim.process("d0").failure, (draft_first, overrides)
             assert [d.incarnation for d in draft.draft_inbox() if isinstance(d, m.Drain)] == [1]
+
+
+def test_features_keep_coming_while_a_draft_head_restarts_so_its_requests_speculate_again() -> None:
+    sim = Sim(num_speculative_tokens=2)
+    worker = sim.worker("w0").start()
+    draft = sim.draft("d0", feature_width=2).start()
+    sim.submit("a", prompt(3), max_tokens=12)
+    worker.complete({"a": [11]})
+    draft.answer({"a": []})
+    worker.complete({"a": [12]})
+    draft.fail()  # the pending proposal is given up; the step runs plainly
+    worker.complete({"a": [13]})
+    worker.complete({"a": [14]})
+    assert all(step.return_features for step in worker.all_steps())
+    again = sim.draft("d0", incarnation=2, feature_width=2).start()
+    again.script["a"] = prompt(3) + SCRIPT
+    worker.run({"a": SCRIPT[4:]}, draft=again)  # the fake draft checks it gets every row from position 0
+    assert any(seq.request_id == "a" for p in again.proposes for seq in p.seqs)
+    assert sim.streamed("a") == SCRIPT[:12]
+    assert_all_free(sim, worker)
