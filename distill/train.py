@@ -33,8 +33,9 @@ from distill.data import Sequence, chunk_tokens, draft_vocabulary, generate, rea
 from distill.prompts import training_prompts
 from gateway.tokenizer import ChatMessage, Tokenizer
 from modeling.config import ModelConfig
-from modeling.eagle import EagleHead, load_target_tensors, unsupported_target
+from modeling.eagle import EagleHead, unsupported_target
 from modeling.engine import ModelEngine
+from modeling.llama import read_safetensors
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ def run(args: DistillArgs, log: Callable[[str], None] = print, stop_after: int |
     sequences = _data(args, log)
     data_s = time.monotonic() - started
     config = ModelConfig.from_folder(args.target)
-    tensors = load_target_tensors(args.target)
+    tensors = read_safetensors(args.target)
     vocab = draft_vocabulary(sequences, args.draft_vocab_size, config.vocab_size)
     head = EagleHead(config, tensors["model.embed_tokens.weight"], vocab)
     head.init_layer_from(tensors, config.num_layers - 1, tensors["model.norm.weight"])

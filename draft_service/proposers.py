@@ -130,6 +130,46 @@ class NgramProposer(StatelessProposer):
         return [Proposed(self.lookup(item.token_ids, item.num_tokens)) for item in batch]
 
 
+class SequenceSlots:
+    """One KV slot per sequence: taken on its first proposal, given back when it is forgotten; none when all are taken."""
+
+    def __init__(self, num_slots: int, max_len: int) -> None:
+        self.table = SlotTable(num_slots, max_len)  # positions each slot holds
+        self._slot_of: dict[str, int] = {}
+        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def slot_for(self, request_id: str) -> int | None:
+        slot = self._slot_of.get(request_id)
+        if slot is None and self._free:
+            slot = self._slot_of[request_id] = self._free.pop()
+        return slot
+
+    def release(self, request_id: str) -> int | None:
+        """The slot it held (now free), if any."""
+        slot = self._slot_of.pop(request_id, None)
+        if slot is not None:
+            self.table.release(slot)
+            self._free.append(slot)
+        return slot
+
+
+def warm_up_every_slot(proposer: Proposer, num_slots: int, k: int, feature_width: int = 0) -> None:
+    """A proposal for every slot at once at the longest k, greedy and sampled; then the sequences are forgotten."""
+    prompt = [(11 * i + 5) % proposer.vocab_size for i in range(8)]
+    features = None
+    if feature_width:
+        features = torch.randn(len(prompt) - 1, feature_width, generator=torch.Generator().manual_seed(0))
+    batch = [ProposeInput(f"warm-up-{i}", prompt, 0, k, SamplingParams(temperature=float(i % 2), seed=i), features)
+             for i in range(num_slots)]
+    if any(len(p.token_ids) != k for p in proposer.propose(batch)):
+        raise RuntimeError(f"warm-up: the {type(proposer).__name__} did not propose k tokens for every sequence")
+    for item in batch:
+        proposer.forget(item.request_id)
+
+
 class ModelProposer:
     """A draft model with one KV slot per sequence; a sequence with no free slot gets no proposal."""
 
@@ -144,9 +184,7 @@ class ModelProposer:
         self.vocab_size = self._config.vocab_size
         self.vocab_fingerprint = vocab_fingerprint(folder)
         self._engine = ModelEngine(folder, self._config, device=device, dtype=dtype, num_slots=num_slots, max_len=max_len)
-        self._slots = SlotTable(num_slots, max_len)
-        self._slot_of: dict[str, int] = {}
-        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self._slots = SequenceSlots(num_slots, max_len)
         self._max_draft_tokens = max_draft_tokens
         self._draft_top_k = draft_top_k
 
@@ -155,26 +193,14 @@ class ModelProposer:
 
     @property
     def num_used_slots(self) -> int:
-        return len(self._slot_of)
+        return len(self._slots)
 
     def _warm_up(self) -> None:
-        """A proposal for every slot at once at the longest k, greedy and sampled, then the engine's self-check."""
-        k = self._max_draft_tokens
-        prompt = [(11 * i + 5) % self.vocab_size for i in range(8)]
-        batch = [ProposeInput(f"warm-up-{i}", prompt, 0, k, SamplingParams(temperature=float(i % 2), seed=i))
-                 for i in range(self._engine.num_slots)]
-        proposals = self.propose(batch)
-        if any(len(p.token_ids) != k for p in proposals):
-            raise RuntimeError("warm-up: the draft model did not propose k tokens for every sequence")
-        for item in batch:
-            self.forget(item.request_id)
+        warm_up_every_slot(self, self._engine.num_slots, self._max_draft_tokens)
         self._engine.self_check()
 
     def forget(self, request_id: str) -> None:
-        slot = self._slot_of.pop(request_id, None)
-        if slot is not None:
-            self._slots.release(slot)
-            self._free.append(slot)
+        self._slots.release(request_id)
 
     def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
         tokens: dict[str, list[int]] = {}  # proposed so far, per sequence
@@ -182,19 +208,19 @@ class ModelProposer:
         active: list[ProposeInput] = []
         spans: list[SeqSpan] = []
         for item in batch:
-            slot = self._slot_for(item)
+            slot = self._slots.slot_for(item.request_id) if len(item.token_ids) < self._engine.max_len else None
             if slot is None:
                 continue
             # The slot's keys and values stand where the sequence did not change; catch up from there.
             # The last token is always fed, so there is a row to sample from.
-            cached = min(self._slots.length(slot), item.num_stable, len(item.token_ids) - 1)
+            cached = min(self._slots.table.length(slot), item.num_stable, len(item.token_ids) - 1)
             spans.append(SeqSpan(slot, cached, item.token_ids[cached:], 1))
             active.append(item)
             tokens[item.request_id], dists[item.request_id] = [], []
         while active:
             logits = self._engine.forward(spans)
             for span in spans:
-                self._slots.set_length(span.slot, span.start + len(span.token_ids))
+                self._slots.table.set_length(span.slot, span.start + len(span.token_ids))
             next_active: list[ProposeInput] = []
             next_spans: list[SeqSpan] = []
             for row, (item, span) in enumerate(zip(active, spans)):
@@ -209,15 +235,6 @@ class ModelProposer:
             Proposed(tokens.get(item.request_id, []), None if is_greedy(item.sampling) else dists.get(item.request_id, []))
             for item in batch
         ]
-
-    def _slot_for(self, item: ProposeInput) -> int | None:
-        slot = self._slot_of.get(item.request_id)
-        if slot is None:
-            if not self._free or len(item.token_ids) >= self._engine.max_len:
-                return None
-            slot = self._free.pop()
-            self._slot_of[item.request_id] = slot
-        return slot
 
     def _draw(self, logits: torch.Tensor, params: SamplingParams, position: int, dists: list[SparseDist]) -> int:
         return draw(logits, params, position, dists, self._draft_top_k, None)
@@ -261,9 +278,7 @@ class EagleProposer:
         self.vocab_fingerprint = self._engine.meta.vocab_fingerprint
         self.target_fingerprint = self._engine.meta.target_fingerprint
         self.feature_width = config.hidden_size
-        self._slots = SlotTable(num_slots, max_len)
-        self._slot_of: dict[str, int] = {}
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._slots = SequenceSlots(num_slots, max_len)
         self._from_target: dict[int, int] = {}  # per slot: leading draft positions built from the target's features
         self._max_draft_tokens = max_draft_tokens
         self._draft_top_k = draft_top_k
@@ -273,27 +288,15 @@ class EagleProposer:
 
     @property
     def num_used_slots(self) -> int:
-        return len(self._slot_of)
+        return len(self._slots)
 
     def _warm_up(self) -> None:
-        """A proposal for every slot at once at the longest k, greedy and sampled."""
-        k = self._max_draft_tokens
-        prompt = [(11 * i + 5) % self.vocab_size for i in range(8)]
-        features = torch.randn(len(prompt) - 1, self.feature_width, generator=torch.Generator().manual_seed(0))
-        batch = [ProposeInput(f"warm-up-{i}", prompt, 0, k, SamplingParams(temperature=float(i % 2), seed=i), features)
-                 for i in range(self._engine.num_slots)]
-        proposals = self.propose(batch)
-        if any(len(p.token_ids) != k for p in proposals):
-            raise RuntimeError("warm-up: the draft head did not propose k tokens for every sequence")
-        for item in batch:
-            self.forget(item.request_id)
+        warm_up_every_slot(self, self._engine.num_slots, self._max_draft_tokens, self.feature_width)
 
     def forget(self, request_id: str) -> None:
-        slot = self._slot_of.pop(request_id, None)
+        slot = self._slots.release(request_id)
         if slot is not None:
-            self._slots.release(slot)
             self._from_target.pop(slot, None)
-            self._free.append(slot)
 
     def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
         tokens: dict[str, list[int]] = {}
@@ -305,7 +308,7 @@ class EagleProposer:
             n = len(item.token_ids)
             if item.features is None or item.features.shape[0] < n - 1 or n < 2 or n >= self._engine.max_len:
                 continue  # without every feature the head has nothing sound to read
-            slot = self._slot_for(item)
+            slot = self._slots.slot_for(item.request_id)
             if slot is None:
                 continue
             # Pairs before `cached` stand; pair n-2 (the last token and the feature before it) is always fed.
@@ -322,7 +325,7 @@ class EagleProposer:
             next_rows: list[torch.Tensor] = []
             for row, (item, span) in enumerate(zip(active, spans)):
                 position = span.start + len(span.token_ids)
-                self._slots.set_length(span.slot, position)
+                self._slots.table.set_length(span.slot, position)
                 token = draw(logits[row], item.sampling, len(item.token_ids) + len(tokens[item.request_id]), dists[item.request_id],
                              self._draft_top_k, self._engine.draft_vocab)
                 tokens[item.request_id].append(token)
@@ -335,12 +338,3 @@ class EagleProposer:
             Proposed(tokens.get(item.request_id, []), None if is_greedy(item.sampling) else dists.get(item.request_id, []))
             for item in batch
         ]
-
-    def _slot_for(self, item: ProposeInput) -> int | None:
-        slot = self._slot_of.get(item.request_id)
-        if slot is None:
-            if not self._free:
-                return None
-            slot = self._free.pop()
-            self._slot_of[item.request_id] = slot
-        return slot

@@ -25,14 +25,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from modeling.batch import SeqSpan, build_step_batch
 from modeling.config import ModelConfig, model_fingerprint, vocab_fingerprint
 from modeling.cpu_kernels import can_prepack, prepack_linears
 from modeling.kv_cache import KVCache
-from modeling.llama import LlamaModel, WeightError, copy_hf_weights
+from modeling.llama import LlamaModel, WeightError, apply_rope, copy_hf_weights, read_safetensors, rms_norm, rope_tables
 
 ARCHITECTURE = "SpecserveEagleDraft"
 _LAYER = "model.layers.0."
@@ -130,18 +129,18 @@ class EagleHead(torch.nn.Module):
         cfg = self.config
         b, t, _ = features.shape
         x = torch.cat((self.embed_tokens[next_tokens], features), dim=-1) @ self.fc.T
-        h = _rms_norm(x, self.input_norm, cfg.rms_norm_eps)
+        h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
         q = (h @ self.q_proj.T).view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
         k = (h @ self.k_proj.T).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         v = (h @ self.v_proj.T).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        cos, sin = _rope_tables(cfg, t, features.device)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cos, sin = rope_tables(cfg, t, features.device)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         g = cfg.num_queries_per_kv
         attn = F.scaled_dot_product_attention(q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1), is_causal=True)
         x = x + attn.transpose(1, 2).reshape(b, t, -1) @ self.o_proj.T
-        h = _rms_norm(x, self.post_attention_norm, cfg.rms_norm_eps)
+        h = rms_norm(x, self.post_attention_norm, cfg.rms_norm_eps)
         x = x + (F.silu(h @ self.gate_proj.T) * (h @ self.up_proj.T)) @ self.down_proj.T
-        return _rms_norm(x, self.norm, cfg.rms_norm_eps)
+        return rms_norm(x, self.norm, cfg.rms_norm_eps)
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary `[..., N]` from (predicted or true) features `[..., H]`."""
@@ -170,32 +169,6 @@ class EagleHead(torch.nn.Module):
         (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def _rope_tables(cfg: ModelConfig, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32, device=device) / cfg.head_dim))
-    freqs = torch.outer(torch.arange(length, dtype=torch.float32, device=device), inv)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-def load_target_tensors(folder: Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if names is None or name in names:
-                    tensors[name] = f.get_tensor(name)
-    return tensors
-
-
 class EagleEngine:
     """Serves a saved head: `forward(spans, features)` appends draft positions and returns draft logits and features.
 
@@ -220,8 +193,8 @@ class EagleEngine:
 
     def load(self) -> None:
         cfg = self.config
-        weights = load_target_tensors(self._folder)
-        embed = load_target_tensors(self._target_folder, ["model.embed_tokens.weight"])["model.embed_tokens.weight"]
+        weights = read_safetensors(self._folder)
+        embed = read_safetensors(self._target_folder, ["model.embed_tokens.weight"])["model.embed_tokens.weight"]
         vocab = weights.pop("draft_vocab").long()
         if vocab.numel() == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= cfg.vocab_size:
             raise WeightError(f"the draft vocabulary of {self._folder} has ids outside 0..{cfg.vocab_size - 1}")

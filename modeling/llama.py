@@ -56,25 +56,13 @@ class LlamaModel(torch.nn.Module):
 
     def load_weights(self, folder: Path) -> None:
         """Read every *.safetensors file in `folder` (HF names) into the fused parameters."""
-        files = sorted(folder.glob("*.safetensors"))
-        if not files:
-            raise WeightError(f"no *.safetensors file in {folder}")
-        tensors: dict[str, torch.Tensor] = {}
-        for path in files:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    tensors[name] = f.get_tensor(name)
-        copy_hf_weights(self, tensors)
+        copy_hf_weights(self, read_safetensors(folder))
 
     def set_rope_cache(self, max_len: int) -> None:
         """Precompute cos/sin for positions 0..max_len-1 exactly as HF does (fp32, then cast)."""
-        cfg = self.config
-        device = self.embed_tokens.device
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64, device=device).float() / cfg.head_dim))
-        freqs = torch.outer(torch.arange(max_len, device=device).float(), inv_freq)  # [L, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [L, D]
-        self._rope_cos = emb.cos().to(self.embed_tokens.dtype)
-        self._rope_sin = emb.sin().to(self.embed_tokens.dtype)
+        cos, sin = rope_tables(self.config, max_len, self.embed_tokens.device)
+        self._rope_cos = cos.to(self.embed_tokens.dtype)
+        self._rope_sin = sin.to(self.embed_tokens.dtype)
 
     # ------------------------------------------------------------------ forward
 
@@ -91,10 +79,10 @@ class LlamaModel(torch.nn.Module):
         x = F.embedding(batch.token_ids, self.embed_tokens) if inputs is None else inputs  # [N, hidden]
         eps = self.config.rms_norm_eps
         for index, layer in enumerate(self.layers):
-            x = x + self._attention(index, layer, _rms_norm(x, layer.input_norm, eps), cos, sin, batch, masks, cache)
-            gate, up = self.linear(_rms_norm(x, layer.post_attention_norm, eps), layer.gate_up_proj).chunk(2, dim=-1)
+            x = x + self._attention(index, layer, rms_norm(x, layer.input_norm, eps), cos, sin, batch, masks, cache)
+            gate, up = self.linear(rms_norm(x, layer.post_attention_norm, eps), layer.gate_up_proj).chunk(2, dim=-1)
             x = x + self.linear(F.silu(gate) * up, layer.down_proj)
-        return _rms_norm(x, self.norm, eps)
+        return rms_norm(x, self.norm, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[M, hidden]` -> float32 logits `[M, vocab]`."""
@@ -116,7 +104,7 @@ class LlamaModel(torch.nn.Module):
         q_size = layer.qkv_sizes[0]
         qkv = self.linear(h, layer.qkv_proj, layer.qkv_bias)  # [N, (H + 2*KVH) * D]
         # Queries and keys rotate together: one RoPE over H + KVH heads.
-        qk = _rope(qkv[:, : q_size + layer.qkv_sizes[1]].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        qk = apply_rope(qkv[:, : q_size + layer.qkv_sizes[1]].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # [N, H, D], [N, KVH, D]
         v = qkv[:, q_size + layer.qkv_sizes[1] :].view(n, cfg.num_kv_heads, cfg.head_dim)
         keys, values = cache.keys[index], cache.values[index]  # [S, KVH, L, D]
@@ -169,15 +157,37 @@ def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     return torch.bmm(probs, values).view(r, h, t, d)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(dtype)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding in HF's rotate-half layout; x `[N, heads, D]`, cos/sin `[N, 1, D]`."""
+def read_safetensors(folder: Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors (all, or those named) of every *.safetensors file in `folder`."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise WeightError(f"no *.safetensors file in {folder}")
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if names is None or name in names:
+                    tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def rope_tables(cfg: ModelConfig, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos and sin `[length, head_dim]` for positions 0..length-1."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64, device=device).float() / cfg.head_dim))
+    freqs = torch.outer(torch.arange(length, device=device).float(), inv_freq)  # [L, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [L, D]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in HF's rotate-half layout: x `[..., D]` with cos/sin broadcast to it (here `[N, 1, D]`)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

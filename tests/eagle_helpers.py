@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 
 from modeling.config import ModelConfig
-from modeling.eagle import EagleHead, load_target_tensors
+from modeling.eagle import EagleHead
+from modeling.llama import read_safetensors
 
 
 def tiny_head(target: Path) -> EagleHead:
@@ -17,7 +18,7 @@ def tiny_head(target: Path) -> EagleHead:
     in-memory head compute the same.
     """
     config = ModelConfig.from_folder(target)
-    tensors = load_target_tensors(target)
+    tensors = read_safetensors(target)
     head = EagleHead(config, tensors["model.embed_tokens.weight"], torch.arange(0, config.vocab_size, 2))
     head.init_layer_from(tensors, config.num_layers - 1, tensors["model.norm.weight"])
     with torch.no_grad():

@@ -7,29 +7,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.stack import Stack, StackOptions
-
-
-def _running_stack(options: StackOptions, log_dir: Path) -> Iterator[Stack]:
-    stack = Stack(options, log_dir)
-    try:
-        stack.start()
-        yield stack
-    finally:
-        stack.stop()
+from tests.e2e.stack import Stack, StackOptions, running_stack
 
 
 @pytest.fixture(scope="session")
 def fp32_stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """Two float32 data-parallel workers."""
-    yield from _running_stack(StackOptions(default_model_dir, dtype="float32", num_workers=2, num_kv_slots=8),
-                              tmp_path_factory.mktemp("fp32_stack"))
+    with running_stack(StackOptions(default_model_dir, dtype="float32", num_workers=2, num_kv_slots=8),
+                       tmp_path_factory.mktemp("fp32_stack")) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="session")
 def bf16_stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    yield from _running_stack(StackOptions(default_model_dir, dtype="bfloat16", num_workers=1, num_kv_slots=16),
-                              tmp_path_factory.mktemp("bf16_stack"))
+    with running_stack(StackOptions(default_model_dir, dtype="bfloat16", num_workers=1, num_kv_slots=16),
+                       tmp_path_factory.mktemp("bf16_stack")) as stack:
+        yield stack
 
 
 @pytest.fixture(autouse=True)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -206,3 +207,14 @@ def collect(stream: Iterator[pb.GenerateResponse]) -> GenerateResult:
     assert last is not None, "the stream ended without a chunk"
     return GenerateResult(token_ids, "".join(text), last.finish_reason, last.usage.prompt_tokens,
                           last.usage.completion_tokens, num_chunks)
+
+
+@contextmanager
+def running_stack(options: StackOptions, log_dir: Path) -> Iterator[Stack]:
+    """A started stack, stopped on the way out whatever happened."""
+    stack = Stack(options, log_dir)
+    try:
+        stack.start()
+        yield stack
+    finally:
+        stack.stop()

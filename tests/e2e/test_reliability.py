@@ -20,7 +20,7 @@ import zmq
 from gateway.tokenizer import Tokenizer
 from proto import messages as m
 from proto import specserve_pb2 as pb
-from tests.e2e.stack import Stack, StackOptions
+from tests.e2e.stack import Stack, StackOptions, running_stack
 
 FAST_FAILURE = ["--heartbeat-timeout-s", "2", "--phase-timeout-s", "4"]
 SMALL_WORKER = ["--phase-timeout-s", "6", "--heartbeat-interval-s", "0.2"]
@@ -63,12 +63,8 @@ def wait_for(condition, timeout_s: float, what: str, stack: Stack):  # type: ign
 def two_workers(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     options = StackOptions(default_model_dir, dtype="float32", num_workers=2, num_kv_slots=16, max_model_len=512,
                            scheduler_args=FAST_FAILURE, worker_args=SMALL_WORKER)
-    stack = Stack(options, tmp_path_factory.mktemp("two_workers"))
-    try:
-        stack.start()
+    with running_stack(options, tmp_path_factory.mktemp("two_workers")) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 # ---------------------------------------------------------------- start-up failures

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from gateway.tokenizer import ChatMessage, Tokenizer
 from modeling.model_store import default_draft_dir
 from proto import specserve_pb2 as pb
-from tests.e2e.stack import GenerateResult, Stack, StackOptions
+from tests.e2e.stack import GenerateResult, Stack, StackOptions, running_stack
 
 NUM_TOKENS = 40
 STAGGER_S = 0.15
@@ -78,12 +78,8 @@ def truncated_draft(default_model_dir: Path, tmp_path_factory: pytest.TempPathFa
 def spec_stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     options = StackOptions(default_model_dir, dtype="float32", num_workers=1, num_kv_slots=8,
                            scheduler_args=["--num-speculative-tokens", "4", "--spec-disable-batch-threshold", "4"])
-    stack = Stack(options, tmp_path_factory.mktemp("spec_stack"))
-    try:
-        stack.start()
+    with running_stack(options, tmp_path_factory.mktemp("spec_stack")) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 def draft_process(stack: Stack) -> pb.Process | None:
@@ -149,9 +145,7 @@ def test_greedy_is_lossless_in_bfloat16_and_with_the_shipped_draft_head(default_
                            scheduler_args=["--num-speculative-tokens", "6", "--spec-disable-batch-threshold", "4"],
                            draft_args=["--target-model", str(default_model_dir)])
     (tmp_path / "logs").mkdir()
-    stack = Stack(options, tmp_path / "logs")
-    try:
-        stack.start()
+    with running_stack(options, tmp_path / "logs") as stack:
         ids = prompt_ids(Tokenizer.load(default_model_dir))
         requests = [request(p) for p in ids]
         switch_draft(stack, None)
@@ -170,8 +164,6 @@ def test_greedy_is_lossless_in_bfloat16_and_with_the_shipped_draft_head(default_
             assert proposed > 0 and accepted > 0, proposer
             if proposer.startswith("eagle"):  # measured 0.1-0.25 at k = 6; a head that guesses would accept ~1/8192
                 assert accepted / proposed > 0.05, f"the shipped head accepted only {accepted} of {proposed} draft tokens"
-    finally:
-        stack.stop()
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "model"])
