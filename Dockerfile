@@ -1,6 +1,10 @@
 # One image for every specserve service; the compose file picks the command.
 FROM python:3.11-slim
 
+# A C++ compiler: the model's CPU kernels (modeling/csrc) are compiled for the host's CPU
+# on first start and cached with the model under /models.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+
 # TORCH_SPEC: on GPU hosts the default PyPI wheel of torch 2.13.0 carries CUDA; for a
 # CPU-only image build with --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ARG TORCH_SPEC=torch==2.13.0

@@ -6,7 +6,7 @@ STAMP := $(VENV)/.specserve-installed
 SERVE_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: setup serve test unit lint bench model
+.PHONY: setup native serve test unit lint bench model
 
 setup: $(STAMP)
 
@@ -18,22 +18,29 @@ $(STAMP): pyproject.toml
 	$(PY) -m modeling.model_store > /dev/null
 	# A real compose parser for the compose-file test (Debian's docker-compose; no engine needed).
 	command -v docker-compose > /dev/null || { apt-get update -qq && apt-get install -y -qq docker-compose > /dev/null; }
+	# A C++ compiler for the model's CPU kernels (modeling/csrc; Debian's g++).
+	command -v g++ > /dev/null || { apt-get update -qq && apt-get install -y -qq g++ > /dev/null; }
 	touch $(STAMP)
 
 model: setup
 	$(PY) -m modeling.model_store
 
-serve: setup
+# The model's CPU kernels (modeling/csrc), compiled for this machine once and cached; a
+# source change rebuilds them here instead of in a worker's first start.
+native: setup
+	$(PY) -m modeling.native
+
+serve: native
 	$(VENV)/bin/specserve up $(SERVE_ARGS)
 
-test: setup
+test: native
 	$(PY) -m pytest -p no:cacheprovider -q
 
-unit: setup
+unit: native
 	$(PY) -m pytest -q tests/unit
 
 lint: setup
 	$(PY) -m mypy proto/messages.py proto/lifecycle.py common modeling gpu_worker draft_service distill scheduler gateway specserve --ignore-missing-imports
 
-bench: setup
+bench: native
 	$(PY) -m bench.grpc_bench --start $(BENCH_ARGS)

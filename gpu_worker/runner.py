@@ -34,6 +34,11 @@ class ModelRunner:
     def load(self) -> None:
         self._engine.load()
 
+    @property
+    def ops(self) -> str:
+        """Which ops the loaded model runs on, and why."""
+        return self._engine.ops
+
     def allocate(self) -> None:
         self._engine.allocate()
 

@@ -45,11 +45,15 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
             torch.set_num_threads(self._config.num_threads)
         runner = ModelRunner(self._config, self._model_config)
 
+        def load() -> None:
+            runner.load()
+            self.log.info("model.loaded", ops=runner.ops)
+
         def warm_up() -> None:
             runner.warm_up()
             self._runner = runner
 
-        return [(State.LOADING, runner.load), (State.ALLOCATING, runner.allocate), (State.WARMING, warm_up)]
+        return [(State.LOADING, load), (State.ALLOCATING, runner.allocate), (State.WARMING, warm_up)]
 
     def num_used_slots(self) -> int:
         runner = self._runner

@@ -49,9 +49,14 @@ class StepBatch:
     slots: torch.Tensor  # [N] slot of each token
     logit_rows: torch.Tensor  # [M] packed rows whose logits are returned, in span order
     groups: list[AttentionGroup]
+    # With `rows_in_kernel`, the short spans are not planned as a group: their packed rows
+    # (None: every row) go to the CPU attention kernel, which reads each row's slot alone.
+    kernel_rows: torch.Tensor | None = None
+    any_kernel_rows: bool = False
 
 
-def build_step_batch(spans: list[SeqSpan], device: torch.device) -> StepBatch:
+def build_step_batch(spans: list[SeqSpan], device: torch.device, *, rows_in_kernel: bool = False) -> StepBatch:
+
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -66,9 +71,14 @@ def build_step_batch(spans: list[SeqSpan], device: torch.device) -> StepBatch:
         logit_rows.extend(range(len(token_ids) - span.num_logits, len(token_ids)))
     shared = [i for i, s in enumerate(spans) if len(s.token_ids) <= MAX_SHARED_QUERY_TOKENS]
     alone = [[i] for i, s in enumerate(spans) if len(s.token_ids) > MAX_SHARED_QUERY_TOKENS]
-    groups = [_plan_group([spans[i] for i in g], [offsets[i] for i in g], len(token_ids), device) for g in ([shared] if shared else []) + alone]
+    planned = alone if rows_in_kernel else ([shared] if shared else []) + alone
+    groups = [_plan_group([spans[i] for i in g], [offsets[i] for i in g], len(token_ids), device) for g in planned]
+    kernel_rows = None
+    if rows_in_kernel and shared and alone:
+        kernel_rows = _ids([offsets[i] + t for i in shared for t in range(len(spans[i].token_ids))], device)
 
-    return StepBatch(_ids(token_ids, device), _ids(positions, device), _ids(slots, device), _ids(logit_rows, device), groups)
+    return StepBatch(_ids(token_ids, device), _ids(positions, device), _ids(slots, device), _ids(logit_rows, device), groups,
+                     kernel_rows, rows_in_kernel and bool(shared))
 
 
 def _plan_group(spans: list[SeqSpan], offsets: list[int], num_tokens: int, device: torch.device) -> AttentionGroup:

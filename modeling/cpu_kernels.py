@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from modeling.native import KernelUnavailable, native_ops
 from modeling.llama import LlamaModel
 
 # The batch size oneDNN tunes the packed layout for; the packed weights serve every size
@@ -28,6 +29,20 @@ def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
     except (AttributeError, RuntimeError):
         return False
     return True
+
+
+def attach_native_ops(model: LlamaModel, dtype: torch.dtype, device: torch.device) -> str:
+    """Give a CPU float32 or bfloat16 model the native kernels (modeling/native.py).
+
+    Returns which ops the model runs on, and why, for the owner's log.
+    """
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
+        return f"torch (no native ops for {dtype} on {device.type})"
+    try:
+        model.native = native_ops()
+    except KernelUnavailable as exc:
+        return f"torch ({exc})"
+    return "native"
 
 
 def prepack_linears(model: LlamaModel) -> None:

@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from modeling.batch import SeqSpan, build_step_batch
+from modeling.batch import SeqSpan
 from modeling.config import ModelConfig, model_fingerprint, vocab_fingerprint
-from modeling.cpu_kernels import can_prepack, prepack_linears
+from modeling.cpu_kernels import attach_native_ops, can_prepack, prepack_linears
 from modeling.kv_cache import KVCache
 from modeling.llama import LlamaModel, WeightError, apply_rope, copy_hf_weights, read_safetensors, rms_norm, rope_tables
 
@@ -187,6 +187,7 @@ class EagleEngine:
         self.num_slots, self.max_len = num_slots, max_len
         self._folder, self._target_folder = folder, target_folder
         self._model: LlamaModel | None = None
+        self.ops = "not loaded"  # which ops the loaded model runs on, and why (for the owner's log)
         self._fc: torch.Tensor | None = None
         self._cache: KVCache | None = None
         self.draft_vocab: torch.Tensor | None = None
@@ -212,6 +213,7 @@ class EagleEngine:
         self._fc = fc.to(device=self.device, dtype=self.dtype)
         if can_prepack(self.dtype, self.device):
             prepack_linears(model)
+        self.ops = attach_native_ops(model, self.dtype, self.device)
         model.set_rope_cache(self.max_len)
         model.eval()
         self._model, self.draft_vocab = model, vocab.to(self.device)
@@ -225,7 +227,7 @@ class EagleEngine:
             raise RuntimeError("the engine is not built: load() and allocate() come first")
         model = self._model
         with torch.inference_mode():
-            batch = build_step_batch(spans, self.device)
+            batch = model.plan(spans)
             tokens = F.embedding(batch.token_ids, model.embed_tokens)
             x = model.linear(torch.cat((tokens, features.to(self.dtype)), dim=-1), self._fc)
             hidden = model(batch, self._cache, inputs=x)[batch.logit_rows]

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from modeling.batch import SeqSpan, build_step_batch
+from modeling.batch import SeqSpan
 from modeling.config import ModelConfig
-from modeling.cpu_kernels import can_prepack, prepack_linears
+from modeling.cpu_kernels import attach_native_ops, can_prepack, prepack_linears
 from modeling.kv_cache import KVCache
 from modeling.llama import LlamaModel
 
@@ -35,6 +35,7 @@ class ModelEngine:
         self.max_len = max_len
         self._folder = folder
         self._model: LlamaModel | None = None
+        self.ops = "not loaded"  # which ops the loaded model runs on, and why (for the owner's log)
         self._cache: KVCache | None = None
 
     def load(self) -> None:
@@ -43,6 +44,7 @@ class ModelEngine:
         model = model.to(device=self.device, dtype=self.dtype)
         if can_prepack(self.dtype, self.device):
             prepack_linears(model)
+        self.ops = attach_native_ops(model, self.dtype, self.device)
         model.set_rope_cache(self.max_len)
         model.eval()
         self._model = model
@@ -62,7 +64,7 @@ class ModelEngine:
         if self._model is None or self._cache is None:
             raise RuntimeError("the engine is not built: load() and allocate() come first")
         with torch.inference_mode():
-            batch = build_step_batch(spans, self.device)
+            batch = self._model.plan(spans)
             hidden = self._model(batch, self._cache)
             return self._model.logits(hidden[batch.logit_rows]), hidden
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from modeling.batch import AttentionGroup, StepBatch
+from modeling.batch import AttentionGroup, SeqSpan, StepBatch, build_step_batch
 from modeling.config import ModelConfig
 from modeling.kv_cache import KVCache
 
@@ -49,6 +50,10 @@ class LlamaModel(torch.nn.Module):
         )
         # y = x @ W^T (+ b); a built model may swap in a faster kernel (see cpu_kernels.py).
         self.linear: Callable[..., torch.Tensor] = F.linear
+        # The native CPU kernels (modeling/native.py), when the built model has them: fused
+        # norms, RoPE and SiLU, and attention of decode and verify rows over the cache in
+        # place. Without them, torch ops do all of it.
+        self.native: ModuleType | None = None
         self._rope_cos: torch.Tensor | None = None  # [max_len, head_dim], built by set_rope_cache
         self._rope_sin: torch.Tensor | None = None
 
@@ -66,6 +71,10 @@ class LlamaModel(torch.nn.Module):
 
     # ------------------------------------------------------------------ forward
 
+    def plan(self, spans: list[SeqSpan]) -> StepBatch:
+        """The step's packed batch, its attention planned for this model's kernels."""
+        return build_step_batch(spans, self.embed_tokens.device, rows_in_kernel=self.native is not None)
+
     def forward(self, batch: StepBatch, cache: KVCache, inputs: torch.Tensor | None = None) -> torch.Tensor:
         """Append the batch's tokens to the cache and return the final (normed) hidden states of every row `[N, hidden]`.
 
@@ -73,16 +82,36 @@ class LlamaModel(torch.nn.Module):
         """
         if self._rope_cos is None or self._rope_sin is None:
             raise RuntimeError("set_rope_cache() must run before forward()")
-        cos = self._rope_cos[batch.positions].unsqueeze(1)  # [N, 1, D]
-        sin = self._rope_sin[batch.positions].unsqueeze(1)
+        cos = self._rope_cos[batch.positions]  # [N, D]
+        sin = self._rope_sin[batch.positions]
         masks = [None if g.mask is None else g.mask.to(self.embed_tokens.dtype) for g in batch.groups]
-        x = F.embedding(batch.token_ids, self.embed_tokens) if inputs is None else inputs  # [N, hidden]
-        eps = self.config.rms_norm_eps
+        # [N, hidden], this pass's own copy: the native norms add to it in place
+        x = F.embedding(batch.token_ids, self.embed_tokens) if inputs is None else inputs.clone()
+        h = self._norm(x, self.layers[0].input_norm)
         for index, layer in enumerate(self.layers):
-            x = x + self._attention(index, layer, rms_norm(x, layer.input_norm, eps), cos, sin, batch, masks, cache)
-            gate, up = self.linear(rms_norm(x, layer.post_attention_norm, eps), layer.gate_up_proj).chunk(2, dim=-1)
-            x = x + self.linear(F.silu(gate) * up, layer.down_proj)
-        return rms_norm(x, self.norm, eps)
+            x, h = self._add_norm(x, self._attention(index, layer, h, cos, sin, batch, masks, cache), layer.post_attention_norm)
+            mlp = self.linear(self._silu_mul(self.linear(h, layer.gate_up_proj)), layer.down_proj)
+            following = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.norm
+            x, h = self._add_norm(x, mlp, following)
+        return h
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.native.rms_norm(x, weight, self.config.rms_norm_eps)
+        return rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, its RMSNorm); the native op adds in place (x is this pass's own residual stream)."""
+        if self.native is not None:
+            return x, self.native.add_rms_norm_(x, delta, weight, self.config.rms_norm_eps)
+        x = x + delta
+        return x, rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.native.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[M, hidden]` -> float32 logits `[M, vocab]`."""
@@ -101,21 +130,36 @@ class LlamaModel(torch.nn.Module):
     ) -> torch.Tensor:
         cfg = self.config
         n = h.shape[0]
-        q_size = layer.qkv_sizes[0]
+        q_size, kv_size = layer.qkv_sizes[0], layer.qkv_sizes[1]
         qkv = self.linear(h, layer.qkv_proj, layer.qkv_bias)  # [N, (H + 2*KVH) * D]
+        native = self.native
         # Queries and keys rotate together: one RoPE over H + KVH heads.
-        qk = apply_rope(qkv[:, : q_size + layer.qkv_sizes[1]].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # [N, H, D], [N, KVH, D]
-        v = qkv[:, q_size + layer.qkv_sizes[1] :].view(n, cfg.num_kv_heads, cfg.head_dim)
-        keys, values = cache.keys[index], cache.values[index]  # [S, KVH, L, D]
-        keys[batch.slots, :, batch.positions] = k
-        values[batch.slots, :, batch.positions] = v
-        if len(batch.groups) == 1 and batch.groups[0].is_identity:
-            out = self._group_attention(batch.groups[0], masks[0], q, keys, values)
+        if native is not None:
+            native.rope_(qkv, cos, sin, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+            q = qkv[:, :q_size].view(n, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(n, cfg.num_kv_heads, cfg.head_dim)
         else:
-            out = torch.empty(n, cfg.num_heads * cfg.head_dim, dtype=h.dtype, device=h.device)  # [N, H*D]
-            for group, mask in zip(batch.groups, masks):
-                out[group.real_rows] = self._group_attention(group, mask, q, keys, values)
+            qk = apply_rope(qkv[:, : q_size + kv_size].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim),
+                            cos.unsqueeze(1), sin.unsqueeze(1))
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # [N, H, D], [N, KVH, D]
+        v = qkv[:, q_size + kv_size :].view(n, cfg.num_kv_heads, cfg.head_dim)
+        keys, values = cache.keys[index], cache.values[index]  # [S, KVH, L, D]
+        if native is not None:
+            native.store(k, v, keys, values, batch.slots, batch.positions)
+        else:
+            keys[batch.slots, :, batch.positions] = k
+            values[batch.slots, :, batch.positions] = v
+        scale = cfg.head_dim**-0.5
+        if batch.any_kernel_rows and not batch.groups:
+            return self.linear(native.attend(q, keys, values, batch.slots, batch.positions, scale), layer.o_proj)
+        if len(batch.groups) == 1 and batch.groups[0].is_identity:
+            return self.linear(self._group_attention(batch.groups[0], masks[0], q, keys, values), layer.o_proj)
+        out = torch.empty(n, cfg.num_heads * cfg.head_dim, dtype=h.dtype, device=h.device)  # [N, H*D]
+        if batch.any_kernel_rows:
+            rows = batch.kernel_rows
+            out[rows] = native.attend(q[rows], keys, values, batch.slots[rows], batch.positions[rows], scale)
+        for group, mask in zip(batch.groups, masks):
+            out[group.real_rows] = self._group_attention(group, mask, q, keys, values)
         return self.linear(out, layer.o_proj)
 
     def _group_attention(

@@ -11,6 +11,7 @@ from modeling.batch import SeqSpan, build_step_batch
 from modeling.config import ModelConfig
 from modeling.kv_cache import KVCache
 from modeling.llama import LlamaModel
+from modeling.native import native_ops
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,31 +27,39 @@ def _reference_logits(folder: Path, token_ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([token_ids])).logits[0]  # [T, V]
 
 
-def _ours(folder: Path, num_slots: int = 4) -> tuple[LlamaModel, KVCache]:
+def _ours(folder: Path, num_slots: int = 4, native: bool = False) -> tuple[LlamaModel, KVCache]:
     config = ModelConfig.from_folder(folder)
     model = LlamaModel(config)
     model.load_weights(folder)
     model.set_rope_cache(128)
+    if native:
+        model.native = native_ops()
     return model, KVCache(config, num_slots, 128, torch.float32, torch.device("cpu"))
 
 
 def _step(model: LlamaModel, cache: KVCache, spans: list[SeqSpan]) -> torch.Tensor:
     with torch.inference_mode():
-        batch = build_step_batch(spans, torch.device("cpu"))
+        batch = model.plan(spans)
         return model.logits(model(batch, cache)[batch.logit_rows])
 
 
-def test_prefill_matches_reference(tiny_folder: Path) -> None:
+# Every reference test runs on torch ops alone and with the native kernels (modeling/csrc).
+ops_paths = pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+
+
+@ops_paths
+def test_prefill_matches_reference(tiny_folder: Path, native: bool) -> None:
     tokens = [5, 17, 3, 88, 42, 7, 7, 1, 60]
-    model, cache = _ours(tiny_folder)
+    model, cache = _ours(tiny_folder, native=native)
     ours = _step(model, cache, [SeqSpan(slot=2, start=0, token_ids=tokens, num_logits=len(tokens))])
     torch.testing.assert_close(ours, _reference_logits(tiny_folder, tokens), atol=1e-4, rtol=1e-4)
 
 
-def test_ragged_chunked_and_decode_steps_match_reference(tiny_folder: Path) -> None:
+@ops_paths
+def test_ragged_chunked_and_decode_steps_match_reference(tiny_folder: Path, native: bool) -> None:
     a = [3, 9, 27, 81, 50, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]  # long: attends alone
     b = [4, 8, 15, 16, 23, 42]
-    model, cache = _ours(tiny_folder)
+    model, cache = _ours(tiny_folder, native=native)
     ref_a = _reference_logits(tiny_folder, a)
     ref_b = _reference_logits(tiny_folder, b)
     # Step 1: a's first chunk (no logits) together with all of b's prompt but its last token.
@@ -66,9 +75,10 @@ def test_ragged_chunked_and_decode_steps_match_reference(tiny_folder: Path) -> N
     torch.testing.assert_close(out[1], ref_a[-1], atol=1e-4, rtol=1e-4)
 
 
-def test_rewriting_positions_after_truncation(tiny_folder: Path) -> None:
+@ops_paths
+def test_rewriting_positions_after_truncation(tiny_folder: Path, native: bool) -> None:
     """A slot rolled back to position p and written again gives the logits of the new sequence."""
-    model, cache = _ours(tiny_folder)
+    model, cache = _ours(tiny_folder, native=native)
     _step(model, cache, [SeqSpan(1, 0, [1, 2, 3, 4, 5, 6], 0)])
     out = _step(model, cache, [SeqSpan(1, 3, [40, 41], 2)])  # overwrite positions 3, 4
     torch.testing.assert_close(out, _reference_logits(tiny_folder, [1, 2, 3, 40, 41])[3:], atol=1e-4, rtol=1e-4)
@@ -119,3 +129,36 @@ def test_prepacked_bfloat16_rows_do_not_depend_on_the_number_of_rows(tiny_folder
             for start in range(0, 64 - size + 1, size):
                 alone = linear(rows[start : start + size].clone(), weight)
                 assert torch.equal(alone, together[start : start + size]), f"{size} rows from row {start} differ"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_verify_rows_equal_the_decode_steps_they_stand_for(dtype: torch.dtype) -> None:
+    """Greedy speculation is lossless only if a verify step's rows are bit for bit the decode steps'.
+
+    A random model with the default model's head shape (head_dim 64, 3 query heads per kv
+    head: the kernels' vectorised path), prepacked linears and the native kernels.
+    """
+    from modeling.cpu_kernels import can_prepack, prepack_linears
+
+    config = ModelConfig(vocab_size=300, hidden_size=192, intermediate_size=512, num_layers=2, num_heads=3, num_kv_heads=1,
+                         head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256,
+                         tie_word_embeddings=True, attention_bias=False)
+    torch.manual_seed(0)
+    model = LlamaModel(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape) * 0.2 if param.dim() > 1 else 1 + 0.1 * torch.randn(param.shape))
+    model = model.to(dtype)
+    model.set_rope_cache(256)
+    if can_prepack(dtype, torch.device("cpu")):
+        prepack_linears(model)
+    model.native = native_ops()
+    prompt, continuation = [(11 * i) % 300 for i in range(40)], [7, 250, 3, 99, 180, 42]
+    decoded, verified = KVCache(config, 4, 256, dtype, torch.device("cpu")), KVCache(config, 4, 256, dtype, torch.device("cpu"))
+    other = [SeqSpan(0, 0, [5, 6, 7], 1), SeqSpan(2, 0, [8] * 20, 1)]  # company in the step, as in a real batch
+    _step(model, decoded, [SeqSpan(1, 0, prompt, 1)])
+    _step(model, verified, [SeqSpan(1, 0, prompt, 1), *other])
+    step_rows = [_step(model, decoded, [SeqSpan(1, 40 + i, [t], 1)])[0] for i, t in enumerate(continuation)]
+    verify_rows = _step(model, verified, [SeqSpan(1, 40, continuation, len(continuation)), SeqSpan(0, 3, [9], 1)])
+    for i, row in enumerate(step_rows):
+        assert torch.equal(row, verify_rows[i]), f"verify row {i} differs from its decode step"

@@ -1,0 +1,345 @@
+// Attention of decode and verify rows over the slot KV cache, reading the cache in place.
+//
+// torch's CPU bf16 batched matmul copies any batch whose matrices are not packed back to
+// back, and a slot cache's [slots x kv heads, L, D] view never is: at batch 64 that copy
+// was a fifth of a decode step. Here each (query row, kv head) pair is one task that reads
+// its slot's keys and values where they lie. Every row is computed alone, by the same
+// code, whatever else is in the step: a verify row gives bit for bit what the decode step
+// it stands for gives, which keeps greedy speculation lossless.
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define SPECSERVE_AVX512_BF16 1
+#endif
+
+namespace {
+
+using specserve::exp_float;
+using specserve::from_float;
+using specserve::to_float;
+
+// kDim and kGroup, when not 0, fix head_dim and the query heads per kv head at compile
+// time, so the per-position loops unroll into a few vector instructions.
+template <typename T, int64_t kDim, int64_t kGroup>
+void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+                 const at::Tensor& positions, at::Tensor& out, double scale) {
+  const int64_t num_rows = q.size(0), num_heads = q.size(1);
+  const int64_t num_kv_heads = keys.size(1), max_len = keys.size(2);
+  const int64_t dim = kDim ? kDim : q.size(2);
+  const int64_t group = kGroup ? kGroup : num_heads / num_kv_heads;
+  const int64_t q_row_stride = q.stride(0), q_head_stride = q.stride(1);
+  const T* q_data = q.data_ptr<T>();
+  const T* k_data = keys.data_ptr<T>();
+  const T* v_data = values.data_ptr<T>();
+  const int64_t* slot_of = slots.data_ptr<int64_t>();
+  const int64_t* position_of = positions.data_ptr<int64_t>();
+  T* out_data = out.data_ptr<T>();
+  const float softmax_scale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_rows * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(group * dim), scores(group * max_len), acc(group * dim), row(dim);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / num_kv_heads, kv_head = task % num_kv_heads;
+      const int64_t length = position_of[r] + 1;  // the row sees positions 0 .. its own
+      const int64_t base = (slot_of[r] * num_kv_heads + kv_head) * max_len * dim;
+      const T* k_rows = k_data + base;
+      const T* v_rows = v_data + base;
+      float* qf = query.data();
+      float* rf = row.data();
+      float* sf = scores.data();
+      float* af = acc.data();
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = q_data + r * q_row_stride + (kv_head * group + g) * q_head_stride;
+        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(src[d]) * softmax_scale;
+      }
+      for (int64_t l = 0; l < length; ++l) {
+        const T* k = k_rows + l * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) rf[d] = to_float(k[d]);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qf + g * dim;
+          float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < dim; ++d) s += qg[d] * rf[d];
+          sf[g * max_len + l] = s;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = sf + g * max_len;
+        float top = sg[0];
+        for (int64_t l = 1; l < length; ++l) top = sg[l] > top ? sg[l] : top;
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t l = 0; l < length; ++l) {
+          sg[l] = exp_float(sg[l] - top);
+          total += sg[l];
+        }
+        const float inverse = 1.0f / total;
+#pragma omp simd
+        for (int64_t l = 0; l < length; ++l) sg[l] *= inverse;
+      }
+      for (int64_t i = 0; i < group * dim; ++i) af[i] = 0.0f;
+      for (int64_t l = 0; l < length; ++l) {
+        const T* v = v_rows + l * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) rf[d] = to_float(v[d]);
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = sf[g * max_len + l];
+          float* ag = af + g * dim;
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) ag[d] += p * rf[d];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* dst = out_data + (r * num_heads + kv_head * group + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = from_float<T>(af[g * dim + d]);
+      }
+    }
+  });
+}
+
+#ifdef SPECSERVE_AVX512_BF16
+// The path for head_dim 64 on CPUs with AVX512-BF16 (kGroup query heads per kv head):
+// scores 16 positions at a time (bf16 dot-product instructions, or float32 FMAs), then
+// summed across lanes in one transposing tree; softmax and the weighted sum of values in
+// float32.
+
+// r[j] = sum of a[j]'s 16 lanes, for j = 0..15.
+inline __m512 sum_lanes_16(const __m512* a) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i) {
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88), _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+  }
+  const __m512 w0 = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
+  const __m512 w1 = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
+  const __m512 z = _mm512_add_ps(_mm512_unpacklo_ps(w0, w1), _mm512_unpackhi_ps(w0, w1));
+  // z holds a[m], a[8+m], a[4+m], a[12+m] in its m-th 128-bit lane; put them in order.
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, z);
+}
+
+inline __m512 exp_nonpositive_16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+template <typename T, int64_t kGroup>
+void attend_rows_avx512_64(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+                         const at::Tensor& positions, at::Tensor& out, double scale) {
+  constexpr int64_t dim = 64;
+  const int64_t num_rows = q.size(0), num_heads = q.size(1);
+  const int64_t num_kv_heads = keys.size(1), max_len = keys.size(2);
+  const int64_t q_row_stride = q.stride(0), q_head_stride = q.stride(1);
+  constexpr bool kBf16 = std::is_same_v<T, c10::BFloat16>;
+  const T* q_data = q.data_ptr<T>();
+  const T* k_data = keys.data_ptr<T>();
+  const T* v_data = values.data_ptr<T>();
+  const int64_t* slot_of = slots.data_ptr<int64_t>();
+  const int64_t* position_of = positions.data_ptr<int64_t>();
+  T* out_data = out.data_ptr<T>();
+  const __m512 softmax_scale = _mm512_set1_ps(static_cast<float>(scale));
+  const int64_t padded_len = (max_len + 15) / 16 * 16;
+
+  at::parallel_for(0, num_rows * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(kGroup * padded_len);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / num_kv_heads, kv_head = task % num_kv_heads;
+      const int64_t length = position_of[r] + 1;  // the row sees positions 0 .. its own
+      const int64_t base = (slot_of[r] * num_kv_heads + kv_head) * max_len * dim;
+      const T* k_rows = k_data + base;
+      const T* v_rows = v_data + base;
+      __m512bh query_pairs[kGroup][2];  // bf16: pairs for the dot-product instruction
+      __m512 query[kGroup][4];          // float32
+      for (int64_t g = 0; g < kGroup; ++g) {
+        const T* src = q_data + r * q_row_stride + (kv_head * kGroup + g) * q_head_stride;
+        if constexpr (kBf16) {
+          query_pairs[g][0] = (__m512bh)_mm512_loadu_si512(src);
+          query_pairs[g][1] = (__m512bh)_mm512_loadu_si512(src + 32);
+        } else {
+          for (int c = 0; c < 4; ++c) query[g][c] = _mm512_loadu_ps(src + 16 * c);
+        }
+      }
+      // Scores, 16 positions at a time (the last block's missing positions score 0 and are cut below).
+      __m512 top[kGroup];
+      for (int64_t g = 0; g < kGroup; ++g) top[g] = _mm512_set1_ps(-INFINITY);
+      for (int64_t l0 = 0; l0 < length; l0 += 16) {
+        const int64_t count = length - l0 < 16 ? length - l0 : 16;
+        const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1u);
+        for (int64_t g = 0; g < kGroup; ++g) {
+          __m512 a[16];
+          for (int64_t j = 0; j < 16; ++j) {
+            a[j] = _mm512_setzero_ps();
+            if (j < count) {
+              const T* k = k_rows + (l0 + j) * dim;
+              if constexpr (kBf16) {
+                a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_loadu_si512(k), query_pairs[g][0]);
+                a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_loadu_si512(k + 32), query_pairs[g][1]);
+              } else {
+                for (int c = 0; c < 4; ++c) a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(k + 16 * c), query[g][c], a[j]);
+              }
+            }
+          }
+          const __m512 s = _mm512_mul_ps(sum_lanes_16(a), softmax_scale);
+          _mm512_storeu_ps(scores.data() + g * padded_len + l0, s);
+          top[g] = _mm512_mask_max_ps(top[g], valid, top[g], s);
+        }
+      }
+      // Softmax, then the weighted sum of values; the 1/total scaling comes last.
+      float inverse[kGroup];
+      for (int64_t g = 0; g < kGroup; ++g) {
+        const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(top[g]));
+        __m512 total = _mm512_setzero_ps();
+        float* sg = scores.data() + g * padded_len;
+        for (int64_t l0 = 0; l0 < length; l0 += 16) {
+          const int64_t count = length - l0 < 16 ? length - l0 : 16;
+          const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1u);
+          const __m512 e = _mm512_maskz_mov_ps(valid, exp_nonpositive_16(_mm512_sub_ps(_mm512_loadu_ps(sg + l0), row_max)));
+          _mm512_storeu_ps(sg + l0, e);
+          total = _mm512_add_ps(total, e);
+        }
+        inverse[g] = 1.0f / _mm512_reduce_add_ps(total);
+      }
+      __m512 acc[kGroup][4];
+      for (int64_t g = 0; g < kGroup; ++g) {
+        for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
+      }
+      for (int64_t l = 0; l < length; ++l) {
+        const T* v = v_rows + l * dim;
+        __m512 vf[4];
+        for (int c = 0; c < 4; ++c) {
+          if constexpr (kBf16) {
+            const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * c)));
+            vf[c] = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+          } else {
+            vf[c] = _mm512_loadu_ps(v + 16 * c);
+          }
+        }
+        for (int64_t g = 0; g < kGroup; ++g) {
+          const __m512 p = _mm512_set1_ps(scores[g * padded_len + l]);
+          for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(p, vf[c], acc[g][c]);
+        }
+      }
+      for (int64_t g = 0; g < kGroup; ++g) {
+        T* dst = out_data + (r * num_heads + kv_head * kGroup + g) * dim;
+        alignas(64) float row[dim];
+        for (int c = 0; c < 4; ++c) _mm512_store_ps(row + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inverse[g])));
+        for (int64_t d = 0; d < dim; ++d) dst[d] = from_float<T>(row[d]);
+      }
+    }
+  });
+}
+#endif
+
+template <typename T>
+void attend_dispatch(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+                     const at::Tensor& positions, at::Tensor& out, double scale) {
+  const int64_t dim = q.size(2), group = q.size(1) / keys.size(1);
+#ifdef SPECSERVE_AVX512_BF16
+  if (dim == 64 && group == 3) return attend_rows_avx512_64<T, 3>(q, keys, values, slots, positions, out, scale);
+  if (dim == 64 && group == 4) return attend_rows_avx512_64<T, 4>(q, keys, values, slots, positions, out, scale);
+  if (dim == 64 && group == 2) return attend_rows_avx512_64<T, 2>(q, keys, values, slots, positions, out, scale);
+  if (dim == 64 && group == 1) return attend_rows_avx512_64<T, 1>(q, keys, values, slots, positions, out, scale);
+#endif
+  if (dim == 64 && group == 3) {
+    attend_rows<T, 64, 3>(q, keys, values, slots, positions, out, scale);
+  } else if (dim == 64 && group == 4) {
+    attend_rows<T, 64, 4>(q, keys, values, slots, positions, out, scale);
+  } else if (dim == 128 && group == 4) {
+    attend_rows<T, 128, 4>(q, keys, values, slots, positions, out, scale);
+  } else if (dim == 64) {
+    attend_rows<T, 64, 0>(q, keys, values, slots, positions, out, scale);
+  } else if (dim == 128) {
+    attend_rows<T, 128, 0>(q, keys, values, slots, positions, out, scale);
+  } else {
+    attend_rows<T, 0, 0>(q, keys, values, slots, positions, out, scale);
+  }
+}
+
+void check_cache_and_rows(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+                          const at::Tensor& positions, int64_t num_rows) {
+  TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && values.sizes() == keys.sizes() && values.is_contiguous(),
+              "keys and values must be contiguous [slots, kv_heads, max_len, head_dim]");
+  TORCH_CHECK(values.scalar_type() == keys.scalar_type(), "keys and values must share a dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  positions.is_contiguous() && slots.numel() == num_rows && positions.numel() == num_rows,
+              "slots and positions must be contiguous int64 with one entry per row");
+  const int64_t* slot_of = slots.data_ptr<int64_t>();
+  const int64_t* position_of = positions.data_ptr<int64_t>();
+  for (int64_t row = 0; row < num_rows; ++row) {
+    TORCH_CHECK(slot_of[row] >= 0 && slot_of[row] < keys.size(0), "row ", row, ": slot ", slot_of[row], " is outside the cache");
+    TORCH_CHECK(position_of[row] >= 0 && position_of[row] < keys.size(2), "row ", row, ": position ", position_of[row],
+                " is outside the cache");
+  }
+}
+
+}  // namespace
+
+// q [N, H, D] (rows and heads may be strided, head_dim contiguous) over keys, values
+// [S, KVH, max_len, D]: row n attends positions 0 .. positions[n] of slot slots[n].
+// Returns [N, H * D] in q's dtype; scores, softmax and sums in float32.
+at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+                  const at::Tensor& positions, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && keys.device().is_cpu(), "the attention kernel runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [rows, heads, head_dim] with head_dim contiguous");
+  TORCH_CHECK(q.scalar_type() == keys.scalar_type(), "q and the cache must share a dtype");
+  TORCH_CHECK(keys.size(3) == q.size(2) && q.size(1) % keys.size(1) == 0, "q's heads and head_dim do not fit the cache");
+  check_cache_and_rows(keys, values, slots, positions, q.size(0));
+  at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
+  if (q.scalar_type() == at::kFloat) {
+    attend_dispatch<float>(q, keys, values, slots, positions, out, scale);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    attend_dispatch<c10::BFloat16>(q, keys, values, slots, positions, out, scale);
+  } else {
+    TORCH_CHECK(false, "the attention kernel supports float32 and bfloat16, not ", q.scalar_type());
+  }
+  return out;
+}
+
+// Writes k, v [N, KVH, D] (rows and heads may be strided) at (slots[n], :, positions[n]).
+void store(const at::Tensor& k, const at::Tensor& v, at::Tensor& keys, at::Tensor& values, const at::Tensor& slots,
+           const at::Tensor& positions) {
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
+              "k and v must be [rows, kv_heads, head_dim] with head_dim contiguous");
+  TORCH_CHECK(k.scalar_type() == keys.scalar_type() && v.scalar_type() == keys.scalar_type(), "k, v and the cache must share a dtype");
+  TORCH_CHECK(k.size(1) == keys.size(1) && k.size(2) == keys.size(3), "k's heads and head_dim do not fit the cache");
+  check_cache_and_rows(keys, values, slots, positions, k.size(0));
+  const int64_t num_rows = k.size(0), num_kv_heads = k.size(1), dim = k.size(2), max_len = keys.size(2);
+  const int64_t bytes = dim * k.element_size();
+  const char* k_data = static_cast<const char*>(k.data_ptr());
+  const char* v_data = static_cast<const char*>(v.data_ptr());
+  char* keys_data = static_cast<char*>(keys.data_ptr());
+  char* values_data = static_cast<char*>(values.data_ptr());
+  const int64_t* slot_of = slots.data_ptr<int64_t>();
+  const int64_t* position_of = positions.data_ptr<int64_t>();
+  const int64_t item = k.element_size();
+  for (int64_t row = 0; row < num_rows; ++row) {
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const int64_t dst = ((slot_of[row] * num_kv_heads + h) * max_len + position_of[row]) * bytes;
+      std::memcpy(keys_data + dst, k_data + (row * k.stride(0) + h * k.stride(1)) * item, bytes);
+      std::memcpy(values_data + dst, v_data + (row * v.stride(0) + h * v.stride(1)) * item, bytes);
+    }
+  }
+}
+

@@ -1,0 +1,166 @@
+// The elementwise parts of a decoder layer, fused: each replaces 3 to 8 torch ops whose
+// per-op cost dominated the non-matmul time of a step. Each rounds where torch's bfloat16
+// ops round (after every op) unless noted, so the fused model stays close to the plain one.
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+
+#include <vector>
+
+namespace {
+
+using specserve::exp_float;
+using specserve::from_float;
+using specserve::round_to;
+using specserve::to_float;
+
+// Rows per parallel task: small steps (a decode of a few sequences) stay on one thread.
+constexpr int64_t kRowGrain = 8;
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " must be [rows, width] with contiguous rows");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name, " must be float32 or bfloat16");
+}
+
+// out = weight * to_T(x * rsqrt(mean(x^2) + eps)), the statistics in float32 (as HF's LlamaRMSNorm).
+template <typename T>
+void norm_row(const T* x, const T* weight, T* out, int64_t width, float eps) {
+  float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < width; ++i) {
+    const float v = to_float(x[i]);
+    squares += v * v;
+  }
+  const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(width) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < width; ++i) {
+    out[i] = from_float<T>(to_float(weight[i]) * round_to<T>(to_float(x[i]) * inverse));
+  }
+}
+
+template <typename T>
+void norm_rows(at::Tensor* x, const at::Tensor* delta, const at::Tensor& weight, at::Tensor& out, float eps) {
+  const int64_t rows = x->size(0), width = x->size(1);
+  const int64_t x_stride = x->stride(0), delta_stride = delta ? delta->stride(0) : 0;
+  T* x_data = x->data_ptr<T>();
+  const T* delta_data = delta ? delta->data_ptr<T>() : nullptr;
+  const T* w = weight.data_ptr<T>();
+  T* out_data = out.data_ptr<T>();
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* row = x_data + r * x_stride;
+      if (delta_data) {
+        const T* d = delta_data + r * delta_stride;
+#pragma omp simd
+        for (int64_t i = 0; i < width; ++i) row[i] = from_float<T>(to_float(row[i]) + to_float(d[i]));
+      }
+      norm_row(row, w, out_data + r * width, width, eps);
+    }
+  });
+}
+
+at::Tensor norm_dispatch(at::Tensor* x, const at::Tensor* delta, const at::Tensor& weight, double eps) {
+  check_rows(*x, "x");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x->size(1) && weight.is_contiguous() &&
+                  weight.scalar_type() == x->scalar_type(),
+              "weight must be contiguous [width] in x's dtype");
+  if (delta) {
+    check_rows(*delta, "delta");
+    TORCH_CHECK(delta->sizes() == x->sizes() && delta->scalar_type() == x->scalar_type(), "delta must match x");
+  }
+  at::Tensor out = at::empty(x->sizes(), x->options());
+  if (x->scalar_type() == at::kFloat) {
+    norm_rows<float>(x, delta, weight, out, static_cast<float>(eps));
+  } else {
+    norm_rows<c10::BFloat16>(x, delta, weight, out, static_cast<float>(eps));
+  }
+  return out;
+}
+
+// x * cos + rotate_half(x) * sin on the first num_heads heads of each row, rounding each
+// product and the sum as torch does; cos and sin are [rows, head_dim] in x's dtype.
+template <typename T>
+void rope_rows(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t dim) {
+  const int64_t rows = qkv.size(0), stride = qkv.stride(0), half = dim / 2;
+  T* data = qkv.data_ptr<T>();
+  const T* cos_data = cos.data_ptr<T>();
+  const T* sin_data = sin.data_ptr<T>();
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> head(dim);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* c = cos_data + r * dim;
+      const T* s = sin_data + r * dim;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        T* x = data + r * stride + h * dim;
+        for (int64_t i = 0; i < dim; ++i) head[i] = to_float(x[i]);
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          x[i] = from_float<T>(round_to<T>(head[i] * to_float(c[i])) + round_to<T>(-head[i + half] * to_float(s[i])));
+        }
+#pragma omp simd
+        for (int64_t i = half; i < dim; ++i) {
+          x[i] = from_float<T>(round_to<T>(head[i] * to_float(c[i])) + round_to<T>(head[i - half] * to_float(s[i])));
+        }
+      }
+    }
+  });
+}
+
+// silu(gate) * up for each [gate | up] row: silu rounded, then the product rounded.
+template <typename T>
+void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
+  const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  const T* in = gate_up.data_ptr<T>();
+  T* out_data = out.data_ptr<T>();
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = in + r * stride;
+      const T* up = gate + width;
+      T* o = out_data + r * width;
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i) {
+        const float g = to_float(gate[i]);
+        o[i] = from_float<T>(round_to<T>(g / (1.0f + exp_float(-g))) * to_float(up[i]));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor input = x;
+  return norm_dispatch(&input, nullptr, weight, eps);
+}
+
+at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, double eps) {
+  return norm_dispatch(&x, &delta, weight, eps);
+}
+
+void rope_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t head_dim) {
+  check_rows(qkv, "qkv");
+  TORCH_CHECK(head_dim % 2 == 0 && num_heads * head_dim <= qkv.size(1), "num_heads x head_dim does not fit a qkv row");
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->dim() == 2 && t->is_contiguous() && t->size(0) == qkv.size(0) && t->size(1) == head_dim &&
+                    t->scalar_type() == qkv.scalar_type(),
+                "cos and sin must be contiguous [rows, head_dim] in qkv's dtype");
+  }
+  if (qkv.scalar_type() == at::kFloat) {
+    rope_rows<float>(qkv, cos, sin, num_heads, head_dim);
+  } else {
+    rope_rows<c10::BFloat16>(qkv, cos, sin, num_heads, head_dim);
+  }
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up's width must be even");
+  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat) {
+    silu_mul_rows<float>(gate_up, out);
+  } else {
+    silu_mul_rows<c10::BFloat16>(gate_up, out);
+  }
+  return out;
+}

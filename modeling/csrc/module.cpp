@@ -1,0 +1,11 @@
+// The Python module of the CPU kernels (built by modeling/native.py).
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attend", &attend, "attention of rows over the slot KV cache, read in place");
+  m.def("store", &store, "write rows' keys and values into the slot KV cache");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row");
+  m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm of each row of x");
+  m.def("rope_", &rope_, "rotary embedding of the first num_heads heads of each row, in place");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of each [gate | up] row");
+}

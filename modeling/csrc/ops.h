@@ -1,0 +1,81 @@
+// The CPU kernels of modeling/native.py: declarations and the scalar helpers they share.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace specserve {
+
+inline float to_float(float x) { return x; }
+
+inline float to_float(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// The bfloat16 nearest to x (ties to even; NaN stays NaN), as torch rounds, in a form the
+// compiler vectorizes (c10's conversion branches).
+inline uint16_t bf16_bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return (bits & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>(0x7FC0u) : static_cast<uint16_t>(rounded);
+}
+
+template <typename T>
+inline T from_float(float x);
+
+template <>
+inline float from_float<float>(float x) {
+  return x;
+}
+
+template <>
+inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
+  return c10::BFloat16(bf16_bits(x), c10::BFloat16::from_bits());
+}
+
+// x rounded to T and back, as torch rounds the result of every bfloat16 op.
+template <typename T>
+inline float round_to(float x) {
+  return to_float(from_float<T>(x));
+}
+
+// exp(x) in a form the compiler vectorizes: Cephes' range reduction and degree-6
+// polynomial, within 2 ulp of expf over [-87, 88] (clamped outside it). Built without
+// -ffast-math, so the rounding trick below is kept as written.
+#pragma omp declare simd
+inline float exp_float(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  // Nearest integer to x / ln 2 (adding and taking away 1.5 x 2^23 rounds a float to an integer).
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+}  // namespace specserve
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+                  const at::Tensor& positions, double scale);
+void store(const at::Tensor& k, const at::Tensor& v, at::Tensor& keys, at::Tensor& values, const at::Tensor& slots,
+           const at::Tensor& positions);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, double eps);
+void rope_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t head_dim);
+at::Tensor silu_mul(const at::Tensor& gate_up);

@@ -1,0 +1,102 @@
+"""The model's CPU kernels (csrc/): attention of decode and verify rows over the slot
+cache read in place, and the fused elementwise parts of a layer (RMSNorm with the
+residual add, RoPE, SiLU-and-multiply). Built once per machine.
+
+They are compiled on first use with the machine's own instruction set (`-march=native`)
+into the specserve cache, under a name that hashes the source, the torch version and the
+CPU's flags, so a cache shared with another kind of CPU never loads a foreign build.
+`python -m modeling.native` builds them ahead (set-up does). Where they cannot be built
+(no C++ compiler) or are turned off (`SPECSERVE_NATIVE_OPS=0`), the model runs on torch
+ops alone, and its owner's log says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from common.logs import configure, get_logger
+from modeling.model_store import default_cache_dir
+
+SWITCH_ENV = "SPECSERVE_NATIVE_OPS"
+_SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
+_SOURCES = ("attention.cpp", "elementwise.cpp", "module.cpp")
+_HEADERS = ("ops.h",)
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernels are turned off, or could not be built here; the message says which."""
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_name() -> str:
+    digest = hashlib.sha256()
+    for name in _SOURCES + _HEADERS:
+        digest.update((_SOURCE_DIR / name).read_bytes())
+    for part in (torch.__version__, _cpu_flags(), sys.version):
+        digest.update(part.encode())
+    return f"specserve_native_{digest.hexdigest()[:16]}"
+
+
+@functools.cache
+def _load() -> ModuleType | KernelUnavailable:
+    if os.environ.get(SWITCH_ENV, "1") == "0":
+        return KernelUnavailable(f"turned off by {SWITCH_ENV}=0")
+    name = _build_name()
+    build_dir = default_cache_dir() / "kernels" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        from torch.utils.cpp_extension import load
+
+        module: ModuleType = load(
+            name=name,
+            sources=[str(_SOURCE_DIR / name) for name in _SOURCES],
+            # No contraction of a * b + c into one FMA: the fused ops round as torch's do.
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+    except Exception as exc:  # a missing compiler or ninja surfaces as several exception types
+        return KernelUnavailable(f"could not build {_SOURCE_DIR}: {type(exc).__name__}: {str(exc).strip()[-400:]}")
+    return module
+
+
+def native_ops() -> ModuleType:
+    """The built module (see csrc/module.cpp); raises KernelUnavailable saying why not."""
+    loaded = _load()
+    if isinstance(loaded, KernelUnavailable):
+        raise loaded
+    return loaded
+
+
+def main() -> None:
+    """Build the kernels ahead of the first worker start (set-up runs this)."""
+    configure("native")
+    log = get_logger(module="native")
+    try:
+        native_ops()
+    except KernelUnavailable as exc:
+        log.warning("native ops unavailable; the model will run on torch ops alone", reason=str(exc))
+        return
+    log.info("native ops ready", name=_build_name())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""The native CPU kernels (modeling/csrc) against plain torch: attention over the slot cache, the fused elementwise ops."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from modeling.llama import apply_rope, rms_norm
+from modeling.native import SWITCH_ENV, native_ops
+
+
+@pytest.fixture(scope="module")
+def ops():  # type: ignore[no-untyped-def]
+    # No skip: CI machines have a C++ compiler, and a build that silently fell back to
+    # torch would leave the kernels untested. Only an explicit switch turns them off.
+    if os.environ.get(SWITCH_ENV) == "0":
+        pytest.skip(f"{SWITCH_ENV}=0")
+    return native_ops()
+
+
+def _reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: list[int], positions: list[int]) -> torch.Tensor:
+    """Row n of q `[N, H, D]` over positions 0..positions[n] of slot slots[n], in float64: `[N, H*D]`."""
+    num_heads, dim = q.shape[1], q.shape[2]
+    group = num_heads // keys.shape[1]
+    rows = []
+    for n, (slot, position) in enumerate(zip(slots, positions)):
+        k = keys[slot, :, : position + 1].double().repeat_interleave(group, dim=0)  # [H, L, D]
+        v = values[slot, :, : position + 1].double().repeat_interleave(group, dim=0)
+        scores = torch.einsum("hd,hld->hl", q[n].double(), k) * dim**-0.5
+        rows.append(torch.einsum("hl,hld->hd", torch.softmax(scores, dim=-1), v).reshape(num_heads * dim))
+    return torch.stack(rows)
+
+
+def _cache(num_slots: int, num_kv_heads: int, max_len: int, dim: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    shape = (num_slots, num_kv_heads, max_len, dim)
+    return torch.randn(shape, generator=generator).to(dtype), torch.randn(shape, generator=generator).to(dtype)
+
+
+# (heads, kv heads, head_dim): the default model's shape (the AVX512-BF16 path where the
+# CPU has it), other group sizes, and a head_dim only the generic path serves.
+SHAPES = [(9, 3, 64), (8, 2, 64), (4, 4, 64), (8, 2, 16), (6, 3, 32)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "dim"), SHAPES)
+def test_attention_matches_the_reference(ops, dtype: torch.dtype, num_heads: int, num_kv_heads: int, dim: int) -> None:  # type: ignore[no-untyped-def]
+    keys, values = _cache(6, num_kv_heads, 80, dim, dtype, seed=1)
+    # Gathered slots, lengths from 1 to past one 16-position block, a verify-like run of one slot.
+    slots = [4, 0, 2, 2, 2, 5, 1]
+    positions = [0, 15, 30, 31, 32, 16, 79]
+    q = torch.randn(len(slots), num_heads, dim, generator=torch.Generator().manual_seed(2)).to(dtype)
+    out = ops.attend(q, keys, values, torch.tensor(slots), torch.tensor(positions), dim**-0.5)
+    assert out.shape == (len(slots), num_heads * dim) and out.dtype == dtype
+    tolerance = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
+    torch.testing.assert_close(out.double(), _reference_attention(q, keys, values, slots, positions), **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "dim"), SHAPES[:2])
+def test_each_row_is_computed_alone(ops, dtype: torch.dtype, num_heads: int, num_kv_heads: int, dim: int) -> None:  # type: ignore[no-untyped-def]
+    """A row gives bit for bit the same output alone as among others: a verify row equals its decode step."""
+    keys, values = _cache(8, num_kv_heads, 200, dim, dtype, seed=3)
+    slots = torch.tensor([7, 1, 1, 1, 3, 0, 5, 2])
+    positions = torch.tensor([190, 40, 41, 42, 3, 99, 17, 150])
+    q = torch.randn(8, num_heads, dim, generator=torch.Generator().manual_seed(4)).to(dtype)
+    together = ops.attend(q, keys, values, slots, positions, dim**-0.5)
+    for n in range(8):
+        alone = ops.attend(q[n : n + 1].clone(), keys, values, slots[n : n + 1], positions[n : n + 1], dim**-0.5)
+        assert torch.equal(alone[0], together[n]), f"row {n} differs alone"
+
+
+def test_attention_reads_strided_queries(ops) -> None:  # type: ignore[no-untyped-def]
+    """Queries sliced out of a fused qkv row (the model's case) give what a contiguous copy gives."""
+    keys, values = _cache(3, 3, 40, 64, torch.bfloat16, seed=5)
+    qkv = torch.randn(4, 15 * 64).to(torch.bfloat16)
+    q = qkv[:, : 9 * 64].view(4, 9, 64)
+    slots, positions = torch.tensor([0, 1, 2, 1]), torch.tensor([5, 39, 0, 20])
+    strided = ops.attend(q, keys, values, slots, positions, 0.125)
+    assert torch.equal(strided, ops.attend(q.contiguous(), keys, values, slots, positions, 0.125))
+
+
+def test_store_writes_each_row_at_its_slot_and_position(ops) -> None:  # type: ignore[no-untyped-def]
+    keys, values = torch.zeros(4, 2, 10, 8), torch.zeros(4, 2, 10, 8)
+    kv = torch.randn(3, 6, 8)  # rows of [k heads | v heads | another head], as sliced from qkv
+    k, v = kv[:, 0:2], kv[:, 2:4]
+    slots, positions = torch.tensor([3, 0, 3]), torch.tensor([0, 9, 1])
+    ops.store(k, v, keys, values, slots, positions)
+    expected_keys, expected_values = torch.zeros_like(keys), torch.zeros_like(values)
+    expected_keys[slots, :, positions] = k
+    expected_values[slots, :, positions] = v
+    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+
+
+@pytest.mark.parametrize(("slot", "position", "message"), [(4, 0, "slot 4 is outside"), (-1, 0, "slot -1 is outside"), (0, 10, "position 10 is outside")])
+def test_out_of_range_rows_are_refused_before_any_write(ops, slot: int, position: int, message: str) -> None:  # type: ignore[no-untyped-def]
+    keys, values = torch.zeros(4, 2, 10, 8), torch.zeros(4, 2, 10, 8)
+    k = torch.ones(2, 2, 8)
+    with pytest.raises(RuntimeError, match=message):
+        ops.store(k, k, keys, values, torch.tensor([1, slot]), torch.tensor([2, position]))
+    assert not keys.any() and not values.any()
+    with pytest.raises(RuntimeError, match=message):
+        ops.attend(torch.ones(2, 4, 8), keys, values, torch.tensor([1, slot]), torch.tensor([2, position]), 1.0)
+
+
+def test_attention_refuses_mismatched_inputs(ops) -> None:  # type: ignore[no-untyped-def]
+    keys, values = torch.zeros(2, 2, 10, 8), torch.zeros(2, 2, 10, 8)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.attend(torch.ones(1, 4, 8, dtype=torch.bfloat16), keys, values, torch.tensor([0]), torch.tensor([0]), 1.0)
+    with pytest.raises(RuntimeError, match="do not fit the cache"):
+        ops.attend(torch.ones(1, 3, 8), keys, values, torch.tensor([0]), torch.tensor([0]), 1.0)
+    with pytest.raises(RuntimeError, match="int64"):
+        ops.attend(torch.ones(1, 4, 8), keys, values, torch.tensor([0], dtype=torch.int32), torch.tensor([0]), 1.0)
+
+
+def _close_to_torch(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """Equal up to one rounding step of the dtype (a sum taken in another order may round the other way)."""
+    if ours.dtype == torch.bfloat16:
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=2**-7)
+        assert (ours != theirs).float().mean() < 0.01
+    else:
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 37])
+def test_fused_norms_match_torch(ops, dtype: torch.dtype, rows: int) -> None:  # type: ignore[no-untyped-def]
+    generator = torch.Generator().manual_seed(6)
+    x = (torch.randn(rows, 576, generator=generator) * 3).to(dtype)
+    delta = torch.randn(rows, 576, generator=generator).to(dtype)
+    weight = torch.rand(576, generator=generator).to(dtype)
+    _close_to_torch(ops.rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5))
+    residual = x.clone()
+    normed = ops.add_rms_norm_(residual, delta, weight, 1e-5)
+    assert torch.equal(residual, x + delta)  # the add rounds exactly as torch's
+    _close_to_torch(normed, rms_norm(x + delta, weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_rope_matches_torch_and_leaves_values_alone(ops, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    generator = torch.Generator().manual_seed(7)
+    qkv = torch.randn(5, 15 * 64, generator=generator).to(dtype)
+    angles = torch.rand(5, 32, generator=generator) * 6
+    cos, sin = torch.cat((angles, angles), -1).cos().to(dtype), torch.cat((angles, angles), -1).sin().to(dtype)
+    rotated = qkv.clone()
+    ops.rope_(rotated, cos, sin, 12, 64)
+    expected = apply_rope(qkv[:, : 12 * 64].view(5, 12, 64), cos.unsqueeze(1), sin.unsqueeze(1)).reshape(5, -1)
+    assert torch.equal(rotated[:, : 12 * 64], expected)  # the same roundings in the same order
+    assert torch.equal(rotated[:, 12 * 64 :], qkv[:, 12 * 64 :])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_silu_mul_matches_torch(ops, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    gate_up = (torch.randn(9, 2 * 1536, generator=torch.Generator().manual_seed(8)) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    _close_to_torch(ops.silu_mul(gate_up), F.silu(gate) * up)
+
+
+def test_elementwise_ops_refuse_bad_shapes(ops) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(RuntimeError, match="weight must be"):
+        ops.rms_norm(torch.ones(2, 8), torch.ones(7), 1e-5)
+    with pytest.raises(RuntimeError, match="delta must match"):
+        ops.add_rms_norm_(torch.ones(2, 8), torch.ones(3, 8), torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        ops.rope_(torch.ones(2, 8), torch.ones(2, 4), torch.ones(2, 4), 3, 4)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.silu_mul(torch.ones(2, 8, dtype=torch.float64))
