@@ -14,6 +14,11 @@ import torch
 
 # Sequences with at most this many new tokens share one padded attention call.
 MAX_SHARED_QUERY_TOKENS = 16
+# With the CPU attention kernel, a span goes to it while its (query, key) pairs are at
+# most this many: the kernel has no per-call overhead but does fewer FLOP/s than a batched
+# matmul, so a 128-token prompt is faster in it (measured: a 4 x 128 prefill step's
+# attention ~50 -> ~10 ms) and a 512-token chunk late in a long prompt is not.
+MAX_KERNEL_ATTENTION_PAIRS = 32768
 
 
 @dataclass(frozen=True)
@@ -49,10 +54,11 @@ class StepBatch:
     slots: torch.Tensor  # [N] slot of each token
     logit_rows: torch.Tensor  # [M] packed rows whose logits are returned, in span order
     groups: list[AttentionGroup]
-    # With `rows_in_kernel`, the short spans are not planned as a group: their packed rows
-    # (None: every row) go to the CPU attention kernel, which reads each row's slot alone.
+    # With `rows_in_kernel`, the short spans are not planned as a group: their rows go to
+    # the CPU attention kernel, which reads each row's slot alone. Either every row does,
+    # or those in `kernel_rows` (packed row indices) do.
+    all_rows_in_kernel: bool = False
     kernel_rows: torch.Tensor | None = None
-    any_kernel_rows: bool = False
 
 
 def build_step_batch(spans: list[SeqSpan], device: torch.device, *, rows_in_kernel: bool = False) -> StepBatch:
@@ -69,8 +75,11 @@ def build_step_batch(spans: list[SeqSpan], device: torch.device, *, rows_in_kern
         positions.extend(range(span.start, span.start + n))
         slots.extend([span.slot] * n)
         logit_rows.extend(range(len(token_ids) - span.num_logits, len(token_ids)))
-    shared = [i for i, s in enumerate(spans) if len(s.token_ids) <= MAX_SHARED_QUERY_TOKENS]
-    alone = [[i] for i, s in enumerate(spans) if len(s.token_ids) > MAX_SHARED_QUERY_TOKENS]
+    if rows_in_kernel:
+        shared = [i for i, s in enumerate(spans) if _attention_pairs(s) <= MAX_KERNEL_ATTENTION_PAIRS or len(s.token_ids) <= MAX_SHARED_QUERY_TOKENS]
+    else:
+        shared = [i for i, s in enumerate(spans) if len(s.token_ids) <= MAX_SHARED_QUERY_TOKENS]
+    alone = [[i] for i in sorted(set(range(len(spans))) - set(shared))]
     planned = alone if rows_in_kernel else ([shared] if shared else []) + alone
     groups = [_plan_group([spans[i] for i in g], [offsets[i] for i in g], len(token_ids), device) for g in planned]
     kernel_rows = None
@@ -78,7 +87,13 @@ def build_step_batch(spans: list[SeqSpan], device: torch.device, *, rows_in_kern
         kernel_rows = _ids([offsets[i] + t for i in shared for t in range(len(spans[i].token_ids))], device)
 
     return StepBatch(_ids(token_ids, device), _ids(positions, device), _ids(slots, device), _ids(logit_rows, device), groups,
-                     kernel_rows, rows_in_kernel and bool(shared))
+                     all_rows_in_kernel=rows_in_kernel and not alone, kernel_rows=kernel_rows)
+
+
+def _attention_pairs(span: SeqSpan) -> int:
+    """(query, key) pairs of a span's causal attention: each new token sees every position up to its own."""
+    n = len(span.token_ids)
+    return n * span.start + n * (n + 1) // 2
 
 
 def _plan_group(spans: list[SeqSpan], offsets: list[int], num_tokens: int, device: torch.device) -> AttentionGroup:

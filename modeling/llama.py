@@ -150,12 +150,12 @@ class LlamaModel(torch.nn.Module):
             keys[batch.slots, :, batch.positions] = k
             values[batch.slots, :, batch.positions] = v
         scale = cfg.head_dim**-0.5
-        if batch.any_kernel_rows and not batch.groups:
+        if native is not None and batch.all_rows_in_kernel:
             return self.linear(native.attend(q, keys, values, batch.slots, batch.positions, scale), layer.o_proj)
         if len(batch.groups) == 1 and batch.groups[0].is_identity:
             return self.linear(self._group_attention(batch.groups[0], masks[0], q, keys, values), layer.o_proj)
         out = torch.empty(n, cfg.num_heads * cfg.head_dim, dtype=h.dtype, device=h.device)  # [N, H*D]
-        if batch.any_kernel_rows:
+        if native is not None and batch.kernel_rows is not None:
             rows = batch.kernel_rows
             out[rows] = native.attend(q[rows], keys, values, batch.slots[rows], batch.positions[rows], scale)
         for group, mask in zip(batch.groups, masks):

@@ -187,6 +187,16 @@ void attend_rows_avx512_64(const at::Tensor& q, const at::Tensor& keys, const at
       for (int64_t l0 = 0; l0 < length; l0 += 16) {
         const int64_t count = length - l0 < 16 ? length - l0 : 16;
         const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1u);
+        // The values are read right after the scores, and the next keys soon: ask for them now.
+        constexpr int64_t kLinesPerRow = dim * sizeof(T) / 64;
+        for (int64_t j = 0; j < count; ++j) {
+          for (int64_t line = 0; line < kLinesPerRow; ++line) {
+            _mm_prefetch(reinterpret_cast<const char*>(v_rows + (l0 + j) * dim) + 64 * line, _MM_HINT_T0);
+            if (l0 + 32 + j < length) {
+              _mm_prefetch(reinterpret_cast<const char*>(k_rows + (l0 + 32 + j) * dim) + 64 * line, _MM_HINT_T0);
+            }
+          }
+        }
         for (int64_t g = 0; g < kGroup; ++g) {
           __m512 a[16];
           for (int64_t j = 0; j < 16; ++j) {
