@@ -60,8 +60,8 @@ def _load() -> ModuleType | KernelUnavailable:
         return KernelUnavailable(f"turned off by {SWITCH_ENV}=0")
     name = _build_name()
     build_dir = default_cache_dir() / "kernels" / name
-    build_dir.mkdir(parents=True, exist_ok=True)
     try:
+        build_dir.mkdir(parents=True, exist_ok=True)
         from torch.utils.cpp_extension import load
 
         module: ModuleType = load(

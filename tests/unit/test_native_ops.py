@@ -168,3 +168,23 @@ def test_elementwise_ops_refuse_bad_shapes(ops) -> None:  # type: ignore[no-unty
         ops.rope_(torch.ones(2, 8), torch.ones(2, 4), torch.ones(2, 4), 3, 4)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         ops.silu_mul(torch.ones(2, 8, dtype=torch.float64))
+
+
+def test_turned_off_the_model_runs_on_torch_ops_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    from modeling import native
+    from modeling.config import ModelConfig
+    from modeling.cpu_kernels import attach_native_ops
+    from modeling.llama import LlamaModel
+
+    config = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                         head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64,
+                         tie_word_embeddings=True, attention_bias=False)
+    monkeypatch.setenv(SWITCH_ENV, "0")
+    native._load.cache_clear()
+    try:
+        model = LlamaModel(config)
+        assert attach_native_ops(model, torch.float32, torch.device("cpu")) == f"torch (turned off by {SWITCH_ENV}=0)"
+        assert model.native is None
+        assert attach_native_ops(model, torch.float16, torch.device("cpu")).startswith("torch (no native ops for torch.float16")
+    finally:
+        native._load.cache_clear()  # the next test builds (or finds) them again
