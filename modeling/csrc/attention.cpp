@@ -27,38 +27,59 @@ using specserve::exp_float;
 using specserve::from_float;
 using specserve::to_float;
 
+// One attend call's inputs as sizes and raw pointers. Task t is query row t / num_kv_heads
+// with kv head t % num_kv_heads: that row's query heads of that kv head over its slot.
+template <typename T>
+struct AttendCall {
+  int64_t num_rows, num_heads, num_kv_heads, max_len, dim, q_row_stride, q_head_stride;
+  const T* q;
+  const T* keys;
+  const T* values;
+  const int64_t* slot_of;
+  const int64_t* position_of;
+  T* out;
+
+  AttendCall(const at::Tensor& q_, const at::Tensor& keys_, const at::Tensor& values_, const at::Tensor& slots,
+             const at::Tensor& positions, at::Tensor& out_)
+      : num_rows(q_.size(0)), num_heads(q_.size(1)), num_kv_heads(keys_.size(1)), max_len(keys_.size(2)),
+        dim(q_.size(2)), q_row_stride(q_.stride(0)), q_head_stride(q_.stride(1)), q(q_.data_ptr<T>()),
+        keys(keys_.data_ptr<T>()), values(values_.data_ptr<T>()), slot_of(slots.data_ptr<int64_t>()),
+        position_of(positions.data_ptr<int64_t>()), out(out_.data_ptr<T>()) {}
+
+  int64_t num_tasks() const { return num_rows * num_kv_heads; }
+  int64_t row(int64_t task) const { return task / num_kv_heads; }
+  int64_t kv_head(int64_t task) const { return task % num_kv_heads; }
+  int64_t length(int64_t task) const { return position_of[row(task)] + 1; }  // positions 0 .. the row's own
+  int64_t base(int64_t task) const { return (slot_of[row(task)] * num_kv_heads + kv_head(task)) * max_len * dim; }
+  const T* task_keys(int64_t task) const { return keys + base(task); }
+  const T* task_values(int64_t task) const { return values + base(task); }
+  const T* query(int64_t task, int64_t head) const { return q + row(task) * q_row_stride + head * q_head_stride; }
+  T* output(int64_t task, int64_t head) const { return out + (row(task) * num_heads + head) * dim; }
+};
+
 // kDim and kGroup, when not 0, fix head_dim and the query heads per kv head at compile
 // time, so the per-position loops unroll into a few vector instructions.
 template <typename T, int64_t kDim, int64_t kGroup>
 void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
                  const at::Tensor& positions, at::Tensor& out, double scale) {
-  const int64_t num_rows = q.size(0), num_heads = q.size(1);
-  const int64_t num_kv_heads = keys.size(1), max_len = keys.size(2);
-  const int64_t dim = kDim ? kDim : q.size(2);
-  const int64_t group = kGroup ? kGroup : num_heads / num_kv_heads;
-  const int64_t q_row_stride = q.stride(0), q_head_stride = q.stride(1);
-  const T* q_data = q.data_ptr<T>();
-  const T* k_data = keys.data_ptr<T>();
-  const T* v_data = values.data_ptr<T>();
-  const int64_t* slot_of = slots.data_ptr<int64_t>();
-  const int64_t* position_of = positions.data_ptr<int64_t>();
-  T* out_data = out.data_ptr<T>();
+  const AttendCall<T> call(q, keys, values, slots, positions, out);
+  const int64_t dim = kDim ? kDim : call.dim;
+  const int64_t group = kGroup ? kGroup : call.num_heads / call.num_kv_heads;
+  const int64_t max_len = call.max_len;
   const float softmax_scale = static_cast<float>(scale);
 
-  at::parallel_for(0, num_rows * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, call.num_tasks(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(group * dim), scores(group * max_len), acc(group * dim), row(dim);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / num_kv_heads, kv_head = task % num_kv_heads;
-      const int64_t length = position_of[r] + 1;  // the row sees positions 0 .. its own
-      const int64_t base = (slot_of[r] * num_kv_heads + kv_head) * max_len * dim;
-      const T* k_rows = k_data + base;
-      const T* v_rows = v_data + base;
+      const int64_t kv_head = call.kv_head(task), length = call.length(task);
+      const T* k_rows = call.task_keys(task);
+      const T* v_rows = call.task_values(task);
       float* qf = query.data();
       float* rf = row.data();
       float* sf = scores.data();
       float* af = acc.data();
       for (int64_t g = 0; g < group; ++g) {
-        const T* src = q_data + r * q_row_stride + (kv_head * group + g) * q_head_stride;
+        const T* src = call.query(task, kv_head * group + g);
         for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(src[d]) * softmax_scale;
       }
       for (int64_t l = 0; l < length; ++l) {
@@ -100,7 +121,7 @@ void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
         }
       }
       for (int64_t g = 0; g < group; ++g) {
-        T* dst = out_data + (r * num_heads + kv_head * group + g) * dim;
+        T* dst = call.output(task, kv_head * group + g);
         for (int64_t d = 0; d < dim; ++d) dst[d] = from_float<T>(af[g * dim + d]);
       }
     }
@@ -149,31 +170,21 @@ template <typename T, int64_t kGroup>
 void attend_rows_avx512_64(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
                          const at::Tensor& positions, at::Tensor& out, double scale) {
   constexpr int64_t dim = 64;
-  const int64_t num_rows = q.size(0), num_heads = q.size(1);
-  const int64_t num_kv_heads = keys.size(1), max_len = keys.size(2);
-  const int64_t q_row_stride = q.stride(0), q_head_stride = q.stride(1);
   constexpr bool kBf16 = std::is_same_v<T, c10::BFloat16>;
-  const T* q_data = q.data_ptr<T>();
-  const T* k_data = keys.data_ptr<T>();
-  const T* v_data = values.data_ptr<T>();
-  const int64_t* slot_of = slots.data_ptr<int64_t>();
-  const int64_t* position_of = positions.data_ptr<int64_t>();
-  T* out_data = out.data_ptr<T>();
+  const AttendCall<T> call(q, keys, values, slots, positions, out);
   const __m512 softmax_scale = _mm512_set1_ps(static_cast<float>(scale));
-  const int64_t padded_len = (max_len + 15) / 16 * 16;
+  const int64_t padded_len = (call.max_len + 15) / 16 * 16;
 
-  at::parallel_for(0, num_rows * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, call.num_tasks(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(kGroup * padded_len);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / num_kv_heads, kv_head = task % num_kv_heads;
-      const int64_t length = position_of[r] + 1;  // the row sees positions 0 .. its own
-      const int64_t base = (slot_of[r] * num_kv_heads + kv_head) * max_len * dim;
-      const T* k_rows = k_data + base;
-      const T* v_rows = v_data + base;
+      const int64_t kv_head = call.kv_head(task), length = call.length(task);
+      const T* k_rows = call.task_keys(task);
+      const T* v_rows = call.task_values(task);
       __m512bh query_pairs[kGroup][2];  // bf16: pairs for the dot-product instruction
       __m512 query[kGroup][4];          // float32
       for (int64_t g = 0; g < kGroup; ++g) {
-        const T* src = q_data + r * q_row_stride + (kv_head * kGroup + g) * q_head_stride;
+        const T* src = call.query(task, kv_head * kGroup + g);
         if constexpr (kBf16) {
           query_pairs[g][0] = (__m512bh)_mm512_loadu_si512(src);
           query_pairs[g][1] = (__m512bh)_mm512_loadu_si512(src + 32);
@@ -252,7 +263,7 @@ void attend_rows_avx512_64(const at::Tensor& q, const at::Tensor& keys, const at
         }
       }
       for (int64_t g = 0; g < kGroup; ++g) {
-        T* dst = out_data + (r * num_heads + kv_head * kGroup + g) * dim;
+        T* dst = call.output(task, kv_head * kGroup + g);
         alignas(64) float row[dim];
         for (int c = 0; c < 4; ++c) _mm512_store_ps(row + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inverse[g])));
         for (int64_t d = 0; d < dim; ++d) dst[d] = from_float<T>(row[d]);
