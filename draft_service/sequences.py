@@ -24,12 +24,41 @@ class Update:
     features: torch.Tensor | None = None  # target features of positions 0 .. rows-1, when the scheduler sends them
 
 
+class FeatureBuffer:
+    """A sequence's target features, rows 0 .. length-1, in storage that grows by doubling.
+
+    Writing rows at `start` cuts the buffer back to `start` first (rows past it stood for
+    rejected tokens), and copies only the new rows, so a generation's feature updates cost
+    linear, not quadratic, time.
+    """
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self._data = rows.clone()
+        self.length = rows.shape[0]
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return tuple(self._data.shape[1:])
+
+    def put(self, start: int, rows: torch.Tensor) -> None:
+        end = start + rows.shape[0]
+        if end > self._data.shape[0]:
+            grown = self._data.new_empty((max(end, 2 * self._data.shape[0]), *self._data.shape[1:]))
+            grown[:start] = self._data[:start]
+            self._data = grown
+        self._data[start:end] = rows.to(self._data.dtype)
+        self.length = end
+
+    def view(self) -> torch.Tensor:
+        return self._data[: self.length]
+
+
 class SequenceStore:
     """Tokens per sequence; and, for a draft that reads them, the target features it was sent (kept until forgotten)."""
 
     def __init__(self) -> None:
         self._held: dict[str, list[int]] = {}  # the sequence as known, then its last proposal
-        self._features: dict[str, torch.Tensor] = {}
+        self._features: dict[str, FeatureBuffer] = {}
 
     def __len__(self) -> int:
         return len(self._held)
@@ -41,21 +70,24 @@ class SequenceStore:
             self.forget(seq.request_id)
             return Update([], 0, restarted=True)
         if seq.features is not None:
-            have = 0 if features is None else features.shape[0]
+            have = 0 if features is None else features.length
             try:
                 rows = from_rows(seq.features)
             except FeatureError:
                 rows = None
-            if rows is None or seq.features.start_position > have or (features is not None and rows.shape[1:] != features.shape[1:]):
+            if rows is None or seq.features.start_position > have or (features is not None and tuple(rows.shape[1:]) != features.row_shape):
                 self.forget(seq.request_id)  # rows that do not fit what is held: start over, the scheduler resends
                 return Update([], 0, restarted=True)
             start = seq.features.start_position
-            features = rows if features is None or start == 0 else torch.cat((features[:start], rows.to(features.dtype)))
-            self._features[seq.request_id] = features
+            if features is None or start == 0:
+                features = FeatureBuffer(rows)
+                self._features[seq.request_id] = features
+            else:
+                features.put(start, rows)
         num_stable = len(held) - seq.num_drop
         tokens = held[:num_stable] + list(seq.new_token_ids)
         self._held[seq.request_id] = tokens
-        return Update(list(tokens), num_stable, restarted=False, features=features)
+        return Update(list(tokens), num_stable, restarted=False, features=None if features is None else features.view())
 
     def record_proposal(self, request_id: str, token_ids: list[int]) -> None:
         self._held[request_id].extend(token_ids)

@@ -153,6 +153,28 @@ def test_sequence_store_drops_then_appends_and_restarts_on_a_count_mismatch() ->
     assert store.forget("a") and not store.forget("a")
 
 
+def test_sequence_store_keeps_the_feature_rows_that_stand_as_they_grow_and_are_cut_back() -> None:
+    """Rows arrive in pieces, some after a cut-back (rejected drafts); the store always holds rows 0..n-1 as sent."""
+    from modeling.features import to_rows
+
+    store = SequenceStore()
+    expected = torch.randn(3, 4)
+    update = store.update(ProposeSeq("a", 0, 0, [1, 2, 3], 2, GREEDY, features=to_rows(expected, 0)))
+    assert update.features is not None and torch.equal(update.features, expected)
+    generator = torch.Generator().manual_seed(0)
+    for start, num_rows in [(3, 2), (5, 1), (4, 3), (7, 40), (20, 1)]:  # growing past the buffer, and cutting back
+        rows = torch.randn(num_rows, 4, generator=generator)
+        expected = torch.cat((expected[:start], rows))
+        held = len(update.token_ids)
+        store.record_proposal("a", [])
+        update = store.update(ProposeSeq("a", held, 0, [7] * num_rows, 2, GREEDY, features=to_rows(rows, start)))
+        assert not update.restarted and update.features is not None
+        assert torch.equal(update.features, expected), f"rows after writing {num_rows} at {start}"
+    gap = store.update(ProposeSeq("a", len(update.token_ids), 0, [7], 2, GREEDY, features=to_rows(torch.randn(1, 4), 30)))
+    assert gap.restarted  # rows past what is held cannot stand: start over
+    assert len(store) == 0
+
+
 def test_replay_proposes_the_reference_continuation(tmp_path: Path) -> None:
     path = tmp_path / "refs.json"
     path.write_text("[[1, 2, 3, 4, 5, 6], [1, 2, 9, 9]]")
