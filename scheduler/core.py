@@ -18,21 +18,14 @@ from proto import messages as m
 from proto.lifecycle import INIT_PHASES, TERMINAL, TRANSITIONS, State
 from scheduler.batching import BatchLimits, ScheduledSeq, plan_step
 from scheduler.config import SchedulerConfig
+from scheduler.drafting import DraftLink
 from scheduler.registry import InFlightStep, StepSeq, WorkerRecord, least_loaded_ready, new_record
 from scheduler.request import FINISH_REASONS, Request, RequestStatus
-from scheduler.speculation import (
-    PendingProposal,
-    SpecCounters,
-    SpecLimits,
-    proposal_problem,
-    speculation_plan,
-    step_result_problem,
-)
+from scheduler.speculation import PendingProposal, SpecCounters, SpecLimits, speculation_plan, step_result_problem
 
 log = get_logger()
 
 _SPEC_LOG_INTERVAL_S = 10.0  # speculation.stats is logged at most this often
-_ABANDONED_TIMEOUTS = 10  # a timed-out proposal's late answer is still awaited for this many propose timeouts
 
 
 @dataclass(frozen=True)
@@ -61,17 +54,12 @@ class SchedulerCore:
         self._target_fingerprint: str | None = None
         self._target_vocab_size = 0
         self._target_feature_width = 0  # the width of the features the targets return
-        self._features_wanted = False  # a draft that reads target features has said hello (and was not refused)
         self._no_ready_target_since_s: float | None = 0.0  # None while a target worker is READY
         self._next_step_id = 0
         self.outbox: list[Outgoing] = []
         self._pending_deltas: dict[bytes, list[m.TokenDelta]] = {}  # per gateway, sent as one frame per event
         self._target_vocab: str | None = None  # the targets' vocabulary fingerprint
-        self._proposals: dict[int, PendingProposal] = {}  # propose requests the draft service has not answered
-        self._abandoned: dict[int, PendingProposal] = {}  # timed out; a late answer still updates the draft views
-        self._next_propose_id = 0
-        self._draft_forget: list[str] = []  # finished requests the draft service must forget, sent once per event
-        self._draft_in_use: tuple[str, int] | None = None  # (worker_id, incarnation) the requests' draft views describe
+        self._drafts = DraftLink(config.propose_timeout_s)
         self.spec = SpecCounters()
         self._spec_logged_s = 0.0
 
@@ -89,16 +77,7 @@ class SchedulerCore:
         return any(w.is_ready and w.is_target for w in self._workers.values())
 
     def _current_draft(self) -> WorkerRecord | None:
-        """The draft service proposals go to: the one in use while it is READY, else the first READY one."""
-        in_use = self._draft_in_use
-        current = self._workers.get(in_use[0]) if in_use else None
-        if current is not None and in_use is not None and current.incarnation == in_use[1] and current.is_ready:
-            return current
-        draft = next((w for w in self._workers.values() if w.is_ready and not w.is_target), None)
-        if draft is not None:
-            self._forget_draft_views()  # what another draft (incarnation) held says nothing about this one
-            self._draft_in_use = (draft.worker_id, draft.incarnation)
-        return draft
+        return self._drafts.current(self._workers.values(), self._requests.values())
 
     def info(self, query_id: int, now_s: float) -> m.InfoReply:
         return m.InfoReply(
@@ -227,7 +206,7 @@ class SchedulerCore:
         if problem:
             self._refuse(worker, problem)
         elif hello.role != "target":
-            self._note_feature_reader(worker)
+            self._drafts.note_hello(worker)
         else:
             self._target_fingerprint = self._target_fingerprint or hello.model_fingerprint
             self._target_vocab = self._target_vocab or hello.vocab_fingerprint
@@ -273,15 +252,6 @@ class SchedulerCore:
         if self._target_feature_width and hello.feature_width and hello.feature_width != self._target_feature_width:
             return f"the draft reads features of width {hello.feature_width}, the target's are {self._target_feature_width} wide"
         return ""
-
-    def _note_feature_reader(self, worker: WorkerRecord) -> None:
-        """From the first hello of a draft that reads target features on, every step returns them.
-
-        Kept on when that draft goes away: a restarted draft then finds every running
-        request's features complete, where a gap would cost the request speculation for good.
-        """
-        if worker.hello.feature_width > 0:
-            self._features_wanted = True
 
     def _on_lifecycle(self, worker: WorkerRecord, reported: str, now_s: float) -> bool:
         """Follow a reported transition; one the table does not allow is dropped as a protocol error."""
@@ -352,32 +322,20 @@ class SchedulerCore:
             self.spec.record(num_drafts, num_accepted)
 
     def _on_proposal(self, draft: WorkerRecord, result: m.ProposeResult, now_s: float) -> bool:
-        pending = self._proposals.pop(result.propose_id, None) or self._abandoned.pop(result.propose_id, None)
-        if pending is None:
+        answered = self._drafts.answer(result, self._requests, self._target_vocab_size,
+                                       lambda problem: self._errors_from(draft, "bad_proposal", problem))
+        if answered is None:
             return False
-        asked = pending.num_tokens
-        proposals: dict[str, m.Proposal] = {}
-        for proposal in result.proposals:
-            request = self._requests.get(proposal.request_id)
-            if request is None or proposal.request_id not in asked:
-                continue
-            problem = proposal_problem(proposal, asked[proposal.request_id], self._target_vocab_size, request.num_tokens)
-            if problem:
-                self._errors_from(draft, "bad_proposal", problem)
-                request.draft.reset()
-                continue
-            # Whatever happens to the step, the draft service now holds this.
-            request.draft.num_stable, request.draft.num_proposed = proposal.num_held, len(proposal.token_ids)
-            if proposal.num_held == 0:  # it started the sequence over: it holds no features either
-                request.draft.num_features = 0
-            if proposal.token_ids:
-                proposals[proposal.request_id] = proposal
+        self._step_after_proposal(*answered, now_s)
+        return True
+
+    def _step_after_proposal(self, pending: PendingProposal, proposals: dict[str, m.Proposal], now_s: float) -> None:
+        """Send the step that waited for this propose request, if its worker still waits for it."""
         worker = self._workers.get(pending.worker_id)
         if worker is not None and worker.incarnation == pending.worker_incarnation and worker.awaiting_proposal == pending.propose_id:
             worker.awaiting_proposal = None
             if worker.runs_steps:
                 self._send_step(worker, pending.plan, proposals, now_s)
-        return True
 
     def _errors_from(self, worker: WorkerRecord, kind: str, problem: str) -> None:
         log.warning("worker.protocol_error", worker_id=worker.worker_id, kind=kind, problem=problem)
@@ -404,9 +362,7 @@ class SchedulerCore:
                 worker.failure = f"step {worker.in_flight.step_id} unanswered for {cfg.step_timeout_s} s (--step-timeout-s)"
                 self.outbox.append(Outgoing(True, worker.identity, m.Drain(worker.incarnation)))
                 self._lose_worker(worker, State.DEAD, now_s)
-        for pending in [p for p in self._abandoned.values() if now_s - p.sent_at_s > _ABANDONED_TIMEOUTS * cfg.propose_timeout_s]:
-            del self._abandoned[pending.propose_id]  # no answer will come now; the views were reset at the timeout
-        for pending in [p for p in self._proposals.values() if now_s - p.sent_at_s > cfg.propose_timeout_s]:
+        for pending in self._drafts.timed_out(now_s):
             log.warning("propose.timeout", propose_id=pending.propose_id, waited_s=round(now_s - pending.sent_at_s, 3),
                         note="the step runs without proposals (--propose-timeout-s)")
             self._give_up_proposal(pending, now_s, answer_may_come=True)
@@ -456,60 +412,17 @@ class SchedulerCore:
                 spec_disable_batch_threshold=cfg.spec_disable_batch_threshold,
                 max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len,
             )
-            num_tokens = speculation_plan(plan, limits)
-            if draft.hello.feature_width:  # only sequences whose every feature is at hand
-                for rid in num_tokens:
-                    self._reset_view_if_ahead(self._requests[rid])
-                num_tokens = {rid: k for rid, k in num_tokens.items() if self._has_features(self._requests[rid])}
+            num_tokens = self._drafts.with_features(draft, speculation_plan(plan, limits), self._requests)
         self.spec.decide(max(num_tokens.values(), default=0))
         if draft is None or not num_tokens:
             self._send_step(worker, plan, {}, now_s)
             return
-        self._next_propose_id += 1
-        seqs = []
-        for item in plan:
-            r = item.request
-            if r.request_id in num_tokens:
-                view = r.draft
-                view.known = True
-                features = None
-                if draft.hello.feature_width:
-                    features = r.features.rows_from(view.num_features, r.num_tokens - 1)
-                    view.num_features = r.num_tokens - 1
-                seqs.append(m.ProposeSeq(
-                    request_id=r.request_id, num_held=view.num_held, num_drop=view.num_proposed,
-                    new_token_ids=r.token_slice(view.num_stable, r.num_tokens), num_tokens=num_tokens[r.request_id],
-                    sampling=r.sampling, features=features,
-                ))
-        pending = PendingProposal(self._next_propose_id, worker.worker_id, worker.incarnation, plan, num_tokens, now_s)
-        self._proposals[pending.propose_id] = pending
-        worker.awaiting_proposal = pending.propose_id
-        self.outbox.append(Outgoing(True, draft.identity, m.ProposeRequest(pending.propose_id, draft.incarnation, seqs)))
-
-    @staticmethod
-    def _reset_view_if_ahead(request: Request) -> None:
-        """The draft holds rows that were recomputed or lost here since: it starts the sequence over."""
-        if request.draft.num_features > request.features.count:
-            request.draft.reset()
-
-    @staticmethod
-    def _has_features(request: Request) -> bool:
-        """Every position but the last has its feature."""
-        return request.features.count >= request.num_tokens - 1
+        self.outbox.append(Outgoing(True, draft.identity, self._drafts.propose(draft, worker, plan, num_tokens, now_s)))
 
     def _give_up_proposal(self, pending: PendingProposal, now_s: float, *, answer_may_come: bool) -> None:
-        """Step without proposals. What the draft holds for these requests is unknown until its answer comes, if it does."""
-        self._proposals.pop(pending.propose_id, None)
-        if answer_may_come:
-            self._abandoned[pending.propose_id] = pending
-        for request_id in pending.num_tokens:
-            if (request := self._requests.get(request_id)) is not None:
-                request.draft.reset()
-        worker = self._workers.get(pending.worker_id)
-        if worker is not None and worker.incarnation == pending.worker_incarnation and worker.awaiting_proposal == pending.propose_id:
-            worker.awaiting_proposal = None
-            if worker.runs_steps:
-                self._send_step(worker, pending.plan, {}, now_s)
+        """Step without proposals."""
+        self._drafts.give_up(pending, self._requests, answer_may_come=answer_may_come)
+        self._step_after_proposal(pending, {}, now_s)
 
     def _send_step(self, worker: WorkerRecord, plan: list[ScheduledSeq], proposals: dict[str, m.Proposal], now_s: float) -> None:
         # A plan that waited for proposals may have lost requests on the way (finished, aborted).
@@ -534,7 +447,7 @@ class SchedulerCore:
             step_seqs.append(StepSeq(r, item.num_tokens, item.completes, drafts, r.draft.generation))
         worker.in_flight = InFlightStep(self._next_step_id, now_s, step_seqs)
         self.outbox.append(Outgoing(True, worker.identity, m.StepRequest(self._next_step_id, worker.incarnation, seqs,
-                                                                         return_features=self._features_wanted)))
+                                                                         return_features=self._drafts.features_wanted)))
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> None:
         emitted: list[int] = []
@@ -567,12 +480,12 @@ class SchedulerCore:
     def _end_event(self) -> None:
         """What collects during one event goes out as one frame per destination."""
         self._flush_deltas()
-        if not self._draft_forget:
+        forget = self._drafts.take_forget()
+        if not forget:
             return
         draft = self._current_draft()
         if draft is not None:
-            self.outbox.append(Outgoing(True, draft.identity, m.ReleaseSequences(draft.incarnation, self._draft_forget)))
-        self._draft_forget = []
+            self.outbox.append(Outgoing(True, draft.identity, m.ReleaseSequences(draft.incarnation, forget)))
 
     def _flush_deltas(self, only: bytes | None = None) -> None:
         for gateway in [only] if only is not None else list(self._pending_deltas):
@@ -582,8 +495,7 @@ class SchedulerCore:
 
     def _finish(self, request: Request, status: RequestStatus, *, notify: bool, reason: str = "") -> None:
         self._release(request)
-        if request.draft.known:
-            self._draft_forget.append(request.request_id)
+        self._drafts.forget_later(request)
         request.status = status
         del self._requests[request.request_id]
         log.info("request.finished", request_id=request.request_id, status=status.value, reason=reason or None,
@@ -610,18 +522,8 @@ class SchedulerCore:
 
     def _lose_draft(self, draft: WorkerRecord, now_s: float) -> None:
         """Steps go on without speculation; a new incarnation starts from nothing."""
-        if self._draft_in_use != (draft.worker_id, draft.incarnation):
-            return  # not the one proposals went to: nothing depends on it
-        self._draft_in_use = None
-        self._forget_draft_views()
-        self._abandoned.clear()
-        for pending in list(self._proposals.values()):
+        for pending in self._drafts.lose(draft, self._requests):
             self._give_up_proposal(pending, now_s, answer_may_come=False)
-
-    def _forget_draft_views(self) -> None:
-        for request in self._requests.values():
-            request.draft.reset()
-            request.draft.known = False
 
     def _lose_worker(self, worker: WorkerRecord, state: State, now_s: float) -> None:
         """The worker will run nothing more: its requests go back to the front of the queue."""
