@@ -50,6 +50,7 @@ class FeatureBuffer:
         self.length = end
 
     def view(self) -> torch.Tensor:
+        """Rows 0 .. length-1, a view: a later `put` may change it (read it before the next update)."""
         return self._data[: self.length]
 
 

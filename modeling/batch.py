@@ -76,7 +76,7 @@ def build_step_batch(spans: list[SeqSpan], device: torch.device, *, rows_in_kern
         slots.extend([span.slot] * n)
         logit_rows.extend(range(len(token_ids) - span.num_logits, len(token_ids)))
     if rows_in_kernel:
-        shared = [i for i, s in enumerate(spans) if _attention_pairs(s) <= MAX_KERNEL_ATTENTION_PAIRS or len(s.token_ids) <= MAX_SHARED_QUERY_TOKENS]
+        shared = [i for i, s in enumerate(spans) if _in_kernel(s)]
     else:
         shared = [i for i, s in enumerate(spans) if len(s.token_ids) <= MAX_SHARED_QUERY_TOKENS]
     alone = [[i] for i in sorted(set(range(len(spans))) - set(shared))]
@@ -88,6 +88,16 @@ def build_step_batch(spans: list[SeqSpan], device: torch.device, *, rows_in_kern
 
     return StepBatch(_ids(token_ids, device), _ids(positions, device), _ids(slots, device), _ids(logit_rows, device), groups,
                      all_rows_in_kernel=rows_in_kernel and not alone, kernel_rows=kernel_rows)
+
+
+def _in_kernel(span: SeqSpan) -> bool:
+    """Whether the CPU attention kernel attends this span's rows.
+
+    Decode and verify spans (every row asks for logits) always go to it, at any length
+    and position: a verify row must be computed like the decode step it stands for.
+    """
+    n = len(span.token_ids)
+    return n <= MAX_SHARED_QUERY_TOKENS or span.num_logits == n or _attention_pairs(span) <= MAX_KERNEL_ATTENTION_PAIRS
 
 
 def _attention_pairs(span: SeqSpan) -> int:

@@ -86,7 +86,7 @@ class LlamaModel(torch.nn.Module):
         sin = self._rope_sin[batch.positions]
         masks = [None if g.mask is None else g.mask.to(self.embed_tokens.dtype) for g in batch.groups]
         # [N, hidden], this pass's own copy: the native norms add to it in place
-        x = F.embedding(batch.token_ids, self.embed_tokens) if inputs is None else inputs.clone()
+        x = F.embedding(batch.token_ids, self.embed_tokens) if inputs is None else inputs.clone(memory_format=torch.contiguous_format)
         h = self._norm(x, self.layers[0].input_norm)
         for index, layer in enumerate(self.layers):
             x, h = self._add_norm(x, self._attention(index, layer, h, cos, sin, batch, masks, cache), layer.post_attention_norm)

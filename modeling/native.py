@@ -16,6 +16,7 @@ import functools
 import hashlib
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -45,11 +46,20 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _compiler_version() -> str:
+    """The C++ compiler's own description (a new compiler means a new build); "" when there is none."""
+    try:
+        done = subprocess.run([os.environ.get("CXX", "c++"), "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout
+
+
 def _build_name() -> str:
     digest = hashlib.sha256()
     for name in _SOURCES + _HEADERS:
         digest.update((_SOURCE_DIR / name).read_bytes())
-    for part in (torch.__version__, _cpu_flags(), sys.version):
+    for part in (torch.__version__, _cpu_flags(), sys.version, _compiler_version()):
         digest.update(part.encode())
     return f"specserve_native_{digest.hexdigest()[:16]}"
 

@@ -322,7 +322,10 @@ void check_cache_and_rows(const at::Tensor& keys, const at::Tensor& values, cons
 // Returns [N, H * D] in q's dtype; scores, softmax and sums in float32.
 at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
                   const at::Tensor& positions, double scale) {
-  TORCH_CHECK(q.device().is_cpu() && keys.device().is_cpu(), "the attention kernel runs on CPU tensors");
+  TORCH_CHECK(q.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu() && slots.device().is_cpu() &&
+                  positions.device().is_cpu(),
+              "the attention kernel runs on CPU tensors");
+  TORCH_CHECK(keys.dim() == 4 && keys.size(1) > 0, "keys must be [slots, kv_heads, max_len, head_dim] with kv_heads > 0");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [rows, heads, head_dim] with head_dim contiguous");
   TORCH_CHECK(q.scalar_type() == keys.scalar_type(), "q and the cache must share a dtype");
   TORCH_CHECK(keys.size(3) == q.size(2) && q.size(1) % keys.size(1) == 0, "q's heads and head_dim do not fit the cache");
@@ -341,6 +344,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
 // Writes k, v [N, KVH, D] (rows and heads may be strided) at (slots[n], :, positions[n]).
 void store(const at::Tensor& k, const at::Tensor& v, at::Tensor& keys, at::Tensor& values, const at::Tensor& slots,
            const at::Tensor& positions) {
+  TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu() &&
+                  slots.device().is_cpu() && positions.device().is_cpu(),
+              "the cache store runs on CPU tensors");
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
               "k and v must be [rows, kv_heads, head_dim] with head_dim contiguous");
   TORCH_CHECK(k.scalar_type() == keys.scalar_type() && v.scalar_type() == keys.scalar_type(), "k, v and the cache must share a dtype");

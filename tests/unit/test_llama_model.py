@@ -27,12 +27,12 @@ def _reference_logits(folder: Path, token_ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([token_ids])).logits[0]  # [T, V]
 
 
-def _ours(folder: Path, num_slots: int = 4, native: bool = False) -> tuple[LlamaModel, KVCache]:
+def _ours(folder: Path, num_slots: int = 4, native: str = "torch") -> tuple[LlamaModel, KVCache]:
     config = ModelConfig.from_folder(folder)
     model = LlamaModel(config)
     model.load_weights(folder)
     model.set_rope_cache(128)
-    if native:
+    if native != "torch":
         model.native = native_ops()
     return model, KVCache(config, num_slots, 128, torch.float32, torch.device("cpu"))
 
@@ -43,12 +43,20 @@ def _step(model: LlamaModel, cache: KVCache, spans: list[SeqSpan]) -> torch.Tens
         return model.logits(model(batch, cache)[batch.logit_rows])
 
 
-# Every reference test runs on torch ops alone and with the native kernels (modeling/csrc).
-ops_paths = pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+# Every reference test runs on torch ops alone, with the native kernels (modeling/csrc),
+# and with the kernels taking only short spans, so that a step mixes kernel rows with
+# spans attended alone by batched matmuls (at the default limit every span here is short).
+ops_paths = pytest.mark.parametrize("native", ["torch", "native", "native-mixed"])
+
+
+@pytest.fixture(autouse=True)
+def _kernel_limit(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if getattr(request.node, "callspec", None) and request.node.callspec.params.get("native") == "native-mixed":
+        monkeypatch.setattr("modeling.batch.MAX_KERNEL_ATTENTION_PAIRS", 20)
 
 
 @ops_paths
-def test_prefill_matches_reference(tiny_folder: Path, native: bool) -> None:
+def test_prefill_matches_reference(tiny_folder: Path, native: str) -> None:
     tokens = [5, 17, 3, 88, 42, 7, 7, 1, 60]
     model, cache = _ours(tiny_folder, native=native)
     ours = _step(model, cache, [SeqSpan(slot=2, start=0, token_ids=tokens, num_logits=len(tokens))])
@@ -56,14 +64,17 @@ def test_prefill_matches_reference(tiny_folder: Path, native: bool) -> None:
 
 
 @ops_paths
-def test_ragged_chunked_and_decode_steps_match_reference(tiny_folder: Path, native: bool) -> None:
+def test_ragged_chunked_and_decode_steps_match_reference(tiny_folder: Path, native: str) -> None:
     a = [3, 9, 27, 81, 50, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]  # long: attends alone
     b = [4, 8, 15, 16, 23, 42]
     model, cache = _ours(tiny_folder, native=native)
     ref_a = _reference_logits(tiny_folder, a)
     ref_b = _reference_logits(tiny_folder, b)
     # Step 1: a's first chunk (no logits) together with all of b's prompt but its last token.
-    _step(model, cache, [SeqSpan(0, 0, a[:17], 0), SeqSpan(3, 0, b[:4], 1)])
+    step_one = [SeqSpan(0, 0, a[:17], 0), SeqSpan(3, 0, b[:4], 1)]
+    if native == "native-mixed":
+        assert model.plan(step_one).kernel_rows is not None  # b's rows in the kernel, a's chunk alone
+    _step(model, cache, step_one)
     # Step 2: a's second chunk and b's next two tokens in one ragged batch.
     out = _step(model, cache, [SeqSpan(0, 17, a[17:19], 2), SeqSpan(3, 4, b[4:6], 2)])
     torch.testing.assert_close(out[:2], ref_a[17:19], atol=1e-4, rtol=1e-4)
@@ -76,7 +87,7 @@ def test_ragged_chunked_and_decode_steps_match_reference(tiny_folder: Path, nati
 
 
 @ops_paths
-def test_rewriting_positions_after_truncation(tiny_folder: Path, native: bool) -> None:
+def test_rewriting_positions_after_truncation(tiny_folder: Path, native: str) -> None:
     """A slot rolled back to position p and written again gives the logits of the new sequence."""
     model, cache = _ours(tiny_folder, native=native)
     _step(model, cache, [SeqSpan(1, 0, [1, 2, 3, 4, 5, 6], 0)])
@@ -132,16 +143,20 @@ def test_prepacked_bfloat16_rows_do_not_depend_on_the_number_of_rows(tiny_folder
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_native_verify_rows_equal_the_decode_steps_they_stand_for(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("prompt_len", "num_drafts"), [(40, 5), (2000, 16)])
+def test_native_verify_rows_equal_the_decode_steps_they_stand_for(dtype: torch.dtype, prompt_len: int, num_drafts: int) -> None:
     """Greedy speculation is lossless only if a verify step's rows are bit for bit the decode steps'.
 
     A random model with the default model's head shape (head_dim 64, 3 query heads per kv
-    head: the kernels' vectorised path), prepacked linears and the native kernels.
+    head: the kernels' vectorised path), prepacked linears and the native kernels. The
+    second case is a long verify span far into the context, past the (query, key) pairs
+    up to which a prefill span would go to the kernel.
     """
     from modeling.cpu_kernels import can_prepack, prepack_linears
 
+    max_len = 2048
     config = ModelConfig(vocab_size=300, hidden_size=192, intermediate_size=512, num_layers=2, num_heads=3, num_kv_heads=1,
-                         head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256,
+                         head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=max_len,
                          tie_word_embeddings=True, attention_bias=False)
     torch.manual_seed(0)
     model = LlamaModel(config)
@@ -149,16 +164,17 @@ def test_native_verify_rows_equal_the_decode_steps_they_stand_for(dtype: torch.d
         for param in model.parameters():
             param.copy_(torch.randn(param.shape) * 0.2 if param.dim() > 1 else 1 + 0.1 * torch.randn(param.shape))
     model = model.to(dtype)
-    model.set_rope_cache(256)
+    model.set_rope_cache(max_len)
     if can_prepack(dtype, torch.device("cpu")):
         prepack_linears(model)
     model.native = native_ops()
-    prompt, continuation = [(11 * i) % 300 for i in range(40)], [7, 250, 3, 99, 180, 42]
-    decoded, verified = KVCache(config, 4, 256, dtype, torch.device("cpu")), KVCache(config, 4, 256, dtype, torch.device("cpu"))
+    prompt = [(11 * i) % 300 for i in range(prompt_len)]
+    continuation = [(37 * i + 7) % 300 for i in range(num_drafts + 1)]
+    decoded, verified = (KVCache(config, 4, max_len, dtype, torch.device("cpu")) for _ in range(2))
     other = [SeqSpan(0, 0, [5, 6, 7], 1), SeqSpan(2, 0, [8] * 20, 1)]  # company in the step, as in a real batch
     _step(model, decoded, [SeqSpan(1, 0, prompt, 1)])
     _step(model, verified, [SeqSpan(1, 0, prompt, 1), *other])
-    step_rows = [_step(model, decoded, [SeqSpan(1, 40 + i, [t], 1)])[0] for i, t in enumerate(continuation)]
-    verify_rows = _step(model, verified, [SeqSpan(1, 40, continuation, len(continuation)), SeqSpan(0, 3, [9], 1)])
+    step_rows = [_step(model, decoded, [SeqSpan(1, prompt_len + i, [t], 1)])[0] for i, t in enumerate(continuation)]
+    verify_rows = _step(model, verified, [SeqSpan(1, prompt_len, continuation, len(continuation)), SeqSpan(0, 3, [9], 1)])
     for i, row in enumerate(step_rows):
         assert torch.equal(row, verify_rows[i]), f"verify row {i} differs from its decode step"
