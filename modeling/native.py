@@ -12,6 +12,7 @@ ops alone, and its owner's log says why.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
@@ -59,7 +60,9 @@ def _build_name() -> str:
     digest = hashlib.sha256()
     for name in _SOURCES + _HEADERS:
         digest.update((_SOURCE_DIR / name).read_bytes())
-    for part in (torch.__version__, _cpu_flags(), sys.version, _compiler_version()):
+    # The sources' folder too: torch writes their paths into the build file, so two
+    # checkouts sharing one folder would rebuild it for each other at every start.
+    for part in (str(_SOURCE_DIR), torch.__version__, _cpu_flags(), sys.version, _compiler_version()):
         digest.update(part.encode())
     return f"specserve_native_{digest.hexdigest()[:16]}"
 
@@ -74,15 +77,21 @@ def _load() -> ModuleType | KernelUnavailable:
         build_dir.mkdir(parents=True, exist_ok=True)
         from torch.utils.cpp_extension import load
 
-        module: ModuleType = load(
-            name=name,
-            sources=[str(_SOURCE_DIR / name) for name in _SOURCES],
-            # No contraction of a * b + c into one FMA: the fused ops round as torch's do.
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
+        # One process builds at a time. torch's own lock is a file that a process killed
+        # mid-build leaves behind, and every later load would wait on it for ever; this
+        # lock goes with its process, and whoever holds it may clear torch's.
+        with open(build_dir / "specserve.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
+            module: ModuleType = load(
+                name=name,
+                sources=[str(_SOURCE_DIR / source) for source in _SOURCES],
+                # No contraction of a * b + c into one FMA: the fused ops round as torch's do.
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
     except Exception as exc:  # a missing compiler or ninja surfaces as several exception types
         return KernelUnavailable(f"could not build {_SOURCE_DIR}: {type(exc).__name__}: {str(exc).strip()[-400:]}")
     return module

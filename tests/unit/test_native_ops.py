@@ -188,3 +188,19 @@ def test_turned_off_the_model_runs_on_torch_ops_and_says_why(monkeypatch: pytest
         assert attach_native_ops(model, torch.float16, torch.device("cpu")).startswith("torch (no native ops for torch.float16")
     finally:
         native._load.cache_clear()  # the next test builds (or finds) them again
+
+
+@pytest.mark.timeout(300)
+def test_a_build_lock_left_by_a_killed_process_does_not_block_loading(ops) -> None:  # type: ignore[no-untyped-def]
+    """torch's build lock is a plain file; one left behind by a process killed mid-build must not hang later starts."""
+    from modeling import native
+    from modeling.model_store import default_cache_dir
+
+    stale = default_cache_dir() / "kernels" / native._build_name() / "lock"
+    stale.touch()
+    native._load.cache_clear()
+    try:
+        assert native.native_ops() is not None
+        assert not stale.exists()
+    finally:
+        native._load.cache_clear()
