@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -135,3 +136,12 @@ def test_one_request_id_is_found_in_every_process_log(fp32_stack: Stack) -> None
     found = {name for name, text in logs.items() if request_id in text}
     assert {"gateway", "scheduler"} <= found
     assert any(name.startswith("worker-") for name in found), f"request id only in {sorted(found)}"
+
+
+def test_workers_run_on_the_native_kernels_and_say_so(fp32_stack: Stack, bf16_stack: Stack) -> None:
+    """The end-to-end tests exercise the kernels, not a silent fallback to torch ops (modeling/native.py)."""
+    if os.environ.get("SPECSERVE_NATIVE_OPS") == "0":
+        pytest.skip("SPECSERVE_NATIVE_OPS=0")
+    for stack in (fp32_stack, bf16_stack):
+        for log in stack.log_dir.glob("worker-*.log"):
+            assert "ops=native" in log.read_text(), f"{log.name} does not run on the native kernels"
