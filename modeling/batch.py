@@ -75,11 +75,9 @@ def build_step_batch(spans: list[SeqSpan], device: torch.device, *, rows_in_kern
         positions.extend(range(span.start, span.start + n))
         slots.extend([span.slot] * n)
         logit_rows.extend(range(len(token_ids) - span.num_logits, len(token_ids)))
-    if rows_in_kernel:
-        shared = [i for i, s in enumerate(spans) if _in_kernel(s)]
-    else:
-        shared = [i for i, s in enumerate(spans) if len(s.token_ids) <= MAX_SHARED_QUERY_TOKENS]
-    alone = [[i] for i in sorted(set(range(len(spans))) - set(shared))]
+    attends_with_others = [_in_kernel(s) if rows_in_kernel else len(s.token_ids) <= MAX_SHARED_QUERY_TOKENS for s in spans]
+    shared = [i for i, together in enumerate(attends_with_others) if together]
+    alone = [[i] for i, together in enumerate(attends_with_others) if not together]
     planned = alone if rows_in_kernel else ([shared] if shared else []) + alone
     groups = [_plan_group([spans[i] for i in g], [offsets[i] for i in g], len(token_ids), device) for g in planned]
     kernel_rows = None

@@ -56,6 +56,7 @@ def _compiler_version() -> str:
     return done.stdout
 
 
+@functools.cache
 def _build_name() -> str:
     digest = hashlib.sha256()
     for name in _SOURCES + _HEADERS:

@@ -77,7 +77,7 @@ class SchedulerCore:
         return any(w.is_ready and w.is_target for w in self._workers.values())
 
     def _current_draft(self) -> WorkerRecord | None:
-        return self._drafts.current(self._workers.values(), self._requests.values())
+        return self._drafts.current(self._workers, self._requests.values())
 
     def info(self, query_id: int, now_s: float) -> m.InfoReply:
         return m.InfoReply(

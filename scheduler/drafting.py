@@ -32,14 +32,13 @@ class DraftLink:
         # A draft that reads target features has said hello (and was not refused): every step returns them.
         self.features_wanted = False
 
-    def current(self, workers: Iterable[WorkerRecord], requests: Iterable[Request]) -> WorkerRecord | None:
+    def current(self, workers: dict[str, WorkerRecord], requests: Iterable[Request]) -> WorkerRecord | None:
         """The draft service proposals go to: the one in use while it is READY, else the first READY one."""
-        workers = list(workers)
         in_use = self._in_use
-        current = next((w for w in workers if in_use and w.worker_id == in_use[0]), None)
+        current = workers.get(in_use[0]) if in_use else None
         if current is not None and in_use is not None and current.incarnation == in_use[1] and current.is_ready:
             return current
-        draft = next((w for w in workers if w.is_ready and not w.is_target), None)
+        draft = next((w for w in workers.values() if w.is_ready and not w.is_target), None)
         if draft is not None:
             forget_views(requests)  # what another draft (incarnation) held says nothing about this one
             self._in_use = (draft.worker_id, draft.incarnation)
