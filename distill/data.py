@@ -3,8 +3,9 @@
 Two sources, both run through the target (`ModelEngine.forward_with_features`), which
 gives each position's final hidden state f_j next to the tokens:
 
-- self-distillation: the target answers the shipped chat requests greedily, so the draft
-  learns the target's own output distribution;
+- self-distillation: the target answers chat requests greedily, so the draft learns the
+  target's own output distribution. The requests are the shipped ones plus requests the
+  target writes itself (`write_requests`), which vary far more;
 - local text: chunks of the Python standard library's source, read by the target
   (teacher forcing), for code.
 """
@@ -39,30 +40,65 @@ def generate(engine: ModelEngine, prompts: list[list[int]], max_new_tokens: int,
     out: list[Sequence] = []
     for start in range(0, len(prompts), engine.num_slots):
         group = prompts[start : start + engine.num_slots]
-        logits, hidden = engine.forward_with_features([SeqSpan(slot, 0, ids, 1) for slot, ids in enumerate(group)])
-        tokens = [list(ids) for ids in group]
-        features: list[list[torch.Tensor]] = []
-        offset = 0
-        for ids in group:
-            features.append([hidden[offset : offset + len(ids)].clone()])
-            offset += len(ids)
-        next_ids = logits.argmax(-1).tolist()
-        active = list(range(len(group)))
-        for _ in range(max_new_tokens):
-            for slot in active:
-                tokens[slot].append(next_ids[slot])
-            active = [s for s in active if next_ids[s] not in stop_ids and len(tokens[s]) < engine.max_len]
-            if not active or len(tokens[active[0]]) - len(group[active[0]]) >= max_new_tokens:
-                break
-            logits, hidden = engine.forward_with_features([SeqSpan(s, len(tokens[s]) - 1, [tokens[s][-1]], 1) for s in active])
-            for row, slot in enumerate(active):
-                features[slot].append(hidden[row : row + 1].clone())
-                next_ids[slot] = int(logits[row].argmax())
-        for slot, ids in enumerate(group):
-            f = torch.cat(features[slot])[: len(tokens[slot]) - 1]
-            out.append(Sequence(tokens[slot], f, len(ids)))
+        tokens, features = _decode(engine, group, max_new_tokens, stop_ids, lambda logits: logits.argmax(-1), True)
+        for ids, seq, feats in zip(group, tokens, features):
+            out.append(Sequence(seq, torch.cat(feats)[: len(seq) - 1], len(ids)))
             on_sequence()
     return out
+
+
+def write_requests(engine: ModelEngine, starts: list[list[int]], max_tokens: int, stop_ids: set[int], seed: int,
+                   temperature: float = 1.0, top_p: float = 0.95, on_request: Callable[[], None] = lambda: None) -> list[list[int]]:
+    """Requests the target writes itself: a sampled continuation of each start (its chat template's user turn, often
+    with an opening such as "Write a Python function"), up to a stop id or `max_tokens`; the stop id is left out.
+
+    An instruct model asked to continue an empty user turn writes the kind of requests it
+    was tuned on, so the answers to these cover far more subjects than any shipped list.
+    """
+    generator = torch.Generator().manual_seed(seed)
+
+    def sample(logits: torch.Tensor) -> torch.Tensor:
+        probs, ids = (logits.float() / temperature).softmax(-1).sort(-1, descending=True)
+        probs[probs.cumsum(-1) - probs > top_p] = 0.0  # nucleus: the smallest set of ids holding top_p of the mass
+        return ids.gather(-1, torch.multinomial(probs, 1, generator=generator)).squeeze(-1)
+
+    out: list[list[int]] = []
+    for start in range(0, len(starts), engine.num_slots):
+        group = starts[start : start + engine.num_slots]
+        tokens, _ = _decode(engine, group, max_tokens, stop_ids, sample, False)
+        for ids, seq in zip(group, tokens):
+            written = seq[len(ids) :]
+            out.append(written[:-1] if written and written[-1] in stop_ids else written)
+            on_request()
+    return out
+
+
+def _decode(engine: ModelEngine, group: list[list[int]], max_new_tokens: int, stop_ids: set[int],
+            pick: Callable[[torch.Tensor], torch.Tensor], with_features: bool) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+    """Continue each prompt of `group` (one slot each) with `pick`'s tokens until a stop id, `max_new_tokens` or the
+    engine's length; -> the prompts with their continuations, and (with_features) the target's features by position."""
+    logits, hidden = engine.forward_with_features([SeqSpan(slot, 0, ids, 1) for slot, ids in enumerate(group)])
+    tokens = [list(ids) for ids in group]
+    features: list[list[torch.Tensor]] = [[] for _ in group]
+    if with_features:
+        offset = 0
+        for slot, ids in enumerate(group):
+            features[slot].append(hidden[offset : offset + len(ids)].clone())
+            offset += len(ids)
+    next_ids = pick(logits).tolist()
+    active = list(range(len(group)))
+    for _ in range(max_new_tokens):
+        for row, slot in enumerate(active):
+            tokens[slot].append(next_ids[row])
+        active = [s for row, s in enumerate(active) if next_ids[row] not in stop_ids and len(tokens[s]) < engine.max_len]
+        if not active or len(tokens[active[0]]) - len(group[active[0]]) >= max_new_tokens:
+            break
+        logits, hidden = engine.forward_with_features([SeqSpan(s, len(tokens[s]) - 1, [tokens[s][-1]], 1) for s in active])
+        if with_features:
+            for row, slot in enumerate(active):
+                features[slot].append(hidden[row : row + 1].clone())
+        next_ids = pick(logits).tolist()
+    return tokens, features
 
 
 def read_text(engine: ModelEngine, chunks: list[list[int]], on_sequence: Callable[[], None] = lambda: None) -> list[Sequence]:

@@ -98,3 +98,20 @@ def training_prompts(count: int, seed: int = 0) -> list[str]:
     for i in range(max(len(kind) for kind in kinds)):
         chosen.extend(kind[i] for kind in kinds if i < len(kind))
     return chosen[:count]
+
+
+# How the requests the target writes itself begin (`distill.data.write_requests`): "" leaves
+# the whole request to the target; the others steer a share of them to code and to the
+# kinds of questions users ask, which a free-running small model writes too rarely.
+REQUEST_OPENINGS = [
+    "", "", "", "", "", "",
+    "Write a Python function", "Write a Python class", "Write a Python script", "How do I", "How can I",
+    "What is the difference between", "Explain", "Can you explain", "What does", "Why", "Write a JavaScript",
+    "Write a SQL query", "Write a bash script", "Show me how to", "Give me", "Write a short story", "Write a poem",
+    "Describe", "Summarize", "What are", "What should I", "Tips for", "Write an essay", "Compare",
+]
+
+
+def request_openings(count: int) -> list[str]:
+    """The opening of each of `count` self-written requests, taken in turn."""
+    return [REQUEST_OPENINGS[i % len(REQUEST_OPENINGS)] for i in range(count)]

@@ -1,7 +1,7 @@
 """`specserve distill`: train an EAGLE-style draft head for a target, from the target's own outputs.
 
-Steps: (1) the target answers the shipped requests and reads local Python source, which
-gives tokens and the target's final hidden states (cached in OUT/training/data.pt); (2) the head
+Steps: (1) the target writes requests itself, answers them and the shipped ones, and reads
+local Python source, which gives tokens and the target's final hidden states (cached in OUT/training/data.pt); (2) the head
 learns to predict the next hidden state (smooth L1) and the target's next-token
 distribution over the draft vocabulary (cross-entropy), with noise on its input features
 so it tolerates its own errors when it chains; (3) the head is written as a draft folder
@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from distill.data import Sequence, chunk_tokens, draft_vocabulary, generate, read_text, stdlib_sources
-from distill.prompts import training_prompts
+from distill.data import Sequence, chunk_tokens, draft_vocabulary, generate, read_text, stdlib_sources, write_requests
+from distill.prompts import request_openings, training_prompts
 from gateway.tokenizer import ChatMessage, Tokenizer
 from modeling.config import ModelConfig
 from modeling.eagle import EagleHead, unsupported_target
@@ -44,6 +44,8 @@ class DistillArgs:
     out: Path
     dtype: str = "bfloat16"
     num_prompts: int = 800
+    self_prompts: int = 4000
+    request_tokens: int = 96
     max_new_tokens: int = 192
     text_tokens: int = 60_000
     draft_vocab_size: int = 8192
@@ -65,7 +67,10 @@ class DistillArgs:
     def data_record(self) -> dict[str, object]:
         """The arguments that decide the training data."""
         record = self.record()
-        return {k: record[k] for k in ("target", "dtype", "num_prompts", "max_new_tokens", "text_tokens", "seed")}
+        return {k: record[k] for k in ("target", "dtype", "num_prompts", "self_prompts", "request_tokens", "max_new_tokens", "text_tokens", "seed")}
+
+
+_DATA_SLOTS = 64  # sequences the target answers at once while it makes the data
 
 
 class ResumeMismatch(ValueError):
@@ -78,7 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, required=True, help="the draft folder to write (data and checkpoints go there too)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype, help="the target's dtype while it makes the data")
     parser.add_argument("--num-prompts", type=int, default=d.num_prompts, help="shipped chat requests the target answers")
-    parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    parser.add_argument("--self-prompts", type=int, default=d.self_prompts,
+                        help="requests the target writes itself (sampled from its chat template's user turn) and then answers")
+    parser.add_argument("--request-tokens", type=int, default=d.request_tokens, help="the longest self-written request")
+    parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="the longest answer")
     parser.add_argument("--text-tokens", type=int, default=d.text_tokens, help="tokens of local Python source the target reads")
     parser.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size, help="the ids the draft may propose")
     parser.add_argument("--steps", type=int, default=d.steps)
@@ -98,11 +106,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_arguments(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> DistillArgs:
-    for name in ("num_prompts", "max_new_tokens", "draft_vocab_size", "steps", "batch_sequences", "checkpoint_every", "unroll"):
+    for name in ("num_prompts", "request_tokens", "max_new_tokens", "draft_vocab_size", "steps", "batch_sequences", "checkpoint_every", "unroll"):
         if getattr(ns, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(ns, name)}")
-    if ns.text_tokens < 0 or not ns.lr > 0 or not ns.feature_noise >= 0 or not ns.cls_weight >= 0:
-        parser.error("--text-tokens, --feature-noise and --cls-weight must be >= 0 and --lr > 0")
+    if ns.text_tokens < 0 or ns.self_prompts < 0 or not ns.lr > 0 or not ns.feature_noise >= 0 or not ns.cls_weight >= 0:
+        parser.error("--text-tokens, --self-prompts, --feature-noise and --cls-weight must be >= 0 and --lr > 0")
     if not (ns.target / "config.json").exists():
         parser.error(f"--target {ns.target}: no config.json there")
     if problem := unsupported_target(ModelConfig.from_folder(ns.target)):
@@ -187,15 +195,19 @@ def _data(args: DistillArgs, log: Callable[[str], None]) -> list[Sequence]:
     config = ModelConfig.from_folder(args.target)
     tokenizer = Tokenizer.load(args.target)
     max_len = min(config.max_position_embeddings, 1024)
-    engine = ModelEngine(args.target, config, device="cpu", dtype=args.dtype, num_slots=16, max_len=max_len)
+    engine = ModelEngine(args.target, config, device="cpu", dtype=args.dtype, num_slots=_DATA_SLOTS, max_len=max_len)
     engine.load()
     engine.allocate()
-    render = tokenizer.encode_chat if tokenizer.has_chat_template else None
-    prompts = [render([ChatMessage("user", p)]) if render else tokenizer.encode(p) for p in training_prompts(args.num_prompts, args.seed)]
-    prompts = [p[: max_len - args.max_new_tokens - 1] for p in prompts]
+    stop_ids = set(tokenizer.eos_token_ids)
     text = chunk_tokens([tokenizer.encode(t) for t in stdlib_sources(args.text_tokens * 8)], min(256, max_len), args.text_tokens)
-    bar = tqdm(total=len(prompts) + len(text), desc="target data", unit="seq", file=sys.stderr, dynamic_ncols=True)
-    sequences = generate(engine, prompts, args.max_new_tokens, set(tokenizer.eos_token_ids), lambda: bar.update(1))
+    bar = tqdm(total=args.self_prompts + args.num_prompts + args.self_prompts + len(text), desc="target data", unit="seq",
+               file=sys.stderr, dynamic_ncols=True)
+    requests = training_prompts(args.num_prompts, args.seed) + _self_written(engine, tokenizer, args, stop_ids, lambda: bar.update(1))
+    chat = tokenizer.has_chat_template
+    prompts = [tokenizer.encode_chat([ChatMessage("user", r)]) if chat else tokenizer.encode(r) for r in requests]
+    prompts = [p[: max_len - args.max_new_tokens - 1] for p in prompts]
+    bar.total = args.self_prompts + len(prompts) + len(text)  # duplicates and empty requests were dropped
+    sequences = generate(engine, prompts, args.max_new_tokens, stop_ids, lambda: bar.update(1))
     sequences += read_text(engine, text, lambda: bar.update(1))
     bar.close()
     torch.save({"arguments": args.data_record(),
@@ -203,6 +215,28 @@ def _data(args: DistillArgs, log: Callable[[str], None]) -> list[Sequence]:
                path)
     log(f"target data: {len(sequences)} sequences, {sum(len(s.tokens) for s in sequences)} tokens")
     return sequences
+
+
+def _self_written(engine: ModelEngine, tokenizer: Tokenizer, args: DistillArgs, stop_ids: set[int],
+                  on_request: Callable[[], None]) -> list[str]:
+    """`args.self_prompts` requests written by the target (distinct, non-empty; fewer when it repeats itself).
+
+    With a chat template each starts as the template's user turn plus an opening; a
+    target without one continues the openings alone, so those are never empty there.
+    """
+    openings = request_openings(args.self_prompts)
+    prefix = ""
+    if tokenizer.has_chat_template:
+        marker = "\u241e"  # a character no template writes: where the user's text goes
+        rendered = tokenizer.render_chat([ChatMessage("user", marker)])
+        prefix = rendered[: rendered.index(marker)]
+    else:
+        written = [o for o in openings if o] or ["The"]
+        openings = [written[i % len(written)] for i in range(len(openings))]
+    starts = [tokenizer.encode_raw(prefix + opening) if prefix else tokenizer.encode(opening) for opening in openings]
+    written_ids = write_requests(engine, starts, args.request_tokens, stop_ids, args.seed, on_request=on_request)
+    requests = dict.fromkeys((opening + tokenizer.decode(ids)).strip() for opening, ids in zip(openings, written_ids))
+    return [r for r in requests if r]
 
 
 def _split(sequences: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:

@@ -75,6 +75,11 @@ class Tokenizer:
         ids: list[int] = self._backend.encode(text, add_special_tokens=True).ids
         return ids
 
+    def encode_raw(self, text: str) -> list[int]:
+        """Text to ids with no special tokens added: for text that writes its own, like part of a rendered template."""
+        ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
+        return ids
+
     def render_chat(self, messages: Sequence[ChatMessage]) -> str:
         """The chat template's text for messages plus the assistant's generation prompt.
 

@@ -12,10 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from distill.data import write_requests
 from distill.train import DistillArgs, ResumeMismatch, run
 from draft_service.proposers import EagleProposer, ProposeInput
 from modeling.batch import SeqSpan
+from modeling.config import ModelConfig
 from modeling.eagle import DraftMismatch, EagleEngine, EagleHead, check_target
+from modeling.engine import ModelEngine
 from proto.messages import SamplingParams
 from tests.eagle_helpers import tiny_head
 
@@ -136,10 +139,15 @@ def test_a_short_distillation_lowers_the_loss_and_writes_a_draft_the_proposer_se
                                                                                       tmp_path: Path) -> None:
     tiny_llama_folder = tiny_target_with_tokenizer
     out = tmp_path / "distilled"
-    args = DistillArgs(target=tiny_llama_folder, out=out, dtype="float32", num_prompts=24, max_new_tokens=24,
+    args = DistillArgs(target=tiny_llama_folder, out=out, dtype="float32", num_prompts=24, self_prompts=16, request_tokens=12,
+                       max_new_tokens=24,
                        text_tokens=600, draft_vocab_size=64, steps=40, batch_sequences=8, lr=3e-3, checkpoint_every=20)
     figures = run(args, log=lambda line: None)
     assert figures["train_cls_last"] < figures["train_cls_first"]
+    # The target answered the 24 shipped requests and the 16 it wrote itself (all distinct here).
+    saved = torch.load(out / "training" / "data.pt", weights_only=False)
+    answered = [s for s in saved["sequences"] if s["first_generated"] < len(s["tokens"])]
+    assert len(answered) == 24 + 16
     assert (out / "training" / "checkpoint.pt").exists() and (out / "training" / "data.pt").exists()
     config = json.loads((out / "config.json").read_text())
     assert config["specserve_eagle"]["training"]["arguments"]["steps"] == 40
@@ -154,3 +162,68 @@ def test_a_short_distillation_lowers_the_loss_and_writes_a_draft_the_proposer_se
         assert resumed[name] == pytest.approx(figures[name], abs=1e-3), name
     with pytest.raises(ResumeMismatch):
         run(DistillArgs(**{**interrupted.__dict__, "resume": True, "lr": 1e-2}), log=lambda line: None)
+
+
+def test_the_target_writes_requests_reproducibly_up_to_a_stop_id_or_the_length(tiny_llama_folder: Path) -> None:
+    engine = ModelEngine(tiny_llama_folder, ModelConfig.from_folder(tiny_llama_folder), device="cpu", dtype="float32",
+                         num_slots=4, max_len=64)
+    engine.load()
+    engine.allocate()
+    starts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10], [11]]  # more starts than slots: two groups
+    written = write_requests(engine, starts, 10, set(), seed=0)
+    assert [len(r) for r in written] == [10] * 5
+    assert written == write_requests(engine, starts, 10, set(), seed=0)
+    assert written != write_requests(engine, starts, 10, set(), seed=1)
+    assert len({tuple(r) for r in written}) == 5  # sampled, not greedy: the same model writes different requests
+    # A stop id ends a request and is left out of it.
+    (alone,) = write_requests(engine, starts[:1], 10, set(), seed=0)
+    stop = alone[3]
+    (stopped,) = write_requests(engine, starts[:1], 10, {stop}, seed=0)
+    assert stopped == alone[: alone.index(stop)]
+
+
+def test_the_target_writes_requests_reproducibly_up_to_a_stop_id_or_the_length(tiny_llama_folder: Path) -> None:
+    engine = ModelEngine(tiny_llama_folder, ModelConfig.from_folder(tiny_llama_folder), device="cpu", dtype="float32",
+                         num_slots=4, max_len=64)
+    engine.load()
+    engine.allocate()
+    starts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10], [11]]  # more starts than slots: two groups
+    written = write_requests(engine, starts, 10, set(), seed=0)
+    assert [len(r) for r in written] == [10] * 5
+    assert written == write_requests(engine, starts, 10, set(), seed=0)
+    assert written != write_requests(engine, starts, 10, set(), seed=1)
+    assert len({tuple(r) for r in written}) == 5  # sampled, not greedy: the same model writes different requests
+    # A stop id ends a request and is left out of it.
+    (alone,) = write_requests(engine, starts[:1], 10, set(), seed=0)
+    stop = alone[3]
+    (stopped,) = write_requests(engine, starts[:1], 10, {stop}, seed=0)
+    assert stopped == alone[: alone.index(stop)]
+
+
+def test_lookup_then_head_looks_up_repeats_and_asks_the_head_elsewhere_which_catches_up(
+    tiny_llama_folder: Path, tiny_draft: tuple[EagleHead, Path],
+) -> None:
+    _, folder = tiny_draft
+    hybrid = LookupThenHead(_built(folder, tiny_llama_folder), NgramProposer(2, 4), head_tokens=2)
+    load, allocate, warm_up = hybrid.phases()
+    load(), allocate(), warm_up()  # the head is built already; warming again is harmless and checks the lookup
+    generator = torch.Generator().manual_seed(4)
+    tokens = [11, 13, 15, 17, 19, 21, 23, 25]  # nothing repeats: the head proposes, at most head_tokens
+    features = torch.randn(len(tokens) - 1, 64, generator=generator)
+    (first,) = hybrid.propose([ProposeInput("r", tokens, 0, 5, GREEDY, features)])
+    (alone,) = _built(folder, tiny_llama_folder).propose([ProposeInput("r", tokens, 0, 2, GREEDY, features)])
+    assert first.token_ids == alone.token_ids and len(first.token_ids) == 2
+    # The sequence grows into a repeat of "15 17": the lookup proposes the whole k from its earlier continuation.
+    grown = tokens + [3, 15, 17]
+    grown_features = torch.cat((features, torch.randn(3, 64, generator=generator)))
+    (looked,) = hybrid.propose([ProposeInput("r", grown, len(tokens), 5, GREEDY, grown_features)])
+    assert looked.token_ids == [19, 21, 23, 25, 3] and looked.dists is None
+    # Then no repeat again: the head, which skipped a step, catches up and proposes what a fresh head would.
+    later = grown + [5, 7]
+    later_features = torch.cat((grown_features, torch.randn(2, 64, generator=generator)))
+    (caught_up,) = hybrid.propose([ProposeInput("r", later, len(grown), 5, GREEDY, later_features)])
+    (fresh,) = _built(folder, tiny_llama_folder).propose([ProposeInput("r", later, 0, 2, GREEDY, later_features)])
+    assert caught_up.token_ids == fresh.token_ids and len(fresh.token_ids) == 2
+    assert hybrid.num_used_slots == 1
+    hybrid.forget("r")
+    assert hybrid.num_used_slots == 0
