@@ -331,7 +331,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     stack.add_argument("--num-workers", type=positive_int, default=None)
     stack.add_argument("--num-kv-slots", type=positive_int, default=None, help="sequences each worker holds at once")
     stack.add_argument("--ready-timeout-s", type=float, default=600.0)
-    stack.add_argument("--draft", default=None, help="the stack's draft service: none, ngram or model:PATH (default: up's)")
+    stack.add_argument("--draft", default=None, help="the stack's draft service: none, ngram, default, eagle:PATH, eagle+ngram:PATH or model:PATH "
+                            "(default: up's)")
     stack.add_argument("--num-speculative-tokens", type=int, default=None)
     stack.add_argument("--spec-disable-batch-threshold", type=int, default=None)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,

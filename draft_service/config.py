@@ -7,11 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.lifecycle_process import add_process_arguments, check_process_arguments
+from draft_service.defaults import HEAD_DRAFT_TOKENS
 from modeling.engine import DTYPES
 
 PROPOSER_HELP = (
     "what proposes: 'ngram' (prompt lookup), 'model:PATH' (a draft model folder whose vocabulary matches the "
-    "target's), 'eagle:PATH' (a draft head made by `specserve distill` for the target named by --target-model), or, for tests only, 'random:VOCAB_SIZE' (random tokens) and 'replay:FILE' (continuations from a JSON list "
+    "target's), 'eagle:PATH' (a draft head made by `specserve distill` for the target named by --target-model), "
+    "'eagle+ngram:PATH' (prompt lookup where the sequence repeats itself, that head elsewhere), or, for tests only, 'random:VOCAB_SIZE' (random tokens) and 'replay:FILE' (continuations from a JSON list "
     "of token-id sequences)"
 )
 
@@ -23,6 +25,7 @@ class DraftConfig:
     proposer: str  # see PROPOSER_HELP
     target_model: Path | None  # the target's folder: an EAGLE head reads its embeddings and must have been trained for it
     max_draft_tokens: int  # the longest proposal it makes (k)
+    head_draft_tokens: int  # eagle+ngram: the longest proposal the head makes (the lookup's may reach k)
     ngram_min: int  # n-gram lookup tries n = ngram_max down to ngram_min
     ngram_max: int
     max_model_len: int  # tokens per sequence it can hold
@@ -40,7 +43,7 @@ class DraftConfig:
     @property
     def model_path(self) -> Path | None:
         kind, _, path = self.proposer.partition(":")
-        return Path(path) if kind in ("model", "eagle") else None
+        return Path(path) if kind in ("model", "eagle", "eagle+ngram") else None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--proposer", default="ngram", help=PROPOSER_HELP)
     parser.add_argument("--target-model", type=Path, default=None, help="the target's model folder (needed by eagle:PATH)")
     parser.add_argument("--max-draft-tokens", type=int, default=8)
+    parser.add_argument("--head-draft-tokens", type=int, default=HEAD_DRAFT_TOKENS,
+                        help="eagle+ngram: the longest proposal the head makes; the lookup's may be --max-draft-tokens long")
     parser.add_argument("--ngram-min", type=int, default=2)
     parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -60,23 +65,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def from_arguments(args: argparse.Namespace) -> DraftConfig:
-    for name in ("max_draft_tokens", "ngram_min", "max_model_len", "num_seqs", "draft_top_k"):
+    for name in ("max_draft_tokens", "head_draft_tokens", "ngram_min", "max_model_len", "num_seqs", "draft_top_k"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     check_process_arguments(args)
     if args.ngram_max < args.ngram_min:
         raise ValueError(f"--ngram-max ({args.ngram_max}) is below --ngram-min ({args.ngram_min})")
     kind = args.proposer.split(":", 1)[0]
-    if kind not in ("ngram", "model", "eagle", "random", "replay") or (kind != "ngram") != (":" in args.proposer):
+    if kind not in ("ngram", "model", "eagle", "eagle+ngram", "random", "replay") or (kind != "ngram") != (":" in args.proposer):
         raise ValueError(f"--proposer {args.proposer!r}: {PROPOSER_HELP}")
     if kind == "random" and not args.proposer.split(":", 1)[1].isdigit():
         raise ValueError(f"--proposer {args.proposer!r}: random needs the vocabulary size, e.g. random:49152")
-    if kind == "eagle" and args.target_model is None:
-        raise ValueError("--proposer eagle:PATH needs --target-model (the target's folder: the head reads its embeddings)")
+    if kind in ("eagle", "eagle+ngram") and args.target_model is None:
+        raise ValueError(f"--proposer {kind}:PATH needs --target-model (the target's folder: the head reads its embeddings)")
     return DraftConfig(
         worker_id=args.worker_id, scheduler_address=args.scheduler_address, proposer=args.proposer,
         target_model=args.target_model,
-        max_draft_tokens=args.max_draft_tokens, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+        max_draft_tokens=args.max_draft_tokens, head_draft_tokens=args.head_draft_tokens, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         max_model_len=args.max_model_len, num_seqs=args.num_seqs, device=args.device, dtype=args.dtype,
         draft_top_k=args.draft_top_k, heartbeat_interval_s=args.heartbeat_interval_s,
         phase_timeout_s=args.phase_timeout_s, step_timeout_s=args.step_timeout_s, drain_timeout_s=args.drain_timeout_s, num_threads=args.num_threads,

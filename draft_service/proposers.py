@@ -12,6 +12,8 @@ One small interface (`Proposer`) with the implementations users run:
 - `EagleProposer`: an EAGLE-style head trained for one target (`specserve distill`),
   reading the target's own final hidden states, which the scheduler forwards with the
   tokens; it proposes among its draft vocabulary, mapped back to the target's ids.
+- `LookupThenHead`: prompt lookup where the sequence's last tokens occurred before, the
+  head everywhere else.
 
 Proposers for tests live in `draft_service.testing_proposers`.
 """
@@ -19,7 +21,7 @@ Proposers for tests live in `draft_service.testing_proposers`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -104,9 +106,9 @@ class NgramProposer(StatelessProposer):
         self._ngram_max = ngram_max
 
     def phases(self) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
-        return nothing, nothing, self._self_check
+        return nothing, nothing, self.self_check
 
-    def _self_check(self) -> None:
+    def self_check(self) -> None:
         sequence = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]
         proposal = self.lookup(sequence, 3)
         if proposal != [8, 9, 1]:
@@ -338,3 +340,43 @@ class EagleProposer:
             Proposed(tokens.get(item.request_id, []), None if is_greedy(item.sampling) else dists.get(item.request_id, []))
             for item in batch
         ]
+
+
+class LookupThenHead:
+    """Prompt lookup where the sequence's last tokens occurred before, an EAGLE head everywhere else.
+
+    A small target repeats the prompt and its own phrases often; where it does, the lookup's
+    continuation is nearly free and often right for many tokens, so it gets the whole k.
+    Where nothing matches, the head proposes up to `head_tokens` (its later tokens are
+    accepted rarely, so a longer proposal costs more than it brings). The head skips the
+    steps the lookup served and catches up on them from the target's features, which the
+    scheduler sends for every position.
+    """
+
+    def __init__(self, head: EagleProposer, lookup: NgramProposer, head_tokens: int) -> None:
+        self._head, self._lookup, self._head_tokens = head, lookup, head_tokens
+        self.vocab_size = head.vocab_size
+        self.vocab_fingerprint = head.vocab_fingerprint
+        self.target_fingerprint = head.target_fingerprint
+        self.feature_width = head.feature_width
+
+    def phases(self) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
+        load, allocate, self._warm_up_head = self._head.phases()
+        return load, allocate, self._warm_up
+
+    def _warm_up(self) -> None:
+        self._warm_up_head()
+        self._lookup.self_check()
+
+    @property
+    def num_used_slots(self) -> int:
+        return self._head.num_used_slots
+
+    def forget(self, request_id: str) -> None:
+        self._head.forget(request_id)
+
+    def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
+        found = [self._lookup.lookup(item.token_ids, item.num_tokens) for item in batch]
+        rest = [replace(item, num_tokens=min(item.num_tokens, self._head_tokens)) for item, ids in zip(batch, found) if not ids]
+        from_head = iter(self._head.propose(rest) if rest else [])
+        return [Proposed(ids) if ids else next(from_head) for ids in found]

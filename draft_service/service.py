@@ -10,7 +10,7 @@ import torch
 
 from common.lifecycle_process import LifecycleProcess, Phase
 from draft_service.config import DraftConfig
-from draft_service.proposers import EagleProposer, ModelProposer, NgramProposer, ProposeInput, Proposer
+from draft_service.proposers import EagleProposer, LookupThenHead, ModelProposer, NgramProposer, ProposeInput, Proposer
 from draft_service.sequences import SequenceStore
 from draft_service.testing_proposers import RandomProposer, ReplayProposer
 from proto import messages as m
@@ -22,11 +22,14 @@ def make_proposer(config: DraftConfig) -> Proposer:
     match kind:
         case "ngram":
             return NgramProposer(config.ngram_min, config.ngram_max)
-        case "eagle":
+        case "eagle" | "eagle+ngram":
             assert config.target_model is not None  # checked with the arguments
-            return EagleProposer(Path(argument), config.target_model, device=config.device, dtype=config.dtype,
+            head = EagleProposer(Path(argument), config.target_model, device=config.device, dtype=config.dtype,
                                  num_slots=config.num_seqs, max_len=config.max_model_len,
                                  max_draft_tokens=config.max_draft_tokens, draft_top_k=config.draft_top_k)
+            if kind == "eagle":
+                return head
+            return LookupThenHead(head, NgramProposer(config.ngram_min, config.ngram_max), config.head_draft_tokens)
         case "model":
             return ModelProposer(Path(argument), device=config.device, dtype=config.dtype, num_slots=config.num_seqs,
                                  max_len=config.max_model_len, max_draft_tokens=config.max_draft_tokens,

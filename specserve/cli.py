@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from common import logs
+from draft_service.defaults import HEAD_DRAFT_TOKENS
 from specserve.supervisor import GaveUp, RestartPolicy, ServiceSpec, Supervisor
 
 SERVICE_MODULES = {"scheduler": "scheduler", "worker": "gpu_worker", "draft": "draft_service", "gateway": "gateway"}
@@ -63,13 +64,15 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--num-kv-slots", type=int, default=64, help="sequences each worker holds at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--draft", default="ngram", type=_draft_choice,
-                        help="the draft service's proposer: none (no speculation), ngram (prompt lookup, the default), "
-                             "default (the EAGLE head shipped for the embedded default model), eagle:PATH (a head made by "
-                             "`specserve distill` for --model), or model:PATH (a draft model folder whose vocabulary "
-                             "matches the target's)")
+    parser.add_argument("--draft", default=None, type=_draft_choice,
+                        help="the draft service's proposer: none (no speculation), ngram (prompt lookup), default (prompt "
+                             "lookup where the text repeats, else the EAGLE head shipped for the embedded default model; "
+                             "used unless told, with ngram for any other model), eagle:PATH (a head made by `specserve distill` for --model), eagle+ngram:PATH "
+                             "(prompt lookup where the text repeats, else that head), or model:PATH (a draft model folder "
+                             "whose vocabulary matches the target's)")
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
-                        help="draft tokens per sequence in a speculative step (default: 2 for a draft head, else 6)")
+                        help=f"draft tokens per sequence in a speculative step (default: {HEAD_DRAFT_TOKENS} for a draft head "
+                             "alone, else 6)")
     parser.add_argument("--spec-disable-batch-threshold", type=int, default=4,
                         help="speculate only when a step has at most this many sequences")
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
@@ -78,9 +81,21 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _draft_choice(value: str) -> str:
     kind, _, path = value.partition(":")
-    if value in ("none", "ngram", "default") or (kind in ("model", "eagle") and path):
+    if value in ("none", "ngram", "default") or (kind in ("model", "eagle", "eagle+ngram") and path):
         return value
-    raise argparse.ArgumentTypeError(f"expected none, ngram, default, eagle:PATH or model:PATH, got {value!r}")
+    raise argparse.ArgumentTypeError(f"expected none, ngram, default, eagle:PATH, eagle+ngram:PATH or model:PATH, got {value!r}")
+
+
+def _default_draft(model: Path) -> str:
+    """The shipped draft when it was trained for `model` (the embedded default), else prompt lookup."""
+    from modeling.eagle import DraftMismatch, check_target
+    from modeling.model_store import default_draft_dir
+
+    try:
+        check_target(default_draft_dir(), model)
+    except DraftMismatch:
+        return "ngram"
+    return "default"
 
 
 def _draft_proposer(draft: str) -> str:
@@ -88,7 +103,7 @@ def _draft_proposer(draft: str) -> str:
     from modeling.model_store import default_draft_dir
 
     if draft == "default":
-        return f"eagle:{default_draft_dir()}"
+        return f"eagle+ngram:{default_draft_dir()}"
     kind, _, path = draft.partition(":")
     return f"{kind}:{Path(path).resolve()}" if path else draft
 
@@ -136,10 +151,12 @@ def _run_up(args: argparse.Namespace) -> int:
     model = args.model or ensure_default_model()
     if not (model / "config.json").is_file():
         raise SystemExit(f"specserve up: --model {model} has no config.json")
+    if args.draft is None:
+        args.draft = _default_draft(model)
     proposer = _draft_proposer(args.draft)
     if args.num_speculative_tokens is None:
-        # Measured: the shipped head's proposals past the second are almost never accepted (docs/benchmarks.md).
-        args.num_speculative_tokens = 2 if proposer.startswith("eagle:") else 6
+        # A head's later proposals are accepted rarely (docs/benchmarks.md); a lookup's long ones often.
+        args.num_speculative_tokens = HEAD_DRAFT_TOKENS if proposer.startswith("eagle:") else 6
     if ":" in proposer and not (Path(proposer.partition(":")[2]) / "config.json").is_file():
         raise SystemExit(f"specserve up: --draft {args.draft}: {proposer.partition(':')[2]} has no config.json")
     device = args.device or _default_device()
@@ -188,7 +205,7 @@ def _service_specs(args: argparse.Namespace, model: Path, device: str, dtype: st
             "--num-threads", str(num_threads)] + log_flag, stop_order=1))
     if args.draft != "none":
         proposer = _draft_proposer(args.draft)
-        target = ["--target-model", str(model)] if proposer.startswith("eagle:") else []
+        target = ["--target-model", str(model)] if proposer.startswith("eagle") else []
         specs.append(ServiceSpec("draft", python + [
             "draft_service", "--worker-id", "draft-0", "--proposer", proposer, *target, "--scheduler-address", worker_address,
             "--device", "cuda:0" if device == "cuda" else device, "--dtype", dtype, "--max-model-len", str(args.max_model_len),

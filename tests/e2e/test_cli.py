@@ -50,7 +50,7 @@ def test_up_generate_and_ctrl_c(default_model_dir: Path) -> None:
         ready_line = up.stdout.readline()  # blocks until the stack is ready (or up exits)
         assert ready_line.startswith("specserve ready: gRPC on 127.0.0.1:"), ready_line
         children = _children(up.pid)
-        assert len(children) == 5  # scheduler, gateway, two workers, the draft service (n-gram by default)
+        assert len(children) == 5  # scheduler, gateway, two workers, the draft service (lookup, then the shipped head)
 
         out = subprocess.run([*SPECSERVE, "generate", "--address", f"127.0.0.1:{port}", "--chat", "Say hello.",
                               "--max-tokens", "8", "--json"], capture_output=True, text=True, timeout=120, check=True)

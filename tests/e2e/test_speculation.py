@@ -152,7 +152,7 @@ def test_greedy_is_lossless_in_bfloat16_and_with_the_shipped_draft_head(default_
         baseline = [r.token_ids for r in run_staggered(stack, requests)]
         replay = tmp_path / "replay.json"
         replay.write_text(json.dumps([p + out for p, out in zip(ids, baseline)]))
-        for proposer in ("ngram", f"replay:{replay}", f"eagle:{default_draft_dir()}"):
+        for proposer in ("ngram", f"replay:{replay}", f"eagle:{default_draft_dir()}", f"eagle+ngram:{default_draft_dir()}"):
             switch_draft(stack, proposer)
             before = stack.info().speculation
             results = run_staggered(stack, requests)

@@ -14,7 +14,7 @@ import torch
 
 from distill.data import write_requests
 from distill.train import DistillArgs, ResumeMismatch, run
-from draft_service.proposers import EagleProposer, ProposeInput
+from draft_service.proposers import EagleProposer, LookupThenHead, NgramProposer, ProposeInput
 from modeling.batch import SeqSpan
 from modeling.config import ModelConfig
 from modeling.eagle import DraftMismatch, EagleEngine, EagleHead, check_target
@@ -162,24 +162,6 @@ def test_a_short_distillation_lowers_the_loss_and_writes_a_draft_the_proposer_se
         assert resumed[name] == pytest.approx(figures[name], abs=1e-3), name
     with pytest.raises(ResumeMismatch):
         run(DistillArgs(**{**interrupted.__dict__, "resume": True, "lr": 1e-2}), log=lambda line: None)
-
-
-def test_the_target_writes_requests_reproducibly_up_to_a_stop_id_or_the_length(tiny_llama_folder: Path) -> None:
-    engine = ModelEngine(tiny_llama_folder, ModelConfig.from_folder(tiny_llama_folder), device="cpu", dtype="float32",
-                         num_slots=4, max_len=64)
-    engine.load()
-    engine.allocate()
-    starts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10], [11]]  # more starts than slots: two groups
-    written = write_requests(engine, starts, 10, set(), seed=0)
-    assert [len(r) for r in written] == [10] * 5
-    assert written == write_requests(engine, starts, 10, set(), seed=0)
-    assert written != write_requests(engine, starts, 10, set(), seed=1)
-    assert len({tuple(r) for r in written}) == 5  # sampled, not greedy: the same model writes different requests
-    # A stop id ends a request and is left out of it.
-    (alone,) = write_requests(engine, starts[:1], 10, set(), seed=0)
-    stop = alone[3]
-    (stopped,) = write_requests(engine, starts[:1], 10, {stop}, seed=0)
-    assert stopped == alone[: alone.index(stop)]
 
 
 def test_the_target_writes_requests_reproducibly_up_to_a_stop_id_or_the_length(tiny_llama_folder: Path) -> None:

@@ -1,0 +1,6 @@
+"""Defaults shared by the draft service and `specserve up`, in a module light enough for the command line to import."""
+
+# How many tokens a draft head proposes at a time, unless told: beyond this many its
+# proposals are accepted too rarely to pay for themselves (docs/benchmarks.md, issue 6).
+HEAD_DRAFT_TOKENS = 3
+

@@ -1,0 +1,49 @@
+"""Which draft `specserve up` runs, and with which arguments, for the drafts a user can name."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from modeling.model_store import default_draft_dir
+from specserve.cli import _build_parser, _default_draft, _draft_choice, _draft_proposer, _service_specs
+
+
+def test_the_shipped_draft_is_the_default_only_for_the_model_it_was_trained_for(default_model_dir: Path,
+                                                                                 tiny_llama_folder: Path) -> None:
+    assert _default_draft(default_model_dir) == "default"
+    assert _default_draft(tiny_llama_folder) == "ngram"
+    assert _draft_proposer("default") == f"eagle+ngram:{default_draft_dir()}"
+
+
+def test_draft_names_are_checked_and_heads_get_the_target(tmp_path: Path) -> None:
+    for good in ("none", "ngram", "default", "eagle:x", "eagle+ngram:x", "model:x"):
+        assert _draft_choice(good) == good
+    for bad in ("eagle", "eagle+ngram:", "ngram:x", "tree:x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _draft_choice(bad)
+    args = _build_parser().parse_args(["up", "--draft", f"eagle+ngram:{tmp_path}"])
+    args.num_speculative_tokens = 6
+    (draft,) = [spec for spec in _service_specs(args, tmp_path / "model", "cpu", "bfloat16") if spec.name == "draft"]
+    command = draft.argv
+    assert command[command.index("--proposer") + 1] == f"eagle+ngram:{tmp_path.resolve()}"
+    assert command[command.index("--target-model") + 1] == str(tmp_path / "model")
+
+
+
+def test_the_draft_service_checks_its_proposer_arguments() -> None:
+    from draft_service.config import DraftConfig, add_arguments, from_arguments
+
+    def config(*argv: str) -> DraftConfig:
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        return from_arguments(parser.parse_args(list(argv)))
+
+    both = config("--proposer", "eagle+ngram:/d", "--target-model", "/t", "--head-draft-tokens", "2")
+    assert both.model_path == Path("/d") and both.head_draft_tokens == 2
+    with pytest.raises(ValueError, match="needs --target-model"):
+        config("--proposer", "eagle+ngram:/d")
+    with pytest.raises(ValueError, match="--head-draft-tokens"):
+        config("--proposer", "eagle+ngram:/d", "--target-model", "/t", "--head-draft-tokens", "0")
