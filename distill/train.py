@@ -49,12 +49,12 @@ class DistillArgs:
     max_new_tokens: int = 192
     text_tokens: int = 60_000
     draft_vocab_size: int = 8192
-    steps: int = 700
+    steps: int = 900
     batch_sequences: int = 16
     lr: float = 1e-3
     feature_noise: float = 0.1
     cls_weight: float = 0.5
-    unroll: int = 2
+    unroll: int = 3
     seed: int = 0
     checkpoint_every: int = 100
     resume: bool = False
