@@ -105,24 +105,28 @@ def cycle(target: Path, draft: Path, dtype: str, ks: list[int], lookup_k: int, n
                 (proposal,) = proposer.propose([ProposeInput("r", tokens, stable, k, GREEDY, features)])
                 drafted = proposal.token_ids
             work = SeqWork("r", 0, len(tokens) - 1, [tokens[-1]] + drafted, True, GREEDY, num_draft_tokens=len(drafted))
-            (out,), (rows,) = runner.execute([work], return_features=True)
+            (out,), rows = runner.execute([work], return_features=proposer is not None)  # plain steps need none
             seconds += time.perf_counter() - started
             verifies += bool(drafted)
             accepted += out.num_accepted_draft
-            features = torch.cat((features, from_rows(rows.rows)))
+            if rows:
+                features = torch.cat((features, from_rows(rows[0].rows)))
             stable = len(tokens) + out.num_accepted_draft
             tokens = tokens + out.token_ids
         return tokens, seconds, verifies, accepted
 
-    plain = {name: [decode(p, None, 0) for p in group] for name, group in prompts.items()}
     label = f"lookup (n >= {ngram_min}, k = {lookup_k}), else the head" if lookup_k else "the head"
     print(f"{draft} ({dtype}), {label}")
     for k in ks:
         proposer: Proposer = LookupThenHead(head, NgramProposer(ngram_min, 4), k) if lookup_k else head
         for name, group in prompts.items():
-            runs = [decode(p, proposer, lookup_k or k) for p in group]
-            same = sum(run[0][: len(base[0])] == base[0][: len(run[0])] for run, base in zip(runs, plain[name]))
-            speed_up = sum(base[1] for base in plain[name]) / sum(run[1] for run in runs)
+            # Each prompt plainly, then speculating, in turn: a machine that slows down mid-run slows both alike.
+            plain, runs = [], []
+            for prompt in group:
+                plain.append(decode(prompt, None, 0))
+                runs.append(decode(prompt, proposer, lookup_k or k))
+            same = sum(run[0][: len(base[0])] == base[0][: len(run[0])] for run, base in zip(runs, plain))
+            speed_up = sum(base[1] for base in plain) / sum(run[1] for run in runs)
             per_verify = sum(run[3] for run in runs) / max(1, sum(run[2] for run in runs))
             print(f"  head k = {k}, {name}: accepted per verify {per_verify:.2f}, speed-up {speed_up:.2f}x, "
                   f"identical {same}/{len(group)}")
