@@ -13,8 +13,8 @@ from modeling.engine import DTYPES
 PROPOSER_HELP = (
     "what proposes: 'ngram' (prompt lookup), 'model:PATH' (a draft model folder whose vocabulary matches the "
     "target's), 'eagle:PATH' (a draft head made by `specserve distill` for the target named by --target-model), "
-    "'eagle+ngram:PATH' (prompt lookup where the sequence repeats itself, that head elsewhere), or, for tests only, 'random:VOCAB_SIZE' (random tokens) and 'replay:FILE' (continuations from a JSON list "
-    "of token-id sequences)"
+    "'eagle+ngram:PATH' (prompt lookup where the sequence repeats itself, that head elsewhere), or, for tests "
+    "only, 'random:VOCAB_SIZE' (random tokens) and 'replay:FILE' (continuations from a JSON list of token-id sequences)"
 )
 
 

@@ -67,9 +67,9 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", default=None, type=_draft_choice,
                         help="the draft service's proposer: none (no speculation), ngram (prompt lookup), default (prompt "
                              "lookup where the text repeats, else the EAGLE head shipped for the embedded default model; "
-                             "used unless told, with ngram for any other model), eagle:PATH (a head made by `specserve distill` for --model), eagle+ngram:PATH "
-                             "(prompt lookup where the text repeats, else that head), or model:PATH (a draft model folder "
-                             "whose vocabulary matches the target's)")
+                             "used unless told, with ngram for any other model), eagle:PATH (a head made by "
+                             "`specserve distill` for --model), eagle+ngram:PATH (prompt lookup where the text repeats, "
+                             "else that head), or model:PATH (a draft model folder whose vocabulary matches the target's)")
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
                         help=f"draft tokens per sequence in a speculative step (default: {HEAD_DRAFT_TOKENS} for a draft head "
                              "alone, else 6)")
