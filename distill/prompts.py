@@ -112,6 +112,8 @@ REQUEST_OPENINGS = [
 ]
 
 
-def request_openings(count: int) -> list[str]:
-    """The opening of each of `count` self-written requests, taken in turn."""
-    return [REQUEST_OPENINGS[i % len(REQUEST_OPENINGS)] for i in range(count)]
+def request_openings(count: int, *, may_be_empty: bool = True) -> list[str]:
+    """The opening of each of `count` self-written requests, taken in turn; only non-empty ones unless `may_be_empty`
+    (a target without a chat template has no user turn to start from)."""
+    openings = REQUEST_OPENINGS if may_be_empty else [o for o in REQUEST_OPENINGS if o]
+    return [openings[i % len(openings)] for i in range(count)]

@@ -224,15 +224,12 @@ def _self_written(engine: ModelEngine, tokenizer: Tokenizer, args: DistillArgs, 
     With a chat template each starts as the template's user turn plus an opening; a
     target without one continues the openings alone, so those are never empty there.
     """
-    openings = request_openings(args.self_prompts)
+    openings = request_openings(args.self_prompts, may_be_empty=tokenizer.has_chat_template)
     prefix = ""
     if tokenizer.has_chat_template:
         marker = "\u241e"  # a character no template writes: where the user's text goes
         rendered = tokenizer.render_chat([ChatMessage("user", marker)])
         prefix = rendered[: rendered.index(marker)]
-    else:
-        written = [o for o in openings if o] or ["The"]
-        openings = [written[i % len(written)] for i in range(len(openings))]
     starts = [tokenizer.encode_raw(prefix + opening) if prefix else tokenizer.encode(opening) for opening in openings]
     written_ids = write_requests(engine, starts, args.request_tokens, stop_ids, args.seed, on_request=on_request)
     requests = dict.fromkeys((opening + tokenizer.decode(ids)).strip() for opening, ids in zip(openings, written_ids))

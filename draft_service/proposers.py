@@ -361,12 +361,13 @@ class LookupThenHead:
         self.feature_width = head.feature_width
 
     def phases(self) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
-        load, allocate, self._warm_up_head = self._head.phases()
-        return load, allocate, self._warm_up
+        load, allocate, warm_up_head = self._head.phases()
 
-    def _warm_up(self) -> None:
-        self._warm_up_head()
-        self._lookup.self_check()
+        def warm_up() -> None:
+            warm_up_head()
+            self._lookup.self_check()
+
+        return load, allocate, warm_up
 
     @property
     def num_used_slots(self) -> int:

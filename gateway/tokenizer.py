@@ -98,8 +98,7 @@ class Tokenizer:
 
     def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
         """Chat messages to ids; the template writes the special tokens, so none are added."""
-        ids: list[int] = self._backend.encode(self.render_chat(messages), add_special_tokens=False).ids
-        return ids
+        return self.encode_raw(self.render_chat(messages))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Ids to text, special tokens left out; incomplete UTF-8 at either end decodes to U+FFFD."""
