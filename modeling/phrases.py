@@ -1,0 +1,123 @@
+"""The target's own phrases: a store of its answers that drafts continue where the text is formulaic.
+
+A small instruct model says the same things in the same words across requests ("Here's
+a Python function that", "I hope this helps!"). `specserve distill` keeps the answers the
+target wrote for its training data in the draft folder (`phrases.safetensors`); the draft
+service finds where the sequence's last tokens (3 to 8 of them, the longest that match)
+occur in those answers and proposes what followed them most often. Like prompt lookup it
+costs no model step, and verification keeps the output exact whatever it proposes.
+
+Index: every position c that follows a token, sorted by the tokens before it read
+backwards (c-1, c-2, ... up to MAX_CONTEXT, stopping at a sequence boundary). The
+positions whose context ends with the sequence's last n tokens then form one range of
+that order, and each further token of context narrows the range by a binary search.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+FILE_NAME = "phrases.safetensors"
+MAX_CONTEXT = 8  # the longest context matched
+MIN_CONTEXT = 3  # shorter matches guess worse than the head (measured: docs/benchmarks.md, issue 6)
+MAX_OCCURRENCES = 64  # continuations a proposal is voted from
+_BOUNDARY = -1  # between sequences; never a token
+
+
+class PhraseError(ValueError):
+    """A phrase file that does not fit the target it is served for."""
+
+
+class PhraseStore:
+    """Token sequences and the index above; `continue_` proposes from them."""
+
+    def __init__(self, tokens: np.ndarray) -> None:
+        # tokens: [N] int64, the sequences one after another, each preceded by _BOUNDARY; MAX_CONTEXT boundaries end it
+        self._tokens = tokens
+        after = np.flatnonzero((tokens[:-1] != _BOUNDARY) & (tokens[1:] != _BOUNDARY)) + 1  # positions that follow a token
+        columns = [tokens[after - 1]]  # column d: the token d + 1 places back, or _BOUNDARY past the sequence's start
+        for depth in range(1, MAX_CONTEXT):
+            back = tokens[np.maximum(after - 1 - depth, 0)]
+            columns.append(np.where(columns[-1] == _BOUNDARY, _BOUNDARY, back))
+        order = np.lexsort(columns[::-1])  # the last key sorts first: the token right before the position
+        self._positions = after[order]  # [M]
+        self._last = columns[0][order]  # [M]: the token before each sorted position
+        self._second = columns[1][order]  # [M]: the one before that
+
+    @classmethod
+    def from_sequences(cls, sequences: list[list[int]]) -> PhraseStore:
+        parts: list[int] = []
+        for seq in sequences:
+            parts.append(_BOUNDARY)
+            parts.extend(seq)
+        parts.extend([_BOUNDARY] * MAX_CONTEXT)  # a continuation read past the end meets a boundary
+        return cls(np.asarray(parts, dtype=np.int64))
+
+    @classmethod
+    def load(cls, folder: Path, vocab_size: int) -> PhraseStore | None:
+        """The folder's phrases, or None when it has none; ids outside the vocabulary are refused."""
+        path = folder / FILE_NAME
+        if not path.exists():
+            return None
+        tokens = load_file(path)["tokens"].numpy().astype(np.int64)
+        outside = tokens[(tokens != _BOUNDARY) & ((tokens < 0) | (tokens >= vocab_size))]
+        if outside.size:
+            raise PhraseError(f"{path} holds token id {int(outside[0])}, outside the target's vocabulary of {vocab_size}")
+        return cls(tokens)
+
+    def save(self, folder: Path) -> None:
+        tmp = folder / (FILE_NAME + ".tmp")
+        save_file({"tokens": torch.from_numpy(self._tokens.astype(np.int32))}, str(tmp))
+        tmp.replace(folder / FILE_NAME)
+
+    @property
+    def num_tokens(self) -> int:
+        return int((self._tokens != _BOUNDARY).sum())
+
+    def continue_(self, context: list[int], k: int) -> list[int]:
+        """Up to k tokens that most often followed the longest match (at least MIN_CONTEXT tokens) of the context's end."""
+        found = self._longest_match(context)
+        if found is None or k < 1:
+            return []
+        lo, hi = found
+        starts = self._positions[lo : min(hi, lo + MAX_OCCURRENCES)]
+        ahead = np.minimum(starts[:, None] + np.arange(k), len(self._tokens) - 1)  # the last entry is a boundary
+        continuations = self._tokens[ahead]  # [occurrences, k]
+        proposal: list[int] = []
+        for step in range(k):
+            column = continuations[:, step]
+            column = column[column != _BOUNDARY]
+            if column.size == 0:
+                break
+            values, counts = np.unique(column, return_counts=True)
+            token = int(values[counts.argmax()])  # the most frequent; the lowest id among equals
+            proposal.append(token)
+            continuations = continuations[continuations[:, step] == token]
+        return proposal
+
+    def _longest_match(self, context: list[int]) -> tuple[int, int] | None:
+        """The range of sorted positions whose preceding tokens end like the context, for the longest such end."""
+        lo, hi = 0, len(self._positions)
+        best = None
+        for depth in range(min(MAX_CONTEXT, len(context))):
+            back = self._column(depth, lo, hi)  # sorted: the positions in [lo, hi) agree on the tokens nearer to them
+            a = int(np.searchsorted(back, context[-1 - depth], "left"))
+            b = int(np.searchsorted(back, context[-1 - depth], "right"))
+            if a == b:
+                break
+            lo, hi = lo + a, lo + b
+            if depth + 1 >= MIN_CONTEXT:
+                best = (lo, hi)
+        return best
+
+    def _column(self, depth: int, lo: int, hi: int) -> np.ndarray:
+        """The token depth + 1 places before each sorted position in [lo, hi)."""
+        if depth == 0:
+            return self._last[lo:hi]
+        if depth == 1:
+            return self._second[lo:hi]
+        return self._tokens[self._positions[lo:hi] - 1 - depth]

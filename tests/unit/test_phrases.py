@@ -1,0 +1,76 @@
+"""The phrase store (modeling/phrases.py): longest match, majority continuation, boundaries, the file."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from modeling.phrases import MAX_CONTEXT, MIN_CONTEXT, PhraseError, PhraseStore
+
+
+def test_the_longest_match_decides_and_its_continuation_runs_to_the_end_of_its_sequence() -> None:
+    store = PhraseStore.from_sequences([[1, 2, 3, 4, 5, 6], [9, 2, 3, 4, 7, 8]])
+    assert store.continue_([9, 2, 3, 4], 5) == [7, 8]  # "9 2 3 4" occurs once; nothing follows 8 in its sequence
+    assert store.continue_([1, 2, 3, 4], 5) == [5, 6]
+    assert store.continue_([1, 2, 3, 4], 1) == [5]
+    # "0 2 3 4" matches "2 3 4" in both: one vote each for 5 and 7, so the lower id.
+    assert store.continue_([0, 2, 3, 4], 2) == [5, 6]
+    assert store.num_tokens == 12
+
+
+def test_the_most_frequent_continuation_wins_token_by_token() -> None:
+    store = PhraseStore.from_sequences([[1, 2, 3, 7, 9], [1, 2, 3, 7, 8, 4], [1, 2, 3, 5], [6, 2, 3, 7, 8, 4]])
+    assert store.continue_([0, 1, 2, 3], 4) == [7, 8, 4]  # 7 (2 of 3), then 8 or 9 (1 each: the lower), then 4
+
+
+def test_short_matches_and_sequence_boundaries_give_nothing() -> None:
+    assert MIN_CONTEXT == 3
+    store = PhraseStore.from_sequences([[1, 2, 3, 4], [5, 6, 7]])
+    assert store.continue_([8, 2, 3], 3) == []  # only "2 3" matches: too short
+    assert store.continue_([2, 3], 3) == []  # a context shorter than MIN_CONTEXT
+    assert store.continue_([3, 4, 5], 3) == []  # "3 4 | 5 6" spans two sequences
+    assert store.continue_([5, 6, 7], 3) == []  # nothing follows the end of a sequence
+    assert store.continue_([1, 2, 3], 0) == []
+
+
+def test_it_proposes_what_a_brute_force_search_proposes() -> None:
+    rng = random.Random(3)
+    sequences = [[rng.randrange(6) for _ in range(rng.randrange(1, 40))] for _ in range(30)]
+    store = PhraseStore.from_sequences(sequences)
+    for _ in range(400):
+        context = [rng.randrange(6) for _ in range(rng.randrange(1, 12))]
+        k = rng.randrange(1, 6)
+        assert store.continue_(context, k) == _brute_force(sequences, context, k), context
+
+
+def _brute_force(sequences: list[list[int]], context: list[int], k: int) -> list[int]:
+    for n in range(min(MAX_CONTEXT, len(context)), MIN_CONTEXT - 1, -1):
+        tail = context[-n:]
+        found = [(seq, j) for seq in sequences for j in range(n, len(seq)) if seq[j - n : j] == tail]
+        if not found:
+            continue
+        assert len(found) <= 64  # the store votes among its first 64 occurrences; the test's data stays below that
+        proposal: list[int] = []
+        for step in range(k):
+            counts = Counter(seq[j + step] for seq, j in found if j + step < len(seq))
+            if not counts:
+                break
+            top = max(counts.values())
+            token = min(t for t, c in counts.items() if c == top)
+            proposal.append(token)
+            found = [(seq, j) for seq, j in found if j + step < len(seq) and seq[j + step] == token]
+        return proposal
+    return []
+
+
+def test_the_file_round_trips_and_ids_outside_the_vocabulary_are_refused(tmp_path: Path) -> None:
+    assert PhraseStore.load(tmp_path, 10) is None  # a draft folder without phrases
+    PhraseStore.from_sequences([[1, 2, 3, 4], [2, 3, 4, 9]]).save(tmp_path)
+    loaded = PhraseStore.load(tmp_path, 10)
+    assert loaded is not None and loaded.continue_([1, 2, 3], 2) == [4]
+    assert loaded.continue_([5, 2, 3, 4], 1) == [9]
+    with pytest.raises(PhraseError, match="token id 9, outside the target's vocabulary of 9"):
+        PhraseStore.load(tmp_path, 9)
