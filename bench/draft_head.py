@@ -1,7 +1,7 @@
 """A draft head measured in one process, without the sockets: how often it is right, and what a cycle gains.
 
     python bench/draft_head.py accuracy --draft drafts/SmolLM2-135M-Instruct [--draft OTHER_HEAD ...]
-    python bench/draft_head.py cycle --draft drafts/SmolLM2-135M-Instruct --k 1 2 3 4 [--lookup-k 6]
+    python bench/draft_head.py cycle --draft drafts/SmolLM2-135M-Instruct --k 0 1 2 3 4 [--lookup-k 6 [--no-phrases]]
 
 `accuracy`: the target answers the chat and code workloads (bench/spec_prompts.py)
 greedily; each head then reads those answers teacher-forced, and the figure is how often
@@ -10,7 +10,8 @@ is what decides acceptance.
 
 `cycle`: the target's runner and the draft's proposer called directly, one request at a
 time: plain decoding, then propose-and-verify cycles with k draft tokens (with
-`--lookup-k`, prompt lookup first and the head where nothing repeats, as `eagle+ngram`).
+`--lookup-k`, prompt lookup first, then the draft folder's phrases unless `--no-phrases`,
+and the head where neither matches, as `eagle+ngram`; k = 0 there: no head, as `phrases`).
 Reports accepted tokens per verify and the speed-up over plain decoding in the same run
 (the absolute times on a shared machine move between runs; their ratio much less).
 """
@@ -30,7 +31,7 @@ if not __package__:
 
 from bench.spec_prompts import CHAT, CODE
 from distill.data import generate
-from draft_service.proposers import EagleProposer, LookupThenHead, NgramProposer, ProposeInput, Proposer
+from draft_service.proposers import EagleProposer, LookupThenHead, NgramProposer, PhraseProposer, ProposeInput, Proposer
 from gateway.tokenizer import ChatMessage, Tokenizer
 from gpu_worker.config import WorkerConfig
 from gpu_worker.runner import ModelRunner
@@ -75,7 +76,8 @@ def accuracy(target: Path, drafts: list[Path], dtype: str, output_len: int) -> N
         print(f"{draft}: first-token accuracy on the answers: {', '.join(figures)}")
 
 
-def cycle(target: Path, draft: Path, dtype: str, ks: list[int], lookup_k: int, ngram_min: int, output_len: int) -> None:
+def cycle(target: Path, draft: Path, dtype: str, ks: list[int], lookup_k: int, ngram_min: int, phrases: bool,
+          output_len: int) -> None:
     config = WorkerConfig(worker_id="bench", model=target, scheduler_address="inproc://unused", device="cpu", dtype=dtype,
                           max_model_len=MAX_LEN, num_kv_slots=1, max_num_batched_tokens=512, max_draft_tokens=8,
                           heartbeat_interval_s=1.0, phase_timeout_s=60.0, step_timeout_s=60.0, drain_timeout_s=10.0,
@@ -115,10 +117,17 @@ def cycle(target: Path, draft: Path, dtype: str, ks: list[int], lookup_k: int, n
             tokens = tokens + out.token_ids
         return tokens, seconds, verifies, accepted
 
-    label = f"lookup (n >= {ngram_min}, k = {lookup_k}), else the head" if lookup_k else "the head"
+    label = f"lookup (n >= {ngram_min}, k = {lookup_k}){', phrases' if phrases else ''}, else the head" if lookup_k else "the head"
     print(f"{draft} ({dtype}), {label}")
+    lookup: NgramProposer | PhraseProposer = NgramProposer(ngram_min, 4)
+    if phrases:
+        lookup = PhraseProposer(draft, target, lookup)
+        for phase in lookup.phases():
+            phase()
     for k in ks:
-        proposer: Proposer = LookupThenHead(head, NgramProposer(ngram_min, 4), k) if lookup_k else head
+        proposer: Proposer = head
+        if lookup_k:
+            proposer = LookupThenHead(head, lookup, k) if k else lookup
         for name, group in prompts.items():
             # Each prompt plainly, then speculating, in turn: a machine that slows down mid-run slows both alike.
             plain, runs = [], []
@@ -138,16 +147,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--draft", type=Path, action="append", required=True, help="a head folder (repeatable for accuracy)")
     parser.add_argument("--target", type=Path, default=None, help="the target's folder (default: the embedded default model)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
-    parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4], help="cycle: the head's draft tokens")
+    parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4], help="cycle: the head's draft tokens (0 with --lookup-k: the lookups alone)")
     parser.add_argument("--lookup-k", type=int, default=0, help="cycle: prompt lookup's draft tokens before the head (0: none)")
     parser.add_argument("--ngram-min", type=int, default=2)
+    parser.add_argument("--no-phrases", action="store_true", help="cycle: with --lookup-k, leave out the folder's phrases")
     parser.add_argument("--output-len", type=int, default=None, help="default: 128 for accuracy, 64 for cycle")
     args = parser.parse_args(argv)
     target = args.target or default_model_dir()
     if args.mode == "accuracy":
         accuracy(target, args.draft, args.dtype, args.output_len or 128)
     else:
-        cycle(target, args.draft[0], args.dtype, args.k, args.lookup_k, args.ngram_min, args.output_len or 64)
+        cycle(target, args.draft[0], args.dtype, args.k, args.lookup_k, args.ngram_min, not args.no_phrases, args.output_len or 64)
     return 0
 
 

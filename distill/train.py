@@ -5,7 +5,9 @@ local Python source, which gives tokens and the target's final hidden states (ca
 learns to predict the next hidden state (smooth L1) and the target's next-token
 distribution over the draft vocabulary (cross-entropy), with noise on its input features
 so it tolerates its own errors when it chains; (3) the head is written as a draft folder
-(OUT), with the exact arguments and the figures in its config.json; (4) chained greedy
+(OUT), with the exact arguments and the figures in its config.json, and beside it the
+sequences the target answered as a phrase store (modeling/phrases.py), which
+`--draft phrases:OUT` (and `eagle+ngram:OUT`) propose from where they match; (4) chained greedy
 acceptance is measured on held-out requests through the serving engine.
 
 The data (OUT/training/data.pt) and checkpoints (OUT/training/checkpoint.pt, written every
@@ -36,6 +38,7 @@ from modeling.config import ModelConfig
 from modeling.eagle import EagleHead, unsupported_target
 from modeling.engine import ModelEngine
 from modeling.llama import read_safetensors
+from modeling.phrases import PhraseStore
 
 
 @dataclass(frozen=True)
@@ -180,9 +183,17 @@ def run(args: DistillArgs, log: Callable[[str], None] = print, stop_after: int |
     figures = _figures(head, held, history)
     figures["data_minutes"] = round(data_s / 60, 1)
     figures["total_minutes"] = round((time.monotonic() - started) / 60, 1)
+    phrases = phrase_store(sequences)
+    figures["phrase_tokens"] = phrases.num_tokens
+    phrases.save(args.out)
     head.save(args.out, args.target, {"arguments": args.record(), "figures": figures})
     log(json.dumps(figures))
     return figures
+
+
+def phrase_store(sequences: list[Sequence]) -> PhraseStore:
+    """The sequences the target answered (request and answer: its own words or its template's), not the read text."""
+    return PhraseStore.from_sequences([s.tokens for s in sequences if s.first_generated < len(s.tokens)])
 
 
 def _data(args: DistillArgs, log: Callable[[str], None]) -> list[Sequence]:

@@ -12,8 +12,9 @@ from modeling.engine import DTYPES
 
 PROPOSER_HELP = (
     "what proposes: 'ngram' (prompt lookup), 'model:PATH' (a draft model folder whose vocabulary matches the "
-    "target's), 'eagle:PATH' (a draft head made by `specserve distill` for the target named by --target-model), "
-    "'eagle+ngram:PATH' (prompt lookup where the sequence repeats itself, that head elsewhere), or, for tests "
+    "target's), 'phrases:PATH' (prompt lookup, then the target's own phrases kept in PATH by `specserve distill` for "
+    "the target named by --target-model), 'eagle:PATH' (a draft head made by `specserve distill` for that target), "
+    "'eagle+ngram:PATH' (prompt lookup, then the folder's phrases if it has them, that head elsewhere), or, for tests "
     "only, 'random:VOCAB_SIZE' (random tokens) and 'replay:FILE' (continuations from a JSON list of token-id sequences)"
 )
 
@@ -43,7 +44,7 @@ class DraftConfig:
     @property
     def model_path(self) -> Path | None:
         kind, _, path = self.proposer.partition(":")
-        return Path(path) if kind in ("model", "eagle", "eagle+ngram") else None
+        return Path(path) if kind in ("model", "phrases", "eagle", "eagle+ngram") else None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,12 +73,12 @@ def from_arguments(args: argparse.Namespace) -> DraftConfig:
     if args.ngram_max < args.ngram_min:
         raise ValueError(f"--ngram-max ({args.ngram_max}) is below --ngram-min ({args.ngram_min})")
     kind = args.proposer.split(":", 1)[0]
-    if kind not in ("ngram", "model", "eagle", "eagle+ngram", "random", "replay") or (kind != "ngram") != (":" in args.proposer):
+    if kind not in ("ngram", "model", "phrases", "eagle", "eagle+ngram", "random", "replay") or (kind != "ngram") != (":" in args.proposer):
         raise ValueError(f"--proposer {args.proposer!r}: {PROPOSER_HELP}")
     if kind == "random" and not args.proposer.split(":", 1)[1].isdigit():
         raise ValueError(f"--proposer {args.proposer!r}: random needs the vocabulary size, e.g. random:49152")
-    if kind in ("eagle", "eagle+ngram") and args.target_model is None:
-        raise ValueError(f"--proposer {kind}:PATH needs --target-model (the target's folder: the head reads its embeddings)")
+    if kind in ("phrases", "eagle", "eagle+ngram") and args.target_model is None:
+        raise ValueError(f"--proposer {kind}:PATH needs --target-model (the target's folder: the draft is checked against it)")
     return DraftConfig(
         worker_id=args.worker_id, scheduler_address=args.scheduler_address, proposer=args.proposer,
         target_model=args.target_model,

@@ -12,8 +12,11 @@ One small interface (`Proposer`) with the implementations users run:
 - `EagleProposer`: an EAGLE-style head trained for one target (`specserve distill`),
   reading the target's own final hidden states, which the scheduler forwards with the
   tokens; it proposes among its draft vocabulary, mapped back to the target's ids.
-- `LookupThenHead`: prompt lookup where the sequence's last tokens occurred before, the
-  head everywhere else.
+- `PhraseProposer`: prompt lookup, then the target's own phrases, kept in a draft folder
+  by `specserve distill` (`modeling.phrases`): what most often followed the longest match
+  of the sequence's last tokens in the target's answers. A point mass too.
+- `LookupThenHead`: a lookup (prompt lookup, or prompt lookup then phrases) where it finds
+  something, the head everywhere else.
 
 Proposers for tests live in `draft_service.testing_proposers`.
 """
@@ -29,9 +32,11 @@ import torch
 
 from modeling.batch import SeqSpan
 from modeling.config import ModelConfig, vocab_fingerprint
-from modeling.eagle import EagleEngine
+from modeling.eagle import EagleEngine, check_target
 from modeling.engine import ModelEngine
 from modeling.kv_cache import SlotTable
+from modeling.phrases import FILE_NAME as PHRASE_FILE
+from modeling.phrases import PhraseStore
 from modeling.sampling import generator_for, is_greedy, target_probs
 from proto.messages import SamplingParams, SparseDist
 
@@ -127,6 +132,37 @@ class NgramProposer(StatelessProposer):
                     return tokens[end + 1:end + 1 + k]
                 end -= 1
         return []
+
+    def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
+        return [Proposed(self.lookup(item.token_ids, item.num_tokens)) for item in batch]
+
+
+class PhraseProposer(StatelessProposer):
+    """Prompt lookup, then the target's own phrases (modeling/phrases.py) from a draft folder made for this target."""
+
+    def __init__(self, folder: Path, target_folder: Path, prompt_lookup: NgramProposer) -> None:
+        meta = check_target(folder, target_folder)  # refuses a folder made for another target, as a head does
+        self.vocab_size = ModelConfig.from_folder(target_folder).vocab_size
+        self.vocab_fingerprint = meta.vocab_fingerprint
+        self.target_fingerprint = meta.target_fingerprint
+        self._folder, self._prompt_lookup = folder, prompt_lookup
+        self._phrases: PhraseStore | None = None
+
+    def phases(self) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
+        return self._load, nothing, self._prompt_lookup.self_check
+
+    def _load(self) -> None:
+        self._phrases = PhraseStore.load(self._folder, self.vocab_size)
+        if self._phrases is None:
+            raise FileNotFoundError(f"{self._folder} has no {PHRASE_FILE} (`specserve distill` writes one beside the head)")
+
+    @property
+    def num_phrase_tokens(self) -> int:
+        return self._phrases.num_tokens if self._phrases is not None else 0
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        assert self._phrases is not None  # loaded
+        return self._prompt_lookup.lookup(tokens, k) or self._phrases.continue_(tokens, k)
 
     def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
         return [Proposed(self.lookup(item.token_ids, item.num_tokens)) for item in batch]
@@ -343,17 +379,18 @@ class EagleProposer:
 
 
 class LookupThenHead:
-    """Prompt lookup where the sequence's last tokens occurred before, an EAGLE head everywhere else.
+    """A lookup where it finds something (prompt lookup, then the target's own phrases when the
+    draft folder has them: `PhraseProposer`), an EAGLE head everywhere else.
 
-    A small target repeats the prompt and its own phrases often; where it does, the lookup's
+    A small target repeats the prompt and its own phrases often; where it does, a lookup's
     continuation is nearly free and often right for many tokens, so it gets the whole k.
     Where nothing matches, the head proposes up to `head_tokens` (its later tokens are
     accepted rarely, so a longer proposal costs more than it brings). The head skips the
-    steps the lookup served and catches up on them from the target's features, which the
+    steps the lookups served and catches up on them from the target's features, which the
     scheduler sends for every position.
     """
 
-    def __init__(self, head: EagleProposer, lookup: NgramProposer, head_tokens: int) -> None:
+    def __init__(self, head: EagleProposer, lookup: NgramProposer | PhraseProposer, head_tokens: int) -> None:
         self._head, self._lookup, self._head_tokens = head, lookup, head_tokens
         self.vocab_size = head.vocab_size
         self.vocab_fingerprint = head.vocab_fingerprint
@@ -361,13 +398,9 @@ class LookupThenHead:
         self.feature_width = head.feature_width
 
     def phases(self) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
-        load, allocate, warm_up_head = self._head.phases()
-
-        def warm_up() -> None:
-            warm_up_head()
-            self._lookup.self_check()
-
-        return load, allocate, warm_up
+        load_head, allocate_head, warm_up_head = self._head.phases()
+        load_lookup, allocate_lookup, warm_up_lookup = self._lookup.phases()
+        return _both(load_head, load_lookup), _both(allocate_head, allocate_lookup), _both(warm_up_head, warm_up_lookup)
 
     @property
     def num_used_slots(self) -> int:
@@ -381,3 +414,11 @@ class LookupThenHead:
         rest = [replace(item, num_tokens=min(item.num_tokens, self._head_tokens)) for item, ids in zip(batch, found) if not ids]
         from_head = iter(self._head.propose(rest) if rest else [])
         return [Proposed(ids) if ids else next(from_head) for ids in found]
+
+
+def _both(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        first()
+        second()
+
+    return run

@@ -10,9 +10,18 @@ import torch
 
 from common.lifecycle_process import LifecycleProcess, Phase
 from draft_service.config import DraftConfig
-from draft_service.proposers import EagleProposer, LookupThenHead, ModelProposer, NgramProposer, ProposeInput, Proposer
+from draft_service.proposers import (
+    EagleProposer,
+    LookupThenHead,
+    ModelProposer,
+    NgramProposer,
+    PhraseProposer,
+    ProposeInput,
+    Proposer,
+)
 from draft_service.sequences import SequenceStore
 from draft_service.testing_proposers import RandomProposer, ReplayProposer
+from modeling.phrases import FILE_NAME as PHRASE_FILE
 from proto import messages as m
 from proto.lifecycle import State
 
@@ -22,6 +31,9 @@ def make_proposer(config: DraftConfig) -> Proposer:
     match kind:
         case "ngram":
             return NgramProposer(config.ngram_min, config.ngram_max)
+        case "phrases":
+            assert config.target_model is not None  # checked with the arguments
+            return PhraseProposer(Path(argument), config.target_model, NgramProposer(config.ngram_min, config.ngram_max))
         case "eagle" | "eagle+ngram":
             assert config.target_model is not None  # checked with the arguments
             head = EagleProposer(Path(argument), config.target_model, device=config.device, dtype=config.dtype,
@@ -29,7 +41,10 @@ def make_proposer(config: DraftConfig) -> Proposer:
                                  max_draft_tokens=config.max_draft_tokens, draft_top_k=config.draft_top_k)
             if kind == "eagle":
                 return head
-            return LookupThenHead(head, NgramProposer(config.ngram_min, config.ngram_max), config.head_draft_tokens)
+            lookup: NgramProposer | PhraseProposer = NgramProposer(config.ngram_min, config.ngram_max)
+            if (Path(argument) / PHRASE_FILE).exists():  # folders made before distill wrote phrases have none
+                lookup = PhraseProposer(Path(argument), config.target_model, lookup)
+            return LookupThenHead(head, lookup, config.head_draft_tokens)
         case "model":
             return ModelProposer(Path(argument), device=config.device, dtype=config.dtype, num_slots=config.num_seqs,
                                  max_len=config.max_model_len, max_draft_tokens=config.max_draft_tokens,

@@ -66,10 +66,11 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--draft", default=None, type=_draft_choice,
                         help="the draft service's proposer: none (no speculation), ngram (prompt lookup), default (prompt "
-                             "lookup where the text repeats, else the EAGLE head shipped for the embedded default model; "
-                             "used unless told, with ngram for any other model), eagle:PATH (a head made by "
-                             "`specserve distill` for --model), eagle+ngram:PATH (prompt lookup where the text repeats, "
-                             "else that head), or model:PATH (a draft model folder whose vocabulary matches the target's)")
+                             "lookup, then the embedded default model's own phrases shipped in drafts/; used unless told, "
+                             "with ngram for any other model), phrases:PATH (prompt lookup, then the phrases in a folder "
+                             "made by `specserve distill` for --model), eagle:PATH (the EAGLE head in such a folder), "
+                             "eagle+ngram:PATH (prompt lookup, then the folder's phrases, else its head), or model:PATH "
+                             "(a draft model folder whose vocabulary matches the target's)")
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
                         help=f"draft tokens per sequence in a speculative step (default: {HEAD_DRAFT_TOKENS} for a draft head "
                              "alone, else 6)")
@@ -81,9 +82,10 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _draft_choice(value: str) -> str:
     kind, _, path = value.partition(":")
-    if value in ("none", "ngram", "default") or (kind in ("model", "eagle", "eagle+ngram") and path):
+    if value in ("none", "ngram", "default") or (kind in ("model", "phrases", "eagle", "eagle+ngram") and path):
         return value
-    raise argparse.ArgumentTypeError(f"expected none, ngram, default, eagle:PATH, eagle+ngram:PATH or model:PATH, got {value!r}")
+    raise argparse.ArgumentTypeError(
+        f"expected none, ngram, default, phrases:PATH, eagle:PATH, eagle+ngram:PATH or model:PATH, got {value!r}")
 
 
 def _default_draft(model: Path) -> str:
@@ -103,7 +105,7 @@ def _draft_proposer(draft: str) -> str:
     from modeling.model_store import default_draft_dir
 
     if draft == "default":
-        return f"eagle+ngram:{default_draft_dir()}"
+        return f"phrases:{default_draft_dir()}"
     kind, _, path = draft.partition(":")
     return f"{kind}:{Path(path).resolve()}" if path else draft
 
@@ -205,7 +207,7 @@ def _service_specs(args: argparse.Namespace, model: Path, device: str, dtype: st
             "--num-threads", str(num_threads)] + log_flag, stop_order=1))
     if args.draft != "none":
         proposer = _draft_proposer(args.draft)
-        target = ["--target-model", str(model)] if proposer.startswith("eagle") else []
+        target = ["--target-model", str(model)] if proposer.startswith(("phrases", "eagle")) else []
         specs.append(ServiceSpec("draft", python + [
             "draft_service", "--worker-id", "draft-0", "--proposer", proposer, *target, "--scheduler-address", worker_address,
             "--device", "cuda:0" if device == "cuda" else device, "--dtype", dtype, "--max-model-len", str(args.max_model_len),

@@ -15,21 +15,22 @@ def test_the_shipped_draft_is_the_default_only_for_the_model_it_was_trained_for(
                                                                                  tiny_llama_folder: Path) -> None:
     assert _default_draft(default_model_dir) == "default"
     assert _default_draft(tiny_llama_folder) == "ngram"
-    assert _draft_proposer("default") == f"eagle+ngram:{default_draft_dir()}"
+    assert _draft_proposer("default") == f"phrases:{default_draft_dir()}"
 
 
 def test_draft_names_are_checked_and_heads_get_the_target(tmp_path: Path) -> None:
-    for good in ("none", "ngram", "default", "eagle:x", "eagle+ngram:x", "model:x"):
+    for good in ("none", "ngram", "default", "phrases:x", "eagle:x", "eagle+ngram:x", "model:x"):
         assert _draft_choice(good) == good
-    for bad in ("eagle", "eagle+ngram:", "ngram:x", "tree:x"):
+    for bad in ("eagle", "eagle+ngram:", "phrases", "ngram:x", "tree:x"):
         with pytest.raises(argparse.ArgumentTypeError):
             _draft_choice(bad)
-    args = _build_parser().parse_args(["up", "--draft", f"eagle+ngram:{tmp_path}"])
-    args.num_speculative_tokens = 6
-    (draft,) = [spec for spec in _service_specs(args, tmp_path / "model", "cpu", "bfloat16") if spec.name == "draft"]
-    command = draft.argv
-    assert command[command.index("--proposer") + 1] == f"eagle+ngram:{tmp_path.resolve()}"
-    assert command[command.index("--target-model") + 1] == str(tmp_path / "model")
+    for kind in ("eagle+ngram", "phrases"):
+        args = _build_parser().parse_args(["up", "--draft", f"{kind}:{tmp_path}"])
+        args.num_speculative_tokens = 6
+        (draft,) = [spec for spec in _service_specs(args, tmp_path / "model", "cpu", "bfloat16") if spec.name == "draft"]
+        command = draft.argv
+        assert command[command.index("--proposer") + 1] == f"{kind}:{tmp_path.resolve()}"
+        assert command[command.index("--target-model") + 1] == str(tmp_path / "model")
 
 
 
@@ -45,5 +46,8 @@ def test_the_draft_service_checks_its_proposer_arguments() -> None:
     assert both.model_path == Path("/d") and both.head_draft_tokens == 2
     with pytest.raises(ValueError, match="needs --target-model"):
         config("--proposer", "eagle+ngram:/d")
+    assert config("--proposer", "phrases:/d", "--target-model", "/t").model_path == Path("/d")
+    with pytest.raises(ValueError, match="needs --target-model"):
+        config("--proposer", "phrases:/d")
     with pytest.raises(ValueError, match="--head-draft-tokens"):
         config("--proposer", "eagle+ngram:/d", "--target-model", "/t", "--head-draft-tokens", "0")

@@ -88,3 +88,14 @@ def test_the_image_holds_every_package_and_the_shipped_draft() -> None:
         assert f"COPY {name} ./{name}" in dockerfile, f"the Dockerfile does not copy {name}/"
     on_disk = {p.parent.name for p in root.glob("*/__init__.py")} - {"tests", "bench"}
     assert on_disk <= set(packages), f"packages missing from pyproject: {on_disk - set(packages)}"
+
+
+def test_the_draft_serves_the_phrases_shipped_in_the_image_for_the_workers_model(resolved: dict) -> None:  # type: ignore[type-arg]
+    services = resolved["services"]
+    draft, worker = services["draft"]["command"], services["gpu-worker-0"]["command"]
+    kind, _, path = draft[draft.index("--proposer") + 1].partition(":")
+    assert kind == "phrases" and path.startswith("/app/drafts/")  # the Dockerfile's WORKDIR and COPY
+    assert "COPY drafts ./drafts" in (ROOT / "Dockerfile").read_text()
+    assert (ROOT / path.removeprefix("/app/") / "phrases.safetensors").is_file()
+    assert draft[draft.index("--target-model") + 1] == worker[worker.index("--model") + 1]
+    assert services["draft"]["depends_on"]["model-init"]["condition"] == "service_completed_successfully"

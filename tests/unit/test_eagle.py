@@ -14,11 +14,12 @@ import torch
 
 from distill.data import write_requests
 from distill.train import DistillArgs, ResumeMismatch, run
-from draft_service.proposers import EagleProposer, LookupThenHead, NgramProposer, ProposeInput
+from draft_service.proposers import EagleProposer, LookupThenHead, NgramProposer, PhraseProposer, ProposeInput
 from modeling.batch import SeqSpan
 from modeling.config import ModelConfig
 from modeling.eagle import DraftMismatch, EagleEngine, EagleHead, check_target
 from modeling.engine import ModelEngine
+from modeling.phrases import PhraseError, PhraseStore
 from proto.messages import SamplingParams
 from tests.eagle_helpers import tiny_head
 
@@ -154,6 +155,19 @@ def test_a_short_distillation_lowers_the_loss_and_writes_a_draft_the_proposer_se
     proposer = _built(out, tiny_llama_folder, num_slots=1)
     (proposal,) = proposer.propose([ProposeInput("r", [1, 2, 3, 4], 0, 3, GREEDY, torch.randn(3, 64))])
     assert len(proposal.token_ids) == 3
+    # Beside the head, the answered sequences as phrases; eagle+ngram continues one of them from its own words.
+    assert figures["phrase_tokens"] == sum(len(s["tokens"]) for s in answered)
+    phrases = PhraseProposer(out, tiny_llama_folder, NgramProposer(2, 4))
+    hybrid = LookupThenHead(_built(out, tiny_llama_folder, num_slots=1), phrases, 2)
+    for phase in hybrid.phases():
+        phase()
+    assert phrases.num_phrase_tokens == figures["phrase_tokens"]
+    # Four distinct tokens (so prompt lookup finds nothing) followed by six more somewhere in the data.
+    context = next(seq[j : j + 4] for seq in (s["tokens"] for s in answered) for j in range(len(seq) - 10)
+                   if len(set(seq[j : j + 4])) == 4)
+    expected = PhraseStore.from_sequences([s["tokens"] for s in answered]).continue_(context, 6)
+    (from_phrases,) = hybrid.propose([ProposeInput("q", context, 0, 6, GREEDY, torch.randn(3, 64))])
+    assert from_phrases.token_ids == expected and len(expected) > 2  # longer than the head's 2
     # An interrupted run resumed from its checkpoint ends exactly where the uninterrupted one did.
     interrupted = DistillArgs(**{**args.__dict__, "out": tmp_path / "interrupted"})
     assert run(interrupted, log=lambda line: None, stop_after=20) == {}
@@ -209,3 +223,36 @@ def test_lookup_then_head_looks_up_repeats_and_asks_the_head_elsewhere_which_cat
     assert hybrid.num_used_slots == 1
     hybrid.forget("r")
     assert hybrid.num_used_slots == 0
+
+
+def test_the_phrase_proposer_looks_up_the_prompt_first_then_the_targets_phrases_and_checks_its_folder(
+    tiny_llama_folder: Path, tiny_draft: tuple[EagleHead, Path], tmp_path: Path,
+) -> None:
+    _, made = tiny_draft
+    folder = tmp_path / "draft"
+    shutil.copytree(made, folder)
+    without = PhraseProposer(folder, tiny_llama_folder, NgramProposer(2, 4))
+    load, allocate, warm_up = without.phases()
+    with pytest.raises(FileNotFoundError, match="phrases.safetensors"):
+        load()
+    PhraseStore.from_sequences([[40, 41, 42, 43, 44, 45], [50, 51, 52, 53]]).save(folder)
+    proposer = PhraseProposer(folder, tiny_llama_folder, NgramProposer(2, 4))
+    for phase in proposer.phases():
+        phase()
+    assert proposer.feature_width == 0 and proposer.vocab_size == 97 and proposer.num_phrase_tokens == 10
+    sequences = [
+        ProposeInput("phrases", [7, 41, 42, 43], 0, 2, GREEDY),  # "41 42 43" is a phrase of the target's
+        ProposeInput("prompt", [51, 52, 53, 9, 51, 52], 0, 3, GREEDY),  # repeats itself: prompt lookup first
+        ProposeInput("neither", [1, 2, 3, 4], 0, 3, GREEDY),
+    ]
+    assert [p.token_ids for p in proposer.propose(sequences)] == [[44, 45], [53, 9, 51], []]
+    PhraseStore.from_sequences([[1, 2, 97]]).save(folder)  # an id past the tiny target's vocabulary of 97
+    with pytest.raises(PhraseError, match="token id 97"):
+        PhraseProposer(folder, tiny_llama_folder, NgramProposer(2, 4)).phases()[0]()
+    other = tmp_path / "other_target"
+    shutil.copytree(tiny_llama_folder, other)
+    config = json.loads((other / "config.json").read_text())
+    config["rope_theta"] = 20000.0
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DraftMismatch, match="another target model"):
+        PhraseProposer(folder, other, NgramProposer(2, 4))
