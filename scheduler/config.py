@@ -21,7 +21,8 @@ class SchedulerConfig:
     step_timeout_s: float  # a step unanswered this long marks its worker DEAD
     status_file: Path | None = None  # "READY" once listening, for container health checks
     num_speculative_tokens: int = 6  # k: draft tokens proposed per sequence and step; 0 turns speculation off
-    spec_disable_batch_threshold: int = 4  # speculate only in steps of at most this many sequences
+    spec_disable_batch_threshold: int = 16  # speculate only in steps of at most this many sequences
+    spec_draft_token_budget: int = 32  # draft tokens one step verifies in all (k per sequence shrinks as steps grow)
     propose_timeout_s: float = 2.0  # a proposal unanswered this long: the step runs without one
     phase_timeout_s: float = 600.0  # a start-up phase (STARTING .. WARMING) longer than this FAILs the process
 
@@ -40,8 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--status-file", type=Path, default=None, help="write READY here once listening")
     parser.add_argument("--num-speculative-tokens", type=int, default=6,
                         help="draft tokens proposed per sequence in a speculative step (0: never speculate)")
-    parser.add_argument("--spec-disable-batch-threshold", type=int, default=4,
+    parser.add_argument("--spec-disable-batch-threshold", type=int, default=16,
                         help="speculate only when a step has at most this many sequences; larger ones decode plainly")
+    parser.add_argument("--spec-draft-token-budget", type=int, default=32,
+                        help="draft tokens one speculative step verifies in all, shared evenly among its sequences "
+                             "(k shrinks as steps grow; fewer than one each: a plain step)")
     parser.add_argument("--phase-timeout-s", type=float, default=600.0,
                         help="a worker or draft start-up phase running longer is FAILED and the process told to stop")
     parser.add_argument("--propose-timeout-s", type=float, default=2.0,
@@ -54,7 +58,7 @@ def from_arguments(args: argparse.Namespace) -> SchedulerConfig:
     for name in positive:
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ("num_speculative_tokens", "spec_disable_batch_threshold"):
+    for name in ("num_speculative_tokens", "spec_disable_batch_threshold", "spec_draft_token_budget"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 0, got {getattr(args, name)}")
     return SchedulerConfig(
@@ -71,6 +75,7 @@ def from_arguments(args: argparse.Namespace) -> SchedulerConfig:
         status_file=args.status_file,
         num_speculative_tokens=args.num_speculative_tokens,
         spec_disable_batch_threshold=args.spec_disable_batch_threshold,
+        spec_draft_token_budget=args.spec_draft_token_budget,
         propose_timeout_s=args.propose_timeout_s,
         phase_timeout_s=args.phase_timeout_s,
     )

@@ -410,6 +410,7 @@ class SchedulerCore:
             limits = SpecLimits(
                 num_speculative_tokens=min(cfg.num_speculative_tokens, worker.hello.max_draft_tokens, draft.hello.max_draft_tokens),
                 spec_disable_batch_threshold=cfg.spec_disable_batch_threshold,
+                spec_draft_token_budget=cfg.spec_draft_token_budget,
                 max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len,
             )
             num_tokens = self._drafts.with_features(draft, speculation_plan(plan, limits), self._requests)

@@ -1,10 +1,13 @@
 """The speculation decision and its bookkeeping, as plain functions and records.
 
-First version of the policy: a step speculates when it has at most
-`spec_disable_batch_threshold` sequences; then every sequence that is decoding gets k
-draft tokens, fewer when its max_tokens, the context or the step's token budget leave
-less room. Larger steps decode plainly: there the target is busy enough that verifying
-rejected tokens costs more than it saves.
+The policy: a step speculates when it has at most `spec_disable_batch_threshold`
+sequences; then every sequence that is decoding gets k draft tokens, fewer when its
+max_tokens, the context or the step's token budget leave less room, and at most
+`spec_draft_token_budget` draft tokens in all, shared evenly (so k shrinks as the batch
+grows: 6 at up to 5 sequences with the default 32, 4 at 8, 2 at 16). Larger steps decode
+plainly: there the target is busy enough that verifying rejected tokens costs more than
+it saves; and on a CPU every verified token costs compute, so the more sequences, the
+fewer guesses each may make (docs/benchmarks.md, issue 6).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from scheduler.registry import StepSeq
 class SpecLimits:
     num_speculative_tokens: int  # k at most (the smallest of the scheduler's, the target's and the draft's)
     spec_disable_batch_threshold: int
+    spec_draft_token_budget: int  # draft tokens one step verifies in all, shared evenly among its decoding sequences
     max_num_batched_tokens: int
     max_model_len: int
 
@@ -33,7 +37,7 @@ def speculation_plan(plan: list[ScheduledSeq], limits: SpecLimits) -> dict[str, 
     if not decodes:
         return {}
     spare = limits.max_num_batched_tokens - sum(item.num_tokens for item in plan)
-    k_max = min(limits.num_speculative_tokens, spare // len(decodes))
+    k_max = min(limits.num_speculative_tokens, spare // len(decodes), limits.spec_draft_token_budget // len(decodes))
     ks: dict[str, int] = {}
     for item in decodes:
         r = item.request

@@ -74,8 +74,11 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
                         help=f"draft tokens per sequence in a speculative step (default: {HEAD_DRAFT_TOKENS} for a draft head "
                              "alone, else 6)")
-    parser.add_argument("--spec-disable-batch-threshold", type=int, default=4,
-                        help="speculate only when a step has at most this many sequences")
+    parser.add_argument("--spec-disable-batch-threshold", type=int, default=None,
+                        help="speculate only when a step has at most this many sequences (default: 16 for prompt lookup "
+                             "and phrases, 4 for a draft that runs a model: measured in docs/benchmarks.md)")
+    parser.add_argument("--spec-draft-token-budget", type=int, default=32,
+                        help="draft tokens a speculative step verifies in all, shared evenly among its sequences")
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
     parser.add_argument("--log-json", action="store_true")
 
@@ -98,6 +101,11 @@ def _default_draft(model: Path) -> str:
     except DraftMismatch:
         return "ngram"
     return "default"
+
+
+def _default_spec_threshold(proposer: str) -> int:
+    """Lookups cost the draft nothing and pay up to 16 sequences a step (with k shrinking); drafts that run a model, to 4."""
+    return 4 if proposer.startswith(("eagle", "model")) else 16
 
 
 def _draft_proposer(draft: str) -> str:
@@ -159,6 +167,8 @@ def _run_up(args: argparse.Namespace) -> int:
     if args.num_speculative_tokens is None:
         # A head's later proposals are accepted rarely (docs/benchmarks.md); a lookup's long ones often.
         args.num_speculative_tokens = HEAD_DRAFT_TOKENS if proposer.startswith("eagle:") else 6
+    if args.spec_disable_batch_threshold is None:
+        args.spec_disable_batch_threshold = _default_spec_threshold(proposer)
     if ":" in proposer and not (Path(proposer.partition(":")[2]) / "config.json").is_file():
         raise SystemExit(f"specserve up: --draft {args.draft}: {proposer.partition(':')[2]} has no config.json")
     device = args.device or _default_device()
@@ -191,7 +201,8 @@ def _service_specs(args: argparse.Namespace, model: Path, device: str, dtype: st
                                            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                                            "--max-num-seqs", str(args.num_kv_slots),
                                            "--num-speculative-tokens", str(args.num_speculative_tokens),
-                                           "--spec-disable-batch-threshold", str(args.spec_disable_batch_threshold)]
+                                           "--spec-disable-batch-threshold", str(args.spec_disable_batch_threshold),
+                                           "--spec-draft-token-budget", str(args.spec_draft_token_budget)]
                      + log_flag, stop_order=3),
         ServiceSpec("gateway", python + ["gateway", "--model", str(model), "--scheduler-address", gateway_address,
                                          "--host", args.host, "--port", str(args.port), "--http-port", str(args.http_port),

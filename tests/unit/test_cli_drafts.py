@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from modeling.model_store import default_draft_dir
-from specserve.cli import _build_parser, _default_draft, _draft_choice, _draft_proposer, _service_specs
+from specserve.cli import _build_parser, _default_draft, _default_spec_threshold, _draft_choice, _draft_proposer, _service_specs
 
 
 def test_the_shipped_draft_is_the_default_only_for_the_model_it_was_trained_for(default_model_dir: Path,
@@ -16,6 +16,13 @@ def test_the_shipped_draft_is_the_default_only_for_the_model_it_was_trained_for(
     assert _default_draft(default_model_dir) == "default"
     assert _default_draft(tiny_llama_folder) == "ngram"
     assert _draft_proposer("default") == f"phrases:{default_draft_dir()}"
+
+
+def test_lookups_speculate_in_larger_steps_than_drafts_that_run_a_model() -> None:
+    for proposer in ("ngram", "phrases:/d", _draft_proposer("default")):
+        assert _default_spec_threshold(proposer) == 16
+    for proposer in ("eagle:/d", "eagle+ngram:/d", "model:/d"):
+        assert _default_spec_threshold(proposer) == 4
 
 
 def test_draft_names_are_checked_and_heads_get_the_target(tmp_path: Path) -> None:
@@ -26,9 +33,11 @@ def test_draft_names_are_checked_and_heads_get_the_target(tmp_path: Path) -> Non
             _draft_choice(bad)
     for kind in ("eagle+ngram", "phrases"):
         args = _build_parser().parse_args(["up", "--draft", f"{kind}:{tmp_path}"])
-        args.num_speculative_tokens = 6
-        (draft,) = [spec for spec in _service_specs(args, tmp_path / "model", "cpu", "bfloat16") if spec.name == "draft"]
-        command = draft.argv
+        args.num_speculative_tokens, args.spec_disable_batch_threshold = 6, 4
+        specs = {spec.name: spec.argv for spec in _service_specs(args, tmp_path / "model", "cpu", "bfloat16")}
+        scheduler = specs["scheduler"]
+        assert scheduler[scheduler.index("--spec-draft-token-budget") + 1] == "32"
+        command = specs["draft"]
         assert command[command.index("--proposer") + 1] == f"{kind}:{tmp_path.resolve()}"
         assert command[command.index("--target-model") + 1] == str(tmp_path / "model")
 

@@ -260,7 +260,8 @@ def request(rid: str, num_output: int, max_tokens: int = 100, num_prompt: int = 
     return r
 
 
-LIMITS = SpecLimits(num_speculative_tokens=4, spec_disable_batch_threshold=4, max_num_batched_tokens=64, max_model_len=64)
+LIMITS = SpecLimits(num_speculative_tokens=4, spec_disable_batch_threshold=4, spec_draft_token_budget=32,
+                    max_num_batched_tokens=64, max_model_len=64)
 
 
 def test_policy_speculates_only_up_to_the_threshold() -> None:
@@ -269,11 +270,22 @@ def test_policy_speculates_only_up_to_the_threshold() -> None:
     assert speculation_plan(plan, LIMITS) == {}
 
 
+def test_policy_shares_the_draft_token_budget_evenly_and_decodes_plainly_when_it_gives_less_than_one() -> None:
+    plan = [ScheduledSeq(request(f"r{i}", 1), 1) for i in range(16)]
+    wide = SpecLimits(6, 16, spec_draft_token_budget=32, max_num_batched_tokens=512, max_model_len=64)
+    assert speculation_plan(plan[:5], wide) == {f"r{i}": 6 for i in range(5)}  # 32 // 5 = 6: k itself
+    assert speculation_plan(plan[:8], wide) == {f"r{i}": 4 for i in range(8)}
+    assert speculation_plan(plan, wide) == {f"r{i}": 2 for i in range(16)}
+    scarce = SpecLimits(6, 16, spec_draft_token_budget=12, max_num_batched_tokens=512, max_model_len=64)
+    assert speculation_plan(plan[:12], scarce) == {f"r{i}": 1 for i in range(12)}
+    assert speculation_plan(plan[:13], scarce) == {}  # 12 // 13 = 0 each
+
+
 def test_policy_leaves_prefill_chunks_alone_and_respects_budget_and_context() -> None:
     prefill = request("p", 0)
     prefill.num_computed_tokens = 0
     plan = [ScheduledSeq(request("a", 1), 1), ScheduledSeq(prefill, 5)]
-    tight = SpecLimits(4, 4, max_num_batched_tokens=8, max_model_len=64)
+    tight = SpecLimits(4, 4, 32, max_num_batched_tokens=8, max_model_len=64)
     assert speculation_plan(plan, tight) == {"a": 2}  # 8 - 6 tokens planned
     near_end = request("z", 55, num_prompt=6)  # 61 of 64 tokens
     assert speculation_plan([ScheduledSeq(near_end, 1)], LIMITS) == {"z": 2}
