@@ -41,9 +41,10 @@ def make_proposer(config: DraftConfig) -> Proposer:
                                  max_draft_tokens=config.max_draft_tokens, draft_top_k=config.draft_top_k)
             if kind == "eagle":
                 return head
-            lookup: NgramProposer | PhraseProposer = NgramProposer(config.ngram_min, config.ngram_max)
+            prompt_lookup = NgramProposer(config.ngram_min, config.ngram_max)
+            lookup: NgramProposer | PhraseProposer = prompt_lookup
             if (Path(argument) / PHRASE_FILE).exists():  # folders made before distill wrote phrases have none
-                lookup = PhraseProposer(Path(argument), config.target_model, lookup)
+                lookup = PhraseProposer(Path(argument), config.target_model, prompt_lookup)
             return LookupThenHead(head, lookup, config.head_draft_tokens)
         case "model":
             return ModelProposer(Path(argument), device=config.device, dtype=config.dtype, num_slots=config.num_seqs,

@@ -59,19 +59,26 @@ def test_a_draft_for_another_target_is_refused(tiny_llama_folder: Path, tiny_dra
                                                 tmp_path: Path) -> None:
     _, folder = tiny_draft
     assert check_target(folder, tiny_llama_folder).draft_vocab_size == 49
-    other = tmp_path / "other_target"
-    shutil.copytree(tiny_llama_folder, other)
-    config = json.loads((other / "config.json").read_text())
-    config["rope_theta"] = 20000.0
-    (other / "config.json").write_text(json.dumps(config))
+    other = _other_target(tiny_llama_folder, tmp_path)
     with pytest.raises(DraftMismatch, match="another target model"):
         check_target(folder, other)
     with pytest.raises(DraftMismatch, match="another target model"):
         EagleProposer(folder, other, device="cpu", dtype="float32", num_slots=1, max_len=64, max_draft_tokens=2, draft_top_k=4)
+    config = json.loads((other / "config.json").read_text())
     config["vocab_size"] = 98
     (other / "config.json").write_text(json.dumps(config))
     with pytest.raises(DraftMismatch, match="vocabulary"):
         check_target(folder, other)
+
+
+def _other_target(target: Path, tmp_path: Path) -> Path:
+    """A copy of the target with another rope_theta: the same vocabulary, another model."""
+    other = tmp_path / "other_target"
+    shutil.copytree(target, other)
+    config = json.loads((other / "config.json").read_text())
+    config["rope_theta"] = 20000.0
+    (other / "config.json").write_text(json.dumps(config))
+    return other
 
 
 def _built(folder: Path, target: Path, num_slots: int = 2) -> EagleProposer:
@@ -249,10 +256,6 @@ def test_the_phrase_proposer_looks_up_the_prompt_first_then_the_targets_phrases_
     PhraseStore.from_sequences([[1, 2, 97]]).save(folder)  # an id past the tiny target's vocabulary of 97
     with pytest.raises(PhraseError, match="token id 97"):
         PhraseProposer(folder, tiny_llama_folder, NgramProposer(2, 4)).phases()[0]()
-    other = tmp_path / "other_target"
-    shutil.copytree(tiny_llama_folder, other)
-    config = json.loads((other / "config.json").read_text())
-    config["rope_theta"] = 20000.0
-    (other / "config.json").write_text(json.dumps(config))
+    other = _other_target(tiny_llama_folder, tmp_path)
     with pytest.raises(DraftMismatch, match="another target model"):
         PhraseProposer(folder, other, NgramProposer(2, 4))
