@@ -11,7 +11,8 @@ is what decides acceptance.
 `cycle`: the target's runner and the draft's proposer called directly, one request at a
 time: plain decoding, then propose-and-verify cycles with k draft tokens (with
 `--lookup-k`, prompt lookup first, then the draft folder's phrases unless `--no-phrases`,
-and the head where neither matches, as `eagle+ngram`; k = 0 there: no head, as `phrases`).
+and the head where neither matches, as `eagle+phrases` (`eagle+ngram` with `--no-phrases`); k = 0 there: no
+head, as `phrases`).
 Reports accepted tokens per verify and the speed-up over plain decoding in the same run
 (the absolute times on a shared machine move between runs; their ratio much less).
 """
@@ -31,7 +32,15 @@ if not __package__:
 
 from bench.spec_prompts import CHAT, CODE
 from distill.data import generate
-from draft_service.proposers import EagleProposer, LookupThenHead, NgramProposer, PhraseProposer, ProposeInput, Proposer
+from draft_service.proposers import (
+    EagleProposer,
+    Lookup,
+    LookupThenHead,
+    NgramProposer,
+    PhraseProposer,
+    ProposeInput,
+    Proposer,
+)
 from gateway.tokenizer import ChatMessage, Tokenizer
 from gpu_worker.config import WorkerConfig
 from gpu_worker.runner import ModelRunner
@@ -119,7 +128,7 @@ def cycle(target: Path, draft: Path, dtype: str, ks: list[int], lookup_k: int, n
 
     label = f"lookup (n >= {ngram_min}, k = {lookup_k}){', phrases' if phrases else ''}, else the head" if lookup_k else "the head"
     print(f"{draft} ({dtype}), {label}")
-    lookup: NgramProposer | PhraseProposer = NgramProposer(ngram_min, 4)
+    lookup: Lookup = NgramProposer(ngram_min, 4)
     if phrases:
         lookup = PhraseProposer(draft, target, lookup)
         for phase in lookup.phases():

@@ -331,10 +331,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     stack.add_argument("--num-workers", type=positive_int, default=None)
     stack.add_argument("--num-kv-slots", type=positive_int, default=None, help="sequences each worker holds at once")
     stack.add_argument("--ready-timeout-s", type=float, default=600.0)
-    stack.add_argument("--draft", default=None, help="the stack's draft service: none, ngram, default, eagle:PATH, eagle+ngram:PATH or model:PATH "
-                            "(default: up's)")
+    stack.add_argument("--draft", default=None,
+                       help="the stack's draft service: none, ngram, default, phrases:PATH, eagle:PATH, eagle+ngram:PATH, "
+                            "eagle+phrases:PATH or model:PATH (default: up's)")
     stack.add_argument("--num-speculative-tokens", type=int, default=None)
     stack.add_argument("--spec-disable-batch-threshold", type=int, default=None)
+    stack.add_argument("--spec-draft-token-budget", type=int, default=None)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="passed to `specserve up` with --start; otherwise only recorded in the JSON")
     parser.add_argument("--model", type=Path, default=None,
@@ -368,7 +370,8 @@ def model_dir(args: argparse.Namespace) -> Path:
 def stack_options(args: argparse.Namespace) -> StackOptions:
     specserve = Path(sys.executable).parent / "specserve"
     speculation = {"--draft": args.draft, "--num-speculative-tokens": args.num_speculative_tokens,
-                   "--spec-disable-batch-threshold": args.spec_disable_batch_threshold}
+                   "--spec-disable-batch-threshold": args.spec_disable_batch_threshold,
+                   "--spec-draft-token-budget": args.spec_draft_token_budget}
     extra = tuple(part for flag, value in speculation.items() if value is not None for part in (flag, str(value)))
     return StackOptions(specserve=specserve, port=args.port or _free_port(), http_port=_free_port(), model=args.model, dtype=args.dtype,
                         num_workers=args.num_workers, num_kv_slots=args.num_kv_slots,

@@ -152,7 +152,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", action="append", default=None,
                         help="`specserve up` speculation options for one stack, e.g. 'none' or 'ngram' or "
-                             "'ngram --num-speculative-tokens 6' or 'default' (prompt lookup, else the shipped EAGLE head) or "
+                             "'ngram --num-speculative-tokens 6' or 'default' (prompt lookup, then the shipped phrases) or "
                              "'eagle:drafts/SmolLM2-135M-Instruct' (the head alone) (repeatable; default: none, ngram)")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1, help="passes over each workload's prompts")

@@ -7,7 +7,7 @@ distribution over the draft vocabulary (cross-entropy), with noise on its input 
 so it tolerates its own errors when it chains; (3) the head is written as a draft folder
 (OUT), with the exact arguments and the figures in its config.json, and beside it the
 sequences the target answered as a phrase store (modeling/phrases.py), which
-`--draft phrases:OUT` (and `eagle+ngram:OUT`) propose from where they match; (4) chained greedy
+`--draft phrases:OUT` (and `eagle+phrases:OUT`) propose from where they match; (4) chained greedy
 acceptance is measured on held-out requests through the serving engine.
 
 The data (OUT/training/data.pt) and checkpoints (OUT/training/checkpoint.pt, written every

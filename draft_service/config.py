@@ -14,9 +14,13 @@ PROPOSER_HELP = (
     "what proposes: 'ngram' (prompt lookup), 'model:PATH' (a draft model folder whose vocabulary matches the "
     "target's), 'phrases:PATH' (prompt lookup, then the target's own phrases kept in PATH by `specserve distill` for "
     "the target named by --target-model), 'eagle:PATH' (a draft head made by `specserve distill` for that target), "
-    "'eagle+ngram:PATH' (prompt lookup, then the folder's phrases if it has them, that head elsewhere), or, for tests "
+    "'eagle+ngram:PATH' (prompt lookup, that head elsewhere), 'eagle+phrases:PATH' (prompt lookup, then the folder's "
+    "phrases, its head elsewhere), or, for tests "
     "only, 'random:VOCAB_SIZE' (random tokens) and 'replay:FILE' (continuations from a JSON list of token-id sequences)"
 )
+
+
+_DISTILLED = ("phrases", "eagle", "eagle+ngram", "eagle+phrases")  # folders made by `specserve distill` for one target
 
 
 @dataclass(frozen=True)
@@ -24,9 +28,9 @@ class DraftConfig:
     worker_id: str
     scheduler_address: str
     proposer: str  # see PROPOSER_HELP
-    target_model: Path | None  # the target's folder: an EAGLE head reads its embeddings and must have been trained for it
+    target_model: Path | None  # the target's folder: a distilled draft (phrases, head) must have been made for it
     max_draft_tokens: int  # the longest proposal it makes (k)
-    head_draft_tokens: int  # eagle+ngram: the longest proposal the head makes (the lookup's may reach k)
+    head_draft_tokens: int  # eagle+ngram, eagle+phrases: the longest proposal the head makes (a lookup's may reach k)
     ngram_min: int  # n-gram lookup tries n = ngram_max down to ngram_min
     ngram_max: int
     max_model_len: int  # tokens per sequence it can hold
@@ -44,17 +48,22 @@ class DraftConfig:
     @property
     def model_path(self) -> Path | None:
         kind, _, path = self.proposer.partition(":")
-        return Path(path) if kind in ("model", "phrases", "eagle", "eagle+ngram") else None
+        return Path(path) if kind in ("model", *_DISTILLED) else None
+
+    @property
+    def runs_model(self) -> bool:
+        return self.proposer.partition(":")[0] in ("model", "eagle", "eagle+ngram", "eagle+phrases")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-id", default="draft-0")
     parser.add_argument("--scheduler-address", default="tcp://127.0.0.1:5556")
     parser.add_argument("--proposer", default="ngram", help=PROPOSER_HELP)
-    parser.add_argument("--target-model", type=Path, default=None, help="the target's model folder (needed by eagle:PATH)")
+    parser.add_argument("--target-model", type=Path, default=None, help="the target's model folder (needed by phrases:PATH and the eagle kinds)")
     parser.add_argument("--max-draft-tokens", type=int, default=8)
     parser.add_argument("--head-draft-tokens", type=int, default=HEAD_DRAFT_TOKENS,
-                        help="eagle+ngram: the longest proposal the head makes; the lookup's may be --max-draft-tokens long")
+                        help="eagle+ngram, eagle+phrases: the longest proposal the head makes; a lookup's may be "
+                             "--max-draft-tokens long")
     parser.add_argument("--ngram-min", type=int, default=2)
     parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -73,11 +82,11 @@ def from_arguments(args: argparse.Namespace) -> DraftConfig:
     if args.ngram_max < args.ngram_min:
         raise ValueError(f"--ngram-max ({args.ngram_max}) is below --ngram-min ({args.ngram_min})")
     kind = args.proposer.split(":", 1)[0]
-    if kind not in ("ngram", "model", "phrases", "eagle", "eagle+ngram", "random", "replay") or (kind != "ngram") != (":" in args.proposer):
+    if kind not in ("ngram", "model", *_DISTILLED, "random", "replay") or (kind != "ngram") != (":" in args.proposer):
         raise ValueError(f"--proposer {args.proposer!r}: {PROPOSER_HELP}")
     if kind == "random" and not args.proposer.split(":", 1)[1].isdigit():
         raise ValueError(f"--proposer {args.proposer!r}: random needs the vocabulary size, e.g. random:49152")
-    if kind in ("phrases", "eagle", "eagle+ngram") and args.target_model is None:
+    if kind in _DISTILLED and args.target_model is None:
         raise ValueError(f"--proposer {kind}:PATH needs --target-model (the target's folder: the draft is checked against it)")
     return DraftConfig(
         worker_id=args.worker_id, scheduler_address=args.scheduler_address, proposer=args.proposer,

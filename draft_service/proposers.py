@@ -15,8 +15,8 @@ One small interface (`Proposer`) with the implementations users run:
 - `PhraseProposer`: prompt lookup, then the target's own phrases, kept in a draft folder
   by `specserve distill` (`modeling.phrases`): what most often followed the longest match
   of the sequence's last tokens in the target's answers. A point mass too.
-- `LookupThenHead`: a lookup (prompt lookup, or prompt lookup then phrases) where it finds
-  something, the head everywhere else.
+- `LookupThenHead`: a lookup (prompt lookup, or prompt lookup then phrases: a `Lookup`)
+  where it finds something, the head everywhere else.
 
 Proposers for tests live in `draft_service.testing_proposers`.
 """
@@ -80,6 +80,14 @@ class Proposer(Protocol):
 
     @property
     def num_used_slots(self) -> int: ...
+
+
+class Lookup(Protocol):
+    """A proposer that runs no model: the same tokens for the same sequence (a point mass)."""
+
+    def phases(self) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]: ...
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]: ...
 
 
 def nothing() -> None:
@@ -379,8 +387,8 @@ class EagleProposer:
 
 
 class LookupThenHead:
-    """A lookup where it finds something (prompt lookup, then the target's own phrases when the
-    draft folder has them: `PhraseProposer`), an EAGLE head everywhere else.
+    """A lookup where it finds something (prompt lookup for `eagle+ngram`; prompt lookup, then
+    the target's own phrases for `eagle+phrases`), an EAGLE head everywhere else.
 
     A small target repeats the prompt and its own phrases often; where it does, a lookup's
     continuation is nearly free and often right for many tokens, so it gets the whole k.
@@ -390,7 +398,7 @@ class LookupThenHead:
     scheduler sends for every position.
     """
 
-    def __init__(self, head: EagleProposer, lookup: NgramProposer | PhraseProposer, head_tokens: int) -> None:
+    def __init__(self, head: EagleProposer, lookup: Lookup, head_tokens: int) -> None:
         self._head, self._lookup, self._head_tokens = head, lookup, head_tokens
         self.vocab_size = head.vocab_size
         self.vocab_fingerprint = head.vocab_fingerprint

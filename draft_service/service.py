@@ -21,7 +21,6 @@ from draft_service.proposers import (
 )
 from draft_service.sequences import SequenceStore
 from draft_service.testing_proposers import RandomProposer, ReplayProposer
-from modeling.phrases import FILE_NAME as PHRASE_FILE
 from proto import messages as m
 from proto.lifecycle import State
 
@@ -34,18 +33,18 @@ def make_proposer(config: DraftConfig) -> Proposer:
         case "phrases":
             assert config.target_model is not None  # checked with the arguments
             return PhraseProposer(Path(argument), config.target_model, NgramProposer(config.ngram_min, config.ngram_max))
-        case "eagle" | "eagle+ngram":
+        case "eagle" | "eagle+ngram" | "eagle+phrases":
             assert config.target_model is not None  # checked with the arguments
             head = EagleProposer(Path(argument), config.target_model, device=config.device, dtype=config.dtype,
                                  num_slots=config.num_seqs, max_len=config.max_model_len,
                                  max_draft_tokens=config.max_draft_tokens, draft_top_k=config.draft_top_k)
+            prompt_lookup = NgramProposer(config.ngram_min, config.ngram_max)
             if kind == "eagle":
                 return head
-            prompt_lookup = NgramProposer(config.ngram_min, config.ngram_max)
-            lookup: NgramProposer | PhraseProposer = prompt_lookup
-            if (Path(argument) / PHRASE_FILE).exists():  # folders made before distill wrote phrases have none
-                lookup = PhraseProposer(Path(argument), config.target_model, prompt_lookup)
-            return LookupThenHead(head, lookup, config.head_draft_tokens)
+            if kind == "eagle+ngram":
+                return LookupThenHead(head, prompt_lookup, config.head_draft_tokens)
+            return LookupThenHead(head, PhraseProposer(Path(argument), config.target_model, prompt_lookup),
+                                  config.head_draft_tokens)
         case "model":
             return ModelProposer(Path(argument), device=config.device, dtype=config.dtype, num_slots=config.num_seqs,
                                  max_len=config.max_model_len, max_draft_tokens=config.max_draft_tokens,
@@ -71,11 +70,12 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
         cfg = self._config
         self._proposer = make_proposer(cfg)
         model = cfg.model_path
+        runs_model = cfg.runs_model
         return m.WorkerHello(
             worker_id=cfg.worker_id, role="draft", incarnation=self.incarnation, protocol_version=m.PROTOCOL_VERSION,
             pid=os.getpid(), model_name=model.name if model else cfg.proposer, model_fingerprint="",
             vocab_size=self._proposer.vocab_size, max_model_len=cfg.max_model_len, num_kv_slots=cfg.num_seqs,
-            dtype=cfg.dtype if model else "", device=cfg.device if model else "",
+            dtype=cfg.dtype if runs_model else "", device=cfg.device if runs_model else "",
             vocab_fingerprint=self._proposer.vocab_fingerprint, max_draft_tokens=cfg.max_draft_tokens,
             feature_width=self._proposer.feature_width, target_fingerprint=self._proposer.target_fingerprint,
         )

@@ -1,10 +1,11 @@
-"""The target's own phrases: a store of its answers that drafts continue where the text is formulaic.
+"""The target's own phrases: a store of sequences it answered, which drafts continue where the text is formulaic.
 
 A small instruct model says the same things in the same words across requests ("Here's
-a Python function that", "I hope this helps!"). `specserve distill` keeps the answers the
-target wrote for its training data in the draft folder (`phrases.safetensors`); the draft
-service finds where the sequence's last tokens (3 to 8 of them, the longest that match)
-occur in those answers and proposes what followed them most often. Like prompt lookup it
+a Python function that", "I hope this helps!"). `specserve distill` keeps the sequences
+the target answered for its training data (chat template, request and the target's
+answer) in the draft folder (`phrases.safetensors`); the draft service finds where the
+sequence's last tokens (3 to 8 of them, the longest that match) occur in them and
+proposes what followed most often. Like prompt lookup it
 costs no model step, and verification keeps the output exact whatever it proposes.
 
 Index: every position c that follows a token, sorted by the tokens before it read
@@ -24,7 +25,7 @@ from safetensors.torch import load_file, save_file
 FILE_NAME = "phrases.safetensors"
 MAX_CONTEXT = 8  # the longest context matched
 MIN_CONTEXT = 3  # shorter matches guess worse than the head (measured: docs/benchmarks.md, issue 6)
-MAX_OCCURRENCES = 64  # continuations a proposal is voted from
+MAX_OCCURRENCES = 64  # continuations a proposal is voted from, spread evenly over all the occurrences
 _BOUNDARY = -1  # between sequences; never a token
 
 
@@ -63,7 +64,12 @@ class PhraseStore:
         path = folder / FILE_NAME
         if not path.exists():
             return None
-        tokens = load_file(path)["tokens"].numpy().astype(np.int64)
+        tensors = load_file(path)
+        if "tokens" not in tensors:
+            raise PhraseError(f"{path} has no 'tokens' tensor")
+        tokens = tensors["tokens"].numpy().astype(np.int64)
+        if tokens.ndim != 1 or tokens.size < 2 or tokens[0] != _BOUNDARY or tokens[-1] != _BOUNDARY:
+            raise PhraseError(f"{path}: 'tokens' must be one row that starts and ends with a boundary ({_BOUNDARY})")
         outside = tokens[(tokens != _BOUNDARY) & ((tokens < 0) | (tokens >= vocab_size))]
         if outside.size:
             raise PhraseError(f"{path} holds token id {int(outside[0])}, outside the target's vocabulary of {vocab_size}")
@@ -80,11 +86,14 @@ class PhraseStore:
 
     def continue_(self, context: list[int], k: int) -> list[int]:
         """Up to k tokens that most often followed the longest match (at least MIN_CONTEXT tokens) of the context's end."""
+        if k < 1:
+            return []
         found = self._longest_match(context)
-        if found is None or k < 1:
+        if found is None:
             return []
         lo, hi = found
-        starts = self._positions[lo : min(hi, lo + MAX_OCCURRENCES)]
+        count = min(hi - lo, MAX_OCCURRENCES)
+        starts = self._positions[lo + np.arange(count) * (hi - lo) // count]  # evenly: the range is sorted by context
         ahead = np.minimum(starts[:, None] + np.arange(k), len(self._tokens) - 1)  # the last entry is a boundary
         continuations = self._tokens[ahead]  # [occurrences, k]
         proposal: list[int] = []

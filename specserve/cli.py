@@ -38,7 +38,7 @@ def _build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="generate text through a running stack's gRPC API")
     add_generate_arguments(generate)
     generate.set_defaults(run=run_generate)
-    distill = commands.add_parser("distill", help="train an EAGLE-style draft head for a target, from the target's own outputs")
+    distill = commands.add_parser("distill", help="make a draft for a target from the target's own outputs: its phrases and an EAGLE-style head")
     _add_distill_arguments(distill)
     distill.set_defaults(run=_run_distill)
     prepare = commands.add_parser("prepare-model", help="convert the embedded default model once and print its folder")
@@ -69,7 +69,8 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
                              "lookup, then the embedded default model's own phrases shipped in drafts/; used unless told, "
                              "with ngram for any other model), phrases:PATH (prompt lookup, then the phrases in a folder "
                              "made by `specserve distill` for --model), eagle:PATH (the EAGLE head in such a folder), "
-                             "eagle+ngram:PATH (prompt lookup, then the folder's phrases, else its head), or model:PATH "
+                             "eagle+ngram:PATH (prompt lookup, else the folder's head), eagle+phrases:PATH (prompt lookup, "
+                             "then the folder's phrases, else its head), or model:PATH "
                              "(a draft model folder whose vocabulary matches the target's)")
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
                         help=f"draft tokens per sequence in a speculative step (default: {HEAD_DRAFT_TOKENS} for a draft head "
@@ -85,10 +86,11 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _draft_choice(value: str) -> str:
     kind, _, path = value.partition(":")
-    if value in ("none", "ngram", "default") or (kind in ("model", "phrases", "eagle", "eagle+ngram") and path):
+    if value in ("none", "ngram", "default") or (kind in ("model", "phrases", "eagle", "eagle+ngram", "eagle+phrases") and path):
         return value
     raise argparse.ArgumentTypeError(
-        f"expected none, ngram, default, phrases:PATH, eagle:PATH, eagle+ngram:PATH or model:PATH, got {value!r}")
+        f"expected none, ngram, default, phrases:PATH, eagle:PATH, eagle+ngram:PATH, eagle+phrases:PATH or model:PATH, "
+        f"got {value!r}")
 
 
 def _default_draft(model: Path) -> str:

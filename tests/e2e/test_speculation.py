@@ -153,7 +153,7 @@ def test_greedy_is_lossless_in_bfloat16_and_with_the_shipped_drafts(default_mode
         replay = tmp_path / "replay.json"
         replay.write_text(json.dumps([p + out for p, out in zip(ids, baseline)]))
         shipped = default_draft_dir()
-        for proposer in ("ngram", f"replay:{replay}", f"phrases:{shipped}", f"eagle:{shipped}", f"eagle+ngram:{shipped}"):
+        for proposer in ("ngram", f"replay:{replay}", f"phrases:{shipped}", f"eagle:{shipped}", f"eagle+phrases:{shipped}"):
             switch_draft(stack, proposer)
             before = stack.info().speculation
             results = run_staggered(stack, requests)

@@ -21,17 +21,17 @@ def test_the_shipped_draft_is_the_default_only_for_the_model_it_was_trained_for(
 def test_lookups_speculate_in_larger_steps_than_drafts_that_run_a_model() -> None:
     for proposer in ("ngram", "phrases:/d", _draft_proposer("default")):
         assert _default_spec_threshold(proposer) == 16
-    for proposer in ("eagle:/d", "eagle+ngram:/d", "model:/d"):
+    for proposer in ("eagle:/d", "eagle+ngram:/d", "eagle+phrases:/d", "model:/d"):
         assert _default_spec_threshold(proposer) == 4
 
 
 def test_draft_names_are_checked_and_heads_get_the_target(tmp_path: Path) -> None:
-    for good in ("none", "ngram", "default", "phrases:x", "eagle:x", "eagle+ngram:x", "model:x"):
+    for good in ("none", "ngram", "default", "phrases:x", "eagle:x", "eagle+ngram:x", "eagle+phrases:x", "model:x"):
         assert _draft_choice(good) == good
     for bad in ("eagle", "eagle+ngram:", "phrases", "ngram:x", "tree:x"):
         with pytest.raises(argparse.ArgumentTypeError):
             _draft_choice(bad)
-    for kind in ("eagle+ngram", "phrases"):
+    for kind in ("eagle+ngram", "eagle+phrases", "phrases"):
         args = _build_parser().parse_args(["up", "--draft", f"{kind}:{tmp_path}"])
         args.num_speculative_tokens, args.spec_disable_batch_threshold = 6, 4
         specs = {spec.name: spec.argv for spec in _service_specs(args, tmp_path / "model", "cpu", "bfloat16")}
@@ -58,5 +58,8 @@ def test_the_draft_service_checks_its_proposer_arguments() -> None:
     assert config("--proposer", "phrases:/d", "--target-model", "/t").model_path == Path("/d")
     with pytest.raises(ValueError, match="needs --target-model"):
         config("--proposer", "phrases:/d")
+    for kind in ("eagle+phrases", "eagle+ngram"):
+        assert config("--proposer", f"{kind}:/d", "--target-model", "/t").runs_model
+    assert not config("--proposer", "phrases:/d", "--target-model", "/t").runs_model
     with pytest.raises(ValueError, match="--head-draft-tokens"):
         config("--proposer", "eagle+ngram:/d", "--target-model", "/t", "--head-draft-tokens", "0")

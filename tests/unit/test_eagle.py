@@ -5,6 +5,7 @@ All on the tiny random target from tests/conftest.py.
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 
 from distill.data import write_requests
 from distill.train import DistillArgs, ResumeMismatch, run
-from draft_service.proposers import EagleProposer, LookupThenHead, NgramProposer, PhraseProposer, ProposeInput
+from draft_service.proposers import EagleProposer, LookupThenHead, NgramProposer, PhraseProposer, ProposeInput, Proposer
 from modeling.batch import SeqSpan
 from modeling.config import ModelConfig
 from modeling.eagle import DraftMismatch, EagleEngine, EagleHead, check_target
@@ -162,7 +163,7 @@ def test_a_short_distillation_lowers_the_loss_and_writes_a_draft_the_proposer_se
     proposer = _built(out, tiny_llama_folder, num_slots=1)
     (proposal,) = proposer.propose([ProposeInput("r", [1, 2, 3, 4], 0, 3, GREEDY, torch.randn(3, 64))])
     assert len(proposal.token_ids) == 3
-    # Beside the head, the answered sequences as phrases; eagle+ngram continues one of them from its own words.
+    # Beside the head, the answered sequences as phrases; eagle+phrases continues one of them from its own words.
     assert figures["phrase_tokens"] == sum(len(s["tokens"]) for s in answered)
     phrases = PhraseProposer(out, tiny_llama_folder, NgramProposer(2, 4))
     hybrid = LookupThenHead(_built(out, tiny_llama_folder, num_slots=1), phrases, 2)
@@ -259,3 +260,37 @@ def test_the_phrase_proposer_looks_up_the_prompt_first_then_the_targets_phrases_
     other = _other_target(tiny_llama_folder, tmp_path)
     with pytest.raises(DraftMismatch, match="another target model"):
         PhraseProposer(folder, other, NgramProposer(2, 4))
+
+
+def test_the_service_builds_each_distilled_kind_from_one_folder(
+    tiny_llama_folder: Path, tiny_draft: tuple[EagleHead, Path], tmp_path: Path,
+) -> None:
+    from draft_service.config import add_arguments, from_arguments
+    from draft_service.service import make_proposer
+
+    _, made = tiny_draft
+    folder = tmp_path / "draft"
+    shutil.copytree(made, folder)  # a head without phrases, as folders made before session 6
+
+    def built(kind: str) -> Proposer:
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        config = from_arguments(parser.parse_args(["--proposer", f"{kind}:{folder}", "--target-model", str(tiny_llama_folder),
+                                                   "--dtype", "float32", "--max-model-len", "64", "--num-seqs", "2",
+                                                   "--max-draft-tokens", "4"]))
+        assert config.runs_model == (kind != "phrases")
+        proposer = make_proposer(config)
+        for phase in proposer.phases():
+            phase()
+        return proposer
+
+    assert isinstance(built("eagle"), EagleProposer)
+    assert isinstance(built("eagle+ngram"), LookupThenHead)  # needs no phrases
+    for kind in ("phrases", "eagle+phrases"):
+        with pytest.raises(FileNotFoundError, match="phrases.safetensors"):
+            built(kind)
+    PhraseStore.from_sequences([[40, 41, 42, 43, 44, 45]]).save(folder)
+    phrases, hybrid = built("phrases"), built("eagle+phrases")
+    assert isinstance(phrases, PhraseProposer) and phrases.feature_width == 0 and hybrid.feature_width == 64
+    item = ProposeInput("r", [7, 41, 42, 43], 0, 4, GREEDY, torch.randn(3, 64))
+    assert [p.token_ids for p in phrases.propose([item])] == [p.token_ids for p in hybrid.propose([item])] == [[44, 45]]

@@ -7,8 +7,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
-from modeling.phrases import MAX_CONTEXT, MIN_CONTEXT, PhraseError, PhraseStore
+from modeling.phrases import MAX_CONTEXT, MAX_OCCURRENCES, MIN_CONTEXT, PhraseError, PhraseStore
 
 
 def test_the_longest_match_decides_and_its_continuation_runs_to_the_end_of_its_sequence() -> None:
@@ -24,6 +26,20 @@ def test_the_longest_match_decides_and_its_continuation_runs_to_the_end_of_its_s
 def test_the_most_frequent_continuation_wins_token_by_token() -> None:
     store = PhraseStore.from_sequences([[1, 2, 3, 7, 9], [1, 2, 3, 7, 8, 4], [1, 2, 3, 5], [6, 2, 3, 7, 8, 4]])
     assert store.continue_([0, 1, 2, 3], 4) == [7, 8, 4]  # 7 (2 of 3), then 8 or 9 (1 each: the lower), then 4
+
+
+def test_the_vote_samples_all_occurrences_evenly_when_there_are_more_than_it_reads() -> None:
+    assert MAX_OCCURRENCES == 64
+    # 100 occurrences of "1 2 3": the 40 that start a sequence sort first and go on with 7, the other 60 with 5.
+    store = PhraseStore.from_sequences([[1, 2, 3, 7]] * 40 + [[8, 1, 2, 3, 5]] * 60)
+    assert store.continue_([0, 1, 2, 3], 1) == [5]  # the first 64 alone would say 7
+
+
+def test_an_empty_store_and_proposals_past_the_last_sequence() -> None:
+    assert PhraseStore.from_sequences([]).continue_([1, 2, 3], 4) == []
+    assert PhraseStore.from_sequences([[]]).continue_([1, 2, 3], 4) == []
+    store = PhraseStore.from_sequences([[1, 2, 3, 4, 5]])
+    assert store.continue_([1, 2, 3], 20) == [4, 5]  # k far past the padding: the sequence's end stops it
 
 
 def test_short_matches_and_sequence_boundaries_give_nothing() -> None:
@@ -52,7 +68,7 @@ def _brute_force(sequences: list[list[int]], context: list[int], k: int) -> list
         found = [(seq, j) for seq in sequences for j in range(n, len(seq)) if seq[j - n : j] == tail]
         if not found:
             continue
-        assert len(found) <= 64  # the store votes among its first 64 occurrences; the test's data stays below that
+        assert len(found) <= MAX_OCCURRENCES  # (the store votes among a sample above that; the test's data stays below)
         proposal: list[int] = []
         for step in range(k):
             counts = Counter(seq[j + step] for seq, j in found if j + step < len(seq))
@@ -74,3 +90,11 @@ def test_the_file_round_trips_and_ids_outside_the_vocabulary_are_refused(tmp_pat
     assert loaded.continue_([5, 2, 3, 4], 1) == [9]
     with pytest.raises(PhraseError, match="token id 9, outside the target's vocabulary of 9"):
         PhraseStore.load(tmp_path, 9)
+    for bad in (torch.tensor([1, 2, 3, -1], dtype=torch.int32), torch.tensor([-1, 2, 3], dtype=torch.int32),
+                torch.tensor([[-1, 2, -1]], dtype=torch.int32)):
+        save_file({"tokens": bad}, str(tmp_path / "phrases.safetensors"))
+        with pytest.raises(PhraseError, match="starts and ends with a boundary"):
+            PhraseStore.load(tmp_path, 10)
+    save_file({"ids": torch.tensor([-1, -1], dtype=torch.int32)}, str(tmp_path / "phrases.safetensors"))
+    with pytest.raises(PhraseError, match="no 'tokens' tensor"):
+        PhraseStore.load(tmp_path, 10)

@@ -102,6 +102,17 @@ def test_above_the_threshold_steps_decode_plainly_and_below_it_speculation_resum
     assert sim.finish_reason("a") == sim.finish_reason("c") == "length"
 
 
+def test_the_draft_token_budget_is_shared_by_the_sequences_of_each_propose_request() -> None:
+    sim, worker, draft = setup(spec_draft_token_budget=4, spec_disable_batch_threshold=8, max_num_seqs=8)
+    for rid in "abcd":
+        sim.submit(rid, prompt(3, first=100 + 10 * ord(rid)), max_tokens=8)
+    worker.run(draft=draft)
+    asked = [(len(p.seqs), max(s.num_tokens for s in p.seqs)) for p in proposes(draft)]
+    assert (4, 1) in asked  # four decoding sequences: one draft token each
+    assert all(k <= 4 // n for n, k in asked)
+    assert all(sim.finish_reason(rid) == "length" for rid in "abcd")
+
+
 def test_threshold_zero_or_k_zero_never_proposes() -> None:
     for config in ({"spec_disable_batch_threshold": 0}, {"num_speculative_tokens": 0}):
         sim, worker, draft = setup(**config)
@@ -411,3 +422,16 @@ def test_features_keep_coming_while_a_draft_head_restarts_so_its_requests_specul
     assert any(seq.request_id == "a" for p in again.proposes for seq in p.seqs)
     assert sim.streamed("a") == SCRIPT[:12]
     assert_all_free(sim, worker)
+
+
+def test_the_speculation_flags_default_to_16_sequences_and_32_draft_tokens_and_refuse_negatives() -> None:
+    import argparse
+
+    from scheduler.config import add_arguments, from_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = from_arguments(parser.parse_args([]))
+    assert (config.spec_disable_batch_threshold, config.spec_draft_token_budget) == (16, 32)
+    with pytest.raises(ValueError, match="--spec-draft-token-budget must be at least 0"):
+        from_arguments(parser.parse_args(["--spec-draft-token-budget", "-1"]))
