@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.lifecycle_process import add_process_arguments, check_process_arguments
-from draft_service.defaults import HEAD_DRAFT_TOKENS
+from draft_service.defaults import DISTILLED_KINDS, HEAD_DRAFT_TOKENS, MODEL_KINDS
 from modeling.engine import DTYPES
 
 PROPOSER_HELP = (
@@ -18,9 +18,6 @@ PROPOSER_HELP = (
     "phrases, its head elsewhere), or, for tests "
     "only, 'random:VOCAB_SIZE' (random tokens) and 'replay:FILE' (continuations from a JSON list of token-id sequences)"
 )
-
-
-_DISTILLED = ("phrases", "eagle", "eagle+ngram", "eagle+phrases")  # folders made by `specserve distill` for one target
 
 
 @dataclass(frozen=True)
@@ -48,11 +45,11 @@ class DraftConfig:
     @property
     def model_path(self) -> Path | None:
         kind, _, path = self.proposer.partition(":")
-        return Path(path) if kind in ("model", *_DISTILLED) else None
+        return Path(path) if kind in ("model", *DISTILLED_KINDS) else None
 
     @property
     def runs_model(self) -> bool:
-        return self.proposer.partition(":")[0] in ("model", "eagle", "eagle+ngram", "eagle+phrases")
+        return self.proposer.partition(":")[0] in MODEL_KINDS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,11 +79,11 @@ def from_arguments(args: argparse.Namespace) -> DraftConfig:
     if args.ngram_max < args.ngram_min:
         raise ValueError(f"--ngram-max ({args.ngram_max}) is below --ngram-min ({args.ngram_min})")
     kind = args.proposer.split(":", 1)[0]
-    if kind not in ("ngram", "model", *_DISTILLED, "random", "replay") or (kind != "ngram") != (":" in args.proposer):
+    if kind not in ("ngram", "model", *DISTILLED_KINDS, "random", "replay") or (kind != "ngram") != (":" in args.proposer):
         raise ValueError(f"--proposer {args.proposer!r}: {PROPOSER_HELP}")
     if kind == "random" and not args.proposer.split(":", 1)[1].isdigit():
         raise ValueError(f"--proposer {args.proposer!r}: random needs the vocabulary size, e.g. random:49152")
-    if kind in _DISTILLED and args.target_model is None:
+    if kind in DISTILLED_KINDS and args.target_model is None:
         raise ValueError(f"--proposer {kind}:PATH needs --target-model (the target's folder: the draft is checked against it)")
     return DraftConfig(
         worker_id=args.worker_id, scheduler_address=args.scheduler_address, proposer=args.proposer,

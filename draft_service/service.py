@@ -38,9 +38,9 @@ def make_proposer(config: DraftConfig) -> Proposer:
             head = EagleProposer(Path(argument), config.target_model, device=config.device, dtype=config.dtype,
                                  num_slots=config.num_seqs, max_len=config.max_model_len,
                                  max_draft_tokens=config.max_draft_tokens, draft_top_k=config.draft_top_k)
-            prompt_lookup = NgramProposer(config.ngram_min, config.ngram_max)
             if kind == "eagle":
                 return head
+            prompt_lookup = NgramProposer(config.ngram_min, config.ngram_max)
             if kind == "eagle+ngram":
                 return LookupThenHead(head, prompt_lookup, config.head_draft_tokens)
             return LookupThenHead(head, PhraseProposer(Path(argument), config.target_model, prompt_lookup),

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from common import logs
-from draft_service.defaults import HEAD_DRAFT_TOKENS
+from draft_service.defaults import DISTILLED_KINDS, HEAD_DRAFT_TOKENS, MODEL_KINDS
 from specserve.supervisor import GaveUp, RestartPolicy, ServiceSpec, Supervisor
 
 SERVICE_MODULES = {"scheduler": "scheduler", "worker": "gpu_worker", "draft": "draft_service", "gateway": "gateway"}
@@ -86,7 +86,7 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _draft_choice(value: str) -> str:
     kind, _, path = value.partition(":")
-    if value in ("none", "ngram", "default") or (kind in ("model", "phrases", "eagle", "eagle+ngram", "eagle+phrases") and path):
+    if value in ("none", "ngram", "default") or (kind in ("model", *DISTILLED_KINDS) and path):
         return value
     raise argparse.ArgumentTypeError(
         f"expected none, ngram, default, phrases:PATH, eagle:PATH, eagle+ngram:PATH, eagle+phrases:PATH or model:PATH, "
@@ -107,7 +107,7 @@ def _default_draft(model: Path) -> str:
 
 def _default_spec_threshold(proposer: str) -> int:
     """Lookups cost the draft nothing and pay up to 16 sequences a step (with k shrinking); drafts that run a model, to 4."""
-    return 4 if proposer.startswith(("eagle", "model")) else 16
+    return 4 if proposer.partition(":")[0] in MODEL_KINDS else 16
 
 
 def _draft_proposer(draft: str) -> str:
@@ -220,7 +220,7 @@ def _service_specs(args: argparse.Namespace, model: Path, device: str, dtype: st
             "--num-threads", str(num_threads)] + log_flag, stop_order=1))
     if args.draft != "none":
         proposer = _draft_proposer(args.draft)
-        target = ["--target-model", str(model)] if proposer.startswith(("phrases", "eagle")) else []
+        target = ["--target-model", str(model)] if proposer.partition(":")[0] in DISTILLED_KINDS else []
         specs.append(ServiceSpec("draft", python + [
             "draft_service", "--worker-id", "draft-0", "--proposer", proposer, *target, "--scheduler-address", worker_address,
             "--device", "cuda:0" if device == "cuda" else device, "--dtype", dtype, "--max-model-len", str(args.max_model_len),
