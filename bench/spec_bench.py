@@ -6,7 +6,12 @@ reports completion tokens per second, the acceptance rate and the mean accepted 
 (from the server's counters), and whether the outputs are token-identical to the first
 configuration's. Figures are ratios measured in one run on the same machine.
 
-    python bench/spec_bench.py --output-len 128 --config none --config ngram
+With `--rounds N` the configurations take turns N times (none, ngram, none, ngram, ...),
+and each speed-up is the median of its rounds' ratios to the first configuration in the
+same round: on a shared machine the plain speed drifts by 5-15% within minutes, which a
+ratio taken across rounds would count as a gain or a loss.
+
+    python bench/spec_bench.py --output-len 128 --config none --config ngram [--rounds 3]
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import argparse
 import asyncio
 import json
 import shlex
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -38,6 +44,7 @@ from proto import specserve_pb2_grpc as pb_grpc
 class WorkloadResult:
     config: str
     workload: str
+    round: int
     num_requests: int
     num_output_tokens: int
     duration_s: float
@@ -60,7 +67,7 @@ async def _one(stub: pb_grpc.SpecServeStub, prompt_ids: list[int], output_len: i
 
 
 async def _run_config(address: str, config: str, prompts_of: dict[str, list[list[int]]], output_len: int,
-                      repeats: int) -> list[WorkloadResult]:
+                      repeats: int, round_index: int) -> list[WorkloadResult]:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.SpecServeStub(channel)
         await _one(stub, [1, 2, 3], 8)  # warm-up
@@ -78,7 +85,7 @@ async def _run_config(address: str, config: str, prompts_of: dict[str, list[list
             verify_steps = after.num_verify_steps - before.num_verify_steps
             num_tokens = repeats * sum(len(o) for o in outputs)
             results.append(WorkloadResult(
-                config=config, workload=workload, num_requests=repeats * len(prompts), num_output_tokens=num_tokens,
+                config=config, workload=workload, round=round_index, num_requests=repeats * len(prompts), num_output_tokens=num_tokens,
                 duration_s=duration_s, tokens_per_s=num_tokens / duration_s, num_draft_tokens=proposed,
                 num_accepted_draft_tokens=accepted, num_verify_steps=verify_steps,
                 acceptance_rate=accepted / proposed if proposed else 0.0,
@@ -99,12 +106,22 @@ class Divergence:
     top2_margin: float  # the target's top-2 logit gap there, recomputed on the first configuration's prefix
 
 
+def _baselines(results: Sequence[WorkloadResult]) -> dict[tuple[str, int], WorkloadResult]:
+    """The first configuration's result for each (workload, round)."""
+    return {(r.workload, r.round): r for r in results if r.config == results[0].config}
+
+
+def _first_outputs(results: Sequence[WorkloadResult]) -> dict[str, list[list[int]]]:
+    """What every output is compared with: the first configuration's, in the first round."""
+    return {workload: r.outputs for (workload, round_index), r in _baselines(results).items() if round_index == 0}
+
+
 def find_divergences(results: Sequence[WorkloadResult]) -> list[tuple[WorkloadResult, int, int]]:
-    """(result, prompt index, first differing position) against the first configuration's outputs."""
-    baseline = {r.workload: r for r in results if r.config == results[0].config}
+    """(result, prompt index, first differing position) against the first configuration's outputs in its first round."""
+    first = _first_outputs(results)
     found = []
     for r in results:
-        for index, (ours, theirs) in enumerate(zip(r.outputs, baseline[r.workload].outputs)):
+        for index, (ours, theirs) in enumerate(zip(r.outputs, first[r.workload])):
             position = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
             if position is not None:
                 found.append((r, index, position))
@@ -126,10 +143,10 @@ def explain_divergences(results: Sequence[WorkloadResult], prompts_of: dict[str,
     engine = ModelEngine(model, ModelConfig.from_folder(model), device="cpu", dtype=dtype, num_slots=1, max_len=2048)
     engine.load()
     engine.allocate()
-    baseline = {r.workload: r for r in results if r.config == results[0].config}
+    first = _first_outputs(results)
     explained = []
     for r, index, position in found:
-        prefix = prompts_of[r.workload][index] + baseline[r.workload].outputs[index][:position]
+        prefix = prompts_of[r.workload][index] + first[r.workload][index][:position]
         logits = engine.forward([SeqSpan(0, 0, prefix, 1)])[0].float()
         top2 = torch.topk(logits, 2).values
         explained.append(Divergence(r.config, r.workload, index, position, float(top2[0] - top2[1])))
@@ -137,14 +154,22 @@ def explain_divergences(results: Sequence[WorkloadResult], prompts_of: dict[str,
 
 
 def format_table(results: Sequence[WorkloadResult]) -> str:
-    baseline = {r.workload: r for r in results if r.config == results[0].config}
-    lines = ["| config | workload | tok/s | vs first | acceptance | accepted per verify | identical to first |",
-             "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    """One row per configuration and workload: tok/s of each round, the median of the rounds' ratios to the first."""
+    baselines = _baselines(results)
+    first_outputs = _first_outputs(results)
+    rows: dict[tuple[str, str], list[WorkloadResult]] = {}
     for r in results:
-        base = baseline[r.workload]
-        same = sum(1 for a, b in zip(r.outputs, base.outputs) if a == b)
-        lines.append(f"| {r.config} | {r.workload} | {r.tokens_per_s:.1f} | {r.tokens_per_s / base.tokens_per_s:.2f}x | "
-                     f"{r.acceptance_rate:.2f} | {r.mean_accepted_length:.2f} | {same}/{len(r.outputs)} |")
+        rows.setdefault((r.config, r.workload), []).append(r)
+    lines = ["| config | workload | tok/s (each round) | vs first (median) | acceptance | accepted per verify | identical to first |",
+             "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    for (config, workload), rounds in rows.items():
+        ratios = [r.tokens_per_s / baselines[(workload, r.round)].tokens_per_s for r in rounds]
+        last = rounds[-1]
+        same = min(sum(1 for a, b in zip(r.outputs, first_outputs[workload]) if a == b) for r in rounds)
+        speeds = ", ".join(f"{r.tokens_per_s:.1f}" for r in rounds)
+        spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+        lines.append(f"| {config} | {workload} | {speeds} | {statistics.median(ratios):.2f}x{spread} | "
+                     f"{last.acceptance_rate:.2f} | {last.mean_accepted_length:.2f} | {same}/{len(last.outputs)} |")
     return "\n".join(lines)
 
 
@@ -156,6 +181,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "'eagle:drafts/SmolLM2-135M-Instruct' (the head alone) (repeatable; default: none, ngram)")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1, help="passes over each workload's prompts")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="times the configurations take turns; each speed-up is the median of the rounds' ratios")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
     parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS), default=None,
                         help="workloads to run (repeatable; default: all)")
@@ -174,15 +201,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer = Tokenizer.load(model)
     prompts_of = {name: [tokenizer.encode_chat([ChatMessage("user", text)]) for text in texts] for name, texts in WORKLOADS.items()
                   if args.workload is None or name in args.workload}
+    if args.rounds < 1 or args.repeats < 1:
+        raise SystemExit("spec_bench: --rounds and --repeats must be at least 1")
     results: list[WorkloadResult] = []
-    for config in configs:
-        draft, *rest = shlex.split(config)
-        options = StackOptions(specserve=specserve, port=_free_port(), http_port=_free_port(), dtype=args.dtype,
-                               extra_args=("--draft", draft, *rest))
-        print(f"starting: {shlex.join(options.argv())}", file=sys.stderr, flush=True)
-        with running_stack(options) as stack:
-            dtype = stack.dtype or "bfloat16"
-            results += asyncio.run(_run_config(stack.address, config, prompts_of, args.output_len, args.repeats))
+    for round_index in range(args.rounds):
+        for config in configs:
+            draft, *rest = shlex.split(config)
+            options = StackOptions(specserve=specserve, port=_free_port(), http_port=_free_port(), dtype=args.dtype,
+                                   extra_args=("--draft", draft, *rest))
+            print(f"round {round_index + 1}/{args.rounds}, starting: {shlex.join(options.argv())}", file=sys.stderr, flush=True)
+            with running_stack(options) as stack:
+                dtype = stack.dtype or "bfloat16"
+                results += asyncio.run(_run_config(stack.address, config, prompts_of, args.output_len, args.repeats,
+                                                   round_index))
     print(format_table(results))
     divergences = explain_divergences(results, prompts_of, dtype, model)
     for d in divergences:

@@ -75,6 +75,9 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
                         help=f"draft tokens per sequence in a speculative step (default: {HEAD_DRAFT_TOKENS} for a draft head "
                              "alone, else 6)")
+    parser.add_argument("--head-draft-tokens", type=int, default=None,
+                        help=f"eagle+ngram and eagle+phrases: the longest proposal the head makes where no lookup matches "
+                             f"(default: the draft service's, {HEAD_DRAFT_TOKENS}; a lookup's may reach the whole k)")
     parser.add_argument("--spec-disable-batch-threshold", type=int, default=None,
                         help="speculate only when a step has at most this many sequences (default: 16 for prompt lookup "
                              "and phrases, 4 for a draft that runs a model: measured in docs/benchmarks.md)")
@@ -221,6 +224,8 @@ def _service_specs(args: argparse.Namespace, model: Path, device: str, dtype: st
     if args.draft != "none":
         proposer = _draft_proposer(args.draft)
         target = ["--target-model", str(model)] if proposer.partition(":")[0] in DISTILLED_KINDS else []
+        if args.head_draft_tokens is not None:
+            target += ["--head-draft-tokens", str(args.head_draft_tokens)]
         specs.append(ServiceSpec("draft", python + [
             "draft_service", "--worker-id", "draft-0", "--proposer", proposer, *target, "--scheduler-address", worker_address,
             "--device", "cuda:0" if device == "cuda" else device, "--dtype", dtype, "--max-model-len", str(args.max_model_len),

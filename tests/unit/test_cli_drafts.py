@@ -40,6 +40,15 @@ def test_draft_names_are_checked_and_heads_get_the_target(tmp_path: Path) -> Non
         command = specs["draft"]
         assert command[command.index("--proposer") + 1] == f"{kind}:{tmp_path.resolve()}"
         assert command[command.index("--target-model") + 1] == str(tmp_path / "model")
+        assert "--head-draft-tokens" not in command  # unless told: the draft service's own default
+
+
+def test_the_heads_proposal_length_reaches_the_draft_service(tmp_path: Path) -> None:
+    args = _build_parser().parse_args(["up", "--draft", f"eagle+phrases:{tmp_path}", "--head-draft-tokens", "1"])
+    args.num_speculative_tokens, args.spec_disable_batch_threshold = 6, 4
+    command = {spec.name: spec.argv for spec in _service_specs(args, tmp_path / "model", "cpu", "bfloat16")}["draft"]
+    assert command[command.index("--head-draft-tokens") + 1] == "1"
+    assert command[command.index("--max-draft-tokens") + 1] == "6"  # a lookup's proposal may still reach k
 
 
 
