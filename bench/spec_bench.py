@@ -192,6 +192,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.rounds < 1 or args.repeats < 1:
+        raise SystemExit("spec_bench: --rounds and --repeats must be at least 1")
     configs = args.config or ["none", "ngram"]
     specserve = Path(sys.executable).parent / "specserve"
     from gateway.tokenizer import ChatMessage, Tokenizer
@@ -201,8 +203,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer = Tokenizer.load(model)
     prompts_of = {name: [tokenizer.encode_chat([ChatMessage("user", text)]) for text in texts] for name, texts in WORKLOADS.items()
                   if args.workload is None or name in args.workload}
-    if args.rounds < 1 or args.repeats < 1:
-        raise SystemExit("spec_bench: --rounds and --repeats must be at least 1")
     results: list[WorkloadResult] = []
     for round_index in range(args.rounds):
         for config in configs:

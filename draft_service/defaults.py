@@ -5,6 +5,7 @@
 HEAD_KINDS = ("eagle", "eagle+ngram", "eagle+phrases")
 DISTILLED_KINDS = ("phrases", *HEAD_KINDS)
 MODEL_KINDS = ("model", *HEAD_KINDS)
+LOOKUP_THEN_HEAD_KINDS = ("eagle+ngram", "eagle+phrases")  # the head proposes only where no lookup matches
 
 # How many tokens a draft head proposes at a time, unless told: beyond this many its
 # proposals are accepted too rarely to pay for themselves (docs/benchmarks.md, issue 6).

@@ -14,7 +14,8 @@ One small interface (`Proposer`) with the implementations users run:
   tokens; it proposes among its draft vocabulary, mapped back to the target's ids.
 - `PhraseProposer`: prompt lookup, then the target's own phrases, kept in a draft folder
   by `specserve distill` (`modeling.phrases`): what most often followed the longest match
-  of the sequence's last tokens in the target's answers. A point mass too.
+  of the sequence's last tokens in the target's answers (after a match of 1 or 2 tokens,
+  only as many). A point mass too.
 - `LookupThenHead`: a lookup (prompt lookup, or prompt lookup then phrases: a `Lookup`)
   where it finds something, the head everywhere else.
 
@@ -36,6 +37,7 @@ from modeling.eagle import EagleEngine, check_target
 from modeling.engine import ModelEngine
 from modeling.kv_cache import SlotTable
 from modeling.phrases import FILE_NAME as PHRASE_FILE
+from modeling.phrases import MIN_CONTEXT as PHRASE_MIN_CONTEXT
 from modeling.phrases import PhraseStore
 from modeling.sampling import generator_for, is_greedy, target_probs
 from proto.messages import SamplingParams, SparseDist
@@ -146,14 +148,21 @@ class NgramProposer(StatelessProposer):
 
 
 class PhraseProposer(StatelessProposer):
-    """Prompt lookup, then the target's own phrases (modeling/phrases.py) from a draft folder made for this target."""
+    """Prompt lookup, then the target's own phrases (modeling/phrases.py) from a draft folder made for this target.
 
-    def __init__(self, folder: Path, target_folder: Path, prompt_lookup: NgramProposer) -> None:
+    `min_context`: the shortest phrase match it proposes from. Alone it takes any match
+    (a short one proposes one or two tokens); before a head, only matches of FULL_CONTEXT
+    tokens, and the head guesses where those fail (its first token is right more often
+    than a short match's).
+    """
+
+    def __init__(self, folder: Path, target_folder: Path, prompt_lookup: NgramProposer,
+                 min_context: int = PHRASE_MIN_CONTEXT) -> None:
         meta = check_target(folder, target_folder)  # refuses a folder made for another target, as a head does
         self.vocab_size = ModelConfig.from_folder(target_folder).vocab_size
         self.vocab_fingerprint = meta.vocab_fingerprint
         self.target_fingerprint = meta.target_fingerprint
-        self._folder, self._prompt_lookup = folder, prompt_lookup
+        self._folder, self._prompt_lookup, self._min_context = folder, prompt_lookup, min_context
         self._phrases: PhraseStore | None = None
 
     def phases(self) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
@@ -170,7 +179,7 @@ class PhraseProposer(StatelessProposer):
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         assert self._phrases is not None  # loaded
-        return self._prompt_lookup.lookup(tokens, k) or self._phrases.continue_(tokens, k)
+        return self._prompt_lookup.lookup(tokens, k) or self._phrases.continue_(tokens, k, self._min_context)
 
     def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
         return [Proposed(self.lookup(item.token_ids, item.num_tokens)) for item in batch]

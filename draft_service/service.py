@@ -21,6 +21,7 @@ from draft_service.proposers import (
 )
 from draft_service.sequences import SequenceStore
 from draft_service.testing_proposers import RandomProposer, ReplayProposer
+from modeling.phrases import FULL_CONTEXT as PHRASE_FULL_CONTEXT
 from proto import messages as m
 from proto.lifecycle import State
 
@@ -43,8 +44,8 @@ def make_proposer(config: DraftConfig) -> Proposer:
             prompt_lookup = NgramProposer(config.ngram_min, config.ngram_max)
             if kind == "eagle+ngram":
                 return LookupThenHead(head, prompt_lookup, config.head_draft_tokens)
-            return LookupThenHead(head, PhraseProposer(Path(argument), config.target_model, prompt_lookup),
-                                  config.head_draft_tokens)
+            phrases = PhraseProposer(Path(argument), config.target_model, prompt_lookup, min_context=PHRASE_FULL_CONTEXT)
+            return LookupThenHead(head, phrases, config.head_draft_tokens)
         case "model":
             return ModelProposer(Path(argument), device=config.device, dtype=config.dtype, num_slots=config.num_seqs,
                                  max_len=config.max_model_len, max_draft_tokens=config.max_draft_tokens,

@@ -4,8 +4,9 @@ A small instruct model says the same things in the same words across requests ("
 a Python function that", "I hope this helps!"). `specserve distill` keeps the sequences
 the target answered for its training data (chat template, request and the target's
 answer) in the draft folder (`phrases.safetensors`); the draft service finds where the
-sequence's last tokens (3 to 8 of them, the longest that match) occur in them and
-proposes what followed most often. Like prompt lookup it
+sequence's last tokens (1 to 8 of them, the longest that match) occur in them and
+proposes what followed most often: up to k tokens after a match of 3 or more, at most as
+many as it matched after a shorter one. Like prompt lookup it
 costs no model step, and verification keeps the output exact whatever it proposes.
 
 Index: every position c that follows a token, sorted by the tokens before it read
@@ -24,7 +25,13 @@ from safetensors.torch import load_file, save_file
 
 FILE_NAME = "phrases.safetensors"
 MAX_CONTEXT = 8  # the longest context matched
-MIN_CONTEXT = 3  # shorter matches guess worse than the head (measured: docs/benchmarks.md, issue 6)
+MIN_CONTEXT = 1  # the shortest match that proposes anything (unless the caller asks for more)
+# From this many tokens matched on, a proposal may be k tokens long; a shorter match of n
+# tokens proposes at most n. Its guesses are right less often (on chat the first token of
+# a 2-token match 21% of the time, of a 6-token one 56%), but one or two draft tokens cost
+# the verify step little, and without them most chat steps guess nothing at all
+# (docs/benchmarks.md, issue 6, session 7).
+FULL_CONTEXT = 3
 MAX_OCCURRENCES = 64  # continuations a proposal is voted from, spread evenly over all the occurrences
 _BOUNDARY = -1  # between sequences; never a token
 
@@ -84,14 +91,17 @@ class PhraseStore:
     def num_tokens(self) -> int:
         return int((self._tokens != _BOUNDARY).sum())
 
-    def continue_(self, context: list[int], k: int) -> list[int]:
-        """Up to k tokens that most often followed the longest match (at least MIN_CONTEXT tokens) of the context's end."""
+    def continue_(self, context: list[int], k: int, min_context: int = MIN_CONTEXT) -> list[int]:
+        """Up to k tokens that most often followed the longest match (at least min_context tokens) of the context's end;
+        a match shorter than FULL_CONTEXT proposes at most as many tokens as it matched."""
         if k < 1:
             return []
-        found = self._longest_match(context)
+        found = self._longest_match(context, min_context)
         if found is None:
             return []
-        lo, hi = found
+        lo, hi, matched = found
+        if matched < FULL_CONTEXT:
+            k = min(k, matched)
         count = min(hi - lo, MAX_OCCURRENCES)
         starts = self._positions[lo + np.arange(count) * (hi - lo) // count]  # evenly: the range is sorted by context
         ahead = np.minimum(starts[:, None] + np.arange(k), len(self._tokens) - 1)  # the last entry is a boundary
@@ -108,8 +118,9 @@ class PhraseStore:
             continuations = continuations[continuations[:, step] == token]
         return proposal
 
-    def _longest_match(self, context: list[int]) -> tuple[int, int] | None:
-        """The range of sorted positions whose preceding tokens end like the context, for the longest such end."""
+    def _longest_match(self, context: list[int], min_context: int) -> tuple[int, int, int] | None:
+        """The range of sorted positions whose preceding tokens end like the context, for the longest such end,
+        and that end's length."""
         lo, hi = 0, len(self._positions)
         best = None
         for depth in range(min(MAX_CONTEXT, len(context))):
@@ -119,8 +130,8 @@ class PhraseStore:
             if a == b:
                 break
             lo, hi = lo + a, lo + b
-            if depth + 1 >= MIN_CONTEXT:
-                best = (lo, hi)
+            if depth + 1 >= min_context:
+                best = (lo, hi, depth + 1)
         return best
 
     def _column(self, depth: int, lo: int, hi: int) -> np.ndarray:

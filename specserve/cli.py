@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from common import logs
-from draft_service.defaults import DISTILLED_KINDS, HEAD_DRAFT_TOKENS, MODEL_KINDS
+from draft_service.defaults import DISTILLED_KINDS, HEAD_DRAFT_TOKENS, LOOKUP_THEN_HEAD_KINDS, MODEL_KINDS
 from specserve.supervisor import GaveUp, RestartPolicy, ServiceSpec, Supervisor
 
 SERVICE_MODULES = {"scheduler": "scheduler", "worker": "gpu_worker", "draft": "draft_service", "gateway": "gateway"}
@@ -169,6 +169,10 @@ def _run_up(args: argparse.Namespace) -> int:
     if args.draft is None:
         args.draft = _default_draft(model)
     proposer = _draft_proposer(args.draft)
+    if args.head_draft_tokens is not None and (args.head_draft_tokens < 1
+                                               or proposer.partition(":")[0] not in LOOKUP_THEN_HEAD_KINDS):
+        raise SystemExit(f"specserve up: --head-draft-tokens must be at least 1, with --draft "
+                         f"{' or '.join(f'{kind}:PATH' for kind in LOOKUP_THEN_HEAD_KINDS)}")
     if args.num_speculative_tokens is None:
         # A head's later proposals are accepted rarely (docs/benchmarks.md); a lookup's long ones often.
         args.num_speculative_tokens = HEAD_DRAFT_TOKENS if proposer.startswith("eagle:") else 6
@@ -223,11 +227,11 @@ def _service_specs(args: argparse.Namespace, model: Path, device: str, dtype: st
             "--num-threads", str(num_threads)] + log_flag, stop_order=1))
     if args.draft != "none":
         proposer = _draft_proposer(args.draft)
-        target = ["--target-model", str(model)] if proposer.partition(":")[0] in DISTILLED_KINDS else []
+        proposer_args = ["--target-model", str(model)] if proposer.partition(":")[0] in DISTILLED_KINDS else []
         if args.head_draft_tokens is not None:
-            target += ["--head-draft-tokens", str(args.head_draft_tokens)]
+            proposer_args += ["--head-draft-tokens", str(args.head_draft_tokens)]
         specs.append(ServiceSpec("draft", python + [
-            "draft_service", "--worker-id", "draft-0", "--proposer", proposer, *target, "--scheduler-address", worker_address,
+            "draft_service", "--worker-id", "draft-0", "--proposer", proposer, *proposer_args, "--scheduler-address", worker_address,
             "--device", "cuda:0" if device == "cuda" else device, "--dtype", dtype, "--max-model-len", str(args.max_model_len),
             "--num-seqs", str(args.num_kv_slots * args.num_workers), "--max-draft-tokens", str(max(args.num_speculative_tokens, 1)),
             "--num-threads", "1" if device == "cpu" else "0"] + log_flag, stop_order=1, essential=False))

@@ -51,6 +51,17 @@ def test_the_heads_proposal_length_reaches_the_draft_service(tmp_path: Path) -> 
     assert command[command.index("--max-draft-tokens") + 1] == "6"  # a lookup's proposal may still reach k
 
 
+@pytest.mark.parametrize("draft, head_draft_tokens", [("ngram", "1"), ("eagle:{dir}", "1"), ("eagle+phrases:{dir}", "0")])
+def test_head_draft_tokens_is_refused_before_anything_starts_where_it_means_nothing(
+        tiny_llama_folder: Path, tmp_path: Path, draft: str, head_draft_tokens: str) -> None:
+    from specserve.cli import _run_up
+
+    args = _build_parser().parse_args(["up", "--model", str(tiny_llama_folder), "--draft", draft.format(dir=tmp_path),
+                                       "--head-draft-tokens", head_draft_tokens])
+    with pytest.raises(SystemExit, match="--head-draft-tokens must be at least 1, with --draft eagle\\+ngram:PATH"):
+        _run_up(args)
+
+
 
 def test_the_draft_service_checks_its_proposer_arguments() -> None:
     from draft_service.config import DraftConfig, add_arguments, from_arguments

@@ -266,6 +266,7 @@ def test_the_service_builds_each_distilled_kind_from_one_folder(
     tiny_llama_folder: Path, tiny_draft: tuple[EagleHead, Path], tmp_path: Path,
 ) -> None:
     from draft_service.config import add_arguments, from_arguments
+    from draft_service.defaults import HEAD_DRAFT_TOKENS
     from draft_service.service import make_proposer
 
     _, made = tiny_draft
@@ -294,3 +295,10 @@ def test_the_service_builds_each_distilled_kind_from_one_folder(
     assert isinstance(phrases, PhraseProposer) and phrases.feature_width == 0 and hybrid.feature_width == 64
     item = ProposeInput("r", [7, 41, 42, 43], 0, 4, GREEDY, torch.randn(3, 64))
     assert [p.token_ids for p in phrases.propose([item])] == [p.token_ids for p in hybrid.propose([item])] == [[44, 45]]
+    # Only "43" matches: the phrases alone guess one token; before the head only full matches count, so the head guesses.
+    features = torch.randn(2, 64)
+    (from_phrases,) = phrases.propose([ProposeInput("s", [7, 8, 43], 0, 4, GREEDY)])
+    (from_hybrid,) = hybrid.propose([ProposeInput("s", [7, 8, 43], 0, 4, GREEDY, features)])
+    (from_head,) = built("eagle").propose([ProposeInput("s", [7, 8, 43], 0, HEAD_DRAFT_TOKENS, GREEDY, features)])
+    assert from_phrases.token_ids == [44]
+    assert from_hybrid.token_ids == from_head.token_ids and len(from_head.token_ids) == HEAD_DRAFT_TOKENS

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from modeling.phrases import MAX_CONTEXT, MAX_OCCURRENCES, MIN_CONTEXT, PhraseError, PhraseStore
+from modeling.phrases import FULL_CONTEXT, MAX_CONTEXT, MAX_OCCURRENCES, MIN_CONTEXT, PhraseError, PhraseStore
 
 
 def test_the_longest_match_decides_and_its_continuation_runs_to_the_end_of_its_sequence() -> None:
@@ -42,29 +42,48 @@ def test_an_empty_store_and_proposals_past_the_last_sequence() -> None:
     assert store.continue_([1, 2, 3], 20) == [4, 5]  # k far past the padding: the sequence's end stops it
 
 
-def test_short_matches_and_sequence_boundaries_give_nothing() -> None:
-    assert MIN_CONTEXT == 3
+def test_a_short_match_proposes_at_most_as_many_tokens_as_it_matched() -> None:
+    assert (MIN_CONTEXT, FULL_CONTEXT) == (1, 3)
+    store = PhraseStore.from_sequences([[1, 2, 3, 4, 5, 6, 7], [8, 9]])
+    assert store.continue_([0, 1, 2, 3], 6) == [4, 5, 6, 7]  # 3 tokens matched: the whole continuation
+    assert store.continue_([0, 2, 3], 6) == [4, 5]  # "2 3": two tokens
+    assert store.continue_([0, 3], 6) == [4]  # "3": one
+    assert store.continue_([2, 3], 6) == [4, 5]  # a context shorter than FULL_CONTEXT is a short match too
+    assert store.continue_([0, 2, 3], 1) == [4]  # and k still caps it
+    assert store.continue_([0, 2, 3], 6, min_context=FULL_CONTEXT) == []  # a caller that takes only full matches
+    assert store.continue_([0, 1, 2, 3], 6, min_context=FULL_CONTEXT) == [4, 5, 6, 7]
+
+
+def test_matches_stop_at_sequence_boundaries_and_unknown_tokens_give_nothing() -> None:
     store = PhraseStore.from_sequences([[1, 2, 3, 4], [5, 6, 7]])
-    assert store.continue_([8, 2, 3], 3) == []  # only "2 3" matches: too short
-    assert store.continue_([2, 3], 3) == []  # a context shorter than MIN_CONTEXT
-    assert store.continue_([3, 4, 5], 3) == []  # "3 4 | 5 6" spans two sequences
+    assert store.continue_([3, 4, 5], 3) == [6]  # "3 4 | 5" spans two sequences: only "5" matches
     assert store.continue_([5, 6, 7], 3) == []  # nothing follows the end of a sequence
+    assert store.continue_([1, 2, 0], 3) == []  # 0 is in no sequence
     assert store.continue_([1, 2, 3], 0) == []
 
 
 def test_it_proposes_what_a_brute_force_search_proposes() -> None:
     rng = random.Random(3)
-    sequences = [[rng.randrange(6) for _ in range(rng.randrange(1, 40))] for _ in range(30)]
+    # 20 token kinds in ~600 tokens: each single token occurs at most 64 times, under the vote's sample.
+    sequences = [[rng.randrange(20) for _ in range(rng.randrange(1, 40))] for _ in range(30)]
     store = PhraseStore.from_sequences(sequences)
-    for _ in range(400):
-        context = [rng.randrange(6) for _ in range(rng.randrange(1, 12))]
+    for index in range(600):
+        if index % 2:  # half end in a stretch of a stored sequence, so that long matches are common
+            source = rng.choice(sequences)
+            end = rng.randrange(1, len(source) + 1)
+            context = [rng.randrange(20) for _ in range(rng.randrange(0, 3))] + source[max(0, end - rng.randrange(1, 10)):end]
+        else:
+            context = [rng.randrange(20) for _ in range(rng.randrange(1, 12))]
         k = rng.randrange(1, 6)
-        assert store.continue_(context, k) == _brute_force(sequences, context, k), context
+        for min_context in (MIN_CONTEXT, FULL_CONTEXT):
+            assert store.continue_(context, k, min_context) == _brute_force(sequences, context, k, min_context), context
 
 
-def _brute_force(sequences: list[list[int]], context: list[int], k: int) -> list[int]:
-    for n in range(min(MAX_CONTEXT, len(context)), MIN_CONTEXT - 1, -1):
+def _brute_force(sequences: list[list[int]], context: list[int], k: int, min_context: int) -> list[int]:
+    for n in range(min(MAX_CONTEXT, len(context)), min_context - 1, -1):
         tail = context[-n:]
+        if n < FULL_CONTEXT:
+            k = min(k, n)
         found = [(seq, j) for seq in sequences for j in range(n, len(seq)) if seq[j - n : j] == tail]
         if not found:
             continue
