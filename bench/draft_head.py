@@ -34,7 +34,7 @@ from bench.spec_prompts import CHAT, CODE
 from distill.data import generate
 from draft_service.proposers import (
     EagleProposer,
-    Lookup,
+    LookupProposer,
     LookupThenHead,
     NgramProposer,
     PhraseProposer,
@@ -128,7 +128,7 @@ def cycle(target: Path, draft: Path, dtype: str, ks: list[int], lookup_k: int, n
 
     label = f"lookup (n >= {ngram_min}, k = {lookup_k}){', phrases' if phrases else ''}, else the head" if lookup_k else "the head"
     print(f"{draft} ({dtype}), {label}")
-    lookup: Lookup = NgramProposer(ngram_min, 4)
+    lookup: LookupProposer = NgramProposer(ngram_min, 4)
     if phrases:
         lookup = PhraseProposer(draft, target, lookup)
         for phase in lookup.phases():

@@ -16,7 +16,7 @@ One small interface (`Proposer`) with the implementations users run:
   by `specserve distill` (`modeling.phrases`): what most often followed the longest match
   of the sequence's last tokens in the target's answers (after a match of 1 or 2 tokens,
   only as many). A point mass too.
-- `LookupThenHead`: a lookup (prompt lookup, or prompt lookup then phrases: a `Lookup`)
+- `LookupThenHead`: a lookup (prompt lookup, or prompt lookup then phrases: a `LookupProposer`)
   where it finds something, the head everywhere else.
 
 Proposers for tests live in `draft_service.testing_proposers`.
@@ -84,14 +84,6 @@ class Proposer(Protocol):
     def num_used_slots(self) -> int: ...
 
 
-class Lookup(Protocol):
-    """A proposer that runs no model: the same tokens for the same sequence (a point mass)."""
-
-    def phases(self) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]: ...
-
-    def lookup(self, tokens: list[int], k: int) -> list[int]: ...
-
-
 def nothing() -> None:
     return None
 
@@ -115,7 +107,17 @@ class StatelessProposer:
         return 0
 
 
-class NgramProposer(StatelessProposer):
+class LookupProposer(StatelessProposer):
+    """A stateless proposer whose proposal is one lookup over the sequence's tokens (a point mass)."""
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        raise NotImplementedError
+
+    def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
+        return [Proposed(self.lookup(item.token_ids, item.num_tokens)) for item in batch]
+
+
+class NgramProposer(LookupProposer):
     def __init__(self, ngram_min: int, ngram_max: int) -> None:
         self._ngram_min = ngram_min
         self._ngram_max = ngram_max
@@ -143,11 +145,8 @@ class NgramProposer(StatelessProposer):
                 end -= 1
         return []
 
-    def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
-        return [Proposed(self.lookup(item.token_ids, item.num_tokens)) for item in batch]
 
-
-class PhraseProposer(StatelessProposer):
+class PhraseProposer(LookupProposer):
     """Prompt lookup, then the target's own phrases (modeling/phrases.py) from a draft folder made for this target.
 
     `min_context`: the shortest phrase match it proposes from. Alone it takes any match
@@ -180,9 +179,6 @@ class PhraseProposer(StatelessProposer):
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         assert self._phrases is not None  # loaded
         return self._prompt_lookup.lookup(tokens, k) or self._phrases.continue_(tokens, k, self._min_context)
-
-    def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
-        return [Proposed(self.lookup(item.token_ids, item.num_tokens)) for item in batch]
 
 
 class SequenceSlots:
@@ -407,7 +403,7 @@ class LookupThenHead:
     scheduler sends for every position.
     """
 
-    def __init__(self, head: EagleProposer, lookup: Lookup, head_tokens: int) -> None:
+    def __init__(self, head: EagleProposer, lookup: LookupProposer, head_tokens: int) -> None:
         self._head, self._lookup, self._head_tokens = head, lookup, head_tokens
         self.vocab_size = head.vocab_size
         self.vocab_fingerprint = head.vocab_fingerprint

@@ -28,12 +28,13 @@ from proto.lifecycle import State
 
 def make_proposer(config: DraftConfig) -> Proposer:
     kind, _, argument = config.proposer.partition(":")
+    prompt_lookup = NgramProposer(config.ngram_min, config.ngram_max)
     match kind:
         case "ngram":
-            return NgramProposer(config.ngram_min, config.ngram_max)
+            return prompt_lookup
         case "phrases":
             assert config.target_model is not None  # checked with the arguments
-            return PhraseProposer(Path(argument), config.target_model, NgramProposer(config.ngram_min, config.ngram_max))
+            return PhraseProposer(Path(argument), config.target_model, prompt_lookup)
         case "eagle" | "eagle+ngram" | "eagle+phrases":
             assert config.target_model is not None  # checked with the arguments
             head = EagleProposer(Path(argument), config.target_model, device=config.device, dtype=config.dtype,
@@ -41,7 +42,6 @@ def make_proposer(config: DraftConfig) -> Proposer:
                                  max_draft_tokens=config.max_draft_tokens, draft_top_k=config.draft_top_k)
             if kind == "eagle":
                 return head
-            prompt_lookup = NgramProposer(config.ngram_min, config.ngram_max)
             if kind == "eagle+ngram":
                 return LookupThenHead(head, prompt_lookup, config.head_draft_tokens)
             phrases = PhraseProposer(Path(argument), config.target_model, prompt_lookup, min_context=PHRASE_FULL_CONTEXT)
