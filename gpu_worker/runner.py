@@ -10,8 +10,9 @@ from modeling.config import ModelConfig
 from modeling.engine import ModelEngine
 from modeling.features import to_rows
 from modeling.kv_cache import SlotError, SlotTable
-from modeling.rejection import sparse_dist_problem, verify, verify_greedy
+from modeling.rejection import sparse_dist_problem, verify, verify_greedy, verify_tree_greedy
 from modeling.sampling import is_greedy
+from modeling.trees import tree_depths
 from proto.messages import SeqFeatures, SeqOutput, SeqWork
 
 
@@ -68,7 +69,8 @@ class ModelRunner:
         `return_features`, so do the final hidden states of the step's tokens that stand.
         """
         self._check(seqs)
-        spans = [SeqSpan(w.slot, w.start_position, w.token_ids, w.num_draft_tokens + 1 if w.sample else 0) for w in seqs]
+        spans = [SeqSpan(w.slot, w.start_position, w.token_ids, w.num_draft_tokens + 1 if w.sample else 0,
+                         None if w.draft_parents is None else tuple(w.draft_parents)) for w in seqs]
         logits, hidden = self._engine.forward_with_features(spans)  # logits [M, V]: the sampling rows, in step order
         best = torch.argmax(logits, dim=-1).tolist()  # one batched argmax serves every greedy sequence
         outputs: list[SeqOutput] = []
@@ -78,20 +80,32 @@ class ModelRunner:
         for w in seqs:
             num_drafts = w.num_draft_tokens
             num_standing = len(w.token_ids) - num_drafts
+            branch: list[int] | None = None  # a tree's accepted nodes
             if w.sample:
                 drafts = w.token_ids[num_standing:]
                 rows = slice(row, row + num_drafts + 1)
-                if is_greedy(w.sampling):
+                if w.draft_parents is not None:  # greedy (checked)
+                    verdict, branch = verify_tree_greedy(best[rows], drafts, w.draft_parents)
+                elif is_greedy(w.sampling):
                     verdict = verify_greedy(best[rows], drafts)
                 else:
                     verdict = verify(logits[rows], drafts, w.draft_dists, w.sampling, w.start_position + num_standing)
                 row += num_drafts + 1
                 outputs.append(SeqOutput(w.request_id, verdict.token_ids, verdict.num_accepted))
+                if branch and branch != list(range(len(branch))):  # the branch's keys and values go where it stands
+                    first = w.start_position + num_standing
+                    self._engine.move_positions(w.slot, [first + node for node in branch], first)
+                else:
+                    branch = None  # the accepted nodes are the first ones: nothing moves
                 num_standing += verdict.num_accepted
             # Rejected drafts' keys and values stay behind the slot's length and are overwritten later.
             self._slots.set_length(w.slot, w.start_position + num_standing)
             if return_features:
-                kept = hidden[token_row : token_row + num_standing]
+                if branch is None:
+                    kept = hidden[token_row : token_row + num_standing]
+                else:
+                    given = num_standing - len(branch)
+                    kept = hidden[[token_row + i for i in range(given)] + [token_row + given + node for node in branch]]
                 features.append(SeqFeatures(w.request_id, to_rows(kept, w.start_position)))
             token_row += len(w.token_ids)
         return outputs, features
@@ -115,6 +129,16 @@ class ModelRunner:
         if not w.sample or not 0 <= k < len(w.token_ids) or k > self._config.max_draft_tokens:
             raise SlotError(f"request {w.request_id}: {k} draft tokens in a step of {len(w.token_ids)} tokens "
                             f"(sample={w.sample}, --max-draft-tokens {self._config.max_draft_tokens})")
+        if w.draft_parents is not None:
+            if not is_greedy(w.sampling) or w.draft_dists is not None:
+                raise SlotError(f"request {w.request_id}: a token tree is verified greedily only (draft_parents with "
+                                f"sampling or draft_dists)")
+            if len(w.draft_parents) != k:
+                raise SlotError(f"request {w.request_id}: {len(w.draft_parents)} draft parents for {k} draft tokens")
+            try:
+                tree_depths(w.draft_parents)
+            except ValueError as exc:
+                raise SlotError(f"request {w.request_id}: {exc}") from None
         if w.draft_dists is None:
             return
         if len(w.draft_dists) != k:

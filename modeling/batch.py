@@ -4,6 +4,12 @@ Every new token of every sequence becomes one row of a packed batch `[N]`, so th
 linear layers never see padding. Attention is planned in groups: sequences with few new
 tokens (decode, verify) attend together with their queries padded to the longest;
 each sequence with many new tokens (a prefill chunk) attends alone.
+
+A span's trailing tokens may form a token tree (`SeqSpan.parents`): several guesses at
+the same position verified in one pass. Its nodes lie in the cache one after another,
+in node order, but each takes the position of its depth for RoPE and attends only to the
+sequence's standing tokens, its ancestors and itself, in that order: exactly the keys a
+decode step at its place in its own branch would see.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from modeling.trees import is_chain, tree_depths
 
 # Sequences with at most this many new tokens share one padded attention call.
 MAX_SHARED_QUERY_TOKENS = 16
@@ -29,6 +37,10 @@ class SeqSpan:
     start: int
     token_ids: list[int]
     num_logits: int  # logits wanted for the last num_logits new positions (0: none)
+    # A token tree: the parent of each of the last len(parents) tokens, as an index among
+    # them (always an earlier one), or -1 for the token before them. None: one chain.
+    parents: tuple[int, ...] | None = None
+
 
 
 @dataclass(frozen=True)
@@ -50,7 +62,7 @@ class AttentionGroup:
 @dataclass(frozen=True)
 class StepBatch:
     token_ids: torch.Tensor  # [N]
-    positions: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N] each token's position in its sequence (RoPE)
     slots: torch.Tensor  # [N] slot of each token
     logit_rows: torch.Tensor  # [M] packed rows whose logits are returned, in span order
     groups: list[AttentionGroup]
@@ -59,33 +71,83 @@ class StepBatch:
     # or those in `kernel_rows` (packed row indices) do.
     all_rows_in_kernel: bool = False
     kernel_rows: torch.Tensor | None = None
+    # With a token tree in the step (else all three are `positions` and None): where each
+    # token's keys and values are stored in its slot, the last of the contiguous cache
+    # positions 0 .. it attends to, and [N, E] the further positions it attends to (a
+    # tree node's ancestors and its own), -1 past the last.
+    cache_positions: torch.Tensor | None = None
+    attend_ends: torch.Tensor | None = None
+    extra: torch.Tensor | None = None
+
+    @property
+    def stored_at(self) -> torch.Tensor:
+        return self.positions if self.cache_positions is None else self.cache_positions
+
+    @property
+    def attended_to(self) -> torch.Tensor:
+        return self.positions if self.attend_ends is None else self.attend_ends
 
 
 def build_step_batch(spans: list[SeqSpan], device: torch.device, *, rows_in_kernel: bool = False) -> StepBatch:
 
     token_ids: list[int] = []
-    positions: list[int] = []
     slots: list[int] = []
     logit_rows: list[int] = []
     offsets: list[int] = []
+    rows: list[_Row] = []
     for span in spans:
         offsets.append(len(token_ids))
         n = len(span.token_ids)
         token_ids.extend(span.token_ids)
-        positions.extend(range(span.start, span.start + n))
+        rows.extend(_rows(span))
         slots.extend([span.slot] * n)
         logit_rows.extend(range(len(token_ids) - span.num_logits, len(token_ids)))
     attends_with_others = [_in_kernel(s) if rows_in_kernel else len(s.token_ids) <= MAX_SHARED_QUERY_TOKENS for s in spans]
     shared = [i for i, together in enumerate(attends_with_others) if together]
     alone = [[i] for i, together in enumerate(attends_with_others) if not together]
     planned = alone if rows_in_kernel else ([shared] if shared else []) + alone
-    groups = [_plan_group([spans[i] for i in g], [offsets[i] for i in g], len(token_ids), device) for g in planned]
+    groups = [_plan_group([spans[i] for i in g], [offsets[i] for i in g], rows, len(token_ids), device) for g in planned]
     kernel_rows = None
     if rows_in_kernel and shared and alone:
         kernel_rows = _ids([offsets[i] + t for i in shared for t in range(len(spans[i].token_ids))], device)
 
-    return StepBatch(_ids(token_ids, device), _ids(positions, device), _ids(slots, device), _ids(logit_rows, device), groups,
-                     all_rows_in_kernel=rows_in_kernel and not alone, kernel_rows=kernel_rows)
+    positions = _ids([row.position for row in rows], device)
+    cache_positions = attend_ends = extra = None
+    width = max(len(row.extra) for row in rows) if rows else 0
+    if width:
+        cache_positions = _ids([row.stored_at for row in rows], device)
+        attend_ends = _ids([row.attend_end for row in rows], device)
+        extra = _ids([list(row.extra) + [-1] * (width - len(row.extra)) for row in rows], device).view(len(rows), width)
+    return StepBatch(_ids(token_ids, device), positions, _ids(slots, device), _ids(logit_rows, device), groups,
+                     all_rows_in_kernel=rows_in_kernel and not alone, kernel_rows=kernel_rows,
+                     cache_positions=cache_positions, attend_ends=attend_ends, extra=extra)
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One new token: its position (RoPE), where it is stored, and what it attends to: cache positions 0 ..
+    attend_end, then `extra`."""
+
+    position: int
+    stored_at: int
+    attend_end: int
+    extra: tuple[int, ...] = ()
+
+
+def _rows(span: SeqSpan) -> list[_Row]:
+    n = len(span.token_ids)
+    if span.parents is None or is_chain(span.parents):
+        return [_Row(p, p, p) for p in range(span.start, span.start + n)]
+    if len(span.parents) > n - 1:
+        raise ValueError(f"a tree of {len(span.parents)} nodes needs a token before it; the span has {n} tokens")
+    depths = tree_depths(span.parents)
+    root = span.start + n - len(span.parents) - 1  # the last token before the tree
+    rows = [_Row(p, p, p) for p in range(span.start, root + 1)]
+    paths: list[tuple[int, ...]] = []
+    for node, parent in enumerate(span.parents):
+        paths.append((paths[parent] if parent >= 0 else ()) + (root + 1 + node,))
+        rows.append(_Row(root + depths[node], root + 1 + node, root, paths[node]))
+    return rows
 
 
 def _in_kernel(span: SeqSpan) -> bool:
@@ -104,7 +166,8 @@ def _attention_pairs(span: SeqSpan) -> int:
     return n * span.start + n * (n + 1) // 2
 
 
-def _plan_group(spans: list[SeqSpan], offsets: list[int], num_tokens: int, device: torch.device) -> AttentionGroup:
+def _plan_group(spans: list[SeqSpan], offsets: list[int], rows: list[_Row], num_tokens: int,
+                device: torch.device) -> AttentionGroup:
     slot_lo = min(s.slot for s in spans)
     slot_hi = max(s.slot for s in spans) + 1
     # A run of slots is one view of the cache; holes in it cost wasted rows, so use it
@@ -119,19 +182,23 @@ def _plan_group(spans: list[SeqSpan], offsets: list[int], num_tokens: int, devic
     query_pos = [[0] * num_query for _ in range(num_rows)]
     real: list[int] = []
     real_rows: list[int] = []
+    tree_keys: dict[tuple[int, int], tuple[int, ...]] = {}  # (r, t) of a tree node -> the further positions it sees
     for r, slot in enumerate(row_slots):
         i = row_of_slot.get(slot)
         if i is None:
             continue
         span = spans[i]
         for t in range(len(span.token_ids)):
+            row = rows[offsets[i] + t]
             query_rows[r * num_query + t] = offsets[i] + t
-            query_pos[r][t] = span.start + t
+            query_pos[r][t] = row.attend_end
+            if row.extra:
+                tree_keys[r, t] = row.extra
             real.append(r * num_query + t)
             real_rows.append(offsets[i] + t)
     # One-token rows that all end at kv_len (a decode batch of equal lengths) attend to everything.
-    needs_mask = any(query_pos[r][t] != kv_len - 1 for r in range(num_rows) for t in range(num_query))
-    mask = _causal_mask(query_pos, kv_len, device) if needs_mask else None
+    needs_mask = bool(tree_keys) or any(query_pos[r][t] != kv_len - 1 for r in range(num_rows) for t in range(num_query))
+    mask = _causal_mask(query_pos, kv_len, device, tree_keys) if needs_mask else None
 
     return AttentionGroup(
         slot_start=slot_lo,
@@ -147,10 +214,13 @@ def _plan_group(spans: list[SeqSpan], offsets: list[int], num_tokens: int, devic
     )
 
 
-def _causal_mask(query_pos: list[list[int]], kv_len: int, device: torch.device) -> torch.Tensor:
-    """`[R, 1, T, L]`: query (r, t) at position p may see key positions 0..p."""
+def _causal_mask(query_pos: list[list[int]], kv_len: int, device: torch.device,
+                 tree_keys: dict[tuple[int, int], tuple[int, ...]]) -> torch.Tensor:
+    """`[R, 1, T, L]`: query (r, t) with end p may see key positions 0..p, and a tree node its `tree_keys` too."""
     pos = torch.tensor(query_pos, dtype=torch.long, device=device)  # [R, T]
     allowed = torch.arange(kv_len, device=device).view(1, 1, kv_len) <= pos.unsqueeze(-1)  # [R, T, L]
+    for (r, t), keys in tree_keys.items():
+        allowed[r, t, list(keys)] = True
     mask = torch.zeros(allowed.shape, dtype=torch.float32, device=device).masked_fill_(~allowed, float("-inf"))
     return mask.unsqueeze(1)
 

@@ -68,6 +68,17 @@ class ModelEngine:
             hidden = self._model(batch, self._cache)
             return self._model.logits(hidden[batch.logit_rows]), hidden
 
+    def move_positions(self, slot: int, sources: list[int], first: int) -> None:
+        """Copy the slot's keys and values at positions `sources` (ascending) to first, first + 1, ...: a token tree's
+        accepted branch, moved to where the sequence goes on."""
+        if self._cache is None:
+            raise RuntimeError("the engine is not built: load() and allocate() come first")
+        src = torch.tensor(sources, dtype=torch.long, device=self.device)
+        dst = torch.arange(first, first + len(sources), dtype=torch.long, device=self.device)
+        for store in (self._cache.keys, self._cache.values):
+            held = store[:, slot]  # [layers, kv heads, max_len, head_dim], a view
+            held.index_copy_(2, dst, held.index_select(2, src))  # the sources are read before anything is written
+
     def self_check(self) -> None:
         """Uses slot 0, twice (left dirty: the owner's slot table still says it is empty), so one slot is enough."""
         prompt = [(7 * i + 3) % self.config.vocab_size for i in range(12)]

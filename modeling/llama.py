@@ -144,20 +144,22 @@ class LlamaModel(torch.nn.Module):
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # [N, H, D], [N, KVH, D]
         v = qkv[:, q_size + kv_size :].view(n, cfg.num_kv_heads, cfg.head_dim)
         keys, values = cache.keys[index], cache.values[index]  # [S, KVH, L, D]
+        stored_at, ends = batch.stored_at, batch.attended_to
         if native is not None:
-            native.store(k, v, keys, values, batch.slots, batch.positions)
+            native.store(k, v, keys, values, batch.slots, stored_at)
         else:
-            keys[batch.slots, :, batch.positions] = k
-            values[batch.slots, :, batch.positions] = v
+            keys[batch.slots, :, stored_at] = k
+            values[batch.slots, :, stored_at] = v
         scale = cfg.head_dim**-0.5
         if native is not None and batch.all_rows_in_kernel:
-            return self.linear(native.attend(q, keys, values, batch.slots, batch.positions, scale), layer.o_proj)
+            return self.linear(native.attend(q, keys, values, batch.slots, ends, scale, batch.extra), layer.o_proj)
         if len(batch.groups) == 1 and batch.groups[0].is_identity:
             return self.linear(self._group_attention(batch.groups[0], masks[0], q, keys, values), layer.o_proj)
         out = torch.empty(n, cfg.num_heads * cfg.head_dim, dtype=h.dtype, device=h.device)  # [N, H*D]
         if native is not None and batch.kernel_rows is not None:
             rows = batch.kernel_rows
-            out[rows] = native.attend(q[rows], keys, values, batch.slots[rows], batch.positions[rows], scale)
+            extra = None if batch.extra is None else batch.extra[rows]
+            out[rows] = native.attend(q[rows], keys, values, batch.slots[rows], ends[rows], scale, extra)
         for group, mask in zip(batch.groups, masks):
             out[group.real_rows] = self._group_attention(group, mask, q, keys, values)
         return self.linear(out, layer.o_proj)

@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 
 from modeling.sampling import SamplingLike, draw, generator_for, is_greedy, target_probs
+from modeling.trees import child_holding
 
 # The acceptance test at a position uses its own stream, apart from the token draw there.
 _ACCEPT_STREAM = 0x5DEECE66D
@@ -86,6 +87,25 @@ def verify_greedy(best: Sequence[int], draft_token_ids: Sequence[int]) -> Verdic
     while accepted < len(draft_token_ids) and draft_token_ids[accepted] == best[accepted]:
         accepted += 1
     return Verdict([*draft_token_ids[:accepted], best[accepted]], accepted)
+
+
+def verify_tree_greedy(best: Sequence[int], draft_token_ids: Sequence[int],
+                       parents: Sequence[int]) -> tuple[Verdict, list[int]]:
+    """Greedy verification of a token tree (modeling.batch.SeqSpan.parents): `best[0]` is the target's
+    argmax after the last standing token, `best[1 + i]` after node i.
+
+    From the root, follow the child that holds the target's choice while there is one
+    (the first such child, should siblings repeat a token); the nodes followed are
+    accepted, then the target's choice after the last of them. Returns the verdict and
+    the accepted nodes' indices, root to leaf. A chain gives what verify_greedy gives.
+    """
+    path: list[int] = []
+    while True:
+        want = best[path[-1] + 1 if path else 0]
+        node = child_holding(parents, draft_token_ids, path[-1] if path else -1, want)
+        if node is None:
+            return Verdict([*(draft_token_ids[n] for n in path), want], len(path)), path
+        path.append(node)
 
 
 def _dense(dist: SparseDistLike | None, token: int, vocab_size: int, device: torch.device) -> torch.Tensor:

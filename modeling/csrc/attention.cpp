@@ -37,19 +37,33 @@ struct AttendCall {
   const T* values;
   const int64_t* slot_of;
   const int64_t* position_of;
+  const int64_t* extra_of;  // [num_rows, extra_width] or null: see `attend`
+  int64_t extra_width;
   T* out;
 
   AttendCall(const at::Tensor& q_, const at::Tensor& keys_, const at::Tensor& values_, const at::Tensor& slots,
-             const at::Tensor& positions, at::Tensor& out_)
+             const at::Tensor& positions, const c10::optional<at::Tensor>& extra, at::Tensor& out_)
       : num_rows(q_.size(0)), num_heads(q_.size(1)), num_kv_heads(keys_.size(1)), max_len(keys_.size(2)),
         dim(q_.size(2)), q_row_stride(q_.stride(0)), q_head_stride(q_.stride(1)), q(q_.data_ptr<T>()),
         keys(keys_.data_ptr<T>()), values(values_.data_ptr<T>()), slot_of(slots.data_ptr<int64_t>()),
-        position_of(positions.data_ptr<int64_t>()), out(out_.data_ptr<T>()) {}
+        position_of(positions.data_ptr<int64_t>()), extra_of(extra ? extra->data_ptr<int64_t>() : nullptr),
+        extra_width(extra ? extra->size(1) : 0), out(out_.data_ptr<T>()) {}
 
   int64_t num_tasks() const { return num_rows * num_kv_heads; }
   int64_t row(int64_t task) const { return task / num_kv_heads; }
   int64_t kv_head(int64_t task) const { return task % num_kv_heads; }
-  int64_t length(int64_t task) const { return position_of[row(task)] + 1; }  // positions 0 .. the row's own
+  // Positions 0 .. the row's own, then its extra positions (a tree row's ancestors and itself).
+  int64_t length(int64_t task) const {
+    const int64_t r = row(task);
+    int64_t n = position_of[r] + 1;
+    for (int64_t e = 0; e < extra_width && extra_of[r * extra_width + e] >= 0; ++e) ++n;
+    return n;
+  }
+  // The cache position of the task's l-th attended key.
+  int64_t key_position(int64_t task, int64_t l) const {
+    const int64_t r = row(task);
+    return l <= position_of[r] ? l : extra_of[r * extra_width + l - position_of[r] - 1];
+  }
   int64_t base(int64_t task) const { return (slot_of[row(task)] * num_kv_heads + kv_head(task)) * max_len * dim; }
   const T* task_keys(int64_t task) const { return keys + base(task); }
   const T* task_values(int64_t task) const { return values + base(task); }
@@ -61,8 +75,8 @@ struct AttendCall {
 // time, so the per-position loops unroll into a few vector instructions.
 template <typename T, int64_t kDim, int64_t kGroup>
 void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
-                 const at::Tensor& positions, at::Tensor& out, double scale) {
-  const AttendCall<T> call(q, keys, values, slots, positions, out);
+                 const at::Tensor& positions, const c10::optional<at::Tensor>& extra, at::Tensor& out, double scale) {
+  const AttendCall<T> call(q, keys, values, slots, positions, extra, out);
   const int64_t dim = kDim ? kDim : call.dim;
   const int64_t group = kGroup ? kGroup : call.num_heads / call.num_kv_heads;
   const int64_t max_len = call.max_len;
@@ -83,7 +97,7 @@ void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
         for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(src[d]) * softmax_scale;
       }
       for (int64_t l = 0; l < length; ++l) {
-        const T* k = k_rows + l * dim;
+        const T* k = k_rows + call.key_position(task, l) * dim;
 #pragma omp simd
         for (int64_t d = 0; d < dim; ++d) rf[d] = to_float(k[d]);
         for (int64_t g = 0; g < group; ++g) {
@@ -110,7 +124,7 @@ void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
       }
       for (int64_t i = 0; i < group * dim; ++i) af[i] = 0.0f;
       for (int64_t l = 0; l < length; ++l) {
-        const T* v = v_rows + l * dim;
+        const T* v = v_rows + call.key_position(task, l) * dim;
 #pragma omp simd
         for (int64_t d = 0; d < dim; ++d) rf[d] = to_float(v[d]);
         for (int64_t g = 0; g < group; ++g) {
@@ -168,10 +182,10 @@ inline __m512 exp_nonpositive_16(__m512 x) {
 
 template <typename T, int64_t kGroup>
 void attend_rows_avx512_64(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
-                         const at::Tensor& positions, at::Tensor& out, double scale) {
+                         const at::Tensor& positions, const c10::optional<at::Tensor>& extra, at::Tensor& out, double scale) {
   constexpr int64_t dim = 64;
   constexpr bool kBf16 = std::is_same_v<T, c10::BFloat16>;
-  const AttendCall<T> call(q, keys, values, slots, positions, out);
+  const AttendCall<T> call(q, keys, values, slots, positions, extra, out);
   const __m512 softmax_scale = _mm512_set1_ps(static_cast<float>(scale));
   const int64_t padded_len = (call.max_len + 15) / 16 * 16;
 
@@ -200,11 +214,14 @@ void attend_rows_avx512_64(const at::Tensor& q, const at::Tensor& keys, const at
         const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1u);
         // The values are read right after the scores, and the next keys soon: ask for them now.
         constexpr int64_t kLinesPerRow = dim * sizeof(T) / 64;
+        int64_t at[16];  // the block's cache positions
+        for (int64_t j = 0; j < count; ++j) at[j] = call.key_position(task, l0 + j);
         for (int64_t j = 0; j < count; ++j) {
           for (int64_t line = 0; line < kLinesPerRow; ++line) {
-            _mm_prefetch(reinterpret_cast<const char*>(v_rows + (l0 + j) * dim) + 64 * line, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(v_rows + at[j] * dim) + 64 * line, _MM_HINT_T0);
             if (l0 + 32 + j < length) {
-              _mm_prefetch(reinterpret_cast<const char*>(k_rows + (l0 + 32 + j) * dim) + 64 * line, _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(k_rows + call.key_position(task, l0 + 32 + j) * dim) + 64 * line,
+                           _MM_HINT_T0);
             }
           }
         }
@@ -213,7 +230,7 @@ void attend_rows_avx512_64(const at::Tensor& q, const at::Tensor& keys, const at
           for (int64_t j = 0; j < 16; ++j) {
             a[j] = _mm512_setzero_ps();
             if (j < count) {
-              const T* k = k_rows + (l0 + j) * dim;
+              const T* k = k_rows + at[j] * dim;
               if constexpr (kBf16) {
                 a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_loadu_si512(k), query_pairs[g][0]);
                 a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_loadu_si512(k + 32), query_pairs[g][1]);
@@ -247,7 +264,7 @@ void attend_rows_avx512_64(const at::Tensor& q, const at::Tensor& keys, const at
         for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
       }
       for (int64_t l = 0; l < length; ++l) {
-        const T* v = v_rows + l * dim;
+        const T* v = v_rows + call.key_position(task, l) * dim;
         __m512 vf[4];
         for (int c = 0; c < 4; ++c) {
           if constexpr (kBf16) {
@@ -275,26 +292,26 @@ void attend_rows_avx512_64(const at::Tensor& q, const at::Tensor& keys, const at
 
 template <typename T>
 void attend_dispatch(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
-                     const at::Tensor& positions, at::Tensor& out, double scale) {
+                     const at::Tensor& positions, const c10::optional<at::Tensor>& extra, at::Tensor& out, double scale) {
   const int64_t dim = q.size(2), group = q.size(1) / keys.size(1);
 #ifdef SPECSERVE_AVX512_BF16
-  if (dim == 64 && group == 3) return attend_rows_avx512_64<T, 3>(q, keys, values, slots, positions, out, scale);
-  if (dim == 64 && group == 4) return attend_rows_avx512_64<T, 4>(q, keys, values, slots, positions, out, scale);
-  if (dim == 64 && group == 2) return attend_rows_avx512_64<T, 2>(q, keys, values, slots, positions, out, scale);
-  if (dim == 64 && group == 1) return attend_rows_avx512_64<T, 1>(q, keys, values, slots, positions, out, scale);
+  if (dim == 64 && group == 3) return attend_rows_avx512_64<T, 3>(q, keys, values, slots, positions, extra, out, scale);
+  if (dim == 64 && group == 4) return attend_rows_avx512_64<T, 4>(q, keys, values, slots, positions, extra, out, scale);
+  if (dim == 64 && group == 2) return attend_rows_avx512_64<T, 2>(q, keys, values, slots, positions, extra, out, scale);
+  if (dim == 64 && group == 1) return attend_rows_avx512_64<T, 1>(q, keys, values, slots, positions, extra, out, scale);
 #endif
   if (dim == 64 && group == 3) {
-    attend_rows<T, 64, 3>(q, keys, values, slots, positions, out, scale);
+    attend_rows<T, 64, 3>(q, keys, values, slots, positions, extra, out, scale);
   } else if (dim == 64 && group == 4) {
-    attend_rows<T, 64, 4>(q, keys, values, slots, positions, out, scale);
+    attend_rows<T, 64, 4>(q, keys, values, slots, positions, extra, out, scale);
   } else if (dim == 128 && group == 4) {
-    attend_rows<T, 128, 4>(q, keys, values, slots, positions, out, scale);
+    attend_rows<T, 128, 4>(q, keys, values, slots, positions, extra, out, scale);
   } else if (dim == 64) {
-    attend_rows<T, 64, 0>(q, keys, values, slots, positions, out, scale);
+    attend_rows<T, 64, 0>(q, keys, values, slots, positions, extra, out, scale);
   } else if (dim == 128) {
-    attend_rows<T, 128, 0>(q, keys, values, slots, positions, out, scale);
+    attend_rows<T, 128, 0>(q, keys, values, slots, positions, extra, out, scale);
   } else {
-    attend_rows<T, 0, 0>(q, keys, values, slots, positions, out, scale);
+    attend_rows<T, 0, 0>(q, keys, values, slots, positions, extra, out, scale);
   }
 }
 
@@ -317,11 +334,40 @@ void check_cache_and_rows(const at::Tensor& keys, const at::Tensor& values, cons
 
 }  // namespace
 
+// A tree row's extra positions: ascending, past the row's contiguous run and inside the
+// cache, then -1s only (the padding of rows with fewer).
+void check_extra(const at::Tensor& extra, const at::Tensor& positions, int64_t num_rows, int64_t max_len) {
+  TORCH_CHECK(extra.device().is_cpu() && extra.scalar_type() == at::kLong && extra.dim() == 2 && extra.is_contiguous() &&
+                  extra.size(0) == num_rows,
+              "extra must be a contiguous int64 CPU tensor [rows, width]");
+  const int64_t width = extra.size(1);
+  const int64_t* extra_of = extra.data_ptr<int64_t>();
+  const int64_t* position_of = positions.data_ptr<int64_t>();
+  for (int64_t row = 0; row < num_rows; ++row) {
+    int64_t last = position_of[row];
+    bool padding = false;
+    for (int64_t e = 0; e < width; ++e) {
+      const int64_t at = extra_of[row * width + e];
+      if (at < 0) {
+        TORCH_CHECK(at == -1, "row ", row, ": extra position ", at, " (padding is -1)");
+        padding = true;
+        continue;
+      }
+      TORCH_CHECK(!padding && at > last && at < max_len, "row ", row, ": extra position ", at,
+                  " must follow the row's earlier positions, before any padding, inside the cache");
+      last = at;
+    }
+  }
+}
+
 // q [N, H, D] (rows and heads may be strided, head_dim contiguous) over keys, values
-// [S, KVH, max_len, D]: row n attends positions 0 .. positions[n] of slot slots[n].
+// [S, KVH, max_len, D]: row n attends positions 0 .. positions[n] of slot slots[n], then,
+// when `extra` [N, E] is given, the positions in its row n up to the first -1, in order.
+// A row of a token tree attends that way to the sequence's standing positions and then to
+// its ancestors' and its own, which lie further on in the cache among other branches'.
 // Returns [N, H * D] in q's dtype; scores, softmax and sums in float32.
 at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
-                  const at::Tensor& positions, double scale) {
+                  const at::Tensor& positions, double scale, const c10::optional<at::Tensor>& extra) {
   TORCH_CHECK(q.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu() && slots.device().is_cpu() &&
                   positions.device().is_cpu(),
               "the attention kernel runs on CPU tensors");
@@ -330,11 +376,12 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
   TORCH_CHECK(q.scalar_type() == keys.scalar_type(), "q and the cache must share a dtype");
   TORCH_CHECK(keys.size(3) == q.size(2) && q.size(1) % keys.size(1) == 0, "q's heads and head_dim do not fit the cache");
   check_cache_and_rows(keys, values, slots, positions, q.size(0));
+  if (extra) check_extra(*extra, positions, q.size(0), keys.size(2));
   at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
   if (q.scalar_type() == at::kFloat) {
-    attend_dispatch<float>(q, keys, values, slots, positions, out, scale);
+    attend_dispatch<float>(q, keys, values, slots, positions, extra, out, scale);
   } else if (q.scalar_type() == at::kBFloat16) {
-    attend_dispatch<c10::BFloat16>(q, keys, values, slots, positions, out, scale);
+    attend_dispatch<c10::BFloat16>(q, keys, values, slots, positions, extra, out, scale);
   } else {
     TORCH_CHECK(false, "the attention kernel supports float32 and bfloat16, not ", q.scalar_type());
   }

@@ -95,6 +95,52 @@ def test_rewriting_positions_after_truncation(tiny_folder: Path, native: str) ->
     torch.testing.assert_close(out, _reference_logits(tiny_folder, [1, 2, 3, 40, 41])[3:], atol=1e-4, rtol=1e-4)
 
 
+# A token tree after the prompt's last token: node i's parent is TREE_PARENTS[i] (-1: that last token).
+TREE_PARENTS = (-1, 0, 1, -1, 3, 0, 5, 2, -1)
+
+
+def _branch(parents: tuple[int, ...], tokens: list[int], node: int) -> list[int]:
+    """The tokens from the tree's first level down to `node`."""
+    path: list[int] = []
+    while node >= 0:
+        path.append(tokens[node])
+        node = parents[node]
+    return path[::-1]
+
+
+@ops_paths
+def test_a_token_tree_scores_every_node_as_its_own_branch(tiny_folder: Path, native: str) -> None:
+    """Each node of a tree, verified in one step with its siblings and cousins, gets the logits of its branch alone."""
+    prompt = [3, 9, 27, 81, 50, 11, 12]
+    nodes = [40, 41, 42, 43, 44, 45, 46, 47, 48]
+    model, cache = _ours(tiny_folder, native=native)
+    _step(model, cache, [SeqSpan(1, 0, prompt[:-1], 0)])
+    company = [SeqSpan(0, 0, [5, 6, 7], 1)]  # another sequence in the step
+    out = _step(model, cache, [SeqSpan(1, len(prompt) - 1, [prompt[-1], *nodes], len(nodes) + 1, TREE_PARENTS), *company])
+    torch.testing.assert_close(out[0], _reference_logits(tiny_folder, prompt)[-1], atol=1e-4, rtol=1e-4)
+    for node in range(len(nodes)):
+        reference = _reference_logits(tiny_folder, prompt + _branch(TREE_PARENTS, nodes, node))[-1]
+        torch.testing.assert_close(out[1 + node], reference, atol=1e-4, rtol=1e-4, msg=f"tree node {node}")
+
+
+def test_a_tree_that_is_one_chain_is_planned_as_a_chain(tiny_folder: Path) -> None:
+    model, _ = _ours(tiny_folder, native="native")
+    chain = model.plan([SeqSpan(1, 4, [1, 2, 3, 4], 4, (-1, 0, 1))])
+    assert chain.extra is None and chain.cache_positions is None and chain.positions.tolist() == [4, 5, 6, 7]
+    tree = model.plan([SeqSpan(1, 4, [1, 2, 3, 4], 4, (-1, -1, 1))])
+    assert tree.positions.tolist() == [4, 5, 5, 6]  # RoPE: each node at its depth
+    assert tree.stored_at.tolist() == [4, 5, 6, 7]  # the cache: one after another
+    assert tree.attended_to.tolist() == [4, 4, 4, 4]
+    assert tree.extra is not None and tree.extra.tolist() == [[-1, -1], [5, -1], [6, -1], [6, 7]]
+
+
+@pytest.mark.parametrize("parents", [(0,), (-1, 1), (-2,), (-1, 0, 5)])
+def test_a_tree_whose_parents_do_not_come_first_is_refused(tiny_folder: Path, parents: tuple[int, ...]) -> None:
+    model, _ = _ours(tiny_folder, native="native")
+    with pytest.raises(ValueError, match="parent"):
+        model.plan([SeqSpan(1, 4, [1] * (len(parents) + 1), len(parents) + 1, parents)])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_prepacked_linears_give_the_same_logits(tiny_folder: Path, dtype: torch.dtype) -> None:
     from modeling.cpu_kernels import can_prepack, prepack_linears
@@ -178,3 +224,15 @@ def test_native_verify_rows_equal_the_decode_steps_they_stand_for(dtype: torch.d
     verify_rows = _step(model, verified, [SeqSpan(1, prompt_len, continuation, len(continuation)), SeqSpan(0, 3, [9], 1)])
     for i, row in enumerate(step_rows):
         assert torch.equal(row, verify_rows[i]), f"verify row {i} differs from its decode step"
+
+    # A tree's nodes, bit for bit the decode steps of their own branches.
+    nodes = [(37 * i + 11) % 300 for i in range(len(TREE_PARENTS))]
+    tree_rows = _step(model, verified, [SeqSpan(1, prompt_len, [continuation[0], *nodes], len(nodes) + 1, TREE_PARENTS),
+                                        SeqSpan(0, 4, [9], 1)])
+    assert torch.equal(tree_rows[0], step_rows[0])
+    for node in range(len(nodes)):
+        branch = _branch(TREE_PARENTS, nodes, node)
+        _step(model, decoded, [SeqSpan(1, prompt_len, [continuation[0]], 1)])
+        for depth, token in enumerate(branch):
+            row = _step(model, decoded, [SeqSpan(1, prompt_len + 1 + depth, [token], 1)])[0]
+        assert torch.equal(row, tree_rows[1 + node]), f"tree node {node} differs from the decode step of its branch"

@@ -258,3 +258,75 @@ def test_a_step_returns_the_features_of_the_tokens_that_stand(tiny_llama_folder:
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     _, nothing = r.execute([SeqWork("a", 1, len(PROMPT) + 2, [reference[2]], True, GREEDY)])
     assert nothing == []  # not asked for
+
+
+# ---------------------------------------------------------------- token trees
+
+
+def _tree_around(truth: list[int], offset: int) -> tuple[list[int], list[int]]:
+    """A tree whose right branch holds `truth` below a wrong first guess and beside wrong guesses:
+    nodes [wrong, truth[0], wrong under truth[0], truth[1], truth[2], ...]."""
+    wrong = lambda token: (token + offset) % 97  # noqa: E731
+    tokens = [wrong(truth[0]), truth[0], wrong(truth[1])]
+    parents = [-1, -1, 1]
+    for depth, token in enumerate(truth[1:], start=1):
+        tokens.append(token)
+        parents.append(1 if depth == 1 else len(tokens) - 2)
+    return tokens, parents
+
+
+def test_greedy_tree_verification_equals_plain_greedy_and_moves_the_accepted_branch(tiny_llama_folder: Path) -> None:
+    """The accepted branch lies behind rejected nodes in the cache; it is moved to where the sequence goes on, so every
+    later step still gives plain greedy's tokens."""
+    r = runner(tiny_llama_folder)
+    reference = plain_greedy(r, 0, PROMPT, 24)
+    (out,), _ = r.execute([SeqWork("t", 1, 0, PROMPT, True, GREEDY)])
+    tokens = list(out.token_ids)
+    accepted = 0
+    for cycle in range(6):
+        truth = reference[len(tokens) : len(tokens) + 3]
+        if cycle % 2:
+            truth[-1] = (truth[-1] + 1) % 97  # the last guess of the branch wrong: a shorter accepted branch
+        drafts, parents = _tree_around(truth, 3 + cycle)
+        (out,), _ = r.execute([SeqWork("t", 1, len(PROMPT) + len(tokens) - 1, [tokens[-1], *drafts], True, GREEDY,
+                                       num_draft_tokens=len(drafts), draft_parents=parents)])
+        assert out.num_accepted_draft == (2 if cycle % 2 else 3)
+        accepted += out.num_accepted_draft
+        tokens += out.token_ids
+        assert r._slots.length(1) == len(PROMPT) + len(tokens) - 1
+    while len(tokens) < len(reference):
+        (out,), _ = r.execute([SeqWork("t", 1, len(PROMPT) + len(tokens) - 1, [tokens[-1]], True, GREEDY)])
+        tokens += out.token_ids
+    assert tokens[: len(reference)] == reference
+    assert accepted == 15
+
+
+def test_a_tree_returns_the_features_of_its_accepted_branch(tiny_llama_folder: Path) -> None:
+    from modeling.features import from_rows
+
+    r = runner(tiny_llama_folder)
+    reference = plain_greedy(r, 0, PROMPT, 6)
+    r.execute([SeqWork("a", 1, 0, PROMPT, True, GREEDY)])
+    drafts, parents = _tree_around(reference[1:3], 5)
+    outputs, (rows,) = r.execute([SeqWork("a", 1, len(PROMPT), [reference[0], *drafts], True, GREEDY,
+                                          num_draft_tokens=len(drafts), draft_parents=parents)], return_features=True)
+    assert outputs[0].token_ids == reference[1:4] and outputs[0].num_accepted_draft == 2
+    assert (rows.rows.start_position, rows.rows.num_rows) == (len(PROMPT), 3)  # the last token and the branch's two
+    _, (whole,) = runner(tiny_llama_folder).execute([SeqWork("z", 0, 0, PROMPT + reference[:3], True, GREEDY)],
+                                                    return_features=True)
+    torch.testing.assert_close(from_rows(rows.rows), from_rows(whole.rows)[len(PROMPT):], atol=1e-4, rtol=1e-4)
+
+
+def test_a_tree_is_refused_unless_greedy_and_well_formed(tiny_llama_folder: Path) -> None:
+    r = runner(tiny_llama_folder)
+    sampled = SamplingParams(temperature=0.8, seed=1)
+    bad = [
+        SeqWork("a", 0, 0, PROMPT, True, sampled, num_draft_tokens=2, draft_parents=[-1, -1]),  # sampled
+        SeqWork("a", 0, 0, PROMPT, True, GREEDY, num_draft_tokens=2, draft_parents=[-1]),  # one parent short
+        SeqWork("a", 0, 0, PROMPT, True, GREEDY, num_draft_tokens=2, draft_parents=[1, -1]),  # a parent after its child
+        SeqWork("a", 0, 0, PROMPT, True, GREEDY, num_draft_tokens=2, draft_parents=[-1, -2]),
+    ]
+    for work in bad:
+        with pytest.raises(SlotError):
+            r.execute([work])
+        assert r.num_used_slots == 0
