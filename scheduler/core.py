@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import msgspec
 
 from common.logs import get_logger
+from modeling.trees import leading_nodes
 from proto import messages as m
 from proto.lifecycle import INIT_PHASES, TERMINAL, TRANSITIONS, State
 from scheduler.batching import BatchLimits, ScheduledSeq, plan_step
@@ -21,7 +22,14 @@ from scheduler.config import SchedulerConfig
 from scheduler.drafting import DraftLink
 from scheduler.registry import InFlightStep, StepSeq, WorkerRecord, least_loaded_ready, new_record
 from scheduler.request import FINISH_REASONS, Request, RequestStatus
-from scheduler.speculation import PendingProposal, SpecCounters, SpecLimits, speculation_plan, step_result_problem
+from scheduler.speculation import (
+    PendingProposal,
+    SpecCounters,
+    SpecLimits,
+    accepted_branch,
+    speculation_plan,
+    step_result_problem,
+)
 
 log = get_logger()
 
@@ -295,7 +303,7 @@ class SchedulerCore:
             if seq.samples:
                 output = outputs[request.request_id]
                 request.num_computed_tokens += output.num_accepted_draft
-                self._record_speculation(request, seq, output.num_accepted_draft)
+                self._record_speculation(request, seq, output)
                 self._append_tokens(request, output.token_ids)
         for features in result.features:
             owner = self._requests.get(features.request_id)
@@ -310,14 +318,16 @@ class SchedulerCore:
         self._dispatch(now_s)
         return True
 
-    def _record_speculation(self, request: Request, seq: StepSeq, num_accepted: int) -> None:
-        num_drafts = len(seq.draft_token_ids)
+    def _record_speculation(self, request: Request, seq: StepSeq, output: m.SeqOutput) -> None:
+        num_drafts, num_accepted = len(seq.draft_token_ids), output.num_accepted_draft
         if num_drafts:
             request.num_draft_tokens += num_drafts
             request.num_accepted_draft_tokens += num_accepted
             request.num_verify_steps += 1
             if request.draft.generation == seq.draft_generation:  # else the draft's state was reset meanwhile
-                request.draft.accept(num_accepted)
+                # The draft service holds a tree's tokens in node order: what it holds in place is the branch's
+                # part that is the first nodes (checked to be a branch with the result).
+                request.draft.accept(leading_nodes(accepted_branch(seq, output) or []))
         if num_drafts or seq.num_tokens == 1:  # a decode step, with or without a proposal
             self.spec.record(num_drafts, num_accepted)
 
@@ -440,12 +450,14 @@ class SchedulerCore:
             start = r.num_computed_tokens
             proposal = proposals.get(r.request_id)
             drafts = proposal.token_ids if proposal else []
+            parents = proposal.parents if proposal else None  # only ever for greedy requests (checked on arrival)
             seqs.append(m.SeqWork(
                 request_id=r.request_id, slot=r.slot, start_position=start,
                 token_ids=r.token_slice(start, start + item.num_tokens) + drafts, sample=item.completes, sampling=r.sampling,
                 num_draft_tokens=len(drafts), draft_dists=proposal.dists if proposal and r.sampling.temperature > 0 else None,
+                draft_parents=parents,
             ))
-            step_seqs.append(StepSeq(r, item.num_tokens, item.completes, drafts, r.draft.generation))
+            step_seqs.append(StepSeq(r, item.num_tokens, item.completes, drafts, r.draft.generation, parents))
         worker.in_flight = InFlightStep(self._next_step_id, now_s, step_seqs)
         self.outbox.append(Outgoing(True, worker.identity, m.StepRequest(self._next_step_id, worker.incarnation, seqs,
                                                                          return_features=self._drafts.features_wanted)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from modeling.sampling import is_greedy
 from proto import messages as m
 from scheduler.batching import ScheduledSeq
 from scheduler.registry import WorkerRecord
@@ -106,7 +107,8 @@ class DraftLink:
             request = requests.get(proposal.request_id)
             if request is None or proposal.request_id not in asked:
                 continue
-            problem = proposal_problem(proposal, asked[proposal.request_id], vocab_size, request.num_tokens)
+            problem = proposal_problem(proposal, asked[proposal.request_id], vocab_size, request.num_tokens,
+                                       is_greedy(request.sampling))
             if problem:
                 report(problem)
                 request.draft.reset()

@@ -17,6 +17,7 @@ class StepSeq:
     samples: bool
     draft_token_ids: list[int]  # the proposal it verifies; empty without one
     draft_generation: int = 0  # the request's DraftView generation when the proposal was made
+    draft_parents: list[int] | None = None  # the proposal's token tree (modeling.trees); None: a chain
 
 
 @dataclass

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from proto import messages as m
 from modeling.rejection import sparse_dist_problem
+from modeling.trees import follow, tree_depths
 from scheduler.batching import ScheduledSeq
 from scheduler.registry import StepSeq
 
@@ -60,7 +61,7 @@ class PendingProposal:
     sent_at_s: float
 
 
-def proposal_problem(proposal: m.Proposal, num_tokens: int, vocab_size: int, sequence_len: int) -> str:
+def proposal_problem(proposal: m.Proposal, num_tokens: int, vocab_size: int, sequence_len: int, greedy: bool) -> str:
     """Why a proposal cannot be verified ("" when it can): a bad draft must never reach a target."""
     if not 0 <= proposal.num_held <= sequence_len:
         return f"num_held {proposal.num_held} for a sequence of {sequence_len} tokens"
@@ -68,6 +69,15 @@ def proposal_problem(proposal: m.Proposal, num_tokens: int, vocab_size: int, seq
         return f"{len(proposal.token_ids)} tokens proposed, {num_tokens} asked for"
     if vocab_size and any(not 0 <= t < vocab_size for t in proposal.token_ids):
         return f"a proposed token is outside the vocabulary 0..{vocab_size - 1}"
+    if proposal.parents is not None:
+        if not greedy or proposal.dists is not None:
+            return "a token tree for a sampled request (trees are verified greedily only)"
+        if len(proposal.parents) != len(proposal.token_ids):
+            return f"{len(proposal.parents)} parents for {len(proposal.token_ids)} tokens"
+        try:
+            tree_depths(proposal.parents)
+        except ValueError as exc:
+            return str(exc)
     if proposal.dists is None:
         return ""
     if len(proposal.dists) != len(proposal.token_ids):
@@ -124,6 +134,14 @@ def step_result_problem(seqs: list[StepSeq], outputs: dict[str, m.SeqOutput]) ->
             return f"no token for {seq.request.request_id}"
         accepted = output.num_accepted_draft
         if not 0 <= accepted <= len(seq.draft_token_ids) or len(output.token_ids) != accepted + 1 \
-                or output.token_ids[:accepted] != seq.draft_token_ids[:accepted]:
+                or accepted_branch(seq, output) is None:
             return f"{seq.request.request_id}: {len(output.token_ids)} tokens with {accepted} accepted of {len(seq.draft_token_ids)} drafts"
     return ""
+
+
+def accepted_branch(seq: StepSeq, output: m.SeqOutput) -> list[int] | None:
+    """The draft nodes the output accepted, in order (a chain's first ones); None if they are no branch of the proposal."""
+    accepted = output.token_ids[: output.num_accepted_draft]
+    if seq.draft_parents is None:
+        return list(range(len(accepted))) if accepted == seq.draft_token_ids[: len(accepted)] else None
+    return follow(seq.draft_parents, seq.draft_token_ids, accepted)

@@ -19,6 +19,7 @@ from dataclasses import replace
 
 import msgspec
 
+from modeling.trees import child_holding
 from proto import messages as m
 from proto.lifecycle import INIT_PHASES, State
 from scheduler.config import SchedulerConfig
@@ -231,12 +232,15 @@ class FakeWorker:
             if seq.sample:
                 truth = list(tokens.get(seq.request_id, [])) or [DEFAULT_TOKEN]
                 drafts = seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens:] if seq.num_draft_tokens else []
-                accepted = 0
-                while accepted < len(drafts) and accepted + 1 < len(truth) and drafts[accepted] == truth[accepted]:
+                parents = seq.draft_parents if seq.draft_parents is not None else list(range(-1, len(drafts) - 1))
+                accepted = 0  # the branch of the drafts' tree (a chain's first ones) that matches the truth
+                at: int | None = -1
+                while accepted + 1 < len(truth) and (at := child_holding(parents, drafts, at, truth[accepted])) is not None:
                     accepted += 1
                 outputs.append(m.SeqOutput(seq.request_id, truth[:accepted + 1], num_accepted_draft=accepted))
                 held = self.kv.get(seq.slot, [])  # released (aborted) while the step ran: nothing to cut
-                del held[len(held) - len(drafts) + accepted:]  # the rejected drafts' KV is cut off
+                del held[len(held) - len(drafts):]  # the drafts' KV is cut off, the accepted branch's kept
+                held.extend(truth[:accepted])
                 num_standing += accepted
             if step.return_features:  # like the real worker: every position of the step that stands
                 features.append(m.SeqFeatures(seq.request_id, fake_features(seq.start_position, num_standing)))
@@ -406,8 +410,10 @@ class FakeDraft(FakeWorker):
         pending = [p for p in self.proposes if p.propose_id not in self._answered]
         return pending[-1] if pending else None
 
-    def answer(self, proposals: Mapping[str, Sequence[int]] | None = None) -> bool:
-        """Answer the pending propose request: the given tokens, else the script's continuation, else nothing."""
+    def answer(self, proposals: Mapping[str, Sequence[int]] | None = None,
+               parents: Mapping[str, list[int]] | None = None) -> bool:
+        """Answer the pending propose request: the given tokens (as a tree with `parents` where given), else the
+        script's continuation, else nothing."""
         request = self.pending_propose()
         assert request is not None, f"{self.worker_id} has no propose request"
         self._answered.add(request.propose_id)
@@ -437,5 +443,5 @@ class FakeDraft(FakeWorker):
                 script = self.script.get(seq.request_id, [])
                 proposal = script[len(tokens):len(tokens) + seq.num_tokens] if script[:len(tokens)] == tokens else []
             self.held[seq.request_id] = tokens + proposal
-            answers.append(m.Proposal(seq.request_id, len(tokens), proposal))
+            answers.append(m.Proposal(seq.request_id, len(tokens), proposal, parents=(parents or {}).get(seq.request_id)))
         return self.send(m.ProposeResult(self.worker_id, self.incarnation, request.propose_id, answers, 1.0))

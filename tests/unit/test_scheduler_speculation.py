@@ -74,6 +74,45 @@ def test_a_verify_step_carries_the_last_token_then_the_drafts_and_the_draft_gets
     assert worker.kv[0] == prompt(3) + [11, 12, 13]  # the rejected draft's KV was cut
 
 
+def test_a_token_tree_reaches_the_target_and_the_draft_is_told_what_it_holds_in_place() -> None:
+    sim, worker, draft = setup(num_speculative_tokens=4)
+    sim.submit("a", prompt(3), max_tokens=20)
+    worker.complete({"a": [11]})
+    proposes(draft)
+    # Two guesses at the first token; the second holds the right branch, 12 then 13.
+    draft.answer({"a": [77, 12, 13, 78]}, parents={"a": [-1, -1, 1, 1]})
+    seq = worker.step().seqs[0]
+    assert (seq.token_ids, seq.num_draft_tokens, seq.draft_parents) == ([11, 77, 12, 13, 78], 4, [-1, -1, 1, 1])
+    worker.complete({"a": [12, 13, 14]})
+    assert sim.streamed("a") == [11, 12, 13, 14]
+    second = proposes(draft)[-1].seqs[0]
+    # The draft holds its tree in node order: the branch is not its first nodes, so all four go and the branch comes new.
+    assert (second.num_held, second.num_drop, second.new_token_ids) == (8, 4, [12, 13, 14])
+    # A branch that is the first nodes stays where the draft holds it.
+    draft.answer({"a": [15, 16, 90]}, parents={"a": [-1, 0, -1]})
+    worker.complete({"a": [15, 16, 17]})
+    third = proposes(draft)[-1].seqs[0]
+    assert (third.num_held, third.num_drop, third.new_token_ids) == (7 + 3, 1, [17])
+    assert sim.streamed("a") == [11, 12, 13, 14, 15, 16, 17]
+    assert worker.kv[0] == prompt(3) + [11, 12, 13, 14, 15, 16]
+
+
+@pytest.mark.parametrize(("sampling", "parents"), [
+    (m.SamplingParams(temperature=0.7, seed=3), [-1, -1]),  # trees are verified greedily only
+    (m.SamplingParams(), [1, -1]),  # a parent after its child
+    (m.SamplingParams(), [-1]),  # one parent for two tokens
+])
+def test_a_token_tree_for_a_sampled_request_or_a_malformed_one_never_reaches_the_target(
+        sampling: m.SamplingParams, parents: list[int]) -> None:
+    sim, worker, draft = setup(num_speculative_tokens=4)
+    draft.strict = False
+    sim.submit("a", prompt(3), max_tokens=20, sampling=sampling)
+    worker.complete({"a": [11]})
+    draft.answer({"a": [77, 12]}, parents={"a": parents})
+    seq = worker.step().seqs[0]
+    assert (seq.num_draft_tokens, seq.draft_parents) == (0, None)
+
+
 def test_a_sequence_without_a_proposal_decodes_plainly_in_the_same_step() -> None:
     sim, worker, draft = setup()
     sim.submit("a", prompt(3), max_tokens=10)
@@ -304,15 +343,15 @@ def test_policy_leaves_prefill_chunks_alone_and_respects_budget_and_context() ->
 
 def test_proposal_problems_are_named() -> None:
     good = m.Proposal("a", 3, [5, 6], [m.SparseDist([5, 9], [0.5, 0.5]), m.SparseDist([6], [1.0])])
-    assert proposal_problem(good, 2, 100, 3) == ""
-    assert "asked for" in proposal_problem(good, 1, 100, 3)
-    assert "num_held" in proposal_problem(good, 2, 100, 2)  # it cannot hold more than the sequence has
-    assert "num_held" in proposal_problem(m.Proposal("a", -1, []), 2, 100, 3)
-    assert "vocabulary" in proposal_problem(m.Proposal("a", 3, [500]), 2, 100, 3)
-    assert "cover" in proposal_problem(m.Proposal("a", 3, [5], [m.SparseDist([9], [1.0])]), 2, 100, 3)
-    assert "probability" in proposal_problem(m.Proposal("a", 3, [5], [m.SparseDist([5], [1.5])]), 2, 100, 3)
-    assert "sum to 1" in proposal_problem(m.Proposal("a", 3, [5], [m.SparseDist([5, 6], [0.5, 0.1])]), 2, 100, 3)
-    assert "repeats" in proposal_problem(m.Proposal("a", 3, [5], [m.SparseDist([5, 5], [0.5, 0.5])]), 2, 100, 3)
+    assert proposal_problem(good, 2, 100, 3, True) == ""
+    assert "asked for" in proposal_problem(good, 1, 100, 3, True)
+    assert "num_held" in proposal_problem(good, 2, 100, 2, True)  # it cannot hold more than the sequence has
+    assert "num_held" in proposal_problem(m.Proposal("a", -1, []), 2, 100, 3, True)
+    assert "vocabulary" in proposal_problem(m.Proposal("a", 3, [500]), 2, 100, 3, True)
+    assert "cover" in proposal_problem(m.Proposal("a", 3, [5], [m.SparseDist([9], [1.0])]), 2, 100, 3, True)
+    assert "probability" in proposal_problem(m.Proposal("a", 3, [5], [m.SparseDist([5], [1.5])]), 2, 100, 3, True)
+    assert "sum to 1" in proposal_problem(m.Proposal("a", 3, [5], [m.SparseDist([5, 6], [0.5, 0.1])]), 2, 100, 3, True)
+    assert "repeats" in proposal_problem(m.Proposal("a", 3, [5], [m.SparseDist([5, 5], [0.5, 0.5])]), 2, 100, 3, True)
 
 
 def test_a_draft_lost_while_a_verify_step_runs_leaves_consistent_counts_for_the_next_one() -> None:
