@@ -104,3 +104,29 @@ CODE: list[str] = [
 ]
 
 WORKLOADS: dict[str, list[str]] = {"editing": EDITING, "chat": CHAT, "code": CODE}
+
+# Requests for tuning a draft's rules (how far to trust each kind of guess): neither
+# benchmark workload nor training data, so figures measured on the workloads above stay
+# held out. Not a benchmark workload.
+TUNING: list[str] = [
+    "What are the health benefits of regular exercise?",
+    "Explain how a bill becomes a law in the United States.",
+    "Write a short poem about autumn leaves.",
+    "What is the difference between weather and climate?",
+    "Give me a simple recipe for pancakes.",
+    "How do vaccines train the immune system?",
+    "Describe the life cycle of a butterfly.",
+    "What are some good habits for better sleep?",
+    "Explain what inflation is and why it matters.",
+    "Write a polite email asking a colleague for feedback on a report.",
+    "Write a Python function that checks whether a number is prime, with a docstring.",
+    "Explain list comprehensions in Python with three examples.",
+    "Write a JavaScript function that debounces another function.",
+    "How do I handle exceptions in Python? Give an example with try, except and finally.",
+    "Write a Python script that downloads a web page and counts the links on it.",
+    "What is the difference between == and is in Python?",
+    "Write a C function that reverses a linked list.",
+    "Explain recursion with a Python example that computes a factorial.",
+    "Write a Python class that represents a 2D vector with addition and length.",
+    "How do I create and activate a virtual environment in Python?",
+]

@@ -28,6 +28,7 @@ class DraftConfig:
     target_model: Path | None  # the target's folder: a distilled draft (phrases, head) must have been made for it
     max_draft_tokens: int  # the longest proposal it makes (k)
     head_draft_tokens: int  # eagle+ngram, eagle+phrases: the longest proposal the head makes (a lookup's may reach k)
+    token_trees: bool  # phrases: greedy requests get a token tree of guesses, not one chain
     ngram_min: int  # n-gram lookup tries n = ngram_max down to ngram_min
     ngram_max: int
     max_model_len: int  # tokens per sequence it can hold
@@ -61,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-draft-tokens", type=int, default=HEAD_DRAFT_TOKENS,
                         help="eagle+ngram, eagle+phrases: the longest proposal the head makes; a lookup's may be "
                              "--max-draft-tokens long")
+    parser.add_argument("--token-trees", action=argparse.BooleanOptionalAction, default=True,
+                        help="phrases: guess a token tree for greedy requests (the likeliest branches of the phrases "
+                             "and prompt lookup, verified in one step); --no-token-trees: one chain")
     parser.add_argument("--ngram-min", type=int, default=2)
     parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -88,7 +92,8 @@ def from_arguments(args: argparse.Namespace) -> DraftConfig:
     return DraftConfig(
         worker_id=args.worker_id, scheduler_address=args.scheduler_address, proposer=args.proposer,
         target_model=args.target_model,
-        max_draft_tokens=args.max_draft_tokens, head_draft_tokens=args.head_draft_tokens, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+        max_draft_tokens=args.max_draft_tokens, head_draft_tokens=args.head_draft_tokens, token_trees=args.token_trees,
+        ngram_min=args.ngram_min, ngram_max=args.ngram_max,
         max_model_len=args.max_model_len, num_seqs=args.num_seqs, device=args.device, dtype=args.dtype,
         draft_top_k=args.draft_top_k, heartbeat_interval_s=args.heartbeat_interval_s,
         phase_timeout_s=args.phase_timeout_s, step_timeout_s=args.step_timeout_s, drain_timeout_s=args.drain_timeout_s, num_threads=args.num_threads,

@@ -39,11 +39,16 @@ from modeling.kv_cache import SlotTable
 from modeling.phrases import FILE_NAME as PHRASE_FILE
 from modeling.phrases import MIN_CONTEXT as PHRASE_MIN_CONTEXT
 from modeling.phrases import PhraseStore
+from modeling.trees import best_tree, is_chain
 from modeling.sampling import generator_for, is_greedy, target_probs
 from proto.messages import SamplingParams, SparseDist
 
 # The draft's draws use their own stream, apart from the target's draws at the same positions.
 _DRAFT_STREAM = 0x2545F4914F6CDD1D
+# In a token tree: how often prompt lookup's guess at each depth is the target's next token,
+# given the guesses before it were (n-gram lengths 2-4), measured on the tuning requests
+# (bench/spec_prompts.py TUNING) as modeling.phrases.TRUST_BY_MATCH was.
+LOOKUP_TRUST = (0.74, 0.82, 0.84, 0.9, 0.91, 0.92)
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,7 @@ class ProposeInput:
 class Proposed:
     token_ids: list[int]  # possibly empty
     dists: list[SparseDist] | None = None  # per token, what it was drawn from; None = a point mass
+    parents: list[int] | None = None  # a token tree (modeling.trees; greedy requests only); None = a chain
 
 
 class Proposer(Protocol):
@@ -156,12 +162,12 @@ class PhraseProposer(LookupProposer):
     """
 
     def __init__(self, folder: Path, target_folder: Path, prompt_lookup: NgramProposer,
-                 min_context: int = PHRASE_MIN_CONTEXT) -> None:
+                 min_context: int = PHRASE_MIN_CONTEXT, trees: bool = True) -> None:
         meta = check_target(folder, target_folder)  # refuses a folder made for another target, as a head does
         self.vocab_size = ModelConfig.from_folder(target_folder).vocab_size
         self.vocab_fingerprint = meta.vocab_fingerprint
         self.target_fingerprint = meta.target_fingerprint
-        self._folder, self._prompt_lookup, self._min_context = folder, prompt_lookup, min_context
+        self._folder, self._prompt_lookup, self._min_context, self._trees = folder, prompt_lookup, min_context, trees
         self._phrases: PhraseStore | None = None
 
     def phases(self) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
@@ -179,6 +185,24 @@ class PhraseProposer(LookupProposer):
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         assert self._phrases is not None  # loaded
         return self._prompt_lookup.lookup(tokens, k) or self._phrases.continue_(tokens, k, self._min_context)
+
+    def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
+        """Greedy requests get a token tree of k nodes (with `trees`), sampled ones the lookup's chain."""
+        return [self.tree(item.token_ids, item.num_tokens) if self._trees and is_greedy(item.sampling)
+                else Proposed(self.lookup(item.token_ids, item.num_tokens)) for item in batch]
+
+    def tree(self, tokens: list[int], k: int) -> Proposed:
+        """The k likeliest guesses of the phrases' branches and prompt lookup's chain, as one token tree."""
+        assert self._phrases is not None  # loaded
+        chances = self._phrases.guesses(tokens, k, self._min_context)
+        chance = 1.0
+        lookup = self._prompt_lookup.lookup(tokens, k)
+        for depth in range(len(lookup)):
+            chance *= LOOKUP_TRUST[min(depth, len(LOOKUP_TRUST) - 1)]
+            branch = tuple(lookup[: depth + 1])
+            chances[branch] = max(chances.get(branch, 0.0), chance)
+        token_ids, parents = best_tree(chances, k)
+        return Proposed(token_ids, parents=None if is_chain(parents) else parents)
 
 
 class SequenceSlots:

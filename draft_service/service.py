@@ -34,7 +34,7 @@ def make_proposer(config: DraftConfig) -> Proposer:
             return prompt_lookup
         case "phrases":
             assert config.target_model is not None  # checked with the arguments
-            return PhraseProposer(Path(argument), config.target_model, prompt_lookup)
+            return PhraseProposer(Path(argument), config.target_model, prompt_lookup, trees=config.token_trees)
         case "eagle" | "eagle+ngram" | "eagle+phrases":
             assert config.target_model is not None  # checked with the arguments
             head = EagleProposer(Path(argument), config.target_model, device=config.device, dtype=config.dtype,
@@ -143,7 +143,8 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
             tokens = made.token_ids if made else []
             if seq.request_id in num_held:
                 self._sequences.record_proposal(seq.request_id, tokens)
-            proposals.append(m.Proposal(seq.request_id, num_held.get(seq.request_id, 0), tokens, made.dists if made else None))
+            proposals.append(m.Proposal(seq.request_id, num_held.get(seq.request_id, 0), tokens, made.dists if made else None,
+                                        made.parents if made else None))
         self.num_steps += 1
         self.send(m.ProposeResult(worker_id=self.process_id, incarnation=self.incarnation, propose_id=request.propose_id,
                                   proposals=proposals, duration_ms=(time.perf_counter() - started) * 1000))

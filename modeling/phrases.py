@@ -33,6 +33,14 @@ MIN_CONTEXT = 1  # the shortest match that proposes anything (unless the caller 
 # (docs/benchmarks.md, issue 6, session 7).
 FULL_CONTEXT = 3
 MAX_OCCURRENCES = 64  # continuations a proposal is voted from, spread evenly over all the occurrences
+# For a token tree (`guesses`): how often a guess is the target's next token, per share of
+# the continuations that agree with it, by the length of the match it continues (the
+# match plus the guesses before it on its branch). Measured on the tuning requests
+# (bench/spec_prompts.py TUNING), never on a benchmark workload: a token that follows 80-100%
+# of a 4-token match's occurrences was right 68% of the time, 20-40% of them 14%.
+TRUST_BY_MATCH = (0.0, 0.5, 0.5, 0.57, 0.7, 0.7, 0.7, 0.78, 0.95)  # index: tokens matched, 1 .. MAX_CONTEXT
+GUESS_MATCHES = 2  # a tree's guesses come from the longest match and the one a token shorter
+MIN_CHANCE = 0.02  # a guess less likely than this is left out of a tree (it would rarely pay for its row)
 _BOUNDARY = -1  # between sequences; never a token
 
 
@@ -96,16 +104,13 @@ class PhraseStore:
         a match shorter than FULL_CONTEXT proposes at most as many tokens as it matched."""
         if k < 1:
             return []
-        found = self._longest_match(context, min_context)
-        if found is None:
+        matches = self._matches(context, min_context)
+        if not matches:
             return []
-        lo, hi, matched = found
+        lo, hi, matched = matches[-1]
         if matched < FULL_CONTEXT:
             k = min(k, matched)
-        count = min(hi - lo, MAX_OCCURRENCES)
-        starts = self._positions[lo + np.arange(count) * (hi - lo) // count]  # evenly: the range is sorted by context
-        ahead = np.minimum(starts[:, None] + np.arange(k), len(self._tokens) - 1)  # the last entry is a boundary
-        continuations = self._tokens[ahead]  # [occurrences, k]
+        continuations = self._continuations(lo, hi, k)
         proposal: list[int] = []
         for step in range(k):
             column = continuations[:, step]
@@ -118,11 +123,47 @@ class PhraseStore:
             continuations = continuations[continuations[:, step] == token]
         return proposal
 
-    def _longest_match(self, context: list[int], min_context: int) -> tuple[int, int, int] | None:
-        """The range of sorted positions whose preceding tokens end like the context, for the longest such end,
-        and that end's length."""
+    def guesses(self, context: list[int], k: int, min_context: int = MIN_CONTEXT) -> dict[tuple[int, ...], float]:
+        """Continuations of up to k tokens of the context's end, each with the chance that the target writes it next:
+        for every branch of what followed the longest match (and the match a token shorter; at least min_context
+        tokens; a match shorter than FULL_CONTEXT continued by at most as many tokens as it matched), the product
+        along it of each token's share of the continuations that reached it, times TRUST_BY_MATCH."""
+        chances: dict[tuple[int, ...], float] = {}
+        for lo, hi, matched in self._matches(context, min_context)[-GUESS_MATCHES:]:
+            length = k if matched >= FULL_CONTEXT else min(k, matched)
+            rows = self._continuations(lo, hi, length).tolist()
+            # Branch by branch, depth by depth; one less likely than MIN_CHANCE is not followed (its own are less so).
+            level: list[tuple[tuple[int, ...], float, list[list[int]]]] = [((), 1.0, rows)]
+            for depth in range(length):
+                trust = TRUST_BY_MATCH[min(matched + depth, MAX_CONTEXT)]
+                deeper = []
+                for branch, chance, following in level:
+                    by_token: dict[int, list[list[int]]] = {}
+                    for row in following:
+                        by_token.setdefault(row[depth], []).append(row)
+                    for token, reaching in by_token.items():
+                        child_chance = chance * len(reaching) / len(following) * trust
+                        if token == _BOUNDARY or child_chance < MIN_CHANCE:
+                            continue  # the continuation ended there, or is too unlikely
+                        child = (*branch, token)
+                        chances[child] = max(chances.get(child, 0.0), child_chance)
+                        deeper.append((child, child_chance, reaching))
+                level = deeper
+        return chances
+
+    def _continuations(self, lo: int, hi: int, k: int) -> np.ndarray:
+        """`[occurrences, k]`: the k tokens after up to MAX_OCCURRENCES of the sorted positions in [lo, hi)
+        (boundaries where a sequence ends)."""
+        count = min(hi - lo, MAX_OCCURRENCES)
+        starts = self._positions[lo + np.arange(count) * (hi - lo) // count]  # evenly: the range is sorted by context
+        ahead = np.minimum(starts[:, None] + np.arange(k), len(self._tokens) - 1)  # the last entry is a boundary
+        return self._tokens[ahead]
+
+    def _matches(self, context: list[int], min_context: int) -> list[tuple[int, int, int]]:
+        """For each length n of the context's end that occurs (at least min_context, shortest first): the range of
+        sorted positions whose preceding tokens end like it, and n."""
         lo, hi = 0, len(self._positions)
-        best = None
+        found = []
         for depth in range(min(MAX_CONTEXT, len(context))):
             back = self._column(depth, lo, hi)  # sorted: the positions in [lo, hi) agree on the tokens nearer to them
             a = int(np.searchsorted(back, context[-1 - depth], "left"))
@@ -131,8 +172,8 @@ class PhraseStore:
                 break
             lo, hi = lo + a, lo + b
             if depth + 1 >= min_context:
-                best = (lo, hi, depth + 1)
-        return best
+                found.append((lo, hi, depth + 1))
+        return found
 
     def _column(self, depth: int, lo: int, hi: int) -> np.ndarray:
         """The token depth + 1 places before each sorted position in [lo, hi)."""

@@ -78,6 +78,8 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-draft-tokens", type=int, default=None,
                         help=f"eagle+ngram and eagle+phrases: the longest proposal the head makes where no lookup matches "
                              f"(default: the draft service's, {HEAD_DRAFT_TOKENS}; a lookup's may reach the whole k)")
+    parser.add_argument("--no-token-trees", action="store_true",
+                        help="default and phrases:PATH: propose one chain, not a token tree of guesses, to greedy requests")
     parser.add_argument("--spec-disable-batch-threshold", type=int, default=None,
                         help="speculate only when a step has at most this many sequences (default: 16 for prompt lookup "
                              "and phrases, 4 for a draft that runs a model: measured in docs/benchmarks.md)")
@@ -173,6 +175,9 @@ def _run_up(args: argparse.Namespace) -> int:
                                                or proposer.partition(":")[0] not in LOOKUP_THEN_HEAD_KINDS):
         raise SystemExit(f"specserve up: --head-draft-tokens must be at least 1, with --draft "
                          f"{' or '.join(f'{kind}:PATH' for kind in LOOKUP_THEN_HEAD_KINDS)}")
+    if args.no_token_trees and proposer.partition(":")[0] != "phrases":
+        raise SystemExit("specserve up: --no-token-trees goes with --draft default or phrases:PATH (the drafts that "
+                         "propose token trees)")
     if args.num_speculative_tokens is None:
         # A head's later proposals are accepted rarely (docs/benchmarks.md); a lookup's long ones often.
         args.num_speculative_tokens = HEAD_DRAFT_TOKENS if proposer.startswith("eagle:") else 6
@@ -230,6 +235,8 @@ def _service_specs(args: argparse.Namespace, model: Path, device: str, dtype: st
         proposer_args = ["--target-model", str(model)] if proposer.partition(":")[0] in DISTILLED_KINDS else []
         if args.head_draft_tokens is not None:
             proposer_args += ["--head-draft-tokens", str(args.head_draft_tokens)]
+        if args.no_token_trees:
+            proposer_args.append("--no-token-trees")
         specs.append(ServiceSpec("draft", python + [
             "draft_service", "--worker-id", "draft-0", "--proposer", proposer, *proposer_args, "--scheduler-address", worker_address,
             "--device", "cuda:0" if device == "cuda" else device, "--dtype", dtype, "--max-model-len", str(args.max_model_len),

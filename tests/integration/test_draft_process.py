@@ -151,3 +151,36 @@ def test_an_eagle_head_service_reads_target_features_and_refuses_another_target(
         assert refused.wait(30) == 1
     finally:
         _stop(refused)
+
+
+def test_a_phrase_service_sends_token_trees_to_greedy_requests_and_chains_to_sampled_ones(
+    tiny_llama_folder: Path, scheduler: FakeScheduler, tmp_path: Path,  # noqa: F811
+) -> None:
+    from modeling.phrases import PhraseStore
+    from tests.eagle_helpers import tiny_head
+
+    folder = tmp_path / "draft"
+    tiny_head(tiny_llama_folder).save(folder, tiny_llama_folder, {"note": "untrained, for tests"})
+    # After "1 2 3" the target wrote "4 5" twice and "6 7" once.
+    PhraseStore.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6, 7], [1, 2, 3, 4, 5]]).save(folder)
+    draft = _start_draft(f"phrases:{folder}", scheduler.address, tmp_path, "--target-model", str(tiny_llama_folder))
+    try:
+        hello = scheduler.receive(m.WorkerHello)
+        assert isinstance(hello, m.WorkerHello)
+        while scheduler.receive(m.LifecycleReport).state != "READY":  # type: ignore[attr-defined]
+            pass
+        sampled = m.SamplingParams(temperature=0.8, seed=2)
+        context = [9, 1, 2, 3]
+        scheduler.send(m.ProposeRequest(1, hello.incarnation, [m.ProposeSeq("g", 0, 0, context, 3, GREEDY),
+                                                               m.ProposeSeq("s", 0, 0, context, 3, sampled)]))
+        greedy, chain = scheduler.receive(m.ProposeResult).proposals  # type: ignore[attr-defined]
+        assert (greedy.token_ids, greedy.parents) == ([4, 5, 6], [-1, 0, -1])
+        assert (chain.token_ids, chain.parents) == ([4, 5], None)
+        # The service holds the tree's tokens in node order: the scheduler drops all three and sends the branch taken.
+        scheduler.send(m.ProposeRequest(2, hello.incarnation, [m.ProposeSeq("g", len(context) + 3, 3, [6, 7], 3, GREEDY)]))
+        (after,) = scheduler.receive(m.ProposeResult).proposals  # type: ignore[attr-defined]
+        assert after.num_held == len(context) + 2
+        scheduler.send(m.Drain(hello.incarnation))
+        assert draft.wait(30) == 0
+    finally:
+        _stop(draft)

@@ -62,6 +62,21 @@ def test_head_draft_tokens_is_refused_before_anything_starts_where_it_means_noth
         _run_up(args)
 
 
+def test_token_trees_are_on_unless_turned_off_and_only_phrases_take_the_switch(
+        tiny_llama_folder: Path, tmp_path: Path) -> None:
+    from specserve.cli import _run_up
+
+    def draft_command(*argv: str) -> list[str]:
+        args = _build_parser().parse_args(["up", *argv])
+        args.num_speculative_tokens, args.spec_disable_batch_threshold = 6, 16
+        return {spec.name: spec.argv for spec in _service_specs(args, tmp_path / "model", "cpu", "bfloat16")}["draft"]
+
+    assert "--no-token-trees" not in draft_command("--draft", "default")
+    assert "--no-token-trees" in draft_command("--draft", "default", "--no-token-trees")
+    args = _build_parser().parse_args(["up", "--model", str(tiny_llama_folder), "--draft", "ngram", "--no-token-trees"])
+    with pytest.raises(SystemExit, match="--no-token-trees goes with --draft default or phrases:PATH"):
+        _run_up(args)
+
 
 def test_the_draft_service_checks_its_proposer_arguments() -> None:
     from draft_service.config import DraftConfig, add_arguments, from_arguments
@@ -73,6 +88,7 @@ def test_the_draft_service_checks_its_proposer_arguments() -> None:
 
     both = config("--proposer", "eagle+ngram:/d", "--target-model", "/t", "--head-draft-tokens", "2")
     assert both.model_path == Path("/d") and both.head_draft_tokens == 2
+    assert both.token_trees and not config("--proposer", "phrases:/d", "--target-model", "/t", "--no-token-trees").token_trees
     with pytest.raises(ValueError, match="needs --target-model"):
         config("--proposer", "eagle+ngram:/d")
     assert config("--proposer", "phrases:/d", "--target-model", "/t").model_path == Path("/d")

@@ -10,7 +10,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from modeling.phrases import FULL_CONTEXT, MAX_CONTEXT, MAX_OCCURRENCES, MIN_CONTEXT, PhraseError, PhraseStore
+from modeling.phrases import (
+    FULL_CONTEXT,
+    MAX_CONTEXT,
+    MAX_OCCURRENCES,
+    MIN_CHANCE,
+    MIN_CONTEXT,
+    TRUST_BY_MATCH,
+    PhraseError,
+    PhraseStore,
+)
 
 
 def test_the_longest_match_decides_and_its_continuation_runs_to_the_end_of_its_sequence() -> None:
@@ -99,6 +108,26 @@ def _brute_force(sequences: list[list[int]], context: list[int], k: int, min_con
             found = [(seq, j) for seq, j in found if j + step < len(seq) and seq[j + step] == token]
         return proposal
     return []
+
+
+def test_guesses_carry_each_branchs_share_of_the_continuations_times_the_trust_in_its_match() -> None:
+    store = PhraseStore.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6], [1, 2, 3, 4, 8], [0, 2, 3, 4, 5]])
+    trust = TRUST_BY_MATCH
+    guesses = store.guesses([9, 1, 2, 3], 3)
+    # Longest match "1 2 3" (3 occurrences): 4 in 2 of them, then 5 or 8 in one each; 6 ends its sequence.
+    assert guesses[(4,)] == pytest.approx(max(2 / 3 * trust[3], 3 / 4 * trust[2]))  # "2 3" (4 occurrences) says 4 too
+    assert guesses[(6,)] == pytest.approx(1 / 3 * trust[3])
+    assert guesses[(4, 5)] == pytest.approx(max(2 / 3 * trust[3] * 1 / 2 * trust[4], 3 / 4 * trust[2] * 2 / 3 * trust[3]))
+    assert (6, 5) not in guesses and all(len(branch) <= 3 for branch in guesses)
+    assert store.guesses([9, 1, 2, 3], 3, min_context=FULL_CONTEXT).keys() == {(4,), (6,), (4, 5), (4, 8)}
+    assert store.guesses([7], 3) == {} and store.guesses([1, 2, 3], 0) == {}
+
+
+def test_guesses_leave_out_branches_less_likely_than_min_chance() -> None:
+    # "1 2 3" is followed 64 times: 4 in half of them, a different token in each other.
+    store = PhraseStore.from_sequences([[1, 2, 3, 4]] * 32 + [[1, 2, 3, 10 + i] for i in range(32)])
+    guesses = store.guesses([0, 1, 2, 3], 2)
+    assert set(guesses) == {(4,)} and 1 / 64 * TRUST_BY_MATCH[3] < MIN_CHANCE
 
 
 def test_the_file_round_trips_and_ids_outside_the_vocabulary_are_refused(tmp_path: Path) -> None:
