@@ -152,14 +152,14 @@ class LlamaModel(torch.nn.Module):
             values[batch.slots, :, stored_at] = v
         scale = cfg.head_dim**-0.5
         if native is not None and batch.all_rows_in_kernel:
-            return self.linear(native.attend(q, keys, values, batch.slots, ends, scale, batch.extra), layer.o_proj)
+            return self.linear(_native_attend(native, q, keys, values, batch.slots, ends, batch.extra, scale), layer.o_proj)
         if len(batch.groups) == 1 and batch.groups[0].is_identity:
             return self.linear(self._group_attention(batch.groups[0], masks[0], q, keys, values), layer.o_proj)
         out = torch.empty(n, cfg.num_heads * cfg.head_dim, dtype=h.dtype, device=h.device)  # [N, H*D]
         if native is not None and batch.kernel_rows is not None:
             rows = batch.kernel_rows
             extra = None if batch.extra is None else batch.extra[rows]
-            out[rows] = native.attend(q[rows], keys, values, batch.slots[rows], ends[rows], scale, extra)
+            out[rows] = _native_attend(native, q[rows], keys, values, batch.slots[rows], ends[rows], extra, scale)
         for group, mask in zip(batch.groups, masks):
             out[group.real_rows] = self._group_attention(group, mask, q, keys, values)
         return self.linear(out, layer.o_proj)
@@ -182,6 +182,14 @@ class LlamaModel(torch.nn.Module):
         out = _grouped_attention(q_rows, k_rows, v_rows, mask, cfg.num_queries_per_kv)  # [R, H, T, D]
         out = out.transpose(1, 2).reshape(r * t, cfg.num_heads * cfg.head_dim)  # [R*T, H*D]
         return out if group.is_identity else out[group.real]
+
+
+def _native_attend(native: ModuleType, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                   ends: torch.Tensor, extra: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """The attention kernel over rows that attend to positions 0..ends, and then, where given, to their `extra` ones."""
+    if extra is None:
+        return native.attend(q, keys, values, slots, ends, scale)
+    return native.attend_tree(q, keys, values, slots, ends, extra, scale)
 
 
 def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, g: int) -> torch.Tensor:

@@ -59,10 +59,15 @@ struct AttendCall {
     for (int64_t e = 0; e < extra_width && extra_of[r * extra_width + e] >= 0; ++e) ++n;
     return n;
   }
-  // The cache position of the task's l-th attended key.
+  // The cache position of the task's l-th attended key (kExtra: the call has extra positions).
+  template <bool kExtra>
   int64_t key_position(int64_t task, int64_t l) const {
-    const int64_t r = row(task);
-    return l <= position_of[r] ? l : extra_of[r * extra_width + l - position_of[r] - 1];
+    if constexpr (!kExtra) {
+      return l;
+    } else {
+      const int64_t r = row(task);
+      return l <= position_of[r] ? l : extra_of[r * extra_width + l - position_of[r] - 1];
+    }
   }
   int64_t base(int64_t task) const { return (slot_of[row(task)] * num_kv_heads + kv_head(task)) * max_len * dim; }
   const T* task_keys(int64_t task) const { return keys + base(task); }
@@ -72,8 +77,9 @@ struct AttendCall {
 };
 
 // kDim and kGroup, when not 0, fix head_dim and the query heads per kv head at compile
-// time, so the per-position loops unroll into a few vector instructions.
-template <typename T, int64_t kDim, int64_t kGroup>
+// time, so the per-position loops unroll into a few vector instructions. kExtra: some rows
+// attend to extra positions (a token tree); without, a row's keys are read straight on.
+template <typename T, bool kExtra, int64_t kDim, int64_t kGroup>
 void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
                  const at::Tensor& positions, const c10::optional<at::Tensor>& extra, at::Tensor& out, double scale) {
   const AttendCall<T> call(q, keys, values, slots, positions, extra, out);
@@ -97,7 +103,7 @@ void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
         for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(src[d]) * softmax_scale;
       }
       for (int64_t l = 0; l < length; ++l) {
-        const T* k = k_rows + call.key_position(task, l) * dim;
+        const T* k = k_rows + call.template key_position<kExtra>(task, l) * dim;
 #pragma omp simd
         for (int64_t d = 0; d < dim; ++d) rf[d] = to_float(k[d]);
         for (int64_t g = 0; g < group; ++g) {
@@ -124,7 +130,7 @@ void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
       }
       for (int64_t i = 0; i < group * dim; ++i) af[i] = 0.0f;
       for (int64_t l = 0; l < length; ++l) {
-        const T* v = v_rows + call.key_position(task, l) * dim;
+        const T* v = v_rows + call.template key_position<kExtra>(task, l) * dim;
 #pragma omp simd
         for (int64_t d = 0; d < dim; ++d) rf[d] = to_float(v[d]);
         for (int64_t g = 0; g < group; ++g) {
@@ -180,7 +186,7 @@ inline __m512 exp_nonpositive_16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-template <typename T, int64_t kGroup>
+template <typename T, bool kExtra, int64_t kGroup>
 void attend_rows_avx512_64(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
                          const at::Tensor& positions, const c10::optional<at::Tensor>& extra, at::Tensor& out, double scale) {
   constexpr int64_t dim = 64;
@@ -214,14 +220,23 @@ void attend_rows_avx512_64(const at::Tensor& q, const at::Tensor& keys, const at
         const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1u);
         // The values are read right after the scores, and the next keys soon: ask for them now.
         constexpr int64_t kLinesPerRow = dim * sizeof(T) / 64;
-        int64_t at[16];  // the block's cache positions
-        for (int64_t j = 0; j < count; ++j) at[j] = call.key_position(task, l0 + j);
+        int64_t at[16];  // with extra positions: the block's cache positions
+        if constexpr (kExtra) {
+          for (int64_t j = 0; j < count; ++j) at[j] = call.template key_position<kExtra>(task, l0 + j);
+        }
+        const auto cached = [&](int64_t j) -> int64_t {  // the cache position of the block's j-th key
+          if constexpr (kExtra) {
+            return at[j];
+          } else {
+            return l0 + j;
+          }
+        };
         for (int64_t j = 0; j < count; ++j) {
           for (int64_t line = 0; line < kLinesPerRow; ++line) {
-            _mm_prefetch(reinterpret_cast<const char*>(v_rows + at[j] * dim) + 64 * line, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(v_rows + cached(j) * dim) + 64 * line, _MM_HINT_T0);
             if (l0 + 32 + j < length) {
-              _mm_prefetch(reinterpret_cast<const char*>(k_rows + call.key_position(task, l0 + 32 + j) * dim) + 64 * line,
-                           _MM_HINT_T0);
+              const T* ahead = k_rows + call.template key_position<kExtra>(task, l0 + 32 + j) * dim;
+              _mm_prefetch(reinterpret_cast<const char*>(ahead) + 64 * line, _MM_HINT_T0);
             }
           }
         }
@@ -230,7 +245,7 @@ void attend_rows_avx512_64(const at::Tensor& q, const at::Tensor& keys, const at
           for (int64_t j = 0; j < 16; ++j) {
             a[j] = _mm512_setzero_ps();
             if (j < count) {
-              const T* k = k_rows + at[j] * dim;
+              const T* k = k_rows + cached(j) * dim;
               if constexpr (kBf16) {
                 a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_loadu_si512(k), query_pairs[g][0]);
                 a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_loadu_si512(k + 32), query_pairs[g][1]);
@@ -264,7 +279,7 @@ void attend_rows_avx512_64(const at::Tensor& q, const at::Tensor& keys, const at
         for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
       }
       for (int64_t l = 0; l < length; ++l) {
-        const T* v = v_rows + call.key_position(task, l) * dim;
+        const T* v = v_rows + call.template key_position<kExtra>(task, l) * dim;
         __m512 vf[4];
         for (int c = 0; c < 4; ++c) {
           if constexpr (kBf16) {
@@ -290,28 +305,38 @@ void attend_rows_avx512_64(const at::Tensor& q, const at::Tensor& keys, const at
 }
 #endif
 
-template <typename T>
-void attend_dispatch(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+template <typename T, bool kExtra>
+void attend_dispatch_with(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
                      const at::Tensor& positions, const c10::optional<at::Tensor>& extra, at::Tensor& out, double scale) {
   const int64_t dim = q.size(2), group = q.size(1) / keys.size(1);
 #ifdef SPECSERVE_AVX512_BF16
-  if (dim == 64 && group == 3) return attend_rows_avx512_64<T, 3>(q, keys, values, slots, positions, extra, out, scale);
-  if (dim == 64 && group == 4) return attend_rows_avx512_64<T, 4>(q, keys, values, slots, positions, extra, out, scale);
-  if (dim == 64 && group == 2) return attend_rows_avx512_64<T, 2>(q, keys, values, slots, positions, extra, out, scale);
-  if (dim == 64 && group == 1) return attend_rows_avx512_64<T, 1>(q, keys, values, slots, positions, extra, out, scale);
+  if (dim == 64 && group == 3) return attend_rows_avx512_64<T, kExtra, 3>(q, keys, values, slots, positions, extra, out, scale);
+  if (dim == 64 && group == 4) return attend_rows_avx512_64<T, kExtra, 4>(q, keys, values, slots, positions, extra, out, scale);
+  if (dim == 64 && group == 2) return attend_rows_avx512_64<T, kExtra, 2>(q, keys, values, slots, positions, extra, out, scale);
+  if (dim == 64 && group == 1) return attend_rows_avx512_64<T, kExtra, 1>(q, keys, values, slots, positions, extra, out, scale);
 #endif
   if (dim == 64 && group == 3) {
-    attend_rows<T, 64, 3>(q, keys, values, slots, positions, extra, out, scale);
+    attend_rows<T, kExtra, 64, 3>(q, keys, values, slots, positions, extra, out, scale);
   } else if (dim == 64 && group == 4) {
-    attend_rows<T, 64, 4>(q, keys, values, slots, positions, extra, out, scale);
+    attend_rows<T, kExtra, 64, 4>(q, keys, values, slots, positions, extra, out, scale);
   } else if (dim == 128 && group == 4) {
-    attend_rows<T, 128, 4>(q, keys, values, slots, positions, extra, out, scale);
+    attend_rows<T, kExtra, 128, 4>(q, keys, values, slots, positions, extra, out, scale);
   } else if (dim == 64) {
-    attend_rows<T, 64, 0>(q, keys, values, slots, positions, extra, out, scale);
+    attend_rows<T, kExtra, 64, 0>(q, keys, values, slots, positions, extra, out, scale);
   } else if (dim == 128) {
-    attend_rows<T, 128, 0>(q, keys, values, slots, positions, extra, out, scale);
+    attend_rows<T, kExtra, 128, 0>(q, keys, values, slots, positions, extra, out, scale);
   } else {
-    attend_rows<T, 0, 0>(q, keys, values, slots, positions, extra, out, scale);
+    attend_rows<T, kExtra, 0, 0>(q, keys, values, slots, positions, extra, out, scale);
+  }
+}
+
+template <typename T>
+void attend_dispatch(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+                     const at::Tensor& positions, const c10::optional<at::Tensor>& extra, at::Tensor& out, double scale) {
+  if (extra && extra->numel() > 0) {
+    attend_dispatch_with<T, true>(q, keys, values, slots, positions, extra, out, scale);
+  } else {
+    attend_dispatch_with<T, false>(q, keys, values, slots, positions, extra, out, scale);
   }
 }
 
@@ -331,8 +356,6 @@ void check_cache_and_rows(const at::Tensor& keys, const at::Tensor& values, cons
                 " is outside the cache");
   }
 }
-
-}  // namespace
 
 // A tree row's extra positions: ascending, past the row's contiguous run and inside the
 // cache, then -1s only (the padding of rows with fewer).
@@ -360,14 +383,8 @@ void check_extra(const at::Tensor& extra, const at::Tensor& positions, int64_t n
   }
 }
 
-// q [N, H, D] (rows and heads may be strided, head_dim contiguous) over keys, values
-// [S, KVH, max_len, D]: row n attends positions 0 .. positions[n] of slot slots[n], then,
-// when `extra` [N, E] is given, the positions in its row n up to the first -1, in order.
-// A row of a token tree attends that way to the sequence's standing positions and then to
-// its ancestors' and its own, which lie further on in the cache among other branches'.
-// Returns [N, H * D] in q's dtype; scores, softmax and sums in float32.
-at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
-                  const at::Tensor& positions, double scale, const c10::optional<at::Tensor>& extra) {
+at::Tensor attend_with(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+                       const at::Tensor& positions, double scale, const c10::optional<at::Tensor>& extra) {
   TORCH_CHECK(q.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu() && slots.device().is_cpu() &&
                   positions.device().is_cpu(),
               "the attention kernel runs on CPU tensors");
@@ -386,6 +403,25 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
     TORCH_CHECK(false, "the attention kernel supports float32 and bfloat16, not ", q.scalar_type());
   }
   return out;
+}
+
+}  // namespace
+
+// q [N, H, D] (rows and heads may be strided, head_dim contiguous) over keys, values
+// [S, KVH, max_len, D]: row n attends positions 0 .. positions[n] of slot slots[n].
+// Returns [N, H * D] in q's dtype; scores, softmax and sums in float32.
+at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+                  const at::Tensor& positions, double scale) {
+  return attend_with(q, keys, values, slots, positions, scale, c10::nullopt);
+}
+
+// Like attend, and then row n attends the positions in extra [N, E] up to its first -1,
+// in order. A token tree's node attends that way to the sequence's standing positions and
+// then to its ancestors' and its own, which lie further on in the cache among other
+// branches' (a separate op: the plain one's per-call cost stays as it was).
+at::Tensor attend_tree(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+                       const at::Tensor& positions, const at::Tensor& extra, double scale) {
+  return attend_with(q, keys, values, slots, positions, scale, extra);
 }
 
 // Writes k, v [N, KVH, D] (rows and heads may be strided) at (slots[n], :, positions[n]).

@@ -2,8 +2,8 @@
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("attend", &attend, "attention of rows over the slot KV cache, read in place", py::arg("q"), py::arg("keys"),
-        py::arg("values"), py::arg("slots"), py::arg("positions"), py::arg("scale"), py::arg("extra") = py::none());
+  m.def("attend", &attend, "attention of rows over the slot KV cache, read in place");
+  m.def("attend_tree", &attend_tree, "attention of rows, token tree nodes among them, over the slot KV cache");
   m.def("store", &store, "write rows' keys and values into the slot KV cache");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm of each row of x");

@@ -72,7 +72,9 @@ inline float exp_float(float x) {
 }  // namespace specserve
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
-                  const at::Tensor& positions, double scale, const c10::optional<at::Tensor>& extra);
+                  const at::Tensor& positions, double scale);
+at::Tensor attend_tree(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+                       const at::Tensor& positions, const at::Tensor& extra, double scale);
 void store(const at::Tensor& k, const at::Tensor& v, at::Tensor& keys, at::Tensor& values, const at::Tensor& slots,
            const at::Tensor& positions);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
