@@ -59,7 +59,8 @@ struct AttendCall {
     for (int64_t e = 0; e < extra_width && extra_of[r * extra_width + e] >= 0; ++e) ++n;
     return n;
   }
-  // The cache position of the task's l-th attended key (kExtra: the call has extra positions).
+  // The cache position of the task's l-th attended key. kExtra false: the call has no extra
+  // positions (true serves both).
   template <bool kExtra>
   int64_t key_position(int64_t task, int64_t l) const {
     if constexpr (!kExtra) {
@@ -77,9 +78,12 @@ struct AttendCall {
 };
 
 // kDim and kGroup, when not 0, fix head_dim and the query heads per kv head at compile
-// time, so the per-position loops unroll into a few vector instructions. kExtra: some rows
-// attend to extra positions (a token tree); without, a row's keys are read straight on.
-template <typename T, bool kExtra, int64_t kDim, int64_t kGroup>
+// time, so the per-position loops unroll into a few vector instructions. Its sums are
+// vectorised as the compiler sees fit, which may differ between a loop over positions
+// 0, 1, 2, ... and one over a tree row's positions; so every row, with extra positions or
+// not, reads its keys through one list of row pointers, and a tree row stays bit for bit
+// its decode step.
+template <typename T, int64_t kDim, int64_t kGroup>
 void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
                  const at::Tensor& positions, const c10::optional<at::Tensor>& extra, at::Tensor& out, double scale) {
   const AttendCall<T> call(q, keys, values, slots, positions, extra, out);
@@ -90,10 +94,12 @@ void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
 
   at::parallel_for(0, call.num_tasks(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(group * dim), scores(group * max_len), acc(group * dim), row(dim);
+    std::vector<int64_t> offset(max_len);  // the task's l-th key and value row, from the slot's start
     for (int64_t task = begin; task < end; ++task) {
       const int64_t kv_head = call.kv_head(task), length = call.length(task);
       const T* k_rows = call.task_keys(task);
       const T* v_rows = call.task_values(task);
+      for (int64_t l = 0; l < length; ++l) offset[l] = call.template key_position<true>(task, l) * dim;
       float* qf = query.data();
       float* rf = row.data();
       float* sf = scores.data();
@@ -103,7 +109,7 @@ void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
         for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(src[d]) * softmax_scale;
       }
       for (int64_t l = 0; l < length; ++l) {
-        const T* k = k_rows + call.template key_position<kExtra>(task, l) * dim;
+        const T* k = k_rows + offset[l];
 #pragma omp simd
         for (int64_t d = 0; d < dim; ++d) rf[d] = to_float(k[d]);
         for (int64_t g = 0; g < group; ++g) {
@@ -130,7 +136,7 @@ void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
       }
       for (int64_t i = 0; i < group * dim; ++i) af[i] = 0.0f;
       for (int64_t l = 0; l < length; ++l) {
-        const T* v = v_rows + call.template key_position<kExtra>(task, l) * dim;
+        const T* v = v_rows + offset[l];
 #pragma omp simd
         for (int64_t d = 0; d < dim; ++d) rf[d] = to_float(v[d]);
         for (int64_t g = 0; g < group; ++g) {
@@ -152,7 +158,8 @@ void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
 // The path for head_dim 64 on CPUs with AVX512-BF16 (kGroup query heads per kv head):
 // scores 16 positions at a time (bf16 dot-product instructions, or float32 FMAs), then
 // summed across lanes in one transposing tree; softmax and the weighted sum of values in
-// float32.
+// float32. Written in intrinsics, it sums in the same order whether kExtra (a call with
+// extra positions) or not, so the plain call keeps its straight reads.
 
 // r[j] = sum of a[j]'s 16 lanes, for j = 0..15.
 inline __m512 sum_lanes_16(const __m512* a) {
@@ -316,17 +323,17 @@ void attend_dispatch_with(const at::Tensor& q, const at::Tensor& keys, const at:
   if (dim == 64 && group == 1) return attend_rows_avx512_64<T, kExtra, 1>(q, keys, values, slots, positions, extra, out, scale);
 #endif
   if (dim == 64 && group == 3) {
-    attend_rows<T, kExtra, 64, 3>(q, keys, values, slots, positions, extra, out, scale);
+    attend_rows<T, 64, 3>(q, keys, values, slots, positions, extra, out, scale);
   } else if (dim == 64 && group == 4) {
-    attend_rows<T, kExtra, 64, 4>(q, keys, values, slots, positions, extra, out, scale);
+    attend_rows<T, 64, 4>(q, keys, values, slots, positions, extra, out, scale);
   } else if (dim == 128 && group == 4) {
-    attend_rows<T, kExtra, 128, 4>(q, keys, values, slots, positions, extra, out, scale);
+    attend_rows<T, 128, 4>(q, keys, values, slots, positions, extra, out, scale);
   } else if (dim == 64) {
-    attend_rows<T, kExtra, 64, 0>(q, keys, values, slots, positions, extra, out, scale);
+    attend_rows<T, 64, 0>(q, keys, values, slots, positions, extra, out, scale);
   } else if (dim == 128) {
-    attend_rows<T, kExtra, 128, 0>(q, keys, values, slots, positions, extra, out, scale);
+    attend_rows<T, 128, 0>(q, keys, values, slots, positions, extra, out, scale);
   } else {
-    attend_rows<T, kExtra, 0, 0>(q, keys, values, slots, positions, extra, out, scale);
+    attend_rows<T, 0, 0>(q, keys, values, slots, positions, extra, out, scale);
   }
 }
 

@@ -106,6 +106,42 @@ def test_out_of_range_rows_are_refused_before_any_write(ops, slot: int, position
         ops.attend(torch.ones(2, 4, 8), keys, values, torch.tensor([1, slot]), torch.tensor([2, position]), 1.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "dim"), SHAPES)
+def test_tree_rows_attend_to_their_run_then_their_extra_positions(ops, dtype: torch.dtype, num_heads: int,  # type: ignore[no-untyped-def]
+                                                                  num_kv_heads: int, dim: int) -> None:
+    """Each row's keys are positions 0..its end and then its extra ones, in order: bit for bit the row of a cache where
+    those keys lie one after another."""
+    keys, values = _cache(3, num_kv_heads, 80, dim, dtype, seed=5)
+    slots = torch.tensor([1, 1, 1, 2, 0])
+    ends = torch.tensor([30, 30, 30, 12, 40])
+    extra = torch.tensor([[31, -1, -1], [32, 35, -1], [31, 33, 34], [-1, -1, -1], [41, 60, 79]])
+    q = torch.randn(5, num_heads, dim, generator=torch.Generator().manual_seed(6)).to(dtype)
+    out = ops.attend_tree(q, keys, values, slots, ends, extra, dim**-0.5)
+    for n in range(5):
+        chosen = list(range(int(ends[n]) + 1)) + [int(e) for e in extra[n] if e >= 0]
+        packed_keys, packed_values = keys.clone(), values.clone()  # the row's keys moved to 0, 1, 2, ...
+        slot = int(slots[n])
+        packed_keys[slot, :, : len(chosen)] = keys[slot, :, chosen]
+        packed_values[slot, :, : len(chosen)] = values[slot, :, chosen]
+        plain = ops.attend(q[n : n + 1].clone(), packed_keys, packed_values, slots[n : n + 1],
+                           torch.tensor([len(chosen) - 1]), dim**-0.5)
+        assert torch.equal(out[n], plain[0]), f"row {n}"
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ([[5, 4]], "must follow"),  # not ascending
+    ([[3, -1]], "must follow"),  # at or before the row's end
+    ([[-1, 6]], "must follow"),  # a position after padding
+    ([[5, 10]], "must follow"),  # outside the cache
+    ([[5, -2]], "padding is -1"),
+])
+def test_bad_extra_positions_are_refused(ops, extra: list[list[int]], message: str) -> None:  # type: ignore[no-untyped-def]
+    keys, values = torch.zeros(2, 2, 10, 8), torch.zeros(2, 2, 10, 8)
+    with pytest.raises(RuntimeError, match=message):
+        ops.attend_tree(torch.ones(1, 4, 8), keys, values, torch.tensor([0]), torch.tensor([3]), torch.tensor(extra), 1.0)
+
+
 def test_attention_refuses_mismatched_inputs(ops) -> None:  # type: ignore[no-untyped-def]
     keys, values = torch.zeros(2, 2, 10, 8), torch.zeros(2, 2, 10, 8)
     with pytest.raises(RuntimeError, match="share a dtype"):
