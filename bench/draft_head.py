@@ -112,10 +112,12 @@ def cycle(target: Path, draft: Path, dtype: str, ks: list[int], lookup_k: int, n
         while len(tokens) < len(prompt) + output_len:
             started = time.perf_counter()
             drafted: list[int] = []
+            parents = None  # a token tree's (the phrases propose them to greedy requests)
             if proposer is not None:
                 (proposal,) = proposer.propose([ProposeInput("r", tokens, stable, k, GREEDY, features)])
-                drafted = proposal.token_ids
-            work = SeqWork("r", 0, len(tokens) - 1, [tokens[-1]] + drafted, True, GREEDY, num_draft_tokens=len(drafted))
+                drafted, parents = proposal.token_ids, proposal.parents
+            work = SeqWork("r", 0, len(tokens) - 1, [tokens[-1]] + drafted, True, GREEDY, num_draft_tokens=len(drafted),
+                           draft_parents=parents)
             (out,), rows = runner.execute([work], return_features=proposer is not None)  # plain steps need none
             seconds += time.perf_counter() - started
             verifies += bool(drafted)

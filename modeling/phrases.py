@@ -6,8 +6,10 @@ the target answered for its training data (chat template, request and the target
 answer) in the draft folder (`phrases.safetensors`); the draft service finds where the
 sequence's last tokens (1 to 8 of them, the longest that match) occur in them and
 proposes what followed most often: up to k tokens after a match of 3 or more, at most as
-many as it matched after a shorter one. Like prompt lookup it
-costs no model step, and verification keeps the output exact whatever it proposes.
+many as it matched after a shorter one (`continue_`), or, for a token tree, what followed
+at all, each branch with the chance that the target writes it (`guesses`). Like prompt
+lookup it costs no model step, and verification keeps the output exact whatever it
+proposes.
 
 Index: every position c that follows a token, sorted by the tokens before it read
 backwards (c-1, c-2, ... up to MAX_CONTEXT, stopping at a sequence boundary). The
