@@ -42,7 +42,6 @@ class SeqSpan:
     parents: tuple[int, ...] | None = None
 
 
-
 @dataclass(frozen=True)
 class AttentionGroup:
     """Sequences attended in one call: R rows of up to T query positions each."""
@@ -94,12 +93,12 @@ def build_step_batch(spans: list[SeqSpan], device: torch.device, *, rows_in_kern
     slots: list[int] = []
     logit_rows: list[int] = []
     offsets: list[int] = []
-    rows: list[_Row] = []
+    rows = _Rows()
     for span in spans:
         offsets.append(len(token_ids))
         n = len(span.token_ids)
         token_ids.extend(span.token_ids)
-        rows.extend(_rows(span))
+        rows.add(span)
         slots.extend([span.slot] * n)
         logit_rows.extend(range(len(token_ids) - span.num_logits, len(token_ids)))
     attends_with_others = [_in_kernel(s) if rows_in_kernel else len(s.token_ids) <= MAX_SHARED_QUERY_TOKENS for s in spans]
@@ -111,43 +110,46 @@ def build_step_batch(spans: list[SeqSpan], device: torch.device, *, rows_in_kern
     if rows_in_kernel and shared and alone:
         kernel_rows = _ids([offsets[i] + t for i in shared for t in range(len(spans[i].token_ids))], device)
 
-    positions = _ids([row.position for row in rows], device)
     cache_positions = attend_ends = extra = None
-    width = max(len(row.extra) for row in rows) if rows else 0
-    if width:
-        cache_positions = _ids([row.stored_at for row in rows], device)
-        attend_ends = _ids([row.attend_end for row in rows], device)
-        extra = _ids([list(row.extra) + [-1] * (width - len(row.extra)) for row in rows], device).view(len(rows), width)
-    return StepBatch(_ids(token_ids, device), positions, _ids(slots, device), _ids(logit_rows, device), groups,
-                     all_rows_in_kernel=rows_in_kernel and not alone, kernel_rows=kernel_rows,
+    if rows.extra:
+        cache_positions, attend_ends = _ids(rows.stored_at, device), _ids(rows.attend_ends, device)
+        width = max(len(keys) for keys in rows.extra.values())
+        padded = [list(rows.extra.get(row, ())) + [-1] * (width - len(rows.extra.get(row, ()))) for row in range(len(token_ids))]
+        extra = _ids(padded, device).view(len(token_ids), width)
+    return StepBatch(_ids(token_ids, device), _ids(rows.positions, device), _ids(slots, device), _ids(logit_rows, device),
+                     groups, all_rows_in_kernel=rows_in_kernel and not alone, kernel_rows=kernel_rows,
                      cache_positions=cache_positions, attend_ends=attend_ends, extra=extra)
 
 
-@dataclass(frozen=True)
-class _Row:
-    """One new token: its position (RoPE), where it is stored, and what it attends to: cache positions 0 ..
-    attend_end, then `extra`."""
+class _Rows:
+    """Per packed row: its position (RoPE), where it is stored, the last of the cache positions 0 .. it attends to,
+    and for a tree node the further positions it attends to (its ancestors' and its own)."""
 
-    position: int
-    stored_at: int
-    attend_end: int
-    extra: tuple[int, ...] = ()
+    def __init__(self) -> None:
+        self.positions: list[int] = []
+        self.stored_at: list[int] = []
+        self.attend_ends: list[int] = []
+        self.extra: dict[int, tuple[int, ...]] = {}
 
-
-def _rows(span: SeqSpan) -> list[_Row]:
-    n = len(span.token_ids)
-    if span.parents is None or is_chain(span.parents):
-        return [_Row(p, p, p) for p in range(span.start, span.start + n)]
-    if len(span.parents) > n - 1:
-        raise ValueError(f"a tree of {len(span.parents)} nodes needs a token before it; the span has {n} tokens")
-    depths = tree_depths(span.parents)
-    root = span.start + n - len(span.parents) - 1  # the last token before the tree
-    rows = [_Row(p, p, p) for p in range(span.start, root + 1)]
-    paths: list[tuple[int, ...]] = []
-    for node, parent in enumerate(span.parents):
-        paths.append((paths[parent] if parent >= 0 else ()) + (root + 1 + node,))
-        rows.append(_Row(root + depths[node], root + 1 + node, root, paths[node]))
-    return rows
+    def add(self, span: SeqSpan) -> None:
+        n = len(span.token_ids)
+        if span.parents is None or is_chain(span.parents):
+            for column in (self.positions, self.stored_at, self.attend_ends):
+                column.extend(range(span.start, span.start + n))
+            return
+        if len(span.parents) > n - 1:
+            raise ValueError(f"a tree of {len(span.parents)} nodes needs a token before it; the span has {n} tokens")
+        depths = tree_depths(span.parents)
+        root = span.start + n - len(span.parents) - 1  # the last token before the tree
+        for column in (self.positions, self.stored_at, self.attend_ends):
+            column.extend(range(span.start, root + 1))
+        paths: list[tuple[int, ...]] = []
+        for node, parent in enumerate(span.parents):
+            paths.append((paths[parent] if parent >= 0 else ()) + (root + 1 + node,))
+            self.extra[len(self.positions)] = paths[node]
+            self.positions.append(root + depths[node])
+            self.stored_at.append(root + 1 + node)
+            self.attend_ends.append(root)
 
 
 def _in_kernel(span: SeqSpan) -> bool:
@@ -166,7 +168,7 @@ def _attention_pairs(span: SeqSpan) -> int:
     return n * span.start + n * (n + 1) // 2
 
 
-def _plan_group(spans: list[SeqSpan], offsets: list[int], rows: list[_Row], num_tokens: int,
+def _plan_group(spans: list[SeqSpan], offsets: list[int], rows: _Rows, num_tokens: int,
                 device: torch.device) -> AttentionGroup:
     slot_lo = min(s.slot for s in spans)
     slot_hi = max(s.slot for s in spans) + 1
@@ -189,11 +191,11 @@ def _plan_group(spans: list[SeqSpan], offsets: list[int], rows: list[_Row], num_
             continue
         span = spans[i]
         for t in range(len(span.token_ids)):
-            row = rows[offsets[i] + t]
-            query_rows[r * num_query + t] = offsets[i] + t
-            query_pos[r][t] = row.attend_end
-            if row.extra:
-                tree_keys[r, t] = row.extra
+            packed = offsets[i] + t
+            query_rows[r * num_query + t] = packed
+            query_pos[r][t] = rows.attend_ends[packed]
+            if packed in rows.extra:
+                tree_keys[r, t] = rows.extra[packed]
             real.append(r * num_query + t)
             real_rows.append(offsets[i] + t)
     # One-token rows that all end at kv_len (a decode batch of equal lengths) attend to everything.
