@@ -37,6 +37,7 @@ from modeling.eagle import EagleEngine, check_target
 from modeling.engine import ModelEngine
 from modeling.kv_cache import SlotTable
 from modeling.phrases import FILE_NAME as PHRASE_FILE
+from modeling.phrases import MIN_CHANCE as PHRASE_MIN_CHANCE
 from modeling.phrases import MIN_CONTEXT as PHRASE_MIN_CONTEXT
 from modeling.phrases import PhraseStore
 from modeling.trees import best_tree, is_chain
@@ -187,21 +188,28 @@ class PhraseProposer(LookupProposer):
         return self._prompt_lookup.lookup(tokens, k) or self._phrases.continue_(tokens, k, self._min_context)
 
     def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
-        """Greedy requests get a token tree of k nodes (with `trees`), sampled ones the lookup's chain."""
-        return [self.tree(item.token_ids, item.num_tokens) if self._trees and is_greedy(item.sampling)
+        """Greedy requests get a token tree of up to k nodes (with `trees`), sampled ones the lookup's chain.
+
+        A tree's node must be likelier than MIN_CHANCE times the sequences proposed for
+        at once: alone in its step a sequence's few extra rows cost the target almost
+        nothing, but in a step of many every row costs its share.
+        """
+        min_chance = PHRASE_MIN_CHANCE * len(batch)
+        return [self.tree(item.token_ids, item.num_tokens, min_chance) if self._trees and is_greedy(item.sampling)
                 else Proposed(self.lookup(item.token_ids, item.num_tokens)) for item in batch]
 
-    def tree(self, tokens: list[int], k: int) -> Proposed:
-        """The k likeliest guesses of the phrases' branches and prompt lookup's chain, as one token tree."""
+    def tree(self, tokens: list[int], k: int, min_chance: float = PHRASE_MIN_CHANCE) -> Proposed:
+        """The k likeliest guesses (none less likely than min_chance) of the phrases' branches and prompt lookup's
+        chain, as one token tree."""
         assert self._phrases is not None  # loaded
-        chances = self._phrases.guesses(tokens, k, self._min_context)
+        chances = self._phrases.guesses(tokens, k, self._min_context, min_chance)
         chance = 1.0
         lookup = self._prompt_lookup.lookup(tokens, k)
         for depth in range(len(lookup)):
             chance *= LOOKUP_TRUST[min(depth, len(LOOKUP_TRUST) - 1)]
             branch = tuple(lookup[: depth + 1])
             chances[branch] = max(chances.get(branch, 0.0), chance)
-        token_ids, parents = best_tree(chances, k)
+        token_ids, parents = best_tree(chances, k, min_chance)
         return Proposed(token_ids, parents=None if is_chain(parents) else parents)
 
 

@@ -42,7 +42,7 @@ MAX_OCCURRENCES = 64  # continuations a proposal is voted from, spread evenly ov
 # of a 4-token match's occurrences was right 68% of the time, 20-40% of them 14%.
 TRUST_BY_MATCH = (0.0, 0.5, 0.5, 0.57, 0.7, 0.7, 0.7, 0.78, 0.95)  # index: tokens matched, 1 .. MAX_CONTEXT
 GUESS_MATCHES = 2  # a tree's guesses come from the longest match and the one a token shorter
-MIN_CHANCE = 0.02  # a guess less likely than this is left out of a tree (it would rarely pay for its row)
+MIN_CHANCE = 0.02  # by default a guess less likely than this is left out of a tree (it would rarely pay for its row)
 _BOUNDARY = -1  # between sequences; never a token
 
 
@@ -125,16 +125,18 @@ class PhraseStore:
             continuations = continuations[continuations[:, step] == token]
         return proposal
 
-    def guesses(self, context: list[int], k: int, min_context: int = MIN_CONTEXT) -> dict[tuple[int, ...], float]:
+    def guesses(self, context: list[int], k: int, min_context: int = MIN_CONTEXT,
+                min_chance: float = MIN_CHANCE) -> dict[tuple[int, ...], float]:
         """Continuations of up to k tokens of the context's end, each with the chance that the target writes it next:
         for every branch of what followed the longest match (and the match a token shorter; at least min_context
         tokens; a match shorter than FULL_CONTEXT continued by at most as many tokens as it matched), the product
-        along it of each token's share of the continuations that reached it, times TRUST_BY_MATCH."""
+        along it of each token's share of the continuations that reached it, times TRUST_BY_MATCH; branches less
+        likely than min_chance are left out."""
         chances: dict[tuple[int, ...], float] = {}
         for lo, hi, matched in self._matches(context, min_context)[-GUESS_MATCHES:]:
             length = k if matched >= FULL_CONTEXT else min(k, matched)
             rows = self._continuations(lo, hi, length).tolist()
-            # Branch by branch, depth by depth; one less likely than MIN_CHANCE is not followed (its own are less so).
+            # Branch by branch, depth by depth; one less likely than min_chance is not followed (its own are less so).
             level: list[tuple[tuple[int, ...], float, list[list[int]]]] = [((), 1.0, rows)]
             for depth in range(length):
                 trust = TRUST_BY_MATCH[min(matched + depth, MAX_CONTEXT)]
@@ -145,7 +147,7 @@ class PhraseStore:
                         by_token.setdefault(row[depth], []).append(row)
                     for token, reaching in by_token.items():
                         child_chance = chance * len(reaching) / len(following) * trust
-                        if token == _BOUNDARY or child_chance < MIN_CHANCE:
+                        if token == _BOUNDARY or child_chance < min_chance:
                             continue  # the continuation ended there, or is too unlikely
                         child = (*branch, token)
                         chances[child] = max(chances.get(child, 0.0), child_chance)

@@ -52,8 +52,8 @@ def leading_nodes(branch: Sequence[int]) -> int:
     return count
 
 
-def best_tree(chances: dict[tuple[int, ...], float], budget: int) -> tuple[list[int], list[int]]:
-    """The `budget` likeliest branches' nodes as a tree: (tokens, parents).
+def best_tree(chances: dict[tuple[int, ...], float], budget: int, min_chance: float = 0.0) -> tuple[list[int], list[int]]:
+    """The `budget` likeliest branches' nodes, none less likely than `min_chance`, as a tree: (tokens, parents).
 
     `chances` maps a branch (its tokens from the root) to the chance that the target
     writes it; a branch whose shorter part is missing is left out. Every node is scored
@@ -68,7 +68,8 @@ def best_tree(chances: dict[tuple[int, ...], float], budget: int) -> tuple[list[
         if parent and parent not in capped:
             continue
         capped[branch] = min(chances[branch], capped[parent]) if parent else chances[branch]
-    ranked = sorted(capped, key=lambda branch: (-capped[branch], len(branch), branch))
+    ranked = sorted((branch for branch in capped if capped[branch] >= min_chance),
+                    key=lambda branch: (-capped[branch], len(branch), branch))
     children: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
     for branch in ranked[:budget]:  # in rank order: each node's children likeliest first
         children.setdefault(branch[:-1], []).append(branch)

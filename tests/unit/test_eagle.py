@@ -278,6 +278,11 @@ def test_the_phrase_proposer_guesses_a_token_tree_for_greedy_requests_and_a_chai
     assert (tree.token_ids, tree.parents) == ([4, 5, 6, 7], [-1, 0, -1, 2])  # the likelier branch first
     (short,) = proposer.propose([ProposeInput("t", context, 0, 2, GREEDY)])
     assert (short.token_ids, short.parents) == ([4, 5], None)  # a chain goes as one
+    # Chances: 4 0.38, then 5 0.27; 6 0.19, then 7 0.13. Proposed for with others, a guess must be likelier than
+    # MIN_CHANCE times the sequences: 0.16 for 8 of them drops 7, 0.2 for 10 drops the branch.
+    for num_seqs, expected in ((8, ([4, 5, 6], [-1, 0, -1])), (10, ([4, 5], None))):
+        crowd = proposer.propose([ProposeInput(str(i), context, 0, 4, GREEDY) for i in range(num_seqs)])
+        assert all((p.token_ids, p.parents) == expected for p in crowd), num_seqs
     sampled = SamplingParams(temperature=0.8, seed=1)
     (chain,) = proposer.propose([ProposeInput("t", context, 0, 4, sampled)])
     assert (chain.token_ids, chain.parents) == ([4, 5], None)  # the majority's continuation, as before trees

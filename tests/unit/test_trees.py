@@ -58,6 +58,7 @@ def test_the_best_tree_keeps_the_likeliest_nodes_each_under_its_parent_likeliest
     assert parents == [-1, 0, 1, -1, 3]
     assert best_tree(chances, 2) == ([1, 2], [-1, 0])
     assert best_tree({}, 4) == ([], [])
+    assert branches(*best_tree(chances, 5, min_chance=0.4)) == [(1,), (1, 2), (1, 2, 3)]  # at least as likely only
 
 
 def test_the_best_tree_is_closed_under_parents_and_in_depth_first_order() -> None:
