@@ -262,17 +262,20 @@ def test_the_phrase_proposer_looks_up_the_prompt_first_then_the_targets_phrases_
         PhraseProposer(folder, other, NgramProposer(2, 4))
 
 
+def _ready(proposer: PhraseProposer) -> PhraseProposer:
+    for phase in proposer.phases():
+        phase()
+    return proposer
+
+
 def test_the_phrase_proposer_guesses_a_token_tree_for_greedy_requests_and_a_chain_for_sampled_ones(
     tiny_llama_folder: Path, tiny_draft: tuple[EagleHead, Path], tmp_path: Path,
 ) -> None:
-    _, made = tiny_draft
     folder = tmp_path / "draft"
-    shutil.copytree(made, folder)
+    shutil.copytree(tiny_draft[1], folder)
     # After "1 2 3" the target wrote "4 5" twice and "6 7" once.
     PhraseStore.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6, 7], [1, 2, 3, 4, 5]]).save(folder)
-    proposer = PhraseProposer(folder, tiny_llama_folder, NgramProposer(2, 4))
-    for phase in proposer.phases():
-        phase()
+    proposer = _ready(PhraseProposer(folder, tiny_llama_folder, NgramProposer(2, 4)))
     context = [9, 1, 2, 3]
     (tree,) = proposer.propose([ProposeInput("t", context, 0, 4, GREEDY)])
     assert (tree.token_ids, tree.parents) == ([4, 5, 6, 7], [-1, 0, -1, 2])  # the likelier branch first
@@ -286,9 +289,7 @@ def test_the_phrase_proposer_guesses_a_token_tree_for_greedy_requests_and_a_chai
     sampled = SamplingParams(temperature=0.8, seed=1)
     (chain,) = proposer.propose([ProposeInput("t", context, 0, 4, sampled)])
     assert (chain.token_ids, chain.parents) == ([4, 5], None)  # the majority's continuation, as before trees
-    flat = PhraseProposer(folder, tiny_llama_folder, NgramProposer(2, 4), trees=False)
-    for phase in flat.phases():
-        phase()
+    flat = _ready(PhraseProposer(folder, tiny_llama_folder, NgramProposer(2, 4), trees=False))
     assert flat.propose([ProposeInput("t", context, 0, 4, GREEDY)]) == [chain]
 
 
