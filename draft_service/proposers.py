@@ -188,14 +188,15 @@ class PhraseProposer(LookupProposer):
         return self._prompt_lookup.lookup(tokens, k) or self._phrases.continue_(tokens, k, self._min_context)
 
     def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
-        """Greedy requests get a token tree of up to k nodes (with `trees`), sampled ones the lookup's chain.
+        """A token tree of up to k nodes (with `trees`; its tokens are point masses, verified greedily or by the
+        target's own draws), else the lookup's chain.
 
         A tree's node must be likelier than MIN_CHANCE times the sequences proposed for
         at once: alone in its step a sequence's few extra rows cost the target almost
         nothing, but in a step of many every row costs its share.
         """
         min_chance = PHRASE_MIN_CHANCE * len(batch)
-        return [self.tree(item.token_ids, item.num_tokens, min_chance) if self._trees and is_greedy(item.sampling)
+        return [self.tree(item.token_ids, item.num_tokens, min_chance) if self._trees
                 else Proposed(self.lookup(item.token_ids, item.num_tokens)) for item in batch]
 
     def tree(self, tokens: list[int], k: int, min_chance: float = PHRASE_MIN_CHANCE) -> Proposed:

@@ -10,7 +10,7 @@ from modeling.config import ModelConfig
 from modeling.engine import ModelEngine
 from modeling.features import to_rows
 from modeling.kv_cache import SlotError, SlotTable
-from modeling.rejection import sparse_dist_problem, verify, verify_greedy, verify_tree_greedy
+from modeling.rejection import sparse_dist_problem, verify, verify_tree_greedy, verify_tree_sampled
 from modeling.sampling import is_greedy
 from modeling.trees import tree_depths
 from proto.messages import SeqFeatures, SeqOutput, SeqWork
@@ -84,10 +84,12 @@ class ModelRunner:
             if w.sample:
                 drafts = w.token_ids[num_standing:]
                 rows = slice(row, row + num_drafts + 1)
-                if w.draft_parents is not None:  # greedy (checked)
-                    verdict, branch = verify_tree_greedy(best[rows], drafts, w.draft_parents)
-                elif is_greedy(w.sampling):
-                    verdict = verify_greedy(best[rows], drafts)
+                parents = w.draft_parents if w.draft_parents is not None else list(range(-1, num_drafts - 1))
+                if is_greedy(w.sampling):
+                    verdict, branch = verify_tree_greedy(best[rows], drafts, parents)
+                elif w.draft_dists is None:  # point masses (lookups): the target's own draws, as plain sampling's
+                    verdict, branch = verify_tree_sampled(logits[rows], drafts, parents, w.sampling,
+                                                          w.start_position + num_standing)
                 else:
                     verdict = verify(logits[rows], drafts, w.draft_dists, w.sampling, w.start_position + num_standing)
                 row += num_drafts + 1
@@ -130,9 +132,9 @@ class ModelRunner:
             raise SlotError(f"request {w.request_id}: {k} draft tokens in a step of {len(w.token_ids)} tokens "
                             f"(sample={w.sample}, --max-draft-tokens {self._config.max_draft_tokens})")
         if w.draft_parents is not None:
-            if not is_greedy(w.sampling) or w.draft_dists is not None:
-                raise SlotError(f"request {w.request_id}: a token tree is verified greedily only (draft_parents with "
-                                f"sampling or draft_dists)")
+            if w.draft_dists is not None:
+                raise SlotError(f"request {w.request_id}: a token tree's drafts must be point masses (draft_parents "
+                                f"with draft_dists)")
             if len(w.draft_parents) != k:
                 raise SlotError(f"request {w.request_id}: {len(w.draft_parents)} draft parents for {k} draft tokens")
             try:

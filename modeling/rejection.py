@@ -108,6 +108,33 @@ def verify_tree_greedy(best: Sequence[int], draft_token_ids: Sequence[int],
         path.append(node)
 
 
+def verify_tree_sampled(logits: torch.Tensor, draft_token_ids: Sequence[int], parents: Sequence[int],
+                        params: SamplingLike, first_position: int) -> tuple[Verdict, list[int]]:
+    """Sampled verification of point-mass drafts, a chain or a tree: logits `[k+1, V]`, row 0 after the last standing
+    token (at `first_position`), row 1 + i after node i.
+
+    At each step the target's own token is drawn, exactly as plain sampling draws it
+    there (the same distribution, the generator of (seed, position)); the child that
+    holds it is accepted and the walk goes on from it, else the drawn token ends the
+    step. Every token is then what plain sampling gives at its position, so a seeded
+    request gives the same tokens with or without these drafts. (For a point mass this
+    is rejection sampling's law: draft d is kept with probability p(d), and otherwise the
+    token follows p without d.)
+    """
+    if logits.shape[0] != len(draft_token_ids) + 1:
+        raise ValueError(f"verify needs {len(draft_token_ids) + 1} rows of logits for {len(draft_token_ids)} draft tokens, "
+                         f"got {logits.shape[0]}")
+    path: list[int] = []
+    while True:
+        row = path[-1] + 1 if path else 0
+        position = first_position + len(path)
+        token = draw(target_probs(logits[row], params), generator_for(params.seed, position, logits.device))
+        node = child_holding(parents, draft_token_ids, path[-1] if path else -1, token)
+        if node is None:
+            return Verdict([*(draft_token_ids[n] for n in path), token], len(path)), path
+        path.append(node)
+
+
 def _dense(dist: SparseDistLike | None, token: int, vocab_size: int, device: torch.device) -> torch.Tensor:
     """q as a full vector; None is a point mass on `token`."""
     q = torch.zeros(vocab_size, dtype=torch.float32, device=device)

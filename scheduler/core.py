@@ -450,7 +450,7 @@ class SchedulerCore:
             start = r.num_computed_tokens
             proposal = proposals.get(r.request_id)
             drafts = proposal.token_ids if proposal else []
-            parents = proposal.parents if proposal else None  # only ever for greedy requests (checked on arrival)
+            parents = proposal.parents if proposal else None  # a tree of point masses (checked on arrival)
             seqs.append(m.SeqWork(
                 request_id=r.request_id, slot=r.slot, start_position=start,
                 token_ids=r.token_slice(start, start + item.num_tokens) + drafts, sample=item.completes, sampling=r.sampling,

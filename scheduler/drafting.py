@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from modeling.sampling import is_greedy
 from proto import messages as m
 from scheduler.batching import ScheduledSeq
 from scheduler.registry import WorkerRecord
@@ -107,8 +106,7 @@ class DraftLink:
             request = requests.get(proposal.request_id)
             if request is None or proposal.request_id not in asked:
                 continue
-            problem = proposal_problem(proposal, asked[proposal.request_id], vocab_size, request.num_tokens,
-                                       is_greedy(request.sampling))
+            problem = proposal_problem(proposal, asked[proposal.request_id], vocab_size, request.num_tokens)
             if problem:
                 report(problem)
                 request.draft.reset()

@@ -61,7 +61,7 @@ class PendingProposal:
     sent_at_s: float
 
 
-def proposal_problem(proposal: m.Proposal, num_tokens: int, vocab_size: int, sequence_len: int, greedy: bool) -> str:
+def proposal_problem(proposal: m.Proposal, num_tokens: int, vocab_size: int, sequence_len: int) -> str:
     """Why a proposal cannot be verified ("" when it can): a bad draft must never reach a target."""
     if not 0 <= proposal.num_held <= sequence_len:
         return f"num_held {proposal.num_held} for a sequence of {sequence_len} tokens"
@@ -70,8 +70,8 @@ def proposal_problem(proposal: m.Proposal, num_tokens: int, vocab_size: int, seq
     if vocab_size and any(not 0 <= t < vocab_size for t in proposal.token_ids):
         return f"a proposed token is outside the vocabulary 0..{vocab_size - 1}"
     if proposal.parents is not None:
-        if not greedy or proposal.dists is not None:
-            return "a token tree for a sampled request (trees are verified greedily only)"
+        if proposal.dists is not None:
+            return "a token tree with distributions (a tree's tokens must be point masses)"
         if len(proposal.parents) != len(proposal.token_ids):
             return f"{len(proposal.parents)} parents for {len(proposal.token_ids)} tokens"
         try:

@@ -150,6 +150,8 @@ def test_greedy_is_lossless_in_bfloat16_and_with_the_shipped_drafts(default_mode
         requests = [request(p) for p in ids]
         switch_draft(stack, None)
         baseline = [r.token_ids for r in run_staggered(stack, requests)]
+        sampled = [request(p, temperature=0.8, top_p=0.95, seed=77 + i) for i, p in enumerate(ids[:2])]
+        sampled_baseline = [stack.generate(r).token_ids for r in sampled]
         replay = tmp_path / "replay.json"
         replay.write_text(json.dumps([p + out for p, out in zip(ids, baseline)]))
         shipped = default_draft_dir()
@@ -159,6 +161,9 @@ def test_greedy_is_lossless_in_bfloat16_and_with_the_shipped_drafts(default_mode
             results = run_staggered(stack, requests)
             for index, (result, expected) in enumerate(zip(results, baseline)):
                 assert result.token_ids == expected, f"{proposer}: prompt {index} differs from greedy without speculation"
+            if not proposer.startswith("eagle"):  # point-mass drafts (the phrases' as token trees): the target's own
+                for index, (one, expected) in enumerate(zip(sampled, sampled_baseline)):  # draws, plain sampling's
+                    assert stack.generate(one).token_ids == expected, f"{proposer}: sampled prompt {index} differs"
             after = stack.wait_idle().speculation
             proposed = after.num_draft_tokens - before.num_draft_tokens
             accepted = after.num_accepted_draft_tokens - before.num_accepted_draft_tokens
@@ -176,6 +181,9 @@ def test_seeded_sampling_with_speculation_is_reproducible(spec_stack: Stack, def
     first, second = spec_stack.generate(sampled), spec_stack.generate(sampled)
     assert first.token_ids == second.token_ids
     assert len(first.token_ids) == 32
+    if proposer == "ngram":  # point-mass drafts are verified by the target's own draws: plain sampling's very tokens
+        switch_draft(spec_stack, None)
+        assert spec_stack.generate(sampled).token_ids == first.token_ids
 
 
 def test_usage_reports_the_requests_speculation(spec_stack: Stack, default_model_dir: Path) -> None:

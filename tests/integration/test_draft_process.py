@@ -153,7 +153,7 @@ def test_an_eagle_head_service_reads_target_features_and_refuses_another_target(
         _stop(refused)
 
 
-def test_a_phrase_service_sends_token_trees_to_greedy_requests_and_chains_to_sampled_ones(
+def test_a_phrase_service_sends_token_trees_and_chains_when_told(
     tiny_llama_folder: Path, scheduler: FakeScheduler, tmp_path: Path,  # noqa: F811
 ) -> None:
     from modeling.phrases import PhraseStore
@@ -173,9 +173,9 @@ def test_a_phrase_service_sends_token_trees_to_greedy_requests_and_chains_to_sam
         context = [9, 1, 2, 3]
         scheduler.send(m.ProposeRequest(1, hello.incarnation, [m.ProposeSeq("g", 0, 0, context, 3, GREEDY),
                                                                m.ProposeSeq("s", 0, 0, context, 3, sampled)]))
-        greedy, chain = scheduler.receive(m.ProposeResult).proposals  # type: ignore[attr-defined]
+        greedy, sampled_tree = scheduler.receive(m.ProposeResult).proposals  # type: ignore[attr-defined]
         assert (greedy.token_ids, greedy.parents) == ([4, 5, 6], [-1, 0, -1])
-        assert (chain.token_ids, chain.parents) == ([4, 5], None)
+        assert (sampled_tree.token_ids, sampled_tree.parents, sampled_tree.dists) == ([4, 5, 6], [-1, 0, -1], None)
         # The service holds the tree's tokens in node order: the scheduler drops all three and sends the branch taken.
         scheduler.send(m.ProposeRequest(2, hello.incarnation, [m.ProposeSeq("g", len(context) + 3, 3, [6, 7], 3, GREEDY)]))
         (after,) = scheduler.receive(m.ProposeResult).proposals  # type: ignore[attr-defined]
@@ -184,3 +184,16 @@ def test_a_phrase_service_sends_token_trees_to_greedy_requests_and_chains_to_sam
         assert draft.wait(30) == 0
     finally:
         _stop(draft)
+    chains = _start_draft(f"phrases:{folder}", scheduler.address, tmp_path, "--target-model", str(tiny_llama_folder),
+                          "--no-token-trees")
+    try:
+        hello = scheduler.receive(m.WorkerHello)
+        while scheduler.receive(m.LifecycleReport).state != "READY":  # type: ignore[attr-defined]
+            pass
+        scheduler.send(m.ProposeRequest(1, hello.incarnation, [m.ProposeSeq("g", 0, 0, context, 3, GREEDY)]))  # type: ignore[attr-defined]
+        (chain,) = scheduler.receive(m.ProposeResult).proposals  # type: ignore[attr-defined]
+        assert (chain.token_ids, chain.parents) == ([4, 5], None)
+        scheduler.send(m.Drain(hello.incarnation))  # type: ignore[attr-defined]
+        assert chains.wait(30) == 0
+    finally:
+        _stop(chains)

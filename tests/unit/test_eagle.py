@@ -268,7 +268,7 @@ def _ready(proposer: PhraseProposer) -> PhraseProposer:
     return proposer
 
 
-def test_the_phrase_proposer_guesses_a_token_tree_for_greedy_requests_and_a_chain_for_sampled_ones(
+def test_the_phrase_proposer_guesses_a_token_tree_of_its_likeliest_branches(
     tiny_llama_folder: Path, tiny_draft: tuple[EagleHead, Path], tmp_path: Path,
 ) -> None:
     folder = tmp_path / "draft"
@@ -287,10 +287,11 @@ def test_the_phrase_proposer_guesses_a_token_tree_for_greedy_requests_and_a_chai
         crowd = proposer.propose([ProposeInput(str(i), context, 0, 4, GREEDY) for i in range(num_seqs)])
         assert all((p.token_ids, p.parents) == expected for p in crowd), num_seqs
     sampled = SamplingParams(temperature=0.8, seed=1)
-    (chain,) = proposer.propose([ProposeInput("t", context, 0, 4, sampled)])
-    assert (chain.token_ids, chain.parents) == ([4, 5], None)  # the majority's continuation, as before trees
+    assert proposer.propose([ProposeInput("t", context, 0, 4, sampled)]) == [tree]  # point masses for any request
     flat = _ready(PhraseProposer(folder, tiny_llama_folder, NgramProposer(2, 4), trees=False))
-    assert flat.propose([ProposeInput("t", context, 0, 4, GREEDY)]) == [chain]
+    for params in (GREEDY, sampled):
+        (chain,) = flat.propose([ProposeInput("t", context, 0, 4, params)])
+        assert (chain.token_ids, chain.parents) == ([4, 5], None)  # the majority's continuation, as before trees
 
 
 def test_the_service_builds_each_distilled_kind_from_one_folder(

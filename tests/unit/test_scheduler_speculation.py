@@ -97,20 +97,24 @@ def test_a_token_tree_reaches_the_target_and_the_draft_is_told_what_it_holds_in_
     assert worker.kv[0] == prompt(3) + [11, 12, 13, 14, 15, 16]
 
 
-@pytest.mark.parametrize(("sampling", "parents"), [
-    (m.SamplingParams(temperature=0.7, seed=3), [-1, -1]),  # trees are verified greedily only
-    (m.SamplingParams(), [1, -1]),  # a parent after its child
-    (m.SamplingParams(), [-1]),  # one parent for two tokens
-])
-def test_a_token_tree_for_a_sampled_request_or_a_malformed_one_never_reaches_the_target(
-        sampling: m.SamplingParams, parents: list[int]) -> None:
+@pytest.mark.parametrize("parents", [[1, -1], [-1]])  # a parent after its child; one parent for two tokens
+def test_a_malformed_token_tree_never_reaches_the_target(parents: list[int]) -> None:
     sim, worker, draft = setup(num_speculative_tokens=4)
     draft.strict = False
-    sim.submit("a", prompt(3), max_tokens=20, sampling=sampling)
+    sim.submit("a", prompt(3), max_tokens=20)
     worker.complete({"a": [11]})
     draft.answer({"a": [77, 12]}, parents={"a": parents})
     seq = worker.step().seqs[0]
     assert (seq.num_draft_tokens, seq.draft_parents) == (0, None)
+
+
+def test_a_token_tree_of_point_masses_reaches_the_target_for_a_sampled_request_too() -> None:
+    sim, worker, draft = setup(num_speculative_tokens=4)
+    sim.submit("a", prompt(3), max_tokens=20, sampling=m.SamplingParams(temperature=0.7, seed=3))
+    worker.complete({"a": [11]})
+    draft.answer({"a": [77, 12]}, parents={"a": [-1, -1]})
+    seq = worker.step().seqs[0]
+    assert (seq.num_draft_tokens, seq.draft_parents, seq.draft_dists) == (2, [-1, -1], None)
 
 
 def test_a_sequence_without_a_proposal_decodes_plainly_in_the_same_step() -> None:
@@ -343,15 +347,19 @@ def test_policy_leaves_prefill_chunks_alone_and_respects_budget_and_context() ->
 
 def test_proposal_problems_are_named() -> None:
     good = m.Proposal("a", 3, [5, 6], [m.SparseDist([5, 9], [0.5, 0.5]), m.SparseDist([6], [1.0])])
-    assert proposal_problem(good, 2, 100, 3, True) == ""
-    assert "asked for" in proposal_problem(good, 1, 100, 3, True)
-    assert "num_held" in proposal_problem(good, 2, 100, 2, True)  # it cannot hold more than the sequence has
-    assert "num_held" in proposal_problem(m.Proposal("a", -1, []), 2, 100, 3, True)
-    assert "vocabulary" in proposal_problem(m.Proposal("a", 3, [500]), 2, 100, 3, True)
-    assert "cover" in proposal_problem(m.Proposal("a", 3, [5], [m.SparseDist([9], [1.0])]), 2, 100, 3, True)
-    assert "probability" in proposal_problem(m.Proposal("a", 3, [5], [m.SparseDist([5], [1.5])]), 2, 100, 3, True)
-    assert "sum to 1" in proposal_problem(m.Proposal("a", 3, [5], [m.SparseDist([5, 6], [0.5, 0.1])]), 2, 100, 3, True)
-    assert "repeats" in proposal_problem(m.Proposal("a", 3, [5], [m.SparseDist([5, 5], [0.5, 0.5])]), 2, 100, 3, True)
+    assert proposal_problem(good, 2, 100, 3) == ""
+    assert "asked for" in proposal_problem(good, 1, 100, 3)
+    assert "num_held" in proposal_problem(good, 2, 100, 2)  # it cannot hold more than the sequence has
+    assert "num_held" in proposal_problem(m.Proposal("a", -1, []), 2, 100, 3)
+    assert "vocabulary" in proposal_problem(m.Proposal("a", 3, [500]), 2, 100, 3)
+    assert "cover" in proposal_problem(m.Proposal("a", 3, [5], [m.SparseDist([9], [1.0])]), 2, 100, 3)
+    assert "probability" in proposal_problem(m.Proposal("a", 3, [5], [m.SparseDist([5], [1.5])]), 2, 100, 3)
+    assert "sum to 1" in proposal_problem(m.Proposal("a", 3, [5], [m.SparseDist([5, 6], [0.5, 0.1])]), 2, 100, 3)
+    assert "repeats" in proposal_problem(m.Proposal("a", 3, [5], [m.SparseDist([5, 5], [0.5, 0.5])]), 2, 100, 3)
+    assert "point masses" in proposal_problem(m.Proposal("a", 3, [5], [m.SparseDist([5], [1.0])], [-1]), 2, 100, 3)
+    assert "parents" in proposal_problem(m.Proposal("a", 3, [5, 6], parents=[-1]), 2, 100, 3)
+    assert "parent" in proposal_problem(m.Proposal("a", 3, [5, 6], parents=[0, -1]), 2, 100, 3)
+    assert proposal_problem(m.Proposal("a", 3, [5, 6], parents=[-1, -1]), 2, 100, 3) == ""
 
 
 def test_a_draft_lost_while_a_verify_step_runs_leaves_consistent_counts_for_the_next_one() -> None:

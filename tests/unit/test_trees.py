@@ -6,7 +6,11 @@ import random
 
 import pytest
 
-from modeling.rejection import verify_greedy, verify_tree_greedy
+import torch
+
+from modeling.rejection import verify_greedy, verify_tree_greedy, verify_tree_sampled
+from modeling.sampling import draw, generator_for, target_probs
+from proto.messages import SamplingParams
 from modeling.trees import best_tree, follow, is_chain, leading_nodes, tree_depths
 
 
@@ -38,6 +42,36 @@ def test_greedy_tree_verification_follows_the_targets_choices() -> None:
     assert (verdict.token_ids, verdict.num_accepted, path) == ([9, 7, 8, 4], 3, [1, 3, 4])
     verdict, path = verify_tree_greedy([3, 0, 0, 0, 0, 0], tokens, parents)
     assert (verdict.token_ids, verdict.num_accepted, path) == ([3], 0, [])
+
+
+def test_sampled_tree_verification_follows_the_targets_own_draws() -> None:
+    """Each token is plain sampling's draw at its position (generator of (seed, position)); a child holding it is kept."""
+    torch.manual_seed(0)
+    rows = torch.randn(6, 5) * 2  # row 0 after the root, row 1 + i after node i
+    params = SamplingParams(temperature=0.9, seed=7)
+
+    def plain(row: int, depth: int) -> int:  # what plain sampling draws from that row at position 10 + depth
+        return draw(target_probs(rows[row], params), generator_for(params.seed, 10 + depth, rows.device))
+
+    first = plain(0, 0)
+    second = plain(2, 1)  # after node 1, which will hold `first`
+    third = plain(4, 2)  # after node 3, which will hold `second`
+    tokens = [(first + 1) % 5, first, (second + 1) % 5, second, (first + 2) % 5]
+    parents = [-1, -1, 1, 1, -1]
+    verdict, path = verify_tree_sampled(rows, tokens, parents, params, 10)
+    assert path == [1, 3] and verdict.token_ids == [first, second, third] and verdict.num_accepted == 2
+
+
+def test_sampled_tree_verification_draws_the_first_token_from_p_whatever_the_tree() -> None:
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = torch.log(p).repeat(4, 1)
+    tokens, parents = [0, 1, 3], [-1, -1, 0]  # guesses 0 and 1 at the first level, 3 under 0
+    counts = torch.zeros(4)
+    for seed in range(4000):
+        verdict, _ = verify_tree_sampled(logits, tokens, parents, SamplingParams(temperature=1.0, seed=seed), 0)
+        counts[verdict.token_ids[0]] += 1
+    expected = p * 4000
+    assert float(((counts - expected) ** 2 / expected).sum()) < 16.27  # chi-square, 3 degrees of freedom, 99.9%
 
 
 def test_a_chain_verified_as_a_tree_gives_what_chain_verification_gives() -> None:

@@ -317,11 +317,38 @@ def test_a_tree_returns_the_features_of_its_accepted_branch(tiny_llama_folder: P
     torch.testing.assert_close(from_rows(rows.rows), from_rows(whole.rows)[len(PROMPT):], atol=1e-4, rtol=1e-4)
 
 
-def test_a_tree_is_refused_unless_greedy_and_well_formed(tiny_llama_folder: Path) -> None:
+def test_sampled_tree_verification_gives_plain_samplings_tokens(tiny_llama_folder: Path) -> None:
+    """Point-mass drafts, chain or tree, right or wrong: every token is the target's own seeded draw at its position."""
+    r = runner(tiny_llama_folder)
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=99)
+    reference = plain_greedy(r, 0, PROMPT, 24, params)  # (plain sampling, despite the helper's name)
+    (out,), _ = r.execute([SeqWork("s", 1, 0, PROMPT, True, params)])
+    tokens = list(out.token_ids)
+    accepted = 0
+    for cycle in range(8):
+        truth = reference[len(tokens) : len(tokens) + 3]
+        if len(truth) < 3:
+            break
+        drafts, parents = _tree_around(truth, 3 + cycle)
+        if cycle % 3 == 2:
+            drafts, parents = truth[:2] + [(truth[2] + 1) % 97], None  # a chain whose last guess is wrong
+        (out,), _ = r.execute([SeqWork("s", 1, len(PROMPT) + len(tokens) - 1, [tokens[-1], *drafts], True, params,
+                                       num_draft_tokens=len(drafts), draft_parents=parents)])
+        accepted += out.num_accepted_draft
+        tokens += out.token_ids
+    while len(tokens) < len(reference):
+        (out,), _ = r.execute([SeqWork("s", 1, len(PROMPT) + len(tokens) - 1, [tokens[-1]], True, params)])
+        tokens += out.token_ids
+    assert tokens[: len(reference)] == reference
+    assert accepted >= 8  # the branches that hold the truth were followed
+
+
+def test_a_tree_is_refused_unless_of_point_masses_and_well_formed(tiny_llama_folder: Path) -> None:
     r = runner(tiny_llama_folder)
     sampled = SamplingParams(temperature=0.8, seed=1)
     bad = [
-        SeqWork("a", 0, 0, PROMPT, True, sampled, num_draft_tokens=2, draft_parents=[-1, -1]),  # sampled
+        SeqWork("a", 0, 0, PROMPT, True, sampled, num_draft_tokens=2, draft_parents=[-1, -1],
+                draft_dists=[SparseDist([5], [1.0]), SparseDist([6], [1.0])]),  # with distributions
         SeqWork("a", 0, 0, PROMPT, True, GREEDY, num_draft_tokens=2, draft_parents=[-1]),  # one parent short
         SeqWork("a", 0, 0, PROMPT, True, GREEDY, num_draft_tokens=2, draft_parents=[1, -1]),  # a parent after its child
         SeqWork("a", 0, 0, PROMPT, True, GREEDY, num_draft_tokens=2, draft_parents=[-1, -2]),
