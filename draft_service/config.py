@@ -28,7 +28,7 @@ class DraftConfig:
     target_model: Path | None  # the target's folder: a distilled draft (phrases, head) must have been made for it
     max_draft_tokens: int  # the longest proposal it makes (k)
     head_draft_tokens: int  # eagle+ngram, eagle+phrases: the longest proposal the head makes (a lookup's may reach k)
-    token_trees: bool  # phrases: greedy requests get a token tree of guesses, not one chain
+    token_trees: bool  # phrases: a token tree of guesses, not one chain
     ngram_min: int  # n-gram lookup tries n = ngram_max down to ngram_min
     ngram_max: int
     max_model_len: int  # tokens per sequence it can hold
@@ -63,8 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="eagle+ngram, eagle+phrases: the longest proposal the head makes; a lookup's may be "
                              "--max-draft-tokens long")
     parser.add_argument("--token-trees", action=argparse.BooleanOptionalAction, default=True,
-                        help="phrases: guess a token tree for greedy requests (the likeliest branches of the phrases "
-                             "and prompt lookup, verified in one step); --no-token-trees: one chain")
+                        help="phrases: guess a token tree (the likeliest branches of the phrases and prompt lookup, "
+                             "verified in one step); --no-token-trees: one chain")
     parser.add_argument("--ngram-min", type=int, default=2)
     parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--max-model-len", type=int, default=2048)

@@ -68,7 +68,7 @@ class ProposeInput:
 class Proposed:
     token_ids: list[int]  # possibly empty
     dists: list[SparseDist] | None = None  # per token, what it was drawn from; None = a point mass
-    parents: list[int] | None = None  # a token tree (modeling.trees; greedy requests only); None = a chain
+    parents: list[int] | None = None  # a token tree (modeling.trees; point masses only); None = a chain
 
 
 class Proposer(Protocol):

@@ -174,7 +174,7 @@ class SeqWork(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # When sampling: the distribution each draft token was drawn from, one per draft token.
     # None: the proposer is deterministic (each draft token had probability 1).
     draft_dists: list[SparseDist] | None = None
-    # The draft tokens as a token tree (greedy requests only): each one's parent among
+    # The draft tokens as a token tree (point masses, no draft_dists): each one's parent among
     # them, always an earlier one, or -1 for the token before them. None: one chain.
     draft_parents: list[int] | None = None
 
@@ -324,7 +324,7 @@ class Proposal(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_held: int  # tokens the service holds for the sequence now, its proposal excluded
     token_ids: list[int]  # the proposal, possibly empty (no n-gram match, no free draft slot)
     dists: list[SparseDist] | None = None  # sampled proposals: what each token was drawn from
-    # A token tree (greedy requests only): each token's parent among them, always an
+    # A token tree (point masses, no dists): each token's parent among them, always an
     # earlier one, or -1 for the sequence's last token. None: one chain.
     parents: list[int] | None = None
 

@@ -79,7 +79,7 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"eagle+ngram and eagle+phrases: the longest proposal the head makes where no lookup matches "
                              f"(default: the draft service's, {HEAD_DRAFT_TOKENS}; a lookup's may reach the whole k)")
     parser.add_argument("--no-token-trees", action="store_true",
-                        help="default and phrases:PATH: propose one chain, not a token tree of guesses, to greedy requests")
+                        help="default and phrases:PATH: propose one chain, not a token tree of guesses")
     parser.add_argument("--spec-disable-batch-threshold", type=int, default=None,
                         help="speculate only when a step has at most this many sequences (default: 16 for prompt lookup "
                              "and phrases, 4 for a draft that runs a model: measured in docs/benchmarks.md)")
