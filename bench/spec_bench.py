@@ -1,4 +1,5 @@
-"""Speculative decoding benchmark: one request at a time, greedy, with and without the n-gram draft service.
+"""Speculative decoding benchmark: one request at a time, greedy (or sampled with `--temperature`, each prompt with
+its own fixed seed), with and without the n-gram draft service.
 
 For each stack configuration (`specserve up --draft none`, then `--draft ngram`, ...) it
 sends every prompt of each workload (bench/spec_prompts.py) one after another, and
@@ -57,9 +58,13 @@ class WorkloadResult:
     outputs: list[list[int]]
 
 
-async def _one(stub: pb_grpc.SpecServeStub, prompt_ids: list[int], output_len: int) -> list[int]:
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt_ids),
-                                 params=pb.SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True))
+SEED = 1000  # prompt i of a workload is sampled with seed SEED + i
+
+
+async def _one(stub: pb_grpc.SpecServeStub, prompt_ids: list[int], output_len: int, temperature: float = 0.0,
+               top_p: float = 1.0, seed: int = 0) -> list[int]:
+    params = pb.SamplingParams(max_tokens=output_len, temperature=temperature, top_p=top_p, seed=seed, ignore_eos=True)
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt_ids), params=params)
     tokens: list[int] = []
     async for chunk in stub.Generate(request, timeout=600):
         tokens.extend(chunk.token_ids)
@@ -67,7 +72,7 @@ async def _one(stub: pb_grpc.SpecServeStub, prompt_ids: list[int], output_len: i
 
 
 async def _run_config(address: str, config: str, prompts_of: dict[str, list[list[int]]], output_len: int,
-                      repeats: int, round_index: int) -> list[WorkloadResult]:
+                      repeats: int, round_index: int, temperature: float = 0.0, top_p: float = 1.0) -> list[WorkloadResult]:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.SpecServeStub(channel)
         await _one(stub, [1, 2, 3], 8)  # warm-up
@@ -77,7 +82,9 @@ async def _run_config(address: str, config: str, prompts_of: dict[str, list[list
             outputs: list[list[int]] = []
             started = time.perf_counter()
             for _ in range(repeats):
-                outputs = [await _one(stub, ids, output_len) for ids in prompts]
+                # Sampled: each prompt its own seed, the same in every configuration (the outputs are compared).
+                outputs = [await _one(stub, ids, output_len, temperature, top_p, SEED + index)
+                           for index, ids in enumerate(prompts)]
             duration_s = time.perf_counter() - started
             after = (await stub.GetServerInfo(pb.ServerInfoRequest(), timeout=10)).speculation
             proposed = after.num_draft_tokens - before.num_draft_tokens
@@ -186,6 +193,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
     parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS), default=None,
                         help="workloads to run (repeatable; default: all)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample at this temperature (0: greedy), each prompt with its own fixed seed")
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--json-out", type=Path, default=None)
     return parser.parse_args(argv)
 
@@ -213,9 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             with running_stack(options) as stack:
                 dtype = stack.dtype or "bfloat16"
                 results += asyncio.run(_run_config(stack.address, config, prompts_of, args.output_len, args.repeats,
-                                                   round_index))
+                                                   round_index, args.temperature, args.top_p))
     print(format_table(results))
-    divergences = explain_divergences(results, prompts_of, dtype, model)
+    divergences = explain_divergences(results, prompts_of, dtype, model) if args.temperature == 0 else []
     for d in divergences:
         print(f"{d.config} / {d.workload} prompt {d.prompt_index}: first different token at {d.position}, "
               f"where the target's top-2 logit margin is {d.top2_margin:.4f}")
