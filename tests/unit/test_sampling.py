@@ -30,6 +30,23 @@ def test_top_p_keeps_smallest_set_reaching_p() -> None:
     torch.testing.assert_close(best_only, torch.tensor([1.0, 0.0, 0.0, 0.0]))
 
 
+@pytest.mark.parametrize(("scale", "top_p"), [(8.0, 0.9), (3.0, 0.95), (0.3, 0.5), (0.05, 0.99)])
+def test_top_p_over_a_large_vocabulary_keeps_what_a_whole_sort_keeps(scale: float, top_p: float) -> None:
+    """Peaked and flat rows (a few kept tokens, or most of 5,000): only the likeliest are sorted, with the same result."""
+    generator = torch.Generator().manual_seed(int(scale * 100))
+    logits = torch.randn(3, 5000, generator=generator) * scale
+    params = SamplingParams(temperature=0.8, top_p=top_p)
+    ours = target_probs(logits, params)
+    scaled = logits / 0.8
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    drop_sorted = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= top_p
+    reference = torch.softmax(scaled.masked_fill(torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted),
+                                                 float("-inf")), dim=-1)
+    assert torch.equal(ours > 0, reference > 0)
+    torch.testing.assert_close(ours, reference)
+
+
 def test_seeded_draw_depends_only_on_seed_and_position() -> None:
     logits = torch.randn(3, 50)
     params = [SamplingParams(temperature=1.0, seed=7)] * 3
