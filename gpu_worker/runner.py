@@ -12,7 +12,7 @@ from modeling.features import to_rows
 from modeling.kv_cache import SlotError, SlotTable
 from modeling.rejection import sparse_dist_problem, verify, verify_tree_greedy, verify_tree_sampled
 from modeling.sampling import is_greedy
-from modeling.trees import tree_depths
+from modeling.trees import leading_nodes, parents_or_chain, tree_depths
 from proto.messages import SeqFeatures, SeqOutput, SeqWork
 
 
@@ -84,7 +84,7 @@ class ModelRunner:
             if w.sample:
                 drafts = w.token_ids[num_standing:]
                 rows = slice(row, row + num_drafts + 1)
-                parents = w.draft_parents if w.draft_parents is not None else list(range(-1, num_drafts - 1))
+                parents = parents_or_chain(w.draft_parents, num_drafts)
                 if is_greedy(w.sampling):
                     verdict, branch = verify_tree_greedy(best[rows], drafts, parents)
                 elif w.draft_dists is None:  # point masses (lookups): the target's own draws, as plain sampling's
@@ -94,7 +94,7 @@ class ModelRunner:
                     verdict = verify(logits[rows], drafts, w.draft_dists, w.sampling, w.start_position + num_standing)
                 row += num_drafts + 1
                 outputs.append(SeqOutput(w.request_id, verdict.token_ids, verdict.num_accepted))
-                if branch and branch != list(range(len(branch))):  # the branch's keys and values go where it stands
+                if branch and leading_nodes(branch) < len(branch):  # the branch's keys and values go where it stands
                     first = w.start_position + num_standing
                     self._engine.move_positions(w.slot, [first + node for node in branch], first)
                 else:

@@ -114,8 +114,10 @@ def build_step_batch(spans: list[SeqSpan], device: torch.device, *, rows_in_kern
     if rows.extra:
         cache_positions, attend_ends = _ids(rows.stored_at, device), _ids(rows.attend_ends, device)
         width = max(len(keys) for keys in rows.extra.values())
-        padded = [list(rows.extra.get(row, ())) + [-1] * (width - len(rows.extra.get(row, ()))) for row in range(len(token_ids))]
-        extra = _ids(padded, device).view(len(token_ids), width)
+        extra = torch.full((len(token_ids), width), -1, dtype=torch.long)  # -1 past a row's last extra position
+        for row, keys in rows.extra.items():
+            extra[row, : len(keys)] = torch.tensor(keys)
+        extra = extra.to(device)
     return StepBatch(_ids(token_ids, device), _ids(rows.positions, device), _ids(slots, device), _ids(logit_rows, device),
                      groups, all_rows_in_kernel=rows_in_kernel and not alone, kernel_rows=kernel_rows,
                      cache_positions=cache_positions, attend_ends=attend_ends, extra=extra)

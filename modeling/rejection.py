@@ -19,7 +19,7 @@ seeded request gives the same tokens on every run.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -99,13 +99,7 @@ def verify_tree_greedy(best: Sequence[int], draft_token_ids: Sequence[int],
     accepted, then the target's choice after the last of them. Returns the verdict and
     the accepted nodes' indices, root to leaf. A chain gives what verify_greedy gives.
     """
-    path: list[int] = []
-    while True:
-        want = best[path[-1] + 1 if path else 0]
-        node = child_holding(parents, draft_token_ids, path[-1] if path else -1, want)
-        if node is None:
-            return Verdict([*(draft_token_ids[n] for n in path), want], len(path)), path
-        path.append(node)
+    return _follow_choices(draft_token_ids, parents, lambda row, depth: best[row])
 
 
 def verify_tree_sampled(logits: torch.Tensor, draft_token_ids: Sequence[int], parents: Sequence[int],
@@ -124,11 +118,17 @@ def verify_tree_sampled(logits: torch.Tensor, draft_token_ids: Sequence[int], pa
     if logits.shape[0] != len(draft_token_ids) + 1:
         raise ValueError(f"verify needs {len(draft_token_ids) + 1} rows of logits for {len(draft_token_ids)} draft tokens, "
                          f"got {logits.shape[0]}")
+    return _follow_choices(draft_token_ids, parents, lambda row, depth: draw(
+        target_probs(logits[row], params), generator_for(params.seed, first_position + depth, logits.device)))
+
+
+def _follow_choices(draft_token_ids: Sequence[int], parents: Sequence[int],
+                    choose: Callable[[int, int], int]) -> tuple[Verdict, list[int]]:
+    """From the root, the target's token `choose(row, depth)` after the node reached (row 0: the root's), then the
+    child that holds it, while there is one. Returns the verdict and the nodes followed."""
     path: list[int] = []
     while True:
-        row = path[-1] + 1 if path else 0
-        position = first_position + len(path)
-        token = draw(target_probs(logits[row], params), generator_for(params.seed, position, logits.device))
+        token = choose(path[-1] + 1 if path else 0, len(path))
         node = child_holding(parents, draft_token_ids, path[-1] if path else -1, token)
         if node is None:
             return Verdict([*(draft_token_ids[n] for n in path), token], len(path)), path

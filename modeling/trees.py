@@ -26,6 +26,11 @@ def is_chain(parents: Sequence[int]) -> bool:
     return all(parent == node - 1 for node, parent in enumerate(parents))
 
 
+def parents_or_chain(parents: Sequence[int] | None, num_nodes: int) -> Sequence[int]:
+    """A proposal's parents: its tree's, or a chain's when it has none."""
+    return parents if parents is not None else range(-1, num_nodes - 1)
+
+
 def child_holding(parents: Sequence[int], token_ids: Sequence[int], at: int, token: int) -> int | None:
     """The first child of node `at` (-1: the root) that holds `token`, if any."""
     return next((node for node in range(at + 1, len(parents)) if parents[node] == at and token_ids[node] == token), None)
@@ -64,10 +69,10 @@ def best_tree(chances: dict[tuple[int, ...], float], budget: int, min_chance: fl
     """
     capped: dict[tuple[int, ...], float] = {}
     for branch in sorted(chances, key=len):
-        parent = branch[:-1]
-        if parent and parent not in capped:
+        shorter = branch[:-1]
+        if shorter and shorter not in capped:
             continue
-        capped[branch] = min(chances[branch], capped[parent]) if parent else chances[branch]
+        capped[branch] = min(chances[branch], capped[shorter]) if shorter else chances[branch]
     ranked = sorted((branch for branch in capped if capped[branch] >= min_chance),
                     key=lambda branch: (-capped[branch], len(branch), branch))
     children: dict[tuple[int, ...], list[tuple[int, ...]]] = {}

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import msgspec
 
 from common.logs import get_logger
-from modeling.trees import leading_nodes
 from proto import messages as m
 from proto.lifecycle import INIT_PHASES, TERMINAL, TRANSITIONS, State
 from scheduler.batching import BatchLimits, ScheduledSeq, plan_step
@@ -26,7 +25,7 @@ from scheduler.speculation import (
     PendingProposal,
     SpecCounters,
     SpecLimits,
-    accepted_branch,
+    record_verification,
     speculation_plan,
     step_result_problem,
 )
@@ -303,7 +302,7 @@ class SchedulerCore:
             if seq.samples:
                 output = outputs[request.request_id]
                 request.num_computed_tokens += output.num_accepted_draft
-                self._record_speculation(request, seq, output)
+                record_verification(request, seq, output, self.spec)
                 self._append_tokens(request, output.token_ids)
         for features in result.features:
             owner = self._requests.get(features.request_id)
@@ -317,19 +316,6 @@ class SchedulerCore:
         self._place_waiting()
         self._dispatch(now_s)
         return True
-
-    def _record_speculation(self, request: Request, seq: StepSeq, output: m.SeqOutput) -> None:
-        num_drafts, num_accepted = len(seq.draft_token_ids), output.num_accepted_draft
-        if num_drafts:
-            request.num_draft_tokens += num_drafts
-            request.num_accepted_draft_tokens += num_accepted
-            request.num_verify_steps += 1
-            if request.draft.generation == seq.draft_generation:  # else the draft's state was reset meanwhile
-                # The draft service holds a tree's tokens in node order: what it holds in place is the branch's
-                # part that is the first nodes (checked to be a branch with the result).
-                request.draft.accept(leading_nodes(accepted_branch(seq, output) or []))
-        if num_drafts or seq.num_tokens == 1:  # a decode step, with or without a proposal
-            self.spec.record(num_drafts, num_accepted)
 
     def _on_proposal(self, draft: WorkerRecord, result: m.ProposeResult, now_s: float) -> bool:
         answered = self._drafts.answer(result, self._requests, self._target_vocab_size,

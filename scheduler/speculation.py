@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 
 from proto import messages as m
 from modeling.rejection import sparse_dist_problem
-from modeling.trees import follow, tree_depths
+from modeling.trees import follow, leading_nodes, parents_or_chain, tree_depths
 from scheduler.batching import ScheduledSeq
 from scheduler.registry import StepSeq
+from scheduler.request import Request
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,20 @@ def step_result_problem(seqs: list[StepSeq], outputs: dict[str, m.SeqOutput]) ->
 
 def accepted_branch(seq: StepSeq, output: m.SeqOutput) -> list[int] | None:
     """The draft nodes the output accepted, in order (a chain's first ones); None if they are no branch of the proposal."""
-    accepted = output.token_ids[: output.num_accepted_draft]
-    if seq.draft_parents is None:
-        return list(range(len(accepted))) if accepted == seq.draft_token_ids[: len(accepted)] else None
-    return follow(seq.draft_parents, seq.draft_token_ids, accepted)
+    parents = parents_or_chain(seq.draft_parents, len(seq.draft_token_ids))
+    return follow(parents, seq.draft_token_ids, output.token_ids[: output.num_accepted_draft])
+
+
+def record_verification(request: Request, seq: StepSeq, output: m.SeqOutput, counters: SpecCounters) -> None:
+    """A checked step result's speculation: the request's and the server's counts, and what the draft holds now."""
+    num_drafts, num_accepted = len(seq.draft_token_ids), output.num_accepted_draft
+    if num_drafts:
+        request.num_draft_tokens += num_drafts
+        request.num_accepted_draft_tokens += num_accepted
+        request.num_verify_steps += 1
+        if request.draft.generation == seq.draft_generation:  # else the draft's state was reset meanwhile
+            # The draft service holds a tree's tokens in node order: what it holds in place is the branch's
+            # part that is the first nodes.
+            request.draft.accept(leading_nodes(accepted_branch(seq, output) or []))
+    if num_drafts or seq.num_tokens == 1:  # a decode step, with or without a proposal
+        counters.record(num_drafts, num_accepted)

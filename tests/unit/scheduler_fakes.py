@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import msgspec
 
-from modeling.trees import child_holding
+from modeling.trees import child_holding, parents_or_chain
 from proto import messages as m
 from proto.lifecycle import INIT_PHASES, State
 from scheduler.config import SchedulerConfig
@@ -232,7 +232,7 @@ class FakeWorker:
             if seq.sample:
                 truth = list(tokens.get(seq.request_id, [])) or [DEFAULT_TOKEN]
                 drafts = seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens:] if seq.num_draft_tokens else []
-                parents = seq.draft_parents if seq.draft_parents is not None else list(range(-1, len(drafts) - 1))
+                parents = parents_or_chain(seq.draft_parents, len(drafts))
                 accepted = 0  # the branch of the drafts' tree (a chain's first ones) that matches the truth
                 at: int | None = -1
                 while accepted + 1 < len(truth) and (at := child_holding(parents, drafts, at, truth[accepted])) is not None:
