@@ -338,8 +338,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     stack.add_argument("--spec-disable-batch-threshold", type=int, default=None)
     stack.add_argument("--spec-draft-token-budget", type=int, default=None)
     stack.add_argument("--no-token-trees", action="store_true", help="the draft proposes chains, not token trees")
-    stack.add_argument("--no-spec-prices", action="store_true",
-                       help="the scheduler does not tell the draft what its tokens cost each step")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="passed to `specserve up` with --start; otherwise only recorded in the JSON")
     parser.add_argument("--model", type=Path, default=None,
@@ -377,7 +375,6 @@ def stack_options(args: argparse.Namespace) -> StackOptions:
                    "--spec-draft-token-budget": args.spec_draft_token_budget}
     extra = tuple(part for flag, value in speculation.items() if value is not None for part in (flag, str(value)))
     extra += ("--no-token-trees",) if args.no_token_trees else ()
-    extra += ("--no-spec-prices",) if args.no_spec_prices else ()
     return StackOptions(specserve=specserve, port=args.port or _free_port(), http_port=_free_port(), model=args.model, dtype=args.dtype,
                         num_workers=args.num_workers, num_kv_slots=args.num_kv_slots,
                         ready_timeout_s=args.ready_timeout_s, extra_args=extra)

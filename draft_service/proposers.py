@@ -24,7 +24,7 @@ Proposers for tests live in `draft_service.testing_proposers`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
@@ -40,7 +40,7 @@ from modeling.phrases import FILE_NAME as PHRASE_FILE
 from modeling.phrases import MIN_CHANCE as PHRASE_MIN_CHANCE
 from modeling.phrases import MIN_CONTEXT as PHRASE_MIN_CONTEXT
 from modeling.phrases import PhraseStore
-from modeling.trees import as_tree, is_chain, likeliest, spend
+from modeling.trees import best_tree, is_chain
 from modeling.sampling import generator_for, is_greedy, target_probs
 from proto.messages import SamplingParams, SparseDist
 
@@ -81,7 +81,7 @@ class Proposer(Protocol):
         """The work of LOADING, ALLOCATING and WARMING."""
         ...
 
-    def propose(self, batch: list[ProposeInput], prices: Sequence[float] = ()) -> list[Proposed]: ...
+    def propose(self, batch: list[ProposeInput]) -> list[Proposed]: ...
 
     def forget(self, request_id: str) -> None:
         """Drop anything held for the sequence (its draft KV slot)."""
@@ -120,7 +120,7 @@ class LookupProposer(StatelessProposer):
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         raise NotImplementedError
 
-    def propose(self, batch: list[ProposeInput], prices: Sequence[float] = ()) -> list[Proposed]:
+    def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
         return [Proposed(self.lookup(item.token_ids, item.num_tokens)) for item in batch]
 
 
@@ -187,32 +187,21 @@ class PhraseProposer(LookupProposer):
         assert self._phrases is not None  # loaded
         return self._prompt_lookup.lookup(tokens, k) or self._phrases.continue_(tokens, k, self._min_context)
 
-    def propose(self, batch: list[ProposeInput], prices: Sequence[float] = ()) -> list[Proposed]:
+    def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
         """A token tree of up to k nodes (with `trees`; its tokens are point masses, verified greedily or by the
         target's own draws), else the lookup's chain.
 
-        With the step's prices (scheduler/speculation.py) the trees together keep the
-        guesses worth their rows (`spend`). Without, a node must be likelier than
-        MIN_CHANCE times the sequences proposed for at once: alone in its step a
-        sequence's few extra rows cost the target almost nothing, but in a step of many
-        every row costs its share.
+        A tree's node must be likelier than MIN_CHANCE times the sequences proposed for
+        at once: alone in its step a sequence's few extra rows cost the target almost
+        nothing, but in a step of many every row costs its share.
         """
-        if not self._trees:
-            return [Proposed(self.lookup(item.token_ids, item.num_tokens)) for item in batch]
-        if prices:
-            chosen = spend([self.guesses(item.token_ids, item.num_tokens) for item in batch], list(prices))
-        else:
-            min_chance = PHRASE_MIN_CHANCE * len(batch)
-            chosen = [self.guesses(item.token_ids, item.num_tokens, min_chance) for item in batch]
-        return [_tree_proposal(guesses) for guesses in chosen]
+        min_chance = PHRASE_MIN_CHANCE * len(batch)
+        return [self.tree(item.token_ids, item.num_tokens, min_chance) if self._trees
+                else Proposed(self.lookup(item.token_ids, item.num_tokens)) for item in batch]
 
     def tree(self, tokens: list[int], k: int, min_chance: float = PHRASE_MIN_CHANCE) -> Proposed:
-        """`guesses` as one token tree."""
-        return _tree_proposal(self.guesses(tokens, k, min_chance))
-
-    def guesses(self, tokens: list[int], k: int, min_chance: float = PHRASE_MIN_CHANCE) -> dict[tuple[int, ...], float]:
         """The k likeliest guesses (none less likely than min_chance) of the phrases' branches and prompt lookup's
-        chain, each with its chance."""
+        chain, as one token tree."""
         assert self._phrases is not None  # loaded
         chances = self._phrases.guesses(tokens, k, self._min_context, min_chance)
         chance = 1.0
@@ -221,12 +210,8 @@ class PhraseProposer(LookupProposer):
             chance *= LOOKUP_TRUST[min(depth, len(LOOKUP_TRUST) - 1)]
             branch = tuple(lookup[: depth + 1])
             chances[branch] = max(chances.get(branch, 0.0), chance)
-        return likeliest(chances, k, min_chance)
-
-
-def _tree_proposal(guesses: dict[tuple[int, ...], float]) -> Proposed:
-    token_ids, parents = as_tree(guesses)
-    return Proposed(token_ids, parents=None if is_chain(parents) else parents)
+        token_ids, parents = best_tree(chances, k, min_chance)
+        return Proposed(token_ids, parents=None if is_chain(parents) else parents)
 
 
 class SequenceSlots:
@@ -301,7 +286,7 @@ class ModelProposer:
     def forget(self, request_id: str) -> None:
         self._slots.release(request_id)
 
-    def propose(self, batch: list[ProposeInput], prices: Sequence[float] = ()) -> list[Proposed]:
+    def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
         tokens: dict[str, list[int]] = {}  # proposed so far, per sequence
         dists: dict[str, list[SparseDist]] = {}
         active: list[ProposeInput] = []
@@ -397,7 +382,7 @@ class EagleProposer:
         if slot is not None:
             self._from_target.pop(slot, None)
 
-    def propose(self, batch: list[ProposeInput], prices: Sequence[float] = ()) -> list[Proposed]:
+    def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
         tokens: dict[str, list[int]] = {}
         dists: dict[str, list[SparseDist]] = {}
         active: list[ProposeInput] = []
@@ -470,7 +455,7 @@ class LookupThenHead:
     def forget(self, request_id: str) -> None:
         self._head.forget(request_id)
 
-    def propose(self, batch: list[ProposeInput], prices: Sequence[float] = ()) -> list[Proposed]:
+    def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
         found = [self._lookup.lookup(item.token_ids, item.num_tokens) for item in batch]
         rest = [replace(item, num_tokens=min(item.num_tokens, self._head_tokens)) for item, ids in zip(batch, found) if not ids]
         from_head = iter(self._head.propose(rest) if rest else [])

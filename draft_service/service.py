@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from pathlib import Path
@@ -137,7 +136,7 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
             if num_tokens > 0:
                 inputs.append(ProposeInput(seq.request_id, update.token_ids, update.num_stable, num_tokens, seq.sampling,
                                            update.features))
-        proposed = dict(zip((i.request_id for i in inputs), self._proposer.propose(inputs, request.prices)))
+        proposed = dict(zip((i.request_id for i in inputs), self._proposer.propose(inputs)))
         proposals = []
         for seq in request.seqs:
             made = proposed.get(seq.request_id)
@@ -156,8 +155,6 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
         ids = [seq.request_id for seq in request.seqs]
         if len(set(ids)) != len(ids):
             return "a sequence appears twice in one propose request"
-        if any(not (math.isfinite(price) and price >= 0) for price in request.prices):
-            return "prices must be finite and at least 0"
         return ""
 
     def _consistent(self, seq: m.ProposeSeq) -> bool:

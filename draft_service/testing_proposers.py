@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 from draft_service.proposers import ProposeInput, Proposed, StatelessProposer, nothing
@@ -23,7 +23,7 @@ class RandomProposer(StatelessProposer):
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
 
-    def propose(self, batch: list[ProposeInput], prices: Sequence[float] = ()) -> list[Proposed]:
+    def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
         proposals = []
         for item in batch:
             seed = hashlib.sha256(repr((len(item.token_ids), item.token_ids[-8:])).encode()).digest()
@@ -46,7 +46,7 @@ class ReplayProposer(StatelessProposer):
             raise ValueError(f"{self._path}: expected a JSON list of token-id lists")
         self._references = references
 
-    def propose(self, batch: list[ProposeInput], prices: Sequence[float] = ()) -> list[Proposed]:
+    def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
         proposals = []
         for item in batch:
             n = len(item.token_ids)

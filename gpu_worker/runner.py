@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
 from gpu_worker.config import WorkerConfig
@@ -17,11 +14,6 @@ from modeling.rejection import sparse_dist_problem, verify, verify_tree_greedy, 
 from modeling.sampling import is_greedy
 from modeling.trees import leading_nodes, parents_or_chain, tree_depths
 from proto.messages import SeqFeatures, SeqOutput, SeqWork
-
-
-# Step sizes (rows) whose time the worker measures while WARMING; larger steps are priced by the last two.
-MEASURED_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128)
-_MEASURE_ROUNDS = 5  # timed runs of every size, of which the median counts
 
 
 class ModelRunner:
@@ -61,34 +53,6 @@ class ModelRunner:
         forward([SeqSpan(slot, 0, [0], 1) for slot in range(cfg.num_kv_slots)])
         forward([SeqSpan(slot, 1, [0] * num_verify, num_verify) for slot in range(cfg.num_kv_slots)])
         self._engine.self_check()
-
-    def measure_step_costs(self) -> tuple[list[int], list[float]]:
-        """The step's time by the rows it computes, for the scheduler's speculation prices: verify-shaped steps
-        (each sequence its last token and its most drafts, the rest in one sequence) of every MEASURED_ROWS size
-        up to the largest step it takes.
-
-        Returns (rows, ms). Every size runs once per round, so a slow spell of a shared
-        machine touches all of them alike; each size's time is its median over the
-        rounds, then the times are made never to fall as rows grow (`rising`).
-        """
-        cfg = self._config
-        per_seq = max(1, min(cfg.max_draft_tokens + 1, cfg.max_model_len - 1))
-        sizes = [rows for rows in MEASURED_ROWS if rows <= min(cfg.max_num_batched_tokens, cfg.max_model_len - 1)]
-        steps = []
-        for rows in sizes:
-            lengths = [per_seq] * min(rows // per_seq, cfg.num_kv_slots - 1)
-            lengths.append(rows - sum(lengths))  # the rest in the last slot, as a prefill chunk would be
-            steps.append([SeqSpan(slot, 1, [0] * n, n) for slot, n in enumerate(lengths) if n])
-        runs: list[list[float]] = [[] for _ in sizes]
-        for round_index in range(_MEASURE_ROUNDS + 1):  # the first round is not timed
-            for size, spans in enumerate(steps):
-                started = time.perf_counter()
-                self._engine.forward(spans)
-                if self._engine.device.type == "cuda":
-                    torch.cuda.synchronize(self._engine.device)
-                if round_index:
-                    runs[size].append((time.perf_counter() - started) * 1000)
-        return sizes, [round(ms, 3) for ms in rising([statistics.median(times) for times in runs])]
 
     # ------------------------------------------------------------------ serving
 
@@ -184,16 +148,3 @@ class ModelRunner:
         for dist in w.draft_dists:
             if problem := sparse_dist_problem(dist, self._model_config.vocab_size):
                 raise SlotError(f"request {w.request_id}: {problem}")
-
-
-def rising(values: list[float]) -> list[float]:
-    """The closest never-falling sequence (least squares; pool adjacent violators): a run that falls is replaced
-    by its mean, so one slow measurement lifts its neighbours a little, not every later one to its height."""
-    blocks: list[tuple[float, int]] = []  # (mean, count)
-    for value in values:
-        mean, count = value, 1
-        while blocks and blocks[-1][0] > mean:
-            previous, n = blocks.pop()
-            mean, count = (previous * n + mean * count) / (n + count), n + count
-        blocks.append((mean, count))
-    return [mean for mean, count in blocks for _ in range(count)]

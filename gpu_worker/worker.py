@@ -51,9 +51,6 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
 
         def warm_up() -> None:
             runner.warm_up()
-            rows, ms = runner.measure_step_costs()
-            self.log.info("worker.step_costs", rows=rows, ms=ms)
-            self.send(m.StepCosts(worker_id=self.process_id, incarnation=self.incarnation, rows=rows, ms=ms))
             self._runner = runner
 
         return [(State.LOADING, load), (State.ALLOCATING, runner.allocate), (State.WARMING, warm_up)]

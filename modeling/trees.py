@@ -58,18 +58,14 @@ def leading_nodes(branch: Sequence[int]) -> int:
 
 
 def best_tree(chances: dict[tuple[int, ...], float], budget: int, min_chance: float = 0.0) -> tuple[list[int], list[int]]:
-    """The `budget` likeliest branches' nodes, none less likely than `min_chance`, as a tree: (tokens, parents)."""
-    return as_tree(likeliest(chances, budget, min_chance))
-
-
-def likeliest(chances: dict[tuple[int, ...], float], budget: int, min_chance: float = 0.0) -> dict[tuple[int, ...], float]:
-    """The `budget` likeliest branches, none less likely than `min_chance`, with their chances.
+    """The `budget` likeliest branches' nodes, none less likely than `min_chance`, as a tree: (tokens, parents).
 
     `chances` maps a branch (its tokens from the root) to the chance that the target
     writes it; a branch whose shorter part is missing is left out. Every node is scored
     no higher than its parent (a branch is no likelier than its start), so the chosen
     nodes' parents are chosen too; picking the likeliest nodes maximises the number of
-    tokens a greedy verification accepts on average.
+    tokens a greedy verification accepts on average. Nodes come depth first, likeliest
+    child first: the likeliest branch is nodes 0, 1, 2, ...
     """
     capped: dict[tuple[int, ...], float] = {}
     for branch in sorted(chances, key=len):
@@ -77,15 +73,10 @@ def likeliest(chances: dict[tuple[int, ...], float], budget: int, min_chance: fl
         if shorter and shorter not in capped:
             continue
         capped[branch] = min(chances[branch], capped[shorter]) if shorter else chances[branch]
-    ranked = sorted((branch for branch in capped if capped[branch] >= min_chance), key=lambda b: (-capped[b], len(b), b))
-    return {branch: capped[branch] for branch in ranked[:budget]}
-
-
-def as_tree(chosen: dict[tuple[int, ...], float]) -> tuple[list[int], list[int]]:
-    """Branches closed under their starts (`likeliest`'s) as a tree: (tokens, parents). Nodes come depth first,
-    likeliest child first: the likeliest branch is nodes 0, 1, 2, ..."""
+    ranked = sorted((branch for branch in capped if capped[branch] >= min_chance),
+                    key=lambda branch: (-capped[branch], len(branch), branch))
     children: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
-    for branch in sorted(chosen, key=lambda b: (-chosen[b], len(b), b)):  # each node's children likeliest first
+    for branch in ranked[:budget]:  # in rank order: each node's children likeliest first
         children.setdefault(branch[:-1], []).append(branch)
     token_ids: list[int] = []
     parents: list[int] = []
@@ -96,24 +87,3 @@ def as_tree(chosen: dict[tuple[int, ...], float]) -> tuple[list[int], list[int]]
         parents.append(parent)
         stack.extend((child, len(token_ids) - 1) for child in reversed(children.get(branch, [])))
     return token_ids, parents
-
-
-def spend(guesses: list[dict[tuple[int, ...], float]], prices: list[float]) -> list[dict[tuple[int, ...], float]]:
-    """Of several sequences' guesses (each `likeliest`'s), those worth their price, all together.
-
-    Verifying d guesses in all costs prices[d - 1] tokens and gains the sum of their
-    chances on average; the likeliest d gain most for any d, so this keeps the likeliest
-    d for the d where gain minus price is largest (the fewest where several tie). A
-    guess is never likelier than its start, so every kept branch's start is kept too.
-    """
-    ranked = sorted(((chance, len(branch), seq, branch) for seq, chosen in enumerate(guesses)
-                     for branch, chance in chosen.items()), key=lambda g: (-g[0], g[1], g[2], g[3]))
-    best_d, best_net, gain = 0, 0.0, 0.0
-    for d, (chance, *_) in enumerate(ranked[: len(prices)], start=1):
-        gain += chance
-        if gain - prices[d - 1] > best_net + 1e-9:
-            best_d, best_net = d, gain - prices[d - 1]
-    kept: list[dict[tuple[int, ...], float]] = [{} for _ in guesses]
-    for chance, _, seq, branch in ranked[:best_d]:
-        kept[seq][branch] = chance
-    return kept

@@ -16,7 +16,7 @@ from typing import Generic, Literal, TypeVar
 
 import msgspec
 
-PROTOCOL_VERSION = 4  # 2: target features for draft heads; 3: token trees; 4: measured step costs, draft prices
+PROTOCOL_VERSION = 3  # 2: target features for draft heads; 3: token trees
 
 Role = Literal["target", "draft"]
 
@@ -230,11 +230,6 @@ class ProposeRequest(msgspec.Struct, tag="propose", frozen=True, forbid_unknown_
     propose_id: int
     incarnation: int  # of the draft service it is meant for
     seqs: list[ProposeSeq]
-    # prices[d - 1]: what verifying d draft tokens in all (over every sequence) adds to the
-    # target's step, in tokens of that step's plain output (from the worker's StepCosts).
-    # A draft that knows its guesses' chances proposes the d that gains most. Empty: no
-    # prices known; each sequence proposes up to its num_tokens.
-    prices: list[float] = []
 
 
 class ReleaseSequences(msgspec.Struct, tag="release_seqs", frozen=True, forbid_unknown_fields=True):
@@ -278,15 +273,6 @@ class LifecycleReport(msgspec.Struct, tag="lifecycle", frozen=True, forbid_unkno
     state: str  # the state just entered
     previous_state: str
     previous_duration_s: float  # time spent in previous_state
-
-
-class StepCosts(msgspec.Struct, tag="step_costs", frozen=True, forbid_unknown_fields=True):
-    """A target worker's step time by the rows (tokens) it computes, measured while WARMING and sent before READY."""
-
-    worker_id: str
-    incarnation: int
-    rows: list[int]  # increasing, from 1
-    ms: list[float]  # the step's median time at each, never decreasing
 
 
 class WorkerFailed(msgspec.Struct, tag="failed", frozen=True, forbid_unknown_fields=True):
@@ -360,8 +346,7 @@ class ProposeRefused(msgspec.Struct, tag="propose_refused", frozen=True, forbid_
 
 
 WorkerToScheduler = (
-    WorkerHello | LifecycleReport | StepCosts | WorkerFailed | Heartbeat | StepResult | StepRefused | ProposeResult
-    | ProposeRefused
+    WorkerHello | LifecycleReport | WorkerFailed | Heartbeat | StepResult | StepRefused | ProposeResult | ProposeRefused
 )
 
 

@@ -23,7 +23,6 @@ class SchedulerConfig:
     num_speculative_tokens: int = 6  # k: draft tokens proposed per sequence and step; 0 turns speculation off
     spec_disable_batch_threshold: int = 16  # speculate only in steps of at most this many sequences
     spec_draft_token_budget: int = 32  # draft tokens one step verifies in all (k per sequence shrinks as steps grow)
-    spec_prices: bool = True  # propose requests carry what draft tokens cost the step (from the worker's StepCosts)
     propose_timeout_s: float = 2.0  # a proposal unanswered this long: the step runs without one
     phase_timeout_s: float = 600.0  # a start-up phase (STARTING .. WARMING) longer than this FAILs the process
 
@@ -47,10 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spec-draft-token-budget", type=int, default=32,
                         help="draft tokens one speculative step verifies in all, shared evenly among its sequences "
                              "(k shrinks as steps grow; fewer than one each: a plain step)")
-    parser.add_argument("--spec-prices", action=argparse.BooleanOptionalAction, default=True,
-                        help="tell the draft what its tokens cost each step, from the target worker's measured step "
-                             "times, so that it proposes only guesses worth their rows (drafts that know their guesses' "
-                             "chances: default, phrases:PATH); --no-spec-prices: each sequence gets up to its k")
     parser.add_argument("--phase-timeout-s", type=float, default=600.0,
                         help="a worker or draft start-up phase running longer is FAILED and the process told to stop")
     parser.add_argument("--propose-timeout-s", type=float, default=2.0,
@@ -81,7 +76,6 @@ def from_arguments(args: argparse.Namespace) -> SchedulerConfig:
         num_speculative_tokens=args.num_speculative_tokens,
         spec_disable_batch_threshold=args.spec_disable_batch_threshold,
         spec_draft_token_budget=args.spec_draft_token_budget,
-        spec_prices=args.spec_prices,
         propose_timeout_s=args.propose_timeout_s,
         phase_timeout_s=args.phase_timeout_s,
     )

@@ -25,10 +25,8 @@ from scheduler.speculation import (
     PendingProposal,
     SpecCounters,
     SpecLimits,
-    draft_prices,
     record_verification,
     speculation_plan,
-    step_costs_problem,
     step_result_problem,
 )
 
@@ -182,12 +180,6 @@ class SchedulerCore:
                 worker.num_used_kv_slots = message.num_used_kv_slots
             case m.LifecycleReport():
                 return self._on_lifecycle(worker, message.state, now_s)
-            case m.StepCosts():
-                if problem := step_costs_problem(message) or ("" if worker.is_target else "step costs from a draft"):
-                    self._errors_from(worker, "bad_step_costs", problem)
-                    return False
-                worker.step_costs = message
-                log.info("worker.step_costs", worker_id=worker.worker_id, rows=message.rows, ms=message.ms)
             case m.WorkerFailed():
                 worker.failure = f"{message.phase}: {message.error_type}: {message.message}"
                 self._lose_worker(worker, State.FAILED, now_s)
@@ -422,9 +414,7 @@ class SchedulerCore:
         if draft is None or not num_tokens:
             self._send_step(worker, plan, {}, now_s)
             return
-        costs = worker.step_costs if cfg.spec_prices else None
-        prices = draft_prices(costs, plan, num_tokens) if costs else []
-        self.outbox.append(Outgoing(True, draft.identity, self._drafts.propose(draft, worker, plan, num_tokens, prices, now_s)))
+        self.outbox.append(Outgoing(True, draft.identity, self._drafts.propose(draft, worker, plan, num_tokens, now_s)))
 
     def _give_up_proposal(self, pending: PendingProposal, now_s: float, *, answer_may_come: bool) -> None:
         """Step without proposals."""

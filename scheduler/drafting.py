@@ -66,9 +66,8 @@ class DraftLink:
         return {rid: k for rid, k in num_tokens.items() if requests[rid].features.count >= requests[rid].num_tokens - 1}
 
     def propose(self, draft: WorkerRecord, worker: WorkerRecord, plan: list[ScheduledSeq], num_tokens: dict[str, int],
-                prices: list[float], now_s: float) -> m.ProposeRequest:
-        """The propose request for `worker`'s planned step (with the step's draft prices), which now waits for its
-        answer."""
+                now_s: float) -> m.ProposeRequest:
+        """The propose request for `worker`'s planned step, which now waits for its answer."""
         self._next_propose_id += 1
         seqs = []
         for item in plan:
@@ -89,7 +88,7 @@ class DraftLink:
         pending = PendingProposal(self._next_propose_id, worker.worker_id, worker.incarnation, plan, num_tokens, now_s)
         self._pending[pending.propose_id] = pending
         worker.awaiting_proposal = pending.propose_id
-        return m.ProposeRequest(pending.propose_id, draft.incarnation, seqs, prices)
+        return m.ProposeRequest(pending.propose_id, draft.incarnation, seqs)
 
     def answer(self, result: m.ProposeResult, requests: dict[str, Request], vocab_size: int,
                report: Callable[[str], None]) -> tuple[PendingProposal, dict[str, m.Proposal]] | None:

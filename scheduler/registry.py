@@ -6,7 +6,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from proto.lifecycle import State
-from proto.messages import ProcessInfo, StepCosts, WorkerHello
+from proto.messages import ProcessInfo, WorkerHello
 from scheduler.request import Request
 
 
@@ -40,7 +40,6 @@ class WorkerRecord:
     awaiting_proposal: int | None = None  # the propose_id its next step waits for
     told_to_stop: bool = False  # a Drain was sent to this incarnation
     num_used_kv_slots: int = 0  # as the worker last reported
-    step_costs: StepCosts | None = None  # a target's measured step time by rows (sent while WARMING)
     failure: str = ""
 
     @property

@@ -8,18 +8,10 @@ grows: 6 at up to 5 sequences with the default 32, 4 at 8, 2 at 16). Larger step
 plainly: there the target is busy enough that verifying rejected tokens costs more than
 it saves; and on a CPU every verified token costs compute, so the more sequences, the
 fewer guesses each may make (docs/benchmarks.md, issue 6).
-
-Within those limits the draft spends by price: each target worker measures its step time
-by rows while WARMING (StepCosts), and every propose request carries what verifying d
-draft tokens would add to this step, in tokens of the step's plain output
-(`draft_prices`). A draft that knows how likely its guesses are proposes only those
-worth their rows: on a CPU whose step costs the same for 1 to 6 rows and jumps at 7, the
-seventh row must be likely enough to pay for the jump.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from proto import messages as m
@@ -56,43 +48,6 @@ def speculation_plan(plan: list[ScheduledSeq], limits: SpecLimits) -> dict[str, 
         if k >= 1:
             ks[r.request_id] = k
     return ks
-
-
-def step_costs_problem(costs: m.StepCosts) -> str:
-    """Why a worker's measured step costs cannot be used ("" when they can)."""
-    if not costs.rows or len(costs.rows) != len(costs.ms):
-        return f"{len(costs.rows)} row counts for {len(costs.ms)} times"
-    if costs.rows[0] < 1 or any(b <= a for a, b in zip(costs.rows, costs.rows[1:])):
-        return "row counts must rise from at least 1"
-    if any(not (math.isfinite(ms) and ms > 0) for ms in costs.ms) or any(b < a for a, b in zip(costs.ms, costs.ms[1:])):
-        return "step times must be positive and never fall as rows grow"
-    return ""
-
-
-def step_ms(costs: m.StepCosts, rows: int) -> float:
-    """A step's time for `rows` rows: linear between the measured counts, the first one's below them, and beyond
-    them the slope of the last two (flat with one)."""
-    points = list(zip(costs.rows, costs.ms))
-    if rows <= points[0][0] or len(points) == 1:
-        return points[0][1]
-    for (r0, t0), (r1, t1) in zip(points, points[1:]):
-        if rows <= r1:
-            return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
-    (r0, t0), (r1, t1) = points[-2], points[-1]
-    return t1 + (t1 - t0) * (rows - r1) / (r1 - r0)
-
-
-def draft_prices(costs: m.StepCosts, plan: list[ScheduledSeq], num_tokens: dict[str, int]) -> list[float]:
-    """prices[d - 1]: what verifying d draft tokens in all adds to the planned step, in tokens of its plain output.
-
-    The plain step computes its rows and gives one token per sequence it completes; d
-    more rows cost step_ms(rows + d) - step_ms(rows), which that many tokens would take.
-    """
-    rows = sum(item.num_tokens for item in plan)
-    tokens = sum(1 for item in plan if item.completes)
-    plain_ms = step_ms(costs, rows)
-    return [round(tokens * (step_ms(costs, rows + d) - plain_ms) / plain_ms, 4)
-            for d in range(1, sum(num_tokens.values()) + 1)]
 
 
 @dataclass

@@ -85,10 +85,6 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
                              "and phrases, 4 for a draft that runs a model: measured in docs/benchmarks.md)")
     parser.add_argument("--spec-draft-token-budget", type=int, default=32,
                         help="draft tokens a speculative step verifies in all, shared evenly among its sequences")
-    parser.add_argument("--no-spec-prices", action="store_true",
-                        help="do not tell the draft what its tokens cost each step (the workers' measured step times); "
-                             "default and phrases:PATH then keep every guess up to k likelier than 2%% per sequence "
-                             "in the step")
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
     parser.add_argument("--log-json", action="store_true")
 
@@ -221,7 +217,7 @@ def _service_specs(args: argparse.Namespace, model: Path, device: str, dtype: st
                                            "--num-speculative-tokens", str(args.num_speculative_tokens),
                                            "--spec-disable-batch-threshold", str(args.spec_disable_batch_threshold),
                                            "--spec-draft-token-budget", str(args.spec_draft_token_budget)]
-                     + (["--no-spec-prices"] if args.no_spec_prices else []) + log_flag, stop_order=3),
+                     + log_flag, stop_order=3),
         ServiceSpec("gateway", python + ["gateway", "--model", str(model), "--scheduler-address", gateway_address,
                                          "--host", args.host, "--port", str(args.port), "--http-port", str(args.http_port),
                                          "--shutdown-grace-s", "25"] + log_flag, stop_order=0),

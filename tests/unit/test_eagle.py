@@ -286,14 +286,6 @@ def test_the_phrase_proposer_guesses_a_token_tree_of_its_likeliest_branches(
     for num_seqs, expected in ((8, ([4, 5, 6], [-1, 0, -1])), (10, ([4, 5], None))):
         crowd = proposer.propose([ProposeInput(str(i), context, 0, 4, GREEDY) for i in range(num_seqs)])
         assert all((p.token_ids, p.parents) == expected for p in crowd), num_seqs
-    # With the step's prices the guesses of all its sequences are spent together: a 3rd row that costs 0.2 tokens
-    # more and a 4th 0.2 more keeps the 3rd (0.19) and 4th (0.13) guesses out; two sequences share 4 free rows,
-    # likeliest first.
-    (priced,) = proposer.propose([ProposeInput("t", context, 0, 4, GREEDY)], [0.0, 0.0, 0.2, 0.4])
-    assert (priced.token_ids, priced.parents) == ([4, 5], None)
-    pair = proposer.propose([ProposeInput("a", context, 0, 4, GREEDY), ProposeInput("b", [5, 6, 7, 1, 2, 3], 0, 4, GREEDY)],
-                            [0.0] * 4)
-    assert [(p.token_ids, p.parents) for p in pair] == [([4, 5], None), ([4, 5], None)]
     sampled = SamplingParams(temperature=0.8, seed=1)
     assert proposer.propose([ProposeInput("t", context, 0, 4, sampled)]) == [tree]  # point masses for any request
     flat = _ready(PhraseProposer(folder, tiny_llama_folder, NgramProposer(2, 4), trees=False))

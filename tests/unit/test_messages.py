@@ -45,14 +45,13 @@ SCHEDULER_TO_DRAFT: list[msgspec.Struct] = [
     m.ProposeRequest(3, 9, [
         m.ProposeSeq("r-1", 0, 0, [1, 2, 3, 4], 4, m.SamplingParams()),
         m.ProposeSeq("r-2", 12, 3, [8], 2, SAMPLING),
-    ], prices=[0.0, 0.0, 0.125, 0.5, 0.5, 0.75]),
+    ]),
     m.ReleaseSequences(9, ["r-1", "r-2"]),
     m.Drain(9),
 ]
 WORKER_TO_SCHEDULER: list[msgspec.Struct] = [
     m.WorkerHello("w0", "target", 2, m.PROTOCOL_VERSION, 4242, "SmolLM2-135M-Instruct", "fp-1", 49152, 2048, 64, "bfloat16", "cuda:0"),
     m.LifecycleReport("w0", 2, "LOADING", "STARTING", 0.125),
-    m.StepCosts("w0", 2, [1, 2, 4, 8], [10.125, 10.25, 10.5, 12.0]),
     m.WorkerFailed("w0", 2, "LOADING", "OSError", "model.safetensors: no such file"),
     m.Heartbeat("w0", 2, "READY", 3, 118),
     m.StepResult("w0", 2, 4, [m.SeqOutput("r-1", [42]), m.SeqOutput("r-2", [9, 8, 13], num_accepted_draft=2)], 12.5),

@@ -13,14 +13,7 @@ from proto import messages as m
 from proto.lifecycle import State
 from scheduler.batching import ScheduledSeq
 from scheduler.request import Request
-from scheduler.speculation import (
-    SpecLimits,
-    draft_prices,
-    proposal_problem,
-    speculation_plan,
-    step_costs_problem,
-    step_ms,
-)
+from scheduler.speculation import SpecLimits, proposal_problem, speculation_plan
 from tests.unit.scheduler_fakes import EOS, FINGERPRINT, FakeDraft, FakeWorker, Sim, assert_all_free, prompt
 
 SCRIPT = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
@@ -350,51 +343,6 @@ def test_policy_leaves_prefill_chunks_alone_and_respects_budget_and_context() ->
     assert speculation_plan(plan, tight) == {"a": 2}  # 8 - 6 tokens planned
     near_end = request("z", 55, num_prompt=6)  # 61 of 64 tokens
     assert speculation_plan([ScheduledSeq(near_end, 1)], LIMITS) == {"z": 2}
-
-
-COSTS = m.StepCosts("w0", 1, [1, 4, 6, 8], [10.0, 10.0, 13.0, 14.0])  # flat up to 4 rows, then a jump
-
-
-def test_a_steps_time_is_read_between_and_beyond_the_measured_row_counts() -> None:
-    assert [step_ms(COSTS, rows) for rows in (1, 2, 4, 5, 6, 7, 8, 10)] == [10.0, 10.0, 10.0, 11.5, 13.0, 13.5, 14.0, 15.0]
-    assert step_ms(m.StepCosts("w0", 1, [2], [7.0]), 9) == 7.0  # one measurement: flat
-    assert step_costs_problem(COSTS) == ""
-    for rows, ms, problem in (([], [], "0 row counts"), ([1, 2], [1.0], "2 row counts for 1 times"),
-                              ([0, 2], [1.0, 2.0], "rise from at least 1"), ([1, 1], [1.0, 2.0], "rise from"),
-                              ([1, 2], [2.0, 1.0], "never fall"), ([1, 2], [0.0, 1.0], "positive"),
-                              ([1, 2], [1.0, float("nan")], "positive")):
-        assert problem in step_costs_problem(m.StepCosts("w0", 1, rows, ms)), (rows, ms)
-
-
-def test_draft_prices_are_what_more_rows_add_to_the_step_in_tokens_of_its_plain_output() -> None:
-    one = [ScheduledSeq(request("a", 1), 1)]
-    # 1 row plain (10 ms for 1 token): rows 2-4 are free, the 5th adds 1.5 ms, the 6th 3 ms.
-    assert draft_prices(COSTS, one, {"a": 5}) == [0.0, 0.0, 0.0, 0.15, 0.3]
-    # Two decodes and a prefill chunk of 4 that does not complete: 6 rows, 13 ms for 2 tokens.
-    prefill = request("p", 0, num_prompt=9)
-    prefill.num_computed_tokens = 0
-    mixed = [ScheduledSeq(request("a", 1), 1), ScheduledSeq(request("b", 1), 1), ScheduledSeq(prefill, 4)]
-    assert draft_prices(COSTS, mixed, {"a": 1, "b": 2}) == [round(2 * 0.5 / 13, 4), round(2 * 1.0 / 13, 4),
-                                                           round(2 * 1.5 / 13, 4)]
-
-
-def test_the_draft_is_told_what_its_tokens_cost_from_the_workers_measured_step_times() -> None:
-    sim, worker, draft = setup(num_speculative_tokens=4)
-    assert not worker.send(m.StepCosts("w0", 1, [2, 1], [10.0, 10.0]))  # malformed: dropped, nothing kept
-    assert not draft.send(m.StepCosts("d0", 1, [1], [1.0]))  # a draft's step costs price nothing
-    assert worker.send(COSTS)
-    sim.submit("a", prompt(3), max_tokens=10)
-    worker.complete({"a": [11]})
-    assert proposes(draft)[-1].prices == [0.0, 0.0, 0.0, 0.15]
-    unpriced, worker, draft = setup(num_speculative_tokens=4, spec_prices=False)
-    assert worker.send(COSTS)
-    unpriced.submit("a", prompt(3), max_tokens=10)
-    worker.complete({"a": [11]})
-    assert proposes(draft)[-1].prices == []
-    unmeasured, worker, draft = setup(num_speculative_tokens=4)
-    unmeasured.submit("a", prompt(3), max_tokens=10)
-    worker.complete({"a": [11]})
-    assert proposes(draft)[-1].prices == []
 
 
 def test_proposal_problems_are_named() -> None:

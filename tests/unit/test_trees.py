@@ -11,7 +11,7 @@ import torch
 from modeling.rejection import verify_greedy, verify_tree_greedy, verify_tree_sampled
 from modeling.sampling import draw, generator_for, target_probs
 from proto.messages import SamplingParams
-from modeling.trees import best_tree, follow, is_chain, leading_nodes, likeliest, spend, tree_depths
+from modeling.trees import best_tree, follow, is_chain, leading_nodes, tree_depths
 
 
 def branches(token_ids: list[int], parents: list[int]) -> list[tuple[int, ...]]:
@@ -112,37 +112,3 @@ def test_the_best_tree_is_closed_under_parents_and_in_depth_first_order() -> Non
         for node, branch in enumerate(chosen):
             below = [i for i, other in enumerate(chosen) if other[: len(branch)] == branch]
             assert below == list(range(node, node + len(below)))
-
-
-def test_spending_keeps_the_likeliest_guesses_of_all_sequences_while_they_gain_more_than_their_price() -> None:
-    a = likeliest({(1,): 0.9, (1, 2): 0.6, (1, 2, 3): 0.3}, 6)
-    b = likeliest({(7,): 0.5, (8,): 0.2}, 6)
-    free = [0.0] * 5
-    assert spend([a, b], free) == [a, b]  # free rows: every guess
-    # A step whose 4th row costs 0.25 tokens more: the 4th guess (0.3) pays, a 5th (0.2) would not pay 0.3 more.
-    jump = [0.0, 0.0, 0.0, 0.25, 0.55]
-    assert spend([a, b], jump) == [a, {(7,): 0.5}]
-    # A jump at the 4th row that the 4th and 5th guesses pay together (rows past a jump are free again) ...
-    assert spend([a, b], [0.0, 0.0, 0.0, 0.45, 0.45]) == [a, b]
-    # ... and one they do not.
-    assert spend([a, b], [0.0, 0.0, 0.0, 0.6, 0.6]) == [{(1,): 0.9, (1, 2): 0.6}, {(7,): 0.5}]
-    assert spend([a, b], [0.95, 1.6, 2.2, 2.6, 2.8]) == [{}, {}]  # no number of guesses gains its price
-    assert spend([a, b], [0.0, 0.0]) == [{(1,): 0.9, (1, 2): 0.6}, {}]  # no price past the last: no more guesses
-    assert spend([{}, {}], free) == [{}, {}]
-
-
-def test_spent_guesses_keep_every_branch_with_its_start() -> None:
-    rng = random.Random(2)
-    for _ in range(200):
-        guesses = []
-        for _ in range(rng.randrange(1, 4)):
-            chances = {tuple(rng.randrange(3) for _ in range(rng.randrange(1, 4))): rng.random() for _ in range(12)}
-            guesses.append(likeliest(chances, rng.randrange(1, 7)))
-        prices = sorted(rng.random() * 2 for _ in range(rng.randrange(1, 12)))
-        kept = spend(guesses, prices)
-        for chosen, given in zip(kept, guesses):
-            assert all(branch[:-1] in chosen for branch in chosen if len(branch) > 1)
-            assert all(given[branch] == chance for branch, chance in chosen.items())
-        d = sum(map(len, kept))
-        gain = sum(chance for chosen in kept for chance in chosen.values())
-        assert d <= len(prices) and (d == 0 or gain - prices[d - 1] > 0)

@@ -16,7 +16,7 @@ from draft_service.proposers import ModelProposer, NgramProposer, ProposeInput
 from draft_service.sequences import SequenceStore
 from draft_service.testing_proposers import RandomProposer, ReplayProposer
 from gpu_worker.config import WorkerConfig
-from gpu_worker.runner import MEASURED_ROWS, ModelRunner, rising
+from gpu_worker.runner import ModelRunner
 from modeling.config import ModelConfig
 from modeling.kv_cache import SlotError
 from proto.messages import ProposeSeq, SamplingParams, SeqWork, SparseDist
@@ -108,24 +108,6 @@ def test_sampled_verification_is_reproducible_and_equals_plain_sampling_without_
     first = speculative(r, 1, PROMPT, 12, propose, params)
     second = speculative(r, 2, PROMPT, 12, propose, params)
     assert first == second
-
-
-def test_the_runner_measures_its_step_time_by_rows_up_to_its_largest_step_and_leaves_no_slot_used(
-    tiny_llama_folder: Path,
-) -> None:
-    r = runner(tiny_llama_folder)
-    rows, ms = r.measure_step_costs()
-    assert rows == [n for n in MEASURED_ROWS if n <= 64]  # max_num_batched_tokens 64
-    assert len(ms) == len(rows) and all(t > 0 for t in ms) and ms == sorted(ms)
-    assert r.num_used_slots == 0
-    assert plain_greedy(r, 0, PROMPT, 6) == plain_greedy(runner(tiny_llama_folder), 0, PROMPT, 6)  # nothing left behind
-
-
-def test_rising_is_the_closest_never_falling_sequence() -> None:
-    assert rising([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
-    assert rising([10.0, 12.0, 10.0, 10.0, 14.0]) == [10.0, 32 / 3, 32 / 3, 32 / 3, 14.0]  # one slow run: pooled
-    assert rising([3.0, 1.0]) == [2.0, 2.0]
-    assert rising([]) == []
 
 
 def test_inconsistent_draft_fields_are_refused_before_anything_runs(tiny_llama_folder: Path) -> None:
