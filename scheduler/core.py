@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import msgspec
 
 from common.logs import get_logger
+from modeling.sampling import is_greedy
 from proto import messages as m
 from proto.lifecycle import INIT_PHASES, TERMINAL, TRANSITIONS, State
 from scheduler.batching import BatchLimits, ScheduledSeq, plan_step
@@ -107,7 +108,7 @@ class SchedulerCore:
             case m.SubmitRequest():
                 self._submit(identity, message, now_s)
             case m.AbortRequest():
-                self._abort(message)
+                self._abort(message, now_s)
             case m.InfoQuery():
                 self._to_gateway(identity, self.info(message.query_id, now_s))
 
@@ -154,11 +155,13 @@ class SchedulerCore:
             waiting_since_s=now_s,
         )
 
-    def _abort(self, abort: m.AbortRequest) -> None:
+    def _abort(self, abort: m.AbortRequest, now_s: float) -> None:
         request = self._requests.get(abort.request_id)
         if request is None:
             return  # already finished: nothing to do
         self._finish(request, RequestStatus.FINISHED_ABORTED, notify=False, reason=abort.reason)
+        self._place_waiting()  # its slot may be the one a waiting request needs
+        self._dispatch(now_s)
 
     # ------------------------------------------------------------------ worker events
 
@@ -191,17 +194,22 @@ class SchedulerCore:
                 self._lose_worker(worker, State.FAILED, now_s)
             case m.ProposeResult():
                 return self._on_proposal(worker, message, now_s)
+            case m.ProposeRefused() if worker.state is State.DRAINING:  # on its way out it takes no work: no fault
+                log.info("propose.refused_while_draining", worker_id=worker.worker_id, propose_id=message.propose_id)
+                if (pending := self._drafts.pending(message.propose_id)) is not None:
+                    self._give_up_proposal(pending, now_s, answer_may_come=False)
             case m.ProposeRefused():
                 log.error("propose.refused", worker_id=worker.worker_id, propose_id=message.propose_id, reason=message.reason)
                 worker.failure = f"refused a propose request: {message.reason}"
-                self.outbox.append(Outgoing(True, worker.identity, m.Drain(worker.incarnation)))  # it exits; a supervisor restarts it
                 self._lose_worker(worker, State.FAILED, now_s)
         return True
 
     def _on_hello(self, identity: bytes, hello: m.WorkerHello, now_s: float) -> bool:
         known = self._workers.get(hello.worker_id)
-        if known is not None and known.incarnation >= hello.incarnation:
-            return False  # a stale or repeated hello
+        if known is not None and (known.incarnation == hello.incarnation
+                                  or (known.incarnation > hello.incarnation and known.state not in TERMINAL)):
+            return False  # a repeated hello, or a stale one (an older incarnation) while the known one lives
+        # A gone incarnation is replaced by any other: one started after it may still read an earlier clock.
         if known is not None and known.state not in TERMINAL:
             known.failure = known.failure or "replaced by a new incarnation"
             self._lose_worker(known, State.DEAD, now_s)
@@ -349,14 +357,12 @@ class SchedulerCore:
                 continue
             if worker.state in INIT_PHASES and now_s - worker.state_since_s > cfg.phase_timeout_s:
                 worker.failure = f"{worker.state} ran past its {cfg.phase_timeout_s:g} s deadline (--phase-timeout-s)"
-                self.outbox.append(Outgoing(True, worker.identity, m.Drain(worker.incarnation)))
                 self._lose_worker(worker, State.FAILED, now_s)
             elif now_s - worker.last_seen_s > cfg.heartbeat_timeout_s:
                 worker.failure = f"no heartbeat for {now_s - worker.last_seen_s:.1f} s (--heartbeat-timeout-s {cfg.heartbeat_timeout_s})"
                 self._lose_worker(worker, State.DEAD, now_s)
             elif worker.in_flight and now_s - worker.in_flight.sent_at_s > cfg.step_timeout_s:
                 worker.failure = f"step {worker.in_flight.step_id} unanswered for {cfg.step_timeout_s} s (--step-timeout-s)"
-                self.outbox.append(Outgoing(True, worker.identity, m.Drain(worker.incarnation)))
                 self._lose_worker(worker, State.DEAD, now_s)
         for pending in self._drafts.timed_out(now_s):
             log.warning("propose.timeout", propose_id=pending.propose_id, waited_s=round(now_s - pending.sent_at_s, 3),
@@ -440,7 +446,7 @@ class SchedulerCore:
             seqs.append(m.SeqWork(
                 request_id=r.request_id, slot=r.slot, start_position=start,
                 token_ids=r.token_slice(start, start + item.num_tokens) + drafts, sample=item.completes, sampling=r.sampling,
-                num_draft_tokens=len(drafts), draft_dists=proposal.dists if proposal and r.sampling.temperature > 0 else None,
+                num_draft_tokens=len(drafts), draft_dists=proposal.dists if proposal and not is_greedy(r.sampling) else None,
                 draft_parents=parents,
             ))
             step_seqs.append(StepSeq(r, item.num_tokens, item.completes, drafts, r.draft.generation, parents))
@@ -525,9 +531,17 @@ class SchedulerCore:
             self._give_up_proposal(pending, now_s, answer_may_come=False)
 
     def _lose_worker(self, worker: WorkerRecord, state: State, now_s: float) -> None:
-        """The worker will run nothing more: its requests go back to the front of the queue."""
+        """The worker will run nothing more: its requests go back to the front of the queue.
+
+        It is told to stop as well: one given up on while still alive (silent too long, a
+        refused step, a bad result) would otherwise run on, heartbeating, with nobody to
+        serve and no supervisor to restart it. A dead one never reads it.
+        """
         log.warning("worker.lost", worker_id=worker.worker_id, incarnation=worker.incarnation, state=state,
                     failure=worker.failure, num_requeued=len(worker.requests))
+        if not worker.told_to_stop:
+            worker.told_to_stop = True
+            self.outbox.append(Outgoing(True, worker.identity, m.Drain(worker.incarnation)))
         worker.state = state
         worker.in_flight = None
         worker.awaiting_proposal = None  # its pending proposal, when answered, only updates the draft views

@@ -119,6 +119,10 @@ class DraftLink:
                 proposals[proposal.request_id] = proposal
         return pending, proposals
 
+    def pending(self, propose_id: int) -> PendingProposal | None:
+        """The unanswered propose request of that id, if any."""
+        return self._pending.get(propose_id)
+
     def timed_out(self, now_s: float) -> list[PendingProposal]:
         """Pending requests past the propose timeout (to give up on); forgets abandoned ones too old to be answered."""
         too_old = _ABANDONED_TIMEOUTS * self._propose_timeout_s

@@ -265,6 +265,22 @@ def test_aborting_frees_a_slot_for_a_waiting_request() -> None:
     assert_all_free(sim, worker)
 
 
+def test_a_slot_freed_by_an_abort_while_its_step_waits_for_a_proposal_goes_to_a_waiting_request() -> None:
+    sim = Sim()
+    worker = sim.worker("w0", num_kv_slots=1).start()
+    draft = sim.draft("d0").start()
+    sim.submit("a", prompt(3), max_tokens=10)
+    worker.complete({"a": [11]})
+    assert draft.pending_propose() is not None  # a's decode waits for the draft
+    sim.submit("b", prompt(3, first=50), max_tokens=2)
+    assert sim.core.num_waiting == 1  # no free slot
+    sim.abort("a")
+    assert sim.core.num_waiting == 0  # b took a's slot at once
+    draft.answer()  # the step that waited has nothing left of a: b's runs instead
+    worker.run({"b": [60, 61]})
+    assert_stream(sim, "b", [60, 61], "length", num_prompt_tokens=3)
+
+
 def test_aborting_an_unknown_or_finished_request_does_nothing() -> None:
     sim = Sim()
     worker = ready(sim)
@@ -513,6 +529,8 @@ def test_a_lost_workers_requests_are_recomputed_elsewhere_without_duplicate_or_m
     process = sim.process("w0")
     assert (process.state, process.num_running) == (state, 0)
     assert failure in process.failure
+    # Told to stop, once: one given up on while still alive would otherwise run on with nobody to serve.
+    assert w0.inbox().count(m.Drain(w0.incarnation)) == 1
     assert not w0.complete({"a": [98], "b": [99]})  # the late result of a lost worker is dropped
     assert sim.streamed("a") == [10, 11, 12] and sim.streamed("b") == [20, 21]
 
@@ -631,6 +649,16 @@ def test_a_new_incarnation_replaces_the_old_and_the_old_ones_messages_are_droppe
     assert_stream(sim, "a", [11, 12, 13], "length", num_prompt_tokens=3)
     assert old.all_steps()[-1].step_id < step.step_id
     assert_all_free(sim, new)
+
+
+def test_a_gone_worker_is_replaced_even_by_an_incarnation_that_reads_an_earlier_clock() -> None:
+    sim = Sim()
+    ready(sim, "w0", incarnation=2_000).fail()
+    back = sim.worker("w0", incarnation=1_000)  # started later on a host whose clock reads earlier
+    assert back.hello()
+    back.boot()
+    assert sim.process("w0").incarnation == 1_000 and sim.core.has_ready_target()
+    assert not sim.worker("w0", incarnation=900).hello()  # while one lives, an older incarnation is stale
 
 
 def test_a_dead_worker_comes_back_as_a_new_incarnation() -> None:

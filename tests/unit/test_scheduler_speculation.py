@@ -237,6 +237,21 @@ def test_an_unanswered_proposal_times_out_and_the_step_runs_plainly() -> None:
     assert sim.streamed("a") == [11, 12, 13, 14, 15]
 
 
+def test_a_draft_that_refuses_a_proposal_while_draining_is_not_failed_and_the_step_runs_plainly() -> None:
+    sim, worker, draft = setup(num_speculative_tokens=3)
+    sim.submit("a", prompt(3), max_tokens=4)
+    worker.complete({"a": [11]})
+    request = draft.pending_propose()
+    assert request is not None
+    draft.report(State.DRAINING)  # SIGTERM: it takes no new work
+    assert draft.send(m.ProposeRefused("d0", draft.incarnation, request.propose_id, "DRAINING", "not READY"))
+    assert sim.process("d0").state == "DRAINING" and sim.process("d0").failure == ""
+    assert worker.step().seqs[0].num_draft_tokens == 0
+    worker.run({"a": [12, 13, 14]})
+    assert sim.streamed("a") == [11, 12, 13, 14]
+    assert draft.report(State.STOPPED) and sim.process("d0").state == "STOPPED"
+
+
 def test_a_bad_proposal_never_reaches_the_target() -> None:
     sim, worker, draft = setup(num_speculative_tokens=2)
     draft.strict = False
