@@ -21,6 +21,7 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 import zmq
+import zmq.utils.monitor
 
 from common.faults import FaultInjector
 from common.logs import get_logger
@@ -34,6 +35,10 @@ log = get_logger()
 T = TypeVar("T")
 
 _POLL_MS = 100
+# Exit status of a process the scheduler gave up on (told to stop without a signal), or whose scheduler went away:
+# not a clean stop, so that a supervisor (`specserve up`, compose's restart: on-failure) starts a fresh one, which
+# registers anew.
+EXIT_DISMISSED = 3
 
 Phase = tuple[State, Callable[[], None]]
 
@@ -61,6 +66,7 @@ class LifecycleProcess(abc.ABC, Generic[T]):
         self._send_lock = threading.Lock()
         self._stop_requested = threading.Event()  # stop after the current message
         self._drain_requested = threading.Event()  # SIGTERM while READY: finish what runs, take nothing new
+        self._dismissed = False  # told to stop by the scheduler, not by a signal
         self._drain_timeout_s = drain_timeout_s
         self._phase_timeout_s = phase_timeout_s
         self._step_timeout_s = step_timeout_s
@@ -101,7 +107,7 @@ class LifecycleProcess(abc.ABC, Generic[T]):
         try:
             if not self._start():
                 self._close()
-                return 0
+                return self._exit_status()
         except Exception as exc:  # noqa: BLE001 - any init failure ends in FAILED, reported with its cause
             return self._fail(exc)
         try:
@@ -110,6 +116,14 @@ class LifecycleProcess(abc.ABC, Generic[T]):
             return self._fail(exc)
         finally:
             self._close()
+        return self._exit_status()
+
+    def _exit_status(self) -> int:
+        if self._dismissed:
+            self.log.warning("process.dismissed", exit_status=EXIT_DISMISSED,
+                             note="the scheduler told this process to stop without a signal (it gave up on it or "
+                                  "refused it); exiting non-zero so that a supervisor starts a fresh one")
+            return EXIT_DISMISSED
         return 0
 
     def send(self, message: msgspec.Struct) -> None:
@@ -196,6 +210,7 @@ class LifecycleProcess(abc.ABC, Generic[T]):
             return
         if isinstance(message, m.Drain):
             if message.incarnation == self.incarnation:
+                self._dismissed = not self._drain_requested.is_set()
                 self._stop_requested.set()
             else:
                 self.errors.record("stale_incarnation", message="drain", incarnation=message.incarnation)
@@ -216,17 +231,34 @@ class LifecycleProcess(abc.ABC, Generic[T]):
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.IDENTITY, f"{self.process_id}/heartbeat".encode())
         socket.setsockopt(zmq.LINGER, 0)
+        monitor = socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         socket.connect(self._scheduler_address)
+        connected = False
         while self._lifecycle.state not in (State.STOPPED, State.FAILED):
             deadline = self._deadline
             if deadline is not None and time.monotonic() > deadline[1]:
                 self._give_up(socket, *deadline)
+            while monitor.poll(0):
+                event = zmq.utils.monitor.parse_monitor_message(monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_CONNECTED:
+                    connected = True
+                elif event == zmq.EVENT_DISCONNECTED and connected:
+                    self._scheduler_lost()
             socket.send(self._heartbeat_codec.encode(m.Heartbeat(
                 worker_id=self.process_id, incarnation=self.incarnation, state=self._lifecycle.state,
                 num_used_kv_slots=self.num_used_slots(), num_steps=self.num_steps,
             )))
             time.sleep(self._heartbeat_interval_s)
         socket.close()
+
+    def _scheduler_lost(self) -> None:
+        """The connection to the scheduler dropped: the scheduler this process registered with is gone (a restarted
+        one would never know it, and nothing it holds is wanted any more). End now, for a fresh start to register."""
+        self.log.error("process.scheduler_lost", address=self._scheduler_address, exit_status=EXIT_DISMISSED,
+                       note="the connection to the scheduler dropped; exiting so that a fresh start registers anew")
+        if self._status_file is not None:
+            write_status_file(self._status_file, State.FAILED)
+        os._exit(EXIT_DISMISSED)
 
     def _give_up(self, socket: zmq.Socket[bytes], what: str, _: float, limit: str) -> None:
         """The watchdog: a phase or step ran past its deadline; report it and end the process now."""

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import msgspec
 
+from common.lifecycle_process import EXIT_DISMISSED
 from proto import messages as m
 from tests.integration.test_worker_process import GREEDY, FakeScheduler, scheduler  # noqa: F401  (fixture)
 
@@ -81,7 +82,7 @@ def test_a_draft_model_service_starts_in_phases_refuses_early_work_and_proposes(
 
         scheduler.send(m.ReleaseSequences(hello.incarnation, ["r"]))
         scheduler.send(m.Drain(hello.incarnation))
-        assert draft.wait(30) == 0
+        assert draft.wait(30) == EXIT_DISMISSED
     finally:
         _stop(draft)
 
@@ -135,7 +136,7 @@ def test_an_eagle_head_service_reads_target_features_and_refuses_another_target(
         answer = scheduler.receive(m.ProposeResult)
         assert [(p.num_held, p.token_ids) for p in answer.proposals] == [(0, []), (len(tokens), [])]  # type: ignore[attr-defined]
         scheduler.send(m.Drain(hello.incarnation))
-        assert draft.wait(30) == 0
+        assert draft.wait(30) == EXIT_DISMISSED
     finally:
         _stop(draft)
 
@@ -181,7 +182,7 @@ def test_a_phrase_service_sends_token_trees_and_chains_when_told(
         (after,) = scheduler.receive(m.ProposeResult).proposals  # type: ignore[attr-defined]
         assert after.num_held == len(context) + 2
         scheduler.send(m.Drain(hello.incarnation))
-        assert draft.wait(30) == 0
+        assert draft.wait(30) == EXIT_DISMISSED
     finally:
         _stop(draft)
     chains = _start_draft(f"phrases:{folder}", scheduler.address, tmp_path, "--target-model", str(tiny_llama_folder),
@@ -194,6 +195,6 @@ def test_a_phrase_service_sends_token_trees_and_chains_when_told(
         (chain,) = scheduler.receive(m.ProposeResult).proposals  # type: ignore[attr-defined]
         assert (chain.token_ids, chain.parents) == ([4, 5], None)
         scheduler.send(m.Drain(hello.incarnation))  # type: ignore[attr-defined]
-        assert chains.wait(30) == 0
+        assert chains.wait(30) == EXIT_DISMISSED
     finally:
         _stop(chains)

@@ -18,6 +18,7 @@ import msgspec
 import pytest
 import zmq
 
+from common.lifecycle_process import EXIT_DISMISSED
 from proto import messages as m
 from tests.e2e.stack import free_port
 
@@ -108,21 +109,39 @@ def test_phases_refusal_before_ready_and_steps_after(default_model_dir: Path, sc
         scheduler.send(m.StepRequest(6, hello.incarnation, [m.SeqWork("r", 0, 3, [5], True, GREEDY)]))
         assert scheduler.receive(m.StepResult).step_id == 6  # type: ignore[attr-defined]
 
-        scheduler.send(m.Drain(hello.incarnation))
-        assert worker.wait(30) == 0
+        scheduler.send(m.Drain(hello.incarnation))  # told to stop without a signal: the scheduler gave up on it
+        assert worker.wait(30) == EXIT_DISMISSED
     finally:
         if worker.poll() is None:
             worker.kill()
             worker.wait()
 
 
-def test_a_worker_told_to_stop_during_start_up_exits_cleanly(default_model_dir: Path, scheduler: FakeScheduler, tmp_path: Path) -> None:
+def test_a_worker_told_to_stop_during_start_up_stops_and_exits_dismissed(default_model_dir: Path, scheduler: FakeScheduler, tmp_path: Path) -> None:
     worker = _start_worker(default_model_dir, scheduler.address, tmp_path)
     try:
         hello = scheduler.receive(m.WorkerHello)
         scheduler.send(m.Drain(hello.incarnation))  # as the scheduler does for an incompatible worker
-        assert worker.wait(120) == 0
+        # Stopped in order, but not at its own request: the status says so, for a supervisor to start a fresh one.
+        assert worker.wait(120) == EXIT_DISMISSED
         assert (tmp_path / "status").read_text().strip() == "STOPPED"
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+
+
+def test_a_worker_whose_scheduler_goes_away_exits_dismissed_for_a_fresh_start_to_register(
+    default_model_dir: Path, scheduler: FakeScheduler, tmp_path: Path,
+) -> None:
+    worker = _start_worker(default_model_dir, scheduler.address, tmp_path)
+    try:
+        while scheduler.receive(m.LifecycleReport).state != "READY":  # type: ignore[attr-defined]
+            pass
+        # A restarted scheduler would not know this worker, and nothing it holds is wanted any more.
+        scheduler.socket.close(0)
+        assert worker.wait(30) == EXIT_DISMISSED
+        assert (tmp_path / "status").read_text().strip() == "FAILED"
     finally:
         if worker.poll() is None:
             worker.kill()
