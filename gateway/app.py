@@ -121,22 +121,28 @@ class Gateway:
             ]
             await self._signals.drain_requested.wait()
             http.draining = True
-            await self._drain(server, reporter)
+            await self._drain(server, reporter, http)
             for task in background:
                 task.cancel()
 
-    async def _drain(self, server: grpc.aio.Server, reporter: HealthReporter) -> None:
-        """Refuse new RPCs, let streams in flight finish within the grace period; a second signal cuts it short."""
-        self._log.info("gateway.draining", grace_s=self._config.shutdown_grace_s)
+    async def _drain(self, server: grpc.aio.Server, reporter: HealthReporter, http: HttpApi) -> None:
+        """Refuse new RPCs and HTTP requests, let those in flight (gRPC streams and HTTP requests alike) finish
+        within the grace period; a second signal cuts it short."""
+        grace_s = self._config.shutdown_grace_s
+        self._log.info("gateway.draining", grace_s=grace_s)
         await reporter.enter_shutdown()
-        graceful = asyncio.create_task(server.stop(self._config.shutdown_grace_s), name="server_stop")
+        graceful = asyncio.create_task(server.stop(grace_s), name="server_stop")
+        http_done = asyncio.create_task(asyncio.wait_for(http.wait_idle(), grace_s), name="http_drain")
         stop_now = asyncio.create_task(self._signals.stop_now_requested.wait(), name="stop_now")
-        done, _ = await asyncio.wait({graceful, stop_now}, return_when=asyncio.FIRST_COMPLETED)
+        drained = asyncio.create_task(asyncio.wait({graceful, http_done}), name="drained")
+        done, _ = await asyncio.wait({drained, stop_now}, return_when=asyncio.FIRST_COMPLETED)
         if stop_now in done:
             self._log.info("gateway.stopping_now")
             await server.stop(None)
-        stop_now.cancel()
+        for task in (stop_now, http_done, drained):
+            task.cancel()
         await graceful
+        await asyncio.gather(http_done, drained, return_exceptions=True)  # a timeout or a cancel: the grace is over
 
     def _bind(self, server: grpc.aio.Server) -> int:
         address = f"{self._config.host}:{self._config.port}"

@@ -11,6 +11,7 @@ OpenAI's format with the matching HTTP status, the offending field in `param`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -64,7 +65,14 @@ class HttpApi:
         self._model_name = model_name
         self._created = int(time.time())
         self.draining = False  # after the first SIGTERM: new generation requests get 503
+        self._num_generating = 0  # generation requests in flight
+        self._idle = asyncio.Event()  # set while none is
+        self._idle.set()
         self._log = get_logger(component="http_api")
+
+    async def wait_idle(self) -> None:
+        """Return once no generation request is in flight (for draining)."""
+        await self._idle.wait()
 
     def application(self) -> web.Application:
         app = web.Application(middlewares=[self._errors])
@@ -120,6 +128,9 @@ class HttpApi:
         if isinstance(prompt, str):
             message.prompt = prompt
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not all(0 <= t <= _INT32_MAX for t in prompt):
+                bad = next(t for t in prompt if not 0 <= t <= _INT32_MAX)
+                raise ApiError(400, f"prompt: token id {bad} is outside the vocabulary", "prompt")
             message.token_ids.ids.extend(prompt)
         else:
             raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", "prompt")
@@ -144,13 +155,28 @@ class HttpApi:
     async def _run(self, request: web.Request, body: dict[str, Any], message: pb.GenerateRequest, *, chat: bool) -> web.StreamResponse:
         if self.draining:
             raise ApiError(503, "the server is shutting down")
+        self._num_generating += 1
+        self._idle.clear()
+        try:
+            return await self._generate(request, body, message, chat=chat)
+        finally:
+            self._num_generating -= 1
+            if not self._num_generating:
+                self._idle.set()
+
+    async def _generate(self, request: web.Request, body: dict[str, Any], message: pb.GenerateRequest, *,
+                        chat: bool) -> web.StreamResponse:
         model = body.get("model")
         if model is not None and model != self._model_name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self._model_name!r}", "model",
                            "model_not_found")
         _sampling_params(body, message, chat=chat)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        submission = validate(message, request_id=request_id, vocab_size=self._generation.tokenizer.vocab_size)
+        try:
+            submission = validate(message, request_id=request_id, vocab_size=self._generation.tokenizer.vocab_size)
+        except InvalidArgument as error:  # named as the client named it, not as the gRPC message does
+            field = _client_field(error.field, max_tokens_as=_max_tokens_field(body, chat=chat)[0], chat=chat)
+            raise ApiError(400, error.message.replace(error.field, field, 1), field) from error
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, "stream must be a boolean", "stream")
@@ -257,20 +283,62 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     return body
 
 
+# OpenAI (and vLLM) parameters this server does not implement, with the values that ask for nothing: any other value
+# is refused, never silently ignored (it would change the output the client expects).
+UNSUPPORTED: dict[str, tuple[object, ...]] = {
+    "echo": (False,), "suffix": ("",), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,),
+    "repetition_penalty": (1,), "logit_bias": ({},), "min_tokens": (0,), "top_logprobs": (0,),
+}
+_INT32_MAX = 2**31 - 1
+
+
+def _max_tokens_field(body: dict[str, Any], *, chat: bool) -> tuple[str, object]:
+    """Which field gives the completion's length, as the client named it, and its value (chat: the newer
+    max_completion_tokens, else max_tokens; a field sent as null counts as not sent)."""
+    if not chat:
+        return "max_tokens", body.get("max_tokens", DEFAULT_MAX_TOKENS)
+    if body.get("max_completion_tokens") is not None:
+        return "max_completion_tokens", body["max_completion_tokens"]
+    return "max_tokens", body.get("max_tokens")
+
+
+def _client_field(field: str, *, max_tokens_as: str, chat: bool) -> str:
+    """The body's field that a gRPC field name (InvalidArgument.field) came from."""
+    if field.startswith(("token_ids", "prompt")) or field == "input":
+        return "messages" if chat else "prompt"
+    if field.startswith("chat.messages"):
+        return field.removeprefix("chat.")
+    field = field.removeprefix("params.")
+    return max_tokens_as if field == "max_tokens" else field
+
+
 def _sampling_params(body: dict[str, Any], message: pb.GenerateRequest, *, chat: bool) -> None:
-    """Copy OpenAI's parameters into the gRPC message (types checked here, values by `validate`)."""
+    """Copy OpenAI's parameters into the gRPC message (types and ranges checked here, values by `validate`)."""
     params = message.params
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens", DEFAULT_MAX_TOKENS)
-    fields: dict[str, tuple[object, type | tuple[type, ...]]] = {
-        "max_tokens": (max_tokens, int), "temperature": (body.get("temperature"), (int, float)),
-        "top_p": (body.get("top_p"), (int, float)), "top_k": (body.get("top_k"), int), "seed": (body.get("seed"), int),
+    for name, harmless in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and not any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in harmless):
+            raise ApiError(400, f"{name} is not supported by this server (only {harmless[0]!r})", name)
+    max_name, max_tokens = _max_tokens_field(body, chat=chat)
+    top_k = body.get("top_k")
+    seed = body.get("seed")
+    fields: dict[str, tuple[str, object, type | tuple[type, ...]]] = {
+        "max_tokens": (max_name, max_tokens, int), "temperature": ("temperature", body.get("temperature"), (int, float)),
+        "top_p": ("top_p", body.get("top_p"), (int, float)),
+        "top_k": ("top_k", None if top_k == -1 else top_k, int),  # -1: no top-k cut, as vLLM has it
+        "seed": ("seed", seed % 2**63 if isinstance(seed, int) and not isinstance(seed, bool) else seed, int),
     }
-    for name, (value, kind) in fields.items():
+    for name, (given_as, value, kind) in fields.items():
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, kind):
-            raise ApiError(400, f"{name} must be a number", name)
-        setattr(params, name, value)
+            raise ApiError(400, f"{given_as} must be a number", given_as)
+        if name in ("max_tokens", "top_k") and value > _INT32_MAX:  # type: ignore[operator]
+            raise ApiError(400, f"{given_as} must be at most {_INT32_MAX}, got {value}", given_as)
+        try:
+            setattr(params, name, value)
+        except (ValueError, OverflowError, TypeError) as error:  # a number out of the field's range
+            raise ApiError(400, f"{given_as} is out of range: {error}", given_as) from error
     if body.get("temperature") is None:
         params.temperature = 1.0  # OpenAI's default
     stop = body.get("stop")
@@ -282,7 +350,7 @@ def _sampling_params(body: dict[str, Any], message: pb.GenerateRequest, *, chat:
         raise ApiError(400, "stop must be a string or a list of strings", "stop")
     if body.get("n", 1) != 1:
         raise ApiError(400, "only n=1 is supported", "n")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+    if body.get("logprobs") is not None and body.get("logprobs") is not False:  # 0 still asks for logprobs
         raise ApiError(400, "logprobs are not supported", "logprobs")
     if body.get("ignore_eos") is True:  # an extension, as in vLLM
         params.ignore_eos = True

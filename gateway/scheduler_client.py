@@ -57,7 +57,8 @@ class SchedulerClient:
         self._context: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
-        self._queues: dict[str, asyncio.Queue[RequestMessage]] = {}
+        self._streams: dict[str, RequestStream] = {}  # by the id the scheduler knows them by
+        self._client_ids: set[str] = set()  # the request ids of those streams, as their clients gave them
         self._queries: dict[int, asyncio.Future[messages.InfoReply]] = {}
         self._query_ids = itertools.count(1)
         self._last_heard_at = -float("inf")  # time.monotonic() of the last frame received
@@ -94,16 +95,18 @@ class SchedulerClient:
     # ------------------------------------------------------------------ public API
 
     def open_request(self, request_id: str) -> RequestStream:
-        """Register a request's queue; use the result as `async with`. Raises InvalidArgument for an id in flight."""
-        if request_id in self._queues:
+        """Register a request's stream; use the result as `async with`. Raises InvalidArgument for an id in flight."""
+        if request_id in self._client_ids:
             raise InvalidArgument("request_id", f"{request_id!r} is already in flight")
-        queue: asyncio.Queue[RequestMessage] = asyncio.Queue()
-        self._queues[request_id] = queue
-        return RequestStream(self, request_id, queue)
+        stream = RequestStream(self, request_id)
+        self._client_ids.add(request_id)
+        self._streams[request_id] = stream
+        return stream
 
-    def close_request(self, request_id: str) -> None:
+    def close_request(self, stream: RequestStream) -> None:
         """Forget a request; its later messages are dropped."""
-        self._queues.pop(request_id, None)
+        self._streams.pop(stream.scheduler_id, None)
+        self._client_ids.discard(stream.request_id)
 
     async def send(self, message: messages.GatewayToScheduler) -> None:
         """Queue one message; raises SchedulerUnavailable if the socket stays full for reply_timeout_s."""
@@ -166,12 +169,12 @@ class SchedulerClient:
                 assert_never(message)
 
     def _route_to_request(self, message: RequestMessage) -> None:
-        queue = self._queues.get(message.request_id)
-        if queue is None:  # normal after an abort or a client that went away
+        stream = self._streams.get(message.request_id)
+        if stream is None:  # normal after an abort or a client that went away
             self.num_dropped_messages += 1
             self._log.debug("scheduler.message_dropped", request_id=message.request_id, type=type(message).__name__)
             return
-        queue.put_nowait(message)
+        stream.deliver(message)
 
     def _resolve_query(self, reply: messages.InfoReply) -> None:
         future = self._queries.get(reply.query_id)
@@ -192,9 +195,30 @@ class SchedulerClient:
                 self._log.info("scheduler.connected", address=self.address, num_connects=num_connects)
                 if num_connects > 1:  # the first hello went out with connect()
                     await self._send_hello()
+                    await self._resume_streams()
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self._connected.clear()
                 self._log.warning("scheduler.disconnected", address=self.address)
+
+    async def _resume_streams(self) -> None:
+        """The connection came back: the scheduler at the other end may be a restarted one that knows none of the
+        requests in flight. Each goes on there from the tokens already received (`RequestStream.resumption`); the
+        one the old scheduler knew is aborted, in case it is still the same scheduler and still runs it."""
+        resumed = 0
+        for stream in list(self._streams.values()):
+            old_id = stream.scheduler_id
+            resumption = stream.resumption()
+            if resumption is None:
+                continue
+            abort, submit = resumption
+            del self._streams[old_id]
+            self._streams[stream.scheduler_id] = stream
+            await self.send(abort)
+            await self.send(submit)
+            resumed += 1
+        if resumed:
+            self._log.warning("scheduler.requests_resumed", num_requests=resumed,
+                              note="the scheduler connection came back; requests in flight go on from their tokens")
 
     async def _send_hello(self) -> None:
         hello = messages.GatewayHello(gateway_id=self.gateway_id, protocol_version=messages.PROTOCOL_VERSION)
@@ -218,13 +242,26 @@ class RequestStream:
     Use as `async with`: leaving the block unregisters the request and, if the scheduler
     has not ended it, sends an AbortRequest ("client_cancelled" when the block was left by
     cancellation, "gateway_error" when by another exception).
+
+    When the connection to the scheduler comes back after a drop, a request still running
+    goes on from the tokens it has received: the scheduler is sent its prompt plus those
+    tokens under a new id (`resumption`), and what comes back reads as the same stream,
+    its speculation counts continued. Greedy and seeded requests get the very tokens an
+    uninterrupted run gives (a draw depends only on its seed and position).
     """
 
-    def __init__(self, client: SchedulerClient, request_id: str, queue: asyncio.Queue[RequestMessage]) -> None:
+    def __init__(self, client: SchedulerClient, request_id: str) -> None:
         self.request_id = request_id
+        self.scheduler_id = request_id  # the id the scheduler knows it by (another after a resumption)
         self._client = client
-        self._queue = queue
+        self._queue: asyncio.Queue[RequestMessage] = asyncio.Queue()
         self._state = StreamState.OPEN
+        self._submitted: messages.SubmitRequest | None = None
+        self._received: list[int] = []  # every token the scheduler sent so far
+        self._ended = False  # the scheduler's last message for it arrived
+        self._spec_before = (0, 0, 0)  # speculation counts of the schedulers before a resumption
+        self._spec_now = (0, 0, 0)
+        self._num_resumptions = 0
         self._log = get_logger(component="request_stream")
 
     @property
@@ -234,7 +271,44 @@ class RequestStream:
     async def submit(self, request: messages.SubmitRequest) -> None:
         self._require_state(StreamState.OPEN, "submit")
         self._state = StreamState.SUBMITTED
+        self._submitted = request
         await self._client.send(request)
+
+    def deliver(self, message: RequestMessage) -> None:
+        """A message from the scheduler, as the stream's reader will see it."""
+        if isinstance(message, messages.TokenDelta):
+            self._received.extend(message.token_ids)
+            before = self._spec_before
+            self._spec_now = (before[0] + message.num_draft_tokens, before[1] + message.num_accepted_draft_tokens,
+                              before[2] + message.num_verify_steps)
+            if self._num_resumptions:
+                assert self._submitted is not None  # only a submitted request is resumed
+                message = msgspec.structs.replace(
+                    message, request_id=self.request_id, num_completion_tokens=len(self._received),
+                    num_prompt_tokens=len(self._submitted.prompt_token_ids), num_draft_tokens=self._spec_now[0],
+                    num_accepted_draft_tokens=self._spec_now[1], num_verify_steps=self._spec_now[2])
+            self._ended = message.finish_reason is not None
+        else:
+            message = msgspec.structs.replace(message, request_id=self.request_id)
+            self._ended = True
+        self._queue.put_nowait(message)
+
+    def resumption(self) -> tuple[messages.AbortRequest, messages.SubmitRequest] | None:
+        """For a request still running: the abort of the id the scheduler knew and the request that goes on from
+        the tokens received, under a new id (the stream now answers to it); None for any other."""
+        submitted = self._submitted
+        if self._state is not StreamState.SUBMITTED or self._ended or submitted is None:
+            return None
+        abort = messages.AbortRequest(request_id=self.scheduler_id, reason="scheduler_reconnected")
+        self._num_resumptions += 1
+        # A control character no client id may hold (they must be printable): never another request's id.
+        self.scheduler_id = f"{self.request_id}\x1eresumed-{self._num_resumptions}"
+        self._spec_before = self._spec_now
+        max_tokens = None if submitted.max_tokens is None else submitted.max_tokens - len(self._received)
+        submit = msgspec.structs.replace(submitted, request_id=self.scheduler_id,
+                                         prompt_token_ids=submitted.prompt_token_ids + self._received, max_tokens=max_tokens)
+        self._log.info("request.resumed", request_id=self.request_id, num_tokens_received=len(self._received))
+        return abort, submit
 
     async def next(self) -> RequestMessage:
         """The next TokenDelta or RequestError; raises SchedulerUnavailable if the scheduler stops answering."""
@@ -256,7 +330,7 @@ class RequestStream:
         submitted = self._state is StreamState.SUBMITTED
         self._state = StreamState.ABORTED
         if submitted:
-            await self._client.send(messages.AbortRequest(request_id=self.request_id, reason=reason))
+            await self._client.send(messages.AbortRequest(request_id=self.scheduler_id, reason=reason))
             self._log.info("request.aborted", request_id=self.request_id, reason=reason)
 
     async def __aenter__(self) -> RequestStream:
@@ -265,7 +339,7 @@ class RequestStream:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
-        self._client.close_request(self.request_id)
+        self._client.close_request(self)
         cancelled = exc_type is not None and issubclass(exc_type, asyncio.CancelledError | GeneratorExit)
         try:
             await self.abort("client_cancelled" if cancelled else "gateway_error")

@@ -30,6 +30,14 @@ def _process(port: int, process_id: str) -> pb.Process | None:
     return next((p for p in info.processes if p.process_id == process_id), None)
 
 
+def _all_ready(port: int) -> bool:
+    """Both target workers and the draft service READY, as the (restarted) scheduler sees them."""
+    try:
+        return all((p := _process(port, name)) is not None and p.state == "READY" for name in ("worker-0", "worker-1", "draft-0"))
+    except grpc.RpcError:  # no scheduler behind the gateway yet
+        return False
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -73,6 +81,25 @@ def test_up_generate_and_ctrl_c(default_model_dir: Path) -> None:
             time.sleep(0.2)
         children = _children(up.pid)
         assert len(children) == 5 and victim not in children
+
+        # The scheduler killed while a request streams: the supervisor restarts it, the workers and the draft
+        # service that knew the old one exit to register anew, and the gateway resumes the request from the tokens
+        # it had: the client sees one stream with the very tokens of an undisturbed run.
+        request = pb.GenerateRequest(prompt="The history of the Roman empire", params=pb.SamplingParams(max_tokens=96, temperature=0, ignore_eos=True))
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            undisturbed = [t for r in pb_grpc.SpecServeStub(channel).Generate(request, timeout=120) for t in r.token_ids]
+            call = pb_grpc.SpecServeStub(channel).Generate(request, timeout=180)
+            first = [next(call) for _ in range(3)]
+            assert first[-1].finish_reason == pb.FINISH_REASON_UNSPECIFIED  # still streaming when the scheduler dies
+            (scheduler,) = [pid for pid in children if "-m\0scheduler\0" in Path(f"/proc/{pid}/cmdline").read_text()]
+            os.kill(scheduler, signal.SIGKILL)
+            rest = list(call)
+        assert [t for r in [*first, *rest] for t in r.token_ids] == undisturbed
+        assert rest[-1].usage.completion_tokens == len(undisturbed)
+        deadline = time.monotonic() + 120
+        while len(children := _children(up.pid)) != 5 or scheduler in children or not _all_ready(port):
+            assert time.monotonic() < deadline, "the stack did not come back after the scheduler was killed"
+            time.sleep(0.5)
 
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0

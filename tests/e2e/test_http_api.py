@@ -99,6 +99,9 @@ def test_sampling_parameters_and_stop_strings_reach_the_scheduler(fp32_stack: St
     assert stopped.choices[0].finish_reason == "stop" and " 7" not in stopped.choices[0].text
 
 
+CHAT = [{"role": "user", "content": "hi"}]
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
@@ -108,12 +111,41 @@ def test_sampling_parameters_and_stop_strings_reach_the_scheduler(fp32_stack: St
     ({"prompt": 5}, "prompt"),
     ({"prompt": "x", "stop": [1]}, "stop"),
     ({"prompt": "x", "logprobs": 3}, "logprobs"),
+    ({"prompt": "x", "logprobs": 0}, "logprobs"),  # still asks for the sampled token's logprob
+    # Numbers past what the fields hold: a 400 naming the field, never a 500.
+    ({"prompt": "x", "max_tokens": 2**31}, "max_tokens"),
+    ({"prompt": "x", "top_k": 2**40}, "top_k"),
+    ({"prompt": "x", "temperature": 10**400}, "temperature"),
+    ({"prompt": [1, 2**40]}, "prompt"),
+    ({"prompt": [1, 49152]}, "prompt"),  # outside the vocabulary: named as the client's field
+    # What this server does not do is refused, never silently ignored.
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "suffix": "end"}, "suffix"),
+    ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -1}, "frequency_penalty"),
+    ({"prompt": "x", "logit_bias": {"42": 5}}, "logit_bias"),
+    ({"messages": [{"role": "", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": CHAT, "max_tokens": 0}, "max_tokens"),
 ])
 def test_bad_parameters_are_400_naming_the_field(fp32_stack: Stack, body: dict[str, Any], param: str) -> None:
-    status, answer = call(fp32_stack, "POST", "/v1/completions", body)
-    assert status == 400 and isinstance(answer, dict)
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    status, answer = call(fp32_stack, "POST", path, body)
+    assert status == 400 and isinstance(answer, dict), answer
     assert answer["error"]["param"] == param and answer["error"]["type"] == "invalid_request_error"
     assert answer["error"]["message"]
+
+
+def test_parameters_that_ask_for_nothing_are_accepted_as_other_servers_accept_them(fp32_stack: Stack) -> None:
+    harmless = {"echo": False, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
+                "logprobs": None, "top_k": -1, "seed": -5}  # top_k -1: no cut, as in vLLM; any int64 seed
+    status, answer = call(fp32_stack, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 2, **harmless})
+    assert status == 200 and isinstance(answer, dict), answer
+    # A null max_completion_tokens leaves max_tokens in force.
+    status, answer = call(fp32_stack, "POST", "/v1/chat/completions",
+                          {"messages": CHAT, "max_completion_tokens": None, "max_tokens": 3, "ignore_eos": True})
+    assert status == 200 and isinstance(answer, dict) and answer["usage"]["completion_tokens"] == 3, answer
 
 
 def test_unknown_model_is_404_and_bad_json_400(fp32_stack: Stack) -> None:

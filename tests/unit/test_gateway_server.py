@@ -423,6 +423,48 @@ def test_hello_is_sent_again_when_the_scheduler_comes_back(run: Any, tokenizer: 
     run(scenario())
 
 
+def test_a_request_in_flight_goes_on_from_its_tokens_when_the_scheduler_comes_back(run: Any, tokenizer: Tokenizer) -> None:
+    counted = tokenizer.encode("".join(f" {n}" for n in range(1, 31))) + list(tokenizer.eos_token_ids)
+    prompt_len = len(tokenizer.encode("count"))
+
+    def continue_counting(submit: m.SubmitRequest) -> list[m.TokenDelta]:  # a pure function of the prompt, as greedy is
+        rest = counted[len(submit.prompt_token_ids) - prompt_len:]
+        return deltas(submit.request_id, rest, "stop", len(submit.prompt_token_ids))
+
+    async def scenario() -> None:
+        async with gateway(tokenizer, continue_counting, delay_s=0.02) as h:
+            call = h.stub.Generate(pb.GenerateRequest(prompt="count", request_id="r1", params=pb.SamplingParams(max_tokens=100)))
+            before = [await call.read() for _ in range(5)]
+            await eventually(lambda: len(h.scheduler.submits()) == 1)
+            port = h.scheduler.port
+            for task in list(h.scheduler._tasks):
+                task.cancel()
+            h.scheduler.socket.close(linger=0)  # the scheduler dies ...
+            await asyncio.sleep(0.3)
+            h.scheduler.socket = h.scheduler.context.socket(zmq.ROUTER)  # ... and a restarted one binds the port
+            h.scheduler.socket.setsockopt(zmq.LINGER, 0)
+            h.scheduler.socket.bind(f"tcp://127.0.0.1:{port}")
+            h.scheduler.received.clear()
+            h.scheduler.aborts.clear()
+            restarted = asyncio.create_task(h.scheduler.run())
+            try:
+                after = await read_all(call)
+                (resumed,) = h.scheduler.submits()
+                received = [t for r in before for t in r.token_ids]
+                assert resumed.request_id == "r1\x1eresumed-1" and resumed.max_tokens == 100 - len(received)
+                assert resumed.prompt_token_ids == tokenizer.encode("count") + received
+                assert h.scheduler.aborts == {"r1": "scheduler_reconnected"}  # in case the old one still ran it
+                responses = [*before, *after]
+                assert "".join(r.text for r in responses) == "".join(f" {n}" for n in range(1, 31))  # each token once
+                assert responses[-1].finish_reason == pb.FINISH_REASON_STOP
+                assert responses[-1].usage.prompt_tokens == prompt_len
+                assert responses[-1].usage.completion_tokens == len(counted)
+            finally:
+                restarted.cancel()
+
+    run(scenario())
+
+
 # ---------------------------------------------------------------- the process: python -m gateway
 
 
@@ -513,6 +555,50 @@ def test_sigterm_drains_streams_in_flight_and_a_second_one_stops_at_once(
             scheduler.close()
 
     run(scenario())
+
+
+def test_sigterm_lets_http_requests_in_flight_finish_too(run: Any, tokenizer: Tokenizer, default_model_dir: Path) -> None:
+    import aiohttp
+
+    async def scenario() -> None:
+        scheduler = FakeScheduler(text_script(tokenizer, " ok" * 100), delay_s=0.01)  # about 1 s of stream
+        scheduler_task = asyncio.create_task(scheduler.run())
+        command = gateway_command(default_model_dir, scheduler.address, "--shutdown-grace-s", "20")
+        process = await asyncio.create_subprocess_exec(*command, cwd=REPO_ROOT, stderr=subprocess.PIPE)
+        assert process.stderr is not None
+        try:
+            _, http_port = await async_listening_ports(process.stderr)
+            body = {"prompt": "x", "max_tokens": 200, "stream": True}
+            async with aiohttp.ClientSession() as session, \
+                    session.post(f"http://127.0.0.1:{http_port}/v1/completions", json=body) as response:
+                assert response.status == 200
+                events = [await response.content.readline()]
+                process.send_signal(signal.SIGTERM)
+                async for line in response.content:
+                    events.append(line)
+            payloads = [line[len(b"data: "):].strip() for line in events if line.startswith(b"data: ")]
+            assert payloads[-1] == b"[DONE]"
+            chunks = [json.loads(p) for p in payloads[:-1]]
+            assert "".join(c["choices"][0]["text"] for c in chunks) == " ok" * 100
+            assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+            assert await asyncio.wait_for(process.wait(), timeout=15) == 0
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+            scheduler_task.cancel()
+            scheduler.close()
+
+    run(scenario())
+
+
+async def async_listening_ports(stderr: asyncio.StreamReader) -> tuple[int, int]:
+    """The gRPC and HTTP ports a gateway process listens on, from its log."""
+    while line := (await stderr.readline()).decode():
+        if line.startswith("{") and json.loads(line)["event"] == "gateway.listening":
+            event = json.loads(line)
+            return int(event["port"]), int(event["http_port"])
+    raise AssertionError("the gateway exited without listening")
 
 
 async def async_listening_port(stderr: asyncio.StreamReader) -> int:
