@@ -11,7 +11,10 @@ from typing import Protocol
 
 import torch
 
-_MASK_64 = (1 << 63) - 1
+_MASK_64 = (1 << 64) - 1
+# A temperature below this is greedy: dividing logits by it overflows float32 (a softmax of infinities is NaN), and
+# its draws are the argmax anyway.
+GREEDY_BELOW = 1e-5
 TOP_P_CANDIDATES = 256  # top-p looks at this many of the likeliest tokens first
 
 
@@ -27,7 +30,7 @@ class SamplingLike(Protocol):
 
 
 def is_greedy(params: SamplingLike) -> bool:
-    return params.temperature == 0.0
+    return params.temperature < GREEDY_BELOW
 
 
 def target_probs(logits: torch.Tensor, params: SamplingLike) -> torch.Tensor:
@@ -55,8 +58,14 @@ def target_probs(logits: torch.Tensor, params: SamplingLike) -> torch.Tensor:
 
 
 def generator_for(seed: int, position: int, device: torch.device) -> torch.Generator:
-    """The generator for the draw at `position`; a pure function of (seed, position)."""
+    """The generator for the draw at `position`; a pure function of (seed, position).
+
+    The CPU generator keeps only 32 bits of its seed, so the 64-bit mix of seed and
+    position is folded into 32 (high half into low): seeds that differ only above bit 32
+    still draw differently.
+    """
     mixed = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 1) & _MASK_64
+    mixed = (mixed ^ (mixed >> 31) ^ (mixed >> 32)) & 0xFFFFFFFF
     generator = torch.Generator(device=device)
     generator.manual_seed(mixed)
     return generator

@@ -22,7 +22,7 @@ Role = Literal["target", "draft"]
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """How to pick the next token. temperature 0 means greedy (argmax)."""
+    """How to pick the next token. temperature 0 (or below modeling.sampling.GREEDY_BELOW, 1e-5) means greedy."""
 
     temperature: float = 0.0
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]

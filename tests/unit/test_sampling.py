@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from modeling.sampling import draw, generator_for, sample, target_probs
+from modeling.sampling import draw, generator_for, is_greedy, sample, target_probs
 from proto.messages import SamplingParams
 
 
@@ -66,3 +66,22 @@ def test_draw_frequencies_follow_probs(temperature: float) -> None:
     expected = probs * num_draws
     chi_square = float(((counts - expected) ** 2 / expected).sum())
     assert chi_square < 18.47  # 4 degrees of freedom, p = 0.001
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy_never_nan() -> None:
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.9]])
+    for temperature in (1e-30, 1e-38, 5e-6):
+        params = SamplingParams(temperature=temperature, seed=3)
+        assert is_greedy(params)
+        assert sample(logits, [params], [0]) == [1]
+    assert not is_greedy(SamplingParams(temperature=1e-4))
+    assert not torch.isnan(target_probs(logits[0], SamplingParams(temperature=1e-4))).any()
+
+
+def test_seeds_that_differ_only_above_32_bits_draw_differently() -> None:
+    cpu = torch.device("cpu")
+    for seed in (0, 12345, 2**40 + 7):
+        first = torch.rand(4, generator=generator_for(seed, 9, cpu))
+        assert not torch.equal(first, torch.rand(4, generator=generator_for(seed + 2**32, 9, cpu)))
+        assert not torch.equal(first, torch.rand(4, generator=generator_for(seed + 2**33, 9, cpu)))
+        assert torch.equal(first, torch.rand(4, generator=generator_for(seed, 9, cpu)))
