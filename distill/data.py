@@ -55,7 +55,7 @@ def write_requests(engine: ModelEngine, starts: list[list[int]], max_tokens: int
     An instruct model asked to continue an empty user turn writes the kind of requests it
     was tuned on, so the answers to these cover far more subjects than any shipped list.
     """
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device=engine.device).manual_seed(seed)  # on the device the logits are on
 
     def sample(logits: torch.Tensor) -> torch.Tensor:
         probs, ids = (logits.float() / temperature).softmax(-1).sort(-1, descending=True)
@@ -83,7 +83,7 @@ def _decode(engine: ModelEngine, group: list[list[int]], max_new_tokens: int, st
     if with_features:
         offset = 0
         for slot, ids in enumerate(group):
-            features[slot].append(hidden[offset : offset + len(ids)].clone())
+            features[slot].append(hidden[offset : offset + len(ids)].cpu().clone())
             offset += len(ids)
     next_ids = pick(logits).tolist()
     active = list(range(len(group)))
@@ -96,7 +96,7 @@ def _decode(engine: ModelEngine, group: list[list[int]], max_new_tokens: int, st
         logits, hidden = engine.forward_with_features([SeqSpan(s, len(tokens[s]) - 1, [tokens[s][-1]], 1) for s in active])
         if with_features:
             for row, slot in enumerate(active):
-                features[slot].append(hidden[row : row + 1].clone())
+                features[slot].append(hidden[row : row + 1].cpu().clone())
         next_ids = pick(logits).tolist()
     return tokens, features
 
@@ -106,7 +106,7 @@ def read_text(engine: ModelEngine, chunks: list[list[int]], on_sequence: Callabl
     out: list[Sequence] = []
     for chunk in chunks:
         _, hidden = engine.forward_with_features([SeqSpan(0, 0, chunk, 1)])
-        out.append(Sequence(list(chunk), hidden[: len(chunk) - 1].clone(), len(chunk)))
+        out.append(Sequence(list(chunk), hidden[: len(chunk) - 1].cpu().clone(), len(chunk)))
         on_sequence()
     return out
 

@@ -24,6 +24,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from tqdm import tqdm
 from distill.data import Sequence, chunk_tokens, draft_vocabulary, generate, read_text, stdlib_sources, write_requests
 from distill.prompts import request_openings, training_prompts
 from gateway.tokenizer import ChatMessage, Tokenizer
-from modeling.config import ModelConfig
+from modeling.config import ModelConfig, model_fingerprint, vocab_fingerprint
 from modeling.eagle import EagleHead, unsupported_target
 from modeling.engine import ModelEngine
 from modeling.llama import read_safetensors
@@ -62,15 +63,30 @@ class DistillArgs:
     checkpoint_every: int = 100
     resume: bool = False
     num_threads: int = 0
+    device: str = "cpu"  # where the target makes the data and the head trains: cpu, or cuda[:N]
 
     def record(self) -> dict[str, object]:
-        """The arguments that decide the result (recorded in the draft's config.json, checked on --resume)."""
-        return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items() if k not in ("out", "resume", "num_threads")}
+        """The arguments that decide the result (recorded in the draft's config.json)."""
+        return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()
+                if k not in ("out", "resume", "num_threads", "device")}
 
     def data_record(self) -> dict[str, object]:
         """The arguments that decide the training data."""
         record = self.record()
         return {k: record[k] for k in ("target", "dtype", "num_prompts", "self_prompts", "request_tokens", "max_new_tokens", "text_tokens", "seed")}
+
+    def resume_record(self) -> dict[str, object]:
+        """What --resume checks: the arguments that decide the result, with the target by its fingerprints (the same
+        model under another path is the same target; another model under the same path is not)."""
+        record = {k: v for k, v in self.record().items() if k != "checkpoint_every"}  # how often changes no result
+        return {**record, "target": _target_identity(self.target)}
+
+    def resume_data_record(self) -> dict[str, object]:
+        return {**self.data_record(), "target": _target_identity(self.target)}
+
+
+def _target_identity(target: Path) -> str:
+    return f"model {model_fingerprint(target)}, vocabulary {vocab_fingerprint(target)}"
 
 
 _DATA_SLOTS = 64  # sequences the target answers at once while it makes the data
@@ -106,6 +122,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true",
                         help="continue from OUT/training/checkpoint.pt and reuse OUT/training/data.pt (made with the same arguments)")
     parser.add_argument("--num-threads", type=int, default=d.num_threads, help="torch threads (0: torch's default)")
+    parser.add_argument("--device", default=None,
+                        help="where the target makes the data and the head trains: cpu, or cuda[:N] (default: cuda when "
+                             "there is a GPU, else cpu)")
 
 
 def check_arguments(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> DistillArgs:
@@ -116,9 +135,33 @@ def check_arguments(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> 
         parser.error("--text-tokens, --self-prompts, --feature-noise and --cls-weight must be >= 0 and --lr > 0")
     if not (ns.target / "config.json").exists():
         parser.error(f"--target {ns.target}: no config.json there")
-    if problem := unsupported_target(ModelConfig.from_folder(ns.target)):
+    config = ModelConfig.from_folder(ns.target)
+    if problem := unsupported_target(config):
         parser.error(f"--target {ns.target}: {problem}")
+    if ns.out.resolve() == ns.target.resolve():
+        parser.error("--out must not be --target: the draft's files would replace the target's")
+    longest = _max_len(config) - 1 - _MIN_PROMPT_TOKENS
+    if ns.max_new_tokens > longest:
+        parser.error(f"--max-new-tokens {ns.max_new_tokens}: at most {longest} with this target (its "
+                     f"{_max_len(config)} positions hold the request too)")
+    try:
+        training_prompts(ns.num_prompts, ns.seed)
+    except ValueError as error:
+        parser.error(f"--num-prompts {ns.num_prompts}: {error}")
+    if ns.num_threads < 0:
+        parser.error(f"--num-threads must be at least 0, got {ns.num_threads}")
+    ns.device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not (ns.device == "cpu" or (ns.device.startswith("cuda") and torch.cuda.is_available())):
+        parser.error(f"--device {ns.device}: expected cpu, or cuda[:N] on a machine with a GPU")
     return DistillArgs(**{k: v for k, v in vars(ns).items() if k in DistillArgs.__dataclass_fields__})  # type: ignore[arg-type]
+
+
+_MIN_PROMPT_TOKENS = 64  # a request keeps at least this much room beside the longest answer
+
+
+def _max_len(config: ModelConfig) -> int:
+    """The longest sequence the target makes data with."""
+    return min(config.max_position_embeddings, 1024)
 
 
 def run(args: DistillArgs, log: Callable[[str], None] = print, stop_after: int | None = None) -> dict[str, float]:
@@ -130,6 +173,8 @@ def run(args: DistillArgs, log: Callable[[str], None] = print, stop_after: int |
         torch.set_num_threads(args.num_threads)
     torch.manual_seed(args.seed)
     (args.out / "training").mkdir(parents=True, exist_ok=True)
+    checkpoint = args.out / "training" / "checkpoint.pt"
+    state = _resume_state(args, checkpoint) if args.resume else None  # checked before hours of data making
     started = time.monotonic()
     sequences = _data(args, log)
     data_s = time.monotonic() - started
@@ -139,16 +184,14 @@ def run(args: DistillArgs, log: Callable[[str], None] = print, stop_after: int |
     head = EagleHead(config, tensors["model.embed_tokens.weight"], vocab)
     head.init_layer_from(tensors, config.num_layers - 1, tensors["model.norm.weight"])
     del tensors
+    device = torch.device(args.device)
+    head.to(device)
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    checkpoint = args.out / "training" / "checkpoint.pt"
     step, history = 0, []
     train, held = _split(sequences)
     rng = random.Random(args.seed)
-    if args.resume and checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False)
-        if state["arguments"] != args.record():
-            raise ResumeMismatch(f"{checkpoint} was made with other arguments: {state['arguments']}")
+    if state is not None:
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
         step, history = state["step"], state["history"]
@@ -174,13 +217,14 @@ def run(args: DistillArgs, log: Callable[[str], None] = print, stop_after: int |
         bar.set_postfix(reg=f"{losses[0]:.3f}", cls=f"{losses[1]:.3f}", top1=f"{losses[2]:.2f}")
         if step % args.checkpoint_every == 0 or step == args.steps or step == stop_after:
             _save_checkpoint(checkpoint, {"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                                          "history": history, "arguments": args.record(),
+                                          "history": history, "arguments": args.resume_record(),
                                           "torch_rng": torch.get_rng_state(), "sampler": rng.getstate()})
         if step == stop_after:
             bar.close()
             return {}
     bar.close()
     figures = _figures(head, held, history)
+    head.cpu()
     figures["data_minutes"] = round(data_s / 60, 1)
     figures["total_minutes"] = round((time.monotonic() - started) / 60, 1)
     phrases = phrase_store(sequences)
@@ -191,6 +235,27 @@ def run(args: DistillArgs, log: Callable[[str], None] = print, stop_after: int |
     return figures
 
 
+def _resume_state(args: DistillArgs, checkpoint: Path) -> dict[str, Any] | None:
+    """The checkpoint to go on from (None: there is none yet); ResumeMismatch if it was made otherwise."""
+    if not checkpoint.exists():
+        return None
+    try:
+        state: dict[str, Any] = torch.load(checkpoint, weights_only=False, map_location=args.device)
+    except Exception as error:  # noqa: BLE001 - a truncated or foreign file: say which, not a pickle trace
+        raise ResumeMismatch(f"{checkpoint} cannot be read ({type(error).__name__}: {error}); delete it to start over") from error
+    _check_same(checkpoint, state.get("arguments"), args.resume_record())
+    return state
+
+
+def _check_same(path: Path, recorded: object, wanted: dict[str, object]) -> None:
+    if recorded == wanted:
+        return
+    given = recorded if isinstance(recorded, dict) else {}
+    differ = [f"{k}: {given.get(k)!r} there, {wanted.get(k)!r} now" for k in sorted(set(given) | set(wanted))
+              if given.get(k) != wanted.get(k)]
+    raise ResumeMismatch(f"{path} was made with other arguments ({'; '.join(differ)}); run with them, or delete it to start over")
+
+
 def phrase_store(sequences: list[Sequence]) -> PhraseStore:
     """The sequences the target answered (request and answer: its own words or its template's), not the read text."""
     return PhraseStore.from_sequences([s.tokens for s in sequences if s.first_generated < len(s.tokens)])
@@ -199,14 +264,16 @@ def phrase_store(sequences: list[Sequence]) -> PhraseStore:
 def _data(args: DistillArgs, log: Callable[[str], None]) -> list[Sequence]:
     path = args.out / "training" / "data.pt"
     if args.resume and path.exists():
-        saved = torch.load(path, weights_only=False)
-        if saved["arguments"] != args.data_record():
-            raise ResumeMismatch(f"{path} was made with other arguments: {saved['arguments']}")
+        try:
+            saved = torch.load(path, weights_only=False)
+        except Exception as error:  # noqa: BLE001 - a truncated or foreign file: say which, not a pickle trace
+            raise ResumeMismatch(f"{path} cannot be read ({type(error).__name__}: {error}); delete it to make the data again") from error
+        _check_same(path, saved.get("arguments"), args.resume_data_record())
         return [Sequence(**s) for s in saved["sequences"]]
     config = ModelConfig.from_folder(args.target)
     tokenizer = Tokenizer.load(args.target)
-    max_len = min(config.max_position_embeddings, 1024)
-    engine = ModelEngine(args.target, config, device="cpu", dtype=args.dtype, num_slots=_DATA_SLOTS, max_len=max_len)
+    max_len = _max_len(config)
+    engine = ModelEngine(args.target, config, device=args.device, dtype=args.dtype, num_slots=_DATA_SLOTS, max_len=max_len)
     engine.load()
     engine.allocate()
     stop_ids = set(tokenizer.eos_token_ids)
@@ -221,9 +288,9 @@ def _data(args: DistillArgs, log: Callable[[str], None]) -> list[Sequence]:
     sequences = generate(engine, prompts, args.max_new_tokens, stop_ids, lambda: bar.update(1))
     sequences += read_text(engine, text, lambda: bar.update(1))
     bar.close()
-    torch.save({"arguments": args.data_record(),
-                "sequences": [{"tokens": s.tokens, "features": s.features, "first_generated": s.first_generated} for s in sequences]},
-               path)
+    _save_checkpoint(path, {"arguments": args.resume_data_record(),  # ~1.4 GB: written whole or not at all
+                            "sequences": [{"tokens": s.tokens, "features": s.features, "first_generated": s.first_generated}
+                                          for s in sequences]})
     log(f"target data: {len(sequences)} sequences, {sum(len(s.tokens) for s in sequences)} tokens")
     return sequences
 
@@ -289,17 +356,19 @@ def _losses(head: EagleHead, batch: list[Sequence], noise: float, unroll: int = 
     step d-1 predicted for f_j: the input a chained draft token sees.
     """
     feats, tokens, targets, mask = _pad(batch)
-    if noise > 0 and head.training:
+    if noise > 0 and head.training:  # drawn on the CPU whatever the device: one random stream, the same resumed
         scale = feats.pow(2).mean(-1, keepdim=True).sqrt()
         feats = feats + torch.randn_like(feats) * scale * noise
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    device = head.fc.device
+    feats, tokens, targets, mask = feats.to(device), tokens.to(device), targets.to(device), mask.to(device)
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
         teacher = head.draft_logits(targets).float()[mask]
     p = teacher.softmax(-1)
     regs, clss = [], []
     acc = torch.tensor(0.0)
     inputs = feats
     for depth in range(unroll):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             predicted = head(inputs, tokens)
             student = head.draft_logits(predicted).float()[mask]
         predicted = predicted.float()

@@ -6,6 +6,7 @@ import argparse
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 from common import logs
@@ -61,7 +62,8 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051, help="the gRPC port")
     parser.add_argument("--http-port", type=int, default=8000, help="the OpenAI-compatible HTTP port")
-    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="tokens per sequence at most (default: 2048, or the model's positions when fewer)")
     parser.add_argument("--num-kv-slots", type=int, default=64, help="sequences each worker holds at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--draft", default=None, type=_draft_choice,
@@ -105,7 +107,7 @@ def _default_draft(model: Path) -> str:
 
     try:
         check_target(default_draft_dir(), model)
-    except DraftMismatch:
+    except (DraftMismatch, OSError):  # another model, or an install without the repository's drafts/ folder
         return "ngram"
     return "default"
 
@@ -133,9 +135,13 @@ def _add_distill_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_distill(args: argparse.Namespace) -> int:
-    from distill.train import check_arguments, run
+    from distill.train import ResumeMismatch, check_arguments, run
 
-    run(check_arguments(args.parser, args))
+    try:
+        run(check_arguments(args.parser, args))
+    except ResumeMismatch as error:
+        print(f"specserve distill --resume: {error}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -160,14 +166,20 @@ def _run_healthcheck(args: argparse.Namespace) -> int:
 
 
 def _run_up(args: argparse.Namespace) -> int:
+    from modeling.config import ModelConfig
     from modeling.model_store import ensure_default_model
 
     logs.configure("supervisor", json_logs=args.log_json or None)
-    if args.num_workers < 1:
-        raise SystemExit("specserve up: --num-workers must be at least 1")
+    if problem := _up_arguments_problem(args):
+        raise SystemExit(f"specserve up: {problem}")
     model = args.model or ensure_default_model()
     if not (model / "config.json").is_file():
         raise SystemExit(f"specserve up: --model {model} has no config.json")
+    positions = ModelConfig.from_folder(model).max_position_embeddings
+    if args.max_model_len is None:
+        args.max_model_len = min(2048, positions)
+    elif args.max_model_len > positions:
+        raise SystemExit(f"specserve up: --max-model-len {args.max_model_len} exceeds the model's {positions} positions")
     if args.draft is None:
         args.draft = _default_draft(model)
     proposer = _draft_proposer(args.draft)
@@ -185,13 +197,23 @@ def _run_up(args: argparse.Namespace) -> int:
         args.spec_disable_batch_threshold = _default_spec_threshold(proposer)
     if ":" in proposer and not (Path(proposer.partition(":")[2]) / "config.json").is_file():
         raise SystemExit(f"specserve up: --draft {args.draft}: {proposer.partition(':')[2]} has no config.json")
+    if problem := _draft_problem(proposer, model):
+        raise SystemExit(f"specserve up: --draft {args.draft}: {problem}")
     device = args.device or _default_device()
+    if problem := _device_problem(device, args.num_workers):
+        raise SystemExit(f"specserve up: --device {device}: {problem}")
     dtype = args.dtype or _default_dtype(device)
     supervisor = Supervisor(_service_specs(args, model, device, dtype), RestartPolicy())
     supervisor.install_signal_handlers()
     supervisor.start()
+    ready_by = time.monotonic() + args.ready_timeout_s
     try:
-        supervisor.watch(until=lambda: _is_serving(args.host, args.port))
+        supervisor.watch(until=lambda: _is_serving(args.host, args.port) or time.monotonic() > ready_by)
+        if not supervisor.stopping and time.monotonic() > ready_by and not _is_serving(args.host, args.port):
+            print(f"specserve up: not serving within {args.ready_timeout_s:g} s (--ready-timeout-s): no target worker "
+                  "became READY; see the services' logs; stopping", file=sys.stderr)
+            supervisor.stop(grace_s=10.0)
+            return 1
         if not supervisor.stopping:
             print(f"specserve ready: gRPC on {args.host}:{args.port}, HTTP on {args.host}:{args.http_port}, model {model.name} ({dtype}, {args.num_workers} worker(s) "
                   f"on {device}), draft {args.draft}", flush=True)
@@ -202,6 +224,59 @@ def _run_up(args: argparse.Namespace) -> int:
         return 1
     supervisor.stop(grace_s=30.0)
     return 0
+
+
+def _up_arguments_problem(args: argparse.Namespace) -> str:
+    """What is wrong with `up`'s own numbers ("" when nothing), found before any process starts."""
+    at_least = {"--num-workers": (args.num_workers, 1), "--max-model-len": (1 if args.max_model_len is None else args.max_model_len, 1),
+                "--num-kv-slots": (args.num_kv_slots, 1), "--max-num-batched-tokens": (args.max_num_batched_tokens, 1),
+                "--spec-draft-token-budget": (args.spec_draft_token_budget, 0), "--ready-timeout-s": (args.ready_timeout_s, 0)}
+    if args.num_speculative_tokens is not None:
+        at_least["--num-speculative-tokens"] = (args.num_speculative_tokens, 0)
+    if args.spec_disable_batch_threshold is not None:
+        at_least["--spec-disable-batch-threshold"] = (args.spec_disable_batch_threshold, 0)
+    for flag, (value, least) in at_least.items():
+        if not value >= least:
+            return f"{flag} must be at least {least}, got {value}"
+    for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
+        if not 1 <= port <= 65535:
+            return f"{flag} must be a port number (1-65535), got {port}"
+    if args.port == args.http_port:
+        return f"--port and --http-port are both {args.port}"
+    return ""
+
+
+def _draft_problem(proposer: str, model: Path) -> str:
+    """Why the draft cannot serve this target ("" when it can): one made for another model is refused here, not after
+    the stack has started and the draft service has failed its start-up five times."""
+    kind, _, path = proposer.partition(":")
+    if kind in DISTILLED_KINDS:
+        from modeling.eagle import DraftMismatch, check_target
+
+        try:
+            check_target(Path(path), model)
+        except DraftMismatch as error:
+            return str(error)
+    if kind == "model":
+        from modeling.config import vocab_fingerprint
+
+        if vocab_fingerprint(Path(path)) != vocab_fingerprint(model):
+            return f"the draft model's vocabulary differs from --model's ({path})"
+    return ""
+
+
+def _device_problem(device: str, num_workers: int) -> str:
+    if device == "cpu":
+        return ""
+    if device != "cuda":
+        return "expected cpu or cuda"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no GPU is visible (CUDA is not available)"
+    if torch.cuda.device_count() < num_workers:
+        return f"{num_workers} workers need {num_workers} GPUs, {torch.cuda.device_count()} are visible"
+    return ""
 
 
 def _service_specs(args: argparse.Namespace, model: Path, device: str, dtype: str) -> list[ServiceSpec]:

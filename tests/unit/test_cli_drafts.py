@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,6 +18,15 @@ def test_the_shipped_draft_is_the_default_only_for_the_model_it_was_trained_for(
     assert _default_draft(default_model_dir) == "default"
     assert _default_draft(tiny_llama_folder) == "ngram"
     assert _draft_proposer("default") == f"phrases:{default_draft_dir()}"
+
+
+def test_an_install_without_the_drafts_folder_falls_back_to_prompt_lookup(
+    default_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import modeling.model_store
+
+    monkeypatch.setattr(modeling.model_store, "default_draft_dir", lambda: tmp_path / "not-installed")
+    assert _default_draft(default_model_dir) == "ngram"
 
 
 def test_lookups_speculate_in_larger_steps_than_drafts_that_run_a_model() -> None:
@@ -76,6 +87,55 @@ def test_token_trees_are_on_unless_turned_off_and_only_phrases_take_the_switch(
     args = _build_parser().parse_args(["up", "--model", str(tiny_llama_folder), "--draft", "ngram", "--no-token-trees"])
     with pytest.raises(SystemExit, match="--no-token-trees goes with --draft default or phrases:PATH"):
         _run_up(args)
+
+
+@pytest.mark.parametrize("flags, problem", [
+    (["--num-speculative-tokens", "-1"], "--num-speculative-tokens must be at least 0"),
+    (["--max-model-len", "0"], "--max-model-len must be at least 1"),
+    (["--max-model-len", "100000"], "exceeds the model's 128 positions"),
+    (["--num-kv-slots", "0"], "--num-kv-slots must be at least 1"),
+    (["--spec-draft-token-budget", "-3"], "--spec-draft-token-budget must be at least 0"),
+    (["--num-workers", "0"], "--num-workers must be at least 1"),
+    (["--port", "8000", "--http-port", "8000"], "--port and --http-port are both 8000"),
+    (["--port", "0"], "--port must be a port number"),
+    (["--device", "tpu"], "--device tpu: expected cpu or cuda"),
+    (["--draft", "default"], "was trained for a target with another vocabulary"),  # the shipped draft is the default model's
+])
+def test_up_refuses_what_cannot_work_before_any_process_starts(tiny_llama_folder: Path, flags: list[str], problem: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import specserve.cli
+
+    monkeypatch.setattr(specserve.cli, "Supervisor", None)  # starting anything would fail loudly
+    args = _build_parser().parse_args(["up", "--model", str(tiny_llama_folder), *flags])
+    with pytest.raises(SystemExit, match=problem.replace("+", "\\+")):
+        specserve.cli._run_up(args)
+
+
+def test_up_gives_up_when_nothing_serves_within_the_ready_timeout(tiny_llama_folder: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    import specserve.cli
+
+    stopped: list[float] = []
+
+    class NeverReady:  # a stack whose target never becomes READY
+        stopping = False
+
+        def __init__(self, specs: object, policy: object) -> None: ...
+        def install_signal_handlers(self) -> None: ...
+        def start(self) -> None: ...
+
+        def watch(self, until: Any = None, poll_s: float = 0.2) -> None:
+            while until is not None and not until():
+                time.sleep(0.01)
+
+        def stop(self, grace_s: float) -> None:
+            stopped.append(grace_s)
+
+    monkeypatch.setattr(specserve.cli, "Supervisor", NeverReady)
+    monkeypatch.setattr(specserve.cli, "_is_serving", lambda host, port: False)
+    args = _build_parser().parse_args(["up", "--model", str(tiny_llama_folder), "--draft", "ngram", "--ready-timeout-s", "0.2"])
+    assert specserve.cli._run_up(args) == 1
+    assert stopped and "not serving within 0.2 s (--ready-timeout-s)" in capsys.readouterr().err
 
 
 def test_the_draft_service_checks_its_proposer_arguments() -> None:

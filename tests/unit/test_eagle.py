@@ -182,8 +182,42 @@ def test_a_short_distillation_lowers_the_loss_and_writes_a_draft_the_proposer_se
     resumed = run(DistillArgs(**{**interrupted.__dict__, "resume": True}), log=lambda line: None)
     for name in ("train_cls_last", "held_out_reg", "held_out_cls", "held_out_top1"):
         assert resumed[name] == pytest.approx(figures[name], abs=1e-3), name
-    with pytest.raises(ResumeMismatch):
+    with pytest.raises(ResumeMismatch, match="lr: 0.003 there, 0.01 now"):  # names what differs
         run(DistillArgs(**{**interrupted.__dict__, "resume": True, "lr": 1e-2}), log=lambda line: None)
+    # The target is known by its fingerprints, not its path; how often checkpoints are written changes no result.
+    moved = tmp_path / "moved-target"
+    shutil.copytree(tiny_llama_folder, moved)
+    again = run(DistillArgs(**{**interrupted.__dict__, "resume": True, "target": moved, "checkpoint_every": 7}),
+                log=lambda line: None)
+    assert again["held_out_top1"] == pytest.approx(figures["held_out_top1"], abs=1e-3)
+    (interrupted.out / "training" / "checkpoint.pt").write_bytes(b"half a file")  # a crash while it was written
+    with pytest.raises(ResumeMismatch, match="cannot be read"):
+        run(DistillArgs(**{**interrupted.__dict__, "resume": True}), log=lambda line: None)
+
+
+def test_distill_refuses_arguments_that_cannot_work_before_any_work(tiny_target_with_tokenizer: Path, tmp_path: Path) -> None:
+    from specserve.cli import _build_parser
+    from distill.train import check_arguments
+
+    parser = _build_parser()
+    target = str(tiny_target_with_tokenizer)
+
+    def refused(*extra: str) -> str:
+        ns = parser.parse_args(["distill", "--target", target, "--out", str(tmp_path / "out"), *extra])
+        with pytest.raises(SystemExit):
+            check_arguments(parser, ns)
+        return ns.target
+
+    refused("--max-new-tokens", "100")  # the tiny target has 128 positions: no room left for the request
+    refused("--num-prompts", "100000")
+    refused("--device", "tpu")
+    refused("--num-threads", "-1")
+    ns = parser.parse_args(["distill", "--target", target, "--out", target])
+    with pytest.raises(SystemExit):
+        check_arguments(parser, ns)  # the draft's files would replace the target's
+    ok = check_arguments(parser, parser.parse_args(["distill", "--target", target, "--out", str(tmp_path / "out"),
+                                                    "--max-new-tokens", "32"]))
+    assert ok.device == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_the_target_writes_requests_reproducibly_up_to_a_stop_id_or_the_length(tiny_llama_folder: Path) -> None:
