@@ -126,7 +126,7 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
         num_held: dict[str, int] = {}
         for seq in request.seqs:
             update = self._sequences.update(seq) if self._consistent(seq) else None
-            if update is None or update.restarted:
+            if update is None or update.restarted or not update.token_ids:  # nothing to continue: start over
                 self._sequences.forget(seq.request_id)
                 self._proposer.forget(seq.request_id)
                 self.log.warning("propose.sequence_restarted", request_id=seq.request_id, expected=seq.num_held)
@@ -161,5 +161,7 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
         """A sequence this service can take as given; any other starts over (the scheduler then resends it whole)."""
         vocab = self._proposer.vocab_size if self._proposer else 0
         if seq.num_tokens < 1 or seq.num_held < 0 or seq.num_drop < 0:
+            return False
+        if seq.features is not None and seq.features.start_position < 0:
             return False
         return not (vocab and any(not 0 <= t < vocab for t in seq.new_token_ids))

@@ -80,6 +80,10 @@ def test_a_draft_model_service_starts_in_phases_refuses_early_work_and_proposes(
         assert answer.propose_id == 6  # type: ignore[attr-defined]
         assert [(p.num_held, len(p.token_ids)) for p in answer.proposals] == [(len(prompt), 3), (0, 0)]  # type: ignore[attr-defined]
 
+        # An empty sequence (nothing held, nothing new) has nothing to continue: it starts over, the service lives on.
+        scheduler.send(m.ProposeRequest(9, hello.incarnation, [m.ProposeSeq("empty", 0, 0, [], 3, GREEDY)]))
+        assert scheduler.receive(m.ProposeResult).proposals[0] == m.Proposal("empty", 0, [])  # type: ignore[attr-defined]
+
         scheduler.send(m.ReleaseSequences(hello.incarnation, ["r"]))
         scheduler.send(m.Drain(hello.incarnation))
         assert draft.wait(30) == EXIT_DISMISSED
