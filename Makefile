@@ -11,8 +11,10 @@ BENCH_ARGS ?=
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
-	# Pinned: on a machine without a GPU this takes the CPU wheel, never a multi-GB CUDA build.
+	# A venv whose ensurepip failed (python3-venv missing) has a python but no pip: made again, not reused.
+	test -x $(VENV)/bin/pip || python3 -m venv --clear $(VENV)
+	# Pinned: on this kind of machine the version resolves to the CPU wheel on disk, never a multi-GB CUDA
+	# build (elsewhere, add --index-url https://download.pytorch.org/whl/cpu for a CPU-only machine).
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
 	$(PY) -m modeling.model_store > /dev/null
@@ -20,6 +22,9 @@ $(STAMP): pyproject.toml
 	command -v docker-compose > /dev/null || { apt-get update -qq && apt-get install -y -qq docker-compose > /dev/null; }
 	# A C++ compiler for the model's CPU kernels (modeling/csrc; Debian's g++).
 	command -v g++ > /dev/null || { apt-get update -qq && apt-get install -y -qq g++ > /dev/null; }
+	# ... and the Python headers they include (Debian's python3-dev, for a system Python without them).
+	$(PY) -c "import os, sysconfig; raise SystemExit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" \
+		|| { apt-get update -qq && apt-get install -y -qq python3-dev > /dev/null; }
 	touch $(STAMP)
 
 model: setup

@@ -78,6 +78,12 @@ def _load() -> ModuleType | KernelUnavailable:
         build_dir.mkdir(parents=True, exist_ok=True)
         from torch.utils.cpp_extension import load
 
+        # torch runs `ninja` from PATH; the project's own (a dependency) sits beside this Python, which a venv used
+        # without being activated (`make`, `.venv/bin/specserve`) does not put on PATH.
+        scripts = os.path.dirname(sys.executable)
+        if scripts not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+
         # One process builds at a time. torch's own lock is a file that a process killed
         # mid-build leaves behind, and every later load would wait on it for ever; this
         # lock goes with its process, and whoever holds it may clear torch's.
