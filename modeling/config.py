@@ -76,15 +76,23 @@ class ModelConfig:
 def model_fingerprint(folder: Path) -> str:
     """A short hash that tells two model folders apart without reading all of their weights.
 
-    Covers config.json, every safetensors header (names, dtypes, shapes, offsets) and a
-    few sampled 64 KiB pieces of each weight file.
+    Covers config.json, every safetensors header (names, dtypes, shapes, offsets), the
+    first and last few KiB of every tensor (so a fine-tune that changed only some
+    layers, a merged LoRA on the attention say, is another model) and a few sampled
+    64 KiB pieces of each weight file.
     """
     digest = hashlib.sha256((folder / "config.json").read_bytes())
     for path in sorted(folder.glob("*.safetensors")):
         size = path.stat().st_size
         with path.open("rb") as f:
             header_len = int.from_bytes(f.read(8), "little")
-            digest.update(f.read(header_len))
+            header = f.read(header_len)
+            digest.update(header)
+            spans = sorted(tuple(entry["data_offsets"]) for name, entry in json.loads(header).items() if name != "__metadata__")
+            for start, end in spans:
+                for offset in sorted({start, max(start, end - _TENSOR_SAMPLE_BYTES)}):
+                    f.seek(8 + header_len + offset)
+                    digest.update(f.read(min(_TENSOR_SAMPLE_BYTES, end - offset)))
             for fraction in (0.1, 0.5, 0.9):
                 f.seek(int(size * fraction))
                 digest.update(f.read(_SAMPLE_BYTES))
@@ -92,6 +100,7 @@ def model_fingerprint(folder: Path) -> str:
 
 
 _SAMPLE_BYTES = 64 * 1024
+_TENSOR_SAMPLE_BYTES = 4 * 1024
 
 
 def vocab_fingerprint(folder: Path) -> str:

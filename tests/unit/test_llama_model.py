@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -236,3 +237,29 @@ def test_native_verify_rows_equal_the_decode_steps_they_stand_for(dtype: torch.d
         for depth, token in enumerate(branch):
             row = _step(model, decoded, [SeqSpan(1, prompt_len + 1 + depth, [token], 1)])[0]
         assert torch.equal(row, tree_rows[1 + node]), f"tree node {node} differs from the decode step of its branch"
+
+
+def test_the_model_fingerprint_tells_apart_a_model_changed_in_one_tensor_only(tiny_llama_folder: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from modeling.config import model_fingerprint
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_llama_folder, copy)
+    assert model_fingerprint(copy) == model_fingerprint(tiny_llama_folder)  # where a model lies does not matter
+    (weights,) = copy.glob("*.safetensors")
+    # An attention weight none of the file's sampled 64 KiB pieces (at 10, 50 and 90% of it) touches, changed as a
+    # merged LoRA would change it.
+    size = weights.stat().st_size
+    header_len = int.from_bytes(weights.read_bytes()[:8], "little")
+    header = json.loads(weights.read_bytes()[8 : 8 + header_len])
+    sampled = [(int(size * f), int(size * f) + 64 * 1024) for f in (0.1, 0.5, 0.9)]
+    name = next(n for n, entry in sorted(header.items()) if "_proj" in n and all(
+        8 + header_len + entry["data_offsets"][1] <= lo or 8 + header_len + entry["data_offsets"][0] >= hi for lo, hi in sampled))
+    start, end = header[name]["data_offsets"]
+    with weights.open("r+b") as f:  # the header stays as it is: only the weight's values change
+        f.seek(8 + header_len + start)
+        values = torch.frombuffer(bytearray(f.read(end - start)), dtype=torch.float32) + 0.01
+        f.seek(8 + header_len + start)
+        f.write(values.numpy().tobytes())
+    assert model_fingerprint(copy) != model_fingerprint(tiny_llama_folder)
