@@ -516,18 +516,32 @@ def listening_port(process: subprocess.Popen[str]) -> int:
     raise AssertionError(f"the gateway exited without listening (status {process.wait()})")
 
 
+@asynccontextmanager
+async def gateway_process(tokenizer: Tokenizer, model_dir: Path) -> AsyncIterator[tuple[asyncio.subprocess.Process, FakeScheduler, int, int]]:
+    """`python -m gateway` (grace 20 s) before a fake scheduler that streams " ok" 100 times, about 1 s: the process,
+    the scheduler, and the gRPC and HTTP ports."""
+    scheduler = FakeScheduler(text_script(tokenizer, " ok" * 100), delay_s=0.01)
+    scheduler_task = asyncio.create_task(scheduler.run())
+    command = gateway_command(model_dir, scheduler.address, "--shutdown-grace-s", "20")
+    process = await asyncio.create_subprocess_exec(*command, cwd=REPO_ROOT, stderr=subprocess.PIPE)
+    assert process.stderr is not None
+    try:
+        port, http_port = await async_listening_ports(process.stderr)
+        yield process, scheduler, port, http_port
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        scheduler_task.cancel()
+        scheduler.close()
+
+
 @pytest.mark.parametrize("num_signals", [1, 2])
 def test_sigterm_drains_streams_in_flight_and_a_second_one_stops_at_once(
     run: Any, tokenizer: Tokenizer, default_model_dir: Path, num_signals: int
 ) -> None:
     async def scenario() -> None:
-        scheduler = FakeScheduler(text_script(tokenizer, " ok" * 100), delay_s=0.01)  # about 1 s of stream
-        scheduler_task = asyncio.create_task(scheduler.run())
-        command = gateway_command(default_model_dir, scheduler.address, "--shutdown-grace-s", "20")
-        process = await asyncio.create_subprocess_exec(*command, cwd=REPO_ROOT, stderr=subprocess.PIPE)
-        assert process.stderr is not None
-        try:
-            port = await async_listening_port(process.stderr)
+        async with gateway_process(tokenizer, default_model_dir) as (process, scheduler, port, _):
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = pb_grpc.SpecServeStub(channel)
                 call = stub.Generate(pb.GenerateRequest(prompt="x", request_id="in-flight"))
@@ -547,12 +561,6 @@ def test_sigterm_drains_streams_in_flight_and_a_second_one_stops_at_once(
                     assert "".join(r.text for r in responses) == " ok" * 100
                     assert responses[-1].finish_reason == pb.FINISH_REASON_STOP
             assert await asyncio.wait_for(process.wait(), timeout=15) == 0
-        finally:
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
-            scheduler_task.cancel()
-            scheduler.close()
 
     run(scenario())
 
@@ -561,13 +569,7 @@ def test_sigterm_lets_http_requests_in_flight_finish_too(run: Any, tokenizer: To
     import aiohttp
 
     async def scenario() -> None:
-        scheduler = FakeScheduler(text_script(tokenizer, " ok" * 100), delay_s=0.01)  # about 1 s of stream
-        scheduler_task = asyncio.create_task(scheduler.run())
-        command = gateway_command(default_model_dir, scheduler.address, "--shutdown-grace-s", "20")
-        process = await asyncio.create_subprocess_exec(*command, cwd=REPO_ROOT, stderr=subprocess.PIPE)
-        assert process.stderr is not None
-        try:
-            _, http_port = await async_listening_ports(process.stderr)
+        async with gateway_process(tokenizer, default_model_dir) as (process, _, _, http_port):
             body = {"prompt": "x", "max_tokens": 200, "stream": True}
             async with aiohttp.ClientSession() as session, \
                     session.post(f"http://127.0.0.1:{http_port}/v1/completions", json=body) as response:
@@ -582,12 +584,6 @@ def test_sigterm_lets_http_requests_in_flight_finish_too(run: Any, tokenizer: To
             assert "".join(c["choices"][0]["text"] for c in chunks) == " ok" * 100
             assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
             assert await asyncio.wait_for(process.wait(), timeout=15) == 0
-        finally:
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
-            scheduler_task.cancel()
-            scheduler.close()
 
     run(scenario())
 
@@ -598,13 +594,6 @@ async def async_listening_ports(stderr: asyncio.StreamReader) -> tuple[int, int]
         if line.startswith("{") and json.loads(line)["event"] == "gateway.listening":
             event = json.loads(line)
             return int(event["port"]), int(event["http_port"])
-    raise AssertionError("the gateway exited without listening")
-
-
-async def async_listening_port(stderr: asyncio.StreamReader) -> int:
-    while line := (await stderr.readline()).decode():
-        if line.startswith("{") and json.loads(line)["event"] == "gateway.listening":
-            return int(json.loads(line)["port"])
     raise AssertionError("the gateway exited without listening")
 
 
