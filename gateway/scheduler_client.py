@@ -194,8 +194,11 @@ class SchedulerClient:
                 self._connected.set()
                 self._log.info("scheduler.connected", address=self.address, num_connects=num_connects)
                 if num_connects > 1:  # the first hello went out with connect()
-                    await self._send_hello()
-                    await self._resume_streams()
+                    try:
+                        await self._send_hello()
+                        await self._resume_streams()
+                    except SchedulerUnavailable as error:  # the streams left find out through their liveness checks
+                        self._log.error("scheduler.reconnect_incomplete", error=error.message)
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self._connected.clear()
                 self._log.warning("scheduler.disconnected", address=self.address)
@@ -213,8 +216,12 @@ class SchedulerClient:
             abort, submit = resumption
             del self._streams[old_id]
             self._streams[stream.scheduler_id] = stream
-            await self.send(abort)
-            await self.send(submit)
+            try:
+                await self.send(abort)
+                await self.send(submit)
+            except SchedulerUnavailable as error:  # it cannot go on: its client is told, never left waiting
+                stream.deliver(messages.RequestError(stream.scheduler_id, "UNAVAILABLE", error.message))
+                continue
             resumed += 1
         if resumed:
             self._log.warning("scheduler.requests_resumed", num_requests=resumed,

@@ -465,6 +465,34 @@ def test_a_request_in_flight_goes_on_from_its_tokens_when_the_scheduler_comes_ba
     run(scenario())
 
 
+def test_a_request_that_cannot_be_resumed_fails_unavailable_instead_of_waiting(run: Any) -> None:
+    from gateway.errors import SchedulerUnavailable
+
+    async def scenario() -> None:
+        client = SchedulerClient("tcp://127.0.0.1:1", "gw-test", reply_timeout_s=0.1)
+        sent: list[m.GatewayToScheduler] = []
+
+        async def send(message: m.GatewayToScheduler) -> None:
+            sent.append(message)
+
+        client.send = send  # type: ignore[method-assign]
+        async with client.open_request("r1") as stream:
+            await stream.submit(m.SubmitRequest("r1", [1, 2, 3], 8, m.SamplingParams(), []))
+            stream.deliver(m.TokenDelta("r1", [7], None, 3, 1))
+
+            async def unavailable(message: m.GatewayToScheduler) -> None:
+                raise SchedulerUnavailable("the scheduler's socket stayed full")
+
+            client.send = unavailable  # type: ignore[method-assign]
+            await client._resume_streams()  # the connection came back, but nothing can be sent
+            assert (await stream.next()).token_ids == [7]  # type: ignore[union-attr]
+            failure = await stream.next()
+            assert isinstance(failure, m.RequestError) and failure.request_id == "r1" and failure.code == "UNAVAILABLE"
+            client.send = send  # type: ignore[method-assign]
+
+    run(scenario())
+
+
 # ---------------------------------------------------------------- the process: python -m gateway
 
 
