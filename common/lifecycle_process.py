@@ -256,9 +256,7 @@ class LifecycleProcess(abc.ABC, Generic[T]):
         one would never know it, and nothing it holds is wanted any more). End now, for a fresh start to register."""
         self.log.error("process.scheduler_lost", address=self._scheduler_address, exit_status=EXIT_DISMISSED,
                        note="the connection to the scheduler dropped; exiting so that a fresh start registers anew")
-        if self._status_file is not None:
-            write_status_file(self._status_file, State.FAILED)
-        os._exit(EXIT_DISMISSED)
+        self._end_now(EXIT_DISMISSED)
 
     def _give_up(self, socket: zmq.Socket[bytes], what: str, _: float, limit: str) -> None:
         """The watchdog: a phase or step ran past its deadline; report it and end the process now."""
@@ -268,10 +266,14 @@ class LifecycleProcess(abc.ABC, Generic[T]):
             worker_id=self.process_id, incarnation=self.incarnation, phase=self._lifecycle.state,
             error_type="DeadlineExceeded", message=message,
         )))
+        time.sleep(0.3)  # let ZeroMQ's I/O thread put the report on the wire; exiting skips the usual flush
+        self._end_now(1)
+
+    def _end_now(self, status: int) -> None:
+        """End the process at once, from any thread, its status file saying FAILED."""
         if self._status_file is not None:
             write_status_file(self._status_file, State.FAILED)
-        time.sleep(0.3)  # let ZeroMQ's I/O thread put the report on the wire; exiting skips the usual flush
-        os._exit(1)
+        os._exit(status)
 
     def _install_signal_handlers(self) -> None:
         def on_signal(signum: int, frame: types.FrameType | None) -> None:

@@ -24,9 +24,9 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -189,6 +189,7 @@ def run(args: DistillArgs, log: Callable[[str], None] = print, stop_after: int |
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     step, history = 0, []
+    resume_record = args.resume_record()  # the target's fingerprints read once, not at every checkpoint
     train, held = _split(sequences)
     rng = random.Random(args.seed)
     if state is not None:
@@ -217,7 +218,7 @@ def run(args: DistillArgs, log: Callable[[str], None] = print, stop_after: int |
         bar.set_postfix(reg=f"{losses[0]:.3f}", cls=f"{losses[1]:.3f}", top1=f"{losses[2]:.2f}")
         if step % args.checkpoint_every == 0 or step == args.steps or step == stop_after:
             _save_checkpoint(checkpoint, {"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                                          "history": history, "arguments": args.resume_record(),
+                                          "history": history, "arguments": resume_record,
                                           "torch_rng": torch.get_rng_state(), "sampler": rng.getstate()})
         if step == stop_after:
             bar.close()
@@ -237,23 +238,24 @@ def run(args: DistillArgs, log: Callable[[str], None] = print, stop_after: int |
 
 def _resume_state(args: DistillArgs, checkpoint: Path) -> dict[str, Any] | None:
     """The checkpoint to go on from (None: there is none yet); ResumeMismatch if it was made otherwise."""
-    if not checkpoint.exists():
-        return None
+    return _load_saved(checkpoint, args.resume_record(), args.device) if checkpoint.exists() else None
+
+
+def _load_saved(path: Path, wanted: dict[str, object], map_location: str = "cpu") -> dict[str, Any]:
+    """What --resume reuses (data or a checkpoint); ResumeMismatch, naming each difference, unless it can be read and
+    was made with the `wanted` arguments."""
     try:
-        state: dict[str, Any] = torch.load(checkpoint, weights_only=False, map_location=args.device)
+        saved: dict[str, Any] = torch.load(path, weights_only=False, map_location=map_location)
     except Exception as error:  # noqa: BLE001 - a truncated or foreign file: say which, not a pickle trace
-        raise ResumeMismatch(f"{checkpoint} cannot be read ({type(error).__name__}: {error}); delete it to start over") from error
-    _check_same(checkpoint, state.get("arguments"), args.resume_record())
-    return state
-
-
-def _check_same(path: Path, recorded: object, wanted: dict[str, object]) -> None:
-    if recorded == wanted:
-        return
-    given = recorded if isinstance(recorded, dict) else {}
-    differ = [f"{k}: {given.get(k)!r} there, {wanted.get(k)!r} now" for k in sorted(set(given) | set(wanted))
-              if given.get(k) != wanted.get(k)]
-    raise ResumeMismatch(f"{path} was made with other arguments ({'; '.join(differ)}); run with them, or delete it to start over")
+        raise ResumeMismatch(f"{path} cannot be read ({type(error).__name__}: {error}); delete it to start over") from error
+    recorded = saved.get("arguments")
+    if recorded != wanted:
+        given = recorded if isinstance(recorded, dict) else {}
+        differ = [f"{k}: {given.get(k)!r} there, {wanted.get(k)!r} now" for k in sorted(set(given) | set(wanted))
+                  if given.get(k) != wanted.get(k)]
+        raise ResumeMismatch(f"{path} was made with other arguments ({'; '.join(differ)}); run with them, or delete it "
+                             "to start over")
+    return saved
 
 
 def phrase_store(sequences: list[Sequence]) -> PhraseStore:
@@ -264,12 +266,7 @@ def phrase_store(sequences: list[Sequence]) -> PhraseStore:
 def _data(args: DistillArgs, log: Callable[[str], None]) -> list[Sequence]:
     path = args.out / "training" / "data.pt"
     if args.resume and path.exists():
-        try:
-            saved = torch.load(path, weights_only=False)
-        except Exception as error:  # noqa: BLE001 - a truncated or foreign file: say which, not a pickle trace
-            raise ResumeMismatch(f"{path} cannot be read ({type(error).__name__}: {error}); delete it to make the data again") from error
-        _check_same(path, saved.get("arguments"), args.resume_data_record())
-        return [Sequence(**s) for s in saved["sequences"]]
+        return [Sequence(**s) for s in _load_saved(path, args.resume_data_record())["sequences"]]
     config = ModelConfig.from_folder(args.target)
     tokenizer = Tokenizer.load(args.target)
     max_len = _max_len(config)

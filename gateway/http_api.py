@@ -128,8 +128,7 @@ class HttpApi:
         if isinstance(prompt, str):
             message.prompt = prompt
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if not all(0 <= t <= _INT32_MAX for t in prompt):
-                bad = next(t for t in prompt if not 0 <= t <= _INT32_MAX)
+            if (bad := next((t for t in prompt if not 0 <= t <= _INT32_MAX), None)) is not None:
                 raise ApiError(400, f"prompt: token id {bad} is outside the vocabulary", "prompt")
             message.token_ids.ids.extend(prompt)
         else:
@@ -170,12 +169,12 @@ class HttpApi:
         if model is not None and model != self._model_name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self._model_name!r}", "model",
                            "model_not_found")
-        _sampling_params(body, message, chat=chat)
+        max_tokens_as = _sampling_params(body, message, chat=chat)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             submission = validate(message, request_id=request_id, vocab_size=self._generation.tokenizer.vocab_size)
         except InvalidArgument as error:  # named as the client named it, not as the gRPC message does
-            field = _client_field(error.field, max_tokens_as=_max_tokens_field(body, chat=chat)[0], chat=chat)
+            field = _client_field(error.field, max_tokens_as=max_tokens_as, chat=chat)
             raise ApiError(400, error.message.replace(error.field, field, 1), field) from error
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
@@ -312,8 +311,9 @@ def _client_field(field: str, *, max_tokens_as: str, chat: bool) -> str:
     return max_tokens_as if field == "max_tokens" else field
 
 
-def _sampling_params(body: dict[str, Any], message: pb.GenerateRequest, *, chat: bool) -> None:
-    """Copy OpenAI's parameters into the gRPC message (types and ranges checked here, values by `validate`)."""
+def _sampling_params(body: dict[str, Any], message: pb.GenerateRequest, *, chat: bool) -> str:
+    """Copy OpenAI's parameters into the gRPC message (types and ranges checked here, values by `validate`); -> the
+    field the client gave the completion's length in."""
     params = message.params
     for name, harmless in UNSUPPORTED.items():
         value = body.get(name)
@@ -354,3 +354,4 @@ def _sampling_params(body: dict[str, Any], message: pb.GenerateRequest, *, chat:
         raise ApiError(400, "logprobs are not supported", "logprobs")
     if body.get("ignore_eos") is True:  # an extension, as in vLLM
         params.ignore_eos = True
+    return max_name
