@@ -22,11 +22,6 @@ from modeling.trees import is_chain, tree_depths
 
 # Sequences with at most this many new tokens share one padded attention call.
 MAX_SHARED_QUERY_TOKENS = 16
-# With the CPU attention kernel, a span goes to it while its (query, key) pairs are at
-# most this many: the kernel has no per-call overhead but does fewer FLOP/s than a batched
-# matmul, so a 128-token prompt is faster in it (measured: a 4 x 128 prefill step's
-# attention ~50 -> ~10 ms) and a 512-token chunk late in a long prompt is not.
-MAX_KERNEL_ATTENTION_PAIRS = 32768
 
 
 @dataclass(frozen=True)
@@ -65,11 +60,9 @@ class StepBatch:
     slots: torch.Tensor  # [N] slot of each token
     logit_rows: torch.Tensor  # [M] packed rows whose logits are returned, in span order
     groups: list[AttentionGroup]
-    # With `rows_in_kernel`, the short spans are not planned as a group: their rows go to
-    # the CPU attention kernel, which reads each row's slot alone. Either every row does,
-    # or those in `kernel_rows` (packed row indices) do.
+    # With `rows_in_kernel`, nothing is planned as a group: every row goes to the CPU
+    # attention kernel, which reads each row's slot alone.
     all_rows_in_kernel: bool = False
-    kernel_rows: torch.Tensor | None = None
     # With a token tree in the step (else all three are `positions` and None): where each
     # token's keys and values are stored in its slot, the last of the contiguous cache
     # positions 0 .. it attends to, and [N, E] the further positions it attends to (a
@@ -101,14 +94,7 @@ def build_step_batch(spans: list[SeqSpan], device: torch.device, *, rows_in_kern
         rows.add(span)
         slots.extend([span.slot] * n)
         logit_rows.extend(range(len(token_ids) - span.num_logits, len(token_ids)))
-    attends_with_others = [_in_kernel(s) if rows_in_kernel else len(s.token_ids) <= MAX_SHARED_QUERY_TOKENS for s in spans]
-    shared = [i for i, together in enumerate(attends_with_others) if together]
-    alone = [[i] for i, together in enumerate(attends_with_others) if not together]
-    planned = alone if rows_in_kernel else ([shared] if shared else []) + alone
-    groups = [_plan_group([spans[i] for i in g], [offsets[i] for i in g], rows, len(token_ids), device) for g in planned]
-    kernel_rows = None
-    if rows_in_kernel and shared and alone:
-        kernel_rows = _ids([offsets[i] + t for i in shared for t in range(len(spans[i].token_ids))], device)
+    groups = [] if rows_in_kernel else _plan_groups(spans, offsets, rows, len(token_ids), device)
 
     cache_positions = attend_ends = extra = None
     if rows.extra:
@@ -119,7 +105,7 @@ def build_step_batch(spans: list[SeqSpan], device: torch.device, *, rows_in_kern
             extra[row, : len(keys)] = torch.tensor(keys)
         extra = extra.to(device)
     return StepBatch(_ids(token_ids, device), _ids(rows.positions, device), _ids(slots, device), _ids(logit_rows, device),
-                     groups, all_rows_in_kernel=rows_in_kernel and not alone, kernel_rows=kernel_rows,
+                     groups, all_rows_in_kernel=rows_in_kernel,
                      cache_positions=cache_positions, attend_ends=attend_ends, extra=extra)
 
 
@@ -154,20 +140,13 @@ class _Rows:
             self.attend_ends.append(root)
 
 
-def _in_kernel(span: SeqSpan) -> bool:
-    """Whether the CPU attention kernel attends this span's rows.
-
-    Decode and verify spans (every row asks for logits) always go to it, at any length
-    and position: a verify row must be computed like the decode step it stands for.
-    """
-    n = len(span.token_ids)
-    return n <= MAX_SHARED_QUERY_TOKENS or span.num_logits == n or _attention_pairs(span) <= MAX_KERNEL_ATTENTION_PAIRS
-
-
-def _attention_pairs(span: SeqSpan) -> int:
-    """(query, key) pairs of a span's causal attention: each new token sees every position up to its own."""
-    n = len(span.token_ids)
-    return n * span.start + n * (n + 1) // 2
+def _plan_groups(spans: list[SeqSpan], offsets: list[int], rows: _Rows, num_tokens: int,
+                 device: torch.device) -> list[AttentionGroup]:
+    """Short spans attend together, each long one (a prefill chunk) alone."""
+    shared = [i for i, span in enumerate(spans) if len(span.token_ids) <= MAX_SHARED_QUERY_TOKENS]
+    alone = [[i] for i, span in enumerate(spans) if len(span.token_ids) > MAX_SHARED_QUERY_TOKENS]
+    planned = ([shared] if shared else []) + alone
+    return [_plan_group([spans[i] for i in g], [offsets[i] for i in g], rows, num_tokens, device) for g in planned]
 
 
 def _plan_group(spans: list[SeqSpan], offsets: list[int], rows: _Rows, num_tokens: int,

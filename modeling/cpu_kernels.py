@@ -1,98 +1,87 @@
-"""Prepacked oneDNN weights for the linear layers on CPU: the same products, faster matrix-vector kernels.
+"""The native CPU kernels applied to a built model: packed linear weights, fused norms, RoPE and attention.
 
-Applied to a built model (the model file stays plain): each projection weight is
-reordered once into oneDNN's blocked layout, and the model's `linear` becomes oneDNN's
-linear on those weights. Measured here in bfloat16 it cuts a batch-1 decode's matmul
-time by ~30%, with bit-identical outputs. In float32 it replaces MKL, whose products of
-2 to 7 rows (a verify step) take 2-3x as long as one row; oneDNN's take about as long.
+Applied to a built model (the model file stays plain): each projection weight and the
+LM head are packed once into the column panels of the native linear kernel
+(csrc/linear.cpp), and the model's `linear` becomes that kernel. Its rows, like those
+of the other native ops, are computed exactly as they would be alone, whatever else is
+in the step: the property greedy speculation and concurrency-independent output rest on
+(modeling/invariance.py checks it at start-up).
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
+import torch.nn.functional as F
 
-from modeling.native import KernelUnavailable, native_ops
 from modeling.llama import LlamaModel
+from modeling.native import KernelUnavailable, native_ops
 
-# The batch size oneDNN tunes the packed layout for; the packed weights serve every size
-# (and one row runs as two where needed, see OneDnnLinear).
-_PACK_BATCH_HINT = 2
-
-
-def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
-    """bf16 or fp32 on a CPU whose torch build has oneDNN and these (private) ops; else the plain path is used."""
-    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32) or not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        torch.ops.mkldnn._reorder_linear_weight  # noqa: B018 - probing for the op
-        torch.ops.mkldnn._linear_pointwise  # noqa: B018
-    except (AttributeError, RuntimeError):
-        return False
-    return True
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def attach_native_ops(model: LlamaModel, dtype: torch.dtype, device: torch.device) -> str:
-    """Give a CPU float32 or bfloat16 model the native kernels (modeling/native.py).
+    """Give a CPU float32 or bfloat16 model the native kernels, its linear weights packed for them.
 
     Returns which ops the model runs on, and why, for the owner's log.
     """
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return f"torch (no native ops for {dtype} on {device.type})"
     try:
-        model.native = native_ops()
+        ops = native_ops()
     except KernelUnavailable as exc:
         return f"torch ({exc})"
-    return "native"
-
-
-def prepack_linears(model: LlamaModel) -> None:
-    """Reorder every projection weight (and a separate LM-head copy) into oneDNN's layout."""
+    linear = PackedLinear(ops)
     with torch.no_grad():
         for layer in model.layers:
-            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-                setattr(layer, name, prepack_weight(getattr(layer, name)))
+            for name in PROJECTIONS:
+                setattr(layer, name, linear.pack(getattr(layer, name)))
         # The embedding lookup needs the plain table, so the LM head gets its own packed copy.
-        model.lm_head = prepack_weight(model.lm_head)
-        weights = [model.lm_head, *(getattr(layer, name) for layer in model.layers
-                                    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))]
-        shapes = {tuple(w.shape): w for w in weights}
-        model.linear = OneDnnLinear({shape for shape, w in shapes.items() if not _one_row_matches_many(w)})
+        model.lm_head = linear.pack(model.lm_head)
+    model.linear = linear
+    model.native = ops
+    return f"native (linear kernel: {linear.path})"
 
 
-def prepack_weight(weight: torch.Tensor) -> torch.nn.Parameter:
-    return torch.nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT), requires_grad=False)
+class PackedLinear:
+    """y = x @ W^T (+ b) by the native kernel, on weights packed by `pack` (and only those).
 
-
-class OneDnnLinear:
-    """y = x @ W^T (+ b) on prepacked weights, each row computed the same way whatever the number of rows.
-
-    oneDNN runs a single row through a matrix-vector kernel. For some weight shapes (here
-    576 x 1536: long rows) it sums in another order than the matrix kernel, and so rounds
-    some outputs differently: a verify step's rows would then differ from the
-    plain decode steps they stand for, and greedy speculation would not be lossless. For
-    those shapes one row runs as two. Which shapes they are is measured when the weights
-    are packed (`_one_row_matches_many`), since it depends on the oneDNN build and the CPU.
+    `path` names the kernel's instruction set (one of `ops.linear_paths()`); by default the
+    fastest this CPU has, as the kernel found when it loaded.
     """
 
-    def __init__(self, two_row_shapes: set[tuple[int, ...]]) -> None:
-        self.two_row_shapes = frozenset(two_row_shapes)
+    def __init__(self, ops: ModuleType, path: str | None = None) -> None:
+        paths = list(ops.linear_paths())
+        if path is not None and path not in paths:
+            raise ValueError(f"linear kernel path {path!r} is not one of this CPU's {paths}")
+        self._ops = ops
+        self.path = path or paths[0]
+        self._panel = int(ops.linear_panel_width())
+        self._out_features: dict[int, int] = {}  # packed weight's data pointer -> its rows before packing
+
+    def pack(self, weight: torch.Tensor) -> torch.nn.Parameter:
+        """`[N, K]` -> `[ceil(N / P), K, P]`: column panels of P outputs, the last padded with zero rows of W."""
+        num_out, depth = weight.shape
+        padded = F.pad(weight.detach(), (0, 0, 0, -num_out % self._panel))
+        packed = padded.view(-1, self._panel, depth).transpose(1, 2).contiguous()
+        self._out_features[packed.data_ptr()] = num_out
+        return torch.nn.Parameter(packed, requires_grad=False)
+
+    def out_features(self, packed: torch.Tensor) -> int:
+        try:
+            return self._out_features[packed.data_ptr()]
+        except KeyError as exc:
+            raise ValueError("the native linear kernel takes only weights packed by PackedLinear.pack") from exc
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[0] == 1 and tuple(weight.shape) in self.two_row_shapes:
-            doubled = _linear(x.expand(2, -1).contiguous(), weight, bias)
-            return doubled[:1]
-        return _linear(x, weight, bias)
+        out: torch.Tensor = self._ops.linear(x, weight, self.out_features(weight), bias, self.path)
+        return out
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return out
-
-
-def _one_row_matches_many(weight: torch.Tensor, num_rows: int = 64) -> bool:
-    """Whether each of `num_rows` random rows alone gives bit for bit what it gives among all of them."""
-    generator = torch.Generator().manual_seed(0)
-    scale = torch.rand(num_rows, 1, generator=generator) * 3  # rows of different magnitudes, as activations are
-    rows = (torch.randn(num_rows, weight.shape[1], generator=generator) * scale).to(weight.dtype)
-    together = _linear(rows, weight, None)
-    return all(torch.equal(_linear(rows[r : r + 1].clone(), weight, None)[0], together[r]) for r in range(num_rows))
+def packed_for(model: LlamaModel, weight: torch.Tensor) -> torch.Tensor:
+    """A weight of the model's owner (a draft head's input projection) in the form `model.linear` takes."""
+    if isinstance(model.linear, PackedLinear):
+        with torch.no_grad():
+            return model.linear.pack(weight)
+    return weight

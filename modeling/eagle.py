@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 
 from modeling.batch import SeqSpan
 from modeling.config import ModelConfig, model_fingerprint, vocab_fingerprint
-from modeling.cpu_kernels import attach_native_ops, can_prepack, prepack_linears
+from modeling.cpu_kernels import attach_native_ops, packed_for
 from modeling.kv_cache import KVCache
 from modeling.llama import LlamaModel, WeightError, apply_rope, copy_hf_weights, read_safetensors, rms_norm, rope_tables
 
@@ -210,10 +210,8 @@ class EagleEngine:
         # The LM head: the target's (tied) rows for the draft vocabulary only.
         model.lm_head = torch.nn.Parameter(embed[vocab].clone(), requires_grad=False)
         model = model.to(device=self.device, dtype=self.dtype)
-        self._fc = fc.to(device=self.device, dtype=self.dtype)
-        if can_prepack(self.dtype, self.device):
-            prepack_linears(model)
         self.ops = attach_native_ops(model, self.dtype, self.device)
+        self._fc = packed_for(model, fc.to(device=self.device, dtype=self.dtype))
         model.set_rope_cache(self.max_len)
         model.eval()
         self._model, self.draft_vocab = model, vocab.to(self.device)

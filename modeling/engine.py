@@ -1,6 +1,6 @@
 """A model replica with its KV cache, built in phases: what a target worker and a draft model both run.
 
-`ModelEngine` loads the weights (prepacked for oneDNN on CPU in bf16), allocates the
+`ModelEngine` loads the weights (packed for the native kernels on CPU), allocates the
 cache, forwards packed ragged batches, and checks itself: prefilling a prompt at once
 and token by token must give the same next-token logits. Which slot holds what is the
 owner's business (see `SlotTable`).
@@ -14,7 +14,8 @@ import torch
 
 from modeling.batch import SeqSpan
 from modeling.config import ModelConfig
-from modeling.cpu_kernels import attach_native_ops, can_prepack, prepack_linears
+from modeling.cpu_kernels import PackedLinear, attach_native_ops
+from modeling.invariance import linear_rows_problem
 from modeling.kv_cache import KVCache
 from modeling.llama import LlamaModel
 
@@ -42,8 +43,6 @@ class ModelEngine:
         model = LlamaModel(self.config)
         model.load_weights(self._folder)
         model = model.to(device=self.device, dtype=self.dtype)
-        if can_prepack(self.dtype, self.device):
-            prepack_linears(model)
         self.ops = attach_native_ops(model, self.dtype, self.device)
         model.set_rope_cache(self.max_len)
         model.eval()
@@ -79,18 +78,37 @@ class ModelEngine:
             held = store[:, slot]  # [layers, kv heads, max_len, head_dim], a view
             held.index_copy_(2, dst, held.index_select(2, src))  # the sources are read before anything is written
 
-    def self_check(self) -> None:
-        """Uses slot 0, twice (left dirty: the owner's slot table still says it is empty), so one slot is enough."""
+    def self_check(self) -> str | None:
+        """Checks the model on slot 0 (left dirty: the owner's slot table still says it is empty; one slot is enough).
+
+        Raises SelfCheckFailed when the model is broken: non-finite logits, or a prompt
+        prefilled at once and token by token giving logits further apart than rounding.
+        Returns None when its steps are batch invariant (modeling/invariance.py): every
+        linear layer over every row count a step can have, and the whole model, whose
+        prefill rows must then be bit for bit its decode steps'; else why not.
+        """
+        model = self._model
+        if model is None:
+            raise RuntimeError("the engine is not built: load() comes first")
         prompt = [(7 * i + 3) % self.config.vocab_size for i in range(12)]
-        whole = self.forward([SeqSpan(0, 0, prompt, 1)])
-        self.forward([SeqSpan(0, 0, prompt[:4], 0)])
-        for position in range(4, len(prompt)):
-            stepped = self.forward([SeqSpan(0, position, [prompt[position]], 1)])
+        whole = self.forward([SeqSpan(0, 0, prompt, len(prompt))])  # [12, V]
+        stepped = torch.cat([self.forward([SeqSpan(0, position, [prompt[position]], 1)]) for position in range(len(prompt))])
         if not torch.isfinite(whole).all():
             raise SelfCheckFailed("the model produced non-finite logits")
-        # Different batch shapes round differently; a broken cache is off by the logits' own scale.
+        # Different batch shapes may round differently; a broken cache is off by the logits' own scale.
         relative = 1e-4 if self.dtype == torch.float32 else 0.04
         tolerance = relative * float(whole.abs().max())
         gap = float((whole - stepped).abs().max())
         if gap > tolerance:
             raise SelfCheckFailed(f"prefill and step-by-step logits differ by {gap:.4g} (> {tolerance})")
+        pack = model.linear.pack if isinstance(model.linear, PackedLinear) else _unchanged
+        depths = {self.config.hidden_size, self.config.intermediate_size, self.config.num_heads * self.config.head_dim}
+        problem = linear_rows_problem(model.linear, pack, depths, self.dtype, self.device)
+        if problem is None and not torch.equal(whole, stepped):
+            differ = int((whole != stepped).any(dim=-1).nonzero()[0])
+            problem = f"a prompt prefilled at once and token by token gives different logits at position {differ}"
+        return problem
+
+
+def _unchanged(weight: torch.Tensor) -> torch.Tensor:
+    return weight

@@ -156,10 +156,6 @@ class LlamaModel(torch.nn.Module):
         if len(batch.groups) == 1 and batch.groups[0].is_identity:
             return self.linear(self._group_attention(batch.groups[0], masks[0], q, keys, values), layer.o_proj)
         out = torch.empty(n, cfg.num_heads * cfg.head_dim, dtype=h.dtype, device=h.device)  # [N, H*D]
-        if native is not None and batch.kernel_rows is not None:
-            rows = batch.kernel_rows
-            extra = None if batch.extra is None else batch.extra[rows]
-            out[rows] = _native_attend(native, q[rows], keys, values, batch.slots[rows], ends[rows], extra, scale)
         for group, mask in zip(batch.groups, masks):
             out[group.real_rows] = self._group_attention(group, mask, q, keys, values)
         return self.linear(out, layer.o_proj)

@@ -29,8 +29,8 @@ from modeling.model_store import default_cache_dir
 
 SWITCH_ENV = "SPECSERVE_NATIVE_OPS"
 _SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("attention.cpp", "elementwise.cpp", "module.cpp")
-_HEADERS = ("ops.h",)
+_SOURCES = ("attention.cpp", "elementwise.cpp", "linear.cpp", "module.cpp")
+_HEADERS = ("ops.h", "linear_tiles.h")
 
 
 class KernelUnavailable(RuntimeError):

@@ -8,5 +8,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm of each row of x");
   m.def("rope_", &rope_, "rotary embedding of the first num_heads heads of each row, in place");
+  m.def("linear", &linear, "x @ W^T (+ b) on a packed weight, each row computed as it would be alone",
+        py::arg("x"), py::arg("packed"), py::arg("num_out"), py::arg("bias"), py::arg("path") = "");
+  m.def("linear_panel_width", &linear_panel_width, "outputs per column panel of a packed weight");
+  m.def("linear_paths", &linear_paths, "the linear kernel's instruction sets this CPU has, fastest (the default) first");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of each [gate | up] row");
 }

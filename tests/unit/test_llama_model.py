@@ -12,7 +12,8 @@ from modeling.batch import SeqSpan, build_step_batch
 from modeling.config import ModelConfig
 from modeling.kv_cache import KVCache
 from modeling.llama import LlamaModel
-from modeling.native import native_ops
+from modeling.cpu_kernels import attach_native_ops
+from modeling.native import KernelUnavailable
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,7 +35,7 @@ def _ours(folder: Path, num_slots: int = 4, native: str = "torch") -> tuple[Llam
     model.load_weights(folder)
     model.set_rope_cache(128)
     if native != "torch":
-        model.native = native_ops()
+        assert attach_native_ops(model, torch.float32, torch.device("cpu")).startswith("native")
     return model, KVCache(config, num_slots, 128, torch.float32, torch.device("cpu"))
 
 
@@ -44,16 +45,8 @@ def _step(model: LlamaModel, cache: KVCache, spans: list[SeqSpan]) -> torch.Tens
         return model.logits(model(batch, cache)[batch.logit_rows])
 
 
-# Every reference test runs on torch ops alone, with the native kernels (modeling/csrc),
-# and with the kernels taking only short spans, so that a step mixes kernel rows with
-# spans attended alone by batched matmuls (at the default limit every span here is short).
-ops_paths = pytest.mark.parametrize("native", ["torch", "native", "native-mixed"])
-
-
-@pytest.fixture(autouse=True)
-def _kernel_limit(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    if getattr(request.node, "callspec", None) and request.node.callspec.params.get("native") == "native-mixed":
-        monkeypatch.setattr("modeling.batch.MAX_KERNEL_ATTENTION_PAIRS", 20)
+# Every reference test runs on torch ops alone and on the native kernels (modeling/csrc).
+ops_paths = pytest.mark.parametrize("native", ["torch", "native"])
 
 
 @ops_paths
@@ -73,8 +66,6 @@ def test_ragged_chunked_and_decode_steps_match_reference(tiny_folder: Path, nati
     ref_b = _reference_logits(tiny_folder, b)
     # Step 1: a's first chunk (no logits) together with all of b's prompt but its last token.
     step_one = [SeqSpan(0, 0, a[:17], 0), SeqSpan(3, 0, b[:4], 1)]
-    if native == "native-mixed":
-        assert model.plan(step_one).kernel_rows is not None  # b's rows in the kernel, a's chunk alone
     _step(model, cache, step_one)
     # Step 2: a's second chunk and b's next two tokens in one ragged batch.
     out = _step(model, cache, [SeqSpan(0, 17, a[17:19], 2), SeqSpan(3, 4, b[4:6], 2)])
@@ -143,67 +134,26 @@ def test_a_tree_whose_parents_do_not_come_first_is_refused(tiny_folder: Path, pa
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_prepacked_linears_give_the_same_logits(tiny_folder: Path, dtype: torch.dtype) -> None:
-    from modeling.cpu_kernels import can_prepack, prepack_linears
-
-    if not can_prepack(dtype, torch.device("cpu")):
-        pytest.skip("oneDNN is not available in this torch build")
+def test_native_ops_give_the_logits_of_torch_ops(tiny_folder: Path, dtype: torch.dtype) -> None:
     spans = [SeqSpan(0, 0, [5, 17, 3, 88, 42], 2), SeqSpan(1, 0, [9, 9], 1)]
     outputs = []
-    for prepack in (False, True):
+    for native in (False, True):
         model, _ = _ours(tiny_folder)
         model = model.to(dtype)
         model.set_rope_cache(128)
-        if prepack:
-            prepack_linears(model)
+        if native:
+            assert attach_native_ops(model, dtype, torch.device("cpu")).startswith("native")
         cache = KVCache(model.config, 4, 128, dtype, torch.device("cpu"))
         outputs.append(_step(model, cache, spans))
     tolerance = {"atol": 0.05, "rtol": 0.02} if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
     torch.testing.assert_close(outputs[1], outputs[0], **tolerance)
 
 
-def test_prepacked_bfloat16_rows_do_not_depend_on_the_number_of_rows(tiny_folder: Path) -> None:
-    """A decode step (one row) must give exactly what the same row gives in a verify step (several rows).
-
-    With the default model's down projection shape (576 x 1536) oneDNN's one-row kernel
-    rounds some rows differently from its many-row kernel; the model's linear hides that.
-    """
-    from modeling.cpu_kernels import OneDnnLinear, can_prepack, prepack_linears
-
-    if not can_prepack(torch.bfloat16, torch.device("cpu")):
-        pytest.skip("oneDNN is not available in this torch build")
-    generator = torch.Generator().manual_seed(0)
-    model, _ = _ours(tiny_folder)
-    model = model.to(torch.bfloat16)
-    # A weight of that shape in the model, since which shapes need care is measured at packing time.
-    model.layers[0].down_proj = torch.nn.Parameter((torch.randn(576, 1536, generator=generator) * 0.05).to(torch.bfloat16))
-    prepack_linears(model)
-    linear, weight = model.linear, model.layers[0].down_proj
-    assert isinstance(linear, OneDnnLinear)
-    rows = (torch.randn(64, 1536, generator=generator) * torch.rand(64, 1, generator=generator) * 3).to(torch.bfloat16)
-    with torch.inference_mode():
-        together = linear(rows, weight)
-        for size in (1, 2, 3, 7):
-            for start in range(0, 64 - size + 1, size):
-                alone = linear(rows[start : start + size].clone(), weight)
-                assert torch.equal(alone, together[start : start + size]), f"{size} rows from row {start} differ"
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("prompt_len", "num_drafts"), [(40, 5), (2000, 16)])
-def test_native_verify_rows_equal_the_decode_steps_they_stand_for(dtype: torch.dtype, prompt_len: int, num_drafts: int) -> None:
-    """Greedy speculation is lossless only if a verify step's rows are bit for bit the decode steps'.
-
-    A random model with the default model's head shape (head_dim 64, 3 query heads per kv
-    head: the kernels' vectorised path), prepacked linears and the native kernels. The
-    second case is a long verify span far into the context, past the (query, key) pairs
-    up to which a prefill span would go to the kernel.
-    """
-    from modeling.cpu_kernels import can_prepack, prepack_linears
-
-    max_len = 2048
-    config = ModelConfig(vocab_size=300, hidden_size=192, intermediate_size=512, num_layers=2, num_heads=3, num_kv_heads=1,
-                         head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=max_len,
+def _random_model(dtype: torch.dtype, max_len: int, num_layers: int = 2) -> LlamaModel:
+    """The default model's head shape (head_dim 64, 3 query heads per kv head: the kernels' vectorised path), random
+    weights, on the native kernels."""
+    config = ModelConfig(vocab_size=300, hidden_size=192, intermediate_size=512, num_layers=num_layers, num_heads=3,
+                         num_kv_heads=1, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=max_len,
                          tie_word_embeddings=True, attention_bias=False)
     torch.manual_seed(0)
     model = LlamaModel(config)
@@ -212,9 +162,66 @@ def test_native_verify_rows_equal_the_decode_steps_they_stand_for(dtype: torch.d
             param.copy_(torch.randn(param.shape) * 0.2 if param.dim() > 1 else 1 + 0.1 * torch.randn(param.shape))
     model = model.to(dtype)
     model.set_rope_cache(max_len)
-    if can_prepack(dtype, torch.device("cpu")):
-        prepack_linears(model)
-    model.native = native_ops()
+    assert attach_native_ops(model, dtype, torch.device("cpu")).startswith("native")
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_prompt_gives_the_same_bits_however_it_is_chunked_and_batched(dtype: torch.dtype) -> None:
+    """The keys and values a prompt leaves in the cache, and its logits, do not depend on how the scheduler cut it
+    into chunks or what else shared its steps: a request's answer does not depend on the server's load."""
+    model = _random_model(dtype, 512)
+    prompt = [(13 * i + 5) % 300 for i in range(300)]
+    company = [SeqSpan(2, 0, [7] * 40, 1), SeqSpan(3, 0, [8], 1)]
+    chunkings = [[300], [1] * 20 + [280], [128, 100, 72], [299, 1]]
+    logits, caches = [], []
+    for index, chunks in enumerate(chunkings):
+        cache = KVCache(model.config, 4, 512, dtype, torch.device("cpu"))
+        start = 0
+        for size in chunks:
+            span = SeqSpan(1, start, prompt[start : start + size], 1)
+            out = _step(model, cache, [span, *company] if index % 2 else [span])
+            start += size
+        logits.append(out[0])
+        caches.append((cache.keys[:, 1, :, :300].clone(), cache.values[:, 1, :, :300].clone()))
+    for chunks, row, (keys, values) in zip(chunkings[1:], logits[1:], caches[1:]):
+        assert torch.equal(row, logits[0]), f"the logits after chunks {chunks} differ"
+        assert torch.equal(keys, caches[0][0]) and torch.equal(values, caches[0][1]), f"the cache after chunks {chunks} differs"
+
+
+def test_the_engine_reports_whether_its_steps_are_batch_invariant(tiny_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from modeling.engine import ModelEngine
+
+    config = ModelConfig.from_folder(tiny_folder)
+    engine = ModelEngine(tiny_folder, config, device="cpu", dtype="float32", num_slots=1, max_len=64)
+    engine.load()
+    engine.allocate()
+    assert engine.ops.startswith("native") and engine.self_check() is None
+
+    def turned_off() -> None:
+        raise KernelUnavailable("turned off for the test")
+
+    monkeypatch.setattr("modeling.cpu_kernels.native_ops", turned_off)
+    on_torch = ModelEngine(tiny_folder, config, device="cpu", dtype="float32", num_slots=1, max_len=64)
+    on_torch.load()
+    on_torch.allocate()
+    assert on_torch.ops.startswith("torch")
+    problem = on_torch.self_check()
+    assert problem is not None and "differently from the same row alone" in problem
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("prompt_len", "num_drafts"), [(40, 5), (2000, 16)])
+def test_native_verify_rows_equal_the_decode_steps_they_stand_for(dtype: torch.dtype, prompt_len: int, num_drafts: int) -> None:
+    """Greedy speculation is lossless only if a verify step's rows are bit for bit the decode steps'.
+
+    A random model with the default model's head shape (head_dim 64, 3 query heads per kv
+    head: the kernels' vectorised path) on the native kernels. The second case is a long
+    verify span far into the context.
+    """
+    max_len = 2048
+    model = _random_model(dtype, max_len)
+    config = model.config
     prompt = [(11 * i) % 300 for i in range(prompt_len)]
     continuation = [(37 * i + 7) % 300 for i in range(num_drafts + 1)]
     decoded, verified = (KVCache(config, 4, max_len, dtype, torch.device("cpu")) for _ in range(2))

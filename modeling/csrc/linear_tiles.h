@@ -1,0 +1,86 @@
+// The tiles of csrc/linear.cpp for one instruction set, included once per set inside a
+// namespace that first defines: Vec, kLanes, kAccumulators (vector registers the tile
+// may hold as sums), vzero, vbroadcast, vload (float32 and bfloat16) and vfma.
+//
+// Every output element is one chain vfma(x[m, k], w[k, n], sum) over k = 0 .. K-1 from
+// zero; tiles differ only in how many rows and panels they keep in registers.
+
+constexpr int kVecs = kPanel / kLanes;  // vectors per panel
+constexpr int kMaxRows = kAccumulators / kVecs;  // rows of a one-panel tile
+constexpr int kMaxPanels = 8;
+
+// kRows rows of x by kPanels consecutive panels, sums over k in [begin, end) added to `out`
+// ([kRows, kPanels * kPanel], float32), which holds the chains' values after k = begin - 1
+// (zero for begin = 0). Storing and reloading a float32 sum is exact, so splitting K this
+// way keeps each chain as it is.
+template <typename W, int kRows, int kPanels>
+void tile(const float* x, int64_t x_stride, const W* panels, int64_t panel_stride, int64_t begin, int64_t end,
+          float* out) {
+  constexpr int kSums = kRows * kPanels * kVecs;  // sum i: row i / (kPanels * kVecs), vector i % (kPanels * kVecs)
+  constexpr int kRowVecs = kPanels * kVecs;
+  Vec acc[kSums];
+#pragma GCC unroll 32
+  for (int i = 0; i < kSums; ++i) acc[i] = begin == 0 ? vzero() : vload(out + i * kLanes);
+  for (int64_t k = begin; k < end; ++k) {
+    Vec w[kRowVecs];
+#pragma GCC unroll 32
+    for (int j = 0; j < kRowVecs; ++j) w[j] = vload(panels + (j / kVecs) * panel_stride + k * kPanel + (j % kVecs) * kLanes);
+#pragma GCC unroll 32
+    for (int r = 0; r < kRows; ++r) {
+      const Vec a = vbroadcast(x + r * x_stride + k);
+#pragma GCC unroll 32
+      for (int j = 0; j < kRowVecs; ++j) acc[r * kRowVecs + j] = vfma(a, w[j], acc[r * kRowVecs + j]);
+    }
+  }
+#pragma GCC unroll 32
+  for (int i = 0; i < kSums; ++i) vstore(out + i * kLanes, acc[i]);
+}
+
+template <typename W, int kPanels, int kRows = 1>
+void tile_rows(int rows, const float* x, int64_t x_stride, const W* panels, int64_t panel_stride, int64_t begin,
+               int64_t end, float* out) {
+  if constexpr (kRows <= kMaxRows && kRows * kPanels * kVecs <= kAccumulators) {
+    if (rows == kRows) return tile<W, kRows, kPanels>(x, x_stride, panels, panel_stride, begin, end, out);
+    return tile_rows<W, kPanels, kRows + 1>(rows, x, x_stride, panels, panel_stride, begin, end, out);
+  }
+}
+
+template <typename W, int kPanels = 1>
+void tile_any(int rows, int num_panels, const float* x, int64_t x_stride, const W* panels, int64_t panel_stride,
+              int64_t begin, int64_t end, float* out) {
+  if constexpr (kPanels <= kMaxPanels) {
+    if (num_panels == kPanels) return tile_rows<W, kPanels>(rows, x, x_stride, panels, panel_stride, begin, end, out);
+    return tile_any<W, kPanels + 1>(rows, num_panels, x, x_stride, panels, panel_stride, begin, end, out);
+  }
+}
+
+// Panels a tile of `rows` rows holds: few rows leave registers for more panels, whose
+// independent chains hide the FMA latency (a single decode row).
+inline int panels_for(int rows) { return std::max(1, std::min(kMaxPanels, kAccumulators / (rows * kVecs))); }
+
+template <typename T>
+void run(const LinearCall<T>& call) {
+  const int64_t num_panels = (call.num_out + kPanel - 1) / kPanel;
+  const int64_t panel_stride = call.depth * kPanel;
+  const int rows_per_tile = static_cast<int>(std::min<int64_t>(call.num_rows, kMaxRows));
+  const int group = panels_for(rows_per_tile);
+  const int64_t num_groups = (num_panels + group - 1) / group;
+  at::parallel_for(0, num_groups, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> out(static_cast<size_t>(call.num_rows) * group * kPanel);  // [rows, width]
+    for (int64_t g = first; g < last; ++g) {
+      const int64_t first_panel = g * group;
+      const int panels = static_cast<int>(std::min<int64_t>(group, num_panels - first_panel));
+      const int64_t width = static_cast<int64_t>(panels) * kPanel;
+      // K in blocks, each over every row: the block of the panels stays in the nearest cache while the rows pass.
+      for (int64_t begin = 0; begin < call.depth; begin += kDepthBlock) {
+        const int64_t end = std::min(call.depth, begin + kDepthBlock);
+        for (int64_t row = 0; row < call.num_rows; row += rows_per_tile) {
+          const int rows = static_cast<int>(std::min<int64_t>(rows_per_tile, call.num_rows - row));
+          tile_any<T>(rows, panels, call.x + row * call.depth, call.depth, call.packed + first_panel * panel_stride,
+                      panel_stride, begin, end, out.data() + row * width);
+        }
+      }
+      call.store(out.data(), first_panel * kPanel, width);
+    }
+  });
+}

@@ -1,0 +1,128 @@
+"""The native linear kernel (modeling/csrc/linear.cpp) on every instruction set this CPU has: rows that do not depend
+on the step they are in, and the products torch computes.
+
+Which paths run depends on the CPU: each test is parametrised over every path the kernel
+knows and skips, saying so, those this CPU lacks (`portable` runs everywhere).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from modeling.cpu_kernels import PackedLinear
+from modeling.invariance import linear_rows_problem
+from modeling.native import SWITCH_ENV, native_ops
+
+ALL_PATHS = ("avx512f", "avx2", "portable")
+# The default model's weights (qkv, o, gate_up, down, LM head) and odd ones: widths that
+# are not a multiple of any vector, a single output, a single input.
+MODEL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+ODD_SHAPES = [(53, 77), (1, 5), (17, 1), (33, 300)]
+ROW_COUNTS = [*range(1, 65), 97, 130]
+
+
+@pytest.fixture(scope="module")
+def ops():  # type: ignore[no-untyped-def]
+    if os.environ.get(SWITCH_ENV) == "0":
+        pytest.skip(f"{SWITCH_ENV}=0")
+    return native_ops()
+
+
+def _linear(ops, path: str) -> PackedLinear:  # type: ignore[no-untyped-def]
+    if path not in ops.linear_paths():
+        pytest.skip(f"this CPU has no {path} (its paths: {list(ops.linear_paths())})")
+    return PackedLinear(ops, path)
+
+
+def _operands(shape: tuple[int, int], num_rows: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    num_out, depth = shape
+    weight = (torch.randn(num_out, depth, generator=generator) * 0.05).to(dtype)
+    bias = torch.randn(num_out, generator=generator).to(dtype)
+    # Rows of different magnitudes, as activations are.
+    rows = (torch.randn(num_rows, depth, generator=generator) * torch.rand(num_rows, 1, generator=generator) * 3).to(dtype)
+    return weight, bias, rows
+
+
+@pytest.mark.parametrize("path", ALL_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", MODEL_SHAPES + ODD_SHAPES)
+def test_each_row_is_bit_for_bit_the_row_alone(ops, path: str, dtype: torch.dtype, shape: tuple[int, int]) -> None:  # type: ignore[no-untyped-def]
+    linear = _linear(ops, path)
+    large = shape[0] * shape[1] > 10**7
+    counts = [1, 2, 3, 5, 7, 13, 64] if large and path == "portable" else ROW_COUNTS
+    weight, bias, rows = _operands(shape, max(counts) + 3, dtype)
+    packed = linear.pack(weight)
+    alone = torch.cat([linear(rows[r : r + 1], packed, bias) for r in range(rows.shape[0])])
+    for count in counts:
+        for start in sorted({0, 3}):  # the rows at the front of a step and further in
+            together = linear(rows[start : start + count], packed, bias)
+            assert torch.equal(together, alone[start : start + count]), f"{count} rows from row {start} differ from each row alone"
+
+
+@pytest.mark.parametrize("path", ALL_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), *ODD_SHAPES])
+def test_products_match_torch(ops, path: str, dtype: torch.dtype, shape: tuple[int, int]) -> None:  # type: ignore[no-untyped-def]
+    """float32: within float32 rounding of a float64 product; bfloat16: the float64 product rounded once, within one
+    bfloat16 step (the kernel sums in float32 and rounds the result, as torch's bfloat16 matmul does)."""
+    linear = _linear(ops, path)
+    weight, bias, rows = _operands(shape, 9, dtype, seed=1)
+    ours = linear(rows, linear.pack(weight), bias)
+    exact = F.linear(rows.double(), weight.double(), bias.double())
+    assert ours.dtype == dtype and ours.shape == exact.shape
+    if dtype == torch.float32:
+        scale = (rows.double().abs() @ weight.double().abs().T + bias.double().abs()) * shape[1] * 2**-24
+        assert bool(((ours.double() - exact).abs() <= scale + 1e-30).all())
+    else:
+        torch.testing.assert_close(ours.double(), exact.to(torch.bfloat16).double(), rtol=2**-7, atol=1e-3)
+    without_bias = linear(rows, linear.pack(weight))
+    torch.testing.assert_close(without_bias.double(), F.linear(rows.double(), weight.double()), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_path_gives_the_same_bits(ops, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    """A fused multiply-add rounds once whoever computes it, so the paths agree exactly (and a worker's output does
+    not depend on which one its CPU picked)."""
+    weight, bias, rows = _operands((75, 130), 11, dtype, seed=2)
+    outputs = {path: (linear := PackedLinear(ops, path))(rows, linear.pack(weight), bias) for path in ops.linear_paths()}
+    first = next(iter(outputs.values()))
+    assert all(torch.equal(first, out) for out in outputs.values()), list(outputs)
+
+
+def test_the_default_path_is_the_fastest_this_cpu_has(ops) -> None:  # type: ignore[no-untyped-def]
+    paths = list(ops.linear_paths())
+    assert paths[-1] == "portable" and set(paths) <= set(ALL_PATHS)
+    assert PackedLinear(ops).path == paths[0]
+
+
+def test_the_start_up_probe_passes_here_and_catches_a_kernel_that_depends_on_the_rows(ops) -> None:  # type: ignore[no-untyped-def]
+    linear = PackedLinear(ops)
+    assert linear_rows_problem(linear, linear.pack, [576, 1536], torch.bfloat16, torch.device("cpu")) is None
+
+    def batched_differently(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = linear(x, weight, bias)
+        return out + (out * 2**-20 if x.shape[0] >= 8 else 0)  # as a library kernel switching its blocking at 8 rows
+
+    problem = linear_rows_problem(batched_differently, linear.pack, [576], torch.float32, torch.device("cpu"))
+    assert problem is not None and "8-row step" in problem
+
+
+def test_bad_operands_are_refused(ops) -> None:  # type: ignore[no-untyped-def]
+    linear = PackedLinear(ops)
+    weight, bias, rows = _operands((20, 30), 2, torch.float32)
+    packed = linear.pack(weight)
+    with pytest.raises(ValueError, match="packed by PackedLinear.pack"):
+        linear(rows, weight)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        linear(rows.to(torch.bfloat16), packed)
+    with pytest.raises(RuntimeError, match="features"):
+        linear(rows[:, :29], packed)
+    with pytest.raises(RuntimeError, match="bias"):
+        linear(rows, packed, bias[:19])
+    with pytest.raises(ValueError, match="not one of this CPU's"):
+        PackedLinear(ops, "avx1024")
