@@ -91,6 +91,10 @@ class LifecycleProcess(abc.ABC, Generic[T]):
     def num_used_slots(self) -> int:
         """KV slots (or sequences) held now, for heartbeats."""
 
+    def ready_max_draft_tokens(self) -> int | None:
+        """Sent with READY: a lower limit on draft tokens than the hello said, found while starting (None: no change)."""
+        return None
+
     # ------------------------------------------------------------------ shared behaviour
 
     @property
@@ -224,6 +228,7 @@ class LifecycleProcess(abc.ABC, Generic[T]):
         self.send(m.LifecycleReport(
             worker_id=self.process_id, incarnation=self.incarnation, state=new,
             previous_state=old, previous_duration_s=duration_s,
+            max_draft_tokens=self.ready_max_draft_tokens() if new is State.READY else None,
         ))
 
     def _heartbeat_loop(self) -> None:

@@ -43,8 +43,13 @@ class ModelRunner:
     def allocate(self) -> None:
         self._engine.allocate()
 
-    def warm_up(self) -> None:
-        """Forward passes at the largest shapes the scheduler may send (prefill, decode, verify), then the self-check."""
+    def warm_up(self) -> str | None:
+        """Forward passes at the largest shapes the scheduler may send (prefill, decode, verify), then the self-check.
+
+        Returns None when the model's steps are batch invariant, else why not (see
+        ModelEngine.self_check): then a verify row may differ from the decode step it stands
+        for, and the worker must serve without speculation.
+        """
         cfg = self._config
         forward = self._engine.forward
         prompt_len = min(cfg.max_num_batched_tokens, cfg.max_model_len)
@@ -52,7 +57,7 @@ class ModelRunner:
         num_verify = min(cfg.max_draft_tokens + 1, cfg.max_model_len - 1)
         forward([SeqSpan(slot, 0, [0], 1) for slot in range(cfg.num_kv_slots)])
         forward([SeqSpan(slot, 1, [0] * num_verify, num_verify) for slot in range(cfg.num_kv_slots)])
-        self._engine.self_check()
+        return self._engine.self_check()
 
     # ------------------------------------------------------------------ serving
 

@@ -26,6 +26,7 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
                          step_timeout_s=config.step_timeout_s, drain_timeout_s=config.drain_timeout_s)
         self._config = config
         self._runner: ModelRunner | None = None  # set once READY
+        self._max_draft_tokens: int | None = None  # 0 once warming up found its steps not batch invariant
 
     def hello(self) -> m.WorkerHello:
         cfg = self._config
@@ -50,10 +51,17 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
             self.log.info("model.loaded", ops=runner.ops)
 
         def warm_up() -> None:
-            runner.warm_up()
+            problem = runner.warm_up()
+            if problem is not None:
+                self._max_draft_tokens = 0
+                self.log.warning("speculation.off", reason=f"steps are not batch invariant: {problem}",
+                                 note="greedy verification would not be lossless; this worker serves without drafts")
             self._runner = runner
 
         return [(State.LOADING, load), (State.ALLOCATING, runner.allocate), (State.WARMING, warm_up)]
+
+    def ready_max_draft_tokens(self) -> int | None:
+        return self._max_draft_tokens
 
     def num_used_slots(self) -> int:
         runner = self._runner

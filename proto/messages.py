@@ -16,7 +16,7 @@ from typing import Generic, Literal, TypeVar
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 2: target features for draft heads; 3: token trees
+PROTOCOL_VERSION = 4  # 2: target features for draft heads; 3: token trees; 4: a READY report may lower max_draft_tokens
 
 Role = Literal["target", "draft"]
 
@@ -273,6 +273,11 @@ class LifecycleReport(msgspec.Struct, tag="lifecycle", frozen=True, forbid_unkno
     state: str  # the state just entered
     previous_state: str
     previous_duration_s: float  # time spent in previous_state
+    # With READY, a target that found on warming up that it can verify fewer draft tokens
+    # than its hello said: the new limit. 0: its steps are not batch invariant
+    # (modeling/invariance.py), so verification would not be lossless and it serves
+    # without speculation. None: the hello's limit stands.
+    max_draft_tokens: int | None = None
 
 
 class WorkerFailed(msgspec.Struct, tag="failed", frozen=True, forbid_unknown_fields=True):

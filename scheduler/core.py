@@ -182,7 +182,7 @@ class SchedulerCore:
             case m.Heartbeat():
                 worker.num_used_kv_slots = message.num_used_kv_slots
             case m.LifecycleReport():
-                return self._on_lifecycle(worker, message.state, now_s)
+                return self._on_lifecycle(worker, message, now_s)
             case m.WorkerFailed():
                 worker.failure = f"{message.phase}: {message.error_type}: {message.message}"
                 self._lose_worker(worker, State.FAILED, now_s)
@@ -268,10 +268,10 @@ class SchedulerCore:
             return f"the draft reads features of width {hello.feature_width}, the target's are {self._target_feature_width} wide"
         return ""
 
-    def _on_lifecycle(self, worker: WorkerRecord, reported: str, now_s: float) -> bool:
+    def _on_lifecycle(self, worker: WorkerRecord, report: m.LifecycleReport, now_s: float) -> bool:
         """Follow a reported transition; one the table does not allow is dropped as a protocol error."""
         try:
-            state = State(reported)
+            state = State(report.state)
         except ValueError:
             return False
         if state not in TRANSITIONS[worker.state]:
@@ -283,6 +283,10 @@ class SchedulerCore:
             return True
         worker.state = state
         worker.state_since_s = now_s
+        if state is State.READY and worker.is_target and report.max_draft_tokens is not None:
+            worker.max_draft_tokens = max(0, min(worker.max_draft_tokens, report.max_draft_tokens))
+            log.warning("worker.speculation_limited", worker_id=worker.worker_id, max_draft_tokens=worker.max_draft_tokens,
+                        note="0: its steps are not batch invariant, so it serves without speculation (see its log)")
         if state is State.READY and worker.is_target:
             self._no_ready_target_since_s = None
             self._place_waiting()
@@ -410,7 +414,7 @@ class SchedulerCore:
         num_tokens: dict[str, int] = {}
         if draft is not None:
             limits = SpecLimits(
-                num_speculative_tokens=min(cfg.num_speculative_tokens, worker.hello.max_draft_tokens, draft.hello.max_draft_tokens),
+                num_speculative_tokens=min(cfg.num_speculative_tokens, worker.max_draft_tokens, draft.hello.max_draft_tokens),
                 spec_disable_batch_threshold=cfg.spec_disable_batch_threshold,
                 spec_draft_token_budget=cfg.spec_draft_token_budget,
                 max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len,

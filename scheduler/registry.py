@@ -40,6 +40,9 @@ class WorkerRecord:
     awaiting_proposal: int | None = None  # the propose_id its next step waits for
     told_to_stop: bool = False  # a Drain was sent to this incarnation
     num_used_kv_slots: int = 0  # as the worker last reported
+    # A target's longest proposal per step: its hello's, lowered by its READY report (0: it
+    # serves without speculation, its steps not being batch invariant).
+    max_draft_tokens: int = 0
     failure: str = ""
 
     @property
@@ -91,6 +94,7 @@ def new_record(hello: WorkerHello, identity: bytes, now_s: float) -> WorkerRecor
     return WorkerRecord(
         hello=hello, identity=identity, state=State.STARTING, last_seen_s=now_s, state_since_s=now_s,
         free_slots=list(range(hello.num_kv_slots)) if hello.role == "target" else [],  # the draft holds no request
+        max_draft_tokens=hello.max_draft_tokens,
     )
 
 

@@ -166,7 +166,7 @@ def _run_healthcheck(args: argparse.Namespace) -> int:
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    from modeling.config import ModelConfig
+    from modeling.config import ModelConfig, UnsupportedModel
     from modeling.model_store import ensure_default_model
 
     logs.configure("supervisor", json_logs=args.log_json or None)
@@ -175,7 +175,10 @@ def _run_up(args: argparse.Namespace) -> int:
     model = args.model or ensure_default_model()
     if not (model / "config.json").is_file():
         raise SystemExit(f"specserve up: --model {model} has no config.json")
-    positions = ModelConfig.from_folder(model).max_position_embeddings
+    try:
+        positions = ModelConfig.from_folder(model).max_position_embeddings
+    except UnsupportedModel as exc:
+        raise SystemExit(f"specserve up: --model {model}: {exc}") from exc
     if args.max_model_len is None:
         args.max_model_len = min(2048, positions)
     elif args.max_model_len > positions:

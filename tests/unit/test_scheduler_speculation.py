@@ -196,6 +196,25 @@ def test_no_draft_service_means_plain_decoding() -> None:
     assert sim.deltas("a")[-1].num_draft_tokens == 0
 
 
+@pytest.mark.parametrize("ready_limit", [0, 2])
+def test_a_target_that_lowers_its_draft_limit_at_ready_gets_no_more_drafts_than_that(ready_limit: int) -> None:
+    """0: the worker found its steps not batch invariant on warming up, so it decodes plainly."""
+    sim = Sim(num_speculative_tokens=4)
+    worker = sim.worker("w0")
+    assert worker.hello()
+    worker.boot(State.WARMING)
+    assert worker.send(m.LifecycleReport("w0", worker.incarnation, State.READY, State.WARMING, 0.5, max_draft_tokens=ready_limit))
+    worker.state = State.READY
+    draft = sim.draft("d0").start()
+    sim.submit("a", prompt(3), max_tokens=10)
+    draft.script["a"] = prompt(3) + SCRIPT
+    worker.run({"a": SCRIPT}, draft=draft)
+    assert sim.streamed("a") == SCRIPT[:10]
+    drafts = [s.num_draft_tokens for step in worker.all_steps() for s in step.seqs]
+    assert max(drafts) == ready_limit
+    assert (proposes(draft) == []) == (ready_limit == 0)
+
+
 def test_a_draft_lost_while_proposing_lets_the_step_run_plainly_and_a_new_incarnation_starts_from_nothing() -> None:
     sim, worker, draft = setup()
     sim.submit("a", prompt(3), max_tokens=12)
