@@ -7,6 +7,7 @@ an inconsistent step without changing its state.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -65,12 +66,12 @@ def scheduler() -> Iterator[FakeScheduler]:
     fake.close()
 
 
-def _start_worker(model: Path, address: str, tmp_path: Path) -> subprocess.Popen[bytes]:
+def _start_worker(model: Path, address: str, tmp_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     log = (tmp_path / "worker.log").open("wb")
     return subprocess.Popen([sys.executable, "-m", "gpu_worker", "--model", str(model), "--scheduler-address", address,
                              "--dtype", "float32", "--num-kv-slots", "2", "--max-model-len", "256",
                              "--max-num-batched-tokens", "64", "--status-file", str(tmp_path / "status")],
-                            stdout=log, stderr=subprocess.STDOUT)
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
 
 def test_phases_refusal_before_ready_and_steps_after(default_model_dir: Path, scheduler: FakeScheduler, tmp_path: Path) -> None:
@@ -87,6 +88,8 @@ def test_phases_refusal_before_ready_and_steps_after(default_model_dir: Path, sc
             message = scheduler.receive(msgspec.Struct)
             if isinstance(message, m.LifecycleReport):
                 states.append(message.state)
+                # On the native kernels its steps are batch invariant: the hello's draft limit stands.
+                assert message.max_draft_tokens is None or os.environ.get("SPECSERVE_NATIVE_OPS") == "0"
             elif isinstance(message, m.StepRefused):
                 refused = message
             elif isinstance(message, m.StepResult):
@@ -110,6 +113,25 @@ def test_phases_refusal_before_ready_and_steps_after(default_model_dir: Path, sc
         assert scheduler.receive(m.StepResult).step_id == 6  # type: ignore[attr-defined]
 
         scheduler.send(m.Drain(hello.incarnation))  # told to stop without a signal: the scheduler gave up on it
+        assert worker.wait(30) == EXIT_DISMISSED
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+
+
+def test_a_worker_whose_steps_are_not_batch_invariant_says_so_at_ready(default_model_dir: Path, scheduler: FakeScheduler,
+                                                                      tmp_path: Path) -> None:
+    """On torch's library matmuls a verify row may round differently from its decode step: no speculation."""
+    worker = _start_worker(default_model_dir, scheduler.address, tmp_path, env={"SPECSERVE_NATIVE_OPS": "0"})
+    try:
+        hello = scheduler.receive(m.WorkerHello)
+        assert isinstance(hello, m.WorkerHello) and hello.max_draft_tokens > 0
+        while (report := scheduler.receive(m.LifecycleReport)).state != "READY":  # type: ignore[attr-defined]
+            assert report.max_draft_tokens is None  # type: ignore[attr-defined]
+        assert report.max_draft_tokens == 0  # type: ignore[attr-defined]
+        assert "speculation.off" in (tmp_path / "worker.log").read_text()
+        scheduler.send(m.Drain(hello.incarnation))
         assert worker.wait(30) == EXIT_DISMISSED
     finally:
         if worker.poll() is None:
