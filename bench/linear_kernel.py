@@ -1,0 +1,77 @@
+"""The native linear kernel against torch's CPU matmuls, per weight shape of the default model and rows per step.
+
+For float32 the library is oneDNN on weights prepacked for it (what the model ran before
+its linears had to be batch invariant); for bfloat16, oneDNN's packed kernel where this
+CPU takes it, else torch's plain `F.linear`. Best of `--repeats` timings, threads as
+torch has them (`--threads` sets them).
+
+    python -m bench.linear_kernel --rows 1 4 16 64 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from modeling.cpu_kernels import PackedLinear
+from modeling.native import native_ops
+
+# qkv, o, gate_up, down and the LM head of SmolLM2-135M: (out_features, in_features).
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+
+
+def best_ms(work: Callable[[], object], repeats: int) -> float:
+    work()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        work()
+        best = min(best, time.perf_counter() - started)
+    return best * 1e3
+
+
+def library_linear(weight: torch.Tensor) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 2)
+        return "oneDNN packed", lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    except RuntimeError:  # this CPU lacks what oneDNN's packed bf16 path needs
+        return "F.linear", lambda x: F.linear(x, weight)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.linear_kernel", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ops = native_ops()
+    linear = PackedLinear(ops)
+    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+          f"kernel path {linear.path} (this CPU has {list(ops.linear_paths())}), torch {torch.__version__}")
+    print("| dtype | weight | rows | native ms | library | library ms | native / library | native GFLOP/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for dtype in (getattr(torch, name) for name in args.dtype):
+        for num_out, depth in SHAPES:
+            weight = (torch.randn(num_out, depth) * 0.05).to(dtype)
+            packed = linear.pack(weight)
+            name, library = library_linear(weight)
+            for rows in args.rows:
+                x = torch.randn(rows, depth).to(dtype)
+                ours = best_ms(lambda: linear(x, packed), args.repeats)
+                theirs = best_ms(lambda: library(x), args.repeats)
+                print(f"| {str(dtype).removeprefix('torch.')} | {num_out} x {depth} | {rows} | {ours:.3f} | {name} | "
+                      f"{theirs:.3f} | {ours / theirs:.2f} | {2 * rows * num_out * depth / ours / 1e6:.0f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
