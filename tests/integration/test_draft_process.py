@@ -147,7 +147,7 @@ def test_an_eagle_head_service_reads_target_features_and_refuses_another_target(
     other = tmp_path / "other_target"
     shutil.copytree(tiny_llama_folder, other)
     config = json.loads((other / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**config, "rope_theta": 20000.0}))
+    (other / "config.json").write_text(json.dumps({**config, "rope_parameters": {"rope_type": "default", "rope_theta": 20000.0}}))
     refused = _start_draft(f"eagle:{folder}", scheduler.address, tmp_path, "--target-model", str(other))
     try:
         failed = scheduler.receive(m.WorkerFailed)

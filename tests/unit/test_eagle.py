@@ -77,7 +77,8 @@ def _other_target(target: Path, tmp_path: Path) -> Path:
     other = tmp_path / "other_target"
     shutil.copytree(target, other)
     config = json.loads((other / "config.json").read_text())
-    config["rope_theta"] = 20000.0
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 20000.0}  # as transformers 5 writes it
+    config.pop("rope_theta", None)
     (other / "config.json").write_text(json.dumps(config))
     return other
 

@@ -1,0 +1,75 @@
+"""Model folders saved by the installed transformers, through the whole stack: their settings read, not guessed.
+
+A tiny random Llama with a RoPE base of 500,000 (which transformers 5 writes inside
+`rope_parameters`) must decode exactly as transformers does; one whose RoPE scaling this
+server does not implement must be refused before anything starts, naming it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from proto import specserve_pb2 as pb
+from tests.e2e.stack import StackOptions, free_port, running_stack
+
+transformers = pytest.importorskip("transformers")
+
+NUM_TOKENS = 24
+PROMPTS = [[1, 504, 3278, 314, 253, 1345, 28], [17, 17, 17, 4123, 99], list(range(200, 260))]
+
+
+def _tiny_llama(folder: Path, default_model_dir: Path, **settings: object) -> transformers.LlamaForCausalLM:
+    """Random weights, the default model's vocabulary (so the gateway has its tokenizer), saved by transformers."""
+    torch.manual_seed(3)
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                                      tie_word_embeddings=True, **settings)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(default_model_dir / name, folder / name)
+    return model
+
+
+def test_a_model_with_a_large_rope_base_decodes_as_transformers_does(default_model_dir: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "tiny-llama-theta-500k"
+    reference = _tiny_llama(folder, default_model_dir, rope_theta=500000.0)
+    assert '"rope_parameters"' in (folder / "config.json").read_text()
+    expected = []
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=NUM_TOKENS, min_new_tokens=NUM_TOKENS,
+                                     do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+            tokens = out.sequences[0, len(prompt):].tolist()
+            # Cut the comparison at the first near-tie: float32 sums in another order may pick the other token there.
+            for position, scores in enumerate(out.scores):
+                top = torch.topk(scores[0].float(), 2).values
+                if float(top[0] - top[1]) < 1e-4:
+                    tokens = tokens[:position + 1]
+                    break
+            expected.append(tokens)
+    assert sum(len(tokens) for tokens in expected) >= NUM_TOKENS  # the comparison is not empty
+    with running_stack(StackOptions(folder, dtype="float32", num_kv_slots=4), tmp_path / "logs") as stack:
+        for prompt, tokens in zip(PROMPTS, expected):
+            params = pb.SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+            result = stack.generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), params=params))
+            assert result.token_ids[:len(tokens)] == tokens, f"prompt {prompt[:4]}...: ours differ from transformers'"
+
+
+def test_a_rope_scaling_it_does_not_implement_is_refused_before_anything_starts(default_model_dir: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "tiny-llama-llama3-rope"
+    _tiny_llama(folder, default_model_dir, rope_theta=500000.0,
+                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 1024})
+    done = subprocess.run([sys.executable, "-m", "specserve.cli", "up", "--model", str(folder), "--port", str(free_port()),
+                           "--http-port", str(free_port())],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "rope_type 'llama3' is not supported" in done.stderr, done.stderr
+    assert "READY" not in done.stdout + done.stderr
