@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -39,7 +40,10 @@ def bench_once(checkout: Path, draft: str, args: argparse.Namespace, out: Path) 
     if args.dtype:
         command += ["--dtype", args.dtype]
     print(f"[{checkout.name}] {' '.join(command[1:])}", file=sys.stderr, flush=True)
-    subprocess.run(command, cwd=checkout, check=True, stdout=subprocess.DEVNULL)
+    # The checkout first on the path: `specserve up` is the venv's script, whose imports would find the installed
+    # (editable) project otherwise.
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    subprocess.run(command, cwd=checkout, env=env, check=True, stdout=subprocess.DEVNULL)
     report = json.loads(out.read_text())
     return {run["concurrency"]: run["output_tokens_per_s"] for run in report["runs"]}
 

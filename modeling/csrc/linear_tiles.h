@@ -65,9 +65,12 @@ void run(const LinearCall<T>& call) {
   const int rows_per_tile = static_cast<int>(std::min<int64_t>(call.num_rows, kMaxRows));
   const int group = panels_for(rows_per_tile);
   const int64_t num_groups = (num_panels + group - 1) / group;
-  at::parallel_for(0, num_groups, 1, [&](int64_t first, int64_t last) {
+  // Each thread takes the next group of panels as it finishes one, rather than a fixed share: on a
+  // machine where another process holds a core for a while, the other threads do the rest.
+  std::atomic<int64_t> next_group{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_groups), 1, [&](int64_t, int64_t) {
     std::vector<float> out(static_cast<size_t>(call.num_rows) * group * kPanel);  // [rows, width]
-    for (int64_t g = first; g < last; ++g) {
+    for (int64_t g; (g = next_group.fetch_add(1, std::memory_order_relaxed)) < num_groups;) {
       const int64_t first_panel = g * group;
       const int panels = static_cast<int>(std::min<int64_t>(group, num_panels - first_panel));
       const int64_t width = static_cast<int64_t>(panels) * kPanel;
