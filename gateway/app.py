@@ -75,6 +75,7 @@ class Gateway:
                     self._config.scheduler_address,
                     self._config.gateway_id,
                     reply_timeout_s=self._config.scheduler_timeout_s,
+                    restart_window_s=self._config.scheduler_restart_window_s,
                 )
                 resources.callback(scheduler.close)
                 await scheduler.connect()

@@ -19,6 +19,9 @@ class GatewayConfig:
     gateway_id: str
     http_port: int = 8000  # the OpenAI-compatible HTTP API; 0: any free port (logged)
     scheduler_timeout_s: float = 2.0  # an info query unanswered this long means the scheduler is unreachable
+    # A request in flight waits this long for a scheduler that stopped answering to come back (restarted by its
+    # supervisor) and resumes there; only then does it fail UNAVAILABLE.
+    scheduler_restart_window_s: float = 60.0
     health_poll_interval_s: float = 0.5
     shutdown_grace_s: float = 30.0  # streams in flight get this long to finish after the first SIGTERM/SIGINT
 
@@ -35,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-json", action="store_true", help="log JSON lines instead of console text")
     parser.add_argument("--gateway-id", default=None, help="this gateway's name at the scheduler (default: random)")
     parser.add_argument("--scheduler-timeout-s", type=float, default=2.0, help="wait for a scheduler answer")
+    parser.add_argument("--scheduler-restart-window-s", type=float, default=60.0,
+                        help="how long a request in flight waits for a silent scheduler to come back before it fails")
     parser.add_argument("--health-poll-interval-s", type=float, default=0.5, help="how often health asks the scheduler")
     parser.add_argument("--shutdown-grace-s", type=float, default=30.0, help="time streams get to finish on shutdown")
     return parser
@@ -49,7 +54,7 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
     for name in ("port", "http_port"):
         if not 0 <= getattr(args, name) <= 65535:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be in [0, 65535]")
-    for name in ("scheduler_timeout_s", "health_poll_interval_s", "shutdown_grace_s"):
+    for name in ("scheduler_timeout_s", "scheduler_restart_window_s", "health_poll_interval_s", "shutdown_grace_s"):
         if not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')}: must be > 0")
     return GatewayConfig(
@@ -61,6 +66,7 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
         log_json=args.log_json,
         gateway_id=args.gateway_id or f"gateway-{uuid.uuid4().hex[:12]}",
         scheduler_timeout_s=args.scheduler_timeout_s,
+        scheduler_restart_window_s=args.scheduler_restart_window_s,
         health_poll_interval_s=args.health_poll_interval_s,
         shutdown_grace_s=args.shutdown_grace_s,
     )

@@ -45,10 +45,11 @@ class SchedulerClient:
     query waiting for its query_id. A malformed frame is counted, logged (the first of its kind) and dropped.
     """
 
-    def __init__(self, address: str, gateway_id: str, *, reply_timeout_s: float) -> None:
+    def __init__(self, address: str, gateway_id: str, *, reply_timeout_s: float, restart_window_s: float = 60.0) -> None:
         self.address = address
         self.gateway_id = gateway_id
         self.reply_timeout_s = reply_timeout_s  # how long an info query waits; see --scheduler-timeout-s
+        self.restart_window_s = restart_window_s  # how long a request in flight waits for it to come back
         self.protocol_errors = ProtocolErrors("gateway.scheduler")  # malformed frames: counted, first of a kind logged
         self._log = get_logger(component="scheduler_client")
         self.num_dropped_messages = 0
@@ -138,6 +139,23 @@ class SchedulerClient:
         """Return at once if the scheduler spoke lately, else ask it; raises SchedulerUnavailable."""
         if time.monotonic() - self._last_heard_at > self.reply_timeout_s:
             await self.query_info()
+
+    async def wait_reachable(self) -> None:
+        """Like ensure_reachable, but a scheduler that does not answer is asked again, with growing pauses, for up to
+        restart_window_s: a supervisor restarting it takes seconds, and the requests in flight resume on the new one
+        (`_resume_streams`). Raises SchedulerUnavailable once the window has passed."""
+        deadline = time.monotonic() + self.restart_window_s
+        pause_s = 0.25
+        while True:
+            try:
+                await self.ensure_reachable()
+                return
+            except SchedulerUnavailable as error:
+                if time.monotonic() >= deadline:
+                    raise SchedulerUnavailable(f"{error.message}; it did not come back within {self.restart_window_s:g} s "
+                                               "(--scheduler-restart-window-s)") from error
+            await asyncio.sleep(min(pause_s, max(0.0, deadline - time.monotonic())))
+            pause_s = min(2 * pause_s, 2.0)
 
     # ------------------------------------------------------------------ receiving
 
@@ -325,7 +343,7 @@ class RequestStream:
                 async with asyncio.timeout(STREAM_LIVENESS_CHECK_S):
                     message = await self._queue.get()
             except TimeoutError:
-                await self._client.ensure_reachable()
+                await self._client.wait_reachable()
                 continue
             self._state = next_state(message)
             return message

@@ -665,3 +665,31 @@ def test_cli_generate_prints_json_streams_text_and_reports_errors(run: Any, toke
             assert capsys.readouterr().err == "error: INVALID_ARGUMENT: params.top_p: must be in (0, 1], got 0.0\n"
 
     run(scenario())
+
+
+def test_a_request_in_flight_waits_for_a_silent_scheduler_up_to_the_restart_window(run: Any) -> None:
+    """A supervisor restarting the scheduler takes seconds: the streams in flight ask again until the window has passed,
+    and go on as soon as it answers; after the window they fail UNAVAILABLE, naming the setting."""
+    from gateway.errors import SchedulerUnavailable
+
+    async def scenario() -> None:
+        client = SchedulerClient("tcp://127.0.0.1:1", "gw-test", reply_timeout_s=0.05, restart_window_s=1.0)
+        asked: list[float] = []
+        answers_after = 3
+
+        async def query_info() -> m.InfoReply:
+            asked.append(time.monotonic())
+            if len(asked) <= answers_after:
+                raise SchedulerUnavailable("the scheduler at tcp://127.0.0.1:1 did not answer within 0.05 s")
+            return m.InfoReply(1, "model", 2048, 0, 0, [])
+
+        client.query_info = query_info  # type: ignore[method-assign]
+        await client.wait_reachable()  # back after 3 silent tries
+        assert len(asked) == answers_after + 1
+        answers_after = 10**6  # gone for good
+        started = time.monotonic()
+        with pytest.raises(SchedulerUnavailable, match="--scheduler-restart-window-s"):
+            await client.wait_reachable()
+        assert 1.0 <= time.monotonic() - started < 3.0
+
+    run(scenario())
