@@ -22,8 +22,8 @@ from proto import messages as m
 from proto import specserve_pb2 as pb
 from tests.e2e.stack import Stack, StackOptions, running_stack
 
-FAST_FAILURE = ["--heartbeat-timeout-s", "2", "--phase-timeout-s", "4"]
-SMALL_WORKER = ["--phase-timeout-s", "6", "--heartbeat-interval-s", "0.2"]
+FAST_FAILURE = ["--heartbeat-timeout-s", "2", "--phase-timeout-s", "10"]
+SMALL_WORKER = ["--phase-timeout-s", "12", "--heartbeat-interval-s", "0.2"]
 
 
 def prompts(model_dir: Path, n: int) -> list[list[int]]:
