@@ -1,9 +1,18 @@
-"""A one-line file holding a process's lifecycle state, for container health checks."""
+"""A one-line file holding what a process can do now, for container health checks.
+
+A worker or the draft service writes its lifecycle state (proto.lifecycle.State); the
+scheduler, which has no lifecycle, writes LISTENING once its sockets are bound.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+from proto.lifecycle import State
+
+LISTENING = "LISTENING"  # the scheduler's only status
+HEALTHY = frozenset({State.READY.value, LISTENING})  # what a health check accepts: a READY process, a listening scheduler
 
 
 def write_status_file(path: Path, state: str) -> None:

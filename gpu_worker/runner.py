@@ -10,9 +10,9 @@ from modeling.config import ModelConfig
 from modeling.engine import ModelEngine
 from modeling.features import to_rows
 from modeling.kv_cache import SlotError, SlotTable
-from modeling.rejection import sparse_dist_problem, verify, verify_tree_greedy, verify_tree_sampled
-from modeling.sampling import is_greedy
-from modeling.trees import leading_nodes, parents_or_chain, tree_depths
+from modeling.proposals import drafts_problem
+from modeling.rejection import verify, verify_tree_greedy, verify_tree_sampled
+from modeling.trees import leading_nodes, parents_or_chain
 from proto.messages import SeqFeatures, SeqOutput, SeqWork
 
 
@@ -22,7 +22,7 @@ class ModelRunner:
     def __init__(self, config: WorkerConfig, model_config: ModelConfig) -> None:
         self._config = config
         self._model_config = model_config
-        self._engine = ModelEngine(config.model, model_config, device=config.device, dtype=config.dtype,
+        self._engine = ModelEngine(config.model, model_config, device=config.process.device, dtype=config.process.dtype,
                                    num_slots=config.num_kv_slots, max_len=config.max_model_len)
         self._slots = SlotTable(config.num_kv_slots, config.max_model_len)
 
@@ -85,25 +85,25 @@ class ModelRunner:
         for w in seqs:
             num_drafts = w.num_draft_tokens
             num_standing = len(w.token_ids) - num_drafts
-            branch: list[int] | None = None  # a tree's accepted nodes
+            branch: list[int] | None = None  # a tree's accepted nodes, when they are not its first ones
             if w.sample:
                 drafts = w.token_ids[num_standing:]
                 rows = slice(row, row + num_drafts + 1)
                 parents = parents_or_chain(w.draft_parents, num_drafts)
-                if is_greedy(w.sampling):
-                    verdict, branch = verify_tree_greedy(best[rows], drafts, parents)
+                if w.sampling.is_greedy:
+                    verdict, accepted = verify_tree_greedy(best[rows], drafts, parents)
                 elif w.draft_dists is None:  # point masses (lookups): the target's own draws, as plain sampling's
-                    verdict, branch = verify_tree_sampled(logits[rows], drafts, parents, w.sampling,
-                                                          w.start_position + num_standing)
-                else:
+                    verdict, accepted = verify_tree_sampled(logits[rows], drafts, parents, w.sampling,
+                                                            w.start_position + num_standing)
+                else:  # a sampled chain: its first nodes
                     verdict = verify(logits[rows], drafts, w.draft_dists, w.sampling, w.start_position + num_standing)
+                    accepted = list(range(verdict.num_accepted))
                 row += num_drafts + 1
-                outputs.append(SeqOutput(w.request_id, verdict.token_ids, verdict.num_accepted))
-                if branch and leading_nodes(branch) < len(branch):  # the branch's keys and values go where it stands
+                outputs.append(SeqOutput(w.request_id, verdict.token_ids, accepted))
+                if leading_nodes(accepted) < len(accepted):  # the branch's keys and values go where it stands
+                    branch = accepted
                     first = w.start_position + num_standing
                     self._engine.move_positions(w.slot, [first + node for node in branch], first)
-                else:
-                    branch = None  # the accepted nodes are the first ones: nothing moves
                 num_standing += verdict.num_accepted
             # Rejected drafts' keys and values stay behind the slot's length and are overwritten later.
             self._slots.set_length(w.slot, w.start_position + num_standing)
@@ -136,20 +136,6 @@ class ModelRunner:
         if not w.sample or not 0 <= k < len(w.token_ids) or k > self._config.max_draft_tokens:
             raise SlotError(f"request {w.request_id}: {k} draft tokens in a step of {len(w.token_ids)} tokens "
                             f"(sample={w.sample}, --max-draft-tokens {self._config.max_draft_tokens})")
-        if w.draft_parents is not None:
-            if w.draft_dists is not None:
-                raise SlotError(f"request {w.request_id}: a token tree's drafts must be point masses (draft_parents "
-                                f"with draft_dists)")
-            if len(w.draft_parents) != k:
-                raise SlotError(f"request {w.request_id}: {len(w.draft_parents)} draft parents for {k} draft tokens")
-            try:
-                tree_depths(w.draft_parents)
-            except ValueError as exc:
-                raise SlotError(f"request {w.request_id}: {exc}") from None
-        if w.draft_dists is None:
-            return
-        if len(w.draft_dists) != k:
-            raise SlotError(f"request {w.request_id}: {len(w.draft_dists)} draft distributions for {k} draft tokens")
-        for dist in w.draft_dists:
-            if problem := sparse_dist_problem(dist, self._model_config.vocab_size):
-                raise SlotError(f"request {w.request_id}: {problem}")
+        drafts = w.token_ids[len(w.token_ids) - k:]
+        if problem := drafts_problem(drafts, w.draft_parents, w.draft_dists, self._model_config.vocab_size):
+            raise SlotError(f"request {w.request_id}: {problem}")

@@ -32,7 +32,7 @@ MIN_CONTEXT = 1  # the shortest match that proposes anything (unless the caller 
 # tokens proposes at most n. Its guesses are right less often (on chat the first token of
 # a 2-token match 21% of the time, of a 6-token one 56%), but one or two draft tokens cost
 # the verify step little, and without them most chat steps guess nothing at all
-# (docs/benchmarks.md, issue 6, session 7).
+# (docs/benchmarks.md).
 FULL_CONTEXT = 3
 MAX_OCCURRENCES = 64  # continuations a proposal is voted from, spread evenly over all the occurrences
 # For a token tree (`guesses`): how often a guess is the target's next token, per share of

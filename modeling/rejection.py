@@ -21,22 +21,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
-
 import torch
 
-from modeling.sampling import SamplingLike, draw, generator_for, is_greedy, target_probs
+from modeling.proposals import SparseDistLike
+from proto.messages import GREEDY_BELOW
+from modeling.sampling import SamplingLike, draw, generator_for, target_probs
 from modeling.trees import child_holding
 
 # The acceptance test at a position uses its own stream, apart from the token draw there.
 _ACCEPT_STREAM = 0x5DEECE66D
-
-
-class SparseDistLike(Protocol):
-    @property
-    def token_ids(self) -> list[int]: ...
-    @property
-    def probs(self) -> list[float]: ...
 
 
 @dataclass(frozen=True)
@@ -52,16 +45,17 @@ def verify(
     params: SamplingLike,
     first_position: int,
 ) -> Verdict:
-    """Accept a prefix of the draft: logits `[k+1, V]` for k = len(draft_token_ids) (k may be 0).
+    """Accept a prefix of sampled drafts: logits `[k+1, V]` for k = len(draft_token_ids) (k may be 0).
 
     `draft_dists[i]` is the distribution draft token i was sampled from; None means every
-    draft token had probability 1. Ignored for greedy requests.
+    draft token had probability 1. A greedy request's drafts are verified from the
+    target's argmax instead (verify_greedy, verify_tree_greedy).
     """
     k = len(draft_token_ids)
     if logits.shape[0] != k + 1:
         raise ValueError(f"verify needs {k + 1} rows of logits for {k} draft tokens, got {logits.shape[0]}")
-    if is_greedy(params):
-        return verify_greedy(torch.argmax(logits, dim=-1).tolist(), draft_token_ids)
+    if params.temperature < GREEDY_BELOW:
+        raise ValueError(f"verify samples: temperature {params.temperature} is greedy (use verify_greedy)")
     if draft_dists is not None and len(draft_dists) != k:
         raise ValueError(f"{k} draft tokens but {len(draft_dists)} draft distributions")
     p = target_probs(logits, params)  # [k+1, V]
@@ -143,19 +137,3 @@ def _dense(dist: SparseDistLike | None, token: int, vocab_size: int, device: tor
     else:
         q[torch.tensor(dist.token_ids, dtype=torch.long, device=device)] = torch.tensor(dist.probs, dtype=torch.float32, device=device)
     return q
-
-
-def sparse_dist_problem(dist: SparseDistLike, vocab_size: int) -> str:
-    """Why `dist` is not a distribution over the vocabulary ("" when it is); rejection sampling needs a true q."""
-    if len(dist.token_ids) != len(dist.probs) or not dist.token_ids:
-        return f"a distribution has {len(dist.token_ids)} tokens and {len(dist.probs)} probabilities"
-    if len(set(dist.token_ids)) != len(dist.token_ids) or (vocab_size and len(dist.token_ids) > vocab_size):
-        return "a distribution repeats a token"
-    if vocab_size and any(not 0 <= t < vocab_size for t in dist.token_ids):
-        return "a distribution has a token outside the vocabulary"
-    if any(not 0.0 <= q <= 1.0 for q in dist.probs) or abs(sum(dist.probs) - 1.0) > _SUM_TOLERANCE:
-        return "a distribution has a probability outside [0, 1] or does not sum to 1"
-    return ""
-
-
-_SUM_TOLERANCE = 1e-3  # float32 probabilities renormalised by the draft sum to 1 well within this

@@ -11,10 +11,9 @@ from typing import Protocol
 
 import torch
 
+from proto.messages import GREEDY_BELOW
+
 _MASK_64 = (1 << 64) - 1
-# A temperature below this is greedy: dividing logits by it overflows float32 (a softmax of infinities is NaN), and
-# its draws are the argmax anyway.
-GREEDY_BELOW = 1e-5
 TOP_P_CANDIDATES = 256  # top-p looks at this many of the likeliest tokens first
 
 

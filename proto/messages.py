@@ -16,18 +16,31 @@ from typing import Generic, Literal, TypeVar
 
 import msgspec
 
-PROTOCOL_VERSION = 4  # 2: target features for draft heads; 3: token trees; 4: a READY report may lower max_draft_tokens
+from proto.lifecycle import State
+
+# 2: target features for draft heads; 3: token trees; 4: a READY report may lower max_draft_tokens;
+# 5: lifecycle states typed, a step output names the draft nodes it accepted.
+PROTOCOL_VERSION = 5
 
 Role = Literal["target", "draft"]
 
+# A temperature below this is greedy: dividing logits by it overflows float32 (a softmax of
+# infinities is NaN), and its draws are the argmax anyway.
+GREEDY_BELOW = 1e-5
+
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """How to pick the next token. temperature 0 (or below modeling.sampling.GREEDY_BELOW, 1e-5) means greedy."""
+    """How to pick the next token. A temperature below GREEDY_BELOW (0 included) means greedy."""
 
     temperature: float = 0.0
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     top_k: int = 0  # 0 = no top-k cut
     seed: int = 0  # always set: the scheduler draws one when the client gave none
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
 
 
 # ---------------------------------------------------------------- gateway -> scheduler
@@ -99,7 +112,7 @@ class RequestError(msgspec.Struct, tag="request_error", frozen=True, forbid_unkn
 class ProcessInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     process_id: str
     role: Role
-    state: str  # a proto.lifecycle.State value
+    state: State
     incarnation: int
     heartbeat_age_s: float
     num_used_kv_slots: int  # as last reported by the process itself
@@ -270,8 +283,8 @@ class WorkerHello(msgspec.Struct, tag="hello", frozen=True, forbid_unknown_field
 class LifecycleReport(msgspec.Struct, tag="lifecycle", frozen=True, forbid_unknown_fields=True):
     worker_id: str
     incarnation: int
-    state: str  # the state just entered
-    previous_state: str
+    state: State  # the state just entered
+    previous_state: State
     previous_duration_s: float  # time spent in previous_state
     # With READY, a target that found on warming up that it can verify fewer draft tokens
     # than its hello said: the new limit. 0: its steps are not batch invariant
@@ -283,7 +296,7 @@ class LifecycleReport(msgspec.Struct, tag="lifecycle", frozen=True, forbid_unkno
 class WorkerFailed(msgspec.Struct, tag="failed", frozen=True, forbid_unknown_fields=True):
     worker_id: str
     incarnation: int
-    phase: str  # the state it was in when it failed
+    phase: State  # the state it was in when it failed
     error_type: str
     message: str
 
@@ -291,7 +304,7 @@ class WorkerFailed(msgspec.Struct, tag="failed", frozen=True, forbid_unknown_fie
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True, forbid_unknown_fields=True):
     worker_id: str
     incarnation: int
-    state: str
+    state: State
     num_used_kv_slots: int
     num_steps: int
 
@@ -299,7 +312,12 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True, forbid_unknown_fie
 class SeqOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     request_id: str
     token_ids: list[int]  # new tokens in order: accepted drafts, then one sampled token
-    num_accepted_draft: int = 0
+    # The draft nodes accepted, root to leaf: indices into the proposal (a chain's first ones).
+    accepted_nodes: list[int] = []
+
+    @property
+    def num_accepted_draft(self) -> int:
+        return len(self.accepted_nodes)
 
 
 class SeqFeatures(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -320,7 +338,7 @@ class StepRefused(msgspec.Struct, tag="step_refused", frozen=True, forbid_unknow
     worker_id: str
     incarnation: int
     step_id: int
-    state: str
+    state: State
     reason: str
 
 
@@ -346,7 +364,7 @@ class ProposeRefused(msgspec.Struct, tag="propose_refused", frozen=True, forbid_
     worker_id: str
     incarnation: int
     propose_id: int
-    state: str
+    state: State
     reason: str
 
 

@@ -1,16 +1,18 @@
-"""Continuous batching as a pure function: which sequences of a worker run in its next step, and how many tokens each.
+"""Continuous batching: which sequences of a worker run in its next step, how many tokens each, and how many drafts.
 
 One rule covers prefill, chunked prefill and decode: each sequence's computed tokens
 catch up with its tokens. Sequences that only need one token (decode) go first, so a
 long prompt never stalls the running batch; prompts fill the rest of the token budget,
-chunked when they do not fit.
+chunked when they do not fit. The plan is frozen: what the scheduler decided for one
+step, from which the propose request and the step itself are built.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
-from scheduler.request import Request
+from scheduler.requests import Request
 
 
 @dataclass(frozen=True)
@@ -30,16 +32,60 @@ class ScheduledSeq:
         return self.num_tokens == self.request.num_uncomputed_tokens
 
 
-def plan_step(running: list[Request], limits: BatchLimits) -> list[ScheduledSeq]:
+@dataclass(frozen=True)
+class StepPlan:
+    """One step of one worker: its sequences (decodes first), and the draft tokens it waits for."""
+
+    seqs: tuple[ScheduledSeq, ...]
+    # k asked of the draft service per request id; empty: the step runs at once, without proposals.
+    num_draft_tokens: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def waits_for_proposals(self) -> bool:
+        return bool(self.num_draft_tokens)
+
+
+def select_seqs(running: Sequence[Request], limits: BatchLimits) -> list[ScheduledSeq]:
     """`running` in placement order; returns the step's sequences, decodes first."""
     decodes = [r for r in running if r.num_uncomputed_tokens == 1]
     prefills = [r for r in running if r.num_uncomputed_tokens > 1]
-    plan: list[ScheduledSeq] = []
+    seqs: list[ScheduledSeq] = []
     budget = limits.max_num_batched_tokens
     for request in decodes + prefills:
-        if budget == 0 or len(plan) == limits.max_num_seqs:
+        if budget == 0 or len(seqs) == limits.max_num_seqs:
             break
         num_tokens = min(request.num_uncomputed_tokens, budget)
-        plan.append(ScheduledSeq(request, num_tokens))
+        seqs.append(ScheduledSeq(request, num_tokens))
         budget -= num_tokens
-    return plan
+    return seqs
+
+
+def plan_step(running: Sequence[Request], limits: BatchLimits,
+              draft_tokens: Callable[[list[ScheduledSeq]], Mapping[str, int]]) -> StepPlan | None:
+    """The next step of a worker running `running`, or None when none of them needs one.
+
+    `draft_tokens` is the speculation decision for the chosen sequences (k per request id).
+    """
+    seqs = select_seqs(running, limits)
+    if not seqs:
+        return None
+    return StepPlan(tuple(seqs), dict(draft_tokens(seqs)))
+
+
+@dataclass(frozen=True)
+class StepSeq:
+    """One sequence of a step sent to a worker, as the scheduler must remember it until the result comes."""
+
+    request: Request
+    num_tokens: int  # tokens of the sequence itself the step computes (draft tokens not counted)
+    samples: bool
+    draft_token_ids: list[int]  # the proposal it verifies; empty without one
+    draft_generation: int = 0  # the request's DraftView generation when the proposal was made
+    draft_parents: list[int] | None = None  # the proposal's token tree (modeling.trees); None: a chain
+
+
+@dataclass
+class InFlightStep:
+    step_id: int
+    sent_at_s: float
+    seqs: list[StepSeq]  # in step order

@@ -19,7 +19,7 @@ class SchedulerConfig:
     no_worker_timeout_s: float  # a request waiting this long with no READY worker fails UNAVAILABLE
     heartbeat_timeout_s: float  # a worker silent this long is DEAD
     step_timeout_s: float  # a step unanswered this long marks its worker DEAD
-    status_file: Path | None = None  # "READY" once listening, for container health checks
+    status_file: Path | None = None  # LISTENING once its sockets are bound, for container health checks
     num_speculative_tokens: int = 6  # k: draft tokens proposed per sequence and step; 0 turns speculation off
     spec_disable_batch_threshold: int = 16  # speculate only in steps of at most this many sequences
     spec_draft_token_budget: int = 32  # draft tokens one step verifies in all (k per sequence shrinks as steps grow)
@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-worker-timeout-s", type=float, default=30.0)
     parser.add_argument("--heartbeat-timeout-s", type=float, default=5.0)
     parser.add_argument("--step-timeout-s", type=float, default=60.0)
-    parser.add_argument("--status-file", type=Path, default=None, help="write READY here once listening")
+    parser.add_argument("--status-file", type=Path, default=None, help="write LISTENING here once the sockets are bound (for container health checks)")
     parser.add_argument("--num-speculative-tokens", type=int, default=6,
                         help="draft tokens proposed per sequence in a speculative step (0: never speculate)")
     parser.add_argument("--spec-disable-batch-threshold", type=int, default=16,

@@ -14,7 +14,7 @@ import zmq.asyncio
 
 from common.logs import get_logger
 from common.protocol_errors import ProtocolErrors
-from common.status_file import write_status_file
+from common.status_file import LISTENING, write_status_file
 from proto import messages as m
 from scheduler.config import SchedulerConfig
 from scheduler.core import SchedulerCore
@@ -48,7 +48,7 @@ class SchedulerService:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._stop.set)
         if self._config.status_file is not None:
-            write_status_file(self._config.status_file, "READY")
+            write_status_file(self._config.status_file, LISTENING)
         log.info("scheduler.listening", gateway_address=self._config.gateway_address, worker_address=self._config.worker_address)
         try:
             async with asyncio.TaskGroup() as tasks:
@@ -87,7 +87,7 @@ class SchedulerService:
             await self._flush()
 
     async def _flush(self) -> None:
-        outbox, self._core.outbox = self._core.outbox, []
+        outbox = self._core.outbox.take()
         # Workers first: a waiting worker is idle hardware, a waiting gateway is not.
         for item in sorted(outbox, key=lambda o: not o.to_worker):
             sock = self._worker_socket if item.to_worker else self._gateway_socket

@@ -23,7 +23,8 @@ from modeling.trees import child_holding, parents_or_chain
 from proto import messages as m
 from proto.lifecycle import INIT_PHASES, State
 from scheduler.config import SchedulerConfig
-from scheduler.core import Outgoing, SchedulerCore
+from scheduler.core import SchedulerCore
+from scheduler.outbox import Outgoing
 
 GATEWAY = b"gateway-1"
 DEFAULT_TOKEN = 7  # what a fake worker samples when a test does not say
@@ -79,8 +80,7 @@ class Sim:
 
     def collect(self) -> list[Outgoing]:
         """Move what the core put in its outbox into `sent`; returns just those."""
-        new = list(self.core.outbox)
-        self.core.outbox.clear()
+        new = self.core.outbox.take()
         self.sent.extend(new)
         return new
 
@@ -188,7 +188,7 @@ class FakeWorker:
 
     def report(self, state: State) -> bool:
         previous, self.state = self.state, state
-        return self.send(m.LifecycleReport(self.worker_id, self.incarnation, state.value, previous.value, 0.25))
+        return self.send(m.LifecycleReport(self.worker_id, self.incarnation, state, previous, 0.25))
 
     def start(self, until: State = State.READY) -> FakeWorker:
         """Hello, then the lifecycle reports in order up to `until` (STARTING: hello only)."""
@@ -203,15 +203,15 @@ class FakeWorker:
         return self
 
     def heartbeat(self, num_used_kv_slots: int = 0) -> bool:
-        return self.send(m.Heartbeat(self.worker_id, self.incarnation, self.state.value, num_used_kv_slots, len(self.steps)))
+        return self.send(m.Heartbeat(self.worker_id, self.incarnation, self.state, num_used_kv_slots, len(self.steps)))
 
     def fail(self, message: str = "CUDA error: device-side assert") -> bool:
-        return self.send(m.WorkerFailed(self.worker_id, self.incarnation, self.state.value, "RuntimeError", message))
+        return self.send(m.WorkerFailed(self.worker_id, self.incarnation, self.state, "RuntimeError", message))
 
     def refuse_step(self) -> bool:
         step = self.pending_step()
         assert step is not None
-        return self.send(m.StepRefused(self.worker_id, self.incarnation, step.step_id, self.state.value, "not READY"))
+        return self.send(m.StepRefused(self.worker_id, self.incarnation, step.step_id, self.state, "not READY"))
 
     def complete(
         self, tokens: Mapping[str, Sequence[int]] | None = None, *, step: m.StepRequest | None = None,
@@ -233,11 +233,14 @@ class FakeWorker:
                 truth = list(tokens.get(seq.request_id, [])) or [DEFAULT_TOKEN]
                 drafts = seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens:] if seq.num_draft_tokens else []
                 parents = parents_or_chain(seq.draft_parents, len(drafts))
-                accepted = 0  # the branch of the drafts' tree (a chain's first ones) that matches the truth
-                at: int | None = -1
-                while accepted + 1 < len(truth) and (at := child_holding(parents, drafts, at, truth[accepted])) is not None:
-                    accepted += 1
-                outputs.append(m.SeqOutput(seq.request_id, truth[:accepted + 1], num_accepted_draft=accepted))
+                nodes: list[int] = []  # the branch of the drafts' tree (a chain's first ones) that matches the truth
+                while len(nodes) + 1 < len(truth):
+                    node = child_holding(parents, drafts, nodes[-1] if nodes else -1, truth[len(nodes)])
+                    if node is None:
+                        break
+                    nodes.append(node)
+                accepted = len(nodes)
+                outputs.append(m.SeqOutput(seq.request_id, truth[:accepted + 1], nodes))
                 held = self.kv.get(seq.slot, [])  # released (aborted) while the step ran: nothing to cut
                 del held[len(held) - len(drafts):]  # the drafts' KV is cut off, the accepted branch's kept
                 held.extend(truth[:accepted])

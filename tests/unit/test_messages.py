@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proto import messages as m
+from proto.lifecycle import State
 
 SAMPLING = m.SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=2**62 + 5)
 
@@ -26,7 +27,7 @@ SCHEDULER_TO_GATEWAY: list[msgspec.Struct] = [
     m.TokenDeltas([m.TokenDelta("r-1", [13], None, 3, 3), m.TokenDelta("r-3", [7], "stop", 5, 9)]),
     m.RequestError("r-2", "UNAVAILABLE", "no READY worker within 30.0 s (--no-worker-timeout-s)"),
     m.InfoReply(7, "SmolLM2-135M-Instruct", 2048, 1, 2, [
-        m.ProcessInfo("w0", "target", "READY", 3, 0.25, 2, 64, 2, ""),
+        m.ProcessInfo("w0", "target", State.READY, 3, 0.25, 2, 64, 2, ""),
         m.ProcessInfo("w1", "target", "FAILED", 1, 9.5, 0, 64, 0, "LOADING: OSError: no such file"),
     ]),
 ]
@@ -51,17 +52,17 @@ SCHEDULER_TO_DRAFT: list[msgspec.Struct] = [
 ]
 WORKER_TO_SCHEDULER: list[msgspec.Struct] = [
     m.WorkerHello("w0", "target", 2, m.PROTOCOL_VERSION, 4242, "SmolLM2-135M-Instruct", "fp-1", 49152, 2048, 64, "bfloat16", "cuda:0"),
-    m.LifecycleReport("w0", 2, "LOADING", "STARTING", 0.125),
-    m.WorkerFailed("w0", 2, "LOADING", "OSError", "model.safetensors: no such file"),
-    m.Heartbeat("w0", 2, "READY", 3, 118),
-    m.StepResult("w0", 2, 4, [m.SeqOutput("r-1", [42]), m.SeqOutput("r-2", [9, 8, 13], num_accepted_draft=2)], 12.5),
-    m.StepRefused("w0", 2, 4, "WARMING", "not READY"),
+    m.LifecycleReport("w0", 2, State.LOADING, State.STARTING, 0.125),
+    m.WorkerFailed("w0", 2, State.LOADING, "OSError", "model.safetensors: no such file"),
+    m.Heartbeat("w0", 2, State.READY, 3, 118),
+    m.StepResult("w0", 2, 4, [m.SeqOutput("r-1", [42]), m.SeqOutput("r-2", [9, 8, 13], accepted_nodes=[0, 1])], 12.5),
+    m.StepRefused("w0", 2, 4, State.WARMING, "not READY"),
     m.ProposeResult("d0", 9, 3, [
         m.Proposal("r-1", 4, [5, 6, 7, 8]),
         m.Proposal("r-2", 10, [9], [m.SparseDist([9, 3], [0.5, 0.5])]),
         m.Proposal("r-3", 0, []),
     ], 1.5),
-    m.ProposeRefused("d0", 9, 3, "LOADING", "not READY"),
+    m.ProposeRefused("d0", 9, 3, State.LOADING, "not READY"),
 ]
 
 DIRECTIONS = {
@@ -147,6 +148,8 @@ WRONG_SCHEMA = [
     ("worker_to_scheduler", {"type": "heartbeat", "worker_id": "w0", "incarnation": "1", "state": "READY",
                              "num_used_kv_slots": 0, "num_steps": 0}),  # incarnation not an int
     ("worker_to_scheduler", {"type": "hello", "worker_id": "w0", "role": "critic", "incarnation": 1}),
+    ("worker_to_scheduler", {"type": "heartbeat", "worker_id": "w0", "incarnation": 1, "state": "SLEEPING",
+                             "num_used_kv_slots": 0, "num_steps": 0}),  # not a lifecycle state
     ("scheduler_to_worker", {"type": "step", "step_id": 1, "incarnation": 1, "seqs": [{"request_id": "r"}]}),
     ("scheduler_to_worker", {"type": "release", "incarnation": 1, "slots": None}),
 ]

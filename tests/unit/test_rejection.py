@@ -5,18 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modeling.rejection import Verdict, verify
+from modeling.rejection import Verdict, verify, verify_greedy
 from modeling.sampling import sample, target_probs
 from proto.messages import SamplingParams, SparseDist
 
 # 99.9% quantiles of the chi-square distribution (scipy is not in the venv), keyed by degrees of freedom.
 CHI_SQUARE_999 = {3: 16.27, 4: 18.47, 24: 51.18}
 
-GREEDY = SamplingParams()
-
-
 def _rows(*rows: list[float]) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.float32)
+
+
+def _greedy(logits: torch.Tensor, drafts: list[int]) -> Verdict:
+    return verify_greedy(torch.argmax(logits, dim=-1).tolist(), drafts)
 
 
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor, num_trials: int) -> tuple[float, int]:
@@ -35,33 +36,32 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor, num_trials: int) -> t
 
 def test_greedy_accepts_all_matching_drafts_and_adds_bonus() -> None:
     logits = _rows([0, 5, 1, 0, 0, 0], [0, 0, 0, 7, 1, 0], [2, 0, 0, 0, 0, 1], [0, 0, 0, 0, 0, 3])
-    assert verify(logits, [1, 3, 0], None, GREEDY, 10) == Verdict([1, 3, 0, 5], 3)
+    assert _greedy(logits, [1, 3, 0]) == Verdict([1, 3, 0, 5], 3)
 
 
 def test_greedy_first_draft_rejected_gives_argmax_of_row_0() -> None:
     logits = _rows([0, 5, 1, 0, 0, 0], [0, 0, 0, 7, 1, 0], [2, 0, 0, 0, 0, 1])
-    assert verify(logits, [2, 3], None, GREEDY, 0) == Verdict([1], 0)
+    assert _greedy(logits, [2, 3]) == Verdict([1], 0)
 
 
 def test_greedy_mismatch_in_the_middle() -> None:
     """Drafts after the first mismatch are dropped even where they match their own row."""
     logits = _rows([0, 5, 1, 0, 0, 0, 0], [0, 0, 0, 7, 1, 0, 0], [2, 0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 0, 4])
-    assert verify(logits, [1, 3, 5], None, GREEDY, 3) == Verdict([1, 3, 0], 2)
-    assert verify(logits, [1, 4, 0], None, GREEDY, 3) == Verdict([1, 3], 1)
+    assert _greedy(logits, [1, 3, 5]) == Verdict([1, 3, 0], 2)
+    assert _greedy(logits, [1, 4, 0]) == Verdict([1, 3], 1)
 
 
 def test_greedy_empty_draft_gives_argmax() -> None:
     logits = _rows([0, 1, 0, 0, 9, 0, 2, 0])
-    assert verify(logits, [], None, GREEDY, 0) == Verdict([4], 0)
-    assert verify(logits, [], [], GREEDY, 0) == Verdict([4], 0)
+    assert _greedy(logits, []) == Verdict([4], 0)
 
 
-def test_greedy_ignores_the_seed_and_draft_dists() -> None:
+def test_sampled_verification_refuses_a_greedy_request() -> None:
+    """A greedy request's drafts are verified from the argmax, never by rejection sampling (no division by 0)."""
     logits = _rows([0, 5, 1, 0, 0, 0], [0, 0, 0, 7, 1, 0], [2, 0, 0, 0, 0, 1])
     dists = [SparseDist(token_ids=[1], probs=[1.0]), SparseDist(token_ids=[4], probs=[1.0])]
-    for seed in range(5):
-        params = SamplingParams(temperature=0.0, seed=seed)
-        assert verify(logits, [1, 4], dists, params, seed) == Verdict([1, 3], 1)
+    with pytest.raises(ValueError, match="greedy"):
+        verify(logits, [1, 4], dists, SamplingParams(temperature=0.0, seed=3), 3)
 
 
 # ---------------------------------------------------------------- sampling, hand-built
@@ -174,10 +174,7 @@ def test_sequences_verified_one_after_another_give_what_they_give_alone() -> Non
         k = i % 4
         logits = torch.randn(k + 1, 9, generator=generator) * 2
         drafts = torch.randint(0, 9, (k,), generator=generator).tolist()
-        if i % 3 == 0:
-            params = SamplingParams(temperature=0.0, seed=i)
-        else:
-            params = SamplingParams(temperature=0.5 + 0.25 * i, top_k=i % 5, top_p=1.0 - 0.05 * i, seed=100 + i)
+        params = SamplingParams(temperature=0.5 + 0.25 * i, top_k=i % 5, top_p=1.0 - 0.05 * i, seed=100 + i)
         dists = [SparseDist(token_ids=[t, (t + 1) % 9], probs=[0.6, 0.4]) for t in drafts] if i % 2 else None
         cases.append((logits, drafts, dists, params, 10 * i))
 
@@ -187,10 +184,7 @@ def test_sequences_verified_one_after_another_give_what_they_give_alone() -> Non
     for (logits, drafts, _, params, _), verdict in zip(cases, together):
         assert len(verdict.token_ids) == verdict.num_accepted + 1
         assert verdict.token_ids[: verdict.num_accepted] == drafts[: verdict.num_accepted]
-        if params.temperature == 0.0:
-            assert verdict == verify(logits, drafts, None, GREEDY, 0)
-        else:
-            assert float(target_probs(logits[verdict.num_accepted], params)[verdict.token_ids[-1]]) > 0
+        assert float(target_probs(logits[verdict.num_accepted], params)[verdict.token_ids[-1]]) > 0
 
 
 # ---------------------------------------------------------------- shapes
@@ -198,7 +192,7 @@ def test_sequences_verified_one_after_another_give_what_they_give_alone() -> Non
 
 def test_wrong_number_of_logit_rows_raises() -> None:
     logits = torch.zeros(2, 6)
-    for params in [GREEDY, SamplingParams(temperature=1.0)]:
+    for params in [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, seed=4)]:
         with pytest.raises(ValueError):
             verify(logits, [1, 2], None, params, 0)
         with pytest.raises(ValueError):

@@ -1,4 +1,4 @@
-"""Continuous batching: plan_step as a pure function, then the same rules seen through SchedulerCore's steps."""
+"""Continuous batching: select_seqs and plan_step as pure functions, then the same rules seen through SchedulerCore's steps."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 
 from proto.lifecycle import State
 from proto.messages import SamplingParams
-from scheduler.batching import BatchLimits, ScheduledSeq, plan_step
-from scheduler.request import Request
+from scheduler.batching import BatchLimits, ScheduledSeq, plan_step, select_seqs
+from scheduler.requests import Request
 from tests.unit.scheduler_fakes import DEFAULT_TOKEN, Sim, prompt
 
 
@@ -41,20 +41,36 @@ def apply(plan: list[ScheduledSeq]) -> None:
 
 LIMITS = BatchLimits(max_num_batched_tokens=16, max_num_seqs=4)
 
-# ---------------------------------------------------------------- plan_step, pure
+# ---------------------------------------------------------------- select_seqs and plan_step, pure
+
+
+def test_a_plan_is_frozen_with_the_draft_tokens_decided_for_its_seqs() -> None:
+    running = [request("p", 4), decode("d")]
+    seen: list[list[str]] = []
+
+    def draft_tokens(seqs: list[ScheduledSeq]) -> dict[str, int]:
+        seen.append([s.request.request_id for s in seqs])
+        return {"d": 3}
+
+    plan = plan_step(running, LIMITS, draft_tokens)
+    assert plan is not None and seen == [["d", "p"]]
+    assert as_tuples(list(plan.seqs)) == [("d", 1, True), ("p", 4, True)]
+    assert plan.num_draft_tokens == {"d": 3} and plan.waits_for_proposals
+    assert plan_step([], LIMITS, draft_tokens) is None and len(seen) == 1  # nothing to run: no decision asked
+    assert not plan_step(running, LIMITS, lambda seqs: {}).waits_for_proposals  # type: ignore[union-attr]
 
 
 def test_nothing_running_plans_nothing() -> None:
-    assert plan_step([], LIMITS) == []
+    assert select_seqs([], LIMITS) == []
 
 
 def test_a_short_prompt_is_prefilled_whole_and_sampled() -> None:
-    assert as_tuples(plan_step([request("a", 5)], LIMITS)) == [("a", 5, True)]
+    assert as_tuples(select_seqs([request("a", 5)], LIMITS)) == [("a", 5, True)]
 
 
 def test_decodes_go_before_prefills_whatever_the_placement_order() -> None:
     running = [request("p1", 4), decode("d1"), request("p2", 3), decode("d2")]
-    assert as_tuples(plan_step(running, LIMITS)) == [("d1", 1, True), ("d2", 1, True), ("p1", 4, True), ("p2", 3, True)]
+    assert as_tuples(select_seqs(running, LIMITS)) == [("d1", 1, True), ("d2", 1, True), ("p1", 4, True), ("p2", 3, True)]
 
 
 def test_the_token_budget_chunks_a_long_prompt_until_computed_catches_up() -> None:
@@ -63,55 +79,55 @@ def test_the_token_budget_chunks_a_long_prompt_until_computed_catches_up() -> No
     for _ in range(10):
         if long.output_token_ids:
             break
-        plan = plan_step([long], LIMITS)
+        plan = select_seqs([long], LIMITS)
         chunks.append(as_tuples(plan))
         apply(plan)
     assert chunks == [[("long", 16, False)], [("long", 16, False)], [("long", 8, True)]]
     assert long.num_computed_tokens == 40 and long.num_tokens == 41
-    assert as_tuples(plan_step([long], LIMITS)) == [("long", 1, True)]
+    assert as_tuples(select_seqs([long], LIMITS)) == [("long", 1, True)]
 
 
 def test_a_chunk_that_does_not_complete_the_prompt_does_not_sample() -> None:
-    (chunk,) = plan_step([request("long", 17)], LIMITS)
+    (chunk,) = select_seqs([request("long", 17)], LIMITS)
     assert chunk.num_tokens == 16
     assert not chunk.completes
 
 
 def test_decodes_take_their_share_of_the_budget_first_and_a_prompt_gets_the_rest() -> None:
     running = [request("long", 30), decode("d1"), decode("d2")]
-    assert as_tuples(plan_step(running, LIMITS)) == [("d1", 1, True), ("d2", 1, True), ("long", 14, False)]
+    assert as_tuples(select_seqs(running, LIMITS)) == [("d1", 1, True), ("d2", 1, True), ("long", 14, False)]
 
 
 def test_the_budget_stops_the_batch_once_spent() -> None:
     running = [request("p1", 16), request("p2", 3)]
-    assert as_tuples(plan_step(running, LIMITS)) == [("p1", 16, True)]
+    assert as_tuples(select_seqs(running, LIMITS)) == [("p1", 16, True)]
 
 
 def test_max_num_seqs_caps_the_batch_in_placement_order() -> None:
     running = [decode(f"d{i}") for i in range(6)]
-    assert [s.request.request_id for s in plan_step(running, LIMITS)] == ["d0", "d1", "d2", "d3"]
+    assert [s.request.request_id for s in select_seqs(running, LIMITS)] == ["d0", "d1", "d2", "d3"]
 
 
 def test_a_fully_computed_request_is_not_scheduled() -> None:
     done = request("done", 5, num_output=1, num_computed=6)
-    assert plan_step([done, decode("d")], LIMITS) == plan_step([decode("d")], LIMITS)
-    assert plan_step([done], LIMITS) == []
+    assert select_seqs([done, decode("d")], LIMITS) == select_seqs([decode("d")], LIMITS)
+    assert select_seqs([done], LIMITS) == []
 
 
 def test_a_request_recomputed_after_a_worker_loss_is_prefilled_from_prompt_and_output() -> None:
     resumed = request("r", 10, num_output=3, num_computed=0)
-    assert as_tuples(plan_step([resumed], LIMITS)) == [("r", 13, True)]
+    assert as_tuples(select_seqs([resumed], LIMITS)) == [("r", 13, True)]
 
 
 def test_continuous_batching_a_new_request_joins_and_a_finished_one_leaves() -> None:
     a, b = decode("a"), decode("b")
     running = [a, b]
-    apply(plan_step(running, LIMITS))
+    apply(select_seqs(running, LIMITS))
     running.append(request("c", 6))  # arrives while a and b decode
-    assert as_tuples(plan_step(running, LIMITS)) == [("a", 1, True), ("b", 1, True), ("c", 6, True)]
-    apply(plan_step(running, LIMITS))
+    assert as_tuples(select_seqs(running, LIMITS)) == [("a", 1, True), ("b", 1, True), ("c", 6, True)]
+    apply(select_seqs(running, LIMITS))
     running.remove(a)  # a finished
-    assert as_tuples(plan_step(running, LIMITS)) == [("b", 1, True), ("c", 1, True)]
+    assert as_tuples(select_seqs(running, LIMITS)) == [("b", 1, True), ("c", 1, True)]
 
 
 @st.composite
@@ -128,7 +144,7 @@ def running_sets(draw: st.DrawFn) -> list[Request]:
 
 @given(running_sets(), st.integers(1, 64), st.integers(1, 8))
 def test_every_plan_respects_the_limits_and_the_rules(running: list[Request], budget: int, max_num_seqs: int) -> None:
-    plan = plan_step(running, BatchLimits(budget, max_num_seqs))
+    plan = select_seqs(running, BatchLimits(budget, max_num_seqs))
     ids = [s.request.request_id for s in plan]
     assert len(ids) == len(set(ids)) <= max_num_seqs
     assert sum(s.num_tokens for s in plan) <= budget

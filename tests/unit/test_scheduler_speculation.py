@@ -12,8 +12,9 @@ import pytest
 from proto import messages as m
 from proto.lifecycle import State
 from scheduler.batching import ScheduledSeq
-from scheduler.request import Request
-from scheduler.speculation import SpecLimits, proposal_problem, speculation_plan
+from scheduler.requests import Request
+from scheduler.speculation.link import proposal_problem
+from scheduler.speculation.policy import SpecLimits, speculation_plan
 from tests.unit.scheduler_fakes import EOS, FINGERPRINT, FakeDraft, FakeWorker, Sim, assert_all_free, prompt
 
 SCRIPT = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
@@ -263,7 +264,7 @@ def test_a_draft_that_refuses_a_proposal_while_draining_is_not_failed_and_the_st
     request = draft.pending_propose()
     assert request is not None
     draft.report(State.DRAINING)  # SIGTERM: it takes no new work
-    assert draft.send(m.ProposeRefused("d0", draft.incarnation, request.propose_id, "DRAINING", "not READY"))
+    assert draft.send(m.ProposeRefused("d0", draft.incarnation, request.propose_id, State.DRAINING, "not READY"))
     assert sim.process("d0").state == "DRAINING" and sim.process("d0").failure == ""
     assert worker.step().seqs[0].num_draft_tokens == 0
     worker.run({"a": [12, 13, 14]})

@@ -1,0 +1,55 @@
+"""What the core sends during one event, in order: messages to workers and gateways, token deltas batched per gateway."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from proto import messages as m
+from scheduler.requests import Request
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    to_worker: bool  # False: to a gateway
+    identity: bytes
+    message: msgspec.Struct
+
+
+class Outbox:
+    """The messages collected so far; the shell takes and sends them after every event."""
+
+    def __init__(self) -> None:
+        self._messages: list[Outgoing] = []
+        self._pending_deltas: dict[bytes, list[m.TokenDelta]] = {}  # per gateway, sent as one frame per event
+
+    def take(self) -> list[Outgoing]:
+        """Everything collected so far, in order (deltas still pending stay for the end of the event)."""
+        messages, self._messages = self._messages, []
+        return messages
+
+    def to_worker(self, identity: bytes, message: msgspec.Struct) -> None:
+        self._messages.append(Outgoing(True, identity, message))
+
+    def to_gateway(self, identity: bytes, message: msgspec.Struct) -> None:
+        """Any other message to a gateway goes after the deltas already pending for it."""
+        self.flush_deltas(identity)
+        self._messages.append(Outgoing(False, identity, message))
+
+    def emit(self, request: Request, token_ids: list[int], finish_reason: m.FinishReason | None) -> None:
+        """New tokens (or the finish) of a request, for its gateway, sent with the others at the end of the event."""
+        if not token_ids and finish_reason is None:
+            return
+        self._pending_deltas.setdefault(request.gateway, []).append(m.TokenDelta(
+            request_id=request.request_id, token_ids=token_ids, finish_reason=finish_reason,
+            num_prompt_tokens=len(request.prompt_token_ids), num_completion_tokens=len(request.output_token_ids),
+            num_draft_tokens=request.num_draft_tokens, num_accepted_draft_tokens=request.num_accepted_draft_tokens,
+            num_verify_steps=request.num_verify_steps,
+        ))
+
+    def flush_deltas(self, only: bytes | None = None) -> None:
+        for gateway in [only] if only is not None else list(self._pending_deltas):
+            deltas = self._pending_deltas.pop(gateway, None)
+            if deltas:
+                self._messages.append(Outgoing(False, gateway, m.TokenDeltas(deltas)))

@@ -1,0 +1,192 @@
+"""Generation requests as the scheduler holds them: admission, the waiting queue, and each request's status moves."""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import msgspec
+
+from proto import messages as m
+from scheduler.speculation.features import FeatureStore
+from scheduler.speculation.views import DraftView
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # in the queue, no worker yet
+    RUNNING = "running"  # placed on a worker, holds a KV slot there
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FAILED = "failed"
+
+
+_S = RequestStatus
+# Every status a request may move to from each status. A running request goes back to
+# WAITING when its worker is lost; only a waiting one fails (no READY worker in time).
+REQUEST_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+    _S.WAITING: frozenset({_S.RUNNING, _S.FINISHED_ABORTED, _S.FAILED}),
+    _S.RUNNING: frozenset({_S.WAITING, _S.FINISHED_STOPPED, _S.FINISHED_LENGTH, _S.FINISHED_ABORTED}),
+    _S.FINISHED_STOPPED: frozenset(),
+    _S.FINISHED_LENGTH: frozenset(),
+    _S.FINISHED_ABORTED: frozenset(),
+    _S.FAILED: frozenset(),
+}
+
+FINISH_REASONS: dict[RequestStatus, m.FinishReason] = {
+    _S.FINISHED_STOPPED: "stop",
+    _S.FINISHED_LENGTH: "length",
+    _S.FINISHED_ABORTED: "abort",
+}
+
+
+class IllegalRequestMove(RuntimeError):
+    """A status move the table does not allow: a bug in the scheduler, never input."""
+
+
+class RequestRejected(Exception):
+    def __init__(self, code: m.ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Request:
+    request_id: str
+    gateway: bytes  # routing identity of the gateway that streams this request
+    prompt_token_ids: list[int]
+    max_tokens: int
+    sampling: m.SamplingParams
+    stop_token_ids: frozenset[int]
+    waiting_since_s: float  # monotonic time it (last) entered the queue
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING  # moved only by move_to
+    worker_id: str | None = None
+    slot: int | None = None
+    num_computed_tokens: int = 0  # tokens whose keys and values the worker's slot holds
+    draft: DraftView = field(default_factory=lambda: DraftView())
+    features: FeatureStore = field(default_factory=FeatureStore, compare=False, repr=False)  # while a draft reads features
+    # Speculation so far: draft tokens verified, accepted, and verify steps.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    num_verify_steps: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens start..stop-1 of prompt-then-output."""
+        num_prompt = len(self.prompt_token_ids)
+        if stop <= num_prompt:
+            return self.prompt_token_ids[start:stop]
+        return (self.prompt_token_ids + self.output_token_ids)[start:stop]
+
+    def move_to(self, status: RequestStatus) -> None:
+        if status not in REQUEST_TRANSITIONS[self.status]:
+            raise IllegalRequestMove(f"request {self.request_id}: {self.status.value} -> {status.value}")
+        self.status = status
+
+    def finish_status_after_append(self, max_model_len: int) -> RequestStatus | None:
+        """The status a just-extended request finishes with, or None to keep generating."""
+        if self.output_token_ids and self.output_token_ids[-1] in self.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if len(self.output_token_ids) >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+
+class RequestTable:
+    """Every unfinished request by id, and the waiting ones in the order they will be placed."""
+
+    def __init__(self, max_model_len: int, max_queue_len: int, rng: random.Random) -> None:
+        self._max_model_len = max_model_len
+        self._max_queue_len = max_queue_len
+        self._rng = rng
+        self._by_id: dict[str, Request] = {}
+        self._waiting: deque[Request] = deque()
+
+    def get(self, request_id: str) -> Request | None:
+        return self._by_id.get(request_id)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._by_id.values())
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._by_id) - len(self._waiting)
+
+    @property
+    def waiting(self) -> list[Request]:
+        return list(self._waiting)
+
+    def admit(self, gateway: bytes, submit: m.SubmitRequest, now_s: float) -> Request:
+        """Queue a submitted request; raises RequestRejected, changing nothing, when it cannot be served."""
+        limit = self._max_model_len
+        num_prompt = len(submit.prompt_token_ids)
+        if submit.request_id in self._by_id:
+            raise RequestRejected("INVALID_ARGUMENT", f"request_id {submit.request_id!r} is already in use")
+        if num_prompt == 0:
+            raise RequestRejected("INVALID_ARGUMENT", "prompt_token_ids is empty")
+        if submit.max_tokens is not None and submit.max_tokens < 1:
+            raise RequestRejected("INVALID_ARGUMENT", f"max_tokens must be at least 1, got {submit.max_tokens}")
+        max_tokens = submit.max_tokens if submit.max_tokens is not None else limit - num_prompt
+        if num_prompt + max(max_tokens, 1) > limit:
+            raise RequestRejected(
+                "INVALID_ARGUMENT",
+                f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds the context of {limit} tokens",
+            )
+        if len(self._waiting) >= self._max_queue_len:
+            raise RequestRejected("RESOURCE_EXHAUSTED", f"the queue is full ({self._max_queue_len} waiting requests)")
+        sampling = submit.sampling
+        if not submit.seed_given:
+            sampling = msgspec.structs.replace(sampling, seed=self._rng.getrandbits(63))
+        request = Request(
+            request_id=submit.request_id, gateway=gateway, prompt_token_ids=list(submit.prompt_token_ids),
+            max_tokens=max_tokens, sampling=sampling, stop_token_ids=frozenset(submit.stop_token_ids),
+            waiting_since_s=now_s,
+        )
+        self._by_id[request.request_id] = request
+        self._waiting.append(request)
+        return request
+
+    def first_waiting(self) -> Request | None:
+        return self._waiting[0] if self._waiting else None
+
+    def start(self, request: Request, worker_id: str, slot: int) -> None:
+        """The first waiting request now runs on that worker, in that slot."""
+        assert self._waiting[0] is request
+        self._waiting.popleft()
+        request.move_to(RequestStatus.RUNNING)
+        request.worker_id, request.slot = worker_id, slot
+
+    def requeue(self, requests: list[Request], now_s: float) -> None:
+        """Running requests whose worker was lost go back to the front of the queue, in their order.
+
+        Each is recomputed from its prompt and the tokens already streamed.
+        """
+        for request in reversed(requests):
+            request.move_to(RequestStatus.WAITING)
+            request.worker_id = request.slot = None
+            request.num_computed_tokens = 0
+            request.waiting_since_s = now_s
+            self._waiting.appendleft(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """The request leaves the table (and the queue); its worker's slot is the caller's to free."""
+        if request.status is RequestStatus.WAITING:
+            self._waiting.remove(request)
+        request.move_to(status)
+        del self._by_id[request.request_id]

@@ -1,0 +1,38 @@
+"""Server-wide speculation counters, per sequence and step: what was proposed and accepted (exported in /metrics)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from proto import messages as m
+
+
+@dataclass
+class SpecCounters:
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    num_verify_steps: int = 0
+    num_plain_decode_steps: int = 0
+    steps_by_k: dict[int, int] = field(default_factory=dict)  # per step sent to a target: the largest k chosen
+
+    def decide(self, k: int) -> None:
+        self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        if num_draft_tokens:
+            self.num_draft_tokens += num_draft_tokens
+            self.num_accepted_draft_tokens += num_accepted
+            self.num_verify_steps += 1
+        else:
+            self.num_plain_decode_steps += 1
+
+    def info(self) -> m.SpeculationInfo:
+        return m.SpeculationInfo(
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_draft_tokens=self.num_accepted_draft_tokens,
+            num_verify_steps=self.num_verify_steps,
+            num_plain_decode_steps=self.num_plain_decode_steps,
+            acceptance_rate=self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0,
+            mean_accepted_length=self.num_accepted_draft_tokens / self.num_verify_steps if self.num_verify_steps else 0.0,
+            steps_by_k=dict(self.steps_by_k),
+        )

@@ -1,0 +1,238 @@
+"""The scheduler's link to the draft service (no I/O): the one object the core asks about speculation.
+
+It knows which draft service proposals go to, decides each planned step's draft tokens,
+builds the propose request, keeps the ones not answered yet (and those given up on, whose
+late answer still tells what the service holds), checks the answer, stores the target
+features a draft head reads, and collects the finished requests the service must forget.
+Sending the step, with the proposals or without, stays the core's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from common.logs import get_logger
+from modeling.proposals import drafts_problem
+from proto import messages as m
+from scheduler.batching import ScheduledSeq, StepPlan
+from scheduler.config import SchedulerConfig
+from scheduler.requests import Request, RequestTable
+from scheduler.speculation.counters import SpecCounters
+from scheduler.speculation.policy import SpecLimits, speculation_plan
+from scheduler.speculation.views import forget_views
+from scheduler.workers import WorkerRecord, WorkerRegistry
+
+log = get_logger()
+
+_ABANDONED_TIMEOUTS = 10  # a timed-out proposal's late answer is still awaited for this many propose timeouts
+_STATS_LOG_INTERVAL_S = 10.0  # speculation.stats is logged at most this often
+
+
+@dataclass(frozen=True)
+class PendingProposal:
+    """A target worker's planned step, waiting for the draft service's proposals."""
+
+    propose_id: int
+    worker_id: str
+    worker_incarnation: int
+    plan: StepPlan
+    sent_at_s: float
+
+
+def proposal_problem(proposal: m.Proposal, num_tokens: int, vocab_size: int, sequence_len: int) -> str:
+    """Why a proposal cannot be verified ("" when it can): a bad draft must never reach a target."""
+    if not 0 <= proposal.num_held <= sequence_len:
+        return f"num_held {proposal.num_held} for a sequence of {sequence_len} tokens"
+    if len(proposal.token_ids) > num_tokens:
+        return f"{len(proposal.token_ids)} tokens proposed, {num_tokens} asked for"
+    return drafts_problem(proposal.token_ids, proposal.parents, proposal.dists, vocab_size)
+
+
+class DraftLink:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self._config = config
+        self._pending: dict[int, PendingProposal] = {}  # propose requests the draft service has not answered
+        self._abandoned: dict[int, PendingProposal] = {}  # timed out; a late answer still updates the draft views
+        self._next_propose_id = 0
+        self._forget: list[str] = []  # finished requests the draft service must forget, sent once per event
+        self._in_use: tuple[str, int] | None = None  # (worker_id, incarnation) the requests' draft views describe
+        self._stats_logged_s = 0.0
+        # A draft that reads target features has said hello (and was not refused): every step returns them.
+        self.features_wanted = False
+        self.counters = SpecCounters()
+
+    # ------------------------------------------------------------------ which draft service
+
+    def current(self, workers: WorkerRegistry, requests: Iterable[Request]) -> WorkerRecord | None:
+        """The draft service proposals go to: the one in use while it is READY, else the first READY one."""
+        in_use = self._in_use
+        current = workers.current(*in_use) if in_use else None
+        if current is not None and current.is_ready:
+            return current
+        draft = workers.ready_draft()
+        if draft is not None:
+            forget_views(r.draft for r in requests)  # what another draft (incarnation) held says nothing about this one
+            self._in_use = (draft.worker_id, draft.incarnation)
+        return draft
+
+    def note_hello(self, draft: WorkerRecord) -> None:
+        """From the first hello of a draft that reads target features on, every step returns them.
+
+        Kept on when that draft goes away: a restarted draft then finds every running
+        request's features complete, where a gap would cost the request speculation for good.
+        """
+        if draft.hello.feature_width > 0:
+            self.features_wanted = True
+
+    # ------------------------------------------------------------------ plan and propose
+
+    def draft_tokens(self, draft: WorkerRecord | None, target: WorkerRecord, seqs: Sequence[ScheduledSeq]) -> dict[str, int]:
+        """k per request id for a step of `target` (empty: it runs without proposals); counted by the largest k."""
+        num_tokens: dict[str, int] = {}
+        if draft is not None:
+            cfg = self._config
+            limits = SpecLimits(
+                num_speculative_tokens=min(cfg.num_speculative_tokens, target.max_draft_tokens, draft.hello.max_draft_tokens),
+                spec_disable_batch_threshold=cfg.spec_disable_batch_threshold,
+                spec_draft_token_budget=cfg.spec_draft_token_budget,
+                max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len,
+            )
+            num_tokens = _with_features(draft, seqs, speculation_plan(seqs, limits))
+        self.counters.decide(max(num_tokens.values(), default=0))
+        return num_tokens
+
+    def propose(self, draft: WorkerRecord, target: WorkerRecord, plan: StepPlan, now_s: float) -> m.ProposeRequest:
+        """The propose request for `target`'s planned step, which now waits for its answer."""
+        self._next_propose_id += 1
+        seqs = []
+        for item in plan.seqs:
+            r = item.request
+            if r.request_id not in plan.num_draft_tokens:
+                continue
+            view = r.draft
+            view.known = True
+            features = None
+            if draft.hello.feature_width:
+                features = r.features.rows_from(view.num_features, r.num_tokens - 1)
+                view.num_features = r.num_tokens - 1
+            seqs.append(m.ProposeSeq(
+                request_id=r.request_id, num_held=view.num_held, num_drop=view.num_proposed,
+                new_token_ids=r.token_slice(view.num_stable, r.num_tokens), num_tokens=plan.num_draft_tokens[r.request_id],
+                sampling=r.sampling, features=features,
+            ))
+        pending = PendingProposal(self._next_propose_id, target.worker_id, target.incarnation, plan, now_s)
+        self._pending[pending.propose_id] = pending
+        target.awaiting_proposal = pending.propose_id
+        return m.ProposeRequest(pending.propose_id, draft.incarnation, seqs)
+
+    def answer(self, result: m.ProposeResult, requests: RequestTable, vocab_size: int,
+               report: Callable[[str], None]) -> tuple[PendingProposal, dict[str, m.Proposal]] | None:
+        """The pending request answered and its usable proposals; None for an answer nobody waits for.
+
+        Every proposal updates what the request's draft view says the service holds; one
+        that cannot be verified is reported and dropped.
+        """
+        pending = self._pending.pop(result.propose_id, None) or self._abandoned.pop(result.propose_id, None)
+        if pending is None:
+            return None
+        asked = pending.plan.num_draft_tokens
+        proposals: dict[str, m.Proposal] = {}
+        for proposal in result.proposals:
+            request = requests.get(proposal.request_id)
+            if request is None or proposal.request_id not in asked:
+                continue
+            problem = proposal_problem(proposal, asked[proposal.request_id], vocab_size, request.num_tokens)
+            if problem:
+                report(problem)
+                request.draft.reset()
+                continue
+            # Whatever happens to the step, the draft service now holds this.
+            request.draft.num_stable, request.draft.num_proposed = proposal.num_held, len(proposal.token_ids)
+            if proposal.num_held == 0:  # it started the sequence over: it holds no features either
+                request.draft.num_features = 0
+            if proposal.token_ids:
+                proposals[proposal.request_id] = proposal
+        return pending, proposals
+
+    # ------------------------------------------------------------------ target features
+
+    def store_features(self, target: WorkerRecord, features: list[m.SeqFeatures], report: Callable[[str], None]) -> None:
+        """Keep the feature rows a step returned for the requests still running on `target`."""
+        for rows in features:
+            owner = target.requests.get(rows.request_id)
+            if owner is None:
+                continue
+            if problem := owner.features.problem(rows.rows):
+                report(problem)
+                owner.features.clear()
+            elif not owner.features.put(rows.rows):
+                owner.features.clear()  # a gap (the steps before were not asked for features): none until recomputed
+
+    # ------------------------------------------------------------------ giving up, losing, forgetting
+
+    def pending(self, propose_id: int) -> PendingProposal | None:
+        """The unanswered propose request of that id, if any."""
+        return self._pending.get(propose_id)
+
+    def timed_out(self, now_s: float) -> list[PendingProposal]:
+        """Pending requests past the propose timeout (to give up on); forgets abandoned ones too old to be answered."""
+        too_old = _ABANDONED_TIMEOUTS * self._config.propose_timeout_s
+        for pending in [p for p in self._abandoned.values() if now_s - p.sent_at_s > too_old]:
+            del self._abandoned[pending.propose_id]  # no answer will come now; the views were reset at the timeout
+        return [p for p in self._pending.values() if now_s - p.sent_at_s > self._config.propose_timeout_s]
+
+    def give_up(self, pending: PendingProposal, requests: RequestTable, *, answer_may_come: bool) -> None:
+        """What the draft holds for these requests is unknown until its answer comes, if it does."""
+        self._pending.pop(pending.propose_id, None)
+        if answer_may_come:
+            self._abandoned[pending.propose_id] = pending
+        for request_id in pending.plan.num_draft_tokens:
+            if (request := requests.get(request_id)) is not None:
+                request.draft.reset()
+
+    def lose(self, draft: WorkerRecord, requests: RequestTable) -> list[PendingProposal]:
+        """The draft service went: the pending requests to give up (no answer will come); none if it was not in use."""
+        if self._in_use != (draft.worker_id, draft.incarnation):
+            return []  # not the one proposals went to: nothing depends on it
+        self._in_use = None
+        forget_views(r.draft for r in requests)
+        self._abandoned.clear()
+        return list(self._pending.values())
+
+    def forget_later(self, request: Request) -> None:
+        """A finished request the draft service holds: it is told to forget it at the end of the event."""
+        if request.draft.known:
+            self._forget.append(request.request_id)
+
+    def take_forget(self) -> list[str]:
+        forget, self._forget = self._forget, []
+        return forget
+
+    def log_stats(self, now_s: float) -> None:
+        if now_s - self._stats_logged_s >= _STATS_LOG_INTERVAL_S and self.counters.num_draft_tokens:
+            self._stats_logged_s = now_s
+            log.info("speculation.stats", **msgspec.structs.asdict(self.counters.info()))
+
+
+def draft_work(request: Request, proposal: m.Proposal | None) -> tuple[list[int], list[m.SparseDist] | None, list[int] | None]:
+    """What a step carries of a proposal: its tokens, their distributions (only where the request samples), its tree."""
+    if proposal is None:
+        return [], None, None
+    dists = None if request.sampling.is_greedy else proposal.dists
+    return proposal.token_ids, dists, proposal.parents  # a tree is of point masses (checked on arrival)
+
+
+def _with_features(draft: WorkerRecord, seqs: Sequence[ScheduledSeq], num_tokens: dict[str, int]) -> dict[str, int]:
+    """For a draft that reads target features, only the sequences whose every feature is at hand."""
+    if not draft.hello.feature_width:
+        return num_tokens
+    requests = {item.request.request_id: item.request for item in seqs}
+    for request_id in num_tokens:
+        request = requests[request_id]
+        if request.draft.num_features > request.features.count:
+            request.draft.reset()  # it holds rows that were recomputed or lost here since: it starts over
+    # Every position but the last has its feature.
+    return {rid: k for rid, k in num_tokens.items() if requests[rid].features.count >= requests[rid].num_tokens - 1}

@@ -1,0 +1,51 @@
+"""A verify step's result: checked against what was proposed, then booked.
+
+The worker names the draft nodes it accepted (a chain's first ones, or a branch of a
+token tree); the scheduler checks that they are a branch of the proposal holding the
+accepted tokens, followed by exactly one more token, and never walks the tree itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from modeling.proposals import branch_problem
+from modeling.trees import leading_nodes, parents_or_chain
+from proto import messages as m
+from scheduler.batching import StepSeq
+from scheduler.requests import Request
+from scheduler.speculation.counters import SpecCounters
+
+
+def step_result_problem(seqs: Sequence[StepSeq], outputs: Mapping[str, m.SeqOutput]) -> str:
+    """Why a step result cannot be right ("" when it can): every sampling sequence gets its tokens, the accepted
+    drafts are a branch of what was proposed, then exactly one more token."""
+    for seq in seqs:
+        if not seq.samples:
+            continue
+        rid = seq.request.request_id
+        output = outputs.get(rid)
+        if output is None or not output.token_ids:
+            return f"no token for {rid}"
+        accepted = output.num_accepted_draft
+        if not 0 <= accepted <= len(seq.draft_token_ids) or len(output.token_ids) != accepted + 1:
+            return f"{rid}: {len(output.token_ids)} tokens with {accepted} accepted of {len(seq.draft_token_ids)} drafts"
+        parents = parents_or_chain(seq.draft_parents, len(seq.draft_token_ids))
+        if problem := branch_problem(parents, seq.draft_token_ids, output.accepted_nodes, output.token_ids[:accepted]):
+            return f"{rid}: {problem}"
+    return ""
+
+
+def record_verification(request: Request, seq: StepSeq, output: m.SeqOutput, counters: SpecCounters) -> None:
+    """A checked step result's speculation: the request's and the server's counts, and what the draft holds now."""
+    num_drafts, num_accepted = len(seq.draft_token_ids), output.num_accepted_draft
+    if num_drafts:
+        request.num_draft_tokens += num_drafts
+        request.num_accepted_draft_tokens += num_accepted
+        request.num_verify_steps += 1
+        if request.draft.generation == seq.draft_generation:  # else the draft's state was reset meanwhile
+            # The draft service holds a tree's tokens in node order: what it holds in place is the branch's
+            # part that is the first nodes.
+            request.draft.accept(leading_nodes(output.accepted_nodes))
+    if num_drafts or seq.num_tokens == 1:  # a decode step, with or without a proposal
+        counters.record(num_drafts, num_accepted)

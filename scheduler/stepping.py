@@ -1,0 +1,156 @@
+"""The step cycle of every target worker: plan -> propose -> step -> apply.
+
+`dispatch` plans a step for each idle target (batching.plan_step, with the draft tokens
+the speculation link decides) and either asks the draft service for proposals or sends
+the step at once; `step_after_proposal` sends a step whose proposals came (or were given
+up on); `apply` books a step's result: tokens streamed, requests finished, draft views
+moved on. Requests are placed on workers here too, and leave here when they finish.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from common.logs import get_logger
+from proto import messages as m
+from proto.lifecycle import State
+from scheduler.batching import BatchLimits, InFlightStep, StepPlan, StepSeq, plan_step
+from scheduler.config import SchedulerConfig
+from scheduler.outbox import Outbox
+from scheduler.requests import FINISH_REASONS, Request, RequestStatus, RequestTable
+from scheduler.speculation.link import DraftLink, PendingProposal, draft_work
+from scheduler.speculation.verification import record_verification, step_result_problem
+from scheduler.workers import WorkerRecord, WorkerRegistry
+
+log = get_logger()
+
+
+class StepCycle:
+    def __init__(self, config: SchedulerConfig, requests: RequestTable, workers: WorkerRegistry, drafts: DraftLink,
+                 outbox: Outbox) -> None:
+        self._config = config
+        self._limits = BatchLimits(config.max_num_batched_tokens, config.max_num_seqs)
+        self._requests = requests
+        self._workers = workers
+        self._drafts = drafts
+        self._outbox = outbox
+        self._next_step_id = 0
+
+    def place_waiting(self) -> None:
+        """Give waiting requests a slot on the least-loaded READY worker, first come first served."""
+        while (request := self._requests.first_waiting()) is not None:
+            worker = self._workers.least_loaded_ready()
+            if worker is None:
+                return
+            self._requests.start(request, worker.worker_id, worker.place(request))
+            log.debug("request.placed", request_id=request.request_id, worker_id=worker.worker_id, slot=request.slot)
+
+    def dispatch(self, now_s: float) -> None:
+        """Plan a step for every idle target with work; tell a drained process it may stop."""
+        for worker in self._workers:
+            if worker.state is State.DRAINING and not worker.requests and not worker.is_busy and not worker.told_to_stop:
+                worker.told_to_stop = True
+                self._outbox.to_worker(worker.identity, m.Drain(worker.incarnation))
+            elif worker.is_target and worker.runs_steps and not worker.is_busy and worker.requests:
+                draft = self._drafts.current(self._workers, self._requests)
+                plan = plan_step(list(worker.requests.values()), self._limits,
+                                 partial(self._drafts.draft_tokens, draft, worker))
+                if plan is None:
+                    continue
+                if draft is not None and plan.waits_for_proposals:
+                    self._outbox.to_worker(draft.identity, self._drafts.propose(draft, worker, plan, now_s))
+                else:
+                    self._send(worker, plan, {}, now_s)
+
+    def step_after_proposal(self, pending: PendingProposal, proposals: dict[str, m.Proposal], now_s: float) -> None:
+        """Send the step that waited for this propose request, if its worker still waits for it."""
+        worker = self._workers.current(pending.worker_id, pending.worker_incarnation)
+        if worker is not None and worker.awaiting_proposal == pending.propose_id:
+            worker.awaiting_proposal = None
+            if worker.runs_steps:
+                self._send(worker, pending.plan, proposals, now_s)
+
+    def give_up_proposal(self, pending: PendingProposal, now_s: float, *, answer_may_come: bool) -> None:
+        """Step without proposals."""
+        self._drafts.give_up(pending, self._requests, answer_may_come=answer_may_come)
+        self.step_after_proposal(pending, {}, now_s)
+
+    def _send(self, worker: WorkerRecord, plan: StepPlan, proposals: dict[str, m.Proposal], now_s: float) -> None:
+        # A plan that waited for proposals may have lost requests on the way (finished, aborted).
+        items = [item for item in plan.seqs if worker.requests.get(item.request.request_id) is item.request]
+        if not items:
+            self.dispatch(now_s)
+            return
+        self._next_step_id += 1
+        seqs: list[m.SeqWork] = []
+        step_seqs: list[StepSeq] = []
+        for item in items:
+            r = item.request
+            assert r.slot is not None  # placed requests hold a slot
+            start = r.num_computed_tokens
+            drafts, dists, parents = draft_work(r, proposals.get(r.request_id))
+            seqs.append(m.SeqWork(
+                request_id=r.request_id, slot=r.slot, start_position=start,
+                token_ids=r.token_slice(start, start + item.num_tokens) + drafts, sample=item.completes, sampling=r.sampling,
+                num_draft_tokens=len(drafts), draft_dists=dists, draft_parents=parents,
+            ))
+            step_seqs.append(StepSeq(r, item.num_tokens, item.completes, drafts, r.draft.generation, parents))
+        worker.in_flight = InFlightStep(self._next_step_id, now_s, step_seqs)
+        self._outbox.to_worker(worker.identity, m.StepRequest(self._next_step_id, worker.incarnation, seqs,
+                                                              return_features=self._drafts.features_wanted))
+
+    def apply(self, worker: WorkerRecord, result: m.StepResult, now_s: float) -> str | None:
+        """Book the result of the worker's step in flight: None when it is no answer to it, else why it is wrong ("")."""
+        step = worker.in_flight
+        if step is None or step.step_id != result.step_id:
+            return None
+        outputs = {o.request_id: o for o in result.outputs}
+        if problem := step_result_problem(step.seqs, outputs):
+            return f"step {step.step_id}: {problem}"
+        worker.in_flight = None
+        for seq in step.seqs:
+            request = seq.request
+            if worker.requests.get(request.request_id) is not request:
+                continue  # finished or aborted while the step ran; its slot is already released
+            request.num_computed_tokens += seq.num_tokens
+            if seq.samples:
+                output = outputs[request.request_id]
+                request.num_computed_tokens += output.num_accepted_draft
+                record_verification(request, seq, output, self._drafts.counters)
+                self._append_tokens(request, output.token_ids)
+        self._drafts.store_features(worker, result.features, partial(protocol_error, worker, "bad_features"))
+        self.place_waiting()
+        self.dispatch(now_s)
+        return ""
+
+    def _append_tokens(self, request: Request, token_ids: list[int]) -> None:
+        emitted: list[int] = []
+        status = None
+        for token in token_ids:
+            request.output_token_ids.append(token)
+            emitted.append(token)
+            status = request.finish_status_after_append(self._config.max_model_len)
+            if status is not None:
+                break
+        self._outbox.emit(request, emitted, None)
+        if status is not None:
+            self.finish(request, status, notify=True)
+
+    def finish(self, request: Request, status: RequestStatus, *, notify: bool, reason: str = "") -> None:
+        """The request leaves the scheduler; its KV slot is freed at once (the worker applies it after any step)."""
+        worker = self._workers.holding(request)
+        if worker is not None and request.slot is not None and worker.remove(request):
+            self._outbox.to_worker(worker.identity, m.ReleaseSlots(worker.incarnation, [request.slot]))
+        request.worker_id = request.slot = None
+        self._drafts.forget_later(request)
+        self._requests.finish(request, status)
+        log.info("request.finished", request_id=request.request_id, status=status.value, reason=reason or None,
+                 num_completion_tokens=len(request.output_token_ids), num_draft_tokens=request.num_draft_tokens,
+                 num_accepted_draft_tokens=request.num_accepted_draft_tokens, num_verify_steps=request.num_verify_steps)
+        if notify and status in FINISH_REASONS:
+            self._outbox.emit(request, [], FINISH_REASONS[status])
+
+
+def protocol_error(worker: WorkerRecord, kind: str, problem: str) -> None:
+    """A message part from `worker` that cannot be used (dropped; the rest of the message stands)."""
+    log.warning("worker.protocol_error", worker_id=worker.worker_id, kind=kind, problem=problem)
