@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from distill.data import Sequence, chunk_tokens, draft_vocabulary, generate, read_text, stdlib_sources, write_requests
 from distill.prompts import request_openings, training_prompts
-from gateway.tokenizer import ChatMessage, Tokenizer
+from modeling.tokenizer import ChatMessage, Tokenizer
 from modeling.config import ModelConfig, model_fingerprint, vocab_fingerprint
 from modeling.eagle import EagleHead, unsupported_target
 from modeling.engine import ModelEngine

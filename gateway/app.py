@@ -7,6 +7,7 @@ import contextlib
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 from aiohttp import web
@@ -22,7 +23,7 @@ from gateway.http_api import HttpApi
 from gateway.metrics import GatewayMetrics
 from gateway.scheduler_client import SchedulerClient
 from gateway.server import SpecServeServicer
-from gateway.tokenizer import Tokenizer
+from modeling.tokenizer import Tokenizer, TokenizerLoadError
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 
@@ -69,7 +70,7 @@ class Gateway:
         async with contextlib.AsyncExitStack() as resources:
             resources.callback(self._signals.uninstall)
             with self._phase("load_tokenizer"):
-                tokenizer = Tokenizer.load(self._config.model_dir)
+                tokenizer = load_tokenizer(self._config.model_dir)
             with self._phase("connect_scheduler"):
                 scheduler = SchedulerClient(
                     self._config.scheduler_address,
@@ -175,3 +176,11 @@ def add_services(server: grpc.aio.Server, servicer: SpecServeServicer, health_se
     reflection.enable_server_reflection(
         (SPECSERVE_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
+
+
+def load_tokenizer(model_dir: Path) -> Tokenizer:
+    """The model's tokenizer; a folder it cannot be read from is a StartupError, with the tokenizer's message."""
+    try:
+        return Tokenizer.load(model_dir)
+    except TokenizerLoadError as error:
+        raise StartupError(str(error)) from error

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from typing import assert_never
 
 from common.logs import get_logger
 from gateway.errors import InvalidArgument, RequestFailed
 from gateway.metrics import GatewayMetrics
 from gateway.output import Chunk, RequestOutput, SpecUsage
+from gateway.request import ChatPrompt, Submission, TextPrompt, TokenPrompt
 from gateway.scheduler_client import RequestStream, SchedulerClient
-from gateway.tokenizer import Tokenizer
-from gateway.validation import ChatPrompt, Prompt, Submission, TextPrompt, TokenPrompt
+from modeling.tokenizer import ChatMessage, ChatTemplateError, Tokenizer
 from proto import messages
 
 
@@ -34,7 +34,7 @@ class Generation:
         started_at = time.monotonic()
         outcome = "error"
         try:
-            prompt_token_ids = await asyncio.to_thread(self._tokenize, submission.prompt)
+            prompt_token_ids = await asyncio.to_thread(prompt_token_ids_of, self.tokenizer, submission)
             submit = submission.to_submit_request(prompt_token_ids, self.tokenizer.eos_token_ids)
             output = RequestOutput(self.tokenizer, prompt_token_ids, submission.stop_strings)
             self._log_received(submission, submit)
@@ -77,26 +77,17 @@ class Generation:
         """Read scheduler messages until one yields something to send (text, ids or the finish)."""
         while True:
             message = await stream.next()
-            if isinstance(message, messages.RequestError):
-                raise RequestFailed.from_scheduler(message)
-            speculation = SpecUsage(message.num_draft_tokens, message.num_accepted_draft_tokens, message.num_verify_steps)
-            chunk = output.add(message.token_ids, message.finish_reason, speculation)
-            if chunk.text or chunk.token_ids or chunk.finish_reason is not None:
-                return chunk
-
-    def _tokenize(self, prompt: Prompt) -> list[int]:
-        match prompt:
-            case TextPrompt(text=text):
-                token_ids = self.tokenizer.encode(text)
-            case ChatPrompt(messages=chat_messages):
-                token_ids = self.tokenizer.encode_chat(chat_messages)
-            case TokenPrompt(token_ids=ids):
-                token_ids = list(ids)
-            case _:
-                assert_never(prompt)
-        if not token_ids:
-            raise InvalidArgument("prompt", "tokenizes to no tokens")
-        return token_ids
+            match message:
+                case messages.RequestError():
+                    raise RequestFailed.from_scheduler(message)
+                case messages.TokenDelta():
+                    speculation = SpecUsage(message.num_draft_tokens, message.num_accepted_draft_tokens,
+                                            message.num_verify_steps)
+                    chunk = output.add(message.token_ids, message.finish_reason, speculation)
+                    if chunk.text or chunk.token_ids or chunk.finish_reason is not None:
+                        return chunk
+                case _:
+                    assert_never(message)
 
     def _log_received(self, submission: Submission, submit: messages.SubmitRequest) -> None:
         self._log.info(
@@ -111,3 +102,29 @@ class Generation:
             num_stop_strings=len(submission.stop_strings),
             ignore_eos=submission.ignore_eos,
         )
+
+
+def prompt_token_ids_of(tokenizer: Tokenizer, submission: Submission) -> list[int]:
+    """The prompt as token ids; raises InvalidArgument naming the client's prompt field."""
+    prompt = submission.prompt
+    match prompt:
+        case TextPrompt(text=text):
+            token_ids = tokenizer.encode(text)
+        case ChatPrompt(messages=chat_messages):
+            token_ids = chat_token_ids(tokenizer, chat_messages, submission.prompt_field)
+        case TokenPrompt(token_ids=ids):
+            token_ids = list(ids)
+        case _:
+            assert_never(prompt)
+    if not token_ids:
+        raise InvalidArgument(submission.prompt_field, "tokenizes to no tokens")
+    return token_ids
+
+
+def chat_token_ids(tokenizer: Tokenizer, chat_messages: Sequence[ChatMessage], field: str) -> list[int]:
+    if not tokenizer.has_chat_template:
+        raise InvalidArgument(field, "the model has no chat template; send prompt or token_ids instead")
+    try:
+        return tokenizer.encode_chat(chat_messages)
+    except ChatTemplateError as error:
+        raise InvalidArgument(field, str(error)) from error

@@ -4,9 +4,9 @@ Routes: POST /v1/completions, POST /v1/chat/completions (streaming as server-sen
 ending with `data: [DONE]`, or one JSON body), GET /v1/models, GET /health (the gateway is
 alive), GET /ready (200 only while a target worker is READY), GET /metrics (Prometheus).
 
-A request body is turned into the gRPC request message and checked by the same
-`validate` as gRPC, so both APIs accept and refuse the same things; errors come back in
-OpenAI's format with the matching HTTP status, the offending field in `param`.
+A request body becomes a ClientRequest (openai_request.py) checked by the same `validate`
+as gRPC's, so both APIs accept and refuse the same things; errors come back in OpenAI's
+format with the matching HTTP status, the offending field, named as in the body, in `param`.
 """
 
 from __future__ import annotations
@@ -19,43 +19,16 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import grpc
 from aiohttp import web
 
 from common.logs import get_logger
-from gateway.errors import InvalidArgument, RequestFailed
+from gateway.errors import RequestFailed
 from gateway.generation import Generation
 from gateway.health import SERVING, HealthReporter
+from gateway.openai_request import ApiError, chat_prompt, client_request_of, completion_prompt
 from gateway.output import Chunk
-from gateway.validation import Submission, validate
-from proto import specserve_pb2 as pb
-
-HTTP_STATUS: dict[grpc.StatusCode, int] = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.INTERNAL: 500,
-}
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable",
-               500: "internal_error"}
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def response(self) -> web.Response:
-        body = {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "error"), "param": self.param,
-                          "code": self.code}}
-        return web.json_response(body, status=self.status)
-
-    @classmethod
-    def from_failure(cls, failure: RequestFailed) -> ApiError:
-        param = failure.field.removeprefix("params.") if isinstance(failure, InvalidArgument) else None
-        return cls(HTTP_STATUS.get(failure.status, 500), failure.message, param)
+from gateway.request import Prompt, Submission
+from gateway.validation import validate
 
 
 class HttpApi:
@@ -89,11 +62,11 @@ class HttpApi:
         try:
             return await handler(request)
         except ApiError as error:
-            return error.response()
-        except RequestFailed as failure:
-            return ApiError.from_failure(failure).response()
+            return error_response(error)
+        except RequestFailed as failure:  # an InvalidArgument names the body's field (checked with OPENAI_FIELDS)
+            return error_response(ApiError.from_failure(failure))
         except web.HTTPException as error:  # unknown route, wrong method
-            return ApiError(error.status, error.reason or "not found").response()
+            return error_response(ApiError(error.status, error.reason or "not found"))
 
     # ------------------------------------------------------------------ the simple routes
 
@@ -121,61 +94,34 @@ class HttpApi:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
-        prompt = body.get("prompt")
-        message = pb.GenerateRequest()
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            message.prompt = prompt
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if (bad := next((t for t in prompt if not 0 <= t <= _INT32_MAX), None)) is not None:
-                raise ApiError(400, f"prompt: token id {bad} is outside the vocabulary", "prompt")
-            message.token_ids.ids.extend(prompt)
-        else:
-            raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", "prompt")
-        return await self._run(request, body, message, chat=False)
+        return await self._run(request, body, completion_prompt(body), chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "messages must be a non-empty list of {role, content}", "messages")
-        message = pb.GenerateRequest()
-        for index, item in enumerate(messages):
-            content = item.get("content") if isinstance(item, dict) else None
-            if isinstance(content, list):  # content parts: text only
-                texts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
-                content = "".join(t for t in texts if isinstance(t, str)) if len(texts) == len(content) else None
-            if not isinstance(item, dict) or not isinstance(item.get("role"), str) or not isinstance(content, str):
-                raise ApiError(400, f"messages[{index}] must have a string role and text content", f"messages[{index}]")
-            message.chat.messages.add(role=item["role"], content=content)
-        return await self._run(request, body, message, chat=True)
+        return await self._run(request, body, chat_prompt(body), chat=True)
 
-    async def _run(self, request: web.Request, body: dict[str, Any], message: pb.GenerateRequest, *, chat: bool) -> web.StreamResponse:
+    async def _run(self, request: web.Request, body: dict[str, Any], prompt: Prompt, *, chat: bool) -> web.StreamResponse:
         if self.draining:
             raise ApiError(503, "the server is shutting down")
         self._num_generating += 1
         self._idle.clear()
         try:
-            return await self._generate(request, body, message, chat=chat)
+            return await self._generate(request, body, prompt, chat=chat)
         finally:
             self._num_generating -= 1
             if not self._num_generating:
                 self._idle.set()
 
-    async def _generate(self, request: web.Request, body: dict[str, Any], message: pb.GenerateRequest, *,
+    async def _generate(self, request: web.Request, body: dict[str, Any], prompt: Prompt, *,
                         chat: bool) -> web.StreamResponse:
         model = body.get("model")
         if model is not None and model != self._model_name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self._model_name!r}", "model",
                            "model_not_found")
-        max_tokens_as = _sampling_params(body, message, chat=chat)
+        client_request, fields = client_request_of(body, prompt, chat=chat)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        try:
-            submission = validate(message, request_id=request_id, vocab_size=self._generation.tokenizer.vocab_size)
-        except InvalidArgument as error:  # named as the client named it, not as the gRPC message does
-            field = _client_field(error.field, max_tokens_as=max_tokens_as, chat=chat)
-            raise ApiError(400, error.message.replace(error.field, field, 1), field) from error
+        submission = validate(client_request, fields=fields, request_id=request_id,
+                              vocab_size=self._generation.tokenizer.vocab_size)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, "stream must be a boolean", "stream")
@@ -268,6 +214,10 @@ def _usage(last: Chunk) -> dict[str, Any]:
                             "verify_steps": last.speculation.num_verify_steps}}
 
 
+def error_response(error: ApiError) -> web.Response:
+    return web.json_response(error.body(), status=error.status)
+
+
 async def _send_event(response: web.StreamResponse, payload: dict[str, Any]) -> None:
     await response.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
 
@@ -280,78 +230,3 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     return body
-
-
-# OpenAI (and vLLM) parameters this server does not implement, with the values that ask for nothing: any other value
-# is refused, never silently ignored (it would change the output the client expects).
-UNSUPPORTED: dict[str, tuple[object, ...]] = {
-    "echo": (False,), "suffix": ("",), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,),
-    "repetition_penalty": (1,), "logit_bias": ({},), "min_tokens": (0,), "top_logprobs": (0,),
-}
-_INT32_MAX = 2**31 - 1
-
-
-def _max_tokens_field(body: dict[str, Any], *, chat: bool) -> tuple[str, object]:
-    """Which field gives the completion's length, as the client named it, and its value (chat: the newer
-    max_completion_tokens, else max_tokens; a field sent as null counts as not sent)."""
-    if not chat:
-        return "max_tokens", body.get("max_tokens", DEFAULT_MAX_TOKENS)
-    if body.get("max_completion_tokens") is not None:
-        return "max_completion_tokens", body["max_completion_tokens"]
-    return "max_tokens", body.get("max_tokens")
-
-
-def _client_field(field: str, *, max_tokens_as: str, chat: bool) -> str:
-    """The body's field that a gRPC field name (InvalidArgument.field) came from."""
-    if field.startswith(("token_ids", "prompt")) or field == "input":
-        return "messages" if chat else "prompt"
-    if field.startswith("chat.messages"):
-        return field.removeprefix("chat.")
-    field = field.removeprefix("params.")
-    return max_tokens_as if field == "max_tokens" else field
-
-
-def _sampling_params(body: dict[str, Any], message: pb.GenerateRequest, *, chat: bool) -> str:
-    """Copy OpenAI's parameters into the gRPC message (types and ranges checked here, values by `validate`); -> the
-    field the client gave the completion's length in."""
-    params = message.params
-    for name, harmless in UNSUPPORTED.items():
-        value = body.get(name)
-        if value is not None and not any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in harmless):
-            raise ApiError(400, f"{name} is not supported by this server (only {harmless[0]!r})", name)
-    max_name, max_tokens = _max_tokens_field(body, chat=chat)
-    top_k = body.get("top_k")
-    seed = body.get("seed")
-    fields: dict[str, tuple[str, object, type | tuple[type, ...]]] = {
-        "max_tokens": (max_name, max_tokens, int), "temperature": ("temperature", body.get("temperature"), (int, float)),
-        "top_p": ("top_p", body.get("top_p"), (int, float)),
-        "top_k": ("top_k", None if top_k == -1 else top_k, int),  # -1: no top-k cut, as vLLM has it
-        "seed": ("seed", seed % 2**63 if isinstance(seed, int) and not isinstance(seed, bool) else seed, int),
-    }
-    for name, (given_as, value, kind) in fields.items():
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, kind):
-            raise ApiError(400, f"{given_as} must be a number", given_as)
-        if name in ("max_tokens", "top_k") and value > _INT32_MAX:  # type: ignore[operator]
-            raise ApiError(400, f"{given_as} must be at most {_INT32_MAX}, got {value}", given_as)
-        try:
-            setattr(params, name, value)
-        except (ValueError, OverflowError, TypeError) as error:  # a number out of the field's range
-            raise ApiError(400, f"{given_as} is out of range: {error}", given_as) from error
-    if body.get("temperature") is None:
-        params.temperature = 1.0  # OpenAI's default
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        params.stop.append(stop)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        params.stop.extend(stop)
-    elif stop is not None:
-        raise ApiError(400, "stop must be a string or a list of strings", "stop")
-    if body.get("n", 1) != 1:
-        raise ApiError(400, "only n=1 is supported", "n")
-    if body.get("logprobs") is not None and body.get("logprobs") is not False:  # 0 still asks for logprobs
-        raise ApiError(400, "logprobs are not supported", "logprobs")
-    if body.get("ignore_eos") is True:  # an extension, as in vLLM
-        params.ignore_eos = True
-    return max_name

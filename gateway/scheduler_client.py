@@ -301,21 +301,24 @@ class RequestStream:
 
     def deliver(self, message: RequestMessage) -> None:
         """A message from the scheduler, as the stream's reader will see it."""
-        if isinstance(message, messages.TokenDelta):
-            self._received.extend(message.token_ids)
-            before = self._spec_before
-            self._spec_now = (before[0] + message.num_draft_tokens, before[1] + message.num_accepted_draft_tokens,
-                              before[2] + message.num_verify_steps)
-            if self._num_resumptions:
-                assert self._submitted is not None  # only a submitted request is resumed
-                message = msgspec.structs.replace(
-                    message, request_id=self.request_id, num_completion_tokens=len(self._received),
-                    num_prompt_tokens=len(self._submitted.prompt_token_ids), num_draft_tokens=self._spec_now[0],
-                    num_accepted_draft_tokens=self._spec_now[1], num_verify_steps=self._spec_now[2])
-            self._ended = message.finish_reason is not None
-        else:
-            message = msgspec.structs.replace(message, request_id=self.request_id)
-            self._ended = True
+        match message:
+            case messages.TokenDelta():
+                self._received.extend(message.token_ids)
+                before = self._spec_before
+                self._spec_now = (before[0] + message.num_draft_tokens, before[1] + message.num_accepted_draft_tokens,
+                                  before[2] + message.num_verify_steps)
+                if self._num_resumptions:
+                    assert self._submitted is not None  # only a submitted request is resumed
+                    message = msgspec.structs.replace(
+                        message, request_id=self.request_id, num_completion_tokens=len(self._received),
+                        num_prompt_tokens=len(self._submitted.prompt_token_ids), num_draft_tokens=self._spec_now[0],
+                        num_accepted_draft_tokens=self._spec_now[1], num_verify_steps=self._spec_now[2])
+                self._ended = message.finish_reason is not None
+            case messages.RequestError():
+                message = msgspec.structs.replace(message, request_id=self.request_id)
+                self._ended = True
+            case _:
+                assert_never(message)
         self._queue.put_nowait(message)
 
     def resumption(self) -> tuple[messages.AbortRequest, messages.SubmitRequest] | None:

@@ -13,8 +13,8 @@ import structlog
 from common.logs import get_logger
 from gateway.errors import RequestFailed
 from gateway.generation import Generation
+from gateway.grpc_request import request_id_of, submission_of
 from gateway.output import Chunk
-from gateway.validation import request_id_of, validate
 from proto import messages
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
@@ -60,7 +60,7 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
             raise  # not reached: abort raises
 
     async def _generate(self, request: pb.GenerateRequest, request_id: str, context: grpc.aio.ServicerContext) -> None:
-        submission = validate(request, request_id=request_id, vocab_size=self._generation.tokenizer.vocab_size)
+        submission = submission_of(request, request_id=request_id, vocab_size=self._generation.tokenizer.vocab_size)
         async with contextlib.aclosing(self._generation.chunks(submission, "grpc")) as chunks:
             async for chunk in chunks:
                 await write_chunk(context, chunk, request_id)

@@ -28,7 +28,7 @@ from gateway.health import HealthReporter
 from gateway.metrics import GatewayMetrics
 from gateway.scheduler_client import SchedulerClient
 from gateway.server import SpecServeServicer
-from gateway.tokenizer import ChatMessage, Tokenizer
+from modeling.tokenizer import ChatMessage, Tokenizer
 from proto import messages as m
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc

@@ -1,4 +1,8 @@
-"""GenerateRequest validation: every bad field is named in an INVALID_ARGUMENT; good requests become Submissions."""
+"""GenerateRequest validation: every bad field is named in an INVALID_ARGUMENT; good requests become Submissions.
+
+The rules are the gateway's one `validate`; these tests reach it through the gRPC API's
+request and field names (the HTTP API's are in test_gateway_openai_request.py).
+"""
 
 from __future__ import annotations
 
@@ -9,16 +13,18 @@ import grpc
 import pytest
 
 from gateway.errors import InvalidArgument
-from gateway.tokenizer import ChatMessage, Tokenizer
-from gateway.validation import ChatPrompt, TextPrompt, TokenPrompt, request_id_of, validate
+from gateway.generation import prompt_token_ids_of
+from gateway.grpc_request import request_id_of, submission_of
+from gateway.request import ChatPrompt, Submission, TextPrompt, TokenPrompt
+from modeling.tokenizer import ChatMessage, ChatTemplateError, Tokenizer
 from proto import messages
 from proto import specserve_pb2 as pb
 
 VOCAB_SIZE = 49152
 
 
-def check(request: pb.GenerateRequest) -> object:
-    return validate(request, request_id="r1", vocab_size=VOCAB_SIZE)
+def check(request: pb.GenerateRequest) -> Submission:
+    return submission_of(request, request_id="r1", vocab_size=VOCAB_SIZE)
 
 
 def params(**fields: object) -> pb.SamplingParams:
@@ -78,7 +84,7 @@ def test_request_id_is_the_clients_or_the_generated_one() -> None:
 
 
 def test_defaults_when_nothing_is_set() -> None:
-    submission = validate(pb.GenerateRequest(prompt="Hi"), request_id="r1", vocab_size=VOCAB_SIZE)
+    submission = submission_of(pb.GenerateRequest(prompt="Hi"), request_id="r1", vocab_size=VOCAB_SIZE)
     assert submission.prompt == TextPrompt("Hi")
     assert submission.max_tokens is None
     assert submission.sampling == messages.SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=0)
@@ -100,7 +106,7 @@ def test_every_field_is_carried_over() -> None:
         chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Hi")]),
         params=params(max_tokens=7, temperature=0.7, top_p=0.9, top_k=40, seed=0, stop=["\n\n"], stop_token_ids=[5, 2]),
     )
-    submission = validate(request, request_id="r2", vocab_size=VOCAB_SIZE)
+    submission = submission_of(request, request_id="r2", vocab_size=VOCAB_SIZE)
     assert submission.prompt == ChatPrompt((ChatMessage("user", "Hi"),))
     assert submission.seed_given is True  # seed 0 set explicitly is a given seed
     submit = submission.to_submit_request([1], eos_token_ids=[2])
@@ -112,14 +118,14 @@ def test_every_field_is_carried_over() -> None:
 
 def test_ignore_eos_leaves_only_the_clients_stop_ids() -> None:
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), params=params(ignore_eos=True, stop_token_ids=[9]))
-    submission = validate(request, request_id="r3", vocab_size=VOCAB_SIZE)
+    submission = submission_of(request, request_id="r3", vocab_size=VOCAB_SIZE)
     assert submission.prompt == TokenPrompt((1, 2, 3))
     assert submission.to_submit_request([1, 2, 3], eos_token_ids=[2]).stop_token_ids == [9]
 
 
 def test_edge_values_are_accepted() -> None:
     request = pb.GenerateRequest(prompt="x", params=params(temperature=0.0, top_p=1.0, top_k=0, max_tokens=1))
-    assert validate(request, request_id="r4", vocab_size=VOCAB_SIZE).max_tokens == 1
+    assert submission_of(request, request_id="r4", vocab_size=VOCAB_SIZE).max_tokens == 1
 
 
 # ---------------------------------------------------------------- tokenizer: chat template and eos ids
@@ -149,9 +155,14 @@ def test_chat_template_renders_like_transformers(tokenizer: Tokenizer, default_m
 def test_a_template_error_names_the_chat_field(tmp_path: Path, default_model_dir: Path) -> None:
     for name in ("tokenizer.json", "config.json"):
         (tmp_path / name).write_bytes((default_model_dir / name).read_bytes())
+    chat = check(pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="a")])))
     (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ raise_exception(\'roles must alternate\') }}"}')
-    with pytest.raises(InvalidArgument, match="chat: .*roles must alternate"):
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
         Tokenizer.load(tmp_path).render_chat([ChatMessage("user", "a")])
+    with pytest.raises(InvalidArgument, match="chat: .*roles must alternate"):
+        prompt_token_ids_of(Tokenizer.load(tmp_path), chat)
     (tmp_path / "tokenizer_config.json").write_text("{}")
-    with pytest.raises(InvalidArgument, match="chat: the model has no chat template"):
+    with pytest.raises(ChatTemplateError, match="the model has no chat template"):
         Tokenizer.load(tmp_path).encode_chat([ChatMessage("user", "a")])
+    with pytest.raises(InvalidArgument, match="chat: the model has no chat template"):
+        prompt_token_ids_of(Tokenizer.load(tmp_path), chat)

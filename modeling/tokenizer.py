@@ -1,4 +1,9 @@
-"""The model's tokenizer: text and chat messages to token ids, token ids to text, and the end-of-sequence ids."""
+"""The model's tokenizer: text and chat messages to token ids, token ids to text, and the end-of-sequence ids.
+
+A library for every process that reads a model folder (the gateway, distill, bench); its
+errors are its own, and each caller maps them to its own (the gateway: a start-up failure,
+an INVALID_ARGUMENT naming the client's field).
+"""
 
 from __future__ import annotations
 
@@ -14,10 +19,16 @@ import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 
-from gateway.errors import InvalidArgument, StartupError
-
 # Keys of tokenizer_config.json whose token text chat templates read (transformers passes them too).
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class TokenizerLoadError(Exception):
+    """A model folder's tokenizer files are missing, unreadable or malformed."""
+
+
+class ChatTemplateError(ValueError):
+    """The model has no chat template, or its template rejected the conversation."""
 
 
 @dataclass(frozen=True)
@@ -46,12 +57,12 @@ class Tokenizer:
 
     @classmethod
     def load(cls, model_dir: Path) -> Tokenizer:
-        """Read tokenizer.json, tokenizer_config.json, config.json and generation_config.json; raises StartupError."""
+        """Read tokenizer.json, tokenizer_config.json, config.json and generation_config.json; raises TokenizerLoadError."""
         tokenizer_file = model_dir / "tokenizer.json"
         try:
             backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
         except Exception as error:  # tokenizers raises a bare Exception for unreadable files
-            raise StartupError(f"cannot load {tokenizer_file}: {error}") from error
+            raise TokenizerLoadError(f"cannot load {tokenizer_file}: {error}") from error
         backend.no_truncation()
         backend.no_padding()
         tokenizer_config = read_json(model_dir / "tokenizer_config.json")
@@ -83,18 +94,18 @@ class Tokenizer:
     def render_chat(self, messages: Sequence[ChatMessage]) -> str:
         """The chat template's text for messages plus the assistant's generation prompt.
 
-        Raises InvalidArgument (field "chat") when the model has no template or the
-        template rejects the conversation.
+        Raises ChatTemplateError when the model has no template or the template rejects
+        the conversation.
         """
         if self._chat_template is None:
-            raise InvalidArgument("chat", "the model has no chat template; send prompt or token_ids instead")
+            raise ChatTemplateError("the model has no chat template")
         conversation = [{"role": message.role, "content": message.content} for message in messages]
         try:
             return self._chat_template.render(
                 messages=conversation, add_generation_prompt=True, **self._special_tokens
             )
         except jinja2.TemplateError as error:
-            raise InvalidArgument("chat", f"the model's chat template rejected the messages: {error}") from error
+            raise ChatTemplateError(f"the model's chat template rejected the messages: {error}") from error
 
     def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
         """Chat messages to ids; the template writes the special tokens, so none are added."""
@@ -107,15 +118,15 @@ class Tokenizer:
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    """The object in a JSON file, or {} when the file does not exist; raises StartupError if unreadable."""
+    """The object in a JSON file, or {} when the file does not exist; raises TokenizerLoadError if unreadable."""
     if not path.exists():
         return {}
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
-        raise StartupError(f"cannot read {path}: {error}") from error
+        raise TokenizerLoadError(f"cannot read {path}: {error}") from error
     if not isinstance(value, dict):
-        raise StartupError(f"{path} does not hold a JSON object")
+        raise TokenizerLoadError(f"{path} does not hold a JSON object")
     return value
 
 
@@ -178,7 +189,7 @@ def load_chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> jin
     try:
         return template_environment().from_string(source)
     except jinja2.TemplateError as error:
-        raise StartupError(f"the chat template in {model_dir} does not compile: {error}") from error
+        raise TokenizerLoadError(f"the chat template in {model_dir} does not compile: {error}") from error
 
 
 def template_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:

@@ -1,0 +1,64 @@
+"""The gRPC API's side of a request: a GenerateRequest to a ClientRequest, and the message's field names for errors."""
+
+from __future__ import annotations
+
+from gateway.errors import InvalidArgument
+from gateway.request import ChatPrompt, ClientRequest, Prompt, Submission, TextPrompt, TokenPrompt
+from gateway.validation import FieldNames, checked_request_id, validate
+from modeling.tokenizer import ChatMessage
+from proto import specserve_pb2 as pb
+
+GRPC_FIELDS = FieldNames(
+    text_prompt="prompt",
+    chat="chat",
+    chat_messages="chat.messages",
+    chat_role="chat.messages[{index}].role",
+    token_ids="token_ids.ids",
+    token_id="token_ids.ids[{index}]",
+    max_tokens="params.max_tokens",
+    temperature="params.temperature",
+    top_p="params.top_p",
+    top_k="params.top_k",
+    seed="params.seed",
+    stop_string="params.stop[{index}]",
+    stop_token_id="params.stop_token_ids[{index}]",
+)
+
+
+def request_id_of(request: pb.GenerateRequest, generated_id: str) -> str:
+    """The client's request_id when it set one (checked), else generated_id."""
+    if not request.HasField("request_id"):
+        return generated_id
+    return checked_request_id(request.request_id, field="request_id")
+
+
+def submission_of(request: pb.GenerateRequest, *, request_id: str, vocab_size: int) -> Submission:
+    """Every field of the request checked; raises InvalidArgument naming the first bad one as the message does."""
+    return validate(client_request_of(request), fields=GRPC_FIELDS, request_id=request_id, vocab_size=vocab_size)
+
+
+def client_request_of(request: pb.GenerateRequest) -> ClientRequest:
+    """The message's fields, unset ones as None; raises InvalidArgument when it sets no input."""
+    params = request.params
+    return ClientRequest(
+        prompt=prompt_of(request),
+        max_tokens=params.max_tokens if params.HasField("max_tokens") else None,
+        temperature=params.temperature if params.HasField("temperature") else None,
+        top_p=params.top_p if params.HasField("top_p") else None,
+        top_k=params.top_k if params.HasField("top_k") else None,
+        seed=params.seed if params.HasField("seed") else None,
+        stop_strings=tuple(params.stop),
+        stop_token_ids=tuple(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+    )
+
+
+def prompt_of(request: pb.GenerateRequest) -> Prompt:
+    """The oneof `input`, whichever member is set (an empty one too: `validate` names it)."""
+    if request.HasField("prompt"):
+        return TextPrompt(request.prompt)
+    if request.HasField("chat"):
+        return ChatPrompt(tuple(ChatMessage(role=message.role, content=message.content) for message in request.chat.messages))
+    if request.HasField("token_ids"):
+        return TokenPrompt(tuple(request.token_ids.ids))
+    raise InvalidArgument("input", "set one of prompt, chat or token_ids")

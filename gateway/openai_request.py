@@ -1,0 +1,173 @@
+"""The HTTP API's side of a request: an OpenAI completions or chat body to a ClientRequest, and the body's field names.
+
+Here only what JSON can get wrong is checked (a string where a number belongs, a parameter
+this server does not implement); the values are checked by `validation.validate`, as for
+gRPC, with OPENAI_FIELDS, so every error names the body's own field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import grpc
+
+from gateway.errors import InvalidArgument, RequestFailed
+from gateway.request import ChatPrompt, ClientRequest, Prompt, TextPrompt, TokenPrompt
+from gateway.validation import FieldNames
+from modeling.tokenizer import ChatMessage
+
+HTTP_STATUS: dict[grpc.StatusCode, int] = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.INTERNAL: 500,
+}
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable",
+               500: "internal_error"}
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# OpenAI (and vLLM) parameters this server does not implement, with the values that ask for nothing: any other value
+# is refused, never silently ignored (it would change the output the client expects).
+UNSUPPORTED: dict[str, tuple[object, ...]] = {
+    "echo": (False,), "suffix": ("",), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,),
+    "repetition_penalty": (1,), "logit_bias": ({},), "min_tokens": (0,), "top_logprobs": (0,),
+}
+_INT32_MAX = 2**31 - 1  # max_tokens and top_k: what the gRPC API's int32 fields hold
+
+# A token prompt's errors name `prompt`, not one of its items; chat requests may name max_completion_tokens instead.
+OPENAI_FIELDS = FieldNames(
+    text_prompt="prompt",
+    chat="messages",
+    chat_messages="messages",
+    chat_role="messages[{index}].role",
+    token_ids="prompt",
+    token_id="prompt",
+    max_tokens="max_tokens",
+    temperature="temperature",
+    top_p="top_p",
+    top_k="top_k",
+    seed="seed",
+    stop_string="stop[{index}]",
+    stop_token_id="stop_token_ids[{index}]",
+)
+
+
+class ApiError(Exception):
+    """A request the HTTP API refuses, as OpenAI's error body says it: status, message, the offending field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "error"), "param": self.param,
+                          "code": self.code}}
+
+    @classmethod
+    def from_failure(cls, failure: RequestFailed) -> ApiError:
+        param = failure.field if isinstance(failure, InvalidArgument) else None
+        return cls(HTTP_STATUS.get(failure.status, 500), failure.message, param)
+
+
+def completion_prompt(body: dict[str, Any]) -> Prompt:
+    """/v1/completions' `prompt`: one string (or a list holding one) or a list of token ids."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return TextPrompt(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return TokenPrompt(tuple(prompt))
+    raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", "prompt")
+
+
+def chat_prompt(body: dict[str, Any]) -> ChatPrompt:
+    """/v1/chat/completions' `messages`: each with a string role and text content (a string or text parts)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list of {role, content}", "messages")
+    return ChatPrompt(tuple(_chat_message(index, item) for index, item in enumerate(messages)))
+
+
+def _chat_message(index: int, item: object) -> ChatMessage:
+    content = item.get("content") if isinstance(item, dict) else None
+    if isinstance(content, list):  # content parts: text only
+        texts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
+        content = "".join(t for t in texts if isinstance(t, str)) if len(texts) == len(content) else None
+    if not isinstance(item, dict) or not isinstance(item.get("role"), str) or not isinstance(content, str):
+        raise ApiError(400, f"messages[{index}] must have a string role and text content", f"messages[{index}]")
+    return ChatMessage(role=item["role"], content=content)
+
+
+def client_request_of(body: dict[str, Any], prompt: Prompt, *, chat: bool) -> tuple[ClientRequest, FieldNames]:
+    """The prompt with the body's parameters, and the names to check them by; raises ApiError for a parameter of
+    the wrong type or one this server does not implement (in this order, the first wrong one)."""
+    for name, harmless in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and not any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in harmless):
+            raise ApiError(400, f"{name} is not supported by this server (only {harmless[0]!r})", name)
+    max_tokens_as, max_tokens = _max_tokens_field(body, chat=chat)
+    top_k, seed = body.get("top_k"), body.get("seed")
+    checked_max_tokens = _int_param(max_tokens_as, max_tokens, at_most=_INT32_MAX)
+    temperature = _float_param("temperature", body.get("temperature"))
+    top_p = _float_param("top_p", body.get("top_p"))
+    checked_top_k = _int_param("top_k", None if top_k == -1 else top_k, at_most=_INT32_MAX)  # -1: no cut, as in vLLM
+    checked_seed = _int_param("seed", seed % 2**63 if isinstance(seed, int) and not isinstance(seed, bool) else seed)
+    stop_strings = _stop_strings(body.get("stop"))
+    if body.get("n", 1) != 1:
+        raise ApiError(400, "only n=1 is supported", "n")
+    if body.get("logprobs") is not None and body.get("logprobs") is not False:  # 0 still asks for logprobs
+        raise ApiError(400, "logprobs are not supported", "logprobs")
+    request = ClientRequest(
+        prompt=prompt,
+        max_tokens=checked_max_tokens,
+        temperature=1.0 if temperature is None else temperature,  # OpenAI's default
+        top_p=top_p,
+        top_k=checked_top_k,
+        seed=checked_seed,
+        stop_strings=stop_strings,
+        ignore_eos=body.get("ignore_eos") is True,  # an extension, as in vLLM
+    )
+    return request, dataclasses.replace(OPENAI_FIELDS, max_tokens=max_tokens_as)
+
+
+def _max_tokens_field(body: dict[str, Any], *, chat: bool) -> tuple[str, object]:
+    """Which field gives the completion's length, as the client named it, and its value (chat: the newer
+    max_completion_tokens, else max_tokens; a field sent as null counts as not sent)."""
+    if not chat:
+        return "max_tokens", body.get("max_tokens", DEFAULT_MAX_TOKENS)
+    if body.get("max_completion_tokens") is not None:
+        return "max_completion_tokens", body["max_completion_tokens"]
+    return "max_tokens", body.get("max_tokens")
+
+
+def _int_param(name: str, value: object, *, at_most: int | None = None) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(400, f"{name} must be a number", name)
+    if at_most is not None and value > at_most:
+        raise ApiError(400, f"{name} must be at most {at_most}, got {value}", name)
+    return value
+
+
+def _float_param(name: str, value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ApiError(400, f"{name} must be a number", name)
+    try:
+        return float(value)
+    except OverflowError as error:  # an integer past what a float holds
+        raise ApiError(400, f"{name} is out of range: {error}", name) from error
+
+
+def _stop_strings(stop: object) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return tuple(stop)
+    raise ApiError(400, "stop must be a string or a list of strings", "stop")

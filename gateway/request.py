@@ -1,0 +1,74 @@
+"""A generation request in neither public API's terms: as the client sent it (ClientRequest) and once checked (Submission).
+
+Each front end (gRPC in grpc_request.py, HTTP in openai_request.py) turns its wire request
+into a ClientRequest, checking only what its own format can get wrong (a missing field, a
+string where a number belongs); `validation.validate` checks the values once for both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from modeling.tokenizer import ChatMessage
+from proto import messages
+
+
+@dataclass(frozen=True)
+class TextPrompt:
+    text: str
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    messages: tuple[ChatMessage, ...]
+
+
+@dataclass(frozen=True)
+class TokenPrompt:
+    token_ids: tuple[int, ...]
+
+
+Prompt = TextPrompt | ChatPrompt | TokenPrompt
+
+
+@dataclass(frozen=True)
+class ClientRequest:
+    """What the client asked for, typed but not yet checked; None: the client left the field unset."""
+
+    prompt: Prompt
+    max_tokens: int | None = None  # None: until a stop condition or the context is full
+    temperature: float | None = None  # None: greedy
+    top_p: float | None = None  # None: 1
+    top_k: int | None = None  # None: no top-k cut
+    seed: int | None = None  # None: the scheduler draws one
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # eos not included
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class Submission:
+    """A request that passed every check; only tokenization is left before it goes to the scheduler."""
+
+    request_id: str
+    prompt: Prompt
+    prompt_field: str  # the client's name for the prompt, for errors found when tokenizing it
+    max_tokens: int | None  # None: until a stop condition or the context is full
+    sampling: messages.SamplingParams
+    seed_given: bool  # False: sampling.seed is 0 and the scheduler draws one
+    stop_strings: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]  # the client's own, eos not included
+    ignore_eos: bool
+
+    def to_submit_request(self, prompt_token_ids: list[int], eos_token_ids: Sequence[int]) -> messages.SubmitRequest:
+        """The scheduler's message: eos ids stop the request unless ignore_eos, then the client's stop ids."""
+        stop_ids = [] if self.ignore_eos else list(eos_token_ids)
+        return messages.SubmitRequest(
+            request_id=self.request_id,
+            prompt_token_ids=prompt_token_ids,
+            max_tokens=self.max_tokens,
+            sampling=self.sampling,
+            stop_token_ids=list(dict.fromkeys([*stop_ids, *self.stop_token_ids])),
+            seed_given=self.seed_given,
+        )
