@@ -31,6 +31,7 @@ if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.spec_prompts import CHAT, CODE
+from common.process_config import ProcessConfig
 from distill.data import generate
 from draft_service.proposers import (
     EagleProposer,
@@ -41,7 +42,7 @@ from draft_service.proposers import (
     ProposeInput,
     Proposer,
 )
-from gateway.tokenizer import ChatMessage, Tokenizer
+from modeling.tokenizer import ChatMessage, Tokenizer
 from gpu_worker.config import WorkerConfig
 from gpu_worker.runner import ModelRunner
 from modeling.batch import SeqSpan
@@ -87,10 +88,11 @@ def accuracy(target: Path, drafts: list[Path], dtype: str, output_len: int) -> N
 
 def cycle(target: Path, draft: Path, dtype: str, ks: list[int], lookup_k: int, ngram_min: int, phrases: bool,
           output_len: int) -> None:
-    config = WorkerConfig(worker_id="bench", model=target, scheduler_address="inproc://unused", device="cpu", dtype=dtype,
-                          max_model_len=MAX_LEN, num_kv_slots=1, max_num_batched_tokens=512, max_draft_tokens=8,
-                          heartbeat_interval_s=1.0, phase_timeout_s=60.0, step_timeout_s=60.0, drain_timeout_s=10.0,
-                          num_threads=0, status_file=None)
+    process = ProcessConfig(worker_id="bench", scheduler_address="inproc://unused", device="cpu", dtype=dtype,
+                            heartbeat_interval_s=1.0, phase_timeout_s=60.0, step_timeout_s=60.0, drain_timeout_s=10.0,
+                            num_threads=0, status_file=None)
+    config = WorkerConfig(process=process, model=target, max_model_len=MAX_LEN, num_kv_slots=1, max_num_batched_tokens=512,
+                          max_draft_tokens=8)
     runner = ModelRunner(config, ModelConfig.from_folder(target))
     runner.load()
     runner.allocate()
@@ -118,21 +120,22 @@ def cycle(target: Path, draft: Path, dtype: str, ks: list[int], lookup_k: int, n
                 drafted, parents = proposal.token_ids, proposal.parents
             work = SeqWork("r", 0, len(tokens) - 1, [tokens[-1]] + drafted, True, GREEDY, num_draft_tokens=len(drafted),
                            draft_parents=parents)
-            (out,), rows = runner.execute([work], return_features=proposer is not None)  # plain steps need none
+            (out,), step_rows = runner.execute([work], return_features=proposer is not None)  # plain steps need none
             seconds += time.perf_counter() - started
             verifies += bool(drafted)
             accepted += out.num_accepted_draft
-            if rows:
-                features = torch.cat((features, from_rows(rows[0].rows)))
+            if step_rows:
+                features = torch.cat((features, from_rows(step_rows[0].rows)))
             stable = len(tokens) + out.num_accepted_draft
             tokens = tokens + out.token_ids
         return tokens, seconds, verifies, accepted
 
     label = f"lookup (n >= {ngram_min}, k = {lookup_k}){', phrases' if phrases else ''}, else the head" if lookup_k else "the head"
     print(f"{draft} ({dtype}), {label}")
-    lookup: LookupProposer = NgramProposer(ngram_min, 4)
+    ngram = NgramProposer(ngram_min, 4)
+    lookup: LookupProposer = ngram
     if phrases:
-        lookup = PhraseProposer(draft, target, lookup)
+        lookup = PhraseProposer(draft, target, ngram)
         for phase in lookup.phases():
             phase()
     for k in ks:

@@ -10,7 +10,6 @@ import math
 import os
 import platform
 import shlex
-import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -26,10 +25,12 @@ if not __package__:
     # Run as a file (`python bench/grpc_bench.py`, as `make bench` does): make the repository root importable.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.local_stack import ReadyStack, StackError, StackOptions, running_stack
+from bench.local_stack import ReadyStack, running_up
 from bench.prompts import PromptWindows
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
+from proto.lifecycle import State
+from specserve.stack import StackError, free_port
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_CONCURRENCIES = (1, 4, 16, 64)
@@ -195,7 +196,7 @@ async def fetch_server_info(stub: pb_grpc.SpecServeStub, address: str) -> pb.Ser
 
 
 def check_server(info: pb.ServerInfoResponse, workload: Workload) -> None:
-    if not any(p.role == "target" and p.state == "READY" for p in info.processes):
+    if not any(p.role == "target" and p.state == State.READY for p in info.processes):
         raise BenchError(f"the stack has no READY target worker: {[(p.process_id, p.state) for p in info.processes]}")
     if workload.input_len + workload.output_len > info.max_model_len:
         raise BenchError(f"--input-len + --output-len = {workload.input_len + workload.output_len} exceeds the "
@@ -325,7 +326,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.grpc_bench", description=__doc__)
     target = parser.add_mutually_exclusive_group()
     target.add_argument("--address", default=DEFAULT_ADDRESS, help=f"a running gateway, HOST:PORT (default {DEFAULT_ADDRESS})")
-    target.add_argument("--start", action="store_true", help="start a stack with `specserve up`, stop it at the end")
+    target.add_argument("--start", action="store_true",
+                        help="start the stack `specserve up` would (same flags, same defaults), stop it at the end")
     stack = parser.add_argument_group("with --start")
     stack.add_argument("--port", type=positive_int, default=None, help="the stack's gRPC port (default: a free one)")
     stack.add_argument("--num-workers", type=positive_int, default=None)
@@ -368,23 +370,16 @@ def model_dir(args: argparse.Namespace) -> Path:
     return default_model_dir()
 
 
-def stack_options(args: argparse.Namespace) -> StackOptions:
-    specserve = Path(sys.executable).parent / "specserve"
-    speculation = {"--draft": args.draft, "--num-speculative-tokens": args.num_speculative_tokens,
-                   "--spec-disable-batch-threshold": args.spec_disable_batch_threshold,
-                   "--spec-draft-token-budget": args.spec_draft_token_budget}
-    extra = tuple(part for flag, value in speculation.items() if value is not None for part in (flag, str(value)))
-    extra += ("--no-token-trees",) if args.no_token_trees else ()
-    return StackOptions(specserve=specserve, port=args.port or _free_port(), http_port=_free_port(), model=args.model, dtype=args.dtype,
-                        num_workers=args.num_workers, num_kv_slots=args.num_kv_slots,
-                        ready_timeout_s=args.ready_timeout_s, extra_args=extra)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+def up_flags(args: argparse.Namespace) -> list[str]:
+    """The `specserve up` flags of the stack --start runs: the given options, free ports for the rest."""
+    optional = {"--model": args.model, "--dtype": args.dtype, "--num-workers": args.num_workers,
+                "--num-kv-slots": args.num_kv_slots, "--draft": args.draft,
+                "--num-speculative-tokens": args.num_speculative_tokens,
+                "--spec-disable-batch-threshold": args.spec_disable_batch_threshold,
+                "--spec-draft-token-budget": args.spec_draft_token_budget}
+    given = [part for flag, value in optional.items() if value is not None for part in (flag, str(value))]
+    return ["--host", "127.0.0.1", "--port", str(args.port or free_port()), "--http-port", str(free_port()),
+            "--ready-timeout-s", str(args.ready_timeout_s), *given, *(["--no-token-trees"] if args.no_token_trees else [])]
 
 
 def run(args: argparse.Namespace) -> tuple[list[RunSummary], dict[str, Any]]:
@@ -398,10 +393,10 @@ def run(args: argparse.Namespace) -> tuple[list[RunSummary], dict[str, Any]]:
     if not args.start:
         info, summaries = asyncio.run(benchmark(args.address, prompts, args.concurrency, workload))
         return summaries, build_report(args, args.address, None, info, summaries)
-    options = stack_options(args)
-    print(f"starting: {shlex.join(options.argv())}", file=sys.stderr, flush=True)
-    with running_stack(options) as stack:
-        print(f"{stack.ready_line} (log: {stack.log_path})", file=sys.stderr, flush=True)
+    flags = up_flags(args)
+    print(f"starting: specserve up {shlex.join(flags)}", file=sys.stderr, flush=True)
+    with running_up(flags) as stack:
+        print(f"{stack.ready_line} (logs: {stack.log_dir})", file=sys.stderr, flush=True)
         info, summaries = asyncio.run(benchmark(stack.address, prompts, args.concurrency, workload))
     return summaries, build_report(args, stack.address, stack, info, summaries)
 

@@ -34,11 +34,12 @@ import grpc
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.grpc_bench import _free_port, describe_machine
-from bench.local_stack import StackOptions, running_stack
+from bench.grpc_bench import describe_machine
+from bench.local_stack import running_up
 from bench.spec_prompts import WORKLOADS
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
+from specserve.stack import free_port
 
 
 @dataclass(frozen=True)
@@ -205,8 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rounds < 1 or args.repeats < 1:
         raise SystemExit("spec_bench: --rounds and --repeats must be at least 1")
     configs = args.config or ["none", "ngram"]
-    specserve = Path(sys.executable).parent / "specserve"
-    from gateway.tokenizer import ChatMessage, Tokenizer
+    from modeling.tokenizer import ChatMessage, Tokenizer
     from modeling.model_store import default_model_dir
 
     model = default_model_dir()
@@ -217,11 +217,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for round_index in range(args.rounds):
         for config in configs:
             draft, *rest = shlex.split(config)
-            options = StackOptions(specserve=specserve, port=_free_port(), http_port=_free_port(), dtype=args.dtype,
-                                   extra_args=("--draft", draft, *rest))
-            print(f"round {round_index + 1}/{args.rounds}, starting: {shlex.join(options.argv())}", file=sys.stderr, flush=True)
-            with running_stack(options) as stack:
-                dtype = stack.dtype or "bfloat16"
+            flags = ["--host", "127.0.0.1", "--port", str(free_port()), "--http-port", str(free_port()),
+                     *(["--dtype", args.dtype] if args.dtype else []), "--draft", draft, *rest]
+            print(f"round {round_index + 1}/{args.rounds}, starting: specserve up {shlex.join(flags)}", file=sys.stderr,
+                  flush=True)
+            with running_up(flags) as stack:
+                dtype = stack.dtype
                 results += asyncio.run(_run_config(stack.address, config, prompts_of, args.output_len, args.repeats,
                                                    round_index, args.temperature, args.top_p))
     print(format_table(results))

@@ -23,8 +23,9 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from proto.lifecycle import INIT_PHASES, State
+
 ENV_VAR = "SPECSERVE_FAULT"
-PHASES = ("STARTING", "LOADING", "ALLOCATING", "WARMING")
 ACTIONS = ("raise", "exit", "hang", "slow")
 EXIT_STATUS = 3
 
@@ -36,7 +37,7 @@ class InjectedFault(RuntimeError):
 @dataclass(frozen=True)
 class Fault:
     process_id: str
-    phase: str | None  # one of PHASES, or None for a step fault
+    phase: State | None  # one of INIT_PHASES, or None for a step fault
     step: int | None  # 1-based step number, or None for a phase fault
     action: str
     seconds: float = 0.0  # for slow
@@ -59,10 +60,10 @@ def parse_faults(text: str) -> list[Fault]:
             if step < 1:
                 raise ValueError(f"{ENV_VAR}: {entry!r}: steps count from 1")
             faults.append(Fault(process_id, None, step, action, seconds))
-        elif when in PHASES:
-            faults.append(Fault(process_id, when, None, action, seconds))
+        elif when in INIT_PHASES:
+            faults.append(Fault(process_id, State(when), None, action, seconds))
         else:
-            raise ValueError(f"{ENV_VAR}: {entry!r}: when must be one of {', '.join(PHASES)} or step=N")
+            raise ValueError(f"{ENV_VAR}: {entry!r}: when must be one of {', '.join(INIT_PHASES)} or step=N")
     return faults
 
 
@@ -72,7 +73,7 @@ class FaultInjector:
     def __init__(self, process_id: str, environ: Mapping[str, str] = os.environ) -> None:
         self.faults = [f for f in parse_faults(environ.get(ENV_VAR, "")) if f.process_id == process_id]
 
-    def at_phase(self, phase: str) -> None:
+    def at_phase(self, phase: State) -> None:
         for fault in self.faults:
             if fault.phase == phase:
                 _act(fault, f"in {phase}")

@@ -6,8 +6,10 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.lifecycle_process import add_process_arguments, check_process_arguments
-from draft_service.defaults import DISTILLED_KINDS, HEAD_DRAFT_TOKENS, MODEL_KINDS
+from common import process_config
+from common.draft_spec import DraftSpec
+from common.process_config import ProcessConfig
+from draft_service.defaults import HEAD_DRAFT_TOKENS
 from modeling.engine import DTYPES
 
 PROPOSER_HELP = (
@@ -22,9 +24,8 @@ PROPOSER_HELP = (
 
 @dataclass(frozen=True)
 class DraftConfig:
-    worker_id: str
-    scheduler_address: str
-    proposer: str  # see PROPOSER_HELP
+    process: ProcessConfig  # id, scheduler address, device, dtype, deadlines, threads, status file
+    proposer: DraftSpec
     target_model: Path | None  # the target's folder: a distilled draft (phrases, head) must have been made for it
     max_draft_tokens: int  # the longest proposal it makes (k)
     head_draft_tokens: int  # eagle+ngram, eagle+phrases: the longest proposal the head makes (a lookup's may reach k)
@@ -33,29 +34,10 @@ class DraftConfig:
     ngram_max: int
     max_model_len: int  # tokens per sequence it can hold
     num_seqs: int  # sequences it holds at once (draft model: KV slots)
-    device: str
-    dtype: str
     draft_top_k: int  # a sampled draft token is drawn from the draft's k most likely tokens at most
-    heartbeat_interval_s: float
-    phase_timeout_s: float  # a start-up phase running longer ends the process (FAILED)
-    step_timeout_s: float  # a step (proposal) running longer ends the process (FAILED)
-    drain_timeout_s: float  # after SIGTERM, how long work in flight may take before the process stops anyway
-    num_threads: int  # torch intra-op threads on CPU; 0 = torch's default
-    status_file: Path | None
-
-    @property
-    def model_path(self) -> Path | None:
-        kind, _, path = self.proposer.partition(":")
-        return Path(path) if kind in ("model", *DISTILLED_KINDS) else None
-
-    @property
-    def runs_model(self) -> bool:
-        return self.proposer.partition(":")[0] in MODEL_KINDS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--worker-id", default="draft-0")
-    parser.add_argument("--scheduler-address", default="tcp://127.0.0.1:5556")
     parser.add_argument("--proposer", default="ngram", help=PROPOSER_HELP)
     parser.add_argument("--target-model", type=Path, default=None, help="the target's model folder (needed by phrases:PATH and the eagle kinds)")
     parser.add_argument("--max-draft-tokens", type=int, default=8)
@@ -69,33 +51,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--num-seqs", type=int, default=64)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     parser.add_argument("--draft-top-k", type=int, default=32)
-    add_process_arguments(parser)
+    process_config.add_arguments(parser, default_worker_id="draft-0", dtypes=DTYPES)
 
 
 def from_arguments(args: argparse.Namespace) -> DraftConfig:
+    """Raises ValueError naming the setting."""
     for name in ("max_draft_tokens", "head_draft_tokens", "ngram_min", "max_model_len", "num_seqs", "draft_top_k"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    check_process_arguments(args)
+    process = process_config.from_arguments(args)
     if args.ngram_max < args.ngram_min:
         raise ValueError(f"--ngram-max ({args.ngram_max}) is below --ngram-min ({args.ngram_min})")
-    kind = args.proposer.split(":", 1)[0]
-    if kind not in ("ngram", "model", *DISTILLED_KINDS, "random", "replay") or (kind != "ngram") != (":" in args.proposer):
-        raise ValueError(f"--proposer {args.proposer!r}: {PROPOSER_HELP}")
-    if kind == "random" and not args.proposer.split(":", 1)[1].isdigit():
-        raise ValueError(f"--proposer {args.proposer!r}: random needs the vocabulary size, e.g. random:49152")
-    if kind in DISTILLED_KINDS and args.target_model is None:
-        raise ValueError(f"--proposer {kind}:PATH needs --target-model (the target's folder: the draft is checked against it)")
+    proposer = DraftSpec.parse(args.proposer, flag="--proposer")
+    if proposer.needs_target_model and args.target_model is None:
+        raise ValueError(f"--proposer {proposer.kind}:PATH needs --target-model (the target's folder: the draft is checked against it)")
     return DraftConfig(
-        worker_id=args.worker_id, scheduler_address=args.scheduler_address, proposer=args.proposer,
-        target_model=args.target_model,
+        process=process, proposer=proposer, target_model=args.target_model,
         max_draft_tokens=args.max_draft_tokens, head_draft_tokens=args.head_draft_tokens, token_trees=args.token_trees,
-        ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-        max_model_len=args.max_model_len, num_seqs=args.num_seqs, device=args.device, dtype=args.dtype,
-        draft_top_k=args.draft_top_k, heartbeat_interval_s=args.heartbeat_interval_s,
-        phase_timeout_s=args.phase_timeout_s, step_timeout_s=args.step_timeout_s, drain_timeout_s=args.drain_timeout_s, num_threads=args.num_threads,
-        status_file=args.status_file,
+        ngram_min=args.ngram_min, ngram_max=args.ngram_max, max_model_len=args.max_model_len, num_seqs=args.num_seqs,
+        draft_top_k=args.draft_top_k,
     )

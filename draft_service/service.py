@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
+from typing import assert_never
 
 import torch
 
+from common.draft_spec import DraftKind
 from common.lifecycle_process import LifecycleProcess, Phase
 from draft_service.config import DraftConfig
 from draft_service.proposers import (
@@ -27,42 +28,48 @@ from proto.lifecycle import State
 
 
 def make_proposer(config: DraftConfig) -> Proposer:
-    kind, _, argument = config.proposer.partition(":")
+    spec = config.proposer
+    path = spec.path  # DraftSpec.parse gives every kind but ngram and random its path
     prompt_lookup = NgramProposer(config.ngram_min, config.ngram_max)
-    match kind:
-        case "ngram":
+    match spec.kind:
+        case DraftKind.NGRAM:
             return prompt_lookup
-        case "phrases":
-            assert config.target_model is not None  # checked with the arguments
-            return PhraseProposer(Path(argument), config.target_model, prompt_lookup, trees=config.token_trees)
-        case "eagle" | "eagle+ngram" | "eagle+phrases":
-            assert config.target_model is not None  # checked with the arguments
-            head = EagleProposer(Path(argument), config.target_model, device=config.device, dtype=config.dtype,
+        case DraftKind.PHRASES:
+            assert path is not None and config.target_model is not None  # checked with the arguments
+            return PhraseProposer(path, config.target_model, prompt_lookup, trees=config.token_trees)
+        case DraftKind.EAGLE | DraftKind.EAGLE_NGRAM | DraftKind.EAGLE_PHRASES:
+            assert path is not None and config.target_model is not None  # checked with the arguments
+            head = EagleProposer(path, config.target_model, device=config.process.device, dtype=config.process.dtype,
                                  num_slots=config.num_seqs, max_len=config.max_model_len,
                                  max_draft_tokens=config.max_draft_tokens, draft_top_k=config.draft_top_k)
-            if kind == "eagle":
+            if spec.kind is DraftKind.EAGLE:
                 return head
-            if kind == "eagle+ngram":
+            if spec.kind is DraftKind.EAGLE_NGRAM:
                 return LookupThenHead(head, prompt_lookup, config.head_draft_tokens)
-            phrases = PhraseProposer(Path(argument), config.target_model, prompt_lookup, min_context=PHRASE_FULL_CONTEXT)
+            phrases = PhraseProposer(path, config.target_model, prompt_lookup, min_context=PHRASE_FULL_CONTEXT)
             return LookupThenHead(head, phrases, config.head_draft_tokens)
-        case "model":
-            return ModelProposer(Path(argument), device=config.device, dtype=config.dtype, num_slots=config.num_seqs,
-                                 max_len=config.max_model_len, max_draft_tokens=config.max_draft_tokens,
-                                 draft_top_k=config.draft_top_k)
-        case "random":
-            return RandomProposer(int(argument))
-        case "replay":
-            return ReplayProposer(Path(argument))
-    raise ValueError(f"unknown proposer {config.proposer!r}")
+        case DraftKind.MODEL:
+            assert path is not None  # checked with the arguments
+            return ModelProposer(path, device=config.process.device, dtype=config.process.dtype,
+                                 num_slots=config.num_seqs, max_len=config.max_model_len,
+                                 max_draft_tokens=config.max_draft_tokens, draft_top_k=config.draft_top_k)
+        case DraftKind.RANDOM:
+            assert spec.vocab_size is not None  # checked with the arguments
+            return RandomProposer(spec.vocab_size)
+        case DraftKind.REPLAY:
+            assert path is not None  # checked with the arguments
+            return ReplayProposer(path)
+        case _:
+            assert_never(spec.kind)
 
 
 class DraftService(LifecycleProcess[m.SchedulerToDraft]):
     def __init__(self, config: DraftConfig) -> None:
-        super().__init__(process_id=config.worker_id, scheduler_address=config.scheduler_address,
-                         heartbeat_interval_s=config.heartbeat_interval_s, status_file=config.status_file,
-                         inbound=m.SchedulerToDraft, phase_timeout_s=config.phase_timeout_s,
-                         step_timeout_s=config.step_timeout_s, drain_timeout_s=config.drain_timeout_s)
+        process = config.process
+        super().__init__(process_id=process.worker_id, scheduler_address=process.scheduler_address,
+                         heartbeat_interval_s=process.heartbeat_interval_s, status_file=process.status_file,
+                         inbound=m.SchedulerToDraft, phase_timeout_s=process.phase_timeout_s,
+                         step_timeout_s=process.step_timeout_s, drain_timeout_s=process.drain_timeout_s)
         self._config = config
         self._sequences = SequenceStore()
         self._proposer: Proposer | None = None
@@ -70,20 +77,20 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
     def hello(self) -> m.WorkerHello:
         cfg = self._config
         self._proposer = make_proposer(cfg)
-        model = cfg.model_path
-        runs_model = cfg.runs_model
+        model = cfg.proposer.model_path
+        runs_model = cfg.proposer.runs_model
         return m.WorkerHello(
-            worker_id=cfg.worker_id, role="draft", incarnation=self.incarnation, protocol_version=m.PROTOCOL_VERSION,
-            pid=os.getpid(), model_name=model.name if model else cfg.proposer, model_fingerprint="",
+            worker_id=cfg.process.worker_id, role="draft", incarnation=self.incarnation, protocol_version=m.PROTOCOL_VERSION,
+            pid=os.getpid(), model_name=model.name if model else str(cfg.proposer), model_fingerprint="",
             vocab_size=self._proposer.vocab_size, max_model_len=cfg.max_model_len, num_kv_slots=cfg.num_seqs,
-            dtype=cfg.dtype if runs_model else "", device=cfg.device if runs_model else "",
+            dtype=cfg.process.dtype if runs_model else "", device=cfg.process.device if runs_model else "",
             vocab_fingerprint=self._proposer.vocab_fingerprint, max_draft_tokens=cfg.max_draft_tokens,
             feature_width=self._proposer.feature_width, target_fingerprint=self._proposer.target_fingerprint,
         )
 
     def phases(self) -> list[Phase]:
-        if self._config.num_threads > 0:
-            torch.set_num_threads(self._config.num_threads)
+        if self._config.process.num_threads > 0:
+            torch.set_num_threads(self._config.process.num_threads)
         assert self._proposer is not None  # made by hello()
         load, allocate, warm_up = self._proposer.phases()
         return [(State.LOADING, load), (State.ALLOCATING, allocate), (State.WARMING, warm_up)]
@@ -101,6 +108,10 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
                     return
                 for request_id in message.request_ids:
                     self._forget(request_id)
+            case m.Drain():  # LifecycleProcess answers Drain itself and never passes it here
+                self.errors.record("unexpected_message", message="drain")
+            case _:
+                assert_never(message)
 
     def _forget(self, request_id: str) -> None:
         self._sequences.forget(request_id)

@@ -10,6 +10,7 @@ from grpc_health.v1 import health, health_pb2
 from common.logs import get_logger
 from gateway.errors import SchedulerUnavailable
 from proto import messages
+from proto.lifecycle import State
 
 SERVICE_NAMES = ("", "specserve.v1.SpecServe")  # "" is the server as a whole
 
@@ -26,7 +27,7 @@ def serving_status(reply: messages.InfoReply | None) -> ServingStatus:
     """SERVING iff the scheduler answered and lists a target process in state READY."""
     if reply is None:
         return NOT_SERVING
-    ready = any(process.role == "target" and process.state == "READY" for process in reply.processes)
+    ready = any(process.role == "target" and process.state == State.READY for process in reply.processes)
     return SERVING if ready else NOT_SERVING
 
 

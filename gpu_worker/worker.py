@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import assert_never
 
 import torch
 
@@ -20,10 +21,11 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
     """One target model replica."""
 
     def __init__(self, config: WorkerConfig) -> None:
-        super().__init__(process_id=config.worker_id, scheduler_address=config.scheduler_address,
-                         heartbeat_interval_s=config.heartbeat_interval_s, status_file=config.status_file,
-                         inbound=m.SchedulerToWorker, phase_timeout_s=config.phase_timeout_s,
-                         step_timeout_s=config.step_timeout_s, drain_timeout_s=config.drain_timeout_s)
+        process = config.process
+        super().__init__(process_id=process.worker_id, scheduler_address=process.scheduler_address,
+                         heartbeat_interval_s=process.heartbeat_interval_s, status_file=process.status_file,
+                         inbound=m.SchedulerToWorker, phase_timeout_s=process.phase_timeout_s,
+                         step_timeout_s=process.step_timeout_s, drain_timeout_s=process.drain_timeout_s)
         self._config = config
         self._runner: ModelRunner | None = None  # set once READY
         self._max_draft_tokens: int | None = None  # 0 once warming up found its steps not batch invariant
@@ -34,16 +36,16 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
         if cfg.max_model_len > self._model_config.max_position_embeddings:
             raise ValueError(f"--max-model-len {cfg.max_model_len} exceeds the model's {self._model_config.max_position_embeddings} positions")
         return m.WorkerHello(
-            worker_id=cfg.worker_id, role="target", incarnation=self.incarnation, protocol_version=m.PROTOCOL_VERSION,
+            worker_id=cfg.process.worker_id, role="target", incarnation=self.incarnation, protocol_version=m.PROTOCOL_VERSION,
             pid=os.getpid(), model_name=cfg.model.name, model_fingerprint=model_fingerprint(cfg.model),
             vocab_size=self._model_config.vocab_size, max_model_len=cfg.max_model_len, num_kv_slots=cfg.num_kv_slots,
-            dtype=cfg.dtype, device=cfg.device, vocab_fingerprint=vocab_fingerprint(cfg.model),
+            dtype=cfg.process.dtype, device=cfg.process.device, vocab_fingerprint=vocab_fingerprint(cfg.model),
             max_draft_tokens=cfg.max_draft_tokens, feature_width=self._model_config.hidden_size,
         )
 
     def phases(self) -> list[Phase]:
-        if self._config.num_threads > 0:
-            torch.set_num_threads(self._config.num_threads)
+        if self._config.process.num_threads > 0:
+            torch.set_num_threads(self._config.process.num_threads)
         runner = ModelRunner(self._config, self._model_config)
 
         def load() -> None:
@@ -73,6 +75,10 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
                 self._handle_step(message)
             case m.ReleaseSlots():
                 self._handle_release(message)
+            case m.Drain():  # LifecycleProcess answers Drain itself and never passes it here
+                self.errors.record("unexpected_message", message="drain")
+            case _:
+                assert_never(message)
 
     def _handle_step(self, step: m.StepRequest) -> None:
         if step.incarnation != self.incarnation:  # meant for an earlier run of this worker: that one is gone

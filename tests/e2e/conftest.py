@@ -7,20 +7,21 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.stack import Stack, StackOptions, running_stack
+from specserve.stack import StackConfig
+from tests.e2e.stack import Stack, running_stack
 
 
 @pytest.fixture(scope="session")
 def fp32_stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """Two float32 data-parallel workers."""
-    with running_stack(StackOptions(default_model_dir, dtype="float32", num_workers=2, num_kv_slots=8),
+    """Two float32 data-parallel workers, a thread each."""
+    with running_stack(StackConfig(default_model_dir, dtype="float32", num_workers=2, num_kv_slots=8, num_threads_per_worker=1),
                        tmp_path_factory.mktemp("fp32_stack")) as stack:
         yield stack
 
 
 @pytest.fixture(scope="session")
 def bf16_stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running_stack(StackOptions(default_model_dir, dtype="bfloat16", num_workers=1, num_kv_slots=16),
+    with running_stack(StackConfig(default_model_dir, dtype="bfloat16", num_workers=1, num_kv_slots=16),
                        tmp_path_factory.mktemp("bf16_stack")) as stack:
         yield stack
 
@@ -37,13 +38,13 @@ def _stacks_idle_after_test(request: pytest.FixtureRequest) -> Iterator[None]:
 @pytest.fixture(scope="session")
 def no_worker_stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """A scheduler and a gateway but no worker: a queue of 2 and a 3 s wait for a READY worker."""
-    options = StackOptions(default_model_dir, num_workers=0, scheduler_args=["--max-queue-len", "2", "--no-worker-timeout-s", "3"])
-    yield from workerless_stack(options, tmp_path_factory.mktemp("no_worker_stack"))
+    config = StackConfig(default_model_dir, num_workers=0, scheduler_args=("--max-queue-len", "2", "--no-worker-timeout-s", "3"))
+    yield from workerless_stack(config, tmp_path_factory.mktemp("no_worker_stack"))
 
 
-def workerless_stack(options: StackOptions, log_dir: Path) -> Iterator[Stack]:
+def workerless_stack(config: StackConfig, log_dir: Path) -> Iterator[Stack]:
     """A stack that starts without waiting to serve (it has no worker yet): reachable, not SERVING."""
-    stack = Stack(options, log_dir)
+    stack = Stack(config, log_dir)
     try:
         stack.start(wait_serving=False)
         stack.wait_reachable()

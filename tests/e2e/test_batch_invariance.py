@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 
 from bench.spec_prompts import WORKLOADS
-from gateway.tokenizer import ChatMessage, Tokenizer
+from modeling.tokenizer import ChatMessage, Tokenizer
 from modeling.model_store import default_draft_dir
 from proto import specserve_pb2 as pb
-from tests.e2e.stack import Stack, StackOptions, running_stack
+from specserve.stack import StackConfig
+from tests.e2e.stack import Stack, running_stack
 from tests.e2e.test_speculation import switch_draft
 
 NUM_TOKENS = 32
@@ -56,9 +57,8 @@ def _at_concurrency(stack: Stack, requests: list[pb.GenerateRequest]) -> list[li
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_output_is_the_same_at_every_concurrency_with_and_without_speculation(
         default_model_dir: Path, tmp_path: Path, dtype: str) -> None:
-    options = StackOptions(default_model_dir, dtype=dtype, num_workers=1, num_kv_slots=CONCURRENCY,
-                           scheduler_args=["--num-speculative-tokens", "6", "--spec-disable-batch-threshold", "16"],
-                           draft_args=["--target-model", str(default_model_dir)])
+    options = StackConfig(default_model_dir, dtype=dtype, num_workers=1, num_kv_slots=CONCURRENCY,
+                          scheduler_args=("--num-speculative-tokens", "6", "--spec-disable-batch-threshold", "16"))
     with running_stack(options, tmp_path) as stack:
         requests = _requests(default_model_dir)
         alone = [stack.generate(r, timeout_s=300).token_ids for r in requests]

@@ -14,7 +14,7 @@ import grpc
 
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
-from tests.e2e.stack import free_port
+from specserve.stack import free_port
 
 SPECSERVE = [sys.executable, "-m", "specserve.cli"]
 

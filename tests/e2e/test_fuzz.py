@@ -32,12 +32,12 @@ def test_the_scheduler_drops_malformed_frames_on_both_sockets_and_serves_on(fp32
     before = fp32_stack.generate(request).token_ids
     context = zmq.Context()
     anonymous = context.socket(zmq.DEALER)  # never says hello
-    anonymous.connect(fp32_stack.gateway_address)
+    anonymous.connect(fp32_stack.addresses.gateway_address)
     greeted = context.socket(zmq.DEALER)  # says hello, then sends garbage
-    greeted.connect(fp32_stack.gateway_address)
+    greeted.connect(fp32_stack.addresses.gateway_address)
     greeted.send(msgspec.msgpack.encode(m.GatewayHello("fuzz-gateway", m.PROTOCOL_VERSION)))
     worker_side = context.socket(zmq.DEALER)
-    worker_side.connect(fp32_stack.worker_address)
+    worker_side.connect(fp32_stack.addresses.worker_address)
     for sock in (anonymous, greeted, worker_side):
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 100_000)

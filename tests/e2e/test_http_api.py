@@ -21,17 +21,18 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proto import specserve_pb2 as pb
 from tests.e2e.conftest import workerless_stack
-from tests.e2e.stack import Stack, StackOptions
+from specserve.stack import StackConfig
+from tests.e2e.stack import Stack
 
 MODEL = "SmolLM2-135M-Instruct"
 
 
 def client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{stack.http_port}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{stack.addresses.http_port}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def call(stack: Stack, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, Any] | str]:
-    connection = http.client.HTTPConnection("127.0.0.1", stack.http_port, timeout=60)
+    connection = http.client.HTTPConnection("127.0.0.1", stack.addresses.http_port, timeout=60)
     try:
         connection.request(method, path, body=json.dumps(body) if body is not None else None,
                            headers={"Content-Type": "application/json"})
@@ -182,7 +183,7 @@ def test_metrics_parse_and_count_the_tokens_clients_received(fp32_stack: Stack) 
 
 
 def test_a_client_leaving_mid_stream_frees_its_kv(fp32_stack: Stack) -> None:
-    connection = http.client.HTTPConnection("127.0.0.1", fp32_stack.http_port, timeout=60)
+    connection = http.client.HTTPConnection("127.0.0.1", fp32_stack.addresses.http_port, timeout=60)
     body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 1500, "temperature": 0, "stream": True, "ignore_eos": True}
     connection.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
     response = connection.getresponse()
@@ -200,8 +201,8 @@ def test_a_client_leaving_mid_stream_frees_its_kv(fp32_stack: Stack) -> None:
 @pytest.fixture(scope="module")
 def lonely_stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """A scheduler and a gateway; workers come and go in the test. A queue of 1."""
-    options = StackOptions(default_model_dir, num_workers=0, num_kv_slots=1,
-                           scheduler_args=["--max-queue-len", "1", "--no-worker-timeout-s", "4", "--heartbeat-timeout-s", "2"])
+    options = StackConfig(default_model_dir, num_workers=0, num_kv_slots=1,
+                          scheduler_args=("--max-queue-len", "1", "--no-worker-timeout-s", "4", "--heartbeat-timeout-s", "2"))
     yield from workerless_stack(options, tmp_path_factory.mktemp("lonely_stack"))
 
 

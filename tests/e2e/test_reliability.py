@@ -17,13 +17,15 @@ from pathlib import Path
 import pytest
 import zmq
 
-from gateway.tokenizer import Tokenizer
+from common.draft_spec import DraftKind, DraftSpec
+from modeling.tokenizer import Tokenizer
 from proto import messages as m
 from proto import specserve_pb2 as pb
-from tests.e2e.stack import Stack, StackOptions, running_stack
+from specserve.stack import StackConfig
+from tests.e2e.stack import Stack, running_stack
 
-FAST_FAILURE = ["--heartbeat-timeout-s", "2", "--phase-timeout-s", "10"]
-SMALL_WORKER = ["--phase-timeout-s", "12", "--heartbeat-interval-s", "0.2"]
+FAST_FAILURE = ("--heartbeat-timeout-s", "2", "--phase-timeout-s", "10")
+SMALL_WORKER = ("--phase-timeout-s", "12", "--heartbeat-interval-s", "0.2")
 
 
 def prompts(model_dir: Path, n: int) -> list[list[int]]:
@@ -61,8 +63,8 @@ def wait_for(condition, timeout_s: float, what: str, stack: Stack):  # type: ign
 
 @pytest.fixture(scope="module")
 def two_workers(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    options = StackOptions(default_model_dir, dtype="float32", num_workers=2, num_kv_slots=16, max_model_len=512,
-                           scheduler_args=FAST_FAILURE, worker_args=SMALL_WORKER)
+    options = StackConfig(default_model_dir, dtype="float32", num_workers=2, num_kv_slots=16, max_model_len=512,
+                          num_threads_per_worker=1, scheduler_args=FAST_FAILURE, worker_args=SMALL_WORKER)
     with running_stack(options, tmp_path_factory.mktemp("two_workers")) as stack:
         yield stack
 
@@ -128,7 +130,7 @@ def test_32_streams_survive_a_sigkilled_worker_token_for_token(two_workers: Stac
     context = zmq.Context()
     stale = context.socket(zmq.DEALER)
     stale.setsockopt(zmq.IDENTITY, b"worker-1/stale-probe")
-    stale.connect(two_workers.worker_address)
+    stale.connect(two_workers.addresses.worker_address)
     codec: m.Codec[m.WorkerToScheduler] = m.Codec(m.WorkerToScheduler)
     stale.send(codec.encode(m.WorkerFailed("worker-1", old_incarnation, "READY", "RuntimeError", "a ghost")))
     stale.send(codec.encode(m.LifecycleReport("worker-1", old_incarnation, "STOPPED", "READY", 1.0)))
@@ -147,7 +149,7 @@ def test_a_worker_crashing_or_hanging_in_a_step_loses_no_request(two_workers: St
     undisturbed = run_all(two_workers, requests)
     for index, fault in enumerate(("step=6:raise", "step=6:exit", "step=6:hang")):
         name = f"crashy-{index}"
-        two_workers.start_worker(name, fault=f"worker-{name}:{fault}", extra=["--step-timeout-s", "3"])
+        two_workers.start_worker(name, fault=f"worker-{name}:{fault}", extra_args=("--step-timeout-s", "3"))
         wait_for(lambda: (p := two_workers.process_info(f"worker-{name}")) and p.state == "READY", 60, f"{name} READY",
                  two_workers)
         started = time.monotonic()
@@ -164,8 +166,8 @@ def test_a_worker_crashing_or_hanging_in_a_step_loses_no_request(two_workers: St
 def test_sigterm_drains_a_worker_its_requests_finish_there_and_it_exits_0(
     default_model_dir: Path, tmp_path: Path,
 ) -> None:
-    options = StackOptions(default_model_dir, dtype="float32", num_workers=2, num_kv_slots=16, max_model_len=512,
-                           scheduler_args=FAST_FAILURE, worker_args=SMALL_WORKER)
+    options = StackConfig(default_model_dir, dtype="float32", num_workers=2, num_kv_slots=16, max_model_len=512,
+                          num_threads_per_worker=1, scheduler_args=FAST_FAILURE, worker_args=SMALL_WORKER)
     stack = Stack(options, tmp_path)
     try:
         stack.start()
@@ -199,8 +201,8 @@ def test_sigterm_drains_a_worker_its_requests_finish_there_and_it_exits_0(
 def test_killing_the_draft_service_mid_run_fails_no_request_and_changes_no_token(
     default_model_dir: Path, tmp_path: Path,
 ) -> None:
-    options = StackOptions(default_model_dir, dtype="float32", num_workers=1, num_kv_slots=8, max_model_len=512,
-                           scheduler_args=FAST_FAILURE, draft="ngram")
+    options = StackConfig(default_model_dir, dtype="float32", num_workers=1, num_kv_slots=8, max_model_len=512,
+                          scheduler_args=FAST_FAILURE, draft=DraftSpec(DraftKind.NGRAM))
     stack = Stack(options, tmp_path)
     try:
         stack.start()

@@ -19,10 +19,12 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from gateway.tokenizer import ChatMessage, Tokenizer
+from common.draft_spec import DraftSpec
+from modeling.tokenizer import ChatMessage, Tokenizer
 from modeling.model_store import default_draft_dir
 from proto import specserve_pb2 as pb
-from tests.e2e.stack import GenerateResult, Stack, StackOptions, running_stack
+from specserve.stack import StackConfig
+from tests.e2e.stack import GenerateResult, Stack, running_stack
 
 NUM_TOKENS = 40
 STAGGER_S = 0.15
@@ -76,8 +78,8 @@ def truncated_draft(default_model_dir: Path, tmp_path_factory: pytest.TempPathFa
 
 @pytest.fixture(scope="module")
 def spec_stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    options = StackOptions(default_model_dir, dtype="float32", num_workers=1, num_kv_slots=8,
-                           scheduler_args=["--num-speculative-tokens", "4", "--spec-disable-batch-threshold", "4"])
+    options = StackConfig(default_model_dir, dtype="float32", num_workers=1, num_kv_slots=8,
+                          scheduler_args=("--num-speculative-tokens", "4", "--spec-disable-batch-threshold", "4"))
     with running_stack(options, tmp_path_factory.mktemp("spec_stack")) as stack:
         yield stack
 
@@ -95,8 +97,7 @@ def switch_draft(stack: Stack, proposer: str | None) -> None:
     if proposer is None:
         return
     before = draft_process(stack)
-    stack.options.draft = proposer
-    stack.start_draft()
+    stack.start_draft(DraftSpec.parse(proposer, flag="--proposer"))
     deadline = time.monotonic() + 120
     while True:
         now = draft_process(stack)
@@ -141,9 +142,8 @@ def test_greedy_is_lossless_in_bfloat16_and_with_the_shipped_drafts(default_mode
     so a verify step's rows are exactly the plain decode steps they replace. The shipped draft (drafts/, made by
     `specserve distill`): its phrases (what `--draft default` runs) and its EAGLE head, which reads the target's
     features through the scheduler, must agree far more often than chance, and change nothing."""
-    options = StackOptions(default_model_dir, dtype="bfloat16", num_workers=1, num_kv_slots=8,
-                           scheduler_args=["--num-speculative-tokens", "6", "--spec-disable-batch-threshold", "4"],
-                           draft_args=["--target-model", str(default_model_dir)])
+    options = StackConfig(default_model_dir, dtype="bfloat16", num_workers=1, num_kv_slots=8,
+                          scheduler_args=("--num-speculative-tokens", "6", "--spec-disable-batch-threshold", "4"))
     (tmp_path / "logs").mkdir()
     with running_stack(options, tmp_path / "logs") as stack:
         ids = prompt_ids(Tokenizer.load(default_model_dir))
@@ -214,8 +214,7 @@ def test_a_draft_of_another_vocabulary_is_refused_with_its_reason(spec_stack: St
     tokenizer["model"]["vocab"]["specserve-extra"] = tokenizer["model"]["vocab"].pop("<|im_end|>", 0)
     (other / "tokenizer.json").write_text(json.dumps(tokenizer))
     switch_draft(spec_stack, None)
-    spec_stack.options.draft = f"model:{other}"
-    spec_stack.start_draft()
+    spec_stack.start_draft(DraftSpec.parse(f"model:{other}", flag="--proposer"))
     deadline = time.monotonic() + 60
     while spec_stack.processes["draft"].poll() is None:
         assert time.monotonic() < deadline, "the refused draft service did not stop"

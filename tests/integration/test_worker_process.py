@@ -21,7 +21,7 @@ import zmq
 
 from common.lifecycle_process import EXIT_DISMISSED
 from proto import messages as m
-from tests.e2e.stack import free_port
+from specserve.stack import free_port
 
 GREEDY = m.SamplingParams()
 

@@ -9,15 +9,18 @@ from typing import Any
 
 import pytest
 
+from common.draft_spec import DraftKind, DraftSpec
 from modeling.model_store import default_draft_dir
-from specserve.cli import _build_parser, _default_draft, _default_spec_threshold, _draft_choice, _draft_proposer, _service_specs
+from specserve.cli import _build_parser
+from specserve.stack import StackAddresses, service_specs
+from specserve.up import DraftChoice, default_draft, default_spec_threshold, parse_draft, stack_config
 
 
 def test_the_shipped_draft_is_the_default_only_for_the_model_it_was_trained_for(default_model_dir: Path,
                                                                                  tiny_llama_folder: Path) -> None:
-    assert _default_draft(default_model_dir) == "default"
-    assert _default_draft(tiny_llama_folder) == "ngram"
-    assert _draft_proposer("default") == f"phrases:{default_draft_dir()}"
+    assert default_draft(default_model_dir).name == "default"
+    assert default_draft(tiny_llama_folder) == DraftChoice("ngram", DraftSpec(DraftKind.NGRAM))
+    assert str(parse_draft("default").proposer) == f"phrases:{default_draft_dir()}"
 
 
 def test_an_install_without_the_drafts_folder_falls_back_to_prompt_lookup(
@@ -26,26 +29,35 @@ def test_an_install_without_the_drafts_folder_falls_back_to_prompt_lookup(
     import modeling.model_store
 
     monkeypatch.setattr(modeling.model_store, "default_draft_dir", lambda: tmp_path / "not-installed")
-    assert _default_draft(default_model_dir) == "ngram"
+    assert default_draft(default_model_dir).name == "ngram"
+
+
+def _service_argvs(*up_flags: str, model: Path) -> dict[str, list[str]]:
+    """Each process's command line for `up UP_FLAGS` on a CPU, `model` standing for what up_config would find."""
+    args = _build_parser().parse_args(["up", *up_flags])
+    draft = args.draft.proposer if args.draft else None
+    config = stack_config(args, model=model, max_model_len=2048, draft=draft, device="cpu", dtype="bfloat16")
+    return {spec.name: spec.argv for spec in service_specs(config, StackAddresses.pick(config))}
 
 
 def test_lookups_speculate_in_larger_steps_than_drafts_that_run_a_model() -> None:
-    for proposer in ("ngram", "phrases:/d", _draft_proposer("default")):
-        assert _default_spec_threshold(proposer) == 16
+    for proposer in ("ngram", "phrases:/d"):
+        assert default_spec_threshold(DraftSpec.parse(proposer, flag="--draft")) == 16
+    assert default_spec_threshold(parse_draft("default").proposer) == default_spec_threshold(None) == 16
     for proposer in ("eagle:/d", "eagle+ngram:/d", "eagle+phrases:/d", "model:/d"):
-        assert _default_spec_threshold(proposer) == 4
+        assert default_spec_threshold(DraftSpec.parse(proposer, flag="--draft")) == 4
 
 
 def test_draft_names_are_checked_and_heads_get_the_target(tmp_path: Path) -> None:
     for good in ("none", "ngram", "default", "phrases:x", "eagle:x", "eagle+ngram:x", "eagle+phrases:x", "model:x"):
-        assert _draft_choice(good) == good
-    for bad in ("eagle", "eagle+ngram:", "phrases", "ngram:x", "tree:x"):
-        with pytest.raises(argparse.ArgumentTypeError):
-            _draft_choice(bad)
+        assert parse_draft(good).name == good
+    assert parse_draft("none").proposer is None
+    assert parse_draft("eagle:x").proposer == DraftSpec(DraftKind.EAGLE, Path("x").resolve())
+    for bad in ("eagle", "eagle+ngram:", "phrases", "ngram:x", "tree:x", "random:5", "replay:x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected none, ngram, default, phrases:PATH"):
+            parse_draft(bad)
     for kind in ("eagle+ngram", "eagle+phrases", "phrases"):
-        args = _build_parser().parse_args(["up", "--draft", f"{kind}:{tmp_path}"])
-        args.num_speculative_tokens, args.spec_disable_batch_threshold = 6, 4
-        specs = {spec.name: spec.argv for spec in _service_specs(args, tmp_path / "model", "cpu", "bfloat16")}
+        specs = _service_argvs("--draft", f"{kind}:{tmp_path}", model=tmp_path / "model")
         scheduler = specs["scheduler"]
         assert scheduler[scheduler.index("--spec-draft-token-budget") + 1] == "32"
         command = specs["draft"]
@@ -55,9 +67,7 @@ def test_draft_names_are_checked_and_heads_get_the_target(tmp_path: Path) -> Non
 
 
 def test_the_heads_proposal_length_reaches_the_draft_service(tmp_path: Path) -> None:
-    args = _build_parser().parse_args(["up", "--draft", f"eagle+phrases:{tmp_path}", "--head-draft-tokens", "1"])
-    args.num_speculative_tokens, args.spec_disable_batch_threshold = 6, 4
-    command = {spec.name: spec.argv for spec in _service_specs(args, tmp_path / "model", "cpu", "bfloat16")}["draft"]
+    command = _service_argvs("--draft", f"eagle+phrases:{tmp_path}", "--head-draft-tokens", "1", model=tmp_path / "model")["draft"]
     assert command[command.index("--head-draft-tokens") + 1] == "1"
     assert command[command.index("--max-draft-tokens") + 1] == "6"  # a lookup's proposal may still reach k
 
@@ -78,9 +88,7 @@ def test_token_trees_are_on_unless_turned_off_and_only_phrases_take_the_switch(
     from specserve.cli import _run_up
 
     def draft_command(*argv: str) -> list[str]:
-        args = _build_parser().parse_args(["up", *argv])
-        args.num_speculative_tokens, args.spec_disable_batch_threshold = 6, 16
-        return {spec.name: spec.argv for spec in _service_specs(args, tmp_path / "model", "cpu", "bfloat16")}["draft"]
+        return _service_argvs(*argv, model=tmp_path / "model")["draft"]
 
     assert "--no-token-trees" not in draft_command("--draft", "default")
     assert "--no-token-trees" in draft_command("--draft", "default", "--no-token-trees")
@@ -104,8 +112,9 @@ def test_token_trees_are_on_unless_turned_off_and_only_phrases_take_the_switch(
 def test_up_refuses_what_cannot_work_before_any_process_starts(tiny_llama_folder: Path, flags: list[str], problem: str,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     import specserve.cli
+    import specserve.up
 
-    monkeypatch.setattr(specserve.cli, "Supervisor", None)  # starting anything would fail loudly
+    monkeypatch.setattr(specserve.up, "Supervisor", None)  # starting anything would fail loudly
     args = _build_parser().parse_args(["up", "--model", str(tiny_llama_folder), *flags])
     with pytest.raises(SystemExit, match=problem.replace("+", "\\+")):
         specserve.cli._run_up(args)
@@ -114,6 +123,7 @@ def test_up_refuses_what_cannot_work_before_any_process_starts(tiny_llama_folder
 def test_up_gives_up_when_nothing_serves_within_the_ready_timeout(tiny_llama_folder: Path, monkeypatch: pytest.MonkeyPatch,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     import specserve.cli
+    import specserve.up
 
     stopped: list[float] = []
 
@@ -131,8 +141,8 @@ def test_up_gives_up_when_nothing_serves_within_the_ready_timeout(tiny_llama_fol
         def stop(self, grace_s: float) -> None:
             stopped.append(grace_s)
 
-    monkeypatch.setattr(specserve.cli, "Supervisor", NeverReady)
-    monkeypatch.setattr(specserve.cli, "_is_serving", lambda host, port: False)
+    monkeypatch.setattr(specserve.up, "Supervisor", NeverReady)
+    monkeypatch.setattr(specserve.up, "is_serving", lambda host, port: False)
     args = _build_parser().parse_args(["up", "--model", str(tiny_llama_folder), "--draft", "ngram", "--ready-timeout-s", "0.2"])
     assert specserve.cli._run_up(args) == 1
     assert stopped and "not serving within 0.2 s (--ready-timeout-s)" in capsys.readouterr().err
@@ -147,15 +157,52 @@ def test_the_draft_service_checks_its_proposer_arguments() -> None:
         return from_arguments(parser.parse_args(list(argv)))
 
     both = config("--proposer", "eagle+ngram:/d", "--target-model", "/t", "--head-draft-tokens", "2")
-    assert both.model_path == Path("/d") and both.head_draft_tokens == 2
+    assert both.proposer == DraftSpec(DraftKind.EAGLE_NGRAM, Path("/d")) and both.head_draft_tokens == 2
+    assert both.proposer.model_path == Path("/d") and both.process.worker_id == "draft-0"
     assert both.token_trees and not config("--proposer", "phrases:/d", "--target-model", "/t", "--no-token-trees").token_trees
     with pytest.raises(ValueError, match="needs --target-model"):
         config("--proposer", "eagle+ngram:/d")
-    assert config("--proposer", "phrases:/d", "--target-model", "/t").model_path == Path("/d")
+    assert config("--proposer", "phrases:/d", "--target-model", "/t").proposer.model_path == Path("/d")
     with pytest.raises(ValueError, match="needs --target-model"):
         config("--proposer", "phrases:/d")
     for kind in ("eagle+phrases", "eagle+ngram"):
-        assert config("--proposer", f"{kind}:/d", "--target-model", "/t").runs_model
-    assert not config("--proposer", "phrases:/d", "--target-model", "/t").runs_model
+        assert config("--proposer", f"{kind}:/d", "--target-model", "/t").proposer.runs_model
+    assert not config("--proposer", "phrases:/d", "--target-model", "/t").proposer.runs_model
     with pytest.raises(ValueError, match="--head-draft-tokens"):
         config("--proposer", "eagle+ngram:/d", "--target-model", "/t", "--head-draft-tokens", "0")
+    with pytest.raises(ValueError, match="--proposer 'tree:/d'"):
+        config("--proposer", "tree:/d")
+    assert config("--proposer", "random:49152").proposer == DraftSpec(DraftKind.RANDOM, vocab_size=49152)
+
+
+def test_a_draft_spec_is_parsed_once_and_says_what_its_kind_needs() -> None:
+    for text in ("ngram", "phrases:/d", "eagle:/d", "eagle+ngram:/d", "eagle+phrases:/d", "model:/d", "random:7", "replay:/f.json"):
+        assert str(DraftSpec.parse(text, flag="--proposer")) == text
+    for bad in ("", "ngram:x", "eagle", "model:", "random:x", "tree:/d"):
+        with pytest.raises(ValueError, match=f"--proposer {bad!r}"):
+            DraftSpec.parse(bad, flag="--proposer")
+    with pytest.raises(ValueError, match="--draft 'replay:/f'"):
+        DraftSpec.parse("replay:/f", flag="--draft", kinds=(DraftKind.NGRAM, DraftKind.MODEL))
+    head = DraftSpec.parse("eagle+phrases:/d", flag="--draft")
+    assert head.runs_model and head.needs_target_model and head.lookup_then_head and not head.proposes_trees
+    phrases = DraftSpec.parse("phrases:/d", flag="--draft")
+    assert phrases.proposes_trees and phrases.needs_target_model and not phrases.runs_model
+    model = DraftSpec.parse("model:/d", flag="--draft")
+    assert model.runs_model and not model.needs_target_model and model.model_path == Path("/d")
+    assert DraftSpec.parse("replay:/f", flag="--proposer").model_path is None
+
+
+def test_up_resolves_its_flags_once_into_a_frozen_config_and_leaves_them_as_they_are(tiny_llama_folder: Path) -> None:
+    import dataclasses
+
+    from specserve.up import up_config
+
+    args = _build_parser().parse_args(["up", "--model", str(tiny_llama_folder), "--draft", "ngram", "--device", "cpu"])
+    given = dict(vars(args))
+    config = up_config(args)
+    assert vars(args) == given
+    stack = config.stack
+    assert (stack.max_model_len, stack.num_speculative_tokens, stack.spec_disable_batch_threshold) == (128, 6, 16)
+    assert stack.draft == DraftSpec(DraftKind.NGRAM) and config.draft_name == "ngram" and stack.device == "cpu"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stack.num_workers = 2  # type: ignore[misc]

@@ -15,6 +15,7 @@ import draft_service.config
 import gateway.config
 import gpu_worker.config
 import scheduler.config
+from common.draft_spec import DraftKind, DraftSpec
 from specserve.cli import _build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,9 +94,10 @@ def test_the_image_holds_every_package_and_the_shipped_draft() -> None:
 def test_the_draft_serves_the_phrases_shipped_in_the_image_for_the_workers_model(resolved: dict) -> None:  # type: ignore[type-arg]
     services = resolved["services"]
     draft, worker = services["draft"]["command"], services["gpu-worker-0"]["command"]
-    kind, _, path = draft[draft.index("--proposer") + 1].partition(":")
-    assert kind == "phrases" and path.startswith("/app/drafts/")  # the Dockerfile's WORKDIR and COPY
-    assert "COPY drafts ./drafts" in (ROOT / "Dockerfile").read_text()
-    assert (ROOT / path.removeprefix("/app/") / "phrases.safetensors").is_file()
+    proposer = DraftSpec.parse(draft[draft.index("--proposer") + 1], flag="--proposer")
+    assert proposer.kind is DraftKind.PHRASES and proposer.path is not None
+    path = proposer.path.relative_to("/app")  # the Dockerfile's WORKDIR and COPY
+    assert path.parts[0] == "drafts" and "COPY drafts ./drafts" in (ROOT / "Dockerfile").read_text()
+    assert (ROOT / path / "phrases.safetensors").is_file()
     assert draft[draft.index("--target-model") + 1] == worker[worker.index("--model") + 1]
     assert services["draft"]["depends_on"]["model-init"]["condition"] == "service_completed_successfully"

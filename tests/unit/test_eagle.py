@@ -338,7 +338,7 @@ def test_the_service_builds_each_distilled_kind_from_one_folder(
 
     _, made = tiny_draft
     folder = tmp_path / "draft"
-    shutil.copytree(made, folder)  # a head without phrases, as folders made before session 6
+    shutil.copytree(made, folder)  # a head without phrases, as folders made before heads carried them
 
     def built(kind: str) -> Proposer:
         parser = argparse.ArgumentParser()
@@ -346,7 +346,7 @@ def test_the_service_builds_each_distilled_kind_from_one_folder(
         config = from_arguments(parser.parse_args(["--proposer", f"{kind}:{folder}", "--target-model", str(tiny_llama_folder),
                                                    "--dtype", "float32", "--max-model-len", "64", "--num-seqs", "2",
                                                    "--max-draft-tokens", "4"]))
-        assert config.runs_model == (kind != "phrases")
+        assert config.proposer.runs_model == (kind != "phrases")
         proposer = make_proposer(config)
         for phase in proposer.phases():
             phase()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from common.faults import ENV_VAR, Fault, FaultInjector, InjectedFault, parse_faults
+from proto.lifecycle import State
 
 
 def test_entries_for_phases_and_steps_are_parsed() -> None:
@@ -14,6 +15,7 @@ def test_entries_for_phases_and_steps_are_parsed() -> None:
         Fault("worker-1", None, 20, "exit"),
     ]
     assert parse_faults("") == []
+    assert parse_faults("worker-0:WARMING:hang")[0].phase is State.WARMING  # the lifecycle's own phase names
 
 
 @pytest.mark.parametrize("bad", ["worker-0:LOADING", "worker-0:READY:raise", "worker-0:step=0:raise",

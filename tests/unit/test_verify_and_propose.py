@@ -15,6 +15,7 @@ import torch
 from draft_service.proposers import ModelProposer, NgramProposer, ProposeInput
 from draft_service.sequences import SequenceStore
 from draft_service.testing_proposers import RandomProposer, ReplayProposer
+from common.process_config import ProcessConfig
 from gpu_worker.config import WorkerConfig
 from gpu_worker.runner import ModelRunner
 from modeling.config import ModelConfig
@@ -26,12 +27,11 @@ PROMPT = [5, 17, 3, 88, 42, 7, 7, 1, 60, 33]
 
 
 def runner(folder: Path, num_slots: int = 4) -> ModelRunner:
-    config = WorkerConfig(
-        worker_id="w", model=folder, scheduler_address="inproc://x", device="cpu", dtype="float32", max_model_len=128,
-        num_kv_slots=num_slots, max_num_batched_tokens=64, max_draft_tokens=6, heartbeat_interval_s=1.0,
-        phase_timeout_s=60.0, step_timeout_s=60.0, drain_timeout_s=10.0,
-        num_threads=0, status_file=None,
-    )
+    process = ProcessConfig(worker_id="w", scheduler_address="inproc://x", device="cpu", dtype="float32",
+                            heartbeat_interval_s=1.0, phase_timeout_s=60.0, step_timeout_s=60.0, drain_timeout_s=10.0,
+                            num_threads=0, status_file=None)
+    config = WorkerConfig(process=process, model=folder, max_model_len=128, num_kv_slots=num_slots,
+                          max_num_batched_tokens=64, max_draft_tokens=6)
     r = ModelRunner(config, ModelConfig.from_folder(folder))
     r.load()
     r.allocate()

@@ -1,0 +1,43 @@
+"""What every model process (target worker, draft service) is configured with: who it is, where its scheduler is, where it runs, its deadlines."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.lifecycle_process import add_process_arguments, check_process_arguments
+
+
+@dataclass(frozen=True)
+class ProcessConfig:
+    worker_id: str  # its id at the scheduler (and the SPECSERVE_FAULT entries meant for it)
+    scheduler_address: str  # the scheduler's worker socket, e.g. tcp://127.0.0.1:5556
+    device: str  # "cpu" or "cuda:N"
+    dtype: str
+    heartbeat_interval_s: float
+    phase_timeout_s: float  # a start-up phase running longer ends the process (FAILED)
+    step_timeout_s: float  # a step (proposal) running longer ends the process (FAILED)
+    drain_timeout_s: float  # after SIGTERM, how long work in flight may take before the process stops anyway
+    num_threads: int  # torch intra-op threads on CPU; 0 = torch's default
+    status_file: Path | None  # the current lifecycle state is written here (container health checks)
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, default_worker_id: str, dtypes: Sequence[str]) -> None:
+    parser.add_argument("--worker-id", default=default_worker_id)
+    parser.add_argument("--scheduler-address", default="tcp://127.0.0.1:5556")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=dtypes, default="bfloat16")
+    add_process_arguments(parser)
+
+
+def from_arguments(args: argparse.Namespace) -> ProcessConfig:
+    """Raises ValueError naming the setting."""
+    check_process_arguments(args)
+    return ProcessConfig(
+        worker_id=args.worker_id, scheduler_address=args.scheduler_address, device=args.device, dtype=args.dtype,
+        heartbeat_interval_s=args.heartbeat_interval_s, phase_timeout_s=args.phase_timeout_s,
+        step_timeout_s=args.step_timeout_s, drain_timeout_s=args.drain_timeout_s, num_threads=args.num_threads,
+        status_file=args.status_file,
+    )

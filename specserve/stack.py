@@ -1,0 +1,252 @@
+"""The one launcher of a stack on this machine: a scheduler, target workers, a draft service and a gateway, each a process.
+
+A frozen StackConfig says what runs; `service_specs` turns it into the command line of
+every process. `specserve up` runs those under its supervisor (restarts, ordered stop);
+the end-to-end tests and the benchmarks run them with LocalStack: unsupervised, each
+process writing to a log file of its own, a fault injected into one when asked.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from common.draft_spec import DraftSpec
+from common.faults import ENV_VAR as FAULT_ENV_VAR
+from specserve.supervisor import ServiceSpec
+
+DRAFT_ID = "draft-0"
+_POLL_S = 0.2
+_LOG_TAIL_CHARS = 4000
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """What the processes of one stack are started with. A setting left None is the service's own default.
+
+    The defaults make a small float32 stack on the CPU, for tests; `specserve up` sets
+    every field from its flags.
+    """
+
+    model: Path
+    dtype: str = "float32"
+    device: str = "cpu"  # cpu, or cuda: target worker i on cuda:i, the draft service on cuda:0
+    num_workers: int = 1
+    num_kv_slots: int = 16  # sequences each target worker holds at once
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 256
+    num_threads_per_worker: int = 0  # torch threads of each target worker on a CPU; 0: torch's default
+    draft: DraftSpec | None = None  # the draft service's proposer; None: no draft service
+    head_draft_tokens: int | None = None  # the draft service's --head-draft-tokens
+    token_trees: bool = True  # phrases: the draft service proposes token trees, not chains
+    max_num_seqs: int | None = None  # the scheduler's --max-num-seqs
+    num_speculative_tokens: int | None = None  # the scheduler's k; also the draft service's --max-draft-tokens
+    spec_disable_batch_threshold: int | None = None
+    spec_draft_token_budget: int | None = None
+    gateway_shutdown_grace_s: float | None = None
+    host: str = "127.0.0.1"  # where the gateway listens
+    grpc_port: int | None = None  # None: a free port, picked with the stack's addresses
+    http_port: int | None = None  # None: a free port, picked with the stack's addresses
+    log_json: bool = False
+    scheduler_args: tuple[str, ...] = ()  # more flags for a service, as they are (tests)
+    worker_args: tuple[str, ...] = ()
+    draft_args: tuple[str, ...] = ()
+
+    def worker_device(self, index: int | str) -> str:
+        return f"cuda:{index}" if self.device == "cuda" else self.device
+
+
+@dataclass(frozen=True)
+class StackAddresses:
+    """Where a stack's processes listen and connect; the scheduler's two sockets are on free local ports."""
+
+    host: str  # the gateway's gRPC and HTTP servers
+    grpc_port: int
+    http_port: int
+    gateway_address: str  # the scheduler's socket for gateways
+    worker_address: str  # the scheduler's socket for target workers and the draft service
+
+    @classmethod
+    def pick(cls, config: StackConfig) -> StackAddresses:
+        return cls(host=config.host, grpc_port=config.grpc_port or free_port(), http_port=config.http_port or free_port(),
+                   gateway_address=f"tcp://127.0.0.1:{free_port()}", worker_address=f"tcp://127.0.0.1:{free_port()}")
+
+
+# ---------------------------------------------------------------- command lines
+
+
+def service_specs(config: StackConfig, addresses: StackAddresses) -> list[ServiceSpec]:
+    """Every process of the stack, in start order: the scheduler, the target workers, the draft service, the gateway."""
+    specs = [scheduler_spec(config, addresses)]
+    specs += [worker_spec(config, addresses, i) for i in range(config.num_workers)]
+    if config.draft is not None:
+        specs.append(draft_spec(config, addresses, config.draft))
+    specs.append(gateway_spec(config, addresses))
+    return specs
+
+
+def scheduler_spec(config: StackConfig, addresses: StackAddresses) -> ServiceSpec:
+    optional = {"--max-num-seqs": config.max_num_seqs, "--num-speculative-tokens": config.num_speculative_tokens,
+                "--spec-disable-batch-threshold": config.spec_disable_batch_threshold,
+                "--spec-draft-token-budget": config.spec_draft_token_budget}
+    return ServiceSpec("scheduler", _python("scheduler", [
+        "--gateway-address", addresses.gateway_address, "--worker-address", addresses.worker_address,
+        "--model-name", config.model.name, "--max-model-len", str(config.max_model_len),
+        "--max-num-batched-tokens", str(config.max_num_batched_tokens), *_given(optional), *config.scheduler_args,
+    ], config), stop_order=3)
+
+
+def worker_spec(config: StackConfig, addresses: StackAddresses, index: int | str,
+                extra_args: tuple[str, ...] = ()) -> ServiceSpec:
+    """Target worker `index`, whose id is worker-INDEX (a test may name one, e.g. worker-faulty)."""
+    name = f"worker-{index}"
+    return ServiceSpec(name, _python("gpu_worker", [
+        "--worker-id", name, "--model", str(config.model), "--scheduler-address", addresses.worker_address,
+        "--device", config.worker_device(index), "--dtype", config.dtype, "--max-model-len", str(config.max_model_len),
+        "--num-kv-slots", str(config.num_kv_slots), "--max-num-batched-tokens", str(config.max_num_batched_tokens),
+        "--num-threads", str(config.num_threads_per_worker), *config.worker_args, *extra_args,
+    ], config), stop_order=1)
+
+
+def draft_spec(config: StackConfig, addresses: StackAddresses, draft: DraftSpec) -> ServiceSpec:
+    """The draft service proposing with `draft`; past the restart limit the others go on without it."""
+    optional = {"--target-model": config.model if draft.needs_target_model else None,
+                "--head-draft-tokens": config.head_draft_tokens,
+                "--max-draft-tokens": None if config.num_speculative_tokens is None else max(config.num_speculative_tokens, 1)}
+    return ServiceSpec("draft", _python("draft_service", [
+        "--worker-id", DRAFT_ID, "--proposer", str(draft), *_given(optional),
+        *([] if config.token_trees else ["--no-token-trees"]), "--scheduler-address", addresses.worker_address,
+        "--device", config.worker_device(0), "--dtype", config.dtype, "--max-model-len", str(config.max_model_len),
+        "--num-seqs", str(config.num_kv_slots * config.num_workers),
+        "--num-threads", "1" if config.device == "cpu" else "0", *config.draft_args,
+    ], config), stop_order=1, essential=False)
+
+
+def gateway_spec(config: StackConfig, addresses: StackAddresses) -> ServiceSpec:
+    optional = {"--shutdown-grace-s": None if config.gateway_shutdown_grace_s is None else f"{config.gateway_shutdown_grace_s:g}"}
+    return ServiceSpec("gateway", _python("gateway", [
+        "--model", str(config.model), "--scheduler-address", addresses.gateway_address, "--host", addresses.host,
+        "--port", str(addresses.grpc_port), "--http-port", str(addresses.http_port), *_given(optional),
+    ], config), stop_order=0)
+
+
+def _python(module: str, module_argv: list[str], config: StackConfig) -> list[str]:
+    return [sys.executable, "-m", module, *module_argv, *(["--log-json"] if config.log_json else [])]
+
+
+def _given(optional: Mapping[str, object]) -> list[str]:
+    return [part for flag, value in optional.items() if value is not None for part in (flag, str(value))]
+
+
+# ---------------------------------------------------------------- health
+
+
+def is_serving(host: str, port: int) -> bool:
+    """The gateway listening on host:port answers the standard gRPC health check with SERVING (a READY target worker)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    target = f"{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
+    try:
+        with grpc.insecure_channel(target) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+    except grpc.RpcError:
+        return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+# ---------------------------------------------------------------- unsupervised
+
+
+class StackError(RuntimeError):
+    """The stack did not serve: a process exited first, or time ran out. The message ends with the processes' logs."""
+
+
+class LocalStack:
+    """A stack's processes, unsupervised (one that exits stays down), each writing to LOG_DIR/NAME.log.
+
+    `processes` holds the processes started, by name (scheduler, worker-N, draft, gateway);
+    a test may signal one, or start another worker or draft service next to them.
+    """
+
+    def __init__(self, config: StackConfig, log_dir: Path) -> None:
+        self.config = config
+        self.log_dir = log_dir
+        self.addresses = StackAddresses.pick(config)
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, wait_serving: bool = True, timeout_s: float = 240.0) -> None:
+        for spec in service_specs(self.config, self.addresses):
+            self.spawn(spec)
+        if wait_serving:
+            self.wait_serving(timeout_s)
+
+    def start_worker(self, index: int | str, extra_args: tuple[str, ...] = (), fault: str | None = None) -> None:
+        """Start worker `index` (its id is worker-INDEX); `fault` sets SPECSERVE_FAULT for it alone."""
+        self.spawn(worker_spec(self.config, self.addresses, index, extra_args), fault=fault)
+
+    def start_draft(self, draft: DraftSpec, fault: str | None = None) -> None:
+        """Start a draft service proposing with `draft` (the one running, if any, should be stopped first)."""
+        self.spawn(draft_spec(self.config, self.addresses, draft), fault=fault)
+
+    def spawn(self, spec: ServiceSpec, fault: str | None = None) -> None:
+        with (self.log_dir / f"{spec.name}.log").open("ab") as log:
+            env = {**os.environ, FAULT_ENV_VAR: fault} if fault else None
+            self.processes[spec.name] = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_serving(self, timeout_s: float) -> None:
+        """Until the gateway is SERVING; StackError if a process exits first or `timeout_s` passes."""
+        deadline_s = time.monotonic() + timeout_s
+        while not is_serving(self.addresses.host, self.addresses.grpc_port):
+            for name, process in self.processes.items():
+                if process.poll() is not None:
+                    raise StackError(f"{name} exited with {process.returncode}\n{self.logs()}")
+            if time.monotonic() > deadline_s:
+                raise StackError(f"the stack did not become SERVING in {timeout_s:g} s\n{self.logs()}")
+            time.sleep(_POLL_S)
+
+    def stop(self) -> None:
+        """SIGTERM the gateway first (it drains its streams), then the rest; SIGKILL what is still up after 20 s."""
+        for name in sorted(self.processes, key=lambda n: n != "gateway"):
+            if self.processes[name].poll() is None:
+                self.processes[name].terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def logs(self) -> str:
+        """The end of every process's log."""
+        return "\n".join(f"===== {p.name}\n{p.read_text(errors='replace')[-_LOG_TAIL_CHARS:]}"
+                         for p in sorted(self.log_dir.glob("*.log")))
+
+
+S = TypeVar("S", bound=LocalStack)
+
+
+@contextmanager
+def running(stack: S, timeout_s: float = 240.0) -> Iterator[S]:
+    """`stack` started and serving, stopped on the way out whatever happened."""
+    try:
+        stack.start(timeout_s=timeout_s)
+        yield stack
+    finally:
+        stack.stop()

@@ -1,0 +1,308 @@
+"""`specserve up`: its flags, resolved once into a frozen UpConfig, then the stack under the supervisor until a signal.
+
+Everything `up` decides for the user (the model, max_model_len, the draft, k, the batch
+threshold, the device, the dtype, the threads) is decided in `up_config`, and anything
+that cannot work is refused there, before a process starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.draft_spec import LOOKUP_THEN_HEAD_KINDS, SERVING_KINDS, DraftKind, DraftSpec
+from draft_service.defaults import HEAD_DRAFT_TOKENS
+from specserve.stack import StackAddresses, StackConfig, is_serving, service_specs
+from specserve.supervisor import GaveUp, RestartPolicy, Supervisor
+
+NO_DRAFT = "none"
+SHIPPED_DRAFT = "default"
+NUM_SPECULATIVE_TOKENS = 6  # unless told, and but for a head alone (HEAD_DRAFT_TOKENS)
+GATEWAY_SHUTDOWN_GRACE_S = 25.0  # within the supervisor's 30 s for each process
+
+
+@dataclass(frozen=True)
+class DraftChoice:
+    """`--draft` as given, which the ready line repeats, and the proposer it names (None: no draft service)."""
+
+    name: str  # none, ngram, default or KIND:PATH
+    proposer: DraftSpec | None  # its path absolute
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    stack: StackConfig
+    draft_name: str  # --draft as given, or as chosen for the model
+    ready_timeout_s: float  # the stack must serve within this, or `up` stops it and exits 1
+
+
+class UpRefused(ValueError):
+    """What `up` cannot run, found before any process starts; the message names the flag."""
+
+
+def add_up_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, default=None, help="a local Hugging Face Llama-family folder (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: the faster one on this machine")
+    parser.add_argument("--num-workers", type=int, default=1, help="data-parallel target worker processes")
+    parser.add_argument("--device", default=None, help="cpu, or cuda (one worker per GPU); default: cuda when present")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50051, help="the gRPC port")
+    parser.add_argument("--http-port", type=int, default=8000, help="the OpenAI-compatible HTTP port")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="tokens per sequence at most (default: 2048, or the model's positions when fewer)")
+    parser.add_argument("--num-kv-slots", type=int, default=64, help="sequences each worker holds at once")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--draft", default=None, type=parse_draft,
+                        help="the draft service's proposer: none (no speculation), ngram (prompt lookup), default (prompt "
+                             "lookup, then the embedded default model's own phrases shipped in drafts/; used unless told, "
+                             "with ngram for any other model), phrases:PATH (prompt lookup, then the phrases in a folder "
+                             "made by `specserve distill` for --model), eagle:PATH (the EAGLE head in such a folder), "
+                             "eagle+ngram:PATH (prompt lookup, else the folder's head), eagle+phrases:PATH (prompt lookup, "
+                             "then the folder's phrases, else its head), or model:PATH "
+                             "(a draft model folder whose vocabulary matches the target's)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help=f"draft tokens per sequence in a speculative step (default: {HEAD_DRAFT_TOKENS} for a draft head "
+                             f"alone, else {NUM_SPECULATIVE_TOKENS})")
+    parser.add_argument("--head-draft-tokens", type=int, default=None,
+                        help=f"eagle+ngram and eagle+phrases: the longest proposal the head makes where no lookup matches "
+                             f"(default: the draft service's, {HEAD_DRAFT_TOKENS}; a lookup's may reach the whole k)")
+    parser.add_argument("--no-token-trees", action="store_true",
+                        help="default and phrases:PATH: propose one chain, not a token tree of guesses")
+    parser.add_argument("--spec-disable-batch-threshold", type=int, default=None,
+                        help="speculate only when a step has at most this many sequences (default: 16 for prompt lookup "
+                             "and phrases, 4 for a draft that runs a model: measured in docs/benchmarks.md)")
+    parser.add_argument("--spec-draft-token-budget", type=int, default=32,
+                        help="draft tokens a speculative step verifies in all, shared evenly among its sequences")
+    parser.add_argument("--ready-timeout-s", type=float, default=600.0)
+    parser.add_argument("--log-json", action="store_true")
+
+
+# ---------------------------------------------------------------- the draft
+
+
+def parse_draft(value: str) -> DraftChoice:
+    """The argparse type of --draft."""
+    if value == NO_DRAFT:
+        return DraftChoice(value, None)
+    if value == SHIPPED_DRAFT:
+        return _shipped_draft()
+    try:
+        return DraftChoice(value, DraftSpec.parse(value, flag="--draft", kinds=SERVING_KINDS).absolute())
+    except ValueError as error:
+        with_path = [f"{kind}:PATH" for kind in SERVING_KINDS if kind is not DraftKind.NGRAM]
+        raise argparse.ArgumentTypeError(
+            f"expected {NO_DRAFT}, {DraftKind.NGRAM}, {SHIPPED_DRAFT}, {', '.join(with_path[:-1])} or {with_path[-1]}, "
+            f"got {value!r}") from error
+
+
+def _shipped_draft() -> DraftChoice:
+    """Prompt lookup, then the phrases `specserve distill` made for the embedded default model (drafts/)."""
+    from modeling.model_store import default_draft_dir
+
+    return DraftChoice(SHIPPED_DRAFT, DraftSpec(DraftKind.PHRASES, default_draft_dir()))
+
+
+def default_draft(model: Path) -> DraftChoice:
+    """The shipped draft when it was trained for `model` (the embedded default), else prompt lookup."""
+    from modeling.eagle import DraftMismatch, check_target
+    from modeling.model_store import default_draft_dir
+
+    try:
+        check_target(default_draft_dir(), model)
+    except (DraftMismatch, OSError):  # another model, or an install without the repository's drafts/ folder
+        return DraftChoice(DraftKind.NGRAM.value, DraftSpec(DraftKind.NGRAM))
+    return _shipped_draft()
+
+
+def default_spec_threshold(draft: DraftSpec | None) -> int:
+    """Lookups cost the draft nothing and pay up to 16 sequences a step (with k shrinking); drafts that run a model, to 4."""
+    return 4 if draft is not None and draft.runs_model else 16
+
+
+def default_num_speculative_tokens(draft: DraftSpec | None) -> int:
+    """A head's later proposals are accepted rarely (docs/benchmarks.md); a lookup's long ones often."""
+    return HEAD_DRAFT_TOKENS if draft is not None and draft.kind is DraftKind.EAGLE else NUM_SPECULATIVE_TOKENS
+
+
+def _draft_problem(draft: DraftSpec, model: Path) -> str:
+    """Why the draft cannot serve this target ("" when it can): one made for another model is refused here, not after
+    the stack has started and the draft service has failed its start-up five times."""
+    path = draft.path
+    if path is None:  # prompt lookup: nothing to check
+        return ""
+    if not (path / "config.json").is_file():
+        return f"{path} has no config.json"
+    if draft.needs_target_model:
+        from modeling.eagle import DraftMismatch, check_target
+
+        try:
+            check_target(path, model)
+        except DraftMismatch as error:
+            return str(error)
+    if draft.kind is DraftKind.MODEL:
+        from modeling.config import vocab_fingerprint
+
+        if vocab_fingerprint(path) != vocab_fingerprint(model):
+            return f"the draft model's vocabulary differs from --model's ({path})"
+    return ""
+
+
+# ---------------------------------------------------------------- the config
+
+
+def up_config(args: argparse.Namespace) -> UpConfig:
+    """`up`'s flags with every default decided; raises UpRefused for what cannot work. `args` is left as it is."""
+    if problem := _numbers_problem(args):
+        raise UpRefused(problem)
+    model = _model(args.model)
+    max_model_len = _max_model_len(args.max_model_len, model)
+    draft: DraftChoice = args.draft or default_draft(model)
+    proposer = draft.proposer
+    if args.head_draft_tokens is not None and (args.head_draft_tokens < 1 or proposer is None or not proposer.lookup_then_head):
+        raise UpRefused(f"--head-draft-tokens must be at least 1, with --draft "
+                        f"{' or '.join(f'{kind}:PATH' for kind in LOOKUP_THEN_HEAD_KINDS)}")
+    if args.no_token_trees and (proposer is None or not proposer.proposes_trees):
+        raise UpRefused("--no-token-trees goes with --draft default or phrases:PATH (the drafts that propose token trees)")
+    if proposer is not None and (problem := _draft_problem(proposer, model)):
+        raise UpRefused(f"--draft {draft.name}: {problem}")
+    device = args.device or _default_device()
+    if problem := _device_problem(device, args.num_workers):
+        raise UpRefused(f"--device {device}: {problem}")
+    return UpConfig(stack=stack_config(args, model=model, max_model_len=max_model_len, draft=proposer, device=device,
+                                       dtype=args.dtype or _default_dtype(device)),
+                    draft_name=draft.name, ready_timeout_s=args.ready_timeout_s)
+
+
+def stack_config(args: argparse.Namespace, *, model: Path, max_model_len: int, draft: DraftSpec | None, device: str,
+                 dtype: str) -> StackConfig:
+    """The stack `up`'s flags describe, given what `up_config` found for the model, the draft and the machine."""
+    return StackConfig(
+        model=model, dtype=dtype, device=device, num_workers=args.num_workers, num_kv_slots=args.num_kv_slots,
+        max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+        num_threads_per_worker=max(1, (os.cpu_count() or 1) // args.num_workers) if device == "cpu" else 0,
+        draft=draft, head_draft_tokens=args.head_draft_tokens, token_trees=not args.no_token_trees,
+        max_num_seqs=args.num_kv_slots,
+        num_speculative_tokens=(default_num_speculative_tokens(draft) if args.num_speculative_tokens is None
+                                else args.num_speculative_tokens),
+        spec_disable_batch_threshold=(default_spec_threshold(draft) if args.spec_disable_batch_threshold is None
+                                      else args.spec_disable_batch_threshold),
+        spec_draft_token_budget=args.spec_draft_token_budget, gateway_shutdown_grace_s=GATEWAY_SHUTDOWN_GRACE_S,
+        host=args.host, grpc_port=args.port, http_port=args.http_port, log_json=args.log_json,
+    )
+
+
+def _numbers_problem(args: argparse.Namespace) -> str:
+    """What is wrong with `up`'s own numbers ("" when nothing)."""
+    at_least = {"--num-workers": (args.num_workers, 1), "--max-model-len": (1 if args.max_model_len is None else args.max_model_len, 1),
+                "--num-kv-slots": (args.num_kv_slots, 1), "--max-num-batched-tokens": (args.max_num_batched_tokens, 1),
+                "--spec-draft-token-budget": (args.spec_draft_token_budget, 0), "--ready-timeout-s": (args.ready_timeout_s, 0)}
+    if args.num_speculative_tokens is not None:
+        at_least["--num-speculative-tokens"] = (args.num_speculative_tokens, 0)
+    if args.spec_disable_batch_threshold is not None:
+        at_least["--spec-disable-batch-threshold"] = (args.spec_disable_batch_threshold, 0)
+    for flag, (value, least) in at_least.items():
+        if not value >= least:
+            return f"{flag} must be at least {least}, got {value}"
+    for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
+        if not 1 <= port <= 65535:
+            return f"{flag} must be a port number (1-65535), got {port}"
+    if args.port == args.http_port:
+        return f"--port and --http-port are both {args.port}"
+    return ""
+
+
+def _model(given: Path | None) -> Path:
+    from modeling.model_store import ensure_default_model
+
+    model = given or ensure_default_model()
+    if not (model / "config.json").is_file():
+        raise UpRefused(f"--model {model} has no config.json")
+    return model
+
+
+def _max_model_len(given: int | None, model: Path) -> int:
+    """--max-model-len, or 2048 or the model's positions when fewer."""
+    from modeling.config import ModelConfig, UnsupportedModel
+
+    try:
+        positions = ModelConfig.from_folder(model).max_position_embeddings
+    except UnsupportedModel as exc:
+        raise UpRefused(f"--model {model}: {exc}") from exc
+    if given is None:
+        return min(2048, positions)
+    if given > positions:
+        raise UpRefused(f"--max-model-len {given} exceeds the model's {positions} positions")
+    return given
+
+
+def _device_problem(device: str, num_workers: int) -> str:
+    if device == "cpu":
+        return ""
+    if device != "cuda":
+        return "expected cpu or cuda"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no GPU is visible (CUDA is not available)"
+    if torch.cuda.device_count() < num_workers:
+        return f"{num_workers} workers need {num_workers} GPUs, {torch.cuda.device_count()} are visible"
+    return ""
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _default_dtype(device: str) -> str:
+    """bfloat16 where the hardware computes it natively (GPUs, CPUs with AVX512-BF16 or AMX), else float32."""
+    import torch
+
+    if device.startswith("cuda"):
+        return "bfloat16"
+    return "bfloat16" if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
+
+
+# ---------------------------------------------------------------- running
+
+
+def ready_line(config: UpConfig) -> str:
+    stack = config.stack
+    return (f"specserve ready: gRPC on {stack.host}:{stack.grpc_port}, HTTP on {stack.host}:{stack.http_port}, "
+            f"model {stack.model.name} ({stack.dtype}, {stack.num_workers} worker(s) on {stack.device}), "
+            f"draft {config.draft_name}")
+
+
+def run_up(config: UpConfig) -> int:
+    """The stack under the supervisor: the ready line once it serves, then restarts until a signal. The exit status."""
+    stack = config.stack
+    addresses = StackAddresses.pick(stack)
+    supervisor = Supervisor(service_specs(stack, addresses), RestartPolicy())
+    supervisor.install_signal_handlers()
+    supervisor.start()
+    ready_by = time.monotonic() + config.ready_timeout_s
+
+    def serving() -> bool:
+        return is_serving(addresses.host, addresses.grpc_port)
+
+    try:
+        supervisor.watch(until=lambda: serving() or time.monotonic() > ready_by)
+        if not supervisor.stopping and time.monotonic() > ready_by and not serving():
+            print(f"specserve up: not serving within {config.ready_timeout_s:g} s (--ready-timeout-s): no target worker "
+                  "became READY; see the services' logs; stopping", file=sys.stderr)
+            supervisor.stop(grace_s=10.0)
+            return 1
+        if not supervisor.stopping:
+            print(ready_line(config), flush=True)
+            supervisor.watch()
+    except GaveUp as exc:
+        print(f"specserve up: {exc}; stopping", file=sys.stderr)
+        supervisor.stop(grace_s=10.0)
+        return 1
+    supervisor.stop(grace_s=30.0)
+    return 0
