@@ -17,7 +17,7 @@ import time
 import types
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import msgspec
 import zmq
@@ -29,6 +29,9 @@ from common.protocol_errors import ProtocolErrors
 from common.status_file import write_status_file
 from proto import messages as m
 from proto.lifecycle import Lifecycle, State
+
+if TYPE_CHECKING:  # process_config builds on this module's arguments
+    from common.process_config import ProcessConfig
 
 log = get_logger()
 
@@ -46,17 +49,15 @@ Phase = tuple[State, Callable[[], None]]
 class LifecycleProcess(abc.ABC, Generic[T]):
     """One process talking to the scheduler over a DEALER socket. `run()` returns the exit code."""
 
-    def __init__(self, *, process_id: str, scheduler_address: str, heartbeat_interval_s: float,
-                 status_file: Path | None, inbound: object, phase_timeout_s: float, step_timeout_s: float,
-                 drain_timeout_s: float) -> None:
-        self.process_id = process_id
+    def __init__(self, process: ProcessConfig, inbound: object) -> None:
+        self.process_id = process.worker_id
         self.incarnation = time.time_ns()
-        self.errors = ProtocolErrors(process_id)
-        self.log = log.bind(worker_id=process_id, incarnation=self.incarnation)
+        self.errors = ProtocolErrors(process.worker_id)
+        self.log = log.bind(worker_id=process.worker_id, incarnation=self.incarnation)
         self.num_steps = 0  # steps or proposals served, for heartbeats
-        self._scheduler_address = scheduler_address
-        self._heartbeat_interval_s = heartbeat_interval_s
-        self._status_file = status_file
+        self._scheduler_address = process.scheduler_address
+        self._heartbeat_interval_s = process.heartbeat_interval_s
+        self._status_file = process.status_file
         self._lifecycle = Lifecycle(self._on_transition)
         self._codec: m.Codec[T] = m.Codec(inbound)
         self._codec_out: m.Codec[m.WorkerToScheduler] = m.Codec(m.WorkerToScheduler)
@@ -67,9 +68,9 @@ class LifecycleProcess(abc.ABC, Generic[T]):
         self._stop_requested = threading.Event()  # stop after the current message
         self._drain_requested = threading.Event()  # SIGTERM while READY: finish what runs, take nothing new
         self._dismissed = False  # told to stop by the scheduler, not by a signal
-        self._drain_timeout_s = drain_timeout_s
-        self._phase_timeout_s = phase_timeout_s
-        self._step_timeout_s = step_timeout_s
+        self._drain_timeout_s = process.drain_timeout_s
+        self._phase_timeout_s = process.phase_timeout_s
+        self._step_timeout_s = process.step_timeout_s
         self._deadline: tuple[str, float, str] | None = None  # (what runs, when it must end, the setting), for the watchdog
         self.faults: FaultInjector | None = None
 

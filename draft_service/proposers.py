@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
@@ -254,7 +254,32 @@ def warm_up_every_slot(proposer: Proposer, num_slots: int, k: int, feature_width
         proposer.forget(item.request_id)
 
 
-class ModelProposer:
+class _Engine(Protocol):
+    def load(self) -> None: ...
+    def allocate(self) -> None: ...
+
+
+EngineT = TypeVar("EngineT", bound=_Engine)
+
+
+class SlottedModelProposer(Generic[EngineT]):
+    """What a proposer running a model does: load and allocate its engine, warm up every slot, one slot per sequence."""
+
+    _engine: EngineT
+    _slots: SequenceSlots
+
+    def phases(self) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
+        return self._engine.load, self._engine.allocate, self._warm_up
+
+    @property
+    def num_used_slots(self) -> int:
+        return len(self._slots)
+
+    def _warm_up(self) -> None:
+        raise NotImplementedError
+
+
+class ModelProposer(SlottedModelProposer[ModelEngine]):
     """A draft model with one KV slot per sequence; a sequence with no free slot gets no proposal."""
 
     feature_width = 0
@@ -271,13 +296,6 @@ class ModelProposer:
         self._slots = SequenceSlots(num_slots, max_len)
         self._max_draft_tokens = max_draft_tokens
         self._draft_top_k = draft_top_k
-
-    def phases(self) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
-        return self._engine.load, self._engine.allocate, self._warm_up
-
-    @property
-    def num_used_slots(self) -> int:
-        return len(self._slots)
 
     def _warm_up(self) -> None:
         warm_up_every_slot(self, self._engine.num_slots, self._max_draft_tokens)
@@ -343,7 +361,7 @@ def draw(logits: torch.Tensor, params: SamplingParams, position: int, dists: lis
     return int(ids[choice])
 
 
-class EagleProposer:
+class EagleProposer(SlottedModelProposer[EagleEngine]):
     """An EAGLE-style head (modeling/eagle.py) with one KV slot per sequence.
 
     Draft position j holds the pair (target feature f_j, token x_{j+1}). The pairs built
@@ -366,13 +384,6 @@ class EagleProposer:
         self._from_target: dict[int, int] = {}  # per slot: leading draft positions built from the target's features
         self._max_draft_tokens = max_draft_tokens
         self._draft_top_k = draft_top_k
-
-    def phases(self) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
-        return self._engine.load, self._engine.allocate, self._warm_up
-
-    @property
-    def num_used_slots(self) -> int:
-        return len(self._slots)
 
     def _warm_up(self) -> None:
         warm_up_every_slot(self, self._engine.num_slots, self._max_draft_tokens, self.feature_width)

@@ -65,11 +65,7 @@ def make_proposer(config: DraftConfig) -> Proposer:
 
 class DraftService(LifecycleProcess[m.SchedulerToDraft]):
     def __init__(self, config: DraftConfig) -> None:
-        process = config.process
-        super().__init__(process_id=process.worker_id, scheduler_address=process.scheduler_address,
-                         heartbeat_interval_s=process.heartbeat_interval_s, status_file=process.status_file,
-                         inbound=m.SchedulerToDraft, phase_timeout_s=process.phase_timeout_s,
-                         step_timeout_s=process.step_timeout_s, drain_timeout_s=process.drain_timeout_s)
+        super().__init__(config.process, inbound=m.SchedulerToDraft)
         self._config = config
         self._sequences = SequenceStore()
         self._proposer: Proposer | None = None

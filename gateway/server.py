@@ -8,6 +8,7 @@ import time
 import uuid
 
 import grpc
+import msgspec
 import structlog
 
 from common.logs import get_logger
@@ -94,25 +95,11 @@ def to_server_info(reply: messages.InfoReply) -> pb.ServerInfoResponse:
 
 
 def to_speculation(spec: messages.SpeculationInfo) -> pb.Speculation:
-    return pb.Speculation(
-        num_draft_tokens=spec.num_draft_tokens,
-        num_accepted_draft_tokens=spec.num_accepted_draft_tokens,
-        num_verify_steps=spec.num_verify_steps,
-        num_plain_decode_steps=spec.num_plain_decode_steps,
-        acceptance_rate=spec.acceptance_rate,
-        mean_accepted_length=spec.mean_accepted_length,
-    )
+    """Every counter but steps_by_k, which /metrics exports."""
+    fields = msgspec.structs.asdict(spec)
+    del fields["steps_by_k"]
+    return pb.Speculation(**fields)
 
 
 def to_process(process: messages.ProcessInfo) -> pb.Process:
-    return pb.Process(
-        process_id=process.process_id,
-        role=process.role,
-        state=process.state,
-        incarnation=process.incarnation,
-        heartbeat_age_s=process.heartbeat_age_s,
-        num_used_kv_slots=process.num_used_kv_slots,
-        num_kv_slots=process.num_kv_slots,
-        num_running=process.num_running,
-        failure=process.failure,
-    )
+    return pb.Process(**{**msgspec.structs.asdict(process), "state": str(process.state)})

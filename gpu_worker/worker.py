@@ -21,11 +21,7 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
     """One target model replica."""
 
     def __init__(self, config: WorkerConfig) -> None:
-        process = config.process
-        super().__init__(process_id=process.worker_id, scheduler_address=process.scheduler_address,
-                         heartbeat_interval_s=process.heartbeat_interval_s, status_file=process.status_file,
-                         inbound=m.SchedulerToWorker, phase_timeout_s=process.phase_timeout_s,
-                         step_timeout_s=process.step_timeout_s, drain_timeout_s=process.drain_timeout_s)
+        super().__init__(config.process, inbound=m.SchedulerToWorker)
         self._config = config
         self._runner: ModelRunner | None = None  # set once READY
         self._max_draft_tokens: int | None = None  # 0 once warming up found its steps not batch invariant
