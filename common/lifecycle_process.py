@@ -252,7 +252,7 @@ class LifecycleProcess(abc.ABC, Generic[T]):
                     self._scheduler_lost()
             socket.send(self._heartbeat_codec.encode(m.Heartbeat(
                 worker_id=self.process_id, incarnation=self.incarnation, state=self._lifecycle.state,
-                num_used_kv_slots=self.num_used_slots(), num_steps=self.num_steps,
+                num_used_kv_slots=self.num_used_slots(), num_steps=self.num_steps, protocol_errors=dict(self.errors.counts),
             )))
             time.sleep(self._heartbeat_interval_s)
         socket.close()

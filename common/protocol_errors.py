@@ -1,4 +1,4 @@
-"""Counts malformed or unexpected messages; logs the first of each kind with context, then only counts."""
+"""Counts malformed or unexpected messages (exported in /metrics); logs the first of each kind with context, then only counts."""
 
 from __future__ import annotations
 

@@ -92,7 +92,8 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
         return [(State.LOADING, load), (State.ALLOCATING, allocate), (State.WARMING, warm_up)]
 
     def num_used_slots(self) -> int:
-        return len(self._sequences)
+        """The draft KV slots its proposer holds (a lookup proposer holds none, whatever sequences it keeps)."""
+        return self._proposer.num_used_slots if self._proposer is not None else 0
 
     def handle(self, message: m.SchedulerToDraft) -> None:
         match message:

@@ -87,7 +87,7 @@ class HttpApi:
             info = await self._generation.scheduler.query_info()
         except RequestFailed:
             info = None
-        body = self._generation.metrics.exposition(info)
+        body = self._generation.metrics.exposition(info, self._generation.scheduler.protocol_errors.counts)
         return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     # ------------------------------------------------------------------ generation

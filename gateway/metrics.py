@@ -1,14 +1,15 @@
 """Prometheus metrics of the gateway: its own request figures, plus the scheduler's as of the latest InfoReply.
 
-Request, token and latency figures are counted here as requests stream. Queue length,
-running requests, speculation counters and each process's lifecycle state come from the
+Request, token and latency figures are counted here as requests stream, and the messages
+the gateway dropped as it reads them. Queue length, running requests, speculation
+counters, each process's lifecycle state and dropped messages come from the
 scheduler's InfoReply (the same message GetServerInfo and health use), fetched when
 /metrics is scraped: no second channel to the scheduler.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -48,21 +49,25 @@ class GatewayMetrics:
         for _ in range(num_tokens):
             self.inter_token_latency.labels(api).observe(gap_s / num_tokens)
 
-    def exposition(self, info: messages.InfoReply | None) -> bytes:
-        """The text format, with the scheduler's figures from `info` (None: the scheduler did not answer)."""
+    def exposition(self, info: messages.InfoReply | None, protocol_errors: Mapping[str, int] | None = None) -> bytes:
+        """The text format, with the scheduler's figures from `info` (None: the scheduler did not answer) and the
+        messages this gateway dropped, by kind."""
         self._scheduler.info = info
+        self._scheduler.gateway_protocol_errors = dict(protocol_errors or {})
         return generate_latest(self.registry)
 
 
 class SchedulerCollector(Collector):
     def __init__(self) -> None:
         self.info: messages.InfoReply | None = None
+        self.gateway_protocol_errors: dict[str, int] = {}
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         info = self.info
         up = GaugeMetricFamily("specserve_scheduler_up", "1 when the scheduler answered this scrape")
         up.add_metric([], 0.0 if info is None else 1.0)
         yield up
+        yield self._protocol_errors(info)
         if info is None:
             return
         yield GaugeMetricFamily("specserve_queue_length", "Requests waiting for a KV slot", value=info.num_waiting)
@@ -91,3 +96,15 @@ class SchedulerCollector(Collector):
         for k, count in sorted(spec.steps_by_k.items()):
             decisions.add_metric([str(k)], count)
         yield decisions
+
+    def _protocol_errors(self, info: messages.InfoReply | None) -> CounterMetricFamily:
+        """Malformed, stale or unexpected messages each process dropped (the scheduler's by socket and kind)."""
+        errors = CounterMetricFamily("specserve_protocol_errors", "Messages a process dropped as malformed, stale or "
+                                     "unexpected, by kind", labels=["process_id", "kind"])
+        reports = [("gateway", self.gateway_protocol_errors)]
+        if info is not None:
+            reports += [("scheduler", info.protocol_errors)] + [(p.process_id, p.protocol_errors) for p in info.processes]
+        for process_id, counts in reports:
+            for kind, count in sorted(counts.items()):
+                errors.add_metric([process_id, kind], count)
+        return errors

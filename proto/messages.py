@@ -119,6 +119,7 @@ class ProcessInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_kv_slots: int
     num_running: int  # sequences the scheduler has placed on it
     failure: str  # "" unless FAILED/DEAD: the phase and the cause
+    protocol_errors: dict[str, int] = {}  # messages it dropped since it started, by kind, as last reported
 
 
 class SpeculationInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -141,6 +142,8 @@ class InfoReply(msgspec.Struct, tag="info", frozen=True, forbid_unknown_fields=T
     num_running: int
     processes: list[ProcessInfo]
     speculation: SpeculationInfo | None = None
+    # Messages the scheduler dropped since it started, by socket and kind ("worker.decode", "gateway.unknown_sender").
+    protocol_errors: dict[str, int] = {}
 
 
 SchedulerToGateway = TokenDelta | TokenDeltas | RequestError | InfoReply
@@ -307,6 +310,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True, forbid_unknown_fie
     state: State
     num_used_kv_slots: int
     num_steps: int
+    protocol_errors: dict[str, int] = {}  # messages it dropped since it started, by kind
 
 
 class SeqOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

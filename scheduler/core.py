@@ -14,6 +14,7 @@ from functools import partial
 from typing import assert_never
 
 from common.logs import get_logger
+from common.protocol_errors import ProtocolErrors
 from proto import messages as m
 from proto.lifecycle import TRANSITIONS, State
 from scheduler.config import SchedulerConfig
@@ -35,6 +36,8 @@ class SchedulerCore:
         self.outbox = Outbox()
         self._steps = StepCycle(config, self._requests, self._workers, self._drafts, self.outbox)
         self._gateways: set[bytes] = set()
+        # What the shell drops from each socket before (or after) the core sees it, exported with info().
+        self.protocol_errors = {"gateway": ProtocolErrors("scheduler.gateway"), "worker": ProtocolErrors("scheduler.worker")}
         self._no_ready_target_since_s: float | None = 0.0  # None while a target worker is READY
 
     # ------------------------------------------------------------------ views
@@ -58,6 +61,8 @@ class SchedulerCore:
             query_id=query_id, model_name=self._config.model_name, max_model_len=self._config.max_model_len,
             num_waiting=self.num_waiting, num_running=self.num_running,
             processes=[w.info(now_s) for w in self._workers], speculation=self._drafts.counters.info(),
+            protocol_errors={f"{socket}.{kind}": count for socket, errors in self.protocol_errors.items()
+                             for kind, count in errors.counts.items()},
         )
 
     # ------------------------------------------------------------------ events in
@@ -129,6 +134,7 @@ class SchedulerCore:
         match message:
             case m.Heartbeat():
                 worker.num_used_kv_slots = message.num_used_kv_slots
+                worker.protocol_errors = message.protocol_errors
             case m.LifecycleReport():
                 return self._on_lifecycle(worker, message, now_s)
             case m.WorkerFailed():

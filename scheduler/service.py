@@ -35,8 +35,8 @@ class SchedulerService:
         self._worker_socket = self._context.socket(zmq.ROUTER)
         self._gateway_codec: m.Codec[m.GatewayToScheduler] = m.Codec(m.GatewayToScheduler)
         self._worker_codec: m.Codec[m.WorkerToScheduler] = m.Codec(m.WorkerToScheduler)
-        self._gateway_errors = ProtocolErrors("scheduler.gateway")
-        self._worker_errors = ProtocolErrors("scheduler.worker")
+        self._gateway_errors = self._core.protocol_errors["gateway"]
+        self._worker_errors = self._core.protocol_errors["worker"]
         self._stop = asyncio.Event()
 
     async def run(self) -> None:

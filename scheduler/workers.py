@@ -36,6 +36,7 @@ class WorkerRecord:
     awaiting_proposal: int | None = None  # the propose_id its next step waits for
     told_to_stop: bool = False  # a Drain was sent to this incarnation
     num_used_kv_slots: int = 0  # as the worker last reported
+    protocol_errors: dict[str, int] = field(default_factory=dict)  # messages it dropped, by kind, as last reported
     # A target's longest proposal per step: its hello's, lowered by its READY report (0: it
     # serves without speculation, its steps not being batch invariant).
     max_draft_tokens: int = 0
@@ -100,6 +101,7 @@ class WorkerRecord:
             num_kv_slots=self.hello.num_kv_slots,
             num_running=len(self.requests),
             failure=self.failure,
+            protocol_errors=dict(self.protocol_errors),
         )
 
 

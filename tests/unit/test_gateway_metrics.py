@@ -6,6 +6,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.metrics import GatewayMetrics
 from proto import messages as m
+from proto.lifecycle import State
 
 
 def samples(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -28,8 +29,8 @@ def test_chunks_count_tokens_first_token_latency_and_spread_gaps() -> None:
 
 def test_scheduler_figures_come_from_the_info_reply() -> None:
     info = m.InfoReply(1, "model", 2048, num_waiting=3, num_running=5, processes=[
-        m.ProcessInfo("worker-0", "target", "READY", 1, 0.2, 2, 8, 5, ""),
-        m.ProcessInfo("draft-0", "draft", "FAILED", 1, 4.0, 0, 64, 0, "LOADING: OSError"),
+        m.ProcessInfo("worker-0", "target", State.READY, 1, 0.2, 2, 8, 5, ""),
+        m.ProcessInfo("draft-0", "draft", State.FAILED, 1, 4.0, 0, 64, 0, "LOADING: OSError"),
     ], speculation=m.SpeculationInfo(10, 4, 3, 20, 0.4, 4 / 3, {0: 20, 6: 3}))
     got = samples(GatewayMetrics().exposition(info))
     assert got[("specserve_queue_length", ())] == 3 and got[("specserve_running_requests", ())] == 5
@@ -38,3 +39,17 @@ def test_scheduler_figures_come_from_the_info_reply() -> None:
     assert got[("specserve_draft_tokens_total", ())] == 10 and got[("specserve_accepted_draft_tokens_total", ())] == 4
     assert got[("specserve_acceptance_rate", ())] == 0.4
     assert got[("specserve_speculation_decisions_total", (("k", "6"),))] == 3
+
+
+def test_every_process_dropped_message_is_exported_by_process_and_kind() -> None:
+    info = m.InfoReply(1, "model", 2048, num_waiting=0, num_running=0, processes=[
+        m.ProcessInfo("worker-0", "target", State.READY, 1, 0.2, 2, 8, 5, "", protocol_errors={"decode": 2}),
+    ], protocol_errors={"worker.stale_or_unexpected": 3, "gateway.decode": 1})
+    got = samples(GatewayMetrics().exposition(info, {"frames": 4}))
+    errors = "specserve_protocol_errors_total"
+    assert got[(errors, (("kind", "frames"), ("process_id", "gateway")))] == 4
+    assert got[(errors, (("kind", "worker.stale_or_unexpected"), ("process_id", "scheduler")))] == 3
+    assert got[(errors, (("kind", "gateway.decode"), ("process_id", "scheduler")))] == 1
+    assert got[(errors, (("kind", "decode"), ("process_id", "worker-0")))] == 2
+    got = samples(GatewayMetrics().exposition(None, {"decode": 1}))  # the gateway's own, even with no scheduler
+    assert got[(errors, (("kind", "decode"), ("process_id", "gateway")))] == 1

@@ -816,3 +816,14 @@ def test_a_phase_past_its_deadline_fails_the_worker_names_the_setting_and_it_nev
     assert sim.finish_reason("a") == "length"
     assert not stuck.report(State.READY if stuck_in is State.WARMING else State.LOADING)  # later reports are dropped
     assert stuck.all_steps() == []
+
+
+def test_dropped_messages_are_counted_for_the_info_reply_by_process_socket_and_kind() -> None:
+    sim = Sim()
+    worker = ready(sim, "w0")
+    assert worker.send(m.Heartbeat("w0", worker.incarnation, State.READY, 0, 0, protocol_errors={"decode": 2}))
+    sim.core.protocol_errors["worker"].record("stale_or_unexpected")
+    sim.core.protocol_errors["gateway"].record("decode")
+    info = sim.info()
+    assert info.protocol_errors == {"worker.stale_or_unexpected": 1, "gateway.decode": 1}
+    assert sim.process("w0").protocol_errors == {"decode": 2}
