@@ -23,6 +23,7 @@ import msgspec
 import zmq
 import zmq.utils.monitor
 
+from common.arguments import not_positive_problem
 from common.faults import FaultInjector
 from common.logs import get_logger
 from common.protocol_errors import ProtocolErrors
@@ -311,9 +312,8 @@ def add_process_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_process_arguments(args: argparse.Namespace) -> None:
     """Raises ValueError naming the setting."""
-    for name in ("heartbeat_interval_s", "phase_timeout_s", "step_timeout_s", "drain_timeout_s"):
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if problem := not_positive_problem(args, ("heartbeat_interval_s", "phase_timeout_s", "step_timeout_s", "drain_timeout_s")):
+        raise ValueError(problem)
     if not (args.device == "cpu" or args.device.startswith("cuda")):
         raise ValueError(f"--device must be 'cpu' or 'cuda:N', got {args.device!r}")
 

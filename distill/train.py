@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from distill.data import Sequence, chunk_tokens, draft_vocabulary, generate, read_text, stdlib_sources, write_requests
 from distill.prompts import request_openings, training_prompts
+from common.arguments import not_positive_problem
 from modeling.tokenizer import ChatMessage, Tokenizer
 from modeling.config import ModelConfig, model_fingerprint, vocab_fingerprint
 from modeling.eagle import EagleHead, unsupported_target
@@ -128,9 +129,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_arguments(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> DistillArgs:
-    for name in ("num_prompts", "request_tokens", "max_new_tokens", "draft_vocab_size", "steps", "batch_sequences", "checkpoint_every", "unroll"):
-        if getattr(ns, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(ns, name)}")
+    if problem := not_positive_problem(ns, ("num_prompts", "request_tokens", "max_new_tokens", "draft_vocab_size", "steps",
+                                            "batch_sequences", "checkpoint_every", "unroll")):
+        parser.error(problem)
     if ns.text_tokens < 0 or ns.self_prompts < 0 or not ns.lr > 0 or not ns.feature_noise >= 0 or not ns.cls_weight >= 0:
         parser.error("--text-tokens, --self-prompts, --feature-noise and --cls-weight must be >= 0 and --lr > 0")
     if not (ns.target / "config.json").exists():

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.arguments import below_problem
 from common import process_config
 from common.draft_spec import DraftSpec
 from common.process_config import ProcessConfig
@@ -57,9 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def from_arguments(args: argparse.Namespace) -> DraftConfig:
     """Raises ValueError naming the setting."""
-    for name in ("max_draft_tokens", "head_draft_tokens", "ngram_min", "max_model_len", "num_seqs", "draft_top_k"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if problem := below_problem(args, ("max_draft_tokens", "head_draft_tokens", "ngram_min", "max_model_len", "num_seqs",
+                                       "draft_top_k"), 1):
+        raise ValueError(problem)
     process = process_config.from_arguments(args)
     if args.ngram_max < args.ngram_min:
         raise ValueError(f"--ngram-max ({args.ngram_max}) is below --ngram-min ({args.ngram_min})")

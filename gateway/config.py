@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.arguments import flag, not_positive_problem
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -53,10 +55,10 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
         parser.error(f"--model {args.model}: no tokenizer.json there")
     for name in ("port", "http_port"):
         if not 0 <= getattr(args, name) <= 65535:
-            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be in [0, 65535]")
-    for name in ("scheduler_timeout_s", "scheduler_restart_window_s", "health_poll_interval_s", "shutdown_grace_s"):
-        if not getattr(args, name) > 0:
-            parser.error(f"--{name.replace('_', '-')}: must be > 0")
+            parser.error(f"{flag(name)} {getattr(args, name)}: must be in [0, 65535]")
+    if problem := not_positive_problem(args, ("scheduler_timeout_s", "scheduler_restart_window_s", "health_poll_interval_s",
+                                              "shutdown_grace_s")):
+        parser.error(problem)
     return GatewayConfig(
         model_dir=args.model,
         scheduler_address=args.scheduler_address,

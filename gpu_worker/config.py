@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.arguments import below_problem
 from common import process_config
 from common.process_config import ProcessConfig
 from modeling.engine import DTYPES
@@ -31,9 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def from_arguments(args: argparse.Namespace) -> WorkerConfig:
-    for name in ("max_model_len", "num_kv_slots", "max_num_batched_tokens"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if problem := below_problem(args, ("max_model_len", "num_kv_slots", "max_num_batched_tokens"), 1):
+        raise ValueError(problem)
     return WorkerConfig(
         process=process_config.from_arguments(args),
         model=args.model,

@@ -6,6 +6,8 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.arguments import below_problem, not_positive_problem
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -55,12 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def from_arguments(args: argparse.Namespace) -> SchedulerConfig:
     positive = ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "max_queue_len",
                 "no_worker_timeout_s", "heartbeat_timeout_s", "step_timeout_s", "propose_timeout_s", "phase_timeout_s")
-    for name in positive:
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ("num_speculative_tokens", "spec_disable_batch_threshold", "spec_draft_token_budget"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 0, got {getattr(args, name)}")
+    if problem := not_positive_problem(args, positive) or below_problem(
+            args, ("num_speculative_tokens", "spec_disable_batch_threshold", "spec_draft_token_budget"), 0):
+        raise ValueError(problem)
     return SchedulerConfig(
         gateway_address=args.gateway_address,
         worker_address=args.worker_address,

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 
 from modeling.model_store import ensure_default_model
+
+
+@pytest.fixture(autouse=True)
+def structlog_as_it_was() -> Iterator[None]:
+    """A test that configures logs (as `specserve up` does) binds them to its own captured stderr, closed after it:
+    every later test gets the configuration from before."""
+    config = structlog.get_config()
+    yield
+    structlog.configure(**config)
 
 
 @pytest.fixture(scope="session")
