@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from common.arguments import below_problem, not_positive_problem
@@ -60,21 +60,4 @@ def from_arguments(args: argparse.Namespace) -> SchedulerConfig:
     if problem := not_positive_problem(args, positive) or below_problem(
             args, ("num_speculative_tokens", "spec_disable_batch_threshold", "spec_draft_token_budget"), 0):
         raise ValueError(problem)
-    return SchedulerConfig(
-        gateway_address=args.gateway_address,
-        worker_address=args.worker_address,
-        model_name=args.model_name,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_queue_len=args.max_queue_len,
-        no_worker_timeout_s=args.no_worker_timeout_s,
-        heartbeat_timeout_s=args.heartbeat_timeout_s,
-        step_timeout_s=args.step_timeout_s,
-        status_file=args.status_file,
-        num_speculative_tokens=args.num_speculative_tokens,
-        spec_disable_batch_threshold=args.spec_disable_batch_threshold,
-        spec_draft_token_budget=args.spec_draft_token_budget,
-        propose_timeout_s=args.propose_timeout_s,
-        phase_timeout_s=args.phase_timeout_s,
-    )
+    return SchedulerConfig(**{field.name: getattr(args, field.name) for field in fields(SchedulerConfig)})  # one flag each
