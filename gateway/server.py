@@ -6,10 +6,12 @@ import asyncio
 import contextlib
 import time
 import uuid
+from typing import Any
 
 import grpc
 import msgspec
 import structlog
+from google.protobuf.message import Message
 
 from common.logs import get_logger
 from gateway.errors import RequestFailed
@@ -95,11 +97,14 @@ def to_server_info(reply: messages.InfoReply) -> pb.ServerInfoResponse:
 
 
 def to_speculation(spec: messages.SpeculationInfo) -> pb.Speculation:
-    """Every counter but steps_by_k, which /metrics exports."""
-    fields = msgspec.structs.asdict(spec)
-    del fields["steps_by_k"]
-    return pb.Speculation(**fields)
+    """Every counter the gRPC message holds (steps_by_k is in /metrics only)."""
+    return pb.Speculation(**_fields_for(pb.Speculation, spec))
 
 
 def to_process(process: messages.ProcessInfo) -> pb.Process:
-    return pb.Process(**{**msgspec.structs.asdict(process), "state": str(process.state)})
+    """Every field the gRPC message holds (protocol error counts are in /metrics only)."""
+    return pb.Process(**{**_fields_for(pb.Process, process), "state": str(process.state)})
+
+
+def _fields_for(message: type[Message], struct: msgspec.Struct) -> dict[str, Any]:
+    return {name: getattr(struct, name) for name in message.DESCRIPTOR.fields_by_name}

@@ -30,6 +30,7 @@ from gateway.scheduler_client import SchedulerClient
 from gateway.server import SpecServeServicer
 from modeling.tokenizer import ChatMessage, Tokenizer
 from proto import messages as m
+from proto.lifecycle import State
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 
@@ -60,13 +61,14 @@ def ready_target(state: str = "READY") -> m.ProcessInfo:
     return m.ProcessInfo(
         process_id="worker-0",
         role="target",
-        state=state,
+        state=State(state),
         incarnation=2**62,  # incarnations can be large: int64 on the wire
         heartbeat_age_s=0.25,
         num_used_kv_slots=1,
         num_kv_slots=8,
         num_running=1,
         failure="",
+        protocol_errors={"decode": 1},  # in /metrics only: GetServerInfo has no field for it
     )
 
 
@@ -360,7 +362,9 @@ def test_get_server_info_mirrors_the_info_reply(run: Any, tokenizer: Tokenizer) 
         assert (info.model_name, info.max_model_len, info.num_waiting, info.num_running) == ("SmolLM2-135M-Instruct", 2048, 2, 1)
         process = info.processes[0]
         expected = ready_target()
-        assert [getattr(process, field) for field in expected.__struct_fields__] == [getattr(expected, field) for field in expected.__struct_fields__]
+        mirrored = [field for field in expected.__struct_fields__ if field != "protocol_errors"]  # in /metrics only
+        assert set(mirrored) == set(pb.Process.DESCRIPTOR.fields_by_name)
+        assert [getattr(process, field) for field in mirrored] == [getattr(expected, field) for field in mirrored]
 
     run(scenario())
 
@@ -375,7 +379,7 @@ def test_health_follows_ready_targets_and_scheduler_silence(run: Any, tokenizer:
             assert await status(h, "") == NOT_SERVING  # before the first answer
             assert await h.reporter.poll_once() == SERVING
             assert [await status(h, "") for _ in range(1)] + [await status(h, "specserve.v1.SpecServe")] == [SERVING, SERVING]
-            h.scheduler.processes = [ready_target("WARMING"), m.ProcessInfo("draft-0", "draft", "READY", 1, 0.1, 0, 8, 0, "")]
+            h.scheduler.processes = [ready_target("WARMING"), m.ProcessInfo("draft-0", "draft", State.READY, 1, 0.1, 0, 8, 0, "")]
             assert await h.reporter.poll_once() == NOT_SERVING
             h.scheduler.processes = [ready_target()]
             assert await h.reporter.poll_once() == SERVING
