@@ -69,7 +69,10 @@ class StackConfig:
     draft_args: tuple[str, ...] = ()
 
     def worker_device(self, index: int | str) -> str:
-        return f"cuda:{index}" if self.device == "cuda" else self.device
+        """Target worker i on cuda:i; a worker a test names (worker-faulty) shares cuda:0."""
+        if self.device != "cuda":
+            return self.device
+        return f"cuda:{index}" if isinstance(index, int) else "cuda:0"
 
 
 @dataclass(frozen=True)
