@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
 import torch
 
 from modeling.proposals import SparseDistLike
-from proto.messages import GREEDY_BELOW
-from modeling.sampling import SamplingLike, draw, generator_for, target_probs
+from modeling.sampling import SamplingLike, draw, generator_for, is_greedy, target_probs
 from modeling.trees import child_holding
 
 # The acceptance test at a position uses its own stream, apart from the token draw there.
@@ -54,7 +54,7 @@ def verify(
     k = len(draft_token_ids)
     if logits.shape[0] != k + 1:
         raise ValueError(f"verify needs {k + 1} rows of logits for {k} draft tokens, got {logits.shape[0]}")
-    if params.temperature < GREEDY_BELOW:
+    if is_greedy(params):
         raise ValueError(f"verify samples: temperature {params.temperature} is greedy (use verify_greedy)")
     if draft_dists is not None and len(draft_dists) != k:
         raise ValueError(f"{k} draft tokens but {len(draft_dists)} draft distributions")
