@@ -50,6 +50,7 @@ from modeling.config import ModelConfig
 from modeling.eagle import EagleEngine
 from modeling.engine import ModelEngine
 from modeling.features import from_rows
+from modeling.kv_cache import DEFAULT_PAGE_SIZE, pages_for_slots, slot_pages
 from modeling.model_store import default_model_dir
 from proto.messages import SamplingParams, SeqWork
 
@@ -59,7 +60,8 @@ MAX_LEN = 1024
 
 def accuracy(target: Path, drafts: list[Path], dtype: str, output_len: int) -> None:
     tokenizer = Tokenizer.load(target)
-    engine = ModelEngine(target, ModelConfig.from_folder(target), device="cpu", dtype=dtype, num_slots=16, max_len=MAX_LEN)
+    engine = ModelEngine(target, ModelConfig.from_folder(target), device="cpu", dtype=dtype,
+                         num_pages=pages_for_slots(16, MAX_LEN), max_len=MAX_LEN)
     engine.load()
     engine.allocate()
     workloads = {"chat": CHAT, "code": CODE}
@@ -67,7 +69,7 @@ def accuracy(target: Path, drafts: list[Path], dtype: str, output_len: int) -> N
                               set(tokenizer.eos_token_ids))
                for name, texts in workloads.items()}
     for draft in drafts:
-        head = EagleEngine(draft, target, device="cpu", dtype=dtype, num_slots=1, max_len=MAX_LEN)
+        head = EagleEngine(draft, target, device="cpu", dtype=dtype, num_pages=pages_for_slots(1, MAX_LEN), max_len=MAX_LEN)
         head.load()
         head.allocate()
         assert head.draft_vocab is not None
@@ -77,7 +79,7 @@ def accuracy(target: Path, drafts: list[Path], dtype: str, output_len: int) -> N
             for seq in sequences:
                 n = len(seq.tokens)
                 # Row j reads (f_j, x_{j+1}) and proposes x_{j+2}; answers start at seq.first_generated.
-                logits, _ = head.forward([SeqSpan(0, 0, seq.tokens[1:n - 1], n - 2)], seq.features[: n - 2])
+                logits, _ = head.forward([SeqSpan(slot_pages(0, MAX_LEN), 0, seq.tokens[1:n - 1], n - 2)], seq.features[: n - 2])
                 proposed = head.draft_vocab[logits.argmax(-1)]
                 first = max(0, seq.first_generated - 2)
                 right += int((proposed[first:] == torch.tensor(seq.tokens[2:])[first:]).sum())
@@ -91,12 +93,13 @@ def cycle(target: Path, draft: Path, dtype: str, ks: list[int], lookup_k: int, n
     process = ProcessConfig(worker_id="bench", scheduler_address="inproc://unused", device="cpu", dtype=dtype,
                             heartbeat_interval_s=1.0, phase_timeout_s=60.0, step_timeout_s=60.0, drain_timeout_s=10.0,
                             num_threads=0, status_file=None)
-    config = WorkerConfig(process=process, model=target, max_model_len=MAX_LEN, num_kv_slots=1, max_num_batched_tokens=512,
-                          max_draft_tokens=8)
-    runner = ModelRunner(config, ModelConfig.from_folder(target))
+    config = WorkerConfig(process=process, model=target, max_model_len=MAX_LEN, kv_cache_memory_gib=None,
+                          page_size=DEFAULT_PAGE_SIZE, max_num_seqs=1, max_num_batched_tokens=512, max_draft_tokens=8)
+    runner = ModelRunner(config, ModelConfig.from_folder(target), pages_for_slots(1, MAX_LEN))
+    pages = list(slot_pages(0, MAX_LEN))
     runner.load()
     runner.allocate()
-    head = EagleProposer(draft, target, device="cpu", dtype=dtype, num_slots=1, max_len=MAX_LEN, max_draft_tokens=8,
+    head = EagleProposer(draft, target, device="cpu", dtype=dtype, num_seqs=1, max_len=MAX_LEN, max_draft_tokens=8,
                          draft_top_k=8)
     for phase in head.phases():
         phase()
@@ -106,9 +109,8 @@ def cycle(target: Path, draft: Path, dtype: str, ks: list[int], lookup_k: int, n
 
     def decode(prompt: list[int], proposer: Proposer | None, k: int) -> tuple[list[int], float, int, int]:
         """-> (tokens, seconds after the prefill, verify steps, accepted draft tokens)."""
-        runner.release([0])
         head.forget("r")
-        (out,), (rows,) = runner.execute([SeqWork("r", 0, 0, prompt, True, GREEDY)], return_features=True)
+        (out,), (rows,) = runner.execute([SeqWork("r", pages, 0, prompt, True, GREEDY)], return_features=True)
         tokens, features = prompt + out.token_ids, from_rows(rows.rows)
         stable, seconds, verifies, accepted = 0, 0.0, 0, 0
         while len(tokens) < len(prompt) + output_len:
@@ -118,7 +120,7 @@ def cycle(target: Path, draft: Path, dtype: str, ks: list[int], lookup_k: int, n
             if proposer is not None:
                 (proposal,) = proposer.propose([ProposeInput("r", tokens, stable, k, GREEDY, features)])
                 drafted, parents = proposal.token_ids, proposal.parents
-            work = SeqWork("r", 0, len(tokens) - 1, [tokens[-1]] + drafted, True, GREEDY, num_draft_tokens=len(drafted),
+            work = SeqWork("r", pages, len(tokens) - 1, [tokens[-1]] + drafted, True, GREEDY, num_draft_tokens=len(drafted),
                            draft_parents=parents)
             (out,), step_rows = runner.execute([work], return_features=proposer is not None)  # plain steps need none
             seconds += time.perf_counter() - started

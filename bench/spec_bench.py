@@ -144,18 +144,20 @@ def explain_divergences(results: Sequence[WorkloadResult], prompts_of: dict[str,
     from modeling.batch import SeqSpan
     from modeling.config import ModelConfig
     from modeling.engine import ModelEngine
+    from modeling.kv_cache import pages_for_slots
 
     found = find_divergences(results)
     if not found:
         return []
-    engine = ModelEngine(model, ModelConfig.from_folder(model), device="cpu", dtype=dtype, num_slots=1, max_len=2048)
+    engine = ModelEngine(model, ModelConfig.from_folder(model), device="cpu", dtype=dtype,
+                         num_pages=pages_for_slots(1, 2048), max_len=2048)
     engine.load()
     engine.allocate()
     first = _first_outputs(results)
     explained = []
     for r, index, position in found:
         prefix = prompts_of[r.workload][index] + first[r.workload][index][:position]
-        logits = engine.forward([SeqSpan(0, 0, prefix, 1)])[0].float()
+        logits = engine.forward([SeqSpan(engine.slot_pages(0), 0, prefix, 1)])[0].float()
         top2 = torch.topk(logits, 2).values
         explained.append(Divergence(r.config, r.workload, index, position, float(top2[0] - top2[1])))
     return explained

@@ -89,9 +89,9 @@ class LifecycleProcess(abc.ABC, Generic[T]):
     def handle(self, message: T) -> None:
         """Answer one decoded message other than Drain, whatever the state (refuse work unless READY)."""
 
-    @abc.abstractmethod
-    def num_used_slots(self) -> int:
-        """KV slots (or sequences) held now, for heartbeats."""
+    def num_used_kv_pages(self) -> int:
+        """KV pages its own caches hold now, for heartbeats (0: none, or the scheduler counts them)."""
+        return 0
 
     def ready_max_draft_tokens(self) -> int | None:
         """Sent with READY: a lower limit on draft tokens than the hello said, found while starting (None: no change)."""
@@ -253,7 +253,7 @@ class LifecycleProcess(abc.ABC, Generic[T]):
                     self._scheduler_lost()
             socket.send(self._heartbeat_codec.encode(m.Heartbeat(
                 worker_id=self.process_id, incarnation=self.incarnation, state=self._lifecycle.state,
-                num_used_kv_slots=self.num_used_slots(), num_steps=self.num_steps, protocol_errors=dict(self.errors.counts),
+                num_used_kv_pages=self.num_used_kv_pages(), num_steps=self.num_steps, protocol_errors=dict(self.errors.counts),
             )))
             time.sleep(self._heartbeat_interval_s)
         socket.close()

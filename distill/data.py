@@ -77,7 +77,7 @@ def _decode(engine: ModelEngine, group: list[list[int]], max_new_tokens: int, st
             pick: Callable[[torch.Tensor], torch.Tensor], with_features: bool) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
     """Continue each prompt of `group` (one slot each) with `pick`'s tokens until a stop id, `max_new_tokens` or the
     engine's length; -> the prompts with their continuations, and (with_features) the target's features by position."""
-    logits, hidden = engine.forward_with_features([SeqSpan(slot, 0, ids, 1) for slot, ids in enumerate(group)])
+    logits, hidden = engine.forward_with_features([SeqSpan(engine.slot_pages(slot), 0, ids, 1) for slot, ids in enumerate(group)])
     tokens = [list(ids) for ids in group]
     features: list[list[torch.Tensor]] = [[] for _ in group]
     if with_features:
@@ -93,7 +93,8 @@ def _decode(engine: ModelEngine, group: list[list[int]], max_new_tokens: int, st
         active = [s for row, s in enumerate(active) if next_ids[row] not in stop_ids and len(tokens[s]) < engine.max_len]
         if not active or len(tokens[active[0]]) - len(group[active[0]]) >= max_new_tokens:
             break
-        logits, hidden = engine.forward_with_features([SeqSpan(s, len(tokens[s]) - 1, [tokens[s][-1]], 1) for s in active])
+        logits, hidden = engine.forward_with_features([SeqSpan(engine.slot_pages(s), len(tokens[s]) - 1, [tokens[s][-1]], 1)
+                                                      for s in active])
         if with_features:
             for row, slot in enumerate(active):
                 features[slot].append(hidden[row : row + 1].cpu().clone())
@@ -105,7 +106,7 @@ def read_text(engine: ModelEngine, chunks: list[list[int]], on_sequence: Callabl
     """The target's features over each chunk of text, read in one prefill each (slot 0)."""
     out: list[Sequence] = []
     for chunk in chunks:
-        _, hidden = engine.forward_with_features([SeqSpan(0, 0, chunk, 1)])
+        _, hidden = engine.forward_with_features([SeqSpan(engine.slot_pages(0), 0, chunk, 1)])
         out.append(Sequence(list(chunk), hidden[: len(chunk) - 1].cpu().clone(), len(chunk)))
         on_sequence()
     return out

@@ -39,6 +39,7 @@ from modeling.tokenizer import ChatMessage, Tokenizer
 from modeling.config import ModelConfig, model_fingerprint, vocab_fingerprint
 from modeling.eagle import EagleHead, unsupported_target
 from modeling.engine import ModelEngine
+from modeling.kv_cache import pages_for_slots
 from modeling.llama import read_safetensors
 from modeling.phrases import PhraseStore
 
@@ -271,7 +272,8 @@ def _data(args: DistillArgs, log: Callable[[str], None]) -> list[Sequence]:
     config = ModelConfig.from_folder(args.target)
     tokenizer = Tokenizer.load(args.target)
     max_len = _max_len(config)
-    engine = ModelEngine(args.target, config, device=args.device, dtype=args.dtype, num_slots=_DATA_SLOTS, max_len=max_len)
+    engine = ModelEngine(args.target, config, device=args.device, dtype=args.dtype, num_pages=pages_for_slots(_DATA_SLOTS, max_len),
+                         max_len=max_len)
     engine.load()
     engine.allocate()
     stop_ids = set(tokenizer.eos_token_ids)

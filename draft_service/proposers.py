@@ -6,7 +6,7 @@ One small interface (`Proposer`) with the implementations users run:
   the sequence's last n tokens, for n from `ngram_max` down to `ngram_min`. A proposal
   is a deterministic function of the sequence, so its distribution is a point mass.
 - `ModelProposer`: a small Llama-family draft model run by the target's model code, with
-  a KV slot per sequence that follows the sequence (cut back when tokens are dropped).
+  KV pages per sequence that follow the sequence (cut back when tokens are dropped).
   Greedy requests get its argmax; sampled ones a token drawn from its truncated
   distribution, which is sent along (sparse) for lossless verification.
 - `EagleProposer`: an EAGLE-style head trained for one target (`specserve distill`),
@@ -35,7 +35,8 @@ from modeling.batch import SeqSpan
 from modeling.config import ModelConfig, vocab_fingerprint
 from modeling.eagle import EagleEngine, check_target
 from modeling.engine import ModelEngine
-from modeling.kv_cache import SlotTable
+from modeling.kv_cache import DEFAULT_PAGE_SIZE, pages_for
+from modeling.page_pool import PagePool
 from modeling.phrases import FILE_NAME as PHRASE_FILE
 from modeling.phrases import MIN_CHANCE as PHRASE_MIN_CHANCE
 from modeling.phrases import MIN_CONTEXT as PHRASE_MIN_CONTEXT
@@ -84,11 +85,14 @@ class Proposer(Protocol):
     def propose(self, batch: list[ProposeInput]) -> list[Proposed]: ...
 
     def forget(self, request_id: str) -> None:
-        """Drop anything held for the sequence (its draft KV slot)."""
+        """Drop anything held for the sequence (its draft KV pages)."""
         ...
 
     @property
-    def num_used_slots(self) -> int: ...
+    def num_used_kv_pages(self) -> int: ...
+
+    @property
+    def num_kv_pages(self) -> int: ...
 
 
 def nothing() -> None:
@@ -109,9 +113,8 @@ class StatelessProposer:
     def forget(self, request_id: str) -> None:
         return None
 
-    @property
-    def num_used_slots(self) -> int:
-        return 0
+    num_used_kv_pages = 0
+    num_kv_pages = 0
 
 
 class LookupProposer(StatelessProposer):
@@ -214,34 +217,46 @@ class PhraseProposer(LookupProposer):
         return Proposed(token_ids, parents=None if is_chain(parents) else parents)
 
 
-class SequenceSlots:
-    """One KV slot per sequence: taken on its first proposal, given back when it is forgotten; none when all are taken."""
+class SequencePages:
+    """The draft's own paged KV cache: each sequence holds pages as it grows (up to `max_seqs` sequences),
+    cut back when its tokens are dropped and given back when it is forgotten."""
 
-    def __init__(self, num_slots: int, max_len: int) -> None:
-        self.table = SlotTable(num_slots, max_len)  # positions each slot holds
-        self._slot_of: dict[str, int] = {}
-        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+    def __init__(self, max_seqs: int, max_len: int, page_size: int) -> None:
+        self.pool = PagePool(max_seqs * pages_for(max_len, page_size), page_size)
+        self._max_seqs = max_seqs
+        self._lengths: dict[str, int] = {}  # positions whose keys and values each sequence's pages hold
 
     def __len__(self) -> int:
-        return len(self._slot_of)
+        return len(self._lengths)
 
-    def slot_for(self, request_id: str) -> int | None:
-        slot = self._slot_of.get(request_id)
-        if slot is None and self._free:
-            slot = self._slot_of[request_id] = self._free.pop()
-        return slot
+    def length(self, request_id: str) -> int:
+        return self._lengths.get(request_id, 0)
 
-    def release(self, request_id: str) -> int | None:
-        """The slot it held (now free), if any."""
-        slot = self._slot_of.pop(request_id, None)
-        if slot is not None:
-            self.table.release(slot)
-            self._free.append(slot)
-        return slot
+    def reserve(self, request_id: str, num_tokens: int) -> tuple[int, ...] | None:
+        """The sequence's block table with room for `num_tokens` positions; None (holding nothing new) when full."""
+        if request_id not in self._lengths:
+            if len(self._lengths) >= self._max_seqs:
+                return None
+            self.pool.admit(request_id, [])
+            self._lengths[request_id] = 0
+        self.pool.truncate(request_id, min(num_tokens, self._lengths[request_id]))  # pages of dropped tokens go back
+        if not self.pool.grow(request_id, num_tokens):
+            return None
+        return tuple(self.pool.block_table(request_id))
+
+    def set_length(self, request_id: str, length: int) -> None:
+        """Its pages hold `length` positions now."""
+        self._lengths[request_id] = length
+
+    def release(self, request_id: str) -> bool:
+        if self._lengths.pop(request_id, None) is None:
+            return False
+        self.pool.release(request_id)
+        return True
 
 
 def warm_up_every_slot(proposer: Proposer, num_slots: int, k: int, feature_width: int = 0) -> None:
-    """A proposal for every slot at once at the longest k, greedy and sampled; then the sequences are forgotten."""
+    """A proposal for `num_slots` sequences at once at the longest k, greedy and sampled; then they are forgotten."""
     prompt = [(11 * i + 5) % proposer.vocab_size for i in range(8)]
     features = None
     if feature_width:
@@ -263,44 +278,50 @@ EngineT = TypeVar("EngineT", bound=_Engine)
 
 
 class SlottedModelProposer(Generic[EngineT]):
-    """What a proposer running a model does: load and allocate its engine, warm up every slot, one slot per sequence."""
+    """What a proposer running a model does: load and allocate its engine, warm up, pages per sequence."""
 
     _engine: EngineT
-    _slots: SequenceSlots
+    _slots: SequencePages
 
     def phases(self) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
         return self._engine.load, self._engine.allocate, self._warm_up
 
     @property
-    def num_used_slots(self) -> int:
-        return len(self._slots)
+    def num_used_kv_pages(self) -> int:
+        return self._slots.pool.num_pages - self._slots.pool.num_available
+
+    @property
+    def num_kv_pages(self) -> int:
+        return self._slots.pool.num_pages
 
     def _warm_up(self) -> None:
         raise NotImplementedError
 
 
 class ModelProposer(SlottedModelProposer[ModelEngine]):
-    """A draft model with one KV slot per sequence; a sequence with no free slot gets no proposal."""
+    """A draft model with its own paged KV cache; a sequence it has no pages for gets no proposal."""
 
     feature_width = 0
     target_fingerprint = ""
 
-    def __init__(self, folder: Path, *, device: str, dtype: str, num_slots: int, max_len: int, max_draft_tokens: int,
+    def __init__(self, folder: Path, *, device: str, dtype: str, num_seqs: int, max_len: int, max_draft_tokens: int,
                  draft_top_k: int) -> None:
         self._config = ModelConfig.from_folder(folder)
         if max_len > self._config.max_position_embeddings:
             raise ValueError(f"--max-model-len {max_len} exceeds the draft model's {self._config.max_position_embeddings} positions")
         self.vocab_size = self._config.vocab_size
         self.vocab_fingerprint = vocab_fingerprint(folder)
-        self._engine = ModelEngine(folder, self._config, device=device, dtype=dtype, num_slots=num_slots, max_len=max_len)
-        self._slots = SequenceSlots(num_slots, max_len)
+        self._slots = SequencePages(num_seqs, max_len, DEFAULT_PAGE_SIZE)
+        self._engine = ModelEngine(folder, self._config, device=device, dtype=dtype, num_pages=self._slots.pool.num_pages,
+                                   max_len=max_len, page_size=DEFAULT_PAGE_SIZE)
+        self._num_seqs = num_seqs
         self._max_draft_tokens = max_draft_tokens
         self._draft_top_k = draft_top_k
 
     def _warm_up(self) -> None:
         # No batch-invariance check, unlike a target's: the target verifies every draft token, so a draft
         # model's rows may differ with the batch without changing any output.
-        warm_up_every_slot(self, self._engine.num_slots, self._max_draft_tokens)
+        warm_up_every_slot(self, self._num_seqs, self._max_draft_tokens)
 
     def forget(self, request_id: str) -> None:
         self._slots.release(request_id)
@@ -311,19 +332,20 @@ class ModelProposer(SlottedModelProposer[ModelEngine]):
         active: list[ProposeInput] = []
         spans: list[SeqSpan] = []
         for item in batch:
-            slot = self._slots.slot_for(item.request_id) if len(item.token_ids) < self._engine.max_len else None
-            if slot is None:
+            n = len(item.token_ids)
+            pages = self._slots.reserve(item.request_id, min(n + item.num_tokens, self._engine.max_len)) if n < self._engine.max_len else None
+            if pages is None:
                 continue
-            # The slot's keys and values stand where the sequence did not change; catch up from there.
+            # The keys and values stand where the sequence did not change; catch up from there.
             # The last token is always fed, so there is a row to sample from.
-            cached = min(self._slots.table.length(slot), item.num_stable, len(item.token_ids) - 1)
-            spans.append(SeqSpan(slot, cached, item.token_ids[cached:], 1))
+            cached = min(self._slots.length(item.request_id), item.num_stable, n - 1)
+            spans.append(SeqSpan(pages, cached, item.token_ids[cached:], 1))
             active.append(item)
             tokens[item.request_id], dists[item.request_id] = [], []
         while active:
             logits = self._engine.forward(spans)
-            for span in spans:
-                self._slots.table.set_length(span.slot, span.start + len(span.token_ids))
+            for item, span in zip(active, spans):
+                self._slots.set_length(item.request_id, span.start + len(span.token_ids))
             next_active: list[ProposeInput] = []
             next_spans: list[SeqSpan] = []
             for row, (item, span) in enumerate(zip(active, spans)):
@@ -332,7 +354,7 @@ class ModelProposer(SlottedModelProposer[ModelEngine]):
                 tokens[item.request_id].append(token)
                 if len(tokens[item.request_id]) < item.num_tokens and position + 1 < self._engine.max_len:
                     next_active.append(item)
-                    next_spans.append(SeqSpan(span.slot, position, [token], 1))
+                    next_spans.append(SeqSpan(span.pages, position, [token], 1))
             active, spans = next_active, next_spans
         return [
             Proposed(tokens.get(item.request_id, []), None if is_greedy(item.sampling) else dists.get(item.request_id, []))
@@ -363,7 +385,7 @@ def draw(logits: torch.Tensor, params: SamplingParams, position: int, dists: lis
 
 
 class EagleProposer(SlottedModelProposer[EagleEngine]):
-    """An EAGLE-style head (modeling/eagle.py) with one KV slot per sequence.
+    """An EAGLE-style head (modeling/eagle.py) with its own paged KV cache.
 
     Draft position j holds the pair (target feature f_j, token x_{j+1}). The pairs built
     from the target's own features stand until the sequence changes before them; the
@@ -371,9 +393,12 @@ class EagleProposer(SlottedModelProposer[EagleEngine]):
     the target's features on the next request, since the scheduler sends those then.
     """
 
-    def __init__(self, folder: Path, target_folder: Path, *, device: str, dtype: str, num_slots: int, max_len: int,
+    def __init__(self, folder: Path, target_folder: Path, *, device: str, dtype: str, num_seqs: int, max_len: int,
                  max_draft_tokens: int, draft_top_k: int) -> None:
-        self._engine = EagleEngine(folder, target_folder, device=device, dtype=dtype, num_slots=num_slots, max_len=max_len)
+        self._slots = SequencePages(num_seqs, max_len, DEFAULT_PAGE_SIZE)
+        self._engine = EagleEngine(folder, target_folder, device=device, dtype=dtype, num_pages=self._slots.pool.num_pages,
+                                   max_len=max_len, page_size=DEFAULT_PAGE_SIZE)
+        self._num_seqs = num_seqs
         config = self._engine.config
         if max_len > config.max_position_embeddings:
             raise ValueError(f"--max-model-len {max_len} exceeds the target's {config.max_position_embeddings} positions")
@@ -381,18 +406,16 @@ class EagleProposer(SlottedModelProposer[EagleEngine]):
         self.vocab_fingerprint = self._engine.meta.vocab_fingerprint
         self.target_fingerprint = self._engine.meta.target_fingerprint
         self.feature_width = config.hidden_size
-        self._slots = SequenceSlots(num_slots, max_len)
-        self._from_target: dict[int, int] = {}  # per slot: leading draft positions built from the target's features
+        self._from_target: dict[str, int] = {}  # per sequence: leading draft positions built from the target's features
         self._max_draft_tokens = max_draft_tokens
         self._draft_top_k = draft_top_k
 
     def _warm_up(self) -> None:
-        warm_up_every_slot(self, self._engine.num_slots, self._max_draft_tokens, self.feature_width)
+        warm_up_every_slot(self, self._num_seqs, self._max_draft_tokens, self.feature_width)
 
     def forget(self, request_id: str) -> None:
-        slot = self._slots.release(request_id)
-        if slot is not None:
-            self._from_target.pop(slot, None)
+        self._slots.release(request_id)
+        self._from_target.pop(request_id, None)
 
     def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
         tokens: dict[str, list[int]] = {}
@@ -404,14 +427,14 @@ class EagleProposer(SlottedModelProposer[EagleEngine]):
             n = len(item.token_ids)
             if item.features is None or item.features.shape[0] < n - 1 or n < 2 or n >= self._engine.max_len:
                 continue  # without every feature the head has nothing sound to read
-            slot = self._slots.slot_for(item.request_id)
-            if slot is None:
+            pages = self._slots.reserve(item.request_id, min(n - 1 + item.num_tokens, self._engine.max_len))
+            if pages is None:
                 continue
             # Pairs before `cached` stand; pair n-2 (the last token and the feature before it) is always fed.
-            cached = max(0, min(self._from_target.get(slot, 0), item.num_stable - 1, n - 2))
-            spans.append(SeqSpan(slot, cached, item.token_ids[cached + 1 : n], 1))
+            cached = max(0, min(self._from_target.get(item.request_id, 0), item.num_stable - 1, n - 2))
+            spans.append(SeqSpan(pages, cached, item.token_ids[cached + 1 : n], 1))
             rows.append(item.features[cached : n - 1])
-            self._from_target[slot] = n - 1
+            self._from_target[item.request_id] = n - 1
             active.append(item)
             tokens[item.request_id], dists[item.request_id] = [], []
         while active:
@@ -421,13 +444,13 @@ class EagleProposer(SlottedModelProposer[EagleEngine]):
             next_rows: list[torch.Tensor] = []
             for row, (item, span) in enumerate(zip(active, spans)):
                 position = span.start + len(span.token_ids)
-                self._slots.table.set_length(span.slot, position)
+                self._slots.set_length(item.request_id, position)
                 token = draw(logits[row], item.sampling, len(item.token_ids) + len(tokens[item.request_id]), dists[item.request_id],
                              self._draft_top_k, self._engine.draft_vocab)
                 tokens[item.request_id].append(token)
                 if len(tokens[item.request_id]) < item.num_tokens and position + 1 < self._engine.max_len:
                     next_active.append(item)
-                    next_spans.append(SeqSpan(span.slot, position, [token], 1))
+                    next_spans.append(SeqSpan(span.pages, position, [token], 1))
                     next_rows.append(predicted[row : row + 1])
             active, spans, rows = next_active, next_spans, next_rows
         return [
@@ -461,8 +484,12 @@ class LookupThenHead:
         return _both(load_head, load_lookup), _both(allocate_head, allocate_lookup), _both(warm_up_head, warm_up_lookup)
 
     @property
-    def num_used_slots(self) -> int:
-        return self._head.num_used_slots
+    def num_used_kv_pages(self) -> int:
+        return self._head.num_used_kv_pages
+
+    @property
+    def num_kv_pages(self) -> int:
+        return self._head.num_kv_pages
 
     def forget(self, request_id: str) -> None:
         self._head.forget(request_id)

@@ -22,6 +22,7 @@ from draft_service.proposers import (
 )
 from draft_service.sequences import SequenceStore
 from draft_service.testing_proposers import RandomProposer, ReplayProposer
+from modeling.kv_cache import DEFAULT_PAGE_SIZE
 from modeling.phrases import FULL_CONTEXT as PHRASE_FULL_CONTEXT
 from proto import messages as m
 from proto.lifecycle import State
@@ -40,7 +41,7 @@ def make_proposer(config: DraftConfig) -> Proposer:
         case DraftKind.EAGLE | DraftKind.EAGLE_NGRAM | DraftKind.EAGLE_PHRASES:
             assert path is not None and config.target_model is not None  # checked with the arguments
             head = EagleProposer(path, config.target_model, device=config.process.device, dtype=config.process.dtype,
-                                 num_slots=config.num_seqs, max_len=config.max_model_len,
+                                 num_seqs=config.num_seqs, max_len=config.max_model_len,
                                  max_draft_tokens=config.max_draft_tokens, draft_top_k=config.draft_top_k)
             if spec.kind is DraftKind.EAGLE:
                 return head
@@ -51,7 +52,7 @@ def make_proposer(config: DraftConfig) -> Proposer:
         case DraftKind.MODEL:
             assert path is not None  # checked with the arguments
             return ModelProposer(path, device=config.process.device, dtype=config.process.dtype,
-                                 num_slots=config.num_seqs, max_len=config.max_model_len,
+                                 num_seqs=config.num_seqs, max_len=config.max_model_len,
                                  max_draft_tokens=config.max_draft_tokens, draft_top_k=config.draft_top_k)
         case DraftKind.RANDOM:
             assert spec.vocab_size is not None  # checked with the arguments
@@ -78,7 +79,8 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
         return m.WorkerHello(
             worker_id=cfg.process.worker_id, role="draft", incarnation=self.incarnation, protocol_version=m.PROTOCOL_VERSION,
             pid=os.getpid(), model_name=model.name if model else str(cfg.proposer), model_fingerprint="",
-            vocab_size=self._proposer.vocab_size, max_model_len=cfg.max_model_len, num_kv_slots=cfg.num_seqs,
+            vocab_size=self._proposer.vocab_size, max_model_len=cfg.max_model_len, num_kv_pages=self._proposer.num_kv_pages,
+            kv_page_size=DEFAULT_PAGE_SIZE,
             dtype=cfg.process.dtype if runs_model else "", device=cfg.process.device if runs_model else "",
             vocab_fingerprint=self._proposer.vocab_fingerprint, max_draft_tokens=cfg.max_draft_tokens,
             feature_width=self._proposer.feature_width, target_fingerprint=self._proposer.target_fingerprint,
@@ -91,9 +93,9 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
         load, allocate, warm_up = self._proposer.phases()
         return [(State.LOADING, load), (State.ALLOCATING, allocate), (State.WARMING, warm_up)]
 
-    def num_used_slots(self) -> int:
-        """The draft KV slots its proposer holds (a lookup proposer holds none, whatever sequences it keeps)."""
-        return self._proposer.num_used_slots if self._proposer is not None else 0
+    def num_used_kv_pages(self) -> int:
+        """The draft KV pages its proposer holds (a lookup proposer holds none, whatever sequences it keeps)."""
+        return self._proposer.num_used_kv_pages if self._proposer is not None else 0
 
     def handle(self, message: m.SchedulerToDraft) -> None:
         match message:

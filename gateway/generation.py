@@ -59,7 +59,7 @@ class Generation:
             self._log.info(
                 "request.finished", finish_reason=chunk.finish_reason, stop_string=chunk.stop_string,
                 num_prompt_tokens=chunk.num_prompt_tokens, num_completion_tokens=chunk.num_completion_tokens,
-                num_draft_tokens=chunk.speculation.num_draft_tokens,
+                num_cached_tokens=chunk.num_cached_tokens, num_draft_tokens=chunk.speculation.num_draft_tokens,
                 num_accepted_draft_tokens=chunk.speculation.num_accepted_draft_tokens,
                 duration_s=round(time.monotonic() - started_at, 3),
             )
@@ -83,7 +83,7 @@ class Generation:
                 case messages.TokenDelta():
                     speculation = SpecUsage(message.num_draft_tokens, message.num_accepted_draft_tokens,
                                             message.num_verify_steps)
-                    chunk = output.add(message.token_ids, message.finish_reason, speculation)
+                    chunk = output.add(message.token_ids, message.finish_reason, speculation, message.num_cached_tokens)
                     if chunk.text or chunk.token_ids or chunk.finish_reason is not None:
                         return chunk
                 case _:

@@ -209,6 +209,7 @@ class _Shape:
 def _usage(last: Chunk) -> dict[str, Any]:
     return {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": last.num_completion_tokens,
             "total_tokens": last.num_prompt_tokens + last.num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": last.num_cached_tokens},
             "speculation": {"draft_tokens": last.speculation.num_draft_tokens,
                             "accepted_draft_tokens": last.speculation.num_accepted_draft_tokens,
                             "verify_steps": last.speculation.num_verify_steps}}

@@ -70,7 +70,7 @@ class SchedulerCollector(Collector):
         yield self._protocol_errors(info)
         if info is None:
             return
-        yield GaugeMetricFamily("specserve_queue_length", "Requests waiting for a KV slot", value=info.num_waiting)
+        yield GaugeMetricFamily("specserve_queue_length", "Requests waiting for KV pages", value=info.num_waiting)
         yield GaugeMetricFamily("specserve_running_requests", "Requests placed on a worker (the running batch)",
                                 value=info.num_running)
         state = GaugeMetricFamily("specserve_process_state", "1 for each process's current lifecycle state",
@@ -83,6 +83,7 @@ class SchedulerCollector(Collector):
             heartbeat.add_metric([process.process_id, process.role], process.heartbeat_age_s)
         yield state
         yield heartbeat
+        yield from _kv_cache_metrics(info.processes)
         spec = info.speculation
         if spec is None:
             return
@@ -108,3 +109,28 @@ class SchedulerCollector(Collector):
             for kind, count in sorted(counts.items()):
                 errors.add_metric([process_id, kind], count)
         return errors
+
+
+def _kv_cache_metrics(processes: list[messages.ProcessInfo]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Each process's KV pages, and each target's prefix cache and preemptions."""
+    pages = GaugeMetricFamily("specserve_kv_pages", "KV cache pages by use: used (held by sequences or kept by the "
+                              "prefix cache), cached (kept only by the prefix cache), free", labels=["process_id", "use"])
+    queried = CounterMetricFamily("specserve_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
+                                  labels=["process_id"])
+    hits = CounterMetricFamily("specserve_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache (not computed)",
+                               labels=["process_id"])
+    preempted = CounterMetricFamily("specserve_preemptions", "Sequences preempted for lack of KV pages (recomputed later)",
+                                    labels=["process_id"])
+    for process in processes:
+        pid = process.process_id
+        pages.add_metric([pid, "used"], process.num_used_kv_pages)
+        pages.add_metric([pid, "cached"], process.num_cached_kv_pages)
+        pages.add_metric([pid, "free"], process.num_kv_pages - process.num_used_kv_pages)
+        if process.role == "target":
+            queried.add_metric([pid], process.prefix_cache_queried_tokens)
+            hits.add_metric([pid], process.prefix_cache_hit_tokens)
+            preempted.add_metric([pid], process.num_preemptions)
+    yield pages
+    yield queried
+    yield hits
+    yield preempted

@@ -19,6 +19,7 @@ class Chunk:
     num_prompt_tokens: int
     num_completion_tokens: int  # tokens sent in all chunks so far, these included
     speculation: SpecUsage  # the request's speculation so far, as the scheduler last reported it
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache held, as the scheduler last reported it
 
 
 @dataclass(frozen=True)
@@ -43,18 +44,21 @@ class RequestOutput:
         self._num_completion_tokens = 0
         self._finish_reason: messages.FinishReason | None = None
         self._speculation = SpecUsage()
+        self._num_cached_tokens = 0
 
     @property
     def finish_reason(self) -> messages.FinishReason | None:
         return self._finish_reason
 
     def add(self, token_ids: Sequence[int], finish_reason: messages.FinishReason | None,
-            speculation: SpecUsage | None = None) -> Chunk:
+            speculation: SpecUsage | None = None, num_cached_tokens: int | None = None) -> Chunk:
         """The chunk for one delta; finish_reason is the scheduler's (None: more deltas follow)."""
         if self._finish_reason is not None:
             raise RuntimeError(f"RequestOutput.add after the output finished ({self._finish_reason})")
         if speculation is not None:
             self._speculation = speculation
+        if num_cached_tokens is not None:
+            self._num_cached_tokens = num_cached_tokens
         text_parts: list[str] = []
         sent_ids: list[int] = []
         for token_id in token_ids:
@@ -84,4 +88,5 @@ class RequestOutput:
             num_prompt_tokens=self._num_prompt_tokens,
             num_completion_tokens=self._num_completion_tokens,
             speculation=self._speculation,
+            num_cached_tokens=self._num_cached_tokens,
         )

@@ -286,6 +286,7 @@ class RequestStream:
         self._ended = False  # the scheduler's last message for it arrived
         self._spec_before = (0, 0, 0)  # speculation counts of the schedulers before a resumption
         self._spec_now = (0, 0, 0)
+        self._num_cached_tokens = 0  # of the prompt the client sent: the first scheduler's word
         self._num_resumptions = 0
         self._log = get_logger(component="request_stream")
 
@@ -312,7 +313,10 @@ class RequestStream:
                     message = msgspec.structs.replace(
                         message, request_id=self.request_id, num_completion_tokens=len(self._received),
                         num_prompt_tokens=len(self._submitted.prompt_token_ids), num_draft_tokens=self._spec_now[0],
-                        num_accepted_draft_tokens=self._spec_now[1], num_verify_steps=self._spec_now[2])
+                        num_accepted_draft_tokens=self._spec_now[1], num_verify_steps=self._spec_now[2],
+                        num_cached_tokens=self._num_cached_tokens)
+                else:
+                    self._num_cached_tokens = message.num_cached_tokens
                 self._ended = message.finish_reason is not None
             case messages.RequestError():
                 message = msgspec.structs.replace(message, request_id=self.request_id)

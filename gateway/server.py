@@ -82,6 +82,7 @@ def to_response(chunk: Chunk, request_id: str) -> pb.GenerateResponse:
         response.usage.draft_tokens = chunk.speculation.num_draft_tokens
         response.usage.accepted_draft_tokens = chunk.speculation.num_accepted_draft_tokens
         response.usage.verify_steps = chunk.speculation.num_verify_steps
+        response.usage.cached_tokens = chunk.num_cached_tokens
     return response
 
 

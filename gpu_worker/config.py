@@ -6,18 +6,27 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.arguments import below_problem
+from common.arguments import below_problem, not_positive_problem
 from common import process_config
 from common.process_config import ProcessConfig
 from modeling.engine import DTYPES
+from modeling.kv_cache import DEFAULT_PAGE_SIZE
+
+KV_MEMORY_HELP = (
+    "GiB of memory for the KV cache (keys and values of every page). Default: a quarter of the memory available when "
+    "the worker starts on CPU, half the free device memory on CUDA, and never more than --max-num-seqs sequences "
+    "of --max-model-len tokens need"
+)
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
     process: ProcessConfig  # id, scheduler address, device, dtype, deadlines, threads, status file
     model: Path
-    max_model_len: int  # positions per KV slot
-    num_kv_slots: int  # sequences held at once
+    max_model_len: int  # positions per sequence at most
+    kv_cache_memory_gib: float | None  # the KV cache's budget; None: the default share (see KV_MEMORY_HELP)
+    page_size: int  # positions per KV page
+    max_num_seqs: int  # sequences in one step at most (warm-up runs that many)
     max_num_batched_tokens: int  # the largest prefill chunk the scheduler will send
     max_draft_tokens: int  # the longest proposal a verify step carries
 
@@ -25,20 +34,26 @@ class WorkerConfig:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, required=True, help="a Hugging Face Llama-family folder")
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--num-kv-slots", type=int, default=64)
+    parser.add_argument("--kv-cache-memory", dest="kv_cache_memory_gib", type=float, default=None, help=KV_MEMORY_HELP)
+    parser.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="positions per KV page")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one step at most")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-draft-tokens", type=int, default=8)
     process_config.add_arguments(parser, default_worker_id="worker-0", dtypes=DTYPES)
 
 
 def from_arguments(args: argparse.Namespace) -> WorkerConfig:
-    if problem := below_problem(args, ("max_model_len", "num_kv_slots", "max_num_batched_tokens"), 1):
+    if problem := below_problem(args, ("max_model_len", "page_size", "max_num_seqs", "max_num_batched_tokens"), 1):
         raise ValueError(problem)
+    if args.kv_cache_memory_gib is not None and (problem := not_positive_problem(args, ("kv_cache_memory_gib",))):
+        raise ValueError(problem.replace("--kv-cache-memory-gib", "--kv-cache-memory"))
     return WorkerConfig(
         process=process_config.from_arguments(args),
         model=args.model,
         max_model_len=args.max_model_len,
-        num_kv_slots=args.num_kv_slots,
+        kv_cache_memory_gib=args.kv_cache_memory_gib,
+        page_size=args.page_size,
+        max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_draft_tokens=args.max_draft_tokens,
     )

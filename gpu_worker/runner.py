@@ -1,4 +1,4 @@
-"""Runs steps on one model replica: checks them against the KV slots, forwards, samples."""
+"""Runs steps on one model replica: checks them against the KV pages, forwards, samples."""
 
 from __future__ import annotations
 
@@ -9,26 +9,32 @@ from modeling.batch import SeqSpan
 from modeling.config import ModelConfig
 from modeling.engine import ModelEngine
 from modeling.features import to_rows
-from modeling.kv_cache import SlotError, SlotTable
+from modeling.batch import PageError
+from modeling.kv_cache import pages_for
 from modeling.proposals import drafts_problem
 from modeling.rejection import verify, verify_tree_greedy, verify_tree_sampled
 from modeling.trees import leading_nodes, parents_or_chain
 from proto.messages import SeqFeatures, SeqOutput, SeqWork
 
 
-class ModelRunner:
-    """The target model and the slot table, built in phases by the worker."""
+_WARM_UP_ROWS = 32  # sequences in the warm-up's decode and verify steps at most (more only lengthen the start)
 
-    def __init__(self, config: WorkerConfig, model_config: ModelConfig) -> None:
+
+class ModelRunner:
+    """The target model and its paged KV cache, built in phases by the worker.
+
+    The scheduler decides which page holds what; every step names each sequence's pages,
+    and the runner checks that they exist, reach far enough and are written by one
+    sequence only, so a confused scheduler gets an error instead of one sequence
+    silently overwriting another's keys.
+    """
+
+    def __init__(self, config: WorkerConfig, model_config: ModelConfig, num_pages: int) -> None:
         self._config = config
         self._model_config = model_config
+        self._num_pages = num_pages
         self._engine = ModelEngine(config.model, model_config, device=config.process.device, dtype=config.process.dtype,
-                                   num_slots=config.num_kv_slots, max_len=config.max_model_len)
-        self._slots = SlotTable(config.num_kv_slots, config.max_model_len)
-
-    @property
-    def num_used_slots(self) -> int:
-        return self._slots.num_used
+                                   num_pages=num_pages, max_len=config.max_model_len, page_size=config.page_size)
 
     # ------------------------------------------------------------------ phases
 
@@ -52,29 +58,31 @@ class ModelRunner:
         """
         cfg = self._config
         forward = self._engine.forward
-        prompt_len = min(cfg.max_num_batched_tokens, cfg.max_model_len)
-        forward([SeqSpan(0, 0, [0] * prompt_len, 1)])
+        size = cfg.page_size
+        prompt_len = min(cfg.max_num_batched_tokens, cfg.max_model_len, self._num_pages * size)
+        forward([SeqSpan(tuple(range(pages_for(prompt_len, size))), 0, [0] * prompt_len, 1)])
         num_verify = min(cfg.max_draft_tokens + 1, cfg.max_model_len - 1)
-        forward([SeqSpan(slot, 0, [0], 1) for slot in range(cfg.num_kv_slots)])
-        forward([SeqSpan(slot, 1, [0] * num_verify, num_verify) for slot in range(cfg.num_kv_slots)])
+        per_row = pages_for(1 + num_verify, size)
+        # Warm-up rows may share pages (a small pool): what they write is never read as anyone's.
+        tables = [tuple((row * per_row + i) % self._num_pages for i in range(per_row))
+                  for row in range(min(cfg.max_num_seqs, _WARM_UP_ROWS))]
+        forward([SeqSpan(table, 0, [0], 1) for table in tables])
+        forward([SeqSpan(table, 1, [0] * num_verify, num_verify) for table in tables])
         return self._engine.self_check()
 
     # ------------------------------------------------------------------ serving
 
-    def release(self, slots: list[int]) -> None:
-        for slot in slots:
-            self._slots.release(slot)
-
     def execute(self, seqs: list[SeqWork], return_features: bool = False) -> tuple[list[SeqOutput], list[SeqFeatures]]:
-        """Run one step; raises SlotError, before touching any state, if it is inconsistent.
+        """Run one step; raises PageError, before touching any state, if it is inconsistent.
 
         A sampling sequence with k draft tokens gets k+1 rows of logits (after its last
         accepted token and after each draft token); the accepted drafts and one more token
-        come back, and its slot is cut back to the tokens that stand. With
-        `return_features`, so do the final hidden states of the step's tokens that stand.
+        come back. The keys and values of rejected drafts stay in pages past the tokens that
+        stand (the scheduler releases or overwrites them). With `return_features`, so do the
+        final hidden states of the step's tokens that stand.
         """
         self._check(seqs)
-        spans = [SeqSpan(w.slot, w.start_position, w.token_ids, w.num_draft_tokens + 1 if w.sample else 0,
+        spans = [SeqSpan(tuple(w.pages), w.start_position, w.token_ids, w.num_draft_tokens + 1 if w.sample else 0,
                          None if w.draft_parents is None else tuple(w.draft_parents)) for w in seqs]
         logits, hidden = self._engine.forward_with_features(spans)  # logits [M, V]: the sampling rows, in step order
         best = torch.argmax(logits, dim=-1).tolist()  # one batched argmax serves every greedy sequence
@@ -103,10 +111,8 @@ class ModelRunner:
                 if leading_nodes(accepted) < len(accepted):  # the branch's keys and values go where it stands
                     branch = accepted
                     first = w.start_position + num_standing
-                    self._engine.move_positions(w.slot, [first + node for node in branch], first)
+                    self._engine.move_positions(tuple(w.pages), [first + node for node in branch], first)
                 num_standing += verdict.num_accepted
-            # Rejected drafts' keys and values stay behind the slot's length and are overwritten later.
-            self._slots.set_length(w.slot, w.start_position + num_standing)
             if return_features:
                 if branch is None:
                     kept = hidden[token_row : token_row + num_standing]
@@ -118,24 +124,40 @@ class ModelRunner:
         return outputs, features
 
     def _check(self, seqs: list[SeqWork]) -> None:
-        seen: set[int] = set()
         vocab = self._model_config.vocab_size
+        size = self._config.page_size
+        request_ids: set[str] = set()
+        written: dict[int, str] = {}  # page -> the request writing it
         for w in seqs:
-            if w.slot in seen:
-                raise SlotError(f"slot {w.slot} appears twice in one step")
-            seen.add(w.slot)
-            self._slots.check_append(w.slot, w.start_position, len(w.token_ids))
+            if w.request_id in request_ids:
+                raise PageError(f"request {w.request_id} appears twice in one step")
+            request_ids.add(w.request_id)
+            end = w.start_position + len(w.token_ids)
+            if not w.token_ids or w.start_position < 0 or end > self._config.max_model_len:
+                raise PageError(f"request {w.request_id}: {len(w.token_ids)} new tokens at {w.start_position} do not fit "
+                                f"in {self._config.max_model_len} positions")
+            if any(not 0 <= page < self._num_pages for page in w.pages):
+                raise PageError(f"request {w.request_id}: a page is outside the cache's 0..{self._num_pages - 1}")
+            if len(w.pages) * size < end:
+                raise PageError(f"request {w.request_id}: {len(w.pages)} pages of {size} positions cannot hold {end} positions")
             if any(not 0 <= t < vocab for t in w.token_ids):
-                raise SlotError(f"request {w.request_id}: a token id is outside the vocabulary 0..{vocab - 1}")
+                raise PageError(f"request {w.request_id}: a token id is outside the vocabulary 0..{vocab - 1}")
+            for page in w.pages[w.start_position // size : pages_for(end, size)]:
+                if written.setdefault(page, w.request_id) != w.request_id:
+                    raise PageError(f"page {page} is written by requests {written[page]} and {w.request_id} in one step")
             self._check_drafts(w)
+        for w in seqs:  # a page one sequence writes is read by no other
+            for page in w.pages[: w.start_position // size]:
+                if written.get(page, w.request_id) != w.request_id:
+                    raise PageError(f"page {page} is written by request {written[page]} while request {w.request_id} reads it")
 
     def _check_drafts(self, w: SeqWork) -> None:
         k = w.num_draft_tokens
         if k == 0 and w.draft_dists is None:
             return
         if not w.sample or not 0 <= k < len(w.token_ids) or k > self._config.max_draft_tokens:
-            raise SlotError(f"request {w.request_id}: {k} draft tokens in a step of {len(w.token_ids)} tokens "
+            raise PageError(f"request {w.request_id}: {k} draft tokens in a step of {len(w.token_ids)} tokens "
                             f"(sample={w.sample}, --max-draft-tokens {self._config.max_draft_tokens})")
         drafts = w.token_ids[len(w.token_ids) - k:]
         if problem := drafts_problem(drafts, w.draft_parents, w.draft_dists, self._model_config.vocab_size):
-            raise SlotError(f"request {w.request_id}: {problem}")
+            raise PageError(f"request {w.request_id}: {problem}")

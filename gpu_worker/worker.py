@@ -12,7 +12,8 @@ from common.lifecycle_process import LifecycleProcess, Phase
 from gpu_worker.config import WorkerConfig
 from gpu_worker.runner import ModelRunner
 from modeling.config import ModelConfig, model_fingerprint, vocab_fingerprint
-from modeling.kv_cache import SlotError
+from gpu_worker.memory import num_kv_pages
+from modeling.batch import PageError
 from proto import messages as m
 from proto.lifecycle import State
 
@@ -31,10 +32,13 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
         self._model_config = ModelConfig.from_folder(cfg.model)
         if cfg.max_model_len > self._model_config.max_position_embeddings:
             raise ValueError(f"--max-model-len {cfg.max_model_len} exceeds the model's {self._model_config.max_position_embeddings} positions")
+        self._num_pages, budget = num_kv_pages(cfg, self._model_config)
+        self.log.info("kv_cache.sized", num_pages=self._num_pages, page_size=cfg.page_size, budget=budget)
         return m.WorkerHello(
             worker_id=cfg.process.worker_id, role="target", incarnation=self.incarnation, protocol_version=m.PROTOCOL_VERSION,
             pid=os.getpid(), model_name=cfg.model.name, model_fingerprint=model_fingerprint(cfg.model),
-            vocab_size=self._model_config.vocab_size, max_model_len=cfg.max_model_len, num_kv_slots=cfg.num_kv_slots,
+            vocab_size=self._model_config.vocab_size, max_model_len=cfg.max_model_len, num_kv_pages=self._num_pages,
+            kv_page_size=cfg.page_size,
             dtype=cfg.process.dtype, device=cfg.process.device, vocab_fingerprint=vocab_fingerprint(cfg.model),
             max_draft_tokens=cfg.max_draft_tokens, feature_width=self._model_config.hidden_size,
         )
@@ -42,7 +46,7 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
     def phases(self) -> list[Phase]:
         if self._config.process.num_threads > 0:
             torch.set_num_threads(self._config.process.num_threads)
-        runner = ModelRunner(self._config, self._model_config)
+        runner = ModelRunner(self._config, self._model_config, self._num_pages)
 
         def load() -> None:
             runner.load()
@@ -61,16 +65,10 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
     def ready_max_draft_tokens(self) -> int | None:
         return self._max_draft_tokens
 
-    def num_used_slots(self) -> int:
-        runner = self._runner
-        return runner.num_used_slots if runner else 0
-
     def handle(self, message: m.SchedulerToWorker) -> None:
         match message:
             case m.StepRequest():
                 self._handle_step(message)
-            case m.ReleaseSlots():
-                self._handle_release(message)
             case m.Drain():  # LifecycleProcess answers Drain itself and never passes it here
                 self.errors.record("unexpected_message", message="drain")
             case _:
@@ -96,29 +94,20 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
 
         try:
             self.run_step(execute)
-        except SlotError as exc:
+        except PageError as exc:
             self._refuse(step, str(exc))
             return
         self.num_steps += 1
         duration_ms = (time.perf_counter() - started) * 1000
         for work in step.seqs:
             if work.start_position == 0:  # one line per request on this worker, so a grep finds it here too
-                self.log.info("seq.started", request_id=work.request_id, slot=work.slot, step_id=step.step_id)
+                self.log.info("seq.started", request_id=work.request_id, num_pages=len(work.pages), step_id=step.step_id)
         self.send(m.StepResult(
             worker_id=self.process_id, incarnation=self.incarnation, step_id=step.step_id,
             outputs=outputs, duration_ms=duration_ms, features=features,
         ))
         self.log.debug("step.done", step_id=step.step_id, num_seqs=len(step.seqs), duration_ms=round(duration_ms, 2),
                        request_ids=[w.request_id for w in step.seqs])
-
-    def _handle_release(self, release: m.ReleaseSlots) -> None:
-        if release.incarnation != self.incarnation or self._runner is None:
-            self.errors.record("stale_incarnation", message="release", incarnation=release.incarnation)
-            return
-        try:
-            self._runner.release(release.slots)
-        except SlotError as exc:
-            self.errors.record("bad_release", error=str(exc))
 
     def _refuse(self, step: m.StepRequest, reason: str) -> None:
         self.log.warning("step.refused", step_id=step.step_id, reason=reason)

@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from modeling.batch import SeqSpan
 from modeling.config import ModelConfig, model_fingerprint, vocab_fingerprint
 from modeling.cpu_kernels import attach_native_ops, packed_for
-from modeling.kv_cache import KVCache
+from modeling.kv_cache import DEFAULT_PAGE_SIZE, KVCache
 from modeling.llama import LlamaModel, WeightError, apply_rope, copy_hf_weights, read_safetensors, rms_norm, rope_tables
 
 ARCHITECTURE = "SpecserveEagleDraft"
@@ -176,7 +176,8 @@ class EagleEngine:
     with each token (the target's, or a feature the head predicted).
     """
 
-    def __init__(self, folder: Path, target_folder: Path, *, device: str, dtype: str, num_slots: int, max_len: int) -> None:
+    def __init__(self, folder: Path, target_folder: Path, *, device: str, dtype: str, num_pages: int, max_len: int,
+                 page_size: int = DEFAULT_PAGE_SIZE) -> None:
         self.meta = check_target(folder, target_folder)
         target = ModelConfig.from_folder(target_folder)
         if problem := unsupported_target(target):
@@ -184,7 +185,7 @@ class EagleEngine:
         self.config = head_config(target)
         self.device = torch.device(device)
         self.dtype: torch.dtype = getattr(torch, dtype)
-        self.num_slots, self.max_len = num_slots, max_len
+        self.num_pages, self.page_size, self.max_len = num_pages, page_size, max_len
         self._folder, self._target_folder = folder, target_folder
         self._model: LlamaModel | None = None
         self.ops = "not loaded"  # which ops the loaded model runs on, and why (for the owner's log)
@@ -217,7 +218,7 @@ class EagleEngine:
         self._model, self.draft_vocab = model, vocab.to(self.device)
 
     def allocate(self) -> None:
-        self._cache = KVCache(self.config, self.num_slots, self.max_len, self.dtype, self.device)
+        self._cache = KVCache(self.config, self.num_pages, self.page_size, self.dtype, self.device)
 
     def forward(self, spans: list[SeqSpan], features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (logits over the draft vocabulary `[M, N]`, predicted features `[M, H]`) of each span's last num_logits rows."""
@@ -225,7 +226,7 @@ class EagleEngine:
             raise RuntimeError("the engine is not built: load() and allocate() come first")
         model = self._model
         with torch.inference_mode():
-            batch = model.plan(spans)
+            batch = model.plan(spans, self.page_size)
             tokens = F.embedding(batch.token_ids, model.embed_tokens)
             x = model.linear(torch.cat((tokens, features.to(self.dtype)), dim=-1), self._fc)
             hidden = model(batch, self._cache, inputs=x)[batch.logit_rows]

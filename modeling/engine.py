@@ -1,9 +1,9 @@
 """A model replica with its KV cache, built in phases: what a target worker and a draft model both run.
 
 `ModelEngine` loads the weights (packed for the native kernels on CPU), allocates the
-cache, forwards packed ragged batches, and checks itself: prefilling a prompt at once
-and token by token must give the same next-token logits. Which slot holds what is the
-owner's business (see `SlotTable`).
+paged cache, forwards packed ragged batches, and checks itself: prefilling a prompt at once
+and token by token must give the same next-token logits. Which page holds what is the
+owner's business: every span names its block table (modeling/kv_cache.py).
 """
 
 from __future__ import annotations
@@ -12,15 +12,16 @@ from pathlib import Path
 
 import torch
 
-from modeling.batch import SeqSpan
+from modeling.batch import PageError, SeqSpan
 from modeling.config import ModelConfig
 from modeling.cpu_kernels import PackedLinear, attach_native_ops
 from modeling.invariance import linear_rows_problem
-from modeling.kv_cache import KVCache
+from modeling.kv_cache import DEFAULT_PAGE_SIZE, KVCache, pages_for, slot_pages
 from modeling.llama import LlamaModel
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+_SELF_CHECK_LEN = 12  # positions of the self-check's prompt
 
 
 class SelfCheckFailed(RuntimeError):
@@ -28,16 +29,32 @@ class SelfCheckFailed(RuntimeError):
 
 
 class ModelEngine:
-    def __init__(self, folder: Path, config: ModelConfig, *, device: str, dtype: str, num_slots: int, max_len: int) -> None:
+    def __init__(self, folder: Path, config: ModelConfig, *, device: str, dtype: str, num_pages: int, max_len: int,
+                 page_size: int = DEFAULT_PAGE_SIZE) -> None:
+        """A cache of `num_pages` pages of `page_size` positions; sequences up to `max_len` positions."""
+        if page_size < 1 or num_pages * page_size < _SELF_CHECK_LEN:
+            raise ValueError(f"{num_pages} KV pages of {page_size} positions are too few: the self-check needs {_SELF_CHECK_LEN}")
         self.config = config
         self.device = torch.device(device)
         self.dtype: torch.dtype = getattr(torch, dtype)
-        self.num_slots = num_slots
+        self.num_pages = num_pages
+        self.page_size = page_size
         self.max_len = max_len
         self._folder = folder
         self._model: LlamaModel | None = None
         self.ops = "not loaded"  # which ops the loaded model runs on, and why (for the owner's log)
         self._cache: KVCache | None = None
+
+    @property
+    def num_slots(self) -> int:
+        """Whole sequences of max_len the cache holds at once as fixed slots (`slot_pages`), for tools."""
+        return self.num_pages // pages_for(self.max_len, self.page_size)
+
+    def slot_pages(self, slot: int) -> tuple[int, ...]:
+        """The block table of fixed slot `slot` (for tools that hold a few whole sequences, not a server)."""
+        if not 0 <= slot < self.num_slots:
+            raise PageError(f"slot {slot} is outside 0..{self.num_slots - 1}")
+        return slot_pages(slot, self.max_len, self.page_size)
 
     def load(self) -> None:
         model = LlamaModel(self.config)
@@ -49,10 +66,10 @@ class ModelEngine:
         self._model = model
 
     def allocate(self) -> None:
-        self._cache = KVCache(self.config, self.num_slots, self.max_len, self.dtype, self.device)
+        self._cache = KVCache(self.config, self.num_pages, self.page_size, self.dtype, self.device)
 
     def forward(self, spans: list[SeqSpan]) -> torch.Tensor:
-        """Write every span's tokens into its slot and return the logits it asks for: `[sum num_logits, V]`."""
+        """Write every span's tokens into its pages and return the logits it asks for: `[sum num_logits, V]`."""
         return self.forward_with_features(spans)[0]
 
     def forward_with_features(self, spans: list[SeqSpan]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,23 +80,30 @@ class ModelEngine:
         if self._model is None or self._cache is None:
             raise RuntimeError("the engine is not built: load() and allocate() come first")
         with torch.inference_mode():
-            batch = self._model.plan(spans)
+            batch = self._model.plan(spans, self.page_size)
             hidden = self._model(batch, self._cache)
             return self._model.logits(hidden[batch.logit_rows]), hidden
 
-    def move_positions(self, slot: int, sources: list[int], first: int) -> None:
-        """Copy the slot's keys and values at positions `sources` (ascending) to first, first + 1, ...: a token tree's
-        accepted branch, moved to where the sequence goes on."""
+    def move_positions(self, pages: tuple[int, ...], sources: list[int], first: int) -> None:
+        """Copy a sequence's keys and values at positions `sources` (ascending) to first, first + 1, ...: a token
+        tree's accepted branch, moved to where the sequence goes on (across pages as it may lie)."""
         if self._cache is None:
             raise RuntimeError("the engine is not built: load() and allocate() come first")
-        src = torch.tensor(sources, dtype=torch.long, device=self.device)
-        dst = torch.arange(first, first + len(sources), dtype=torch.long, device=self.device)
-        for store in (self._cache.keys, self._cache.values):
-            held = store[:, slot]  # [layers, kv heads, max_len, head_dim], a view
-            held.index_copy_(2, dst, held.index_select(2, src))  # the sources are read before anything is written
+        size = self.page_size
+        if any(p >= len(pages) * size for p in sources) or first + len(sources) > len(pages) * size:
+            raise PageError(f"moving positions {sources} to {first} leaves the sequence's {len(pages)} pages")
+        src_pages, src_offsets = self._ids([pages[p // size] for p in sources]), self._ids([p % size for p in sources])
+        dst = range(first, first + len(sources))
+        dst_pages, dst_offsets = self._ids([pages[p // size] for p in dst]), self._ids([p % size for p in dst])
+        for store in (self._cache.keys, self._cache.values):  # [layers, pages, kv heads, page_size, head_dim]
+            moved = store[:, src_pages, :, src_offsets]  # a copy: the sources are read before anything is written
+            store[:, dst_pages, :, dst_offsets] = moved
+
+    def _ids(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def self_check(self) -> str | None:
-        """Checks the model on slot 0 (left dirty: the owner's slot table still says it is empty; one slot is enough).
+        """Checks the model on the cache's first pages (left dirty: their owner holds nothing in them yet).
 
         Raises SelfCheckFailed when the model is broken: non-finite logits, or a prompt
         prefilled at once and token by token giving logits further apart than rounding.
@@ -90,9 +114,10 @@ class ModelEngine:
         model = self._model
         if model is None:
             raise RuntimeError("the engine is not built: load() comes first")
-        prompt = [(7 * i + 3) % self.config.vocab_size for i in range(12)]
-        whole = self.forward([SeqSpan(0, 0, prompt, len(prompt))])  # [12, V]
-        stepped = torch.cat([self.forward([SeqSpan(0, position, [prompt[position]], 1)]) for position in range(len(prompt))])
+        prompt = [(7 * i + 3) % self.config.vocab_size for i in range(_SELF_CHECK_LEN)]
+        pages = tuple(range(pages_for(len(prompt), self.page_size)))
+        whole = self.forward([SeqSpan(pages, 0, prompt, len(prompt))])  # [12, V]
+        stepped = torch.cat([self.forward([SeqSpan(pages, position, [prompt[position]], 1)]) for position in range(len(prompt))])
         if not torch.isfinite(whole).all():
             raise SelfCheckFailed("the model produced non-finite logits")
         # Different batch shapes may round differently; a broken cache is off by the logits' own scale.

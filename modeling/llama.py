@@ -1,4 +1,4 @@
-"""The Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU) over packed ragged batches and a slot KV cache."""
+"""The Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU) over packed ragged batches and a paged KV cache."""
 
 from __future__ import annotations
 
@@ -71,9 +71,9 @@ class LlamaModel(torch.nn.Module):
 
     # ------------------------------------------------------------------ forward
 
-    def plan(self, spans: list[SeqSpan]) -> StepBatch:
-        """The step's packed batch, its attention planned for this model's kernels."""
-        return build_step_batch(spans, self.embed_tokens.device, rows_in_kernel=self.native is not None)
+    def plan(self, spans: list[SeqSpan], page_size: int) -> StepBatch:
+        """The step's packed batch, its attention planned for this model's kernels; raises PageError on a short block table."""
+        return build_step_batch(spans, self.embed_tokens.device, page_size, rows_in_kernel=self.native is not None)
 
     def forward(self, batch: StepBatch, cache: KVCache, inputs: torch.Tensor | None = None) -> torch.Tensor:
         """Append the batch's tokens to the cache and return the final (normed) hidden states of every row `[N, hidden]`.
@@ -143,16 +143,16 @@ class LlamaModel(torch.nn.Module):
                             cos.unsqueeze(1), sin.unsqueeze(1))
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # [N, H, D], [N, KVH, D]
         v = qkv[:, q_size + kv_size :].view(n, cfg.num_kv_heads, cfg.head_dim)
-        keys, values = cache.keys[index], cache.values[index]  # [S, KVH, L, D]
-        stored_at, ends = batch.stored_at, batch.attended_to
+        keys, values = cache.keys[index], cache.values[index]  # [pages, KVH, page_size, D]
         if native is not None:
-            native.store(k, v, keys, values, batch.slots, stored_at)
+            native.store(k, v, keys, values, batch.store_pages, batch.store_offsets)
         else:
-            keys[batch.slots, :, stored_at] = k
-            values[batch.slots, :, stored_at] = v
+            keys[batch.store_pages, :, batch.store_offsets] = k
+            values[batch.store_pages, :, batch.store_offsets] = v
         scale = cfg.head_dim**-0.5
         if native is not None and batch.all_rows_in_kernel:
-            return self.linear(_native_attend(native, q, keys, values, batch.slots, ends, batch.extra, scale), layer.o_proj)
+            attended = _native_attend(native, q, keys, values, batch, scale)
+            return self.linear(attended, layer.o_proj)
         if len(batch.groups) == 1 and batch.groups[0].is_identity:
             return self.linear(self._group_attention(batch.groups[0], masks[0], q, keys, values), layer.o_proj)
         out = torch.empty(n, cfg.num_heads * cfg.head_dim, dtype=h.dtype, device=h.device)  # [N, H*D]
@@ -168,36 +168,39 @@ class LlamaModel(torch.nn.Module):
         r, t, length = group.num_rows, group.num_query_tokens, group.kv_len
         rows = q if group.is_identity else q[group.query_rows]  # [R*T, H, D]
         q_rows = rows.view(r, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)  # [R, H, T, D]
-        if group.slot_index is None:
-            k_rows = keys[group.slot_start : group.slot_start + r, :, :length]  # [R, KVH, L, D] view
-            v_rows = values[group.slot_start : group.slot_start + r, :, :length]
-        else:
-            k_rows = keys[:, :, :length].index_select(0, group.slot_index)
-            v_rows = values[:, :, :length].index_select(0, group.slot_index)
+        k_rows, v_rows = (_gather_pages(store, group.tables, length) for store in (keys, values))  # [R, KVH, L, D]
         # Measured here, this beats torch's fused CPU attention kernel at every shape we run.
         out = _grouped_attention(q_rows, k_rows, v_rows, mask, cfg.num_queries_per_kv)  # [R, H, T, D]
         out = out.transpose(1, 2).reshape(r * t, cfg.num_heads * cfg.head_dim)  # [R*T, H*D]
         return out if group.is_identity else out[group.real]
 
 
-def _native_attend(native: ModuleType, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
-                   ends: torch.Tensor, extra: torch.Tensor | None, scale: float) -> torch.Tensor:
+def _native_attend(native: ModuleType, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: StepBatch,
+                   scale: float) -> torch.Tensor:
     """The attention kernel over rows that attend to positions 0..ends, and then, where given, to their `extra` ones."""
-    if extra is None:
-        return native.attend(q, keys, values, slots, ends, scale)
-    return native.attend_tree(q, keys, values, slots, ends, extra, scale)
+    if batch.extra is None:
+        return native.attend(q, keys, values, batch.tables, batch.row_tables, batch.attended_to, scale)
+    return native.attend_tree(q, keys, values, batch.tables, batch.row_tables, batch.attended_to, batch.extra, scale)
+
+
+def _gather_pages(store: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
+    """Positions 0 .. length-1 of each row's pages `[R, W]` as one block per row: `[R, KVH, length, D]` (a copy:
+    torch's batched matmul reads a batch as whole matrices; the native kernel reads pages in place)."""
+    r, width = tables.shape
+    _, kvh, page_size, d = store.shape
+    pages = store[tables.reshape(-1)].view(r, width, kvh, page_size, d)
+    return pages.transpose(1, 2).reshape(r, kvh, width * page_size, d)[:, :, :length]
 
 
 def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, g: int) -> torch.Tensor:
     """Softmax attention, q `[R, H, T, D]` over k, v `[R, KVH, L, D]` with H = KVH * G -> `[R, H, T, D]`.
 
-    k and v are strided views of the cache whose (R, KVH) dimensions merge into one batch
-    dimension, so the batched matmuls read the cache in place instead of copying it.
+    k and v are each row's keys and values in one block (gathered from its pages).
     """
     r, h, t, d = q.shape
     kvh, length = k.shape[1], k.shape[2]
     qg = q.reshape(r * kvh, g * t, d)  # heads split as [KVH, G]: the G query heads of a kv head, stacked
-    keys, values = k.reshape(r * kvh, length, d), v.reshape(r * kvh, length, d)  # views, no copy
+    keys, values = k.reshape(r * kvh, length, d), v.reshape(r * kvh, length, d)
     # Scores as keys @ queries^T: on CPU, bf16 batched matmul is ~25% faster with the cache's
     # rows as the left operand; turned back to [R*KVH, G*T, L] so softmax runs along memory.
     scores = torch.bmm(keys, qg.transpose(1, 2)).transpose(1, 2).float() * (d**-0.5)  # [R*KVH, G*T, L]

@@ -19,8 +19,9 @@ import msgspec
 from proto.lifecycle import State
 
 # 2: target features for draft heads; 3: token trees; 4: a READY report may lower max_draft_tokens;
-# 5: lifecycle states typed, a step output names the draft nodes it accepted.
-PROTOCOL_VERSION = 5
+# 5: lifecycle states typed, a step output names the draft nodes it accepted;
+# 6: a paged KV cache (a step names each sequence's pages; cached prompt tokens in usage).
+PROTOCOL_VERSION = 6
 
 Role = Literal["target", "draft"]
 
@@ -93,6 +94,7 @@ class TokenDelta(msgspec.Struct, tag="tokens", frozen=True, forbid_unknown_field
     num_draft_tokens: int = 0  # draft tokens sent to verification
     num_accepted_draft_tokens: int = 0
     num_verify_steps: int = 0  # target steps that verified at least one draft token
+    num_cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
 
 
 class TokenDeltas(msgspec.Struct, tag="token_deltas", frozen=True, forbid_unknown_fields=True):
@@ -115,11 +117,16 @@ class ProcessInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     state: State
     incarnation: int
     heartbeat_age_s: float
-    num_used_kv_slots: int  # as last reported by the process itself
-    num_kv_slots: int
+    num_used_kv_pages: int  # held by sequences or by the prefix cache (a target's as the scheduler assigns them)
+    num_kv_pages: int
+    kv_page_size: int
     num_running: int  # sequences the scheduler has placed on it
     failure: str  # "" unless FAILED/DEAD: the phase and the cause
     protocol_errors: dict[str, int] = {}  # messages it dropped since it started, by kind, as last reported
+    num_cached_kv_pages: int = 0  # of the used pages, those only the prefix cache holds (taken back when needed)
+    prefix_cache_queried_tokens: int = 0  # prompt tokens looked up in its prefix cache since it was READY
+    prefix_cache_hit_tokens: int = 0  # of those, found cached
+    num_preemptions: int = 0  # sequences preempted (recomputed later) for lack of pages
 
 
 class SpeculationInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -173,15 +180,19 @@ class FeatureRows(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class SeqWork(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One sequence's part of a step: append token_ids to its KV slot, then maybe sample.
+    """One sequence's part of a step: write token_ids' keys and values at start_position on, then maybe sample.
 
-    The slot already holds exactly `start_position` tokens of this sequence (the worker
-    checks). If `sample` is set the worker returns one new token (plus, when verifying,
-    the accepted draft tokens); otherwise this was a non-final prefill chunk.
+    `pages` is the sequence's block table: the KV pages holding its positions in order
+    (position p in pages[p // page_size]), reaching past its last new token. Its pages
+    before start_position hold the sequence's keys and values (the scheduler's word: a
+    prefix-cache hit's pages were written by another request). No two sequences of a step
+    write the same page (the worker checks). If `sample` is set the worker returns one new
+    token (plus, when verifying, the accepted draft tokens); otherwise this was a non-final
+    prefill chunk.
     """
 
     request_id: str
-    slot: int
+    pages: list[int]
     start_position: int
     token_ids: list[int]
     sample: bool
@@ -203,18 +214,13 @@ class StepRequest(msgspec.Struct, tag="step", frozen=True, forbid_unknown_fields
     return_features: bool = False
 
 
-class ReleaseSlots(msgspec.Struct, tag="release", frozen=True, forbid_unknown_fields=True):
-    incarnation: int
-    slots: list[int]
-
-
 class Drain(msgspec.Struct, tag="drain", frozen=True, forbid_unknown_fields=True):
     """Finish the step in flight, then stop."""
 
     incarnation: int
 
 
-SchedulerToWorker = StepRequest | ReleaseSlots | Drain
+SchedulerToWorker = StepRequest | Drain
 
 
 # ---------------------------------------------------------------- scheduler -> draft service
@@ -273,7 +279,8 @@ class WorkerHello(msgspec.Struct, tag="hello", frozen=True, forbid_unknown_field
     model_fingerprint: str  # hash of the config and the weight file's tensor index
     vocab_size: int
     max_model_len: int  # tokens per sequence at most
-    num_kv_slots: int  # sequences it can hold at once
+    num_kv_pages: int  # its KV cache: pages of kv_page_size positions (a target's sized from its memory budget)
+    kv_page_size: int
     dtype: str
     device: str
     vocab_fingerprint: str = ""  # hash of the tokenizer's vocabulary; "" = works on any vocabulary (n-gram)
@@ -308,7 +315,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True, forbid_unknown_fie
     worker_id: str
     incarnation: int
     state: State
-    num_used_kv_slots: int
+    num_used_kv_pages: int  # pages its own caches hold (the draft's; a target's pages are the scheduler's to count: 0)
     num_steps: int
     protocol_errors: dict[str, int] = {}  # messages it dropped since it started, by kind
 

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15proto/specserve.proto\x12\x0cspecserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf4\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xdb\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1a.specserve.v1.ChatMessagesH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.specserve.v1.TokenIdsH\x00\x12,\n\x06params\x18\n \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x17\n\nrequest_id\x18\x0b \x01(\tH\x01\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_request_id\"\x84\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x04 \x01(\r\x12\x14\n\x0cverify_steps\x18\x05 \x01(\r\"\x9e\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.specserve.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.specserve.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"\x13\n\x11ServerInfoRequest\"\xbf\x01\n\x07Process\x12\x12\n\nprocess_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\x03\x12\x17\n\x0fheartbeat_age_s\x18\x05 \x01(\x01\x12\x19\n\x11num_used_kv_slots\x18\x06 \x01(\x03\x12\x14\n\x0cnum_kv_slots\x18\x07 \x01(\x03\x12\x13\n\x0bnum_running\x18\x08 \x01(\x03\x12\x0f\n\x07\x66\x61ilure\x18\t \x01(\t\"\xbb\x01\n\x0bSpeculation\x12\x18\n\x10num_draft_tokens\x18\x01 \x01(\x03\x12!\n\x19num_accepted_draft_tokens\x18\x02 \x01(\x03\x12\x18\n\x10num_verify_steps\x18\x03 \x01(\x03\x12\x1e\n\x16num_plain_decode_steps\x18\x04 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x01\"\xc3\x01\n\x12ServerInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x03\x12\x13\n\x0bnum_running\x18\x04 \x01(\x03\x12(\n\tprocesses\x18\x05 \x03(\x0b\x32\x15.specserve.v1.Process\x12.\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x19.specserve.v1.Speculation*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xac\x01\n\tSpecServe\x12K\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse0\x01\x12R\n\rGetServerInfo\x12\x1f.specserve.v1.ServerInfoRequest\x1a .specserve.v1.ServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15proto/specserve.proto\x12\x0cspecserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf4\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xdb\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1a.specserve.v1.ChatMessagesH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.specserve.v1.TokenIdsH\x00\x12,\n\x06params\x18\n \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x17\n\nrequest_id\x18\x0b \x01(\tH\x01\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_request_id\"\x9b\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x04 \x01(\r\x12\x14\n\x0cverify_steps\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\"\x9e\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.specserve.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.specserve.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"\x13\n\x11ServerInfoRequest\"\xfe\x02\n\x07Process\x12\x12\n\nprocess_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\x03\x12\x17\n\x0fheartbeat_age_s\x18\x05 \x01(\x01\x12\x13\n\x0bnum_running\x18\x08 \x01(\x03\x12\x0f\n\x07\x66\x61ilure\x18\t \x01(\t\x12\x14\n\x0cnum_kv_pages\x18\n \x01(\x03\x12\x14\n\x0ckv_page_size\x18\x0b \x01(\x03\x12\x19\n\x11num_used_kv_pages\x18\x0c \x01(\x03\x12\x1b\n\x13num_cached_kv_pages\x18\r \x01(\x03\x12#\n\x1bprefix_cache_queried_tokens\x18\x0e \x01(\x03\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x0f \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x10 \x01(\x03J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08R\x11num_used_kv_slotsR\x0cnum_kv_slots\"\xbb\x01\n\x0bSpeculation\x12\x18\n\x10num_draft_tokens\x18\x01 \x01(\x03\x12!\n\x19num_accepted_draft_tokens\x18\x02 \x01(\x03\x12\x18\n\x10num_verify_steps\x18\x03 \x01(\x03\x12\x1e\n\x16num_plain_decode_steps\x18\x04 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x01\"\xc3\x01\n\x12ServerInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x03\x12\x13\n\x0bnum_running\x18\x04 \x01(\x03\x12(\n\tprocesses\x18\x05 \x03(\x0b\x32\x15.specserve.v1.Process\x12.\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x19.specserve.v1.Speculation*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xac\x01\n\tSpecServe\x12K\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse0\x01\x12R\n\rGetServerInfo\x12\x1f.specserve.v1.ServerInfoRequest\x1a .specserve.v1.ServerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.specserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1539
-  _globals['_FINISHREASON']._serialized_end=1659
+  _globals['_FINISHREASON']._serialized_start=1753
+  _globals['_FINISHREASON']._serialized_end=1873
   _globals['_CHATMESSAGE']._serialized_start=39
   _globals['_CHATMESSAGE']._serialized_end=83
   _globals['_CHATMESSAGES']._serialized_start=85
@@ -44,17 +44,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=419
   _globals['_GENERATEREQUEST']._serialized_end=638
   _globals['_USAGE']._serialized_start=641
-  _globals['_USAGE']._serialized_end=773
-  _globals['_GENERATERESPONSE']._serialized_start=776
-  _globals['_GENERATERESPONSE']._serialized_end=934
-  _globals['_SERVERINFOREQUEST']._serialized_start=936
-  _globals['_SERVERINFOREQUEST']._serialized_end=955
-  _globals['_PROCESS']._serialized_start=958
-  _globals['_PROCESS']._serialized_end=1149
-  _globals['_SPECULATION']._serialized_start=1152
-  _globals['_SPECULATION']._serialized_end=1339
-  _globals['_SERVERINFORESPONSE']._serialized_start=1342
-  _globals['_SERVERINFORESPONSE']._serialized_end=1537
-  _globals['_SPECSERVE']._serialized_start=1662
-  _globals['_SPECSERVE']._serialized_end=1834
+  _globals['_USAGE']._serialized_end=796
+  _globals['_GENERATERESPONSE']._serialized_start=799
+  _globals['_GENERATERESPONSE']._serialized_end=957
+  _globals['_SERVERINFOREQUEST']._serialized_start=959
+  _globals['_SERVERINFOREQUEST']._serialized_end=978
+  _globals['_PROCESS']._serialized_start=981
+  _globals['_PROCESS']._serialized_end=1363
+  _globals['_SPECULATION']._serialized_start=1366
+  _globals['_SPECULATION']._serialized_end=1553
+  _globals['_SERVERINFORESPONSE']._serialized_start=1556
+  _globals['_SERVERINFORESPONSE']._serialized_end=1751
+  _globals['_SPECSERVE']._serialized_start=1876
+  _globals['_SPECSERVE']._serialized_end=2048
 # @@protoc_insertion_point(module_scope)

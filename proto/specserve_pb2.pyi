@@ -73,18 +73,20 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "draft_tokens", "accepted_draft_tokens", "verify_steps")
+    __slots__ = ("prompt_tokens", "completion_tokens", "draft_tokens", "accepted_draft_tokens", "verify_steps", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     draft_tokens: int
     accepted_draft_tokens: int
     verify_steps: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., verify_steps: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., verify_steps: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "usage", "request_id")
@@ -105,26 +107,36 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Process(_message.Message):
-    __slots__ = ("process_id", "role", "state", "incarnation", "heartbeat_age_s", "num_used_kv_slots", "num_kv_slots", "num_running", "failure")
+    __slots__ = ("process_id", "role", "state", "incarnation", "heartbeat_age_s", "num_running", "failure", "num_kv_pages", "kv_page_size", "num_used_kv_pages", "num_cached_kv_pages", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "num_preemptions")
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
-    NUM_USED_KV_SLOTS_FIELD_NUMBER: _ClassVar[int]
-    NUM_KV_SLOTS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_USED_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     process_id: str
     role: str
     state: str
     incarnation: int
     heartbeat_age_s: float
-    num_used_kv_slots: int
-    num_kv_slots: int
     num_running: int
     failure: str
-    def __init__(self, process_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., incarnation: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., num_used_kv_slots: _Optional[int] = ..., num_kv_slots: _Optional[int] = ..., num_running: _Optional[int] = ..., failure: _Optional[str] = ...) -> None: ...
+    num_kv_pages: int
+    kv_page_size: int
+    num_used_kv_pages: int
+    num_cached_kv_pages: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    num_preemptions: int
+    def __init__(self, process_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., incarnation: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., num_running: _Optional[int] = ..., failure: _Optional[str] = ..., num_kv_pages: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., num_used_kv_pages: _Optional[int] = ..., num_cached_kv_pages: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
 
 class Speculation(_message.Message):
     __slots__ = ("num_draft_tokens", "num_accepted_draft_tokens", "num_verify_steps", "num_plain_decode_steps", "acceptance_rate", "mean_accepted_length")

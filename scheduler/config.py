@@ -16,7 +16,7 @@ class SchedulerConfig:
     model_name: str
     max_model_len: int  # prompt plus completion tokens at most
     max_num_batched_tokens: int  # new tokens in one step
-    max_num_seqs: int  # sequences in one step
+    max_num_seqs: int  # sequences in one step, and running on one worker
     max_queue_len: int  # waiting requests at most; more are refused with RESOURCE_EXHAUSTED
     no_worker_timeout_s: float  # a request waiting this long with no READY worker fails UNAVAILABLE
     heartbeat_timeout_s: float  # a worker silent this long is DEAD
@@ -27,6 +27,7 @@ class SchedulerConfig:
     spec_draft_token_budget: int = 32  # draft tokens one step verifies in all (k per sequence shrinks as steps grow)
     propose_timeout_s: float = 2.0  # a proposal unanswered this long: the step runs without one
     phase_timeout_s: float = 600.0  # a start-up phase (STARTING .. WARMING) longer than this FAILs the process
+    prefix_cache: bool = True  # share the KV pages of equal prompt prefixes between requests
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-name", default="SmolLM2-135M-Instruct")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one step, and running on one worker")
     parser.add_argument("--max-queue-len", type=int, default=1024)
     parser.add_argument("--no-worker-timeout-s", type=float, default=30.0)
     parser.add_argument("--heartbeat-timeout-s", type=float, default=5.0)
@@ -52,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a worker or draft start-up phase running longer is FAILED and the process told to stop")
     parser.add_argument("--propose-timeout-s", type=float, default=2.0,
                         help="how long a step waits for the draft service before it runs without proposals")
+    parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV pages of a cached prompt prefix (--no-prefix-cache: every prompt is computed)")
 
 
 def from_arguments(args: argparse.Namespace) -> SchedulerConfig:

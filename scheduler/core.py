@@ -76,7 +76,7 @@ class SchedulerCore:
             case m.AbortRequest():
                 if (request := self._requests.get(message.request_id)) is not None:  # else already finished
                     self._steps.finish(request, RequestStatus.FINISHED_ABORTED, notify=False, reason=message.reason)
-                    self._steps.place_waiting()  # its slot may be the one a waiting request needs
+                    self._steps.place_waiting()  # its pages may be what a waiting request needs
                     self._steps.dispatch(now_s)
             case m.InfoQuery():
                 self.outbox.to_gateway(identity, self.info(message.query_id, now_s))
@@ -133,7 +133,7 @@ class SchedulerCore:
         worker.last_seen_s = now_s
         match message:
             case m.Heartbeat():
-                worker.num_used_kv_slots = message.num_used_kv_slots
+                worker.num_used_kv_pages = message.num_used_kv_pages
                 worker.protocol_errors = message.protocol_errors
             case m.LifecycleReport():
                 return self._on_lifecycle(worker, message, now_s)
@@ -176,10 +176,11 @@ class SchedulerCore:
         if replaced is not None:
             replaced.failure = replaced.failure or "replaced by a new incarnation"
             self._lose_worker(replaced, State.DEAD, now_s)
-        worker = self._workers.register(hello, identity, now_s)
+        worker = self._workers.register(hello, identity, now_s, prefix_cache=self._config.prefix_cache)
         problem = self._workers.incompatibility(hello)
         log.info("worker.hello", worker_id=hello.worker_id, incarnation=hello.incarnation, role=hello.role,
-                 fingerprint=hello.model_fingerprint, num_kv_slots=hello.num_kv_slots, refused=problem)
+                 fingerprint=hello.model_fingerprint, num_kv_pages=hello.num_kv_pages, kv_page_size=hello.kv_page_size,
+                 refused=problem)
         if problem:
             self._refuse(worker, problem, now_s)
         elif not worker.is_target:
@@ -252,7 +253,6 @@ class SchedulerCore:
             self._lose_draft(worker, now_s)
             return
         self._requests.requeue(list(worker.requests.values()), now_s)
-        worker.requests.clear()
-        worker.free_slots = []
+        worker.lose_pages()
         self._steps.place_waiting()
         self._steps.dispatch(now_s)

@@ -45,7 +45,7 @@ class Outbox:
             request_id=request.request_id, token_ids=token_ids, finish_reason=finish_reason,
             num_prompt_tokens=len(request.prompt_token_ids), num_completion_tokens=len(request.output_token_ids),
             num_draft_tokens=request.num_draft_tokens, num_accepted_draft_tokens=request.num_accepted_draft_tokens,
-            num_verify_steps=request.num_verify_steps,
+            num_verify_steps=request.num_verify_steps, num_cached_tokens=request.num_cached_tokens,
         ))
 
     def flush_deltas(self, only: bytes | None = None) -> None:

@@ -17,7 +17,7 @@ from scheduler.speculation.views import DraftView
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # in the queue, no worker yet
-    RUNNING = "running"  # placed on a worker, holds a KV slot there
+    RUNNING = "running"  # placed on a worker, holds KV pages there
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
@@ -26,7 +26,8 @@ class RequestStatus(enum.Enum):
 
 _S = RequestStatus
 # Every status a request may move to from each status. A running request goes back to
-# WAITING when its worker is lost; only a waiting one fails (no READY worker in time).
+# WAITING when its worker is lost or it is preempted for pages; only a waiting one fails
+# (no READY worker in time, a prompt no worker's KV cache can hold).
 REQUEST_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
     _S.WAITING: frozenset({_S.RUNNING, _S.FINISHED_ABORTED, _S.FAILED}),
     _S.RUNNING: frozenset({_S.WAITING, _S.FINISHED_STOPPED, _S.FINISHED_LENGTH, _S.FINISHED_ABORTED}),
@@ -66,8 +67,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING  # moved only by move_to
     worker_id: str | None = None
-    slot: int | None = None
-    num_computed_tokens: int = 0  # tokens whose keys and values the worker's slot holds
+    num_computed_tokens: int = 0  # tokens whose keys and values its pages on the worker hold
+    num_cached_tokens: int = 0  # prompt tokens its first placement found in the prefix cache (for usage)
+    num_preemptions: int = 0
     draft: DraftView = field(default_factory=lambda: DraftView())
     features: FeatureStore = field(default_factory=FeatureStore, compare=False, repr=False)  # while a draft reads features
     # Speculation so far: draft tokens verified, accepted, and verify steps.
@@ -78,6 +80,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt, then output."""
+        return self.prompt_token_ids + self.output_token_ids
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -165,27 +172,32 @@ class RequestTable:
     def first_waiting(self) -> Request | None:
         return self._waiting[0] if self._waiting else None
 
-    def start(self, request: Request, worker_id: str, slot: int) -> None:
-        """The first waiting request now runs on that worker, in that slot."""
+    def start(self, request: Request, worker_id: str, num_cached_tokens: int) -> None:
+        """The first waiting request now runs on that worker, its first `num_cached_tokens` tokens' keys and values
+        found in the prefix cache."""
         assert self._waiting[0] is request
         self._waiting.popleft()
         request.move_to(RequestStatus.RUNNING)
-        request.worker_id, request.slot = worker_id, slot
+        request.worker_id = worker_id
+        request.num_computed_tokens = num_cached_tokens
+        if not request.output_token_ids and not request.num_preemptions:  # its first placement: what usage reports
+            request.num_cached_tokens = min(num_cached_tokens, len(request.prompt_token_ids))
 
     def requeue(self, requests: list[Request], now_s: float) -> None:
-        """Running requests whose worker was lost go back to the front of the queue, in their order.
+        """Running requests whose worker was lost (or that were preempted) go back to the front of the queue, in
+        their order.
 
         Each is recomputed from its prompt and the tokens already streamed.
         """
         for request in reversed(requests):
             request.move_to(RequestStatus.WAITING)
-            request.worker_id = request.slot = None
+            request.worker_id = None
             request.num_computed_tokens = 0
             request.waiting_since_s = now_s
             self._waiting.appendleft(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """The request leaves the table (and the queue); its worker's slot is the caller's to free."""
+        """The request leaves the table (and the queue); its worker's pages are the caller's to free."""
         if request.status is RequestStatus.WAITING:
             self._waiting.remove(request)
         request.move_to(status)

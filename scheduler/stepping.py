@@ -4,7 +4,17 @@
 the speculation link decides) and either asks the draft service for proposals or sends
 the step at once; `step_after_proposal` sends a step whose proposals came (or were given
 up on); `apply` books a step's result: tokens streamed, requests finished, draft views
-moved on. Requests are placed on workers here too, and leave here when they finish.
+moved on. Requests are placed on workers here too (scheduler/placement.py), and leave
+here when they finish.
+
+Pages. A step's sequences get the pages their new tokens need when it is sent. When a
+worker has too few, a proposal that does not fit is dropped first (the step verifies
+nothing for that sequence); then the most recently placed sequence on the worker is
+preempted by recompute: its pages go back, and it returns to the front of the queue to be
+recomputed from its own tokens, as after a worker's death (its computed full pages stay
+in the prefix cache, so the recompute is mostly a cache hit). After a step, pages past
+the tokens that stand (rejected drafts) go back, and newly filled pages join the prefix
+cache.
 """
 
 from __future__ import annotations
@@ -14,11 +24,12 @@ from functools import partial
 from common.logs import get_logger
 from proto import messages as m
 from proto.lifecycle import State
-from scheduler.batching import BatchLimits, InFlightStep, StepPlan, StepSeq, plan_step
+from scheduler.batching import BatchLimits, InFlightStep, ScheduledSeq, StepPlan, StepSeq, plan_step
 from scheduler.config import SchedulerConfig
 from scheduler.outbox import Outbox
+from scheduler.placement import choose_worker, too_long_problem
 from scheduler.requests import FINISH_REASONS, Request, RequestStatus, RequestTable
-from scheduler.speculation.link import DraftLink, PendingProposal, draft_work
+from scheduler.speculation.link import DraftLink, DraftWork, PendingProposal, draft_work
 from scheduler.speculation.verification import record_verification, step_result_problem
 from scheduler.workers import WorkerRecord, WorkerRegistry
 
@@ -37,13 +48,24 @@ class StepCycle:
         self._next_step_id = 0
 
     def place_waiting(self) -> None:
-        """Give waiting requests a slot on the least-loaded READY worker, first come first served."""
+        """Give waiting requests pages on a READY worker (placement.choose_worker), first come first served.
+
+        A request no worker's whole cache can hold fails at once, naming the limit.
+        """
         while (request := self._requests.first_waiting()) is not None:
-            worker = self._workers.least_loaded_ready()
-            if worker is None:
+            targets = self._workers.ready_targets()
+            if problem := too_long_problem(request, targets):
+                self.finish(request, RequestStatus.FAILED, notify=False, reason=problem)
+                self._outbox.to_gateway(request.gateway, m.RequestError(request.request_id, "INVALID_ARGUMENT", problem))
+                continue
+            # A feature-reading draft needs every position's target features: a cache hit would leave them out.
+            placed = choose_worker(request, targets, self._config.max_num_seqs, share_prefix=not self._drafts.features_wanted)
+            if placed is None:
                 return
-            self._requests.start(request, worker.worker_id, worker.place(request))
-            log.debug("request.placed", request_id=request.request_id, worker_id=worker.worker_id, slot=request.slot)
+            self._requests.start(request, placed.worker.worker_id, placed.num_cached_tokens)
+            placed.worker.place(request)
+            log.debug("request.placed", request_id=request.request_id, worker_id=placed.worker.worker_id,
+                      num_cached_tokens=placed.num_cached_tokens)
 
     def dispatch(self, now_s: float) -> None:
         """Plan a step for every idle target with work; tell a drained process it may stop."""
@@ -78,19 +100,21 @@ class StepCycle:
     def _send(self, worker: WorkerRecord, plan: StepPlan, proposals: dict[str, m.Proposal], now_s: float) -> None:
         # A plan that waited for proposals may have lost requests on the way (finished, aborted).
         items = [item for item in plan.seqs if worker.requests.get(item.request.request_id) is item.request]
-        if not items:
+        work = self._with_pages(worker, items, proposals, now_s)
+        if not work:
+            self.place_waiting()
             self.dispatch(now_s)
             return
+        pages = worker.pages
+        assert pages is not None  # a target that runs steps
         self._next_step_id += 1
         seqs: list[m.SeqWork] = []
         step_seqs: list[StepSeq] = []
-        for item in items:
+        for item, (drafts, dists, parents) in work:
             r = item.request
-            assert r.slot is not None  # placed requests hold a slot
             start = r.num_computed_tokens
-            drafts, dists, parents = draft_work(r, proposals.get(r.request_id))
             seqs.append(m.SeqWork(
-                request_id=r.request_id, slot=r.slot, start_position=start,
+                request_id=r.request_id, pages=pages.block_table(r.request_id), start_position=start,
                 token_ids=r.token_slice(start, start + item.num_tokens) + drafts, sample=item.completes, sampling=r.sampling,
                 num_draft_tokens=len(drafts), draft_dists=dists, draft_parents=parents,
             ))
@@ -98,6 +122,49 @@ class StepCycle:
         worker.in_flight = InFlightStep(self._next_step_id, now_s, step_seqs)
         self._outbox.to_worker(worker.identity, m.StepRequest(self._next_step_id, worker.incarnation, seqs,
                                                               return_features=self._drafts.features_wanted))
+
+    def _with_pages(self, worker: WorkerRecord, items: list[ScheduledSeq], proposals: dict[str, m.Proposal],
+                    now_s: float) -> list[tuple[ScheduledSeq, DraftWork]]:
+        """The step's sequences that got pages for their new tokens, each with the proposal it verifies.
+
+        A proposal that does not fit is dropped; then the most recently placed sequence is
+        preempted until the pages are there. A sequence that alone needs more pages than
+        the worker has finishes (its context is full).
+        """
+        pages = worker.pages
+        assert pages is not None  # a target that runs steps
+        preempted: set[str] = set()
+        work: list[tuple[ScheduledSeq, DraftWork]] = []
+        for item in items:
+            r = item.request
+            if r.request_id in preempted:
+                continue
+            drafts = draft_work(r, proposals.get(r.request_id))
+            need = r.num_computed_tokens + item.num_tokens
+            if drafts[0] and not pages.grow(r.request_id, need + len(drafts[0])):
+                drafts = ([], None, None)  # verified never: the draft service drops it with the next request
+            while r.request_id not in preempted and not pages.grow(r.request_id, need):
+                victim = next(reversed(worker.requests.values()))
+                if victim is r and len(worker.requests) == 1:
+                    log.warning("request.kv_cache_full", request_id=r.request_id, num_tokens=need,
+                                num_kv_pages=pages.num_pages, note="alone it needs more pages than the worker has")
+                    self.finish(r, RequestStatus.FINISHED_LENGTH, notify=True, reason="the KV cache is full")
+                    preempted.add(r.request_id)
+                    break
+                self._preempt(worker, victim, now_s)
+                preempted.add(victim.request_id)
+            if r.request_id not in preempted:
+                work.append((item, drafts))
+        return [(item, drafts) for item, drafts in work if item.request.request_id not in preempted]
+
+    def _preempt(self, worker: WorkerRecord, request: Request, now_s: float) -> None:
+        """Free the request's pages; it waits at the front of the queue, to be recomputed from its own tokens."""
+        worker.remove(request)
+        worker.num_preemptions += 1
+        request.num_preemptions += 1
+        self._requests.requeue([request], now_s)
+        log.info("request.preempted", request_id=request.request_id, worker_id=worker.worker_id,
+                 num_tokens=request.num_tokens, num_preemptions=request.num_preemptions)
 
     def apply(self, worker: WorkerRecord, result: m.StepResult, now_s: float) -> str | None:
         """Book the result of the worker's step in flight: None when it is no answer to it, else why it is wrong ("")."""
@@ -108,14 +175,21 @@ class StepCycle:
         if problem := step_result_problem(step.seqs, outputs):
             return f"step {step.step_id}: {problem}"
         worker.in_flight = None
+        pages = worker.pages
+        assert pages is not None  # a target that runs steps
         for seq in step.seqs:
             request = seq.request
             if worker.requests.get(request.request_id) is not request:
-                continue  # finished or aborted while the step ran; its slot is already released
+                continue  # finished or aborted while the step ran; its pages are already released
             request.num_computed_tokens += seq.num_tokens
-            if seq.samples:
-                output = outputs[request.request_id]
+            output = outputs[request.request_id] if seq.samples else None
+            if output is not None:
                 request.num_computed_tokens += output.num_accepted_draft
+            # Rejected drafts' pages go back; the pages filled now join the prefix cache.
+            pages.truncate(request.request_id, request.num_computed_tokens)
+            standing = request.token_ids + (output.token_ids if output is not None else [])
+            pages.register(request.request_id, standing[: request.num_computed_tokens])
+            if output is not None:
                 record_verification(request, seq, output, self._drafts.counters)
                 self._append_tokens(request, output.token_ids)
         self._drafts.store_features(worker, result.features, partial(protocol_error, worker, "bad_features"))
@@ -137,11 +211,12 @@ class StepCycle:
             self.finish(request, status, notify=True)
 
     def finish(self, request: Request, status: RequestStatus, *, notify: bool, reason: str = "") -> None:
-        """The request leaves the scheduler; its KV slot is freed at once (the worker applies it after any step)."""
+        """The request leaves the scheduler; its KV pages are free at once (a step in flight that writes them ends
+        before the worker runs the next one, the only one that may reuse them)."""
         worker = self._workers.holding(request)
-        if worker is not None and request.slot is not None and worker.remove(request):
-            self._outbox.to_worker(worker.identity, m.ReleaseSlots(worker.incarnation, [request.slot]))
-        request.worker_id = request.slot = None
+        if worker is not None:
+            worker.remove(request)
+        request.worker_id = None
         self._drafts.forget_later(request)
         self._requests.finish(request, status)
         log.info("request.finished", request_id=request.request_id, status=status.value, reason=reason or None,

@@ -7,10 +7,10 @@ DEAD (silent, replaced). Every move goes through WorkerRecord.move_to.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from modeling.page_pool import PagePool
 from proto import messages as m
 from proto.lifecycle import INIT_PHASES, TERMINAL, TRANSITIONS, IllegalTransition, State
 from scheduler.batching import InFlightStep
@@ -29,13 +29,15 @@ class WorkerRecord:
     identity: bytes  # ZeroMQ routing identity of its main socket
     last_seen_s: float
     state_since_s: float  # when it entered `state` (as the scheduler saw it)
-    free_slots: list[int]  # a heap: the lowest free slot is used first, keeping slots dense
+    # A target's KV pages, as the scheduler assigns them (None: a draft, or a target that is gone).
+    pages: PagePool | None = None
     state: State = State.STARTING  # moved only by move_to
     requests: dict[str, Request] = field(default_factory=dict)  # placed here, in placement order
     in_flight: InFlightStep | None = None
     awaiting_proposal: int | None = None  # the propose_id its next step waits for
     told_to_stop: bool = False  # a Drain was sent to this incarnation
-    num_used_kv_slots: int = 0  # as the worker last reported
+    num_used_kv_pages: int = 0  # as the process last reported (a draft's own cache)
+    num_preemptions: int = 0  # sequences preempted here for lack of pages
     protocol_errors: dict[str, int] = field(default_factory=dict)  # messages it dropped, by kind, as last reported
     # A target's longest proposal per step: its hello's, lowered by its READY report (0: it
     # serves without speculation, its steps not being batch invariant).
@@ -76,32 +78,42 @@ class WorkerRecord:
             raise IllegalTransition(f"{self.worker_id}: {self.state} -> {state} is not a move the scheduler makes")
         self.state, self.state_since_s = state, now_s
 
-    def place(self, request: Request) -> int:
-        """Hold `request` here; returns the slot it takes."""
+    def place(self, request: Request) -> None:
+        """Hold `request` here (its pages are already admitted to `pages`)."""
         self.requests[request.request_id] = request
-        return heapq.heappop(self.free_slots)
 
     def remove(self, request: Request) -> bool:
-        """Take a placed request off this worker, freeing its slot; False when it was not placed here."""
+        """Take a placed request off this worker, freeing its pages; False when it was not placed here."""
         if self.requests.get(request.request_id) is not request:
             return False
         del self.requests[request.request_id]
-        assert request.slot is not None
-        heapq.heappush(self.free_slots, request.slot)
+        if self.pages is not None and request.request_id in self.pages:
+            self.pages.release(request.request_id)
         return True
 
+    def lose_pages(self) -> None:
+        """The process is gone, and its cache with it."""
+        self.requests.clear()
+        self.pages = None
+
     def info(self, now_s: float) -> m.ProcessInfo:
+        pages = self.pages
         return m.ProcessInfo(
             process_id=self.worker_id,
             role=self.hello.role,
             state=self.state,
             incarnation=self.incarnation,
             heartbeat_age_s=round(now_s - self.last_seen_s, 3),
-            num_used_kv_slots=self.num_used_kv_slots,
-            num_kv_slots=self.hello.num_kv_slots,
+            num_used_kv_pages=self.num_used_kv_pages if pages is None else pages.num_used,
+            num_kv_pages=self.hello.num_kv_pages,
+            kv_page_size=self.hello.kv_page_size,
             num_running=len(self.requests),
             failure=self.failure,
             protocol_errors=dict(self.protocol_errors),
+            num_cached_kv_pages=0 if pages is None else pages.num_cached,
+            prefix_cache_queried_tokens=0 if pages is None else pages.counters.num_queried_tokens,
+            prefix_cache_hit_tokens=0 if pages is None else pages.counters.num_hit_tokens,
+            num_preemptions=self.num_preemptions,
         )
 
 
@@ -136,10 +148,9 @@ class WorkerRegistry:
     def ready_draft(self) -> WorkerRecord | None:
         return next((w for w in self._records.values() if w.is_ready and not w.is_target), None)
 
-    def least_loaded_ready(self) -> WorkerRecord | None:
-        """The READY target worker with a free slot and the fewest placed requests (ties: registration order)."""
-        candidates = [w for w in self._records.values() if w.is_target and w.is_ready and w.free_slots]
-        return min(candidates, key=lambda w: len(w.requests), default=None)
+    def ready_targets(self) -> list[WorkerRecord]:
+        """The READY target workers, in registration order."""
+        return [w for w in self._records.values() if w.is_target and w.is_ready and w.pages is not None]
 
     def replaced_by(self, hello: m.WorkerHello) -> tuple[bool, WorkerRecord | None]:
         """(whether the hello is new, the live record it replaces).
@@ -155,10 +166,12 @@ class WorkerRegistry:
             return False, None
         return True, known if known.is_live else None
 
-    def register(self, hello: m.WorkerHello, identity: bytes, now_s: float) -> WorkerRecord:
+    def register(self, hello: m.WorkerHello, identity: bytes, now_s: float, *, prefix_cache: bool = True) -> WorkerRecord:
+        # The draft holds no request, and its own pages; a target without pages is refused (incompatibility).
+        has_pages = hello.role == "target" and hello.num_kv_pages >= 1 and hello.kv_page_size >= 1
         worker = WorkerRecord(
             hello=hello, identity=identity, last_seen_s=now_s, state_since_s=now_s,
-            free_slots=list(range(hello.num_kv_slots)) if hello.role == "target" else [],  # the draft holds no request
+            pages=PagePool(hello.num_kv_pages, hello.kv_page_size, prefix_cache=prefix_cache) if has_pages else None,
             max_draft_tokens=hello.max_draft_tokens,
         )
         self._records[hello.worker_id] = worker
@@ -176,8 +189,8 @@ class WorkerRegistry:
         """Why this process cannot serve with the others ("" when it can)."""
         if hello.protocol_version != m.PROTOCOL_VERSION:
             return f"protocol version {hello.protocol_version}, the scheduler speaks {m.PROTOCOL_VERSION}"
-        if hello.num_kv_slots < 1:
-            return "it has no KV slot"
+        if hello.role == "target" and (hello.num_kv_pages < 1 or hello.kv_page_size < 1):
+            return f"its KV cache has {hello.num_kv_pages} pages of {hello.kv_page_size} positions"
         if hello.max_model_len < self._max_model_len:
             return f"max_model_len {hello.max_model_len} is below the scheduler's {self._max_model_len}"
         if hello.role == "draft":

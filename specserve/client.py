@@ -93,6 +93,7 @@ class GenerateResult:
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
     verify_steps: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache held
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -102,7 +103,7 @@ class GenerateResult:
             "finish_reason": self.finish_reason,
             "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                       "draft_tokens": self.draft_tokens, "accepted_draft_tokens": self.accepted_draft_tokens,
-                      "verify_steps": self.verify_steps},
+                      "verify_steps": self.verify_steps, "cached_tokens": self.cached_tokens},
         }
 
 
@@ -123,6 +124,7 @@ def consume(responses: Iterable[pb.GenerateResponse], stream_to: TextIO | None) 
             result.draft_tokens = response.usage.draft_tokens
             result.accepted_draft_tokens = response.usage.accepted_draft_tokens
             result.verify_steps = response.usage.verify_steps
+            result.cached_tokens = response.usage.cached_tokens
     return result
 
 

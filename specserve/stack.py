@@ -48,14 +48,16 @@ class StackConfig:
     dtype: str = "float32"
     device: str = "cpu"  # cpu, or cuda: target worker i on cuda:i, the draft service on cuda:0
     num_workers: int = 1
-    num_kv_slots: int = 16  # sequences each target worker holds at once
+    kv_cache_memory_gib: float | None = 0.5  # each target worker's KV cache; None: the worker's default share
+    draft_num_seqs: int = 64  # sequences the draft service drafts for at once
     max_model_len: int = 2048
     max_num_batched_tokens: int = 256
     num_threads_per_worker: int = 0  # torch threads of each target worker on a CPU; 0: torch's default
     draft: DraftSpec | None = None  # the draft service's proposer; None: no draft service
     head_draft_tokens: int | None = None  # the draft service's --head-draft-tokens
     token_trees: bool = True  # phrases: the draft service proposes token trees, not chains
-    max_num_seqs: int | None = None  # the scheduler's --max-num-seqs
+    max_num_seqs: int | None = None  # the scheduler's and the workers' --max-num-seqs
+    prefix_cache: bool = True  # False: the scheduler's --no-prefix-cache
     num_speculative_tokens: int | None = None  # the scheduler's k; also the draft service's --max-draft-tokens
     spec_disable_batch_threshold: int | None = None
     spec_draft_token_budget: int | None = None
@@ -111,7 +113,8 @@ def scheduler_spec(config: StackConfig, addresses: StackAddresses) -> ServiceSpe
     return ServiceSpec("scheduler", _python("scheduler", [
         "--gateway-address", addresses.gateway_address, "--worker-address", addresses.worker_address,
         "--model-name", config.model.name, "--max-model-len", str(config.max_model_len),
-        "--max-num-batched-tokens", str(config.max_num_batched_tokens), *_given(optional), *config.scheduler_args,
+        "--max-num-batched-tokens", str(config.max_num_batched_tokens), *_given(optional),
+        *([] if config.prefix_cache else ["--no-prefix-cache"]), *config.scheduler_args,
     ], config), stop_order=3)
 
 
@@ -122,7 +125,8 @@ def worker_spec(config: StackConfig, addresses: StackAddresses, index: int | str
     return ServiceSpec(name, _python("gpu_worker", [
         "--worker-id", name, "--model", str(config.model), "--scheduler-address", addresses.worker_address,
         "--device", config.worker_device(index), "--dtype", config.dtype, "--max-model-len", str(config.max_model_len),
-        "--num-kv-slots", str(config.num_kv_slots), "--max-num-batched-tokens", str(config.max_num_batched_tokens),
+        "--max-num-batched-tokens", str(config.max_num_batched_tokens),
+        *_given({"--kv-cache-memory": config.kv_cache_memory_gib, "--max-num-seqs": config.max_num_seqs}),
         "--num-threads", str(config.num_threads_per_worker), *config.worker_args, *extra_args,
     ], config), stop_order=1)
 
@@ -136,7 +140,7 @@ def draft_spec(config: StackConfig, addresses: StackAddresses, draft: DraftSpec)
         "--worker-id", DRAFT_ID, "--proposer", str(draft), *_given(optional),
         *([] if config.token_trees else ["--no-token-trees"]), "--scheduler-address", addresses.worker_address,
         "--device", config.worker_device(0), "--dtype", config.dtype, "--max-model-len", str(config.max_model_len),
-        "--num-seqs", str(config.num_kv_slots * config.num_workers),
+        "--num-seqs", str(config.draft_num_seqs),
         "--num-threads", "1" if config.device == "cpu" else "0", *config.draft_args,
     ], config), stop_order=1, essential=False)
 

@@ -54,7 +54,12 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=8000, help="the OpenAI-compatible HTTP port")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="tokens per sequence at most (default: 2048, or the model's positions when fewer)")
-    parser.add_argument("--num-kv-slots", type=int, default=64, help="sequences each worker holds at once")
+    parser.add_argument("--kv-cache-memory", type=float, default=None,
+                        help="GiB of KV cache per worker (default: a quarter of the memory available as it starts on "
+                             "CPU, half the free device memory on CUDA)")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences each worker runs at once at most")
+    parser.add_argument("--no-prefix-cache", action="store_true",
+                        help="compute every prompt in full (by default equal prompt prefixes share their KV pages)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--draft", default=None, type=parse_draft,
                         help="the draft service's proposer: none (no speculation), ngram (prompt lookup), default (prompt "
@@ -181,11 +186,11 @@ def stack_config(args: argparse.Namespace, *, model: Path, max_model_len: int, d
                  dtype: str) -> StackConfig:
     """The stack `up`'s flags describe, given what `up_config` found for the model, the draft and the machine."""
     return StackConfig(
-        model=model, dtype=dtype, device=device, num_workers=args.num_workers, num_kv_slots=args.num_kv_slots,
+        model=model, dtype=dtype, device=device, num_workers=args.num_workers, kv_cache_memory_gib=args.kv_cache_memory,
         max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads_per_worker=max(1, (os.cpu_count() or 1) // args.num_workers) if device == "cpu" else 0,
         draft=draft, head_draft_tokens=args.head_draft_tokens, token_trees=not args.no_token_trees,
-        max_num_seqs=args.num_kv_slots,
+        max_num_seqs=args.max_num_seqs, prefix_cache=not args.no_prefix_cache,
         num_speculative_tokens=(default_num_speculative_tokens(draft) if args.num_speculative_tokens is None
                                 else args.num_speculative_tokens),
         spec_disable_batch_threshold=(default_spec_threshold(draft) if args.spec_disable_batch_threshold is None
@@ -198,7 +203,7 @@ def stack_config(args: argparse.Namespace, *, model: Path, max_model_len: int, d
 def _numbers_problem(args: argparse.Namespace) -> str:
     """What is wrong with `up`'s own numbers ("" when nothing)."""
     at_least = {"--num-workers": (args.num_workers, 1), "--max-model-len": (1 if args.max_model_len is None else args.max_model_len, 1),
-                "--num-kv-slots": (args.num_kv_slots, 1), "--max-num-batched-tokens": (args.max_num_batched_tokens, 1),
+                "--max-num-seqs": (args.max_num_seqs, 1), "--max-num-batched-tokens": (args.max_num_batched_tokens, 1),
                 "--spec-draft-token-budget": (args.spec_draft_token_budget, 0), "--ready-timeout-s": (args.ready_timeout_s, 0)}
     if args.num_speculative_tokens is not None:
         at_least["--num-speculative-tokens"] = (args.num_speculative_tokens, 0)
@@ -210,6 +215,8 @@ def _numbers_problem(args: argparse.Namespace) -> str:
     for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
         if not 1 <= port <= 65535:
             return f"{flag} must be a port number (1-65535), got {port}"
+    if args.kv_cache_memory is not None and not args.kv_cache_memory > 0:
+        return f"--kv-cache-memory must be positive, got {args.kv_cache_memory}"
     if args.port == args.http_port:
         return f"--port and --http-port are both {args.port}"
     return ""

@@ -1,11 +1,13 @@
-// Attention of decode and verify rows over the slot KV cache, reading the cache in place.
+// Attention of every row of a step over the paged KV cache, reading the pages in place.
 //
-// torch's CPU bf16 batched matmul copies any batch whose matrices are not packed back to
-// back, and a slot cache's [slots x kv heads, L, D] view never is: at batch 64 that copy
-// was a fifth of a decode step. Here each (query row, kv head) pair is one task that reads
-// its slot's keys and values where they lie. Every row is computed alone, by the same
-// code, whatever else is in the step: a verify row gives bit for bit what the decode step
-// it stands for gives, which keeps greedy speculation lossless.
+// The cache is [pages, kv heads, page_size, head_dim]; a sequence's block table lists its
+// pages in order, so its position p lies in page table[p / page_size] at p % page_size.
+// torch's batched matmul would need those rows gathered into one block per sequence (a
+// copy of the whole context every step); here each (query row, kv head) pair is one task
+// that reads its keys and values where they lie. Every row is computed alone, by the same
+// code, whatever else is in the step and however its sequence was chunked: a verify row
+// gives bit for bit what the decode step it stands for gives, and a prefill row what a
+// decode step at its place would, which keeps greedy speculation and the prefix cache lossless.
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -28,24 +30,26 @@ using specserve::from_float;
 using specserve::to_float;
 
 // One attend call's inputs as sizes and raw pointers. Task t is query row t / num_kv_heads
-// with kv head t % num_kv_heads: that row's query heads of that kv head over its slot.
+// with kv head t % num_kv_heads: that row's query heads of that kv head over its sequence.
 template <typename T>
 struct AttendCall {
-  int64_t num_rows, num_heads, num_kv_heads, max_len, dim, q_row_stride, q_head_stride;
+  int64_t num_rows, num_heads, num_kv_heads, page_size, table_width, max_len, dim, q_row_stride, q_head_stride;
   const T* q;
   const T* keys;
   const T* values;
-  const int64_t* slot_of;
+  const int64_t* tables;    // [sequences, table_width] block tables
+  const int64_t* table_of;  // [num_rows] each row's block table
   const int64_t* position_of;
   const int64_t* extra_of;  // [num_rows, extra_width] or null: see `attend`
   int64_t extra_width;
   T* out;
 
-  AttendCall(const at::Tensor& q_, const at::Tensor& keys_, const at::Tensor& values_, const at::Tensor& slots,
-             const at::Tensor& positions, const c10::optional<at::Tensor>& extra, at::Tensor& out_)
-      : num_rows(q_.size(0)), num_heads(q_.size(1)), num_kv_heads(keys_.size(1)), max_len(keys_.size(2)),
-        dim(q_.size(2)), q_row_stride(q_.stride(0)), q_head_stride(q_.stride(1)), q(q_.data_ptr<T>()),
-        keys(keys_.data_ptr<T>()), values(values_.data_ptr<T>()), slot_of(slots.data_ptr<int64_t>()),
+  AttendCall(const at::Tensor& q_, const at::Tensor& keys_, const at::Tensor& values_, const at::Tensor& tables_,
+             const at::Tensor& rows, const at::Tensor& positions, const c10::optional<at::Tensor>& extra, at::Tensor& out_)
+      : num_rows(q_.size(0)), num_heads(q_.size(1)), num_kv_heads(keys_.size(1)), page_size(keys_.size(2)),
+        table_width(tables_.size(1)), max_len(tables_.size(1) * keys_.size(2)), dim(q_.size(2)),
+        q_row_stride(q_.stride(0)), q_head_stride(q_.stride(1)), q(q_.data_ptr<T>()), keys(keys_.data_ptr<T>()),
+        values(values_.data_ptr<T>()), tables(tables_.data_ptr<int64_t>()), table_of(rows.data_ptr<int64_t>()),
         position_of(positions.data_ptr<int64_t>()), extra_of(extra ? extra->data_ptr<int64_t>() : nullptr),
         extra_width(extra ? extra->size(1) : 0), out(out_.data_ptr<T>()) {}
 
@@ -59,34 +63,31 @@ struct AttendCall {
     for (int64_t e = 0; e < extra_width && extra_of[r * extra_width + e] >= 0; ++e) ++n;
     return n;
   }
-  // The cache position of the task's l-th attended key. kExtra false: the call has no extra
-  // positions (true serves both).
-  template <bool kExtra>
+  // The sequence position of the task's l-th attended key.
   int64_t key_position(int64_t task, int64_t l) const {
-    if constexpr (!kExtra) {
-      return l;
-    } else {
-      const int64_t r = row(task);
-      return l <= position_of[r] ? l : extra_of[r * extra_width + l - position_of[r] - 1];
-    }
+    const int64_t r = row(task);
+    return l <= position_of[r] ? l : extra_of[r * extra_width + l - position_of[r] - 1];
   }
-  int64_t base(int64_t task) const { return (slot_of[row(task)] * num_kv_heads + kv_head(task)) * max_len * dim; }
-  const T* task_keys(int64_t task) const { return keys + base(task); }
-  const T* task_values(int64_t task) const { return values + base(task); }
+  // Where the task's l-th key (and value) starts in the cache, in elements: through the row's block table.
+  int64_t key_offset(int64_t task, int64_t l) const {
+    const int64_t position = key_position(task, l);
+    const int64_t page = tables[table_of[row(task)] * table_width + position / page_size];
+    return ((page * num_kv_heads + kv_head(task)) * page_size + position % page_size) * dim;
+  }
+  // Every attended key's offset, in order, into `offset` (at least length(task) long).
+  void key_offsets(int64_t task, int64_t length, int64_t* offset) const {
+    for (int64_t l = 0; l < length; ++l) offset[l] = key_offset(task, l);
+  }
   const T* query(int64_t task, int64_t head) const { return q + row(task) * q_row_stride + head * q_head_stride; }
   T* output(int64_t task, int64_t head) const { return out + (row(task) * num_heads + head) * dim; }
 };
 
 // kDim and kGroup, when not 0, fix head_dim and the query heads per kv head at compile
-// time, so the per-position loops unroll into a few vector instructions. Its sums are
-// vectorised as the compiler sees fit, which may differ between a loop over positions
-// 0, 1, 2, ... and one over a tree row's positions; so every row, with extra positions or
-// not, reads its keys through one list of row pointers, and a tree row stays bit for bit
-// its decode step.
+// time, so the per-position loops unroll into a few vector instructions. Every row, with
+// extra positions or not, reads its keys through one list of offsets (its pages', through
+// its block table), so a tree row stays bit for bit its decode step.
 template <typename T, int64_t kDim, int64_t kGroup>
-void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
-                 const at::Tensor& positions, const c10::optional<at::Tensor>& extra, at::Tensor& out, double scale) {
-  const AttendCall<T> call(q, keys, values, slots, positions, extra, out);
+void attend_rows(const AttendCall<T>& call, double scale) {
   const int64_t dim = kDim ? kDim : call.dim;
   const int64_t group = kGroup ? kGroup : call.num_heads / call.num_kv_heads;
   const int64_t max_len = call.max_len;
@@ -94,12 +95,12 @@ void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
 
   at::parallel_for(0, call.num_tasks(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(group * dim), scores(group * max_len), acc(group * dim), row(dim);
-    std::vector<int64_t> offset(max_len);  // the task's l-th key and value row, from the slot's start
+    std::vector<int64_t> offset(max_len);  // the task's l-th key and value row, from the cache's start
     for (int64_t task = begin; task < end; ++task) {
       const int64_t kv_head = call.kv_head(task), length = call.length(task);
-      const T* k_rows = call.task_keys(task);
-      const T* v_rows = call.task_values(task);
-      for (int64_t l = 0; l < length; ++l) offset[l] = call.template key_position<true>(task, l) * dim;
+      const T* k_rows = call.keys;
+      const T* v_rows = call.values;
+      call.key_offsets(task, length, offset.data());
       float* qf = query.data();
       float* rf = row.data();
       float* sf = scores.data();
@@ -158,8 +159,7 @@ void attend_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& 
 // The path for head_dim 64 on CPUs with AVX512-BF16 (kGroup query heads per kv head):
 // scores 16 positions at a time (bf16 dot-product instructions, or float32 FMAs), then
 // summed across lanes in one transposing tree; softmax and the weighted sum of values in
-// float32. Written in intrinsics, it sums in the same order whether kExtra (a call with
-// extra positions) or not, so the plain call keeps its straight reads.
+// float32. Written in intrinsics, it sums in the same order for every row, tree rows included.
 
 // r[j] = sum of a[j]'s 16 lanes, for j = 0..15.
 inline __m512 sum_lanes_16(const __m512* a) {
@@ -193,21 +193,21 @@ inline __m512 exp_nonpositive_16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-template <typename T, bool kExtra, int64_t kGroup>
-void attend_rows_avx512_64(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
-                         const at::Tensor& positions, const c10::optional<at::Tensor>& extra, at::Tensor& out, double scale) {
+template <typename T, int64_t kGroup>
+void attend_rows_avx512_64(const AttendCall<T>& call, double scale) {
   constexpr int64_t dim = 64;
   constexpr bool kBf16 = std::is_same_v<T, c10::BFloat16>;
-  const AttendCall<T> call(q, keys, values, slots, positions, extra, out);
   const __m512 softmax_scale = _mm512_set1_ps(static_cast<float>(scale));
   const int64_t padded_len = (call.max_len + 15) / 16 * 16;
 
   at::parallel_for(0, call.num_tasks(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(kGroup * padded_len);
+    std::vector<int64_t> offset(call.max_len);  // the task's l-th key and value row, from the cache's start
     for (int64_t task = begin; task < end; ++task) {
       const int64_t kv_head = call.kv_head(task), length = call.length(task);
-      const T* k_rows = call.task_keys(task);
-      const T* v_rows = call.task_values(task);
+      const T* k_rows = call.keys;
+      const T* v_rows = call.values;
+      call.key_offsets(task, length, offset.data());
       __m512bh query_pairs[kGroup][2];  // bf16: pairs for the dot-product instruction
       __m512 query[kGroup][4];          // float32
       for (int64_t g = 0; g < kGroup; ++g) {
@@ -227,23 +227,11 @@ void attend_rows_avx512_64(const at::Tensor& q, const at::Tensor& keys, const at
         const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1u);
         // The values are read right after the scores, and the next keys soon: ask for them now.
         constexpr int64_t kLinesPerRow = dim * sizeof(T) / 64;
-        int64_t at[16];  // with extra positions: the block's cache positions
-        if constexpr (kExtra) {
-          for (int64_t j = 0; j < count; ++j) at[j] = call.template key_position<kExtra>(task, l0 + j);
-        }
-        const auto cached = [&](int64_t j) -> int64_t {  // the cache position of the block's j-th key
-          if constexpr (kExtra) {
-            return at[j];
-          } else {
-            return l0 + j;
-          }
-        };
         for (int64_t j = 0; j < count; ++j) {
           for (int64_t line = 0; line < kLinesPerRow; ++line) {
-            _mm_prefetch(reinterpret_cast<const char*>(v_rows + cached(j) * dim) + 64 * line, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(v_rows + offset[l0 + j]) + 64 * line, _MM_HINT_T0);
             if (l0 + 32 + j < length) {
-              const T* ahead = k_rows + call.template key_position<kExtra>(task, l0 + 32 + j) * dim;
-              _mm_prefetch(reinterpret_cast<const char*>(ahead) + 64 * line, _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(k_rows + offset[l0 + 32 + j]) + 64 * line, _MM_HINT_T0);
             }
           }
         }
@@ -252,7 +240,7 @@ void attend_rows_avx512_64(const at::Tensor& q, const at::Tensor& keys, const at
           for (int64_t j = 0; j < 16; ++j) {
             a[j] = _mm512_setzero_ps();
             if (j < count) {
-              const T* k = k_rows + cached(j) * dim;
+              const T* k = k_rows + offset[l0 + j];
               if constexpr (kBf16) {
                 a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_loadu_si512(k), query_pairs[g][0]);
                 a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_loadu_si512(k + 32), query_pairs[g][1]);
@@ -286,7 +274,7 @@ void attend_rows_avx512_64(const at::Tensor& q, const at::Tensor& keys, const at
         for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
       }
       for (int64_t l = 0; l < length; ++l) {
-        const T* v = v_rows + call.template key_position<kExtra>(task, l) * dim;
+        const T* v = v_rows + offset[l];
         __m512 vf[4];
         for (int c = 0; c < 4; ++c) {
           if constexpr (kBf16) {
@@ -312,60 +300,69 @@ void attend_rows_avx512_64(const at::Tensor& q, const at::Tensor& keys, const at
 }
 #endif
 
-template <typename T, bool kExtra>
-void attend_dispatch_with(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
-                     const at::Tensor& positions, const c10::optional<at::Tensor>& extra, at::Tensor& out, double scale) {
-  const int64_t dim = q.size(2), group = q.size(1) / keys.size(1);
+template <typename T>
+void attend_dispatch(const AttendCall<T>& call, double scale) {
+  const int64_t dim = call.dim, group = call.num_heads / call.num_kv_heads;
 #ifdef SPECSERVE_AVX512_BF16
-  if (dim == 64 && group == 3) return attend_rows_avx512_64<T, kExtra, 3>(q, keys, values, slots, positions, extra, out, scale);
-  if (dim == 64 && group == 4) return attend_rows_avx512_64<T, kExtra, 4>(q, keys, values, slots, positions, extra, out, scale);
-  if (dim == 64 && group == 2) return attend_rows_avx512_64<T, kExtra, 2>(q, keys, values, slots, positions, extra, out, scale);
-  if (dim == 64 && group == 1) return attend_rows_avx512_64<T, kExtra, 1>(q, keys, values, slots, positions, extra, out, scale);
+  if (dim == 64 && group == 3) return attend_rows_avx512_64<T, 3>(call, scale);
+  if (dim == 64 && group == 4) return attend_rows_avx512_64<T, 4>(call, scale);
+  if (dim == 64 && group == 2) return attend_rows_avx512_64<T, 2>(call, scale);
+  if (dim == 64 && group == 1) return attend_rows_avx512_64<T, 1>(call, scale);
 #endif
   if (dim == 64 && group == 3) {
-    attend_rows<T, 64, 3>(q, keys, values, slots, positions, extra, out, scale);
+    attend_rows<T, 64, 3>(call, scale);
   } else if (dim == 64 && group == 4) {
-    attend_rows<T, 64, 4>(q, keys, values, slots, positions, extra, out, scale);
+    attend_rows<T, 64, 4>(call, scale);
   } else if (dim == 128 && group == 4) {
-    attend_rows<T, 128, 4>(q, keys, values, slots, positions, extra, out, scale);
+    attend_rows<T, 128, 4>(call, scale);
   } else if (dim == 64) {
-    attend_rows<T, 64, 0>(q, keys, values, slots, positions, extra, out, scale);
+    attend_rows<T, 64, 0>(call, scale);
   } else if (dim == 128) {
-    attend_rows<T, 128, 0>(q, keys, values, slots, positions, extra, out, scale);
+    attend_rows<T, 128, 0>(call, scale);
   } else {
-    attend_rows<T, 0, 0>(q, keys, values, slots, positions, extra, out, scale);
+    attend_rows<T, 0, 0>(call, scale);
   }
 }
 
-template <typename T>
-void attend_dispatch(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
-                     const at::Tensor& positions, const c10::optional<at::Tensor>& extra, at::Tensor& out, double scale) {
-  if (extra && extra->numel() > 0) {
-    attend_dispatch_with<T, true>(q, keys, values, slots, positions, extra, out, scale);
-  } else {
-    attend_dispatch_with<T, false>(q, keys, values, slots, positions, extra, out, scale);
-  }
-}
-
-void check_cache_and_rows(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
-                          const at::Tensor& positions, int64_t num_rows) {
-  TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && values.sizes() == keys.sizes() && values.is_contiguous(),
-              "keys and values must be contiguous [slots, kv_heads, max_len, head_dim]");
+void check_cache(const at::Tensor& keys, const at::Tensor& values) {
+  TORCH_CHECK(keys.device().is_cpu() && values.device().is_cpu(), "the cache kernels run on CPU tensors");
+  TORCH_CHECK(keys.dim() == 4 && keys.size(1) > 0 && keys.is_contiguous() && values.sizes() == keys.sizes() &&
+                  values.is_contiguous(),
+              "keys and values must be contiguous [pages, kv_heads, page_size, head_dim] with kv_heads > 0");
   TORCH_CHECK(values.scalar_type() == keys.scalar_type(), "keys and values must share a dtype");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && slots.is_contiguous() &&
-                  positions.is_contiguous() && slots.numel() == num_rows && positions.numel() == num_rows,
-              "slots and positions must be contiguous int64 with one entry per row");
-  const int64_t* slot_of = slots.data_ptr<int64_t>();
+}
+
+void check_index(const at::Tensor& index, int64_t num_rows, const char* name) {
+  TORCH_CHECK(index.device().is_cpu() && index.scalar_type() == at::kLong && index.dim() == 1 && index.is_contiguous() &&
+                  index.numel() == num_rows,
+              name, " must be a contiguous int64 CPU tensor with one entry per row");
+}
+
+// Every row names a block table, and every position it attends lies inside that table's pages.
+void check_rows(const at::Tensor& keys, const at::Tensor& tables, const at::Tensor& rows, const at::Tensor& positions,
+                int64_t num_rows) {
+  TORCH_CHECK(tables.device().is_cpu() && tables.scalar_type() == at::kLong && tables.dim() == 2 && tables.is_contiguous() &&
+                  tables.size(1) > 0,
+              "block tables must be a contiguous int64 CPU tensor [sequences, pages]");
+  check_index(rows, num_rows, "rows");
+  check_index(positions, num_rows, "positions");
+  const int64_t num_pages = keys.size(0), width = tables.size(1), max_len = width * keys.size(2);
+  const int64_t* page = tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < tables.numel(); ++i) {
+    TORCH_CHECK(page[i] >= 0 && page[i] < num_pages, "block table entry ", page[i], " is outside the cache's ", num_pages, " pages");
+  }
+  const int64_t* table_of = rows.data_ptr<int64_t>();
   const int64_t* position_of = positions.data_ptr<int64_t>();
   for (int64_t row = 0; row < num_rows; ++row) {
-    TORCH_CHECK(slot_of[row] >= 0 && slot_of[row] < keys.size(0), "row ", row, ": slot ", slot_of[row], " is outside the cache");
-    TORCH_CHECK(position_of[row] >= 0 && position_of[row] < keys.size(2), "row ", row, ": position ", position_of[row],
-                " is outside the cache");
+    TORCH_CHECK(table_of[row] >= 0 && table_of[row] < tables.size(0), "row ", row, ": block table ", table_of[row],
+                " does not exist");
+    TORCH_CHECK(position_of[row] >= 0 && position_of[row] < max_len, "row ", row, ": position ", position_of[row],
+                " is outside its block table's ", max_len, " positions");
   }
 }
 
-// A tree row's extra positions: ascending, past the row's contiguous run and inside the
-// cache, then -1s only (the padding of rows with fewer).
+// A tree row's extra positions: ascending, past the row's contiguous run and inside its
+// block table, then -1s only (the padding of rows with fewer).
 void check_extra(const at::Tensor& extra, const at::Tensor& positions, int64_t num_rows, int64_t max_len) {
   TORCH_CHECK(extra.device().is_cpu() && extra.scalar_type() == at::kLong && extra.dim() == 2 && extra.is_contiguous() &&
                   extra.size(0) == num_rows,
@@ -384,28 +381,29 @@ void check_extra(const at::Tensor& extra, const at::Tensor& positions, int64_t n
         continue;
       }
       TORCH_CHECK(!padding && at > last && at < max_len, "row ", row, ": extra position ", at,
-                  " must follow the row's earlier positions, before any padding, inside the cache");
+                  " must follow the row's earlier positions, before any padding, inside its block table");
       last = at;
     }
   }
 }
 
-at::Tensor attend_with(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
-                       const at::Tensor& positions, double scale, const c10::optional<at::Tensor>& extra) {
-  TORCH_CHECK(q.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu() && slots.device().is_cpu() &&
-                  positions.device().is_cpu(),
-              "the attention kernel runs on CPU tensors");
-  TORCH_CHECK(keys.dim() == 4 && keys.size(1) > 0, "keys must be [slots, kv_heads, max_len, head_dim] with kv_heads > 0");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [rows, heads, head_dim] with head_dim contiguous");
+at::Tensor attend_with(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tables,
+                       const at::Tensor& rows, const at::Tensor& positions, double scale,
+                       const c10::optional<at::Tensor>& extra) {
+  check_cache(keys, values);
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1,
+              "q must be a CPU tensor [rows, heads, head_dim] with head_dim contiguous");
   TORCH_CHECK(q.scalar_type() == keys.scalar_type(), "q and the cache must share a dtype");
   TORCH_CHECK(keys.size(3) == q.size(2) && q.size(1) % keys.size(1) == 0, "q's heads and head_dim do not fit the cache");
-  check_cache_and_rows(keys, values, slots, positions, q.size(0));
-  if (extra) check_extra(*extra, positions, q.size(0), keys.size(2));
+  check_rows(keys, tables, rows, positions, q.size(0));
+  if (extra) check_extra(*extra, positions, q.size(0), tables.size(1) * keys.size(2));
   at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
+  const c10::optional<at::Tensor> with_extra = extra && extra->numel() > 0 ? extra : c10::nullopt;
   if (q.scalar_type() == at::kFloat) {
-    attend_dispatch<float>(q, keys, values, slots, positions, extra, out, scale);
+    attend_dispatch<float>(AttendCall<float>(q, keys, values, tables, rows, positions, with_extra, out), scale);
   } else if (q.scalar_type() == at::kBFloat16) {
-    attend_dispatch<c10::BFloat16>(q, keys, values, slots, positions, extra, out, scale);
+    attend_dispatch<c10::BFloat16>(AttendCall<c10::BFloat16>(q, keys, values, tables, rows, positions, with_extra, out),
+                                   scale);
   } else {
     TORCH_CHECK(false, "the attention kernel supports float32 and bfloat16, not ", q.scalar_type());
   }
@@ -415,48 +413,51 @@ at::Tensor attend_with(const at::Tensor& q, const at::Tensor& keys, const at::Te
 }  // namespace
 
 // q [N, H, D] (rows and heads may be strided, head_dim contiguous) over keys, values
-// [S, KVH, max_len, D]: row n attends positions 0 .. positions[n] of slot slots[n].
-// Returns [N, H * D] in q's dtype; scores, softmax and sums in float32.
-at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
-                  const at::Tensor& positions, double scale) {
-  return attend_with(q, keys, values, slots, positions, scale, c10::nullopt);
+// [pages, KVH, page_size, D]: row n attends positions 0 .. positions[n] of the sequence
+// whose block table is tables[rows[n]]. Returns [N, H * D] in q's dtype; scores, softmax
+// and sums in float32.
+at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tables,
+                  const at::Tensor& rows, const at::Tensor& positions, double scale) {
+  return attend_with(q, keys, values, tables, rows, positions, scale, c10::nullopt);
 }
 
 // Like attend, and then row n attends the positions in extra [N, E] up to its first -1,
 // in order. A token tree's node attends that way to the sequence's standing positions and
-// then to its ancestors' and its own, which lie further on in the cache among other
-// branches' (a separate op: the plain one's per-call cost stays as it was).
-at::Tensor attend_tree(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
-                       const at::Tensor& positions, const at::Tensor& extra, double scale) {
-  return attend_with(q, keys, values, slots, positions, scale, extra);
+// then to its ancestors' and its own, which lie further on among other branches'.
+at::Tensor attend_tree(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tables,
+                       const at::Tensor& rows, const at::Tensor& positions, const at::Tensor& extra, double scale) {
+  return attend_with(q, keys, values, tables, rows, positions, scale, extra);
 }
 
-// Writes k, v [N, KVH, D] (rows and heads may be strided) at (slots[n], :, positions[n]).
-void store(const at::Tensor& k, const at::Tensor& v, at::Tensor& keys, at::Tensor& values, const at::Tensor& slots,
-           const at::Tensor& positions) {
-  TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu() &&
-                  slots.device().is_cpu() && positions.device().is_cpu(),
-              "the cache store runs on CPU tensors");
+// Writes k, v [N, KVH, D] (rows and heads may be strided) at (pages[n], :, offsets[n]).
+void store(const at::Tensor& k, const at::Tensor& v, at::Tensor& keys, at::Tensor& values, const at::Tensor& pages,
+           const at::Tensor& offsets) {
+  check_cache(keys, values);
+  TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu(), "the cache store runs on CPU tensors");
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
               "k and v must be [rows, kv_heads, head_dim] with head_dim contiguous");
   TORCH_CHECK(k.scalar_type() == keys.scalar_type() && v.scalar_type() == keys.scalar_type(), "k, v and the cache must share a dtype");
   TORCH_CHECK(k.size(1) == keys.size(1) && k.size(2) == keys.size(3), "k's heads and head_dim do not fit the cache");
-  check_cache_and_rows(keys, values, slots, positions, k.size(0));
-  const int64_t num_rows = k.size(0), num_kv_heads = k.size(1), dim = k.size(2), max_len = keys.size(2);
+  const int64_t num_rows = k.size(0), num_kv_heads = k.size(1), dim = k.size(2), page_size = keys.size(2);
+  check_index(pages, num_rows, "pages");
+  check_index(offsets, num_rows, "offsets");
+  const int64_t* page_of = pages.data_ptr<int64_t>();
+  const int64_t* offset_of = offsets.data_ptr<int64_t>();
+  for (int64_t row = 0; row < num_rows; ++row) {
+    TORCH_CHECK(page_of[row] >= 0 && page_of[row] < keys.size(0) && offset_of[row] >= 0 && offset_of[row] < page_size,
+                "row ", row, ": page ", page_of[row], " offset ", offset_of[row], " is outside the cache");
+  }
   const int64_t bytes = dim * k.element_size();
   const char* k_data = static_cast<const char*>(k.data_ptr());
   const char* v_data = static_cast<const char*>(v.data_ptr());
   char* keys_data = static_cast<char*>(keys.data_ptr());
   char* values_data = static_cast<char*>(values.data_ptr());
-  const int64_t* slot_of = slots.data_ptr<int64_t>();
-  const int64_t* position_of = positions.data_ptr<int64_t>();
   const int64_t item = k.element_size();
   for (int64_t row = 0; row < num_rows; ++row) {
     for (int64_t h = 0; h < num_kv_heads; ++h) {
-      const int64_t dst = ((slot_of[row] * num_kv_heads + h) * max_len + position_of[row]) * bytes;
+      const int64_t dst = ((page_of[row] * num_kv_heads + h) * page_size + offset_of[row]) * bytes;
       std::memcpy(keys_data + dst, k_data + (row * k.stride(0) + h * k.stride(1)) * item, bytes);
       std::memcpy(values_data + dst, v_data + (row * v.stride(0) + h * v.stride(1)) * item, bytes);
     }
   }
 }
-

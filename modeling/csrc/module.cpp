@@ -2,9 +2,9 @@
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("attend", &attend, "attention of rows over the slot KV cache, read in place");
-  m.def("attend_tree", &attend_tree, "attention of rows, token tree nodes among them, over the slot KV cache");
-  m.def("store", &store, "write rows' keys and values into the slot KV cache");
+  m.def("attend", &attend, "attention of rows over the paged KV cache, read in place through block tables");
+  m.def("attend_tree", &attend_tree, "attention of rows, token tree nodes among them, over the paged KV cache");
+  m.def("store", &store, "write rows' keys and values into pages of the KV cache");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm of each row of x");
   m.def("rope_", &rope_, "rotary embedding of the first num_heads heads of each row, in place");

@@ -73,12 +73,12 @@ inline float exp_float(float x) {
 
 }  // namespace specserve
 
-at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
-                  const at::Tensor& positions, double scale);
-at::Tensor attend_tree(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
-                       const at::Tensor& positions, const at::Tensor& extra, double scale);
-void store(const at::Tensor& k, const at::Tensor& v, at::Tensor& keys, at::Tensor& values, const at::Tensor& slots,
-           const at::Tensor& positions);
+at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tables,
+                  const at::Tensor& rows, const at::Tensor& positions, double scale);
+at::Tensor attend_tree(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tables,
+                       const at::Tensor& rows, const at::Tensor& positions, const at::Tensor& extra, double scale);
+void store(const at::Tensor& k, const at::Tensor& v, at::Tensor& keys, at::Tensor& values, const at::Tensor& pages,
+           const at::Tensor& offsets);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, double eps);
 void rope_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t head_dim);

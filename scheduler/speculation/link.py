@@ -217,7 +217,11 @@ class DraftLink:
             log.info("speculation.stats", **msgspec.structs.asdict(self.counters.info()))
 
 
-def draft_work(request: Request, proposal: m.Proposal | None) -> tuple[list[int], list[m.SparseDist] | None, list[int] | None]:
+# What a step carries of a proposal: its tokens, their distributions, its tree.
+DraftWork = tuple[list[int], list[m.SparseDist] | None, list[int] | None]
+
+
+def draft_work(request: Request, proposal: m.Proposal | None) -> DraftWork:
     """What a step carries of a proposal: its tokens, their distributions (only where the request samples), its tree."""
     if proposal is None:
         return [], None, None

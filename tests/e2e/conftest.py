@@ -14,14 +14,14 @@ from tests.e2e.stack import Stack, running_stack
 @pytest.fixture(scope="session")
 def fp32_stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """Two float32 data-parallel workers, a thread each."""
-    with running_stack(StackConfig(default_model_dir, dtype="float32", num_workers=2, num_kv_slots=8, num_threads_per_worker=1),
+    with running_stack(StackConfig(default_model_dir, dtype="float32", num_workers=2, max_num_seqs=8, num_threads_per_worker=1),
                        tmp_path_factory.mktemp("fp32_stack")) as stack:
         yield stack
 
 
 @pytest.fixture(scope="session")
 def bf16_stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running_stack(StackConfig(default_model_dir, dtype="bfloat16", num_workers=1, num_kv_slots=16),
+    with running_stack(StackConfig(default_model_dir, dtype="bfloat16", num_workers=1, max_num_seqs=16),
                        tmp_path_factory.mktemp("bf16_stack")) as stack:
         yield stack
 

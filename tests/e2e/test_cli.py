@@ -51,7 +51,7 @@ def test_up_generate_and_ctrl_c(default_model_dir: Path) -> None:
     port = free_port()
     up = subprocess.Popen([*SPECSERVE, "up", "--model", str(default_model_dir), "--dtype", "float32", "--port", str(port),
                            "--http-port", str(free_port()),
-                           "--num-kv-slots", "4", "--num-workers", "2"],
+                           "--max-num-seqs", "4", "--kv-cache-memory", "0.25", "--num-workers", "2"],
                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert up.stdout is not None

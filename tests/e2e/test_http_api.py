@@ -201,7 +201,7 @@ def test_a_client_leaving_mid_stream_frees_its_kv(fp32_stack: Stack) -> None:
 @pytest.fixture(scope="module")
 def lonely_stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """A scheduler and a gateway; workers come and go in the test. A queue of 1."""
-    options = StackConfig(default_model_dir, num_workers=0, num_kv_slots=1,
+    options = StackConfig(default_model_dir, num_workers=0, max_num_seqs=1,
                           scheduler_args=("--max-queue-len", "1", "--no-worker-timeout-s", "4", "--heartbeat-timeout-s", "2"))
     yield from workerless_stack(options, tmp_path_factory.mktemp("lonely_stack"))
 

@@ -57,7 +57,7 @@ def test_a_model_with_a_large_rope_base_decodes_as_transformers_does(default_mod
             expected.append(tokens)
     assert sum(len(tokens) for tokens in expected) >= NUM_TOKENS  # the comparison is not empty
     (tmp_path / "logs").mkdir()
-    with running_stack(StackConfig(folder, dtype="float32", num_kv_slots=4), tmp_path / "logs") as stack:
+    with running_stack(StackConfig(folder, dtype="float32", max_num_seqs=4), tmp_path / "logs") as stack:
         for prompt, tokens in zip(PROMPTS, expected):
             params = pb.SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
             result = stack.generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), params=params))

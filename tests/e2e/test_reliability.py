@@ -63,7 +63,7 @@ def wait_for(condition, timeout_s: float, what: str, stack: Stack):  # type: ign
 
 @pytest.fixture(scope="module")
 def two_workers(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    options = StackConfig(default_model_dir, dtype="float32", num_workers=2, num_kv_slots=16, max_model_len=512,
+    options = StackConfig(default_model_dir, dtype="float32", num_workers=2, max_num_seqs=16, max_model_len=512,
                           num_threads_per_worker=1, scheduler_args=FAST_FAILURE, worker_args=SMALL_WORKER)
     with running_stack(options, tmp_path_factory.mktemp("two_workers")) as stack:
         yield stack
@@ -166,7 +166,7 @@ def test_a_worker_crashing_or_hanging_in_a_step_loses_no_request(two_workers: St
 def test_sigterm_drains_a_worker_its_requests_finish_there_and_it_exits_0(
     default_model_dir: Path, tmp_path: Path,
 ) -> None:
-    options = StackConfig(default_model_dir, dtype="float32", num_workers=2, num_kv_slots=16, max_model_len=512,
+    options = StackConfig(default_model_dir, dtype="float32", num_workers=2, max_num_seqs=16, max_model_len=512,
                           num_threads_per_worker=1, scheduler_args=FAST_FAILURE, worker_args=SMALL_WORKER)
     stack = Stack(options, tmp_path)
     try:
@@ -201,7 +201,7 @@ def test_sigterm_drains_a_worker_its_requests_finish_there_and_it_exits_0(
 def test_killing_the_draft_service_mid_run_fails_no_request_and_changes_no_token(
     default_model_dir: Path, tmp_path: Path,
 ) -> None:
-    options = StackConfig(default_model_dir, dtype="float32", num_workers=1, num_kv_slots=8, max_model_len=512,
+    options = StackConfig(default_model_dir, dtype="float32", num_workers=1, max_num_seqs=8, max_model_len=512,
                           scheduler_args=FAST_FAILURE, draft=DraftSpec(DraftKind.NGRAM))
     stack = Stack(options, tmp_path)
     try:

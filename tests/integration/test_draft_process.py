@@ -38,7 +38,8 @@ def test_a_draft_model_service_starts_in_phases_refuses_early_work_and_proposes(
     try:
         hello = scheduler.receive(m.WorkerHello)
         assert isinstance(hello, m.WorkerHello)
-        assert (hello.role, hello.vocab_size, hello.num_kv_slots, hello.max_draft_tokens) == ("draft", 49152, 2, 3)
+        assert (hello.role, hello.vocab_size, hello.max_draft_tokens) == ("draft", 49152, 3)
+        assert hello.num_kv_pages > 0 and hello.kv_page_size == 16
         assert hello.vocab_fingerprint
         prompt = [1, 504, 2365, 6354, 16438, 27003]
         scheduler.send(m.ProposeRequest(1, hello.incarnation, [m.ProposeSeq("r", 0, 0, prompt, 3, GREEDY)]))

@@ -43,10 +43,9 @@ def test_the_worker_drops_malformed_frames_and_serves_on(default_model_dir: Path
     worker = _start_worker(default_model_dir, scheduler.address, tmp_path)
     try:
         hello = _ready(scheduler)
-        step = m.StepRequest(1, hello.incarnation, [m.SeqWork("r", 0, 0, [504, 2365, 6354, 16438], True, GREEDY)])
+        step = m.StepRequest(1, hello.incarnation, [m.SeqWork("r", [0], 0, [504, 2365, 6354, 16438], True, GREEDY)])
         scheduler.send(step)
         before = scheduler.receive(m.StepResult).outputs  # type: ignore[attr-defined]
-        scheduler.send(m.ReleaseSlots(hello.incarnation, [0]))
         num_sent = 0
 
         @FUZZ

@@ -69,7 +69,7 @@ def scheduler() -> Iterator[FakeScheduler]:
 def _start_worker(model: Path, address: str, tmp_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     log = (tmp_path / "worker.log").open("wb")
     return subprocess.Popen([sys.executable, "-m", "gpu_worker", "--model", str(model), "--scheduler-address", address,
-                             "--dtype", "float32", "--num-kv-slots", "2", "--max-model-len", "256",
+                             "--dtype", "float32", "--kv-cache-memory", "0.01", "--max-model-len", "256",
                              "--max-num-batched-tokens", "64", "--status-file", str(tmp_path / "status")],
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
@@ -79,8 +79,10 @@ def test_phases_refusal_before_ready_and_steps_after(default_model_dir: Path, sc
     try:
         hello = scheduler.receive(m.WorkerHello)
         assert isinstance(hello, m.WorkerHello)
-        assert (hello.role, hello.vocab_size, hello.max_model_len, hello.num_kv_slots) == ("target", 49152, 256, 2)
-        early = m.StepRequest(1, hello.incarnation, [m.SeqWork("r", 0, 0, [1, 2, 3], True, GREEDY)])
+        # 0.01 GiB of float32 pages: 16 positions x 30 layers x 3 kv heads x 64 x 2 (keys, values) x 4 bytes each.
+        assert (hello.role, hello.vocab_size, hello.max_model_len) == ("target", 49152, 256)
+        assert (hello.num_kv_pages, hello.kv_page_size) == (int(0.01 * 2**30) // (16 * 30 * 3 * 64 * 2 * 4), 16)
+        early = m.StepRequest(1, hello.incarnation, [m.SeqWork("r", [0], 0, [1, 2, 3], True, GREEDY)])
         scheduler.send(early)  # while it is still starting: must be refused, and never run later
         states = []
         refused = None
@@ -98,19 +100,22 @@ def test_phases_refusal_before_ready_and_steps_after(default_model_dir: Path, sc
         assert refused is not None and refused.step_id == 1 and "not READY" in refused.reason
         assert (tmp_path / "status").read_text().strip() == "READY"
 
-        scheduler.send(m.StepRequest(2, hello.incarnation, [m.SeqWork("r", 0, 0, [1, 2, 3], True, GREEDY)]))
+        scheduler.send(m.StepRequest(2, hello.incarnation, [m.SeqWork("r", [0], 0, [1, 2, 3], True, GREEDY)]))
         result = scheduler.receive(m.StepResult)
         assert isinstance(result, m.StepResult) and result.step_id == 2 and len(result.outputs[0].token_ids) == 1
 
-        # Inconsistent steps are refused and change nothing: wrong start, unknown slot.
-        for step_id, seq in [(3, m.SeqWork("r", 0, 7, [5], True, GREEDY)), (4, m.SeqWork("s", 9, 0, [5], True, GREEDY))]:
-            scheduler.send(m.StepRequest(step_id, hello.incarnation, [seq]))
+        # Inconsistent steps are refused and change nothing: a page outside the cache, too few pages, a page two
+        # sequences write.
+        bad = [[m.SeqWork("s", [99], 0, [5], True, GREEDY)], [m.SeqWork("r", [0], 16, [5], True, GREEDY)],
+               [m.SeqWork("r", [0], 3, [5], True, GREEDY), m.SeqWork("s", [0, 1], 0, [5], True, GREEDY)]]
+        for step_id, seqs in enumerate(bad, start=3):
+            scheduler.send(m.StepRequest(step_id, hello.incarnation, seqs))
             refusal = scheduler.receive(m.StepRefused)
             assert isinstance(refusal, m.StepRefused) and refusal.step_id == step_id
         # A step for another incarnation (an earlier run of this worker id) is dropped without an answer.
-        scheduler.send(m.StepRequest(5, hello.incarnation + 1, [m.SeqWork("r", 0, 3, [5], True, GREEDY)]))
-        scheduler.send(m.StepRequest(6, hello.incarnation, [m.SeqWork("r", 0, 3, [5], True, GREEDY)]))
-        assert scheduler.receive(m.StepResult).step_id == 6  # type: ignore[attr-defined]
+        scheduler.send(m.StepRequest(6, hello.incarnation + 1, [m.SeqWork("r", [0], 3, [5], True, GREEDY)]))
+        scheduler.send(m.StepRequest(7, hello.incarnation, [m.SeqWork("r", [0], 3, [5], True, GREEDY)]))
+        assert scheduler.receive(m.StepResult).step_id == 7  # type: ignore[attr-defined]
 
         scheduler.send(m.Drain(hello.incarnation))  # told to stop without a signal: the scheduler gave up on it
         assert worker.wait(30) == EXIT_DISMISSED
@@ -184,7 +189,7 @@ def test_sigterm_drains_steps_still_run_then_drain_stops_it_and_a_second_signal_
             worker.send_signal(signal.SIGTERM)
             assert scheduler.receive(m.LifecycleReport).state == "DRAINING"  # type: ignore[attr-defined]
             # What was placed here still runs while it drains.
-            scheduler.send(m.StepRequest(1, hello.incarnation, [m.SeqWork("r", 0, 0, [1, 2, 3], True, GREEDY)]))
+            scheduler.send(m.StepRequest(1, hello.incarnation, [m.SeqWork("r", [0], 0, [1, 2, 3], True, GREEDY)]))
             assert scheduler.receive(m.StepResult).step_id == 1  # type: ignore[attr-defined]
             if second_signal:
                 worker.send_signal(signal.SIGTERM)

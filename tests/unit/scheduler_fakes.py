@@ -2,11 +2,14 @@
 
 `Sim` owns a core, a fake monotonic clock and the record of every message the core
 has sent. `FakeWorker` plays one incarnation of a worker process: it sends hello,
-lifecycle reports, heartbeats and step results, and it keeps a model of its KV slots
-so that every StepRequest is checked the way a real worker checks it (a sequence's
-slot holds exactly `start_position` tokens before the step). It verifies draft tokens
-greedily against what the test says the target would produce, and cuts its KV model
-back past the rejected ones. `FakeDraft` plays the draft service: it keeps the tokens
+lifecycle reports, heartbeats and step results, and it keeps a model of its KV pages,
+the token each position of each page holds, so that every StepRequest is checked: a
+sequence's pages before `start_position` hold tokens (its own, or a cached prefix's),
+no two sequences write one page, and what the sequence reads there is recorded
+(`tokens_of`) for tests to compare with its prompt. By default a page holds a whole
+sequence (`kv_page_size` = max_model_len), so `num_kv_slots=N` gives N pages: N
+sequences at once, as slots did. It verifies draft tokens greedily against what the test
+says the target would produce. `FakeDraft` plays the draft service: it keeps the tokens
 it holds per sequence and checks every propose request's counts against them.
 """
 
@@ -158,16 +161,18 @@ class FakeWorker:
         fields: dict[str, object] = dict(
             worker_id=worker_id, role="target", incarnation=1, protocol_version=m.PROTOCOL_VERSION, pid=4242,
             model_name=sim.config.model_name, model_fingerprint=FINGERPRINT, vocab_size=49152,
-            max_model_len=sim.config.max_model_len, num_kv_slots=4, dtype="float32", device="cpu",
-            vocab_fingerprint=VOCAB, max_draft_tokens=8, feature_width=FEATURE_WIDTH,
+            max_model_len=sim.config.max_model_len, num_kv_pages=4, kv_page_size=sim.config.max_model_len,
+            dtype="float32", device="cpu", vocab_fingerprint=VOCAB, max_draft_tokens=8, feature_width=FEATURE_WIDTH,
         )
+        if "num_kv_slots" in hello_overrides:  # whole-sequence pages: N of them hold N sequences
+            hello_overrides["num_kv_pages"] = hello_overrides.pop("num_kv_slots")
         fields.update(hello_overrides)
         self.hello_message = m.WorkerHello(**fields)  # type: ignore[arg-type]
         self.identity = identity or worker_id.encode()
         self.state = State.STARTING
-        self.kv: dict[int, list[int]] = {}  # slot -> tokens whose keys and values it holds
+        self.kv: dict[tuple[int, int], int] = {}  # (page, offset) -> the token whose keys and values it holds
+        self.tokens_of: dict[str, list[int]] = {}  # each sequence as its latest step read and wrote it
         self.steps: list[m.StepRequest] = []
-        self.releases: list[m.ReleaseSlots] = []
         self.drains: list[m.Drain] = []
         self._num_seen = 0
         self._answered_step_ids: set[int] = set()
@@ -202,8 +207,8 @@ class FakeWorker:
             self.report(state)
         return self
 
-    def heartbeat(self, num_used_kv_slots: int = 0) -> bool:
-        return self.send(m.Heartbeat(self.worker_id, self.incarnation, self.state, num_used_kv_slots, len(self.steps)))
+    def heartbeat(self, num_used_kv_pages: int = 0) -> bool:
+        return self.send(m.Heartbeat(self.worker_id, self.incarnation, self.state, num_used_kv_pages, len(self.steps)))
 
     def fail(self, message: str = "CUDA error: device-side assert") -> bool:
         return self.send(m.WorkerFailed(self.worker_id, self.incarnation, self.state, "RuntimeError", message))
@@ -241,8 +246,11 @@ class FakeWorker:
                     nodes.append(node)
                 accepted = len(nodes)
                 outputs.append(m.SeqOutput(seq.request_id, truth[:accepted + 1], nodes))
-                held = self.kv.get(seq.slot, [])  # released (aborted) while the step ran: nothing to cut
-                del held[len(held) - len(drafts):]  # the drafts' KV is cut off, the accepted branch's kept
+                first = seq.start_position + num_standing
+                for i, token in enumerate(truth[:accepted]):  # the accepted branch's keys and values, where they stand
+                    self._write(seq, first + i, token)
+                held = self.tokens_of[seq.request_id]
+                del held[first:]
                 held.extend(truth[:accepted])
                 num_standing += accepted
             if step.return_features:  # like the real worker: every position of the step that stands
@@ -279,7 +287,7 @@ class FakeWorker:
 
     # ---------------------------------------------------------------- receiving
 
-    def inbox(self) -> list[m.StepRequest | m.ReleaseSlots | m.Drain]:
+    def inbox(self) -> list[m.StepRequest | m.Drain]:
         """Every message the core sent to this incarnation, in order, applied to the KV model as it arrives."""
         new = self.sim.sent[self._num_seen:]
         self._num_seen = len(self.sim.sent)
@@ -287,29 +295,41 @@ class FakeWorker:
             message = item.message
             if not item.to_worker or item.identity != self.identity:
                 continue
-            assert isinstance(message, (m.StepRequest, m.ReleaseSlots, m.Drain)), message
+            assert isinstance(message, (m.StepRequest, m.Drain)), message
             if message.incarnation != self.incarnation:
                 continue
             self._apply(message)
-        return [*self.steps, *self.releases, *self.drains]
+        return [*self.steps, *self.drains]
 
-    def _apply(self, message: m.StepRequest | m.ReleaseSlots | m.Drain) -> None:
+    def _apply(self, message: m.StepRequest | m.Drain) -> None:
         match message:
             case m.StepRequest():
+                size = self.hello_message.kv_page_size
+                written: dict[int, str] = {}
                 for seq in message.seqs:
-                    held = self.kv.setdefault(seq.slot, [])
-                    assert seq.start_position == len(held), (
-                        f"step {message.step_id}: {seq.request_id} starts at {seq.start_position} "
-                        f"but slot {seq.slot} holds {len(held)} tokens"
-                    )
-                    held.extend(seq.token_ids)
+                    end = seq.start_position + len(seq.token_ids)
+                    assert len(seq.pages) * size >= end, f"step {message.step_id}: {seq.request_id}'s pages end before {end}"
+                    assert all(0 <= p < self.hello_message.num_kv_pages for p in seq.pages), seq.pages
+                    for page in seq.pages[seq.start_position // size : -(-end // size)]:
+                        assert written.setdefault(page, seq.request_id) == seq.request_id, (
+                            f"step {message.step_id}: page {page} written by {written[page]} and {seq.request_id}")
+                for seq in message.seqs:
+                    read = []
+                    for position in range(seq.start_position):
+                        key = (seq.pages[position // size], position % size)
+                        assert key in self.kv, (f"step {message.step_id}: {seq.request_id} starts at "
+                                                f"{seq.start_position} but page {key[0]} holds nothing at {key[1]}")
+                        read.append(self.kv[key])
+                    for i, token in enumerate(seq.token_ids):
+                        self._write(seq, seq.start_position + i, token)
+                    self.tokens_of[seq.request_id] = read + list(seq.token_ids)
                 self.steps.append(message)
-            case m.ReleaseSlots():
-                for slot in message.slots:
-                    self.kv.pop(slot, None)
-                self.releases.append(message)
             case m.Drain():
                 self.drains.append(message)
+
+    def _write(self, seq: m.SeqWork, position: int, token: int) -> None:
+        size = self.hello_message.kv_page_size
+        self.kv[seq.pages[position // size], position % size] = token
 
     def all_steps(self) -> list[m.StepRequest]:
         self.inbox()
@@ -331,38 +351,21 @@ class FakeWorker:
     def seqs_of(self, request_id: str) -> list[m.SeqWork]:
         return [s for step in self.all_steps() for s in step.seqs if s.request_id == request_id]
 
-    def released_slots(self) -> list[int]:
-        self.inbox()
-        return [slot for r in self.releases for slot in r.slots]
-
-    def held_slots(self) -> dict[int, str]:
-        """Slots that a step filled for a request and no ReleaseSlots has freed since: slot -> request_id."""
-        held: dict[int, str] = {}
-        events: list[tuple[str, int, str]] = []
-        for item in self.sim.sent:
-            message = item.message
-            if item.identity != self.identity or not item.to_worker or getattr(message, "incarnation", None) != self.incarnation:
-                continue
-            if isinstance(message, m.StepRequest):
-                events += [("use", s.slot, s.request_id) for s in message.seqs]
-            elif isinstance(message, m.ReleaseSlots):
-                events += [("free", slot, "") for slot in message.slots]
-        for kind, slot, request_id in events:
-            if kind == "use":
-                assert held.setdefault(slot, request_id) == request_id, f"slot {slot} shared by {held[slot]} and {request_id}"
-            else:
-                held.pop(slot, None)
-        return held
+    def pages_of(self, request_id: str) -> list[int]:
+        """The block table of the request's latest step."""
+        return list(self.seqs_of(request_id)[-1].pages)
 
 
 def assert_all_free(sim: Sim, *workers: FakeWorker) -> None:
-    """Nothing queued or running, no process holds a request, and every slot a step filled was released."""
+    """Nothing queued or running, no process holds a request, and no sequence holds a page (the prefix cache may)."""
     info = sim.info()
     assert (info.num_waiting, info.num_running) == (0, 0)
     assert sim.core.num_waiting == 0 and sim.core.num_running == 0
     assert [p.num_running for p in info.processes] == [0] * len(info.processes)
-    for worker in workers:
-        assert worker.held_slots() == {}, f"{worker.worker_id} still holds slots"
+    live = {w.worker_id for w in workers}
+    for process in info.processes:
+        if process.process_id in live and process.role == "target" and process.state == "READY":
+            assert process.num_used_kv_pages == process.num_cached_kv_pages, f"{process.process_id} still holds pages"
 
 
 class FakeDraft(FakeWorker):
@@ -370,7 +373,7 @@ class FakeDraft(FakeWorker):
     and proposes what the test scripts (`script[request_id]`: the continuation it believes in)."""
 
     def __init__(self, sim: Sim, worker_id: str, **hello_overrides: object) -> None:
-        fields: dict[str, object] = dict(role="draft", vocab_fingerprint="", vocab_size=0, num_kv_slots=64, max_draft_tokens=8,
+        fields: dict[str, object] = dict(role="draft", vocab_fingerprint="", vocab_size=0, num_kv_pages=0, max_draft_tokens=8,
                                          feature_width=0)
         fields.update(hello_overrides)
         super().__init__(sim, worker_id, **fields)

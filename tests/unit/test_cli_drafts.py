@@ -101,7 +101,7 @@ def test_token_trees_are_on_unless_turned_off_and_only_phrases_take_the_switch(
     (["--num-speculative-tokens", "-1"], "--num-speculative-tokens must be at least 0"),
     (["--max-model-len", "0"], "--max-model-len must be at least 1"),
     (["--max-model-len", "100000"], "exceeds the model's 128 positions"),
-    (["--num-kv-slots", "0"], "--num-kv-slots must be at least 1"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be at least 1"), (["--kv-cache-memory", "0"], "--kv-cache-memory must be positive"),
     (["--spec-draft-token-budget", "-3"], "--spec-draft-token-budget must be at least 0"),
     (["--num-workers", "0"], "--num-workers must be at least 1"),
     (["--port", "8000", "--http-port", "8000"], "--port and --http-port are both 8000"),

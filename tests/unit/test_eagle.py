@@ -18,6 +18,7 @@ from distill.train import DistillArgs, ResumeMismatch, run
 from draft_service.proposers import EagleProposer, LookupThenHead, NgramProposer, PhraseProposer, ProposeInput, Proposer
 from modeling.batch import SeqSpan
 from modeling.config import ModelConfig
+from modeling.kv_cache import pages_for_slots, slot_pages
 from modeling.eagle import DraftMismatch, EagleEngine, EagleHead, check_target
 from modeling.engine import ModelEngine
 from modeling.phrases import PhraseError, PhraseStore
@@ -38,7 +39,8 @@ def tiny_draft(tiny_llama_folder: Path, tmp_path_factory: pytest.TempPathFactory
 def test_the_serving_engine_computes_what_the_training_head_computes(tiny_llama_folder: Path,
                                                                       tiny_draft: tuple[EagleHead, Path]) -> None:
     head, folder = tiny_draft
-    engine = EagleEngine(folder, tiny_llama_folder, device="cpu", dtype="float32", num_slots=2, max_len=64)
+    engine = EagleEngine(folder, tiny_llama_folder, device="cpu", dtype="float32", num_pages=pages_for_slots(2, 64),
+                         max_len=64)
     engine.load()
     engine.allocate()
     generator = torch.Generator().manual_seed(0)
@@ -47,11 +49,11 @@ def test_the_serving_engine_computes_what_the_training_head_computes(tiny_llama_
     with torch.no_grad():
         expected = head(features[None], tokens[None])[0]  # [9, H]
     # A prefill of 6 pairs in slot 1, then 3 one-pair steps: the slot cache must give the same as one full pass.
-    logits, predicted = engine.forward([SeqSpan(1, 0, tokens[:6].tolist(), 6)], features[:6])
+    logits, predicted = engine.forward([SeqSpan(slot_pages(1, 64), 0, tokens[:6].tolist(), 6)], features[:6])
     torch.testing.assert_close(predicted, expected[:6], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits, head.draft_logits(expected[:6]), atol=1e-3, rtol=1e-4)
     for position in range(6, 9):
-        _, predicted = engine.forward([SeqSpan(1, position, [int(tokens[position])], 1)], features[position : position + 1])
+        _, predicted = engine.forward([SeqSpan(slot_pages(1, 64), position, [int(tokens[position])], 1)], features[position : position + 1])
         torch.testing.assert_close(predicted[0], expected[position], atol=1e-4, rtol=1e-4)
     assert engine.draft_vocab is not None and torch.equal(engine.draft_vocab[torch.tensor([0, 1, 5])], torch.tensor([0, 2, 10]))
 
@@ -64,7 +66,7 @@ def test_a_draft_for_another_target_is_refused(tiny_llama_folder: Path, tiny_dra
     with pytest.raises(DraftMismatch, match="another target model"):
         check_target(folder, other)
     with pytest.raises(DraftMismatch, match="another target model"):
-        EagleProposer(folder, other, device="cpu", dtype="float32", num_slots=1, max_len=64, max_draft_tokens=2, draft_top_k=4)
+        EagleProposer(folder, other, device="cpu", dtype="float32", num_seqs=1, max_len=64, max_draft_tokens=2, draft_top_k=4)
     config = json.loads((other / "config.json").read_text())
     config["vocab_size"] = 98
     (other / "config.json").write_text(json.dumps(config))
@@ -84,7 +86,7 @@ def _other_target(target: Path, tmp_path: Path) -> Path:
 
 
 def _built(folder: Path, target: Path, num_slots: int = 2) -> EagleProposer:
-    proposer = EagleProposer(folder, target, device="cpu", dtype="float32", num_slots=num_slots, max_len=64,
+    proposer = EagleProposer(folder, target, device="cpu", dtype="float32", num_seqs=num_slots, max_len=64,
                              max_draft_tokens=4, draft_top_k=8)
     for phase in proposer.phases():
         phase()
@@ -96,7 +98,7 @@ def test_the_proposer_proposes_from_the_draft_vocabulary_and_follows_the_sequenc
 ) -> None:
     head, folder = tiny_draft
     proposer = _built(folder, tiny_llama_folder)
-    assert proposer.num_used_slots == 0  # warm-up forgot its sequences
+    assert proposer.num_used_kv_pages == 0  # warm-up forgot its sequences
     generator = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, 97, (12,), generator=generator).tolist()
     features = torch.randn(11, 64, generator=generator)
@@ -223,7 +225,7 @@ def test_distill_refuses_arguments_that_cannot_work_before_any_work(tiny_target_
 
 def test_the_target_writes_requests_reproducibly_up_to_a_stop_id_or_the_length(tiny_llama_folder: Path) -> None:
     engine = ModelEngine(tiny_llama_folder, ModelConfig.from_folder(tiny_llama_folder), device="cpu", dtype="float32",
-                         num_slots=4, max_len=64)
+                         num_pages=pages_for_slots(4, 64), max_len=64)
     engine.load()
     engine.allocate()
     starts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10], [11]]  # more starts than slots: two groups
@@ -263,9 +265,9 @@ def test_lookup_then_head_looks_up_repeats_and_asks_the_head_elsewhere_which_cat
     (caught_up,) = hybrid.propose([ProposeInput("r", later, len(grown), 5, GREEDY, later_features)])
     (fresh,) = _built(folder, tiny_llama_folder).propose([ProposeInput("r", later, 0, 2, GREEDY, later_features)])
     assert caught_up.token_ids == fresh.token_ids and len(fresh.token_ids) == 2
-    assert hybrid.num_used_slots == 1
+    assert hybrid.num_used_kv_pages > 0
     hybrid.forget("r")
-    assert hybrid.num_used_slots == 0
+    assert hybrid.num_used_kv_pages == 0
 
 
 def test_the_phrase_proposer_looks_up_the_prompt_first_then_the_targets_phrases_and_checks_its_folder(

@@ -29,10 +29,16 @@ def test_chunks_count_tokens_first_token_latency_and_spread_gaps() -> None:
 
 def test_scheduler_figures_come_from_the_info_reply() -> None:
     info = m.InfoReply(1, "model", 2048, num_waiting=3, num_running=5, processes=[
-        m.ProcessInfo("worker-0", "target", State.READY, 1, 0.2, 2, 8, 5, ""),
-        m.ProcessInfo("draft-0", "draft", State.FAILED, 1, 4.0, 0, 64, 0, "LOADING: OSError"),
+        m.ProcessInfo("worker-0", "target", State.READY, 1, 0.2, 6, 8, 16, 5, "", num_cached_kv_pages=2,
+                      prefix_cache_queried_tokens=100, prefix_cache_hit_tokens=64, num_preemptions=3),
+        m.ProcessInfo("draft-0", "draft", State.FAILED, 1, 4.0, 0, 64, 16, 0, "LOADING: OSError"),
     ], speculation=m.SpeculationInfo(10, 4, 3, 20, 0.4, 4 / 3, {0: 20, 6: 3}))
     got = samples(GatewayMetrics().exposition(info))
+    worker = (("process_id", "worker-0"),)
+    assert [got[("specserve_kv_pages", (*worker, ("use", use)))] for use in ("used", "cached", "free")] == [6, 2, 2]
+    assert got[("specserve_prefix_cache_queried_tokens_total", worker)] == 100
+    assert got[("specserve_prefix_cache_hit_tokens_total", worker)] == 64
+    assert got[("specserve_preemptions_total", worker)] == 3
     assert got[("specserve_queue_length", ())] == 3 and got[("specserve_running_requests", ())] == 5
     assert got[("specserve_process_state", (("process_id", "draft-0"), ("role", "draft"), ("state", "FAILED")))] == 1
     assert got[("specserve_process_state", (("process_id", "draft-0"), ("role", "draft"), ("state", "READY")))] == 0
@@ -43,7 +49,7 @@ def test_scheduler_figures_come_from_the_info_reply() -> None:
 
 def test_every_process_dropped_message_is_exported_by_process_and_kind() -> None:
     info = m.InfoReply(1, "model", 2048, num_waiting=0, num_running=0, processes=[
-        m.ProcessInfo("worker-0", "target", State.READY, 1, 0.2, 2, 8, 5, "", protocol_errors={"decode": 2}),
+        m.ProcessInfo("worker-0", "target", State.READY, 1, 0.2, 2, 8, 16, 5, "", protocol_errors={"decode": 2}),
     ], protocol_errors={"worker.stale_or_unexpected": 3, "gateway.decode": 1})
     got = samples(GatewayMetrics().exposition(info, {"frames": 4}))
     errors = "specserve_protocol_errors_total"

@@ -64,8 +64,9 @@ def ready_target(state: str = "READY") -> m.ProcessInfo:
         state=State(state),
         incarnation=2**62,  # incarnations can be large: int64 on the wire
         heartbeat_age_s=0.25,
-        num_used_kv_slots=1,
-        num_kv_slots=8,
+        num_used_kv_pages=1,
+        num_kv_pages=8,
+        kv_page_size=16,
         num_running=1,
         failure="",
         protocol_errors={"decode": 1},  # in /metrics only: GetServerInfo has no field for it
@@ -206,13 +207,13 @@ def test_usage_carries_the_schedulers_speculation_counts_even_when_a_stop_string
     def script(submit: m.SubmitRequest) -> list[m.TokenDelta]:
         ids = tokenizer.encode("one two three four")
         return [m.TokenDelta(submit.request_id, ids[:2], None, 3, 2, num_draft_tokens=4, num_accepted_draft_tokens=1, num_verify_steps=1),
-                m.TokenDelta(submit.request_id, ids[2:], "length", 3, len(ids), 8, 3, 2)]
+                m.TokenDelta(submit.request_id, ids[2:], "length", 3, len(ids), 8, 3, 2, num_cached_tokens=2)]
 
     async def scenario() -> None:
         async with gateway(tokenizer, script) as h:
             whole = (await collect(h.stub.Generate(pb.GenerateRequest(prompt="x"))))[-1].usage
             cut = (await collect(h.stub.Generate(pb.GenerateRequest(prompt="x", params=pb.SamplingParams(stop=[" two"])))))[-1].usage
-        assert (whole.draft_tokens, whole.accepted_draft_tokens, whole.verify_steps) == (8, 3, 2)
+        assert (whole.draft_tokens, whole.accepted_draft_tokens, whole.verify_steps, whole.cached_tokens) == (8, 3, 2, 2)
         assert (cut.draft_tokens, cut.accepted_draft_tokens, cut.verify_steps) == (4, 1, 1)
 
     run(scenario())
@@ -379,7 +380,7 @@ def test_health_follows_ready_targets_and_scheduler_silence(run: Any, tokenizer:
             assert await status(h, "") == NOT_SERVING  # before the first answer
             assert await h.reporter.poll_once() == SERVING
             assert [await status(h, "") for _ in range(1)] + [await status(h, "specserve.v1.SpecServe")] == [SERVING, SERVING]
-            h.scheduler.processes = [ready_target("WARMING"), m.ProcessInfo("draft-0", "draft", State.READY, 1, 0.1, 0, 8, 0, "")]
+            h.scheduler.processes = [ready_target("WARMING"), m.ProcessInfo("draft-0", "draft", State.READY, 1, 0.1, 0, 8, 16, 0, "")]
             assert await h.reporter.poll_once() == NOT_SERVING
             h.scheduler.processes = [ready_target()]
             assert await h.reporter.poll_once() == SERVING
@@ -662,7 +663,8 @@ def test_cli_generate_prints_json_streams_text_and_reports_errors(run: Any, toke
             printed = json.loads(capsys.readouterr().out)
             assert printed["text"] == "P" and printed["finish_reason"] == "stop"  # stop string "a" cuts "Paris"
             assert printed["usage"] == {"prompt_tokens": len(submit.prompt_token_ids), "completion_tokens": len(printed["token_ids"]),
-                                        "draft_tokens": 0, "accepted_draft_tokens": 0, "verify_steps": 0}
+                                        "draft_tokens": 0, "accepted_draft_tokens": 0, "verify_steps": 0,
+                                        "cached_tokens": 0}
             assert await asyncio.to_thread(run_generate, generate_args(address, "--prompt", "Capital?")) == 0
             assert capsys.readouterr().out == "Paris 🇫🇷"
             assert await asyncio.to_thread(run_generate, generate_args(address, "--prompt", "x", "--top-p", "0")) == 1

@@ -10,12 +10,30 @@ import torch
 
 from modeling.batch import SeqSpan, build_step_batch
 from modeling.config import ModelConfig
-from modeling.kv_cache import KVCache
+from modeling.kv_cache import DEFAULT_PAGE_SIZE, KVCache, pages_for_slots, slot_pages
 from modeling.llama import LlamaModel
 from modeling.cpu_kernels import attach_native_ops
 from modeling.native import KernelUnavailable
 
 transformers = pytest.importorskip("transformers")
+
+
+SLOT_LEN = 2048  # the tests hold whole sequences in fixed slots of pages
+
+
+def S(slot: int) -> tuple[int, ...]:
+    """The block table of fixed slot `slot` (its pages are not contiguous with any other's)."""
+    return slot_pages(slot, SLOT_LEN)
+
+
+def _kv(config: ModelConfig, num_slots: int, dtype: torch.dtype) -> KVCache:
+    return KVCache(config, pages_for_slots(num_slots, SLOT_LEN), DEFAULT_PAGE_SIZE, dtype, torch.device("cpu"))
+
+
+def _held(store: torch.Tensor, slot: int, length: int) -> torch.Tensor:
+    """Positions 0..length-1 of a slot's sequence, every layer: `[layers, kv heads, length, head_dim]`."""
+    pages = store[:, list(S(slot))]  # [layers, pages, kv heads, page, D]
+    return pages.transpose(1, 2).reshape(store.shape[0], store.shape[2], -1, store.shape[4])[:, :, :length]
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +54,12 @@ def _ours(folder: Path, num_slots: int = 4, native: str = "torch") -> tuple[Llam
     model.set_rope_cache(128)
     if native != "torch":
         assert attach_native_ops(model, torch.float32, torch.device("cpu")).startswith("native")
-    return model, KVCache(config, num_slots, 128, torch.float32, torch.device("cpu"))
+    return model, _kv(config, num_slots, torch.float32)
 
 
 def _step(model: LlamaModel, cache: KVCache, spans: list[SeqSpan]) -> torch.Tensor:
     with torch.inference_mode():
-        batch = model.plan(spans)
+        batch = model.plan(spans, cache.page_size)
         return model.logits(model(batch, cache)[batch.logit_rows])
 
 
@@ -53,7 +71,7 @@ ops_paths = pytest.mark.parametrize("native", ["torch", "native"])
 def test_prefill_matches_reference(tiny_folder: Path, native: str) -> None:
     tokens = [5, 17, 3, 88, 42, 7, 7, 1, 60]
     model, cache = _ours(tiny_folder, native=native)
-    ours = _step(model, cache, [SeqSpan(slot=2, start=0, token_ids=tokens, num_logits=len(tokens))])
+    ours = _step(model, cache, [SeqSpan(S(2), start=0, token_ids=tokens, num_logits=len(tokens))])
     torch.testing.assert_close(ours, _reference_logits(tiny_folder, tokens), atol=1e-4, rtol=1e-4)
 
 
@@ -65,14 +83,14 @@ def test_ragged_chunked_and_decode_steps_match_reference(tiny_folder: Path, nati
     ref_a = _reference_logits(tiny_folder, a)
     ref_b = _reference_logits(tiny_folder, b)
     # Step 1: a's first chunk (no logits) together with all of b's prompt but its last token.
-    step_one = [SeqSpan(0, 0, a[:17], 0), SeqSpan(3, 0, b[:4], 1)]
+    step_one = [SeqSpan(S(0), 0, a[:17], 0), SeqSpan(S(3), 0, b[:4], 1)]
     _step(model, cache, step_one)
     # Step 2: a's second chunk and b's next two tokens in one ragged batch.
-    out = _step(model, cache, [SeqSpan(0, 17, a[17:19], 2), SeqSpan(3, 4, b[4:6], 2)])
+    out = _step(model, cache, [SeqSpan(S(0), 17, a[17:19], 2), SeqSpan(S(3), 4, b[4:6], 2)])
     torch.testing.assert_close(out[:2], ref_a[17:19], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out[2:], ref_b[4:6], atol=1e-4, rtol=1e-4)
     # Step 3: one-token decodes, slots not adjacent (gathered rows).
-    out = _step(model, cache, [SeqSpan(3, 6, [99 % 97], 1), SeqSpan(0, 19, a[19:], 1)])
+    out = _step(model, cache, [SeqSpan(S(3), 6, [99 % 97], 1), SeqSpan(S(0), 19, a[19:], 1)])
     ref_b2 = _reference_logits(tiny_folder, b + [99 % 97])
     torch.testing.assert_close(out[0], ref_b2[-1], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out[1], ref_a[-1], atol=1e-4, rtol=1e-4)
@@ -82,8 +100,8 @@ def test_ragged_chunked_and_decode_steps_match_reference(tiny_folder: Path, nati
 def test_rewriting_positions_after_truncation(tiny_folder: Path, native: str) -> None:
     """A slot rolled back to position p and written again gives the logits of the new sequence."""
     model, cache = _ours(tiny_folder, native=native)
-    _step(model, cache, [SeqSpan(1, 0, [1, 2, 3, 4, 5, 6], 0)])
-    out = _step(model, cache, [SeqSpan(1, 3, [40, 41], 2)])  # overwrite positions 3, 4
+    _step(model, cache, [SeqSpan(S(1), 0, [1, 2, 3, 4, 5, 6], 0)])
+    out = _step(model, cache, [SeqSpan(S(1), 3, [40, 41], 2)])  # overwrite positions 3, 4
     torch.testing.assert_close(out, _reference_logits(tiny_folder, [1, 2, 3, 40, 41])[3:], atol=1e-4, rtol=1e-4)
 
 
@@ -106,9 +124,9 @@ def test_a_token_tree_scores_every_node_as_its_own_branch(tiny_folder: Path, nat
     prompt = [3, 9, 27, 81, 50, 11, 12]
     nodes = [40, 41, 42, 43, 44, 45, 46, 47, 48]
     model, cache = _ours(tiny_folder, native=native)
-    _step(model, cache, [SeqSpan(1, 0, prompt[:-1], 0)])
-    company = [SeqSpan(0, 0, [5, 6, 7], 1)]  # another sequence in the step
-    out = _step(model, cache, [SeqSpan(1, len(prompt) - 1, [prompt[-1], *nodes], len(nodes) + 1, TREE_PARENTS), *company])
+    _step(model, cache, [SeqSpan(S(1), 0, prompt[:-1], 0)])
+    company = [SeqSpan(S(0), 0, [5, 6, 7], 1)]  # another sequence in the step
+    out = _step(model, cache, [SeqSpan(S(1), len(prompt) - 1, [prompt[-1], *nodes], len(nodes) + 1, TREE_PARENTS), *company])
     torch.testing.assert_close(out[0], _reference_logits(tiny_folder, prompt)[-1], atol=1e-4, rtol=1e-4)
     for node in range(len(nodes)):
         reference = _reference_logits(tiny_folder, prompt + _branch(TREE_PARENTS, nodes, node))[-1]
@@ -117,9 +135,9 @@ def test_a_token_tree_scores_every_node_as_its_own_branch(tiny_folder: Path, nat
 
 def test_a_tree_that_is_one_chain_is_planned_as_a_chain(tiny_folder: Path) -> None:
     model, _ = _ours(tiny_folder, native="native")
-    chain = model.plan([SeqSpan(1, 4, [1, 2, 3, 4], 4, (-1, 0, 1))])
+    chain = model.plan([SeqSpan(S(1), 4, [1, 2, 3, 4], 4, (-1, 0, 1))], DEFAULT_PAGE_SIZE)
     assert chain.extra is None and chain.cache_positions is None and chain.positions.tolist() == [4, 5, 6, 7]
-    tree = model.plan([SeqSpan(1, 4, [1, 2, 3, 4], 4, (-1, -1, 1))])
+    tree = model.plan([SeqSpan(S(1), 4, [1, 2, 3, 4], 4, (-1, -1, 1))], DEFAULT_PAGE_SIZE)
     assert tree.positions.tolist() == [4, 5, 5, 6]  # RoPE: each node at its depth
     assert tree.stored_at.tolist() == [4, 5, 6, 7]  # the cache: one after another
     assert tree.attended_to.tolist() == [4, 4, 4, 4]
@@ -130,12 +148,12 @@ def test_a_tree_that_is_one_chain_is_planned_as_a_chain(tiny_folder: Path) -> No
 def test_a_tree_whose_parents_do_not_come_first_is_refused(tiny_folder: Path, parents: tuple[int, ...]) -> None:
     model, _ = _ours(tiny_folder, native="native")
     with pytest.raises(ValueError, match="parent"):
-        model.plan([SeqSpan(1, 4, [1] * (len(parents) + 1), len(parents) + 1, parents)])
+        model.plan([SeqSpan(S(1), 4, [1] * (len(parents) + 1), len(parents) + 1, parents)], DEFAULT_PAGE_SIZE)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_native_ops_give_the_logits_of_torch_ops(tiny_folder: Path, dtype: torch.dtype) -> None:
-    spans = [SeqSpan(0, 0, [5, 17, 3, 88, 42], 2), SeqSpan(1, 0, [9, 9], 1)]
+    spans = [SeqSpan(S(0), 0, [5, 17, 3, 88, 42], 2), SeqSpan(S(1), 0, [9, 9], 1)]
     outputs = []
     for native in (False, True):
         model, _ = _ours(tiny_folder)
@@ -143,7 +161,7 @@ def test_native_ops_give_the_logits_of_torch_ops(tiny_folder: Path, dtype: torch
         model.set_rope_cache(128)
         if native:
             assert attach_native_ops(model, dtype, torch.device("cpu")).startswith("native")
-        cache = KVCache(model.config, 4, 128, dtype, torch.device("cpu"))
+        cache = _kv(model.config, 4, dtype)
         outputs.append(_step(model, cache, spans))
     tolerance = {"atol": 0.05, "rtol": 0.02} if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
     torch.testing.assert_close(outputs[1], outputs[0], **tolerance)
@@ -172,18 +190,18 @@ def test_a_prompt_gives_the_same_bits_however_it_is_chunked_and_batched(dtype: t
     into chunks or what else shared its steps: a request's answer does not depend on the server's load."""
     model = _random_model(dtype, 512)
     prompt = [(13 * i + 5) % 300 for i in range(300)]
-    company = [SeqSpan(2, 0, [7] * 40, 1), SeqSpan(3, 0, [8], 1)]
+    company = [SeqSpan(S(2), 0, [7] * 40, 1), SeqSpan(S(3), 0, [8], 1)]
     chunkings = [[300], [1] * 20 + [280], [128, 100, 72], [299, 1]]
     logits, caches = [], []
     for index, chunks in enumerate(chunkings):
-        cache = KVCache(model.config, 4, 512, dtype, torch.device("cpu"))
+        cache = _kv(model.config, 4, dtype)
         start = 0
         for size in chunks:
-            span = SeqSpan(1, start, prompt[start : start + size], 1)
+            span = SeqSpan(S(1), start, prompt[start : start + size], 1)
             out = _step(model, cache, [span, *company] if index % 2 else [span])
             start += size
         logits.append(out[0])
-        caches.append((cache.keys[:, 1, :, :300].clone(), cache.values[:, 1, :, :300].clone()))
+        caches.append((_held(cache.keys, 1, 300).clone(), _held(cache.values, 1, 300).clone()))
     for chunks, row, (keys, values) in zip(chunkings[1:], logits[1:], caches[1:]):
         assert torch.equal(row, logits[0]), f"the logits after chunks {chunks} differ"
         assert torch.equal(keys, caches[0][0]) and torch.equal(values, caches[0][1]), f"the cache after chunks {chunks} differs"
@@ -193,7 +211,7 @@ def test_the_engine_reports_whether_its_steps_are_batch_invariant(tiny_folder: P
     from modeling.engine import ModelEngine
 
     config = ModelConfig.from_folder(tiny_folder)
-    engine = ModelEngine(tiny_folder, config, device="cpu", dtype="float32", num_slots=1, max_len=64)
+    engine = ModelEngine(tiny_folder, config, device="cpu", dtype="float32", num_pages=pages_for_slots(1, 64), max_len=64)
     engine.load()
     engine.allocate()
     assert engine.ops.startswith("native") and engine.self_check() is None
@@ -202,7 +220,7 @@ def test_the_engine_reports_whether_its_steps_are_batch_invariant(tiny_folder: P
         raise KernelUnavailable("turned off for the test")
 
     monkeypatch.setattr("modeling.cpu_kernels.native_ops", turned_off)
-    on_torch = ModelEngine(tiny_folder, config, device="cpu", dtype="float32", num_slots=1, max_len=64)
+    on_torch = ModelEngine(tiny_folder, config, device="cpu", dtype="float32", num_pages=pages_for_slots(1, 64), max_len=64)
     on_torch.load()
     on_torch.allocate()
     assert on_torch.ops.startswith("torch")
@@ -224,25 +242,25 @@ def test_native_verify_rows_equal_the_decode_steps_they_stand_for(dtype: torch.d
     config = model.config
     prompt = [(11 * i) % 300 for i in range(prompt_len)]
     continuation = [(37 * i + 7) % 300 for i in range(num_drafts + 1)]
-    decoded, verified = (KVCache(config, 4, max_len, dtype, torch.device("cpu")) for _ in range(2))
-    other = [SeqSpan(0, 0, [5, 6, 7], 1), SeqSpan(2, 0, [8] * 20, 1)]  # company in the step, as in a real batch
-    _step(model, decoded, [SeqSpan(1, 0, prompt, 1)])
-    _step(model, verified, [SeqSpan(1, 0, prompt, 1), *other])
-    step_rows = [_step(model, decoded, [SeqSpan(1, prompt_len + i, [t], 1)])[0] for i, t in enumerate(continuation)]
-    verify_rows = _step(model, verified, [SeqSpan(1, prompt_len, continuation, len(continuation)), SeqSpan(0, 3, [9], 1)])
+    decoded, verified = (_kv(config, 4, dtype) for _ in range(2))
+    other = [SeqSpan(S(0), 0, [5, 6, 7], 1), SeqSpan(S(2), 0, [8] * 20, 1)]  # company in the step, as in a real batch
+    _step(model, decoded, [SeqSpan(S(1), 0, prompt, 1)])
+    _step(model, verified, [SeqSpan(S(1), 0, prompt, 1), *other])
+    step_rows = [_step(model, decoded, [SeqSpan(S(1), prompt_len + i, [t], 1)])[0] for i, t in enumerate(continuation)]
+    verify_rows = _step(model, verified, [SeqSpan(S(1), prompt_len, continuation, len(continuation)), SeqSpan(S(0), 3, [9], 1)])
     for i, row in enumerate(step_rows):
         assert torch.equal(row, verify_rows[i]), f"verify row {i} differs from its decode step"
 
     # A tree's nodes, bit for bit the decode steps of their own branches.
     nodes = [(37 * i + 11) % 300 for i in range(len(TREE_PARENTS))]
-    tree_rows = _step(model, verified, [SeqSpan(1, prompt_len, [continuation[0], *nodes], len(nodes) + 1, TREE_PARENTS),
-                                        SeqSpan(0, 4, [9], 1)])
+    tree_rows = _step(model, verified, [SeqSpan(S(1), prompt_len, [continuation[0], *nodes], len(nodes) + 1, TREE_PARENTS),
+                                        SeqSpan(S(0), 4, [9], 1)])
     assert torch.equal(tree_rows[0], step_rows[0])
     for node in range(len(nodes)):
         branch = _branch(TREE_PARENTS, nodes, node)
-        _step(model, decoded, [SeqSpan(1, prompt_len, [continuation[0]], 1)])
+        _step(model, decoded, [SeqSpan(S(1), prompt_len, [continuation[0]], 1)])
         for depth, token in enumerate(branch):
-            row = _step(model, decoded, [SeqSpan(1, prompt_len + 1 + depth, [token], 1)])[0]
+            row = _step(model, decoded, [SeqSpan(S(1), prompt_len + 1 + depth, [token], 1)])[0]
         assert torch.equal(row, tree_rows[1 + node]), f"tree node {node} differs from the decode step of its branch"
 
 

@@ -27,19 +27,19 @@ SCHEDULER_TO_GATEWAY: list[msgspec.Struct] = [
     m.TokenDeltas([m.TokenDelta("r-1", [13], None, 3, 3), m.TokenDelta("r-3", [7], "stop", 5, 9)]),
     m.RequestError("r-2", "UNAVAILABLE", "no READY worker within 30.0 s (--no-worker-timeout-s)"),
     m.InfoReply(7, "SmolLM2-135M-Instruct", 2048, 1, 2, [
-        m.ProcessInfo("w0", "target", State.READY, 3, 0.25, 2, 64, 2, ""),
-        m.ProcessInfo("w1", "target", "FAILED", 1, 9.5, 0, 64, 0, "LOADING: OSError: no such file"),
+        m.ProcessInfo("w0", "target", State.READY, 3, 0.25, 2, 64, 16, 2, "", num_cached_kv_pages=1,
+                      prefix_cache_queried_tokens=40, prefix_cache_hit_tokens=32, num_preemptions=1),
+        m.ProcessInfo("w1", "target", "FAILED", 1, 9.5, 0, 64, 16, 0, "LOADING: OSError: no such file"),
     ]),
 ]
 SCHEDULER_TO_WORKER: list[msgspec.Struct] = [
     m.StepRequest(4, 2, [
-        m.SeqWork("r-1", 0, 0, [1, 2, 3], True, SAMPLING),
-        m.SeqWork("r-2", 5, 17, [9, 8, 7], True, m.SamplingParams(), num_draft_tokens=2),
-        m.SeqWork("r-3", 1, 0, [4] * 32, False, m.SamplingParams()),
-        m.SeqWork("r-4", 2, 40, [5, 6, 7], True, SAMPLING, num_draft_tokens=2,
+        m.SeqWork("r-1", [0], 0, [1, 2, 3], True, SAMPLING),
+        m.SeqWork("r-2", [5, 6], 17, [9, 8, 7], True, m.SamplingParams(), num_draft_tokens=2),
+        m.SeqWork("r-3", [1, 3], 0, [4] * 32, False, m.SamplingParams()),
+        m.SeqWork("r-4", [2, 7, 9], 40, [5, 6, 7], True, SAMPLING, num_draft_tokens=2,
                   draft_dists=[m.SparseDist([6, 9], [0.75, 0.25]), m.SparseDist([7], [1.0])]),
     ]),
-    m.ReleaseSlots(2, [0, 5]),
     m.Drain(2),
 ]
 SCHEDULER_TO_DRAFT: list[msgspec.Struct] = [
@@ -51,7 +51,7 @@ SCHEDULER_TO_DRAFT: list[msgspec.Struct] = [
     m.Drain(9),
 ]
 WORKER_TO_SCHEDULER: list[msgspec.Struct] = [
-    m.WorkerHello("w0", "target", 2, m.PROTOCOL_VERSION, 4242, "SmolLM2-135M-Instruct", "fp-1", 49152, 2048, 64, "bfloat16", "cuda:0"),
+    m.WorkerHello("w0", "target", 2, m.PROTOCOL_VERSION, 4242, "SmolLM2-135M-Instruct", "fp-1", 49152, 2048, 4096, 16, "bfloat16", "cuda:0"),
     m.LifecycleReport("w0", 2, State.LOADING, State.STARTING, 0.125),
     m.WorkerFailed("w0", 2, State.LOADING, "OSError", "model.safetensors: no such file"),
     m.Heartbeat("w0", 2, State.READY, 3, 118),
@@ -146,12 +146,13 @@ WRONG_SCHEMA = [
                               "num_prompt_tokens": 1, "num_completion_tokens": 0}),  # not a FinishReason
     ("scheduler_to_gateway", {"type": "request_error", "request_id": "r", "code": "NOT_FOUND", "message": ""}),
     ("worker_to_scheduler", {"type": "heartbeat", "worker_id": "w0", "incarnation": "1", "state": "READY",
-                             "num_used_kv_slots": 0, "num_steps": 0}),  # incarnation not an int
+                             "num_used_kv_pages": 0, "num_steps": 0}),  # incarnation not an int
     ("worker_to_scheduler", {"type": "hello", "worker_id": "w0", "role": "critic", "incarnation": 1}),
     ("worker_to_scheduler", {"type": "heartbeat", "worker_id": "w0", "incarnation": 1, "state": "SLEEPING",
-                             "num_used_kv_slots": 0, "num_steps": 0}),  # not a lifecycle state
+                             "num_used_kv_pages": 0, "num_steps": 0}),  # not a lifecycle state
     ("scheduler_to_worker", {"type": "step", "step_id": 1, "incarnation": 1, "seqs": [{"request_id": "r"}]}),
-    ("scheduler_to_worker", {"type": "release", "incarnation": 1, "slots": None}),
+    ("scheduler_to_worker", {"type": "step", "step_id": 1, "incarnation": 1, "seqs": [{"request_id": "r", "pages": None,
+                             "start_position": 0, "token_ids": [1], "sample": True, "sampling": {}}]}),  # no pages
 ]
 
 

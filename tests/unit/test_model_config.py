@@ -13,7 +13,7 @@ import torch
 from modeling.batch import SeqSpan
 from modeling.config import ModelConfig, UnsupportedModel
 from modeling.cpu_kernels import attach_native_ops
-from modeling.kv_cache import KVCache
+from modeling.kv_cache import DEFAULT_PAGE_SIZE, KVCache, pages_for_slots, slot_pages
 from modeling.llama import LlamaModel
 
 transformers = pytest.importorskip("transformers")
@@ -104,7 +104,7 @@ def test_a_model_saved_with_a_large_rope_base_gives_transformers_logits(tmp_path
         assert attach_native_ops(ours, torch.float32, torch.device("cpu")).startswith("native")
     tokens = [(17 * i + 3) % 97 for i in range(60)]  # long enough for the base to matter
     with torch.inference_mode():
-        batch = ours.plan([SeqSpan(0, 0, tokens, len(tokens))])
-        logits = ours.logits(ours(batch, KVCache(config, 1, 128, torch.float32, torch.device("cpu")))[batch.logit_rows])
+        batch = ours.plan([SeqSpan(slot_pages(0, 128), 0, tokens, len(tokens))], DEFAULT_PAGE_SIZE)
+        logits = ours.logits(ours(batch, KVCache(config, pages_for_slots(1, 128), DEFAULT_PAGE_SIZE, torch.float32, torch.device("cpu")))[batch.logit_rows])
         expected = reference(torch.tensor([tokens])).logits[0]
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)

@@ -1,4 +1,4 @@
-"""The native CPU kernels (modeling/csrc) against plain torch: attention over the slot cache, the fused elementwise ops."""
+"""The native CPU kernels (modeling/csrc) against plain torch: attention over the paged cache, the fused elementwise ops."""
 
 from __future__ import annotations
 
@@ -21,23 +21,47 @@ def ops():  # type: ignore[no-untyped-def]
     return native_ops()
 
 
-def _reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: list[int], positions: list[int]) -> torch.Tensor:
-    """Row n of q `[N, H, D]` over positions 0..positions[n] of slot slots[n], in float64: `[N, H*D]`."""
+def _reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seqs: list[int], positions: list[int]) -> torch.Tensor:
+    """Row n of q `[N, H, D]` over positions 0..positions[n] of sequence seqs[n] of a whole-sequence cache
+    `[S, KVH, L, D]`, in float64: `[N, H*D]`."""
     num_heads, dim = q.shape[1], q.shape[2]
     group = num_heads // keys.shape[1]
     rows = []
-    for n, (slot, position) in enumerate(zip(slots, positions)):
-        k = keys[slot, :, : position + 1].double().repeat_interleave(group, dim=0)  # [H, L, D]
-        v = values[slot, :, : position + 1].double().repeat_interleave(group, dim=0)
+    for n, (seq, position) in enumerate(zip(seqs, positions)):
+        k = keys[seq, :, : position + 1].double().repeat_interleave(group, dim=0)  # [H, L, D]
+        v = values[seq, :, : position + 1].double().repeat_interleave(group, dim=0)
         scores = torch.einsum("hd,hld->hl", q[n].double(), k) * dim**-0.5
         rows.append(torch.einsum("hl,hld->hd", torch.softmax(scores, dim=-1), v).reshape(num_heads * dim))
     return torch.stack(rows)
 
 
-def _cache(num_slots: int, num_kv_heads: int, max_len: int, dim: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _cache(num_seqs: int, num_kv_heads: int, max_len: int, dim: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole sequences `[S, KVH, L, D]`: what a paged cache holds, laid out plainly."""
     generator = torch.Generator().manual_seed(seed)
-    shape = (num_slots, num_kv_heads, max_len, dim)
+    shape = (num_seqs, num_kv_heads, max_len, dim)
     return torch.randn(shape, generator=generator).to(dtype), torch.randn(shape, generator=generator).to(dtype)
+
+
+def _paged(whole: torch.Tensor, page_size: int, seed: int, spare: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequences of `whole` `[S, KVH, L, D]` in pages of a pool (shuffled, with `spare` unused pages of noise):
+    (pages `[P, KVH, page_size, D]`, block tables `[S, L / page_size]`)."""
+    num_seqs, kv_heads, length, dim = whole.shape
+    per_seq = length // page_size
+    num_pages = num_seqs * per_seq + spare
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(num_pages, generator=generator)[: num_seqs * per_seq]
+    pages = torch.randn(num_pages, kv_heads, page_size, dim, generator=generator).to(whole.dtype)
+    tables = order.view(num_seqs, per_seq)
+    chunks = whole.view(num_seqs, kv_heads, per_seq, page_size, dim).transpose(1, 2)  # [S, per_seq, KVH, page, D]
+    pages[tables.reshape(-1)] = chunks.reshape(-1, kv_heads, page_size, dim)
+    return pages, tables
+
+
+def _attend(ops, q, keys, values, seqs, positions, page_size: int = 16, seed: int = 0):  # type: ignore[no-untyped-def]
+    """The kernel over `keys`, `values` `[S, KVH, L, D]` moved into shuffled pages."""
+    paged_keys, tables = _paged(keys, page_size, seed)
+    paged_values, _ = _paged(values, page_size, seed)
+    return ops.attend(q, paged_keys, paged_values, tables, torch.as_tensor(seqs), torch.as_tensor(positions), q.shape[2] ** -0.5)
 
 
 # (heads, kv heads, head_dim): the default model's shape (the AVX512-BF16 path where the
@@ -47,85 +71,101 @@ SHAPES = [(9, 3, 64), (8, 2, 64), (4, 4, 64), (8, 2, 16), (6, 3, 32)]
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "dim"), SHAPES)
-def test_attention_matches_the_reference(ops, dtype: torch.dtype, num_heads: int, num_kv_heads: int, dim: int) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("page_size", [16, 5, 80])
+def test_attention_through_block_tables_matches_the_reference(ops, dtype: torch.dtype, num_heads: int,  # type: ignore[no-untyped-def]
+                                                             num_kv_heads: int, dim: int, page_size: int) -> None:
     keys, values = _cache(6, num_kv_heads, 80, dim, dtype, seed=1)
-    # Gathered slots, lengths from 1 to past one 16-position block, a verify-like run of one slot.
-    slots = [4, 0, 2, 2, 2, 5, 1]
+    # Lengths from 1 to past one 16-position block and across page boundaries, a verify-like run of one sequence.
+    seqs = [4, 0, 2, 2, 2, 5, 1]
     positions = [0, 15, 30, 31, 32, 16, 79]
-    q = torch.randn(len(slots), num_heads, dim, generator=torch.Generator().manual_seed(2)).to(dtype)
-    out = ops.attend(q, keys, values, torch.tensor(slots), torch.tensor(positions), dim**-0.5)
-    assert out.shape == (len(slots), num_heads * dim) and out.dtype == dtype
+    q = torch.randn(len(seqs), num_heads, dim, generator=torch.Generator().manual_seed(2)).to(dtype)
+    out = _attend(ops, q, keys, values, seqs, positions, page_size)
+    assert out.shape == (len(seqs), num_heads * dim) and out.dtype == dtype
     tolerance = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
-    torch.testing.assert_close(out.double(), _reference_attention(q, keys, values, slots, positions), **tolerance)
+    torch.testing.assert_close(out.double(), _reference_attention(q, keys, values, seqs, positions), **tolerance)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "dim"), SHAPES[:2])
-def test_each_row_is_computed_alone(ops, dtype: torch.dtype, num_heads: int, num_kv_heads: int, dim: int) -> None:  # type: ignore[no-untyped-def]
-    """A row gives bit for bit the same output alone as among others: a verify row equals its decode step."""
-    keys, values = _cache(8, num_kv_heads, 200, dim, dtype, seed=3)
-    slots = torch.tensor([7, 1, 1, 1, 3, 0, 5, 2])
+def test_each_row_is_computed_alone_wherever_its_pages_lie(ops, dtype: torch.dtype, num_heads: int, num_kv_heads: int,  # type: ignore[no-untyped-def]
+                                                          dim: int) -> None:
+    """A row gives bit for bit the same output alone as among others, and whichever pages hold its keys: a verify
+    row equals its decode step, and a prefix read from the prefix cache equals one computed in place."""
+    keys, values = _cache(8, num_kv_heads, 208, dim, dtype, seed=3)
+    seqs = torch.tensor([7, 1, 1, 1, 3, 0, 5, 2])
     positions = torch.tensor([190, 40, 41, 42, 3, 99, 17, 150])
     q = torch.randn(8, num_heads, dim, generator=torch.Generator().manual_seed(4)).to(dtype)
-    together = ops.attend(q, keys, values, slots, positions, dim**-0.5)
+    together = _attend(ops, q, keys, values, seqs, positions, seed=0)
     for n in range(8):
-        alone = ops.attend(q[n : n + 1].clone(), keys, values, slots[n : n + 1], positions[n : n + 1], dim**-0.5)
+        alone = _attend(ops, q[n : n + 1].clone(), keys, values, seqs[n : n + 1], positions[n : n + 1], seed=n + 1)
         assert torch.equal(alone[0], together[n]), f"row {n} differs alone"
 
 
 def test_attention_reads_strided_queries(ops) -> None:  # type: ignore[no-untyped-def]
     """Queries sliced out of a fused qkv row (the model's case) give what a contiguous copy gives."""
-    keys, values = _cache(3, 3, 40, 64, torch.bfloat16, seed=5)
+    keys, values = _cache(3, 3, 48, 64, torch.bfloat16, seed=5)
     qkv = torch.randn(4, 15 * 64).to(torch.bfloat16)
     q = qkv[:, : 9 * 64].view(4, 9, 64)
-    slots, positions = torch.tensor([0, 1, 2, 1]), torch.tensor([5, 39, 0, 20])
-    strided = ops.attend(q, keys, values, slots, positions, 0.125)
-    assert torch.equal(strided, ops.attend(q.contiguous(), keys, values, slots, positions, 0.125))
+    seqs, positions = [0, 1, 2, 1], [5, 39, 0, 20]
+    assert torch.equal(_attend(ops, q, keys, values, seqs, positions), _attend(ops, q.contiguous(), keys, values, seqs, positions))
 
 
-def test_store_writes_each_row_at_its_slot_and_position(ops) -> None:  # type: ignore[no-untyped-def]
+def test_store_writes_each_row_at_its_page_and_offset(ops) -> None:  # type: ignore[no-untyped-def]
     keys, values = torch.zeros(4, 2, 10, 8), torch.zeros(4, 2, 10, 8)
     kv = torch.randn(3, 6, 8)  # rows of [k heads | v heads | another head], as sliced from qkv
     k, v = kv[:, 0:2], kv[:, 2:4]
-    slots, positions = torch.tensor([3, 0, 3]), torch.tensor([0, 9, 1])
-    ops.store(k, v, keys, values, slots, positions)
+    pages, offsets = torch.tensor([3, 0, 3]), torch.tensor([0, 9, 1])
+    ops.store(k, v, keys, values, pages, offsets)
     expected_keys, expected_values = torch.zeros_like(keys), torch.zeros_like(values)
-    expected_keys[slots, :, positions] = k
-    expected_values[slots, :, positions] = v
+    expected_keys[pages, :, offsets] = k
+    expected_values[pages, :, offsets] = v
     assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
 
 
-@pytest.mark.parametrize(("slot", "position", "message"), [(4, 0, "slot 4 is outside"), (-1, 0, "slot -1 is outside"), (0, 10, "position 10 is outside")])
-def test_out_of_range_rows_are_refused_before_any_write(ops, slot: int, position: int, message: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(("page", "offset", "message"), [(4, 0, "page 4 offset 0 is outside"), (-1, 0, "page -1 offset 0"),
+                                                         (0, 10, "page 0 offset 10 is outside")])
+def test_out_of_range_stores_are_refused_before_any_write(ops, page: int, offset: int, message: str) -> None:  # type: ignore[no-untyped-def]
     keys, values = torch.zeros(4, 2, 10, 8), torch.zeros(4, 2, 10, 8)
     k = torch.ones(2, 2, 8)
     with pytest.raises(RuntimeError, match=message):
-        ops.store(k, k, keys, values, torch.tensor([1, slot]), torch.tensor([2, position]))
+        ops.store(k, k, keys, values, torch.tensor([1, page]), torch.tensor([2, offset]))
     assert not keys.any() and not values.any()
+
+
+@pytest.mark.parametrize(("tables", "row_table", "position", "message"), [
+    ([[0, 4]], 0, 2, "block table entry 4 is outside"),
+    ([[0, -1]], 0, 2, "block table entry -1 is outside"),
+    ([[0, 1]], 1, 2, "block table 1 does not exist"),
+    ([[0, 1]], 0, 20, "position 20 is outside its block table's 20 positions"),
+])
+def test_attention_outside_the_block_tables_is_refused(ops, tables: list[list[int]], row_table: int, position: int,  # type: ignore[no-untyped-def]
+                                                      message: str) -> None:
+    keys, values = torch.zeros(4, 2, 10, 8), torch.zeros(4, 2, 10, 8)
     with pytest.raises(RuntimeError, match=message):
-        ops.attend(torch.ones(2, 4, 8), keys, values, torch.tensor([1, slot]), torch.tensor([2, position]), 1.0)
+        ops.attend(torch.ones(1, 4, 8), keys, values, torch.tensor(tables), torch.tensor([row_table]), torch.tensor([position]), 1.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "dim"), SHAPES)
 def test_tree_rows_attend_to_their_run_then_their_extra_positions(ops, dtype: torch.dtype, num_heads: int,  # type: ignore[no-untyped-def]
                                                                   num_kv_heads: int, dim: int) -> None:
-    """Each row's keys are positions 0..its end and then its extra ones, in order: bit for bit the row of a cache where
-    those keys lie one after another."""
+    """Each row's keys are positions 0..its end and then its extra ones, in order (across pages): bit for bit the row
+    of a cache where those keys lie one after another."""
     keys, values = _cache(3, num_kv_heads, 80, dim, dtype, seed=5)
-    slots = torch.tensor([1, 1, 1, 2, 0])
+    paged_keys, tables = _paged(keys, 16, seed=9)
+    paged_values, _ = _paged(values, 16, seed=9)
+    seqs = torch.tensor([1, 1, 1, 2, 0])
     ends = torch.tensor([30, 30, 30, 12, 40])
     extra = torch.tensor([[31, -1, -1], [32, 35, -1], [31, 33, 34], [-1, -1, -1], [41, 60, 79]])
     q = torch.randn(5, num_heads, dim, generator=torch.Generator().manual_seed(6)).to(dtype)
-    out = ops.attend_tree(q, keys, values, slots, ends, extra, dim**-0.5)
+    out = ops.attend_tree(q, paged_keys, paged_values, tables, seqs, ends, extra, dim**-0.5)
     for n in range(5):
         chosen = list(range(int(ends[n]) + 1)) + [int(e) for e in extra[n] if e >= 0]
         packed_keys, packed_values = keys.clone(), values.clone()  # the row's keys moved to 0, 1, 2, ...
-        slot = int(slots[n])
-        packed_keys[slot, :, : len(chosen)] = keys[slot, :, chosen]
-        packed_values[slot, :, : len(chosen)] = values[slot, :, chosen]
-        plain = ops.attend(q[n : n + 1].clone(), packed_keys, packed_values, slots[n : n + 1],
-                           torch.tensor([len(chosen) - 1]), dim**-0.5)
+        seq = int(seqs[n])
+        packed_keys[seq, :, : len(chosen)] = keys[seq, :, chosen]
+        packed_values[seq, :, : len(chosen)] = values[seq, :, chosen]
+        plain = _attend(ops, q[n : n + 1].clone(), packed_keys, packed_values, seqs[n : n + 1], [len(chosen) - 1], seed=n)
         assert torch.equal(out[n], plain[0]), f"row {n}"
 
 
@@ -133,23 +173,25 @@ def test_tree_rows_attend_to_their_run_then_their_extra_positions(ops, dtype: to
     ([[5, 4]], "must follow"),  # not ascending
     ([[3, -1]], "must follow"),  # at or before the row's end
     ([[-1, 6]], "must follow"),  # a position after padding
-    ([[5, 10]], "must follow"),  # outside the cache
+    ([[5, 20]], "must follow"),  # outside the block table
     ([[5, -2]], "padding is -1"),
 ])
 def test_bad_extra_positions_are_refused(ops, extra: list[list[int]], message: str) -> None:  # type: ignore[no-untyped-def]
     keys, values = torch.zeros(2, 2, 10, 8), torch.zeros(2, 2, 10, 8)
     with pytest.raises(RuntimeError, match=message):
-        ops.attend_tree(torch.ones(1, 4, 8), keys, values, torch.tensor([0]), torch.tensor([3]), torch.tensor(extra), 1.0)
+        ops.attend_tree(torch.ones(1, 4, 8), keys, values, torch.tensor([[0, 1]]), torch.tensor([0]), torch.tensor([3]),
+                        torch.tensor(extra), 1.0)
 
 
 def test_attention_refuses_mismatched_inputs(ops) -> None:  # type: ignore[no-untyped-def]
     keys, values = torch.zeros(2, 2, 10, 8), torch.zeros(2, 2, 10, 8)
+    table, row, position = torch.tensor([[0]]), torch.tensor([0]), torch.tensor([0])
     with pytest.raises(RuntimeError, match="share a dtype"):
-        ops.attend(torch.ones(1, 4, 8, dtype=torch.bfloat16), keys, values, torch.tensor([0]), torch.tensor([0]), 1.0)
+        ops.attend(torch.ones(1, 4, 8, dtype=torch.bfloat16), keys, values, table, row, position, 1.0)
     with pytest.raises(RuntimeError, match="do not fit the cache"):
-        ops.attend(torch.ones(1, 3, 8), keys, values, torch.tensor([0]), torch.tensor([0]), 1.0)
+        ops.attend(torch.ones(1, 3, 8), keys, values, table, row, position, 1.0)
     with pytest.raises(RuntimeError, match="int64"):
-        ops.attend(torch.ones(1, 4, 8), keys, values, torch.tensor([0], dtype=torch.int32), torch.tensor([0]), 1.0)
+        ops.attend(torch.ones(1, 4, 8), keys, values, table, row.int(), position, 1.0)
 
 
 def _close_to_torch(ours: torch.Tensor, theirs: torch.Tensor) -> None:

@@ -1,7 +1,7 @@
 """SchedulerCore through its public methods: placement, streaming, KV budget, aborts, errors, seeds, worker loss.
 
 Workers are simulated with the messages a real one sends (tests/unit/scheduler_fakes.py);
-every StepRequest a fake worker receives is checked against its model of the KV slots.
+every StepRequest a fake worker receives is checked against its model of the KV pages.
 """
 
 from __future__ import annotations
@@ -86,8 +86,8 @@ def test_each_step_starts_every_sequence_at_its_computed_tokens() -> None:
     worker = ready(sim)
     sim.submit("a", prompt(5), max_tokens=3)
     worker.run({"a": [11, 12, 13]})
-    assert [(s.start_position, s.token_ids, s.sample, s.slot) for s in worker.seqs_of("a")] == [
-        (0, prompt(5), True, 0), (5, [11], True, 0), (6, [12], True, 0),
+    assert [(s.start_position, s.token_ids, s.sample, s.pages) for s in worker.seqs_of("a")] == [
+        (0, prompt(5), True, [0]), (5, [11], True, [0]), (6, [12], True, [0]),
     ]
 
 
@@ -183,38 +183,33 @@ def test_placement_prefers_the_worker_with_fewer_requests() -> None:
 # ---------------------------------------------------------------- KV budget
 
 
-def test_with_two_slots_a_third_request_waits_until_one_finishes_then_gets_the_freed_slot() -> None:
+def test_with_two_pages_a_third_request_waits_until_one_finishes_then_gets_the_freed_page() -> None:
     sim = Sim()
-    worker = ready(sim, num_kv_slots=2)
+    worker = ready(sim, num_kv_slots=2)  # two pages, each a whole sequence
     sim.submit("a", prompt(3), max_tokens=2)
     sim.submit("b", prompt(3, first=200), max_tokens=6)
     sim.submit("c", prompt(3, first=300), max_tokens=2)
     assert (sim.core.num_waiting, sim.core.num_running) == (1, 2)
     worker.complete()
     assert steps_to(worker)[-1] == ["a", "b"]
-    (slot_a,) = {s.slot for s in worker.seqs_of("a")}
-    worker.complete()  # a finishes: its slot is released and c takes it
+    pages_a = worker.pages_of("a")
+    worker.complete()  # a finishes: its page is free again and c takes it
     assert sim.finish_reason("a") == "length"
-    assert worker.released_slots() == [slot_a]
     assert steps_to(worker)[-1] == ["b", "c"]
     first_c = worker.seqs_of("c")[0]
-    assert (first_c.slot, first_c.start_position) == (slot_a, 0)
+    assert (first_c.pages, first_c.start_position) == (pages_a, 0)
     assert (sim.core.num_waiting, sim.core.num_running) == (0, 2)
     worker.run()
-    assert sorted(worker.released_slots()) == [0, 0, 1]
     assert_all_free(sim, worker)
 
 
-def test_every_finished_request_releases_its_slot_and_all_slots_are_free_at_the_end() -> None:
+def test_every_finished_request_frees_its_pages_and_all_pages_are_free_at_the_end() -> None:
     sim = Sim()
     worker = ready(sim, num_kv_slots=3)
     for i in range(7):
         sim.submit(f"r{i}", prompt(2 + i), max_tokens=1 + i % 3, stop_token_ids=[EOS])
     worker.run({"r1": [11, EOS], "r4": [EOS]})
-    assert len(worker.released_slots()) == 7
     assert all(sim.finish_reason(f"r{i}") in ("stop", "length") for i in range(7))
-    release = worker.releases[0]
-    assert release.incarnation == 1
     assert_all_free(sim, worker)
 
 
@@ -232,7 +227,7 @@ def test_aborting_a_waiting_request_removes_it_silently() -> None:
     assert sim.to_gateway() == []
 
 
-def test_aborting_a_running_request_releases_its_slot_at_once_even_while_its_step_is_in_flight() -> None:
+def test_aborting_a_running_request_frees_its_pages_at_once_even_while_its_step_is_in_flight() -> None:
     sim = Sim()
     worker = ready(sim)
     sim.submit("a", prompt(3), max_tokens=10)
@@ -240,8 +235,9 @@ def test_aborting_a_running_request_releases_its_slot_at_once_even_while_its_ste
     worker.complete({"a": [11]})
     assert worker.pending_step() is not None  # a (and b) in flight
     sent = sim.abort("a")
-    assert [o.message for o in sent] == [m.ReleaseSlots(incarnation=1, slots=[0])]
+    assert sent == []  # the scheduler owns the pages: nothing to tell the worker
     assert sim.core.num_running == 1
+    assert sim.info().processes[0].num_used_kv_pages == 1  # b's
     assert worker.complete({"a": [12], "b": [21]})  # the late result: accepted for b, ignored for a
     assert sim.streamed("a") == [11]
     assert all(d.finish_reason is None for d in sim.deltas("a"))  # the gateway asked: no "abort" delta
@@ -251,22 +247,22 @@ def test_aborting_a_running_request_releases_its_slot_at_once_even_while_its_ste
     assert_all_free(sim, worker)
 
 
-def test_aborting_frees_a_slot_for_a_waiting_request() -> None:
+def test_aborting_frees_a_page_for_a_waiting_request() -> None:
     sim = Sim()
     worker = ready(sim, num_kv_slots=1)
     sim.submit("a", max_tokens=10)
     sim.submit("b", max_tokens=1)
     assert sim.core.num_waiting == 1
     sim.abort("a")
-    worker.complete()  # a's step returns; b gets the slot
+    worker.complete()  # a's step returns; b gets the page
     assert steps_to(worker)[-1] == ["b"]
-    assert worker.seqs_of("b")[0].slot == 0
+    assert worker.seqs_of("b")[0].pages == [0]
     worker.run()
     assert sim.finish_reason("b") == "length"
     assert_all_free(sim, worker)
 
 
-def test_a_slot_freed_by_an_abort_while_its_step_waits_for_a_proposal_goes_to_a_waiting_request() -> None:
+def test_a_page_freed_by_an_abort_while_its_step_waits_for_a_proposal_goes_to_a_waiting_request() -> None:
     sim = Sim()
     worker = sim.worker("w0", num_kv_slots=1).start()
     draft = sim.draft("d0").start()
@@ -274,9 +270,9 @@ def test_a_slot_freed_by_an_abort_while_its_step_waits_for_a_proposal_goes_to_a_
     worker.complete({"a": [11]})
     assert draft.pending_propose() is not None  # a's decode waits for the draft
     sim.submit("b", prompt(3, first=50), max_tokens=2)
-    assert sim.core.num_waiting == 1  # no free slot
+    assert sim.core.num_waiting == 1  # no free page
     sim.abort("a")
-    assert sim.core.num_waiting == 0  # b took a's slot at once
+    assert sim.core.num_waiting == 0  # b took a's page at once
     draft.answer()  # the step that waited has nothing left of a: b's runs instead
     worker.run({"b": [60, 61]})
     assert_stream(sim, "b", [60, 61], "length", num_prompt_tokens=3)
@@ -585,7 +581,7 @@ def test_heartbeats_keep_a_worker_alive() -> None:
     worker = ready(sim)
     for _ in range(10):
         sim.advance(4.0)
-        worker.heartbeat(num_used_kv_slots=0)
+        worker.heartbeat(num_used_kv_pages=0)
         sim.check_timeouts()
     assert sim.process("w0").state == "READY"
 
@@ -720,17 +716,18 @@ def test_info_lists_every_process_with_role_state_incarnation_and_failure() -> N
     w1 = sim.worker("w1", incarnation=3, num_kv_slots=2).start(until=State.LOADING)
     sim.submit("a", max_tokens=5)
     sim.advance(1.5)
-    w0.heartbeat(num_used_kv_slots=1)
+    w0.heartbeat()
     sim.advance(0.5)
     w1.fail("out of memory")
     sim.advance(2.0)
     info = sim.info()
     assert (info.model_name, info.max_model_len, info.num_waiting, info.num_running) == ("tiny-llama", 64, 0, 1)
+    num_prompt = len(sim.core._requests.get("a").prompt_token_ids)  # type: ignore[union-attr]
     assert info.processes == [
-        m.ProcessInfo("w0", "target", "READY", 1, heartbeat_age_s=2.5, num_used_kv_slots=1, num_kv_slots=4,
-                      num_running=1, failure=""),
-        m.ProcessInfo("w1", "target", "FAILED", 3, heartbeat_age_s=2.0, num_used_kv_slots=0, num_kv_slots=2,
-                      num_running=0, failure="LOADING: RuntimeError: out of memory"),
+        m.ProcessInfo("w0", "target", "READY", 1, heartbeat_age_s=2.5, num_used_kv_pages=1, num_kv_pages=4,
+                      kv_page_size=64, num_running=1, failure="", prefix_cache_queried_tokens=num_prompt),
+        m.ProcessInfo("w1", "target", "FAILED", 3, heartbeat_age_s=2.0, num_used_kv_pages=0, num_kv_pages=2,
+                      kv_page_size=64, num_running=0, failure="LOADING: RuntimeError: out of memory"),
     ]
 
 

@@ -72,7 +72,7 @@ def test_a_verify_step_carries_the_last_token_then_the_drafts_and_the_draft_gets
     second = proposes(draft)[-1].seqs[0]
     # The draft holds 4 + 3 tokens; 77 is dropped and only 14 is new.
     assert (second.num_held, second.num_drop, second.new_token_ids) == (7, 1, [14])
-    assert worker.kv[0] == prompt(3) + [11, 12, 13]  # the rejected draft's KV was cut
+    assert worker.tokens_of["a"] == prompt(3) + [11, 12, 13]  # the accepted branch stands, the rejected draft does not
 
 
 def test_a_token_tree_reaches_the_target_and_the_draft_is_told_what_it_holds_in_place() -> None:
@@ -95,7 +95,7 @@ def test_a_token_tree_reaches_the_target_and_the_draft_is_told_what_it_holds_in_
     third = proposes(draft)[-1].seqs[0]
     assert (third.num_held, third.num_drop, third.new_token_ids) == (7 + 3, 1, [17])
     assert sim.streamed("a") == [11, 12, 13, 14, 15, 16, 17]
-    assert worker.kv[0] == prompt(3) + [11, 12, 13, 14, 15, 16]
+    assert worker.tokens_of["a"] == prompt(3) + [11, 12, 13, 14, 15, 16]
 
 
 @pytest.mark.parametrize("parents", [[1, -1], [-1]])  # a parent after its child; one parent for two tokens

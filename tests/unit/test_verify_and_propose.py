@@ -1,7 +1,7 @@
 """Verification on the target runner and proposals from the draft service's proposers, on a tiny random model.
 
 The lossless property at this level: whatever the drafts, greedy verification gives the
-tokens plain greedy decoding gives, and the slot is cut back so that the next step
+tokens plain greedy decoding gives, and the rejected positions are left behind so that the next step
 continues from exactly the accepted tokens.
 """
 
@@ -19,50 +19,56 @@ from common.process_config import ProcessConfig
 from gpu_worker.config import WorkerConfig
 from gpu_worker.runner import ModelRunner
 from modeling.config import ModelConfig
-from modeling.kv_cache import SlotError
+from modeling.batch import PageError
+from modeling.kv_cache import DEFAULT_PAGE_SIZE, pages_for_slots, slot_pages
 from proto.messages import ProposeSeq, SamplingParams, SeqWork, SparseDist
 
 GREEDY = SamplingParams()
 PROMPT = [5, 17, 3, 88, 42, 7, 7, 1, 60, 33]
 
 
+MAX_LEN = 128
+
+
+def pages(slot: int) -> list[int]:
+    """The block table of a fixed slot of MAX_LEN positions."""
+    return list(slot_pages(slot, MAX_LEN))
+
+
 def runner(folder: Path, num_slots: int = 4) -> ModelRunner:
     process = ProcessConfig(worker_id="w", scheduler_address="inproc://x", device="cpu", dtype="float32",
                             heartbeat_interval_s=1.0, phase_timeout_s=60.0, step_timeout_s=60.0, drain_timeout_s=10.0,
                             num_threads=0, status_file=None)
-    config = WorkerConfig(process=process, model=folder, max_model_len=128, num_kv_slots=num_slots,
-                          max_num_batched_tokens=64, max_draft_tokens=6)
-    r = ModelRunner(config, ModelConfig.from_folder(folder))
+    config = WorkerConfig(process=process, model=folder, max_model_len=MAX_LEN, kv_cache_memory_gib=None,
+                          page_size=DEFAULT_PAGE_SIZE, max_num_seqs=4, max_num_batched_tokens=64, max_draft_tokens=6)
+    r = ModelRunner(config, ModelConfig.from_folder(folder), pages_for_slots(num_slots, MAX_LEN))
     r.load()
     r.allocate()
     return r
 
 
 def plain_greedy(r: ModelRunner, slot: int, prompt: list[int], n: int, params: SamplingParams = GREEDY) -> list[int]:
-    (out,), _ = r.execute([SeqWork("p", slot, 0, prompt, True, params)])
+    (out,), _ = r.execute([SeqWork("p", pages(slot), 0, prompt, True, params)])
     tokens = list(out.token_ids)
     while len(tokens) < n:
-        (out,), _ = r.execute([SeqWork("p", slot, len(prompt) + len(tokens) - 1, [tokens[-1]], True, params)])
+        (out,), _ = r.execute([SeqWork("p", pages(slot), len(prompt) + len(tokens) - 1, [tokens[-1]], True, params)])
         tokens += out.token_ids
-    r.release([slot])
     return tokens
 
 
 def speculative(r: ModelRunner, slot: int, prompt: list[int], n: int, propose, params: SamplingParams = GREEDY) -> tuple[list[int], int]:
     """Decode with drafts from propose(sequence) -> list of tokens; returns (tokens, num_accepted)."""
-    (out,), _ = r.execute([SeqWork("s", slot, 0, prompt, True, params)])
+    (out,), _ = r.execute([SeqWork("s", pages(slot), 0, prompt, True, params)])
     tokens = list(out.token_ids)
     num_accepted = 0
     while len(tokens) < n:
         drafts = propose(prompt + tokens)[: n - len(tokens) - 1]
-        (out,), _ = r.execute([SeqWork("s", slot, len(prompt) + len(tokens) - 1, [tokens[-1], *drafts], True, params,
+        (out,), _ = r.execute([SeqWork("s", pages(slot), len(prompt) + len(tokens) - 1, [tokens[-1], *drafts], True, params,
                                     num_draft_tokens=len(drafts))])
         assert out.token_ids[: out.num_accepted_draft] == drafts[: out.num_accepted_draft]
         assert len(out.token_ids) == out.num_accepted_draft + 1
         num_accepted += out.num_accepted_draft
         tokens += out.token_ids
-        assert r._slots.length(slot) == len(prompt) + len(tokens) - 1  # the newest token is not in the KV yet
-    r.release([slot])
     return tokens, num_accepted
 
 
@@ -77,7 +83,6 @@ def test_greedy_verification_equals_plain_greedy_with_right_wrong_and_partly_rig
         tokens, num_accepted = speculative(r, 1, PROMPT, 24, propose)
         assert tokens[:24] == reference
         assert (num_accepted > 0) == expect_accepted
-    assert r.num_used_slots == 0
 
 
 def test_a_mixed_step_verifies_each_sequence_on_its_own_rows(tiny_llama_folder: Path) -> None:
@@ -85,12 +90,12 @@ def test_a_mixed_step_verifies_each_sequence_on_its_own_rows(tiny_llama_folder: 
     reference = plain_greedy(r, 0, PROMPT, 6)
     other = [9, 8, 7, 6, 5]
     reference_other = plain_greedy(r, 0, other, 2)
-    r.execute([SeqWork("a", 0, 0, PROMPT, True, GREEDY)])
-    r.execute([SeqWork("b", 1, 0, other, True, GREEDY)])
+    r.execute([SeqWork("a", pages(0), 0, PROMPT, True, GREEDY)])
+    r.execute([SeqWork("b", pages(1), 0, other, True, GREEDY)])
     outputs, _ = r.execute([
-        SeqWork("b", 1, len(other), [reference_other[0]], True, GREEDY),  # plain decode
-        SeqWork("a", 0, len(PROMPT), [reference[0], *reference[1:4]], True, GREEDY, num_draft_tokens=3),
-        SeqWork("c", 2, 0, [1, 2, 3], False, GREEDY),  # a prefill chunk
+        SeqWork("b", pages(1), len(other), [reference_other[0]], True, GREEDY),  # plain decode
+        SeqWork("a", pages(0), len(PROMPT), [reference[0], *reference[1:4]], True, GREEDY, num_draft_tokens=3),
+        SeqWork("c", pages(2), 0, [1, 2, 3], False, GREEDY),  # a prefill chunk
     ])
     assert [o.request_id for o in outputs] == ["b", "a"]
     assert outputs[0].token_ids == [reference_other[1]]
@@ -113,18 +118,17 @@ def test_sampled_verification_is_reproducible_and_equals_plain_sampling_without_
 def test_inconsistent_draft_fields_are_refused_before_anything_runs(tiny_llama_folder: Path) -> None:
     r = runner(tiny_llama_folder)
     bad = [
-        SeqWork("a", 0, 0, PROMPT, False, GREEDY, num_draft_tokens=2),  # drafts without sampling
-        SeqWork("a", 0, 0, PROMPT, True, GREEDY, num_draft_tokens=len(PROMPT)),  # no standing token
-        SeqWork("a", 0, 0, PROMPT, True, GREEDY, num_draft_tokens=7),  # over --max-draft-tokens
-        SeqWork("a", 0, 0, PROMPT, True, GREEDY, num_draft_tokens=1, draft_dists=[]),
-        SeqWork("a", 0, 0, PROMPT, True, GREEDY, num_draft_tokens=1, draft_dists=[SparseDist([500], [1.0])]),
-        SeqWork("a", 0, 0, PROMPT, True, GREEDY, num_draft_tokens=1, draft_dists=[SparseDist([5], [1.5])]),
+        SeqWork("a", pages(0), 0, PROMPT, False, GREEDY, num_draft_tokens=2),  # drafts without sampling
+        SeqWork("a", pages(0), 0, PROMPT, True, GREEDY, num_draft_tokens=len(PROMPT)),  # no standing token
+        SeqWork("a", pages(0), 0, PROMPT, True, GREEDY, num_draft_tokens=7),  # over --max-draft-tokens
+        SeqWork("a", pages(0), 0, PROMPT, True, GREEDY, num_draft_tokens=1, draft_dists=[]),
+        SeqWork("a", pages(0), 0, PROMPT, True, GREEDY, num_draft_tokens=1, draft_dists=[SparseDist([500], [1.0])]),
+        SeqWork("a", pages(0), 0, PROMPT, True, GREEDY, num_draft_tokens=1, draft_dists=[SparseDist([5], [1.5])]),
     ]
     for work in bad:
-        with pytest.raises(SlotError):
+        with pytest.raises(PageError):
             r.execute([work])
-        assert r.num_used_slots == 0
-
+    
 
 # ---------------------------------------------------------------- proposers
 
@@ -186,7 +190,7 @@ def test_replay_proposes_the_reference_continuation(tmp_path: Path) -> None:
 
 
 def model_proposer(folder: Path, num_slots: int = 4) -> ModelProposer:
-    proposer = ModelProposer(folder, device="cpu", dtype="float32", num_slots=num_slots, max_len=128, max_draft_tokens=4,
+    proposer = ModelProposer(folder, device="cpu", dtype="float32", num_seqs=num_slots, max_len=MAX_LEN, max_draft_tokens=4,
                              draft_top_k=8)
     for phase in proposer.phases():
         phase()
@@ -212,7 +216,7 @@ def test_the_draft_models_kv_follows_the_sequence_through_drops(tiny_llama_folde
         held, proposal = len(update.token_ids) + 4, 4 - accepted
         new = sequence[len(update.token_ids) + accepted:]
     incremental.forget("a")
-    assert incremental.num_used_slots == 0
+    assert incremental.num_used_kv_pages == 0
 
 
 def test_a_sampled_draft_sends_the_truncated_distribution_it_drew_from(tiny_llama_folder: Path) -> None:
@@ -241,22 +245,22 @@ def test_a_step_returns_the_features_of_the_tokens_that_stand(tiny_llama_folder:
 
     r = runner(tiny_llama_folder)
     reference = plain_greedy(r, 0, PROMPT, 6)
-    _, prefill = r.execute([SeqWork("a", 1, 0, PROMPT, True, GREEDY)], return_features=True)
+    _, prefill = r.execute([SeqWork("a", pages(1), 0, PROMPT, True, GREEDY)], return_features=True)
     (rows,) = prefill
     assert (rows.request_id, rows.rows.start_position, rows.rows.num_rows, rows.rows.width) == ("a", 0, len(PROMPT), 64)
     wrong = (reference[2] + 1) % 97
-    outputs, verify = r.execute([SeqWork("a", 1, len(PROMPT), [reference[0], reference[1], wrong, reference[3]], True,
+    outputs, verify = r.execute([SeqWork("a", pages(1), len(PROMPT), [reference[0], reference[1], wrong, reference[3]], True,
                                          GREEDY, num_draft_tokens=3)], return_features=True)
     assert outputs[0].num_accepted_draft == 1
     (rows,) = verify
     assert (rows.rows.start_position, rows.rows.num_rows) == (len(PROMPT), 2)  # the last token and one accepted draft
     # The same features as one prefill of the whole sequence computes (float32: equal up to summation order).
-    _, (whole,) = runner(tiny_llama_folder).execute([SeqWork("z", 0, 0, PROMPT + reference[:2], True, GREEDY)],
+    _, (whole,) = runner(tiny_llama_folder).execute([SeqWork("z", pages(0), 0, PROMPT + reference[:2], True, GREEDY)],
                                                     return_features=True)
     expected = from_rows(whole.rows)
     got = torch.cat((from_rows(prefill[0].rows), from_rows(rows.rows)))
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-    _, nothing = r.execute([SeqWork("a", 1, len(PROMPT) + 2, [reference[2]], True, GREEDY)])
+    _, nothing = r.execute([SeqWork("a", pages(1), len(PROMPT) + 2, [reference[2]], True, GREEDY)])
     assert nothing == []  # not asked for
 
 
@@ -280,7 +284,7 @@ def test_greedy_tree_verification_equals_plain_greedy_and_moves_the_accepted_bra
     later step still gives plain greedy's tokens."""
     r = runner(tiny_llama_folder)
     reference = plain_greedy(r, 0, PROMPT, 24)
-    (out,), _ = r.execute([SeqWork("t", 1, 0, PROMPT, True, GREEDY)])
+    (out,), _ = r.execute([SeqWork("t", pages(1), 0, PROMPT, True, GREEDY)])
     tokens = list(out.token_ids)
     accepted = 0
     for cycle in range(6):
@@ -288,14 +292,13 @@ def test_greedy_tree_verification_equals_plain_greedy_and_moves_the_accepted_bra
         if cycle % 2:
             truth[-1] = (truth[-1] + 1) % 97  # the last guess of the branch wrong: a shorter accepted branch
         drafts, parents = _tree_around(truth, 3 + cycle)
-        (out,), _ = r.execute([SeqWork("t", 1, len(PROMPT) + len(tokens) - 1, [tokens[-1], *drafts], True, GREEDY,
+        (out,), _ = r.execute([SeqWork("t", pages(1), len(PROMPT) + len(tokens) - 1, [tokens[-1], *drafts], True, GREEDY,
                                        num_draft_tokens=len(drafts), draft_parents=parents)])
         assert out.num_accepted_draft == (2 if cycle % 2 else 3)
         accepted += out.num_accepted_draft
         tokens += out.token_ids
-        assert r._slots.length(1) == len(PROMPT) + len(tokens) - 1
     while len(tokens) < len(reference):
-        (out,), _ = r.execute([SeqWork("t", 1, len(PROMPT) + len(tokens) - 1, [tokens[-1]], True, GREEDY)])
+        (out,), _ = r.execute([SeqWork("t", pages(1), len(PROMPT) + len(tokens) - 1, [tokens[-1]], True, GREEDY)])
         tokens += out.token_ids
     assert tokens[: len(reference)] == reference
     assert accepted == 15
@@ -306,13 +309,13 @@ def test_a_tree_returns_the_features_of_its_accepted_branch(tiny_llama_folder: P
 
     r = runner(tiny_llama_folder)
     reference = plain_greedy(r, 0, PROMPT, 6)
-    r.execute([SeqWork("a", 1, 0, PROMPT, True, GREEDY)])
+    r.execute([SeqWork("a", pages(1), 0, PROMPT, True, GREEDY)])
     drafts, parents = _tree_around(reference[1:3], 5)
-    outputs, (rows,) = r.execute([SeqWork("a", 1, len(PROMPT), [reference[0], *drafts], True, GREEDY,
+    outputs, (rows,) = r.execute([SeqWork("a", pages(1), len(PROMPT), [reference[0], *drafts], True, GREEDY,
                                           num_draft_tokens=len(drafts), draft_parents=parents)], return_features=True)
     assert outputs[0].token_ids == reference[1:4] and outputs[0].num_accepted_draft == 2
     assert (rows.rows.start_position, rows.rows.num_rows) == (len(PROMPT), 3)  # the last token and the branch's two
-    _, (whole,) = runner(tiny_llama_folder).execute([SeqWork("z", 0, 0, PROMPT + reference[:3], True, GREEDY)],
+    _, (whole,) = runner(tiny_llama_folder).execute([SeqWork("z", pages(0), 0, PROMPT + reference[:3], True, GREEDY)],
                                                     return_features=True)
     torch.testing.assert_close(from_rows(rows.rows), from_rows(whole.rows)[len(PROMPT):], atol=1e-4, rtol=1e-4)
 
@@ -322,7 +325,7 @@ def test_sampled_tree_verification_gives_plain_samplings_tokens(tiny_llama_folde
     r = runner(tiny_llama_folder)
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=99)
     reference = plain_greedy(r, 0, PROMPT, 24, params)  # (plain sampling, despite the helper's name)
-    (out,), _ = r.execute([SeqWork("s", 1, 0, PROMPT, True, params)])
+    (out,), _ = r.execute([SeqWork("s", pages(1), 0, PROMPT, True, params)])
     tokens = list(out.token_ids)
     accepted = 0
     for cycle in range(8):
@@ -332,12 +335,12 @@ def test_sampled_tree_verification_gives_plain_samplings_tokens(tiny_llama_folde
         drafts, parents = _tree_around(truth, 3 + cycle)
         if cycle % 3 == 2:
             drafts, parents = truth[:2] + [(truth[2] + 1) % 97], None  # a chain whose last guess is wrong
-        (out,), _ = r.execute([SeqWork("s", 1, len(PROMPT) + len(tokens) - 1, [tokens[-1], *drafts], True, params,
+        (out,), _ = r.execute([SeqWork("s", pages(1), len(PROMPT) + len(tokens) - 1, [tokens[-1], *drafts], True, params,
                                        num_draft_tokens=len(drafts), draft_parents=parents)])
         accepted += out.num_accepted_draft
         tokens += out.token_ids
     while len(tokens) < len(reference):
-        (out,), _ = r.execute([SeqWork("s", 1, len(PROMPT) + len(tokens) - 1, [tokens[-1]], True, params)])
+        (out,), _ = r.execute([SeqWork("s", pages(1), len(PROMPT) + len(tokens) - 1, [tokens[-1]], True, params)])
         tokens += out.token_ids
     assert tokens[: len(reference)] == reference
     assert accepted >= 8  # the branches that hold the truth were followed
@@ -347,13 +350,13 @@ def test_a_tree_is_refused_unless_of_point_masses_and_well_formed(tiny_llama_fol
     r = runner(tiny_llama_folder)
     sampled = SamplingParams(temperature=0.8, seed=1)
     bad = [
-        SeqWork("a", 0, 0, PROMPT, True, sampled, num_draft_tokens=2, draft_parents=[-1, -1],
+        SeqWork("a", pages(0), 0, PROMPT, True, sampled, num_draft_tokens=2, draft_parents=[-1, -1],
                 draft_dists=[SparseDist([5], [1.0]), SparseDist([6], [1.0])]),  # with distributions
-        SeqWork("a", 0, 0, PROMPT, True, GREEDY, num_draft_tokens=2, draft_parents=[-1]),  # one parent short
-        SeqWork("a", 0, 0, PROMPT, True, GREEDY, num_draft_tokens=2, draft_parents=[1, -1]),  # a parent after its child
-        SeqWork("a", 0, 0, PROMPT, True, GREEDY, num_draft_tokens=2, draft_parents=[-1, -2]),
+        SeqWork("a", pages(0), 0, PROMPT, True, GREEDY, num_draft_tokens=2, draft_parents=[-1]),  # one parent short
+        SeqWork("a", pages(0), 0, PROMPT, True, GREEDY, num_draft_tokens=2, draft_parents=[1, -1]),  # a parent after its child
+        SeqWork("a", pages(0), 0, PROMPT, True, GREEDY, num_draft_tokens=2, draft_parents=[-1, -2]),
     ]
     for work in bad:
-        with pytest.raises(SlotError):
+        with pytest.raises(PageError):
             r.execute([work])
-        assert r.num_used_slots == 0
+    

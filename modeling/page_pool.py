@@ -1,4 +1,4 @@
-"""The pages of one worker's KV cache as the scheduler assigns them: block tables, a prefix cache, LRU eviction.
+"""Which pages of a KV cache hold what: block tables, a prefix cache, LRU eviction.
 
 A worker's KV cache is a pool of `num_pages` pages of `page_size` positions; the worker
 owns the memory, the scheduler decides which page holds what. Each running sequence has a
@@ -49,11 +49,13 @@ class PrefixCacheCounters:
 
 
 class PagePool:
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    def __init__(self, num_pages: int, page_size: int, *, prefix_cache: bool = True) -> None:
+        """`prefix_cache` False: pages are never shared, and a sequence's pages are free again as it ends."""
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"a page pool needs at least one page of at least one position, got {num_pages} x {page_size}")
         self.page_size = page_size
         self.num_pages = num_pages
+        self.prefix_cache = prefix_cache
         self._pages = [_Page() for _ in range(num_pages)]
         self._free = list(range(num_pages - 1, -1, -1))  # hold nothing worth keeping; popped from the end: page 0 first
         self._cached: OrderedDict[int, None] = OrderedDict()  # registered, held by nobody: least recently released first
@@ -73,6 +75,15 @@ class PagePool:
     def num_cached(self) -> int:
         return len(self._cached)
 
+    @property
+    def num_used(self) -> int:
+        """Pages holding something: held by a sequence, or kept by the prefix cache."""
+        return self.num_pages - len(self._free)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self._tables)
+
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
@@ -85,6 +96,8 @@ class PagePool:
     def cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """The registered pages holding the longest start of `token_ids` in full pages, its last token left out."""
         pages: list[int] = []
+        if not self.prefix_cache:
+            return pages
         prefix_id = _ROOT
         for start in range(0, len(token_ids) - 1 - self.page_size + 1, self.page_size):
             page = self._index.get((prefix_id, tuple(token_ids[start:start + self.page_size])))
@@ -96,17 +109,19 @@ class PagePool:
 
     # ------------------------------------------------------------------ sequences
 
-    def admit(self, seq_id: str, token_ids: Sequence[int]) -> int | None:
+    def admit(self, seq_id: str, token_ids: Sequence[int], *, keep_free: int = 0, share: bool = True) -> int | None:
         """Give a new sequence pages for `token_ids`, sharing its cached prefix; returns how many tokens were cached.
 
-        None, changing nothing, when the pool cannot hold it now.
+        None, changing nothing, when the pool cannot hold it now with `keep_free` pages still
+        available after it (the watermark that leaves running sequences room to grow).
+        `share` False: nothing cached is reused (the sequence's own full pages are still registered).
         """
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already holds pages")
-        prefix = self.cached_prefix(token_ids)
+        prefix = self.cached_prefix(token_ids) if share else []
         num_new = self.pages_for(len(token_ids)) - len(prefix)
         unheld_in_prefix = sum(1 for page in prefix if self._pages[page].ref_count == 0)
-        if num_new > self.num_available - unheld_in_prefix:
+        if num_new + keep_free > self.num_available - unheld_in_prefix:
             return None
         for page in prefix:
             self._hold(page)
@@ -144,6 +159,8 @@ class PagePool:
         cached prefix.
         """
         table = self._tables[seq_id]
+        if not self.prefix_cache:
+            return
         num_full = min(len(token_ids) // self.page_size, len(table.pages))
         for i in range(table.num_registered, num_full):
             key = (table.prefix_id, tuple(token_ids[i * self.page_size:(i + 1) * self.page_size]))
