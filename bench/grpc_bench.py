@@ -293,7 +293,8 @@ def describe_server(address: str, info: pb.ServerInfoResponse) -> dict[str, Any]
         "address": address,
         "model_name": info.model_name,
         "max_model_len": info.max_model_len,
-        "processes": [{"process_id": p.process_id, "role": p.role, "num_kv_slots": p.num_kv_slots} for p in info.processes],
+        "processes": [{"process_id": p.process_id, "role": p.role, "num_kv_pages": p.num_kv_pages,
+                       "kv_page_size": p.kv_page_size} for p in info.processes],
     }
 
 
@@ -331,7 +332,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     stack = parser.add_argument_group("with --start")
     stack.add_argument("--port", type=positive_int, default=None, help="the stack's gRPC port (default: a free one)")
     stack.add_argument("--num-workers", type=positive_int, default=None)
-    stack.add_argument("--num-kv-slots", type=positive_int, default=None, help="sequences each worker holds at once")
+    stack.add_argument("--kv-cache-memory", type=float, default=None, help="GiB of KV cache per worker (default: up's)")
+    stack.add_argument("--max-num-seqs", type=positive_int, default=None, help="sequences each worker runs at once at most")
+    stack.add_argument("--no-prefix-cache", action="store_true", help="the stack computes every prompt in full")
     stack.add_argument("--ready-timeout-s", type=float, default=600.0)
     stack.add_argument("--draft", default=None,
                        help="the stack's draft service: none, ngram, default, phrases:PATH, eagle:PATH, eagle+ngram:PATH, "
@@ -356,7 +359,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.start:
         given = [flag for flag, value in (("--port", args.port), ("--num-workers", args.num_workers),
-                                          ("--num-kv-slots", args.num_kv_slots)) if value is not None]
+                                          ("--kv-cache-memory", args.kv_cache_memory),
+                                          ("--max-num-seqs", args.max_num_seqs)) if value is not None]
         if given:
             parser.error(f"{', '.join(given)} need --start")
     return args
@@ -373,13 +377,14 @@ def model_dir(args: argparse.Namespace) -> Path:
 def up_flags(args: argparse.Namespace) -> list[str]:
     """The `specserve up` flags of the stack --start runs: the given options, free ports for the rest."""
     optional = {"--model": args.model, "--dtype": args.dtype, "--num-workers": args.num_workers,
-                "--num-kv-slots": args.num_kv_slots, "--draft": args.draft,
+                "--kv-cache-memory": args.kv_cache_memory, "--max-num-seqs": args.max_num_seqs, "--draft": args.draft,
                 "--num-speculative-tokens": args.num_speculative_tokens,
                 "--spec-disable-batch-threshold": args.spec_disable_batch_threshold,
                 "--spec-draft-token-budget": args.spec_draft_token_budget}
     given = [part for flag, value in optional.items() if value is not None for part in (flag, str(value))]
     return ["--host", "127.0.0.1", "--port", str(args.port or free_port()), "--http-port", str(free_port()),
-            "--ready-timeout-s", str(args.ready_timeout_s), *given, *(["--no-token-trees"] if args.no_token_trees else [])]
+            "--ready-timeout-s", str(args.ready_timeout_s), *given, *(["--no-token-trees"] if args.no_token_trees else []),
+            *(["--no-prefix-cache"] if args.no_prefix_cache else [])]
 
 
 def run(args: argparse.Namespace) -> tuple[list[RunSummary], dict[str, Any]]:

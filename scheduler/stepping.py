@@ -181,14 +181,17 @@ class StepCycle:
             request = seq.request
             if worker.requests.get(request.request_id) is not request:
                 continue  # finished or aborted while the step ran; its pages are already released
+            computed_before = request.num_computed_tokens
             request.num_computed_tokens += seq.num_tokens
             output = outputs[request.request_id] if seq.samples else None
             if output is not None:
                 request.num_computed_tokens += output.num_accepted_draft
-            # Rejected drafts' pages go back; the pages filled now join the prefix cache.
-            pages.truncate(request.request_id, request.num_computed_tokens)
-            standing = request.token_ids + (output.token_ids if output is not None else [])
-            pages.register(request.request_id, standing[: request.num_computed_tokens])
+            # Rejected drafts' pages go back (a prompt's pages for its later chunks stay); the pages filled now join
+            # the prefix cache.
+            pages.truncate(request.request_id, max(request.num_computed_tokens, request.num_tokens))
+            if request.num_computed_tokens // pages.page_size > computed_before // pages.page_size:
+                standing = request.token_ids + (output.token_ids if output is not None else [])
+                pages.register(request.request_id, standing[: request.num_computed_tokens])
             if output is not None:
                 record_verification(request, seq, output, self._drafts.counters)
                 self._append_tokens(request, output.token_ids)

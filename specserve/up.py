@@ -178,7 +178,7 @@ def up_config(args: argparse.Namespace) -> UpConfig:
     if problem := _device_problem(device, args.num_workers):
         raise UpRefused(f"--device {device}: {problem}")
     return UpConfig(stack=stack_config(args, model=model, max_model_len=max_model_len, draft=proposer, device=device,
-                                       dtype=args.dtype or _default_dtype(device)),
+                                       dtype=args.dtype or default_dtype(device)),
                     draft_name=draft.name, ready_timeout_s=args.ready_timeout_s)
 
 
@@ -266,7 +266,7 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _default_dtype(device: str) -> str:
+def default_dtype(device: str) -> str:
     """bfloat16 where the hardware computes it natively (GPUs, CPUs with AVX512-BF16 or AMX), else float32."""
     import torch
 

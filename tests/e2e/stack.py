@@ -94,6 +94,7 @@ class GenerateResult:
     prompt_tokens: int
     completion_tokens: int
     num_chunks: int
+    cached_tokens: int = 0
 
 
 def collect(stream: Iterator[pb.GenerateResponse]) -> GenerateResult:
@@ -108,7 +109,7 @@ def collect(stream: Iterator[pb.GenerateResponse]) -> GenerateResult:
         num_chunks += 1
     assert last is not None, "the stream ended without a chunk"
     return GenerateResult(token_ids, "".join(text), last.finish_reason, last.usage.prompt_tokens,
-                          last.usage.completion_tokens, num_chunks)
+                          last.usage.completion_tokens, num_chunks, last.usage.cached_tokens)
 
 
 def running_stack(config: StackConfig, log_dir: Path) -> AbstractContextManager[Stack]:

@@ -288,3 +288,23 @@ def test_the_model_fingerprint_tells_apart_a_model_changed_in_one_tensor_only(ti
         f.seek(8 + header_len + start)
         f.write(values.numpy().tobytes())
     assert model_fingerprint(copy) != model_fingerprint(tiny_llama_folder)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_prefix_read_from_another_sequences_pages_gives_the_bits_of_computing_it(dtype: torch.dtype) -> None:
+    """The prefix cache is lossless: a sequence whose block table starts with pages another sequence filled (its
+    prompt's shared start) gets the logits, and leaves the keys and values, of one that computed everything itself."""
+    model = _random_model(dtype, 512)
+    page = DEFAULT_PAGE_SIZE
+    shared = [(7 * i + 3) % 300 for i in range(5 * page)]
+    first, second = shared + [11, 12, 13], shared + [21, 22, 23, 24]
+    cache = KVCache(model.config, 32, page, dtype, torch.device("cpu"))
+    first_pages = tuple(range(0, 6))
+    _step(model, cache, [SeqSpan(first_pages, 0, first, 1)])
+    # The second sequence reads the first's 5 full pages and writes its own sixth.
+    reusing = first_pages[:5] + (20,)
+    reused = _step(model, cache, [SeqSpan(reusing, 5 * page, second[5 * page:], 4), SeqSpan((30,), 0, [9, 9], 1)])
+    computed = _step(model, cache, [SeqSpan(tuple(range(10, 16)), 0, second, 4)])
+    assert torch.equal(reused[:4], computed)
+    for store in (cache.keys, cache.values):
+        assert torch.equal(store[:, 20, :, :4], store[:, 15, :, :4]), "the page written after the shared ones differs"

@@ -64,6 +64,29 @@ def test_rejected_draft_pages_go_back_but_computed_registered_pages_cannot() -> 
     assert len(pool.block_table("a")) == 2
 
 
+def test_admission_keeps_the_watermark_available() -> None:
+    pool = PagePool(num_pages=6, page_size=2)
+    assert pool.admit("a", [1, 2, 3, 4], keep_free=5) is None  # 2 pages would leave 4, fewer than 5
+    assert pool.admit("a", [1, 2, 3, 4], keep_free=4) == 0 and pool.num_available == 4
+
+
+def test_without_the_prefix_cache_nothing_is_shared_or_kept() -> None:
+    pool = PagePool(num_pages=4, page_size=2, prefix_cache=False)
+    pool.admit("a", [1, 2, 3])
+    pool.register("a", [1, 2, 3])
+    pool.release("a")
+    assert pool.num_cached == 0 and pool.num_used == 0
+    assert pool.admit("b", [1, 2, 3]) == 0
+
+
+def test_a_sequence_can_decline_what_is_cached() -> None:
+    pool = PagePool(num_pages=8, page_size=2)
+    pool.admit("a", [1, 2, 3])
+    pool.register("a", [1, 2, 3])
+    assert pool.admit("b", [1, 2, 3], share=False) == 0
+    assert pool.block_table("b")[0] != pool.block_table("a")[0]
+
+
 PAGE_SIZE = 2
 TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=9)  # a small alphabet: prompts share prefixes often
 
