@@ -74,9 +74,17 @@ struct AttendCall {
     const int64_t page = tables[table_of[row(task)] * table_width + position / page_size];
     return ((page * num_kv_heads + kv_head(task)) * page_size + position % page_size) * dim;
   }
-  // Every attended key's offset, in order, into `offset` (at least length(task) long).
+  // Every attended key's offset, in order, into `offset` (at least length(task) long): the row's run
+  // page by page, then its extra positions one by one.
   void key_offsets(int64_t task, int64_t length, int64_t* offset) const {
-    for (int64_t l = 0; l < length; ++l) offset[l] = key_offset(task, l);
+    const int64_t* table = tables + table_of[row(task)] * table_width;
+    const int64_t run = position_of[row(task)] + 1;
+    for (int64_t start = 0; start < run; start += page_size) {
+      const int64_t base = (table[start / page_size] * num_kv_heads + kv_head(task)) * page_size * dim;
+      const int64_t end = start + page_size < run ? start + page_size : run;
+      for (int64_t l = start; l < end; ++l) offset[l] = base + (l - start) * dim;
+    }
+    for (int64_t l = run; l < length; ++l) offset[l] = key_offset(task, l);
   }
   const T* query(int64_t task, int64_t head) const { return q + row(task) * q_row_stride + head * q_head_stride; }
   T* output(int64_t task, int64_t head) const { return out + (row(task) * num_heads + head) * dim; }
