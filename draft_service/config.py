@@ -34,7 +34,7 @@ class DraftConfig:
     ngram_min: int  # n-gram lookup tries n = ngram_max down to ngram_min
     ngram_max: int
     max_model_len: int  # tokens per sequence it can hold
-    num_seqs: int  # sequences it holds at once (draft model: KV slots)
+    num_seqs: int  # sequences it holds at once (a draft model: its KV cache holds this many of max_model_len)
     draft_top_k: int  # a sampled draft token is drawn from the draft's k most likely tokens at most
 
 

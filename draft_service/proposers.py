@@ -255,7 +255,7 @@ class SequencePages:
         return True
 
 
-def warm_up_every_slot(proposer: Proposer, num_slots: int, k: int, feature_width: int = 0) -> None:
+def warm_up_sequences(proposer: Proposer, num_slots: int, k: int, feature_width: int = 0) -> None:
     """A proposal for `num_slots` sequences at once at the longest k, greedy and sampled; then they are forgotten."""
     prompt = [(11 * i + 5) % proposer.vocab_size for i in range(8)]
     features = None
@@ -281,18 +281,18 @@ class SlottedModelProposer(Generic[EngineT]):
     """What a proposer running a model does: load and allocate its engine, warm up, pages per sequence."""
 
     _engine: EngineT
-    _slots: SequencePages
+    _pages: SequencePages
 
     def phases(self) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
         return self._engine.load, self._engine.allocate, self._warm_up
 
     @property
     def num_used_kv_pages(self) -> int:
-        return self._slots.pool.num_pages - self._slots.pool.num_available
+        return self._pages.pool.num_pages - self._pages.pool.num_available
 
     @property
     def num_kv_pages(self) -> int:
-        return self._slots.pool.num_pages
+        return self._pages.pool.num_pages
 
     def _warm_up(self) -> None:
         raise NotImplementedError
@@ -311,8 +311,8 @@ class ModelProposer(SlottedModelProposer[ModelEngine]):
             raise ValueError(f"--max-model-len {max_len} exceeds the draft model's {self._config.max_position_embeddings} positions")
         self.vocab_size = self._config.vocab_size
         self.vocab_fingerprint = vocab_fingerprint(folder)
-        self._slots = SequencePages(num_seqs, max_len, DEFAULT_PAGE_SIZE)
-        self._engine = ModelEngine(folder, self._config, device=device, dtype=dtype, num_pages=self._slots.pool.num_pages,
+        self._pages = SequencePages(num_seqs, max_len, DEFAULT_PAGE_SIZE)
+        self._engine = ModelEngine(folder, self._config, device=device, dtype=dtype, num_pages=self._pages.pool.num_pages,
                                    max_len=max_len, page_size=DEFAULT_PAGE_SIZE)
         self._num_seqs = num_seqs
         self._max_draft_tokens = max_draft_tokens
@@ -321,10 +321,10 @@ class ModelProposer(SlottedModelProposer[ModelEngine]):
     def _warm_up(self) -> None:
         # No batch-invariance check, unlike a target's: the target verifies every draft token, so a draft
         # model's rows may differ with the batch without changing any output.
-        warm_up_every_slot(self, self._num_seqs, self._max_draft_tokens)
+        warm_up_sequences(self, self._num_seqs, self._max_draft_tokens)
 
     def forget(self, request_id: str) -> None:
-        self._slots.release(request_id)
+        self._pages.release(request_id)
 
     def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
         tokens: dict[str, list[int]] = {}  # proposed so far, per sequence
@@ -333,19 +333,19 @@ class ModelProposer(SlottedModelProposer[ModelEngine]):
         spans: list[SeqSpan] = []
         for item in batch:
             n = len(item.token_ids)
-            pages = self._slots.reserve(item.request_id, min(n + item.num_tokens, self._engine.max_len)) if n < self._engine.max_len else None
+            pages = self._pages.reserve(item.request_id, min(n + item.num_tokens, self._engine.max_len)) if n < self._engine.max_len else None
             if pages is None:
                 continue
             # The keys and values stand where the sequence did not change; catch up from there.
             # The last token is always fed, so there is a row to sample from.
-            cached = min(self._slots.length(item.request_id), item.num_stable, n - 1)
+            cached = min(self._pages.length(item.request_id), item.num_stable, n - 1)
             spans.append(SeqSpan(pages, cached, item.token_ids[cached:], 1))
             active.append(item)
             tokens[item.request_id], dists[item.request_id] = [], []
         while active:
             logits = self._engine.forward(spans)
             for item, span in zip(active, spans):
-                self._slots.set_length(item.request_id, span.start + len(span.token_ids))
+                self._pages.set_length(item.request_id, span.start + len(span.token_ids))
             next_active: list[ProposeInput] = []
             next_spans: list[SeqSpan] = []
             for row, (item, span) in enumerate(zip(active, spans)):
@@ -395,8 +395,8 @@ class EagleProposer(SlottedModelProposer[EagleEngine]):
 
     def __init__(self, folder: Path, target_folder: Path, *, device: str, dtype: str, num_seqs: int, max_len: int,
                  max_draft_tokens: int, draft_top_k: int) -> None:
-        self._slots = SequencePages(num_seqs, max_len, DEFAULT_PAGE_SIZE)
-        self._engine = EagleEngine(folder, target_folder, device=device, dtype=dtype, num_pages=self._slots.pool.num_pages,
+        self._pages = SequencePages(num_seqs, max_len, DEFAULT_PAGE_SIZE)
+        self._engine = EagleEngine(folder, target_folder, device=device, dtype=dtype, num_pages=self._pages.pool.num_pages,
                                    max_len=max_len, page_size=DEFAULT_PAGE_SIZE)
         self._num_seqs = num_seqs
         config = self._engine.config
@@ -411,10 +411,10 @@ class EagleProposer(SlottedModelProposer[EagleEngine]):
         self._draft_top_k = draft_top_k
 
     def _warm_up(self) -> None:
-        warm_up_every_slot(self, self._num_seqs, self._max_draft_tokens, self.feature_width)
+        warm_up_sequences(self, self._num_seqs, self._max_draft_tokens, self.feature_width)
 
     def forget(self, request_id: str) -> None:
-        self._slots.release(request_id)
+        self._pages.release(request_id)
         self._from_target.pop(request_id, None)
 
     def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
@@ -427,7 +427,7 @@ class EagleProposer(SlottedModelProposer[EagleEngine]):
             n = len(item.token_ids)
             if item.features is None or item.features.shape[0] < n - 1 or n < 2 or n >= self._engine.max_len:
                 continue  # without every feature the head has nothing sound to read
-            pages = self._slots.reserve(item.request_id, min(n - 1 + item.num_tokens, self._engine.max_len))
+            pages = self._pages.reserve(item.request_id, min(n - 1 + item.num_tokens, self._engine.max_len))
             if pages is None:
                 continue
             # Pairs before `cached` stand; pair n-2 (the last token and the feature before it) is always fed.
@@ -444,7 +444,7 @@ class EagleProposer(SlottedModelProposer[EagleEngine]):
             next_rows: list[torch.Tensor] = []
             for row, (item, span) in enumerate(zip(active, spans)):
                 position = span.start + len(span.token_ids)
-                self._slots.set_length(item.request_id, position)
+                self._pages.set_length(item.request_id, position)
                 token = draw(logits[row], item.sampling, len(item.token_ids) + len(tokens[item.request_id]), dists[item.request_id],
                              self._draft_top_k, self._engine.draft_vocab)
                 tokens[item.request_id].append(token)

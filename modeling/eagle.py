@@ -12,7 +12,7 @@ embedding table, the LM head rows), so a draft folder holds only the head's own
 weights, the draft vocabulary, and the fingerprints of the target it was trained for.
 
 `EagleHead` is the trainable form (plain differentiable torch over padded batches);
-`EagleEngine` runs a saved head for serving, on the target's model code and a slot KV
+`EagleEngine` runs a saved head for serving, on the target's model code and a paged KV
 cache, so ragged batches and rollback work exactly as for a target.
 """
 

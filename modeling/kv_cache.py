@@ -12,9 +12,9 @@ import torch
 
 from modeling.config import ModelConfig
 
-# Positions per page. Measured on the CPU kernels, 16 reads as fast as whole-sequence
-# slots (a page of one kv head is 2-4 KiB, read straight through) and wastes at most 15
-# positions per sequence.
+# Positions per page, vLLM's default too: a page of one kv head (2-4 KiB) is read straight
+# through by the attention kernel, and a sequence wastes at most 15 positions. Against
+# whole-sequence slots, serving throughput is unchanged (docs/benchmarks.md).
 DEFAULT_PAGE_SIZE = 16
 
 

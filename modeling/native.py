@@ -1,5 +1,5 @@
-"""The model's CPU kernels (csrc/): attention of decode and verify rows over the slot
-cache read in place, and the fused elementwise parts of a layer (RMSNorm with the
+"""The model's CPU kernels (csrc/): attention of every row over the paged KV cache, read
+in place through block tables, and the fused elementwise parts of a layer (RMSNorm with the
 residual add, RoPE, SiLU-and-multiply). Built once per machine.
 
 They are compiled on first use with the machine's own instruction set (`-march=native`)

@@ -356,7 +356,7 @@ class StepRefused(msgspec.Struct, tag="step_refused", frozen=True, forbid_unknow
 class Proposal(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     request_id: str
     num_held: int  # tokens the service holds for the sequence now, its proposal excluded
-    token_ids: list[int]  # the proposal, possibly empty (no n-gram match, no free draft slot)
+    token_ids: list[int]  # the proposal, possibly empty (no n-gram match, no draft KV pages free)
     dists: list[SparseDist] | None = None  # sampled proposals: what each token was drawn from
     # A token tree (point masses, no dists): each token's parent among them, always an
     # earlier one, or -1 for the sequence's last token. None: one chain.
