@@ -70,10 +70,10 @@ def measure(server: str, base_url: str, model: Path, args: argparse.Namespace, w
 
 
 @contextmanager
-def specserve_server(model: Path, dtype: str, prefix_cache: bool) -> Iterator[str]:
+def specserve_server(model: Path, dtype: str, prefix_cache: bool, num_workers: int) -> Iterator[str]:
     http_port = free_port()
     flags = ["--model", str(model), "--dtype", dtype, "--draft", "none", "--port", str(free_port()),
-             "--http-port", str(http_port), *([] if prefix_cache else ["--no-prefix-cache"])]
+             "--http-port", str(http_port), "--num-workers", str(num_workers), *([] if prefix_cache else ["--no-prefix-cache"])]
     print(f"starting: specserve up {shlex.join(flags)}", file=sys.stderr, flush=True)
     with running_up(flags) as stack:
         print(stack.ready_line, file=sys.stderr, flush=True)
@@ -144,6 +144,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-workers", type=int, default=1, help="specserve's data-parallel target workers")
     return parser.parse_args(argv)
 
 
@@ -164,7 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if server == "vllm":
                 context = vllm_server(args.vllm, args.model, args.dtype, work_dir)
             else:
-                context = specserve_server(args.model, args.dtype, prefix_cache=server == "specserve")
+                context = specserve_server(args.model, args.dtype, prefix_cache=server == "specserve",
+                                           num_workers=args.num_workers)
             with context as base_url:
                 figures.append(measure(server, base_url, args.model, args, work_dir))
     except (StackError, subprocess.CalledProcessError) as error:
