@@ -44,6 +44,7 @@ class Figures:
     ttft_p99_ms: float
     output_tok_s: float
     completed: int
+    hit_share: float | None  # prompt tokens found in specserve's prefix cache / looked up (None: not specserve)
 
 
 def workload_args(args: argparse.Namespace) -> list[str]:
@@ -66,7 +67,21 @@ def measure(server: str, base_url: str, model: Path, args: argparse.Namespace, w
     print(f"{server}: {shlex.join(command)}", file=sys.stderr, flush=True)
     subprocess.run(command, check=True, env=_vllm_env(), stdout=sys.stderr)
     data = json.loads(result.read_text())
-    return Figures(server, data["median_ttft_ms"], data["p99_ttft_ms"], data["output_throughput"], data["completed"])
+    return Figures(server, data["median_ttft_ms"], data["p99_ttft_ms"], data["output_throughput"], data["completed"],
+                   None if server == "vllm" else _hit_share(base_url))
+
+
+def _hit_share(base_url: str) -> float:
+    """From specserve's /metrics: prompt tokens its prefix caches held / prompt tokens looked up, all workers."""
+    host, port = base_url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    connection.request("GET", "/metrics")
+    totals = {"hit": 0.0, "queried": 0.0}
+    for line in connection.getresponse().read().decode().splitlines():
+        for kind in totals:
+            if line.startswith(f"specserve_prefix_cache_{kind}_tokens_total{{"):
+                totals[kind] += float(line.rsplit(" ", 1)[1])
+    return totals["hit"] / totals["queried"] if totals["queried"] else 0.0
 
 
 @contextmanager
@@ -123,9 +138,10 @@ def _wait_healthy(port: int, process: subprocess.Popen[bytes], timeout_s: float)
 
 
 def format_table(figures: Sequence[Figures]) -> str:
-    rows = ["| server | TTFT p50 (ms) | TTFT p99 (ms) | output tok/s | completed |", "|---|---:|---:|---:|---:|"]
-    rows += [f"| {f.server} | {f.ttft_p50_ms:.0f} | {f.ttft_p99_ms:.0f} | {f.output_tok_s:.1f} | {f.completed} |"
-             for f in figures]
+    rows = ["| server | TTFT p50 (ms) | TTFT p99 (ms) | output tok/s | completed | prompt tokens cached |",
+            "|---|---:|---:|---:|---:|---:|"]
+    rows += [f"| {f.server} | {f.ttft_p50_ms:.0f} | {f.ttft_p99_ms:.0f} | {f.output_tok_s:.1f} | {f.completed} | "
+             f"{'-' if f.hit_share is None else f'{f.hit_share:.0%}'} |" for f in figures]
     return "\n".join(rows)
 
 
