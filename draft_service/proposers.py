@@ -31,12 +31,12 @@ from typing import Generic, Protocol, TypeVar
 
 import torch
 
+from draft_service.sequences import SequencePages
 from modeling.batch import SeqSpan
 from modeling.config import ModelConfig, vocab_fingerprint
 from modeling.eagle import EagleEngine, check_target
 from modeling.engine import ModelEngine
-from modeling.kv_cache import DEFAULT_PAGE_SIZE, pages_for
-from modeling.page_pool import PagePool
+from modeling.kv_cache import DEFAULT_PAGE_SIZE
 from modeling.phrases import FILE_NAME as PHRASE_FILE
 from modeling.phrases import MIN_CHANCE as PHRASE_MIN_CHANCE
 from modeling.phrases import MIN_CONTEXT as PHRASE_MIN_CONTEXT
@@ -215,44 +215,6 @@ class PhraseProposer(LookupProposer):
             chances[branch] = max(chances.get(branch, 0.0), chance)
         token_ids, parents = best_tree(chances, k, min_chance)
         return Proposed(token_ids, parents=None if is_chain(parents) else parents)
-
-
-class SequencePages:
-    """The draft's own paged KV cache: each sequence holds pages as it grows (up to `max_seqs` sequences),
-    cut back when its tokens are dropped and given back when it is forgotten."""
-
-    def __init__(self, max_seqs: int, max_len: int, page_size: int) -> None:
-        self.pool = PagePool(max_seqs * pages_for(max_len, page_size), page_size)
-        self._max_seqs = max_seqs
-        self._lengths: dict[str, int] = {}  # positions whose keys and values each sequence's pages hold
-
-    def __len__(self) -> int:
-        return len(self._lengths)
-
-    def length(self, request_id: str) -> int:
-        return self._lengths.get(request_id, 0)
-
-    def reserve(self, request_id: str, num_tokens: int) -> tuple[int, ...] | None:
-        """The sequence's block table with room for `num_tokens` positions; None (holding nothing new) when full."""
-        if request_id not in self._lengths:
-            if len(self._lengths) >= self._max_seqs:
-                return None
-            self.pool.admit(request_id, [])
-            self._lengths[request_id] = 0
-        self.pool.truncate(request_id, min(num_tokens, self._lengths[request_id]))  # pages of dropped tokens go back
-        if not self.pool.grow(request_id, num_tokens):
-            return None
-        return tuple(self.pool.block_table(request_id))
-
-    def set_length(self, request_id: str, length: int) -> None:
-        """Its pages hold `length` positions now."""
-        self._lengths[request_id] = length
-
-    def release(self, request_id: str) -> bool:
-        if self._lengths.pop(request_id, None) is None:
-            return False
-        self.pool.release(request_id)
-        return True
 
 
 def warm_up_sequences(proposer: Proposer, num_slots: int, k: int, feature_width: int = 0) -> None:

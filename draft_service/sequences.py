@@ -4,6 +4,8 @@ The scheduler keeps the same count on its side: for each sequence, how many toke
 service holds (its last proposal included). A propose request says how many of those to
 drop (rejected proposals) and which tokens to append; if the count it expects is not
 what is held, the sequence starts over from nothing and the next request resends it.
+A draft that runs a model keeps each sequence's keys and values in pages of its own
+(`SequencePages`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from modeling.features import FeatureError, from_rows
+from modeling.kv_cache import pages_for
+from modeling.page_pool import PagePool
 from proto.messages import ProposeSeq
 
 
@@ -96,3 +100,41 @@ class SequenceStore:
     def forget(self, request_id: str) -> bool:
         self._features.pop(request_id, None)
         return self._held.pop(request_id, None) is not None
+
+
+class SequencePages:
+    """The draft's own paged KV cache: each sequence holds pages as it grows (up to `max_seqs` sequences),
+    cut back when its tokens are dropped and given back when it is forgotten."""
+
+    def __init__(self, max_seqs: int, max_len: int, page_size: int) -> None:
+        self.pool = PagePool(max_seqs * pages_for(max_len, page_size), page_size)
+        self._max_seqs = max_seqs
+        self._lengths: dict[str, int] = {}  # positions whose keys and values each sequence's pages hold
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def length(self, request_id: str) -> int:
+        return self._lengths.get(request_id, 0)
+
+    def reserve(self, request_id: str, num_tokens: int) -> tuple[int, ...] | None:
+        """The sequence's block table with room for `num_tokens` positions; None (holding nothing new) when full."""
+        if request_id not in self._lengths:
+            if len(self._lengths) >= self._max_seqs:
+                return None
+            self.pool.admit(request_id, [])
+            self._lengths[request_id] = 0
+        self.pool.truncate(request_id, min(num_tokens, self._lengths[request_id]))  # pages of dropped tokens go back
+        if not self.pool.grow(request_id, num_tokens):
+            return None
+        return tuple(self.pool.block_table(request_id))
+
+    def set_length(self, request_id: str, length: int) -> None:
+        """Its pages hold `length` positions now."""
+        self._lengths[request_id] = length
+
+    def release(self, request_id: str) -> bool:
+        if self._lengths.pop(request_id, None) is None:
+            return False
+        self.pool.release(request_id)
+        return True
