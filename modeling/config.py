@@ -1,4 +1,15 @@
-"""The Llama-family model configuration, read from a Hugging Face style config.json."""
+"""The model configuration, read from a Hugging Face style config.json, for the families this code runs.
+
+Every family is a decoder of the Llama shape (RMSNorm, RoPE, grouped-query attention, a
+gated MLP); what differs is a handful of switches read here: biases (Qwen2, and Llama or
+Qwen3 with `attention_bias`), RMS norms on each head's queries and keys (Qwen3, Gemma 3),
+sliding-window attention on some or all layers (Mistral, Qwen with `use_sliding_window`,
+Gemma 3's local layers, which also have their own RoPE base), scaled RoPE (modeling/rope.py),
+and Gemma 3's norms (weights stored as w - 1, four per layer), embedding scale, query scale
+and GELU-tanh MLP. Every key of config.json is read: what changes the math is implemented or
+refused (UnsupportedModel, naming the key), and a key this code does not know is refused
+too, since it may change it.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +19,46 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+from modeling.rope import Rope, RopeError
 
 
 class UnsupportedModel(ValueError):
     """The folder holds a model this code cannot run; the message says which field."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a model_type fixes, and the config.json keys (beyond the common ones) it reads."""
+
+    keys: frozenset[str]
+    activation_key: str = "hidden_act"
+    default_activation: str = "silu"
+    default_max_positions: int = 2048
+    default_head_dim: int | None = None  # None: hidden_size / num_attention_heads
+    default_tied: bool = False
+    default_theta: float = 10000.0
+    qkv_bias: bool = False  # always (Qwen2), else as attention_bias says (which then biases o_proj too)
+    qk_norm: bool = False
+    gemma: bool = False
+
+
+_QWEN_WINDOW_KEYS = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
+FAMILIES: dict[str, Family] = {
+    "llama": Family(frozenset({"attention_bias", "mlp_bias", "head_dim", "pretraining_tp"})),
+    "mistral": Family(frozenset({"sliding_window", "head_dim"}), default_max_positions=131072),
+    "qwen2": Family(_QWEN_WINDOW_KEYS, default_max_positions=32768, qkv_bias=True),
+    "qwen3": Family(_QWEN_WINDOW_KEYS | {"attention_bias", "head_dim"}, default_max_positions=32768,
+                    default_head_dim=128, qk_norm=True),
+    "gemma3_text": Family(
+        frozenset({"attention_bias", "head_dim", "query_pre_attn_scalar", "sliding_window", "layer_types",
+                   "sliding_window_pattern", "_sliding_window_pattern", "rope_local_base_freq",
+                   "final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"}),
+        activation_key="hidden_activation", default_activation="gelu_pytorch_tanh", default_max_positions=131072,
+        default_head_dim=256, default_tied=True, default_theta=1_000_000.0, qk_norm=True, gemma=True),
+}
+SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
+ACTIVATIONS = frozenset({"silu", "gelu_pytorch_tanh"})
+_GEMMA_LOCAL_THETA = 10000.0
 
 
 @dataclass(frozen=True)
@@ -25,49 +71,113 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
+    rope_theta: float  # the RoPE base of the full-attention layers
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # q, k and v projections have biases
+    model_type: str = "llama"
+    o_bias: bool = False  # the output projection has a bias
+    mlp_bias: bool = False
+    hidden_act: str = "silu"  # or gelu_pytorch_tanh: the gate's activation
+    qk_norm: bool = False  # an RMSNorm over head_dim on every query and key head, before RoPE
+    rope_scaling: Rope | None = None  # the full-attention layers' RoPE when not plain
+    # Per layer: attends only to the last sliding_window positions (itself included).
+    sliding_layers: tuple[bool, ...] = ()
+    sliding_window: int | None = None
+    local_rope_theta: float | None = None  # the sliding layers' own (plain) RoPE base, where they have one
+    # Gemma's conventions: norm weights applied as (1 + w), sandwich norms around attention
+    # and MLP, embeddings scaled by sqrt(hidden_size), scores by query_pre_attn_scalar^-0.5.
+    gemma: bool = False
+    query_pre_attn_scalar: float | None = None
 
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def global_rope(self) -> Rope:
+        return self.rope_scaling or Rope(self.rope_theta, max_position_embeddings=self.max_position_embeddings)
+
+    def layer_rope(self, layer: int) -> Rope:
+        if self.local_rope_theta is not None and self.is_sliding(layer):
+            return Rope(self.local_rope_theta, max_position_embeddings=self.max_position_embeddings)
+        return self.global_rope
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.sliding_layers) and self.sliding_layers[layer]
+
+    def layer_window(self, layer: int) -> int | None:
+        """How many positions (itself included) layer `layer` attends to at most; None: all."""
+        return self.sliding_window if self.is_sliding(layer) else None
+
+    @property
+    def positions_limit(self) -> int | None:
+        """The most positions a sequence may have with this model's RoPE (None: no limit of the model's)."""
+        return self.global_rope.positions_limit
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Reads every key of a Hugging Face config.json: what changes the model's math is implemented or refused
-        (UnsupportedModel, naming the key); a key this code does not know is refused too, since it may change it."""
+        """Reads every key of a Hugging Face config.json (UnsupportedModel, naming the key, for what it cannot run)."""
         model_type = hf.get("model_type", "")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModel(f"config.json model_type {model_type!r} is not one of {sorted(SUPPORTED_MODEL_TYPES)}")
-        unknown = sorted(set(hf) - _MATH_KEYS - set(_NEUTRAL_KEYS) - _METADATA_KEYS)
+        if model_type == "gemma3":
+            raise UnsupportedModel("config.json model_type 'gemma3' is Gemma 3 with its vision tower; only the text "
+                                   "model (model_type 'gemma3_text') is supported")
+        if model_type not in FAMILIES:
+            raise UnsupportedModel(f"config.json model_type {model_type!r} is not one of {sorted(FAMILIES)}")
+        family = FAMILIES[model_type]
+        known = _COMMON_KEYS | family.keys | {family.activation_key} | set(_NEUTRAL_KEYS) | _METADATA_KEYS
+        unknown = sorted(set(hf) - known)
         if unknown:
-            raise UnsupportedModel(f"config.json key {unknown[0]!r} is not known to this server and may change the "
-                                   f"model's math; refusing rather than serving it wrongly (unknown keys: {unknown})")
+            raise UnsupportedModel(f"config.json key {unknown[0]!r} is not known to this server for model_type "
+                                   f"{model_type!r} and may change the model's math; refusing rather than serving it "
+                                   f"wrongly (unknown keys: {unknown})")
         for key, neutral in _NEUTRAL_KEYS.items():
-            if key in hf and not neutral(hf[key], hf):
+            if key in hf and not neutral(hf[key]):
                 raise UnsupportedModel(f"config.json {key} {hf[key]!r} is not supported")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModel(f"config.json hidden_act {hf['hidden_act']!r} is not 'silu'")
+        activation = hf.get(family.activation_key) or family.default_activation
+        if activation not in ACTIVATIONS or (activation != "silu") != family.gemma:
+            raise UnsupportedModel(f"config.json {family.activation_key} {activation!r} is not supported for "
+                                   f"{model_type} (expected {family.default_activation!r})")
         num_heads = int(hf["num_attention_heads"])
         num_kv_heads = int(hf.get("num_key_value_heads") or num_heads)
         if num_heads % num_kv_heads:
             raise UnsupportedModel(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
         hidden_size = int(hf["hidden_size"])
+        num_layers = int(hf["num_hidden_layers"])
+        max_positions = int(hf.get("max_position_embeddings") or family.default_max_positions)
+        attention_bias = bool(hf.get("attention_bias", False))
+        if family.gemma:
+            _check_gemma(hf)
+        rope, local_theta = _ropes(hf, family, max_positions)
+        sliding_layers, window = _windows(hf, model_type, num_layers)
         return cls(
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden_size,
             intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=int(hf.get("head_dim") or hidden_size // num_heads),
+            head_dim=int(hf.get("head_dim") or family.default_head_dim or hidden_size // num_heads),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta(hf),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            rope_theta=rope.theta,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", family.default_tied)),
+            attention_bias=family.qkv_bias or attention_bias,
+            model_type=model_type,
+            o_bias=attention_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            hidden_act=activation,
+            qk_norm=family.qk_norm,
+            rope_scaling=None if rope.kind == "default" else rope,
+            sliding_layers=sliding_layers,
+            sliding_window=window,
+            local_rope_theta=local_theta,
+            gemma=family.gemma,
+            query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)) if family.gemma else None,
         )
 
     @classmethod
@@ -77,64 +187,113 @@ class ModelConfig:
             hf = json.loads(path.read_text())
         except FileNotFoundError as exc:
             raise UnsupportedModel(f"{path} does not exist: not a Hugging Face model folder") from exc
+        except json.JSONDecodeError as exc:
+            raise UnsupportedModel(f"{path} is not valid JSON: {exc}") from exc
         return cls.from_hf(hf)
 
 
-def rope_theta(hf: dict[str, Any]) -> float:
-    """The RoPE base, from either spelling: transformers 5's `rope_parameters` or the older top-level `rope_theta`
-    with `rope_scaling`. Only plain RoPE is implemented; any other type is refused, naming it."""
+def _check_gemma(hf: dict[str, Any]) -> None:
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise UnsupportedModel(f"config.json {key} {hf[key]!r} is not supported (Gemma 3 has none)")
+    if hf.get("use_bidirectional_attention"):
+        raise UnsupportedModel("config.json use_bidirectional_attention true is not supported (a causal decoder only)")
+
+
+def _ropes(hf: dict[str, Any], family: Family, max_positions: int) -> tuple[Rope, float | None]:
+    """The full-attention layers' RoPE and, for Gemma 3, the sliding layers' own base, from either spelling."""
     parameters = hf.get("rope_parameters")
-    scaling = hf.get("rope_scaling")
-    for key, value in (("rope_parameters", parameters), ("rope_scaling", scaling)):
+    if family.gemma:
+        local_theta = float(hf.get("rope_local_base_freq", _GEMMA_LOCAL_THETA))
+        if isinstance(parameters, dict) and ("full_attention" in parameters or "sliding_attention" in parameters):
+            others = sorted(set(parameters) - {"full_attention", "sliding_attention"})
+            if others:
+                raise UnsupportedModel(f"config.json rope_parameters has {others[0]!r}, not a layer type")
+            local = parameters.get("sliding_attention") or {}
+            local_rope = _rope("rope_parameters.sliding_attention", local, None, {"rope_theta": local_theta}, family,
+                               max_positions)
+            if local_rope.kind != "default":
+                raise UnsupportedModel(f"config.json rope_parameters.sliding_attention.rope_type {local_rope.kind!r} is "
+                                       "not supported (Gemma 3's local layers use plain RoPE)")
+            if "rope_local_base_freq" in hf and local_rope.theta != local_theta:
+                raise UnsupportedModel("config.json rope_local_base_freq and rope_parameters.sliding_attention.rope_theta "
+                                       "disagree")
+            global_rope = _rope("rope_parameters.full_attention", parameters.get("full_attention") or {},
+                                hf.get("rope_scaling"), hf, family, max_positions)
+            return global_rope, local_rope.theta
+        return _rope("rope_parameters", parameters, hf.get("rope_scaling"), hf, family, max_positions), local_theta
+    return _rope("rope_parameters", parameters, hf.get("rope_scaling"), hf, family, max_positions), None
+
+
+def _rope(where: str, parameters: Any, scaling: Any, hf: dict[str, Any], family: Family, max_positions: int) -> Rope:
+    """One RoPE from `parameters` (transformers 5) or `scaling` (older, beside the top-level rope_theta)."""
+    found = []
+    for key, value in ((where, parameters), ("rope_scaling", scaling)):
         if value is None:
             continue
         if not isinstance(value, dict):
             raise UnsupportedModel(f"config.json {key} {value!r} is not an object")
-        rope_type = value.get("rope_type", value.get("type", "default"))
-        if rope_type != "default":
-            raise UnsupportedModel(f"config.json {key}.rope_type {rope_type!r} is not supported (supported: 'default', "
-                                   "plain RoPE)")
-        others = sorted(set(value) - {"rope_type", "type", "rope_theta"})
-        if others:
-            raise UnsupportedModel(f"config.json {key} has {others[0]!r}, which plain RoPE does not take")
+        found.append((key, value))
     thetas = {float(v) for v in ((parameters or {}).get("rope_theta"), (scaling or {}).get("rope_theta"), hf.get("rope_theta"))
               if v is not None}
     if len(thetas) > 1:
         raise UnsupportedModel(f"config.json gives several RoPE bases ({sorted(thetas)}): rope_theta and "
-                               "rope_parameters.rope_theta disagree")
-    return thetas.pop() if thetas else 10000.0
+                               f"{where}.rope_theta disagree")
+    theta = thetas.pop() if thetas else family.default_theta
+    ropes = []
+    for key, value in found:
+        try:
+            ropes.append(Rope.from_hf(key, value, theta, max_positions))
+        except RopeError as exc:
+            raise UnsupportedModel(str(exc)) from exc
+    if len({rope for rope in ropes}) > 1:
+        raise UnsupportedModel(f"config.json {where} and rope_scaling describe different RoPE scalings")
+    return ropes[0] if ropes else Rope(theta, max_position_embeddings=max_positions)
 
 
-# Keys that change the math and that from_hf reads (rope_* in rope_theta()).
-_MATH_KEYS = frozenset({
+def _windows(hf: dict[str, Any], model_type: str, num_layers: int) -> tuple[tuple[bool, ...], int | None]:
+    """Which layers attend through a sliding window, and its width, as transformers decides it per family."""
+    layer_types = hf.get("layer_types")
+    if layer_types is not None:
+        if len(layer_types) != num_layers or set(layer_types) - {"full_attention", "sliding_attention"}:
+            raise UnsupportedModel(f"config.json layer_types {layer_types!r} is not one of full_attention or "
+                                   f"sliding_attention per layer ({num_layers} layers)")
+    if model_type == "llama":
+        return (), None
+    if model_type == "mistral":
+        window = hf.get("sliding_window", 4096)
+        return ((True,) * num_layers, int(window)) if window is not None else ((), None)
+    if model_type in ("qwen2", "qwen3"):
+        window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
+        if window is None:
+            return (), None
+        if layer_types is None:
+            first = int(hf.get("max_window_layers", 28))
+            return tuple(layer >= first for layer in range(num_layers)), int(window)
+        return tuple(kind == "sliding_attention" for kind in layer_types), int(window)
+    # Gemma 3: every sliding_window_pattern-th layer is global, the others local.
+    window = hf.get("sliding_window", 4096)
+    if layer_types is None:
+        pattern = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))
+        layer_types = ["sliding_attention" if (layer + 1) % pattern else "full_attention" for layer in range(num_layers)]
+    return tuple(kind == "sliding_attention" for kind in layer_types), None if window is None else int(window)
+
+
+# The keys every family reads (rope_* in _ropes()).
+_COMMON_KEYS = frozenset({
     "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling",
-    "max_position_embeddings", "tie_word_embeddings", "attention_bias", "hidden_act",
+    "num_key_value_heads", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling",
+    "max_position_embeddings", "tie_word_embeddings",
 })
-
-
-def _no_window(value: Any, hf: dict[str, Any]) -> bool:
-    """A sliding window changes attention only where it is used and shorter than the model's context."""
-    if value is None or hf.get("use_sliding_window") is False:
-        return True
-    return int(value) >= int(hf.get("max_position_embeddings", 2048))
-
 
 # Keys that would change the math, accepted only at the value that leaves it as implemented.
 _NEUTRAL_KEYS: dict[str, Any] = {
-    "mlp_bias": lambda v, hf: not v,
-    "sliding_window": _no_window,
-    "use_sliding_window": lambda v, hf: not v or _no_window(hf.get("sliding_window"), hf),
-    "max_window_layers": lambda v, hf: not hf.get("use_sliding_window"),
-    "layer_types": lambda v, hf: all(t == "full_attention" for t in v) or _no_window(hf.get("sliding_window"), hf),
-    "rope_interleaved": lambda v, hf: not v,
-    "partial_rotary_factor": lambda v, hf: float(v) == 1.0,
-    "attn_logit_softcapping": lambda v, hf: v is None,
-    "final_logit_softcapping": lambda v, hf: v is None,
-    "quantization_config": lambda v, hf: not v,
+    "rope_interleaved": lambda v: not v,
+    "partial_rotary_factor": lambda v: float(v) == 1.0,
+    "quantization_config": lambda v: not v,
     # Neither changes what an inference step computes (a split matmul, dropout in training).
-    "pretraining_tp": lambda v, hf: True,
-    "attention_dropout": lambda v, hf: True,
+    "pretraining_tp": lambda v: True,
+    "attention_dropout": lambda v: True,
 }
 
 # Keys that do not change what the model computes: names, token ids, training and generation defaults.
@@ -154,32 +313,25 @@ _METADATA_KEYS = frozenset({
 
 
 def model_fingerprint(folder: Path) -> str:
-    """A short hash that tells two model folders apart without reading all of their weights.
+    """A short hash that tells two models apart without reading all of their weights.
 
-    Covers config.json, every safetensors header (names, dtypes, shapes, offsets), the
-    first and last few KiB of every tensor (so a fine-tune that changed only some
-    layers, a merged LoRA on the attention say, is another model) and a few sampled
-    64 KiB pieces of each weight file.
+    Covers what the model computes, not how its files spell it: the configuration as read
+    (so config.json in either RoPE spelling, in any key order, gives one fingerprint), and
+    every tensor's name, dtype, shape and its first, middle and last few KiB (so a
+    fine-tune that changed only some layers, a merged LoRA on the attention say, is another
+    model), wherever the tensor lies: one file or shards.
     """
-    digest = hashlib.sha256((folder / "config.json").read_bytes())
-    for path in sorted(folder.glob("*.safetensors")):
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            header = f.read(header_len)
-            digest.update(header)
-            spans = sorted(tuple(entry["data_offsets"]) for name, entry in json.loads(header).items() if name != "__metadata__")
-            for start, end in spans:
-                for offset in sorted({start, max(start, end - _TENSOR_SAMPLE_BYTES)}):
-                    f.seek(8 + header_len + offset)
-                    digest.update(f.read(min(_TENSOR_SAMPLE_BYTES, end - offset)))
-            for fraction in (0.1, 0.5, 0.9):
-                f.seek(int(size * fraction))
-                digest.update(f.read(_SAMPLE_BYTES))
+    from modeling.weights import WeightFiles
+
+    digest = hashlib.sha256(repr(ModelConfig.from_folder(folder)).encode())
+    files = WeightFiles(folder)
+    for name in sorted(files.names()):
+        digest.update(f"{name}:{files.dtype(name)}:{files.shape(name)}".encode())
+        for sample in files.samples(name, _TENSOR_SAMPLE_BYTES):
+            digest.update(sample)
     return digest.hexdigest()[:16]
 
 
-_SAMPLE_BYTES = 64 * 1024
 _TENSOR_SAMPLE_BYTES = 4 * 1024
 
 

@@ -10,6 +10,7 @@ in the step: the property greedy speculation and concurrency-independent output 
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 import torch
@@ -19,6 +20,7 @@ from modeling.llama import LlamaModel
 from modeling.native import KernelUnavailable, native_ops
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+_IN_PLACE_BLOCK_ELEMENTS = 1 << 20  # the scratch of in-place packing: a few MiB
 
 
 def attach_native_ops(model: LlamaModel, dtype: torch.dtype, device: torch.device) -> str:
@@ -36,9 +38,11 @@ def attach_native_ops(model: LlamaModel, dtype: torch.dtype, device: torch.devic
     with torch.no_grad():
         for layer in model.layers:
             for name in PROJECTIONS:
-                setattr(layer, name, linear.pack(getattr(layer, name)))
-        # The embedding lookup needs the plain table, so the LM head gets its own packed copy.
-        model.lm_head = linear.pack(model.lm_head)
+                setattr(layer, name, linear.pack(getattr(layer, name), in_place=True))
+        tied = model.lm_head is model.embed_tokens
+        model.lm_head = linear.pack(model.lm_head, in_place=True)
+        if tied:  # one table for both: embeddings are read back out of the packed LM head
+            model.embed_from(functools.partial(linear.rows, model.lm_head))
     model.linear = linear
     model.native = ops
     return f"native (linear kernel: {linear.path})"
@@ -60,13 +64,49 @@ class PackedLinear:
         self._panel = int(ops.linear_panel_width())
         self._out_features: dict[int, int] = {}  # packed weight's data pointer -> its rows before packing
 
-    def pack(self, weight: torch.Tensor) -> torch.nn.Parameter:
-        """`[N, K]` -> `[ceil(N / P), K, P]`: column panels of P outputs, the last padded with zero rows of W."""
+    def pack(self, weight: torch.Tensor, *, in_place: bool = False) -> torch.nn.Parameter:
+        """`[N, K]` -> `[ceil(N / P), K, P]`: column panels of P outputs, the last padded with zero rows of W.
+
+        `in_place` rearranges the weight's own memory where N is a whole number of panels (a
+        panel's P rows and its packed form are the same P x K elements), a block of panels at a
+        time, and the weight is then the packed tensor: loading a model holds no second copy
+        of it. Otherwise the packed tensor is a new one.
+        """
         num_out, depth = weight.shape
-        padded = F.pad(weight.detach(), (0, 0, 0, -num_out % self._panel))
-        packed = padded.view(-1, self._panel, depth).transpose(1, 2).contiguous()
+        panel = self._panel
+        full, rest = divmod(num_out, panel)
+        if in_place and not rest and weight.is_contiguous():
+            return self._register(self._pack_in_place(weight.detach(), full, depth), num_out)
+        packed = torch.empty(full + bool(rest), depth, panel, dtype=weight.dtype, device=weight.device)
+        with torch.no_grad():
+            if full:
+                packed[:full].copy_(weight[: full * panel].view(full, panel, depth).transpose(1, 2))
+            if rest:
+                packed[full].zero_()
+                packed[full, :, :rest].copy_(weight[full * panel :].T)
+        return self._register(packed, num_out)
+
+    def _pack_in_place(self, weight: torch.Tensor, num_panels: int, depth: int) -> torch.Tensor:
+        panel = self._panel
+        panels = weight.view(num_panels, panel, depth)  # the same memory as [num_panels, depth, panel]
+        block = max(1, _IN_PLACE_BLOCK_ELEMENTS // (panel * depth))
+        scratch = torch.empty(min(block, num_panels), panel, depth, dtype=weight.dtype, device=weight.device)
+        with torch.no_grad():
+            for start in range(0, num_panels, block):
+                rows = panels[start : start + block]
+                staged = scratch[: rows.shape[0]]
+                staged.copy_(rows)
+                rows.view(-1, depth, panel).copy_(staged.transpose(1, 2))
+        return weight.view(num_panels, depth, panel)
+
+    def _register(self, packed: torch.Tensor, num_out: int) -> torch.nn.Parameter:
         self._out_features[packed.data_ptr()] = num_out
         return torch.nn.Parameter(packed, requires_grad=False)
+
+    def rows(self, packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight `packed` was packed from: `[len(ids), K]` (an embedding lookup on a tied head)."""
+        panel = self._panel
+        return packed[ids // panel, :, ids % panel]
 
     def out_features(self, packed: torch.Tensor) -> int:
         try:

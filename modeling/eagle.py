@@ -70,15 +70,20 @@ def check_target(draft: Path, target: Path) -> EagleMeta:
 
 
 def head_config(target: ModelConfig) -> ModelConfig:
-    return replace(target, num_layers=1)
+    """One full-attention decoder layer of the target's shape, with its (full-attention) RoPE."""
+    return replace(target, num_layers=1, sliding_layers=(), sliding_window=None, local_rope_theta=None)
 
 
 def unsupported_target(target: ModelConfig) -> str:
     """Why a head cannot be made for this target ("" if it can): it reads the LM head as the tied embedding rows."""
     if not target.tie_word_embeddings:
         return "its LM head is not tied to its embeddings (draft heads read the LM head as embedding rows)"
-    if target.attention_bias:
-        return "its attention layers have biases (draft heads have none)"
+    if target.attention_bias or target.o_bias or target.mlp_bias:
+        return "its layers have biases (draft heads have none)"
+    if target.qk_norm or target.gemma or target.hidden_act != "silu":
+        return f"its {target.model_type} layers are not Llama's (draft heads are a Llama decoder layer)"
+    if target.sliding_window is not None:
+        return "it attends through sliding windows (draft heads attend to every position)"
     return ""
 
 
@@ -205,12 +210,11 @@ class EagleEngine:
         fc = weights.pop("fc.weight")
         if tuple(fc.shape) != (cfg.hidden_size, 2 * cfg.hidden_size):
             raise WeightError(f"fc.weight has shape {tuple(fc.shape)}, expected {(cfg.hidden_size, 2 * cfg.hidden_size)}")
-        model = LlamaModel(replace(cfg, tie_word_embeddings=True))
+        model = LlamaModel(replace(cfg, tie_word_embeddings=True), self.dtype, self.device)
         weights["model.embed_tokens.weight"] = embed
         copy_hf_weights(model, weights)
         # The LM head: the target's (tied) rows for the draft vocabulary only.
-        model.lm_head = torch.nn.Parameter(embed[vocab].clone(), requires_grad=False)
-        model = model.to(device=self.device, dtype=self.dtype)
+        model.lm_head = torch.nn.Parameter(embed[vocab].to(device=self.device, dtype=self.dtype), requires_grad=False)
         self.ops = attach_native_ops(model, self.dtype, self.device)
         self._fc = packed_for(model, fc.to(device=self.device, dtype=self.dtype))
         model.set_rope_cache(self.max_len)
@@ -227,7 +231,7 @@ class EagleEngine:
         model = self._model
         with torch.inference_mode():
             batch = model.plan(spans, self.page_size)
-            tokens = F.embedding(batch.token_ids, model.embed_tokens)
+            tokens = model.embed(batch.token_ids)
             x = model.linear(torch.cat((tokens, features.to(self.dtype)), dim=-1), self._fc)
             hidden = model(batch, self._cache, inputs=x)[batch.logit_rows]
             return model.logits(hidden), hidden

@@ -57,9 +57,8 @@ class ModelEngine:
         return slot_pages(slot, self.max_len, self.page_size)
 
     def load(self) -> None:
-        model = LlamaModel(self.config)
+        model = LlamaModel(self.config, self.dtype, self.device)
         model.load_weights(self._folder)
-        model = model.to(device=self.device, dtype=self.dtype)
         self.ops = attach_native_ops(model, self.dtype, self.device)
         model.set_rope_cache(self.max_len)
         model.eval()

@@ -1,52 +1,86 @@
-"""The Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU) over packed ragged batches and a paged KV cache."""
+"""The decoder of every supported family (RMSNorm, RoPE, GQA, a gated MLP) over packed ragged batches and a paged KV cache.
+
+One model code runs Llama, Mistral, Qwen2/3 and Gemma 3: the differences are switches of
+`ModelConfig` (modeling/config.py) — biases, query/key norms, sliding windows per layer,
+a RoPE per layer, and Gemma's sandwich norms, embedding scale and GELU-tanh MLP.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
 from modeling.batch import AttentionGroup, SeqSpan, StepBatch, build_step_batch
 from modeling.config import ModelConfig
 from modeling.kv_cache import KVCache
+from modeling.rope import Rope
+from modeling.rope import rope_tables as rope_tables_of
+from modeling.weights import WeightError, WeightFiles
+
+__all__ = ["DecoderLayer", "LlamaModel", "WeightError"]
 
 
-class WeightError(ValueError):
-    """The weight files do not match the config (a missing or misshapen tensor)."""
+def _param(*shape: int, dtype: torch.dtype, device: torch.device, fill: float | None = None) -> torch.nn.Parameter:
+    """A frozen parameter, allocated in the serving dtype and device (uninitialised unless `fill`)."""
+    data = torch.empty(shape, dtype=dtype, device=device) if fill is None else torch.full(shape, fill, dtype=dtype, device=device)
+    return torch.nn.Parameter(data, requires_grad=False)
 
 
 class DecoderLayer(torch.nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
+        hidden, inner = config.hidden_size, config.intermediate_size
         self.qkv_sizes = (q_size, kv_size, kv_size)
-        self.input_norm = torch.nn.Parameter(torch.ones(config.hidden_size), requires_grad=False)
-        self.qkv_proj = torch.nn.Parameter(torch.empty(q_size + 2 * kv_size, config.hidden_size), requires_grad=False)
-        self.qkv_bias = torch.nn.Parameter(torch.zeros(q_size + 2 * kv_size), requires_grad=False) if config.attention_bias else None
-        self.o_proj = torch.nn.Parameter(torch.empty(config.hidden_size, q_size), requires_grad=False)
-        self.post_attention_norm = torch.nn.Parameter(torch.ones(config.hidden_size), requires_grad=False)
-        self.gate_up_proj = torch.nn.Parameter(torch.empty(2 * config.intermediate_size, config.hidden_size), requires_grad=False)
-        self.down_proj = torch.nn.Parameter(torch.empty(config.hidden_size, config.intermediate_size), requires_grad=False)
+
+        def param(*shape: int, fill: float | None = None) -> torch.nn.Parameter:
+            return _param(*shape, dtype=dtype, device=device, fill=fill)
+
+        def bias(size: int, wanted: bool) -> torch.nn.Parameter | None:
+            return param(size, fill=0.0) if wanted else None
+
+        # Norm weights are held as the factor they apply (Gemma's stored w is applied as 1 + w).
+        self.input_norm = param(hidden, fill=1.0)
+        self.qkv_proj = param(q_size + 2 * kv_size, hidden)
+        self.qkv_bias = bias(q_size + 2 * kv_size, config.attention_bias)
+        self.q_norm = param(config.head_dim, fill=1.0) if config.qk_norm else None
+        self.k_norm = param(config.head_dim, fill=1.0) if config.qk_norm else None
+        self.o_proj = param(hidden, q_size)
+        self.o_bias = bias(hidden, config.o_bias)
+        self.post_attention_norm = param(hidden, fill=1.0)
+        # Gemma's sandwich: post_attention_norm normalises the attention's output, these two the MLP's input and output.
+        self.pre_mlp_norm = param(hidden, fill=1.0) if config.gemma else None
+        self.post_mlp_norm = param(hidden, fill=1.0) if config.gemma else None
+        self.gate_up_proj = param(2 * inner, hidden)
+        self.gate_up_bias = bias(2 * inner, config.mlp_bias)
+        self.down_proj = param(hidden, inner)
+        self.down_bias = bias(hidden, config.mlp_bias)
 
 
 class LlamaModel(torch.nn.Module):
-    """Scores the new tokens of a step; `forward` returns the hidden states of `logit_rows`."""
+    """Scores the new tokens of a step; `forward` returns the hidden states of `logit_rows`.
 
-    def __init__(self, config: ModelConfig) -> None:
+    Parameters are allocated in `dtype` on `device` and the weights read straight into them.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = torch.nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
-        self.layers: list[DecoderLayer] = torch.nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))  # type: ignore[assignment]
-        self.norm = torch.nn.Parameter(torch.ones(config.hidden_size), requires_grad=False)
+        device = torch.device(device)
+        self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers: list[DecoderLayer] = torch.nn.ModuleList(  # type: ignore[assignment]
+            DecoderLayer(config, dtype, device) for _ in range(config.num_layers))
+        self.norm = _param(config.hidden_size, dtype=dtype, device=device, fill=1.0)
         self.lm_head = (
             self.embed_tokens
             if config.tie_word_embeddings
-            else torch.nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
+            else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         )
         # y = x @ W^T (+ b); a built model may swap in a faster kernel (see cpu_kernels.py).
         self.linear: Callable[..., torch.Tensor] = F.linear
@@ -54,20 +88,27 @@ class LlamaModel(torch.nn.Module):
         # norms, RoPE and SiLU, and attention of decode and verify rows over the cache in
         # place. Without them, torch ops do all of it.
         self.native: ModuleType | None = None
-        self._rope_cos: torch.Tensor | None = None  # [max_len, head_dim], built by set_rope_cache
-        self._rope_sin: torch.Tensor | None = None
+        # Each distinct RoPE of the layers and which one each layer uses; cos/sin built by set_rope_cache.
+        ropes = [config.layer_rope(layer) for layer in range(config.num_layers)]
+        self._ropes: list[Rope] = list(dict.fromkeys(ropes))
+        self._layer_rope = [self._ropes.index(rope) for rope in ropes]
+        self._rope_tables: list[tuple[torch.Tensor, torch.Tensor]] = []  # per distinct RoPE: [max_len, head_dim] each
+        self._windows = [config.layer_window(layer) for layer in range(config.num_layers)]
+        self._embedding_rows: Callable[[torch.Tensor], torch.Tensor] | None = None  # see embed_from
 
     # ------------------------------------------------------------------ building
 
     def load_weights(self, folder: Path) -> None:
-        """Read every *.safetensors file in `folder` (HF names) into the fused parameters."""
-        copy_hf_weights(self, read_safetensors(folder))
+        """Read the folder's safetensors (HF names; one file, several, or shards with their index) into the parameters."""
+        copy_hf_weights(self, WeightFiles(folder))
 
     def set_rope_cache(self, max_len: int) -> None:
         """Precompute cos/sin for positions 0..max_len-1 exactly as HF does (fp32, then cast)."""
-        cos, sin = rope_tables(self.config, max_len, self.embed_tokens.device)
-        self._rope_cos = cos.to(self.embed_tokens.dtype)
-        self._rope_sin = sin.to(self.embed_tokens.dtype)
+        device, dtype = self.embed_tokens.device, self.embed_tokens.dtype
+        self._rope_tables = []
+        for rope in self._ropes:
+            cos, sin = rope_tables_of(rope, self.config.head_dim, max_len, device)
+            self._rope_tables.append((cos.to(dtype), sin.to(dtype)))
 
     # ------------------------------------------------------------------ forward
 
@@ -75,25 +116,47 @@ class LlamaModel(torch.nn.Module):
         """The step's packed batch, its attention planned for this model's kernels; raises PageError on a short block table."""
         return build_step_batch(spans, self.embed_tokens.device, page_size, rows_in_kernel=self.native is not None)
 
+    def embed_from(self, rows: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Read embeddings through `rows` (ids -> `[N, hidden]`) and free the table: a tied LM head, packed for the
+        native kernels, holds the same rows, so one copy of a large vocabulary's table is enough."""
+        self._embedding_rows = rows
+        self.embed_tokens = torch.nn.Parameter(self.embed_tokens.new_empty(0, self.config.hidden_size), requires_grad=False)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of `token_ids` `[N]` -> `[N, hidden]` (scaled by sqrt(hidden) for Gemma)."""
+        x = F.embedding(token_ids, self.embed_tokens) if self._embedding_rows is None else self._embedding_rows(token_ids)
+        if self.config.gemma:
+            x = x * torch.tensor(self.config.hidden_size**0.5).to(x.dtype)
+        return x
+
     def forward(self, batch: StepBatch, cache: KVCache, inputs: torch.Tensor | None = None) -> torch.Tensor:
         """Append the batch's tokens to the cache and return the final (normed) hidden states of every row `[N, hidden]`.
 
         `inputs` `[N, hidden]` replaces the token embeddings (a draft head feeds its own mix).
         """
-        if self._rope_cos is None or self._rope_sin is None:
+        if not self._rope_tables:
             raise RuntimeError("set_rope_cache() must run before forward()")
-        cos = self._rope_cos[batch.positions]  # [N, D]
-        sin = self._rope_sin[batch.positions]
-        masks = [None if g.mask is None else g.mask.to(self.embed_tokens.dtype) for g in batch.groups]
+        rotations = [(cos[batch.positions], sin[batch.positions]) for cos, sin in self._rope_tables]  # [N, D] each
+        windows = _Windows(batch, self.embed_tokens.dtype)
         # [N, hidden], this pass's own copy: the native norms add to it in place
-        x = F.embedding(batch.token_ids, self.embed_tokens) if inputs is None else inputs.clone(memory_format=torch.contiguous_format)
+        x = self.embed(batch.token_ids) if inputs is None else inputs.clone(memory_format=torch.contiguous_format)
         h = self._norm(x, self.layers[0].input_norm)
         for index, layer in enumerate(self.layers):
-            x, h = self._add_norm(x, self._attention(index, layer, h, cos, sin, batch, masks, cache), layer.post_attention_norm)
-            mlp = self.linear(self._silu_mul(self.linear(h, layer.gate_up_proj)), layer.down_proj)
+            cos, sin = rotations[self._layer_rope[index]]
+            attended = self._attention(index, layer, h, cos, sin, batch, windows.of(self._windows[index]), cache)
+            if layer.pre_mlp_norm is not None and layer.post_mlp_norm is not None:  # Gemma's sandwich norms
+                x, h = self._add_norm(x, self._norm(attended, layer.post_attention_norm), layer.pre_mlp_norm)
+                mlp = self._norm(self._mlp(layer, h), layer.post_mlp_norm)
+            else:
+                x, h = self._add_norm(x, attended, layer.post_attention_norm)
+                mlp = self._mlp(layer, h)
             following = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.norm
             x, h = self._add_norm(x, mlp, following)
         return h
+
+    def _mlp(self, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
+        gate_up = self.linear(h, layer.gate_up_proj, layer.gate_up_bias)
+        return self.linear(self._act_mul(gate_up), layer.down_proj, layer.down_bias)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.native is not None:
@@ -107,7 +170,11 @@ class LlamaModel(torch.nn.Module):
         x = x + delta
         return x, rms_norm(x, weight, self.config.rms_norm_eps)
 
-    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def _act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up of each [gate | up] row."""
+        if self.config.hidden_act == "gelu_pytorch_tanh":
+            gate, up = gate_up.chunk(2, dim=-1)
+            return F.gelu(gate, approximate="tanh") * up
         if self.native is not None:
             return self.native.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
@@ -125,13 +192,17 @@ class LlamaModel(torch.nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: StepBatch,
-        masks: list[torch.Tensor | None],
+        window: _Window,
         cache: KVCache,
     ) -> torch.Tensor:
         cfg = self.config
         n = h.shape[0]
         q_size, kv_size = layer.qkv_sizes[0], layer.qkv_sizes[1]
         qkv = self.linear(h, layer.qkv_proj, layer.qkv_bias)  # [N, (H + 2*KVH) * D]
+        if layer.q_norm is not None and layer.k_norm is not None:  # each head's query and key normalised before RoPE
+            for norm, heads in ((layer.q_norm, qkv[:, :q_size]), (layer.k_norm, qkv[:, q_size : q_size + kv_size])):
+                view = heads.view(n, -1, cfg.head_dim)
+                view.copy_(rms_norm(view, norm, cfg.rms_norm_eps))
         native = self.native
         # Queries and keys rotate together: one RoPE over H + KVH heads.
         if native is not None:
@@ -149,20 +220,21 @@ class LlamaModel(torch.nn.Module):
         else:
             keys[batch.store_pages, :, batch.store_offsets] = k
             values[batch.store_pages, :, batch.store_offsets] = v
-        scale = cfg.head_dim**-0.5
+        scale = cfg.attention_scale
         if native is not None and batch.all_rows_in_kernel:
-            attended = _native_attend(native, q, keys, values, batch, scale)
-            return self.linear(attended, layer.o_proj)
+            attended = _native_attend(native, q, keys, values, batch, scale, window.firsts)
+            return self.linear(attended, layer.o_proj, layer.o_bias)
+        masks = window.masks
         if len(batch.groups) == 1 and batch.groups[0].is_identity:
-            return self.linear(self._group_attention(batch.groups[0], masks[0], q, keys, values), layer.o_proj)
+            out = self._group_attention(batch.groups[0], masks[0], q, keys, values, scale)
+            return self.linear(out, layer.o_proj, layer.o_bias)
         out = torch.empty(n, cfg.num_heads * cfg.head_dim, dtype=h.dtype, device=h.device)  # [N, H*D]
         for group, mask in zip(batch.groups, masks):
-            out[group.real_rows] = self._group_attention(group, mask, q, keys, values)
-        return self.linear(out, layer.o_proj)
+            out[group.real_rows] = self._group_attention(group, mask, q, keys, values, scale)
+        return self.linear(out, layer.o_proj, layer.o_bias)
 
-    def _group_attention(
-        self, group: AttentionGroup, mask: torch.Tensor | None, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
-    ) -> torch.Tensor:
+    def _group_attention(self, group: AttentionGroup, mask: torch.Tensor | None, q: torch.Tensor, keys: torch.Tensor,
+                         values: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention of one group's real queries: returns `[K, H*D]` aligned with group.real_rows."""
         cfg = self.config
         r, t, length = group.num_rows, group.num_query_tokens, group.kv_len
@@ -170,17 +242,61 @@ class LlamaModel(torch.nn.Module):
         q_rows = rows.view(r, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)  # [R, H, T, D]
         k_rows, v_rows = (_gather_pages(store, group.tables, length) for store in (keys, values))  # [R, KVH, L, D]
         # Measured here, this beats torch's fused CPU attention kernel at every shape we run.
-        out = _grouped_attention(q_rows, k_rows, v_rows, mask, cfg.num_queries_per_kv)  # [R, H, T, D]
+        out = _grouped_attention(q_rows, k_rows, v_rows, mask, cfg.num_queries_per_kv, scale)  # [R, H, T, D]
         out = out.transpose(1, 2).reshape(r * t, cfg.num_heads * cfg.head_dim)  # [R*T, H*D]
         return out if group.is_identity else out[group.real]
 
 
+class _Window:
+    """What attention needs for one window width in one step: each row's first position (native kernel) or masks."""
+
+    def __init__(self, firsts: torch.Tensor | None, masks: list[torch.Tensor | None]) -> None:
+        self.firsts = firsts  # [N] or None (no window)
+        self.masks = masks  # per attention group: [R, 1, T, L] additive, or None
+
+
+class _Windows:
+    """Built once per step and window width: sliding layers share them."""
+
+    def __init__(self, batch: StepBatch, dtype: torch.dtype) -> None:
+        self._batch = batch
+        self._dtype = dtype
+        self._built: dict[int | None, _Window] = {}
+
+    def of(self, width: int | None) -> _Window:
+        if width not in self._built:
+            self._built[width] = self._build(width)
+        return self._built[width]
+
+    def _build(self, width: int | None) -> _Window:
+        batch = self._batch
+        plain = [None if g.mask is None else g.mask.to(self._dtype) for g in batch.groups]
+        if width is None:
+            return _Window(None, plain)
+        # A row at position p sees positions p - width + 1 .. p; a tree node's ancestors lie within its
+        # depth, so only the standing positions it attends can fall out of the window.
+        firsts = (batch.positions - (width - 1)).clamp_(min=0)
+        if batch.extra is not None and bool((firsts > batch.attended_to + 1).any()):
+            raise ValueError(f"a token tree deeper than the model's sliding window ({width} positions)")
+        if batch.all_rows_in_kernel:
+            return _Window(firsts, plain)
+        masks: list[torch.Tensor | None] = []
+        for group, mask in zip(batch.groups, plain):
+            padded_firsts = firsts[group.query_rows].view(group.num_rows, 1, group.num_query_tokens, 1)
+            outside = torch.arange(group.kv_len, device=firsts.device).view(1, 1, 1, -1) < padded_firsts  # [R, 1, T, L]
+            window = torch.zeros(outside.shape, dtype=self._dtype, device=firsts.device).masked_fill_(outside, float("-inf"))
+            masks.append(window if mask is None else mask + window)
+        return _Window(firsts, masks)
+
+
 def _native_attend(native: ModuleType, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: StepBatch,
-                   scale: float) -> torch.Tensor:
-    """The attention kernel over rows that attend to positions 0..ends, and then, where given, to their `extra` ones."""
+                   scale: float, firsts: torch.Tensor | None) -> torch.Tensor:
+    """The attention kernel over rows that attend to positions firsts (or 0) .. ends, and then, where given, to their
+    `extra` ones."""
     if batch.extra is None:
-        return native.attend(q, keys, values, batch.tables, batch.row_tables, batch.attended_to, scale)
-    return native.attend_tree(q, keys, values, batch.tables, batch.row_tables, batch.attended_to, batch.extra, scale)
+        return native.attend(q, keys, values, batch.tables, batch.row_tables, batch.attended_to, scale, firsts)
+    return native.attend_tree(q, keys, values, batch.tables, batch.row_tables, batch.attended_to, batch.extra, scale,
+                              firsts)
 
 
 def _gather_pages(store: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
@@ -192,7 +308,8 @@ def _gather_pages(store: torch.Tensor, tables: torch.Tensor, length: int) -> tor
     return pages.transpose(1, 2).reshape(r, kvh, width * page_size, d)[:, :, :length]
 
 
-def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, g: int) -> torch.Tensor:
+def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, g: int,
+                       scale: float) -> torch.Tensor:
     """Softmax attention, q `[R, H, T, D]` over k, v `[R, KVH, L, D]` with H = KVH * G -> `[R, H, T, D]`.
 
     k and v are each row's keys and values in one block (gathered from its pages).
@@ -203,7 +320,7 @@ def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     keys, values = k.reshape(r * kvh, length, d), v.reshape(r * kvh, length, d)
     # Scores as keys @ queries^T: on CPU, bf16 batched matmul is ~25% faster with the cache's
     # rows as the left operand; turned back to [R*KVH, G*T, L] so softmax runs along memory.
-    scores = torch.bmm(keys, qg.transpose(1, 2)).transpose(1, 2).float() * (d**-0.5)  # [R*KVH, G*T, L]
+    scores = torch.bmm(keys, qg.transpose(1, 2)).transpose(1, 2).float() * scale  # [R*KVH, G*T, L]
     if mask is not None:  # [R, 1, T, L], the same for the G heads of each kv head
         scores = scores.view(r, kvh, g, t, length).add_(mask.unsqueeze(1)).view(r * kvh, g * t, length)
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
@@ -218,25 +335,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def read_safetensors(folder: Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """The tensors (all, or those named) of every *.safetensors file in `folder`."""
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise WeightError(f"no *.safetensors file in {folder}")
-    tensors: dict[str, torch.Tensor] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if names is None or name in names:
-                    tensors[name] = f.get_tensor(name)
-    return tensors
+    """The tensors (all, or those named) of a model folder's weight files, as stored."""
+    files = WeightFiles(folder)
+    return {name: files.read(name) for name in sorted(files.names()) if names is None or name in names}
 
 
 def rope_tables(cfg: ModelConfig, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 cos and sin `[length, head_dim]` for positions 0..length-1."""
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64, device=device).float() / cfg.head_dim))
-    freqs = torch.outer(torch.arange(length, device=device).float(), inv_freq)  # [L, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [L, D]
-    return emb.cos(), emb.sin()
+    """float32 cos and sin `[length, head_dim]` of the full-attention layers' RoPE, for positions 0..length-1."""
+    return rope_tables_of(cfg.global_rope, cfg.head_dim, length, device)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -246,34 +352,100 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def copy_hf_weights(model: LlamaModel, tensors: dict[str, torch.Tensor]) -> None:
+class TensorSource(Protocol):
+    """Named tensors to read from: a model folder's weight files (modeling/weights.py) or tensors in memory."""
+
+    def names(self) -> frozenset[str]: ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def read_into(self, name: str, out: torch.Tensor) -> None: ...
+
+
+class TensorDict:
+    """Tensors already in memory, read like weight files."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._tensors = tensors
+
+    def names(self) -> frozenset[str]:
+        return frozenset(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._tensors[name].shape)
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        out.copy_(self._tensors[name])
+
+
+# Tensors some checkpoints carry that the math does not read.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def copy_hf_weights(model: LlamaModel, source: TensorSource | dict[str, torch.Tensor]) -> None:
+    """Read every weight the config implies, under its Hugging Face name, into the model's (fused) parameters.
+
+    A missing or misshapen tensor, or one the config does not account for (a bias the config
+    does not declare, say), is a WeightError naming it: nothing is served on weights it ignores.
+    """
+    tensors = TensorDict(source) if isinstance(source, dict) else source
     cfg = model.config
+    available = tensors.names()
+    used: set[str] = set()
 
-    def take(name: str) -> torch.Tensor:
-        try:
-            return tensors[name]
-        except KeyError as exc:
-            raise WeightError(f"weight {name!r} is missing") from exc
+    def put(param: torch.Tensor, parts: list[str], *, plus_one: bool = False) -> None:
+        """Read the named tensors, stacked along rows, into `param` (its rows in order)."""
+        row = 0
+        for name in parts:
+            if name not in available:
+                raise WeightError(f"weight {name!r} is missing")
+            shape = tensors.shape(name)
+            rows = shape[0] if shape else 0
+            if tuple(shape[1:]) != tuple(param.shape[1:]) or row + rows > param.shape[0]:
+                raise WeightError(f"weight {name!r} has shape {tuple(shape)}, the config implies "
+                                  f"{(param.shape[0] - row, *param.shape[1:]) if len(parts) == 1 else tuple(param.shape)} "
+                                  f"for {'it' if len(parts) == 1 else 'the fused ' + ', '.join(parts)}")
+            target = param[row : row + rows]
+            if plus_one:  # Gemma's norm weights: applied as 1 + w, computed in float32 as transformers does
+                staged = torch.empty(target.shape, dtype=torch.float32, device=target.device)
+                tensors.read_into(name, staged)
+                target.copy_(staged + 1.0)
+            else:
+                tensors.read_into(name, target)
+            used.add(name)
+            row += rows
+        if row != param.shape[0]:
+            raise WeightError(f"weights {parts} have {row} rows, the config implies {param.shape[0]}")
 
-    def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
-        if param.shape != value.shape:
-            raise WeightError(f"weight {name!r} has shape {tuple(value.shape)}, the config implies {tuple(param.shape)}")
-        param.copy_(value)
-
+    gemma = cfg.gemma
     with torch.no_grad():
-        put(model.embed_tokens, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
-        put(model.norm, take("model.norm.weight"), "model.norm.weight")
+        put(model.embed_tokens, ["model.embed_tokens.weight"])
+        put(model.norm, ["model.norm.weight"], plus_one=gemma)
         if not cfg.tie_word_embeddings:
-            put(model.lm_head, take("lm_head.weight"), "lm_head.weight")
+            put(model.lm_head, ["lm_head.weight"])
+        elif "lm_head.weight" in available:
+            used.add("lm_head.weight")  # a tied model's saved copy of its embeddings: transformers ignores it too
         for i, layer in enumerate(model.layers):
             p = f"model.layers.{i}."
-            put(layer.input_norm, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
-            put(layer.post_attention_norm, take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm.weight")
-            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-            put(layer.qkv_proj, qkv, p + "self_attn.qkv_proj")
+            put(layer.input_norm, [p + "input_layernorm.weight"], plus_one=gemma)
+            put(layer.post_attention_norm, [p + "post_attention_layernorm.weight"], plus_one=gemma)
+            if layer.pre_mlp_norm is not None and layer.post_mlp_norm is not None:
+                put(layer.pre_mlp_norm, [p + "pre_feedforward_layernorm.weight"], plus_one=True)
+                put(layer.post_mlp_norm, [p + "post_feedforward_layernorm.weight"], plus_one=True)
+            put(layer.qkv_proj, [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
             if layer.qkv_bias is not None:
-                put(layer.qkv_bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]), p + "self_attn.qkv_bias")
-            put(layer.o_proj, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
-            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            put(layer.gate_up_proj, gate_up, p + "mlp.gate_up_proj")
-            put(layer.down_proj, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+                put(layer.qkv_bias, [p + f"self_attn.{n}_proj.bias" for n in "qkv"])
+            if layer.q_norm is not None and layer.k_norm is not None:
+                put(layer.q_norm, [p + "self_attn.q_norm.weight"], plus_one=gemma)
+                put(layer.k_norm, [p + "self_attn.k_norm.weight"], plus_one=gemma)
+            put(layer.o_proj, [p + "self_attn.o_proj.weight"])
+            if layer.o_bias is not None:
+                put(layer.o_bias, [p + "self_attn.o_proj.bias"])
+            put(layer.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+            if layer.gate_up_bias is not None:
+                put(layer.gate_up_bias, [p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"])
+            put(layer.down_proj, [p + "mlp.down_proj.weight"])
+            if layer.down_bias is not None:
+                put(layer.down_bias, [p + "mlp.down_proj.bias"])
+    unused = sorted(name for name in available - used if not name.endswith(_IGNORED_SUFFIXES))
+    if unused:
+        raise WeightError(f"weight {unused[0]!r} is not part of the model config.json describes (unused weights: "
+                          f"{unused[:5]}{' ...' if len(unused) > 5 else ''})")

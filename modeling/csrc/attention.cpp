@@ -40,33 +40,38 @@ struct AttendCall {
   const int64_t* tables;    // [sequences, table_width] block tables
   const int64_t* table_of;  // [num_rows] each row's block table
   const int64_t* position_of;
+  const int64_t* first_of;  // [num_rows] or null: the first position of each row's run (a sliding window), else 0
   const int64_t* extra_of;  // [num_rows, extra_width] or null: see `attend`
   int64_t extra_width;
   T* out;
 
   AttendCall(const at::Tensor& q_, const at::Tensor& keys_, const at::Tensor& values_, const at::Tensor& tables_,
-             const at::Tensor& rows, const at::Tensor& positions, const c10::optional<at::Tensor>& extra, at::Tensor& out_)
+             const at::Tensor& rows, const at::Tensor& positions, const c10::optional<at::Tensor>& firsts,
+             const c10::optional<at::Tensor>& extra, at::Tensor& out_)
       : num_rows(q_.size(0)), num_heads(q_.size(1)), num_kv_heads(keys_.size(1)), page_size(keys_.size(2)),
         table_width(tables_.size(1)), max_len(tables_.size(1) * keys_.size(2)), dim(q_.size(2)),
         q_row_stride(q_.stride(0)), q_head_stride(q_.stride(1)), q(q_.data_ptr<T>()), keys(keys_.data_ptr<T>()),
         values(values_.data_ptr<T>()), tables(tables_.data_ptr<int64_t>()), table_of(rows.data_ptr<int64_t>()),
-        position_of(positions.data_ptr<int64_t>()), extra_of(extra ? extra->data_ptr<int64_t>() : nullptr),
+        position_of(positions.data_ptr<int64_t>()), first_of(firsts ? firsts->data_ptr<int64_t>() : nullptr), extra_of(extra ? extra->data_ptr<int64_t>() : nullptr),
         extra_width(extra ? extra->size(1) : 0), out(out_.data_ptr<T>()) {}
 
   int64_t num_tasks() const { return num_rows * num_kv_heads; }
   int64_t row(int64_t task) const { return task / num_kv_heads; }
   int64_t kv_head(int64_t task) const { return task % num_kv_heads; }
-  // Positions 0 .. the row's own, then its extra positions (a tree row's ancestors and itself).
+  // The row's run starts here: position 0, or the first position inside its sliding window.
+  int64_t first(int64_t r) const { return first_of ? first_of[r] : 0; }
+  // Positions first .. the row's own (its run), then its extra positions (a tree row's ancestors and itself).
   int64_t length(int64_t task) const {
     const int64_t r = row(task);
-    int64_t n = position_of[r] + 1;
+    int64_t n = position_of[r] + 1 - first(r);
     for (int64_t e = 0; e < extra_width && extra_of[r * extra_width + e] >= 0; ++e) ++n;
     return n;
   }
   // The sequence position of the task's l-th attended key.
   int64_t key_position(int64_t task, int64_t l) const {
     const int64_t r = row(task);
-    return l <= position_of[r] ? l : extra_of[r * extra_width + l - position_of[r] - 1];
+    const int64_t run = position_of[r] + 1 - first(r);
+    return l < run ? first(r) + l : extra_of[r * extra_width + l - run];
   }
   // Where the task's l-th key (and value) starts in the cache, in elements: through the row's block table.
   int64_t key_offset(int64_t task, int64_t l) const {
@@ -77,14 +82,17 @@ struct AttendCall {
   // Every attended key's offset, in order, into `offset` (at least length(task) long): the row's run
   // page by page, then its extra positions one by one.
   void key_offsets(int64_t task, int64_t length, int64_t* offset) const {
-    const int64_t* table = tables + table_of[row(task)] * table_width;
-    const int64_t run = position_of[row(task)] + 1;
-    for (int64_t start = 0; start < run; start += page_size) {
+    const int64_t r = row(task);
+    const int64_t* table = tables + table_of[r] * table_width;
+    const int64_t begin = first(r), end = position_of[r] + 1;
+    for (int64_t start = begin; start < end;) {
+      const int64_t page_end = (start / page_size + 1) * page_size;
+      const int64_t stop = page_end < end ? page_end : end;
       const int64_t base = (table[start / page_size] * num_kv_heads + kv_head(task)) * page_size * dim;
-      const int64_t end = start + page_size < run ? start + page_size : run;
-      for (int64_t l = start; l < end; ++l) offset[l] = base + (l - start) * dim;
+      for (int64_t p = start; p < stop; ++p) offset[p - begin] = base + (p % page_size) * dim;
+      start = stop;
     }
-    for (int64_t l = run; l < length; ++l) offset[l] = key_offset(task, l);
+    for (int64_t l = end - begin; l < length; ++l) offset[l] = key_offset(task, l);
   }
   const T* query(int64_t task, int64_t head) const { return q + row(task) * q_row_stride + head * q_head_stride; }
   T* output(int64_t task, int64_t head) const { return out + (row(task) * num_heads + head) * dim; }
@@ -369,6 +377,18 @@ void check_rows(const at::Tensor& keys, const at::Tensor& tables, const at::Tens
   }
 }
 
+// A row's run starts at or after position 0 and at most one past its last position (a tree
+// node's run may be empty when its window starts among its ancestors).
+void check_firsts(const at::Tensor& firsts, const at::Tensor& positions, int64_t num_rows) {
+  check_index(firsts, num_rows, "firsts");
+  const int64_t* first_of = firsts.data_ptr<int64_t>();
+  const int64_t* position_of = positions.data_ptr<int64_t>();
+  for (int64_t row = 0; row < num_rows; ++row) {
+    TORCH_CHECK(first_of[row] >= 0 && first_of[row] <= position_of[row] + 1, "row ", row, ": first position ",
+                first_of[row], " is outside 0 .. ", position_of[row] + 1);
+  }
+}
+
 // A tree row's extra positions: ascending, past the row's contiguous run and inside its
 // block table, then -1s only (the padding of rows with fewer).
 void check_extra(const at::Tensor& extra, const at::Tensor& positions, int64_t num_rows, int64_t max_len) {
@@ -397,20 +417,21 @@ void check_extra(const at::Tensor& extra, const at::Tensor& positions, int64_t n
 
 at::Tensor attend_with(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tables,
                        const at::Tensor& rows, const at::Tensor& positions, double scale,
-                       const c10::optional<at::Tensor>& extra) {
+                       const c10::optional<at::Tensor>& firsts, const c10::optional<at::Tensor>& extra) {
   check_cache(keys, values);
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1,
               "q must be a CPU tensor [rows, heads, head_dim] with head_dim contiguous");
   TORCH_CHECK(q.scalar_type() == keys.scalar_type(), "q and the cache must share a dtype");
   TORCH_CHECK(keys.size(3) == q.size(2) && q.size(1) % keys.size(1) == 0, "q's heads and head_dim do not fit the cache");
   check_rows(keys, tables, rows, positions, q.size(0));
+  if (firsts) check_firsts(*firsts, positions, q.size(0));
   if (extra) check_extra(*extra, positions, q.size(0), tables.size(1) * keys.size(2));
   at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
   const c10::optional<at::Tensor> with_extra = extra && extra->numel() > 0 ? extra : c10::nullopt;
   if (q.scalar_type() == at::kFloat) {
-    attend_dispatch<float>(AttendCall<float>(q, keys, values, tables, rows, positions, with_extra, out), scale);
+    attend_dispatch<float>(AttendCall<float>(q, keys, values, tables, rows, positions, firsts, with_extra, out), scale);
   } else if (q.scalar_type() == at::kBFloat16) {
-    attend_dispatch<c10::BFloat16>(AttendCall<c10::BFloat16>(q, keys, values, tables, rows, positions, with_extra, out),
+    attend_dispatch<c10::BFloat16>(AttendCall<c10::BFloat16>(q, keys, values, tables, rows, positions, firsts, with_extra, out),
                                    scale);
   } else {
     TORCH_CHECK(false, "the attention kernel supports float32 and bfloat16, not ", q.scalar_type());
@@ -421,20 +442,21 @@ at::Tensor attend_with(const at::Tensor& q, const at::Tensor& keys, const at::Te
 }  // namespace
 
 // q [N, H, D] (rows and heads may be strided, head_dim contiguous) over keys, values
-// [pages, KVH, page_size, D]: row n attends positions 0 .. positions[n] of the sequence
-// whose block table is tables[rows[n]]. Returns [N, H * D] in q's dtype; scores, softmax
-// and sums in float32.
+// [pages, KVH, page_size, D]: row n attends positions firsts[n] (0 without firsts: a
+// sliding window's start otherwise) .. positions[n] of the sequence whose block table is
+// tables[rows[n]]. Returns [N, H * D] in q's dtype; scores, softmax and sums in float32.
 at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tables,
-                  const at::Tensor& rows, const at::Tensor& positions, double scale) {
-  return attend_with(q, keys, values, tables, rows, positions, scale, c10::nullopt);
+                  const at::Tensor& rows, const at::Tensor& positions, double scale, const c10::optional<at::Tensor>& firsts) {
+  return attend_with(q, keys, values, tables, rows, positions, scale, firsts, c10::nullopt);
 }
 
 // Like attend, and then row n attends the positions in extra [N, E] up to its first -1,
 // in order. A token tree's node attends that way to the sequence's standing positions and
 // then to its ancestors' and its own, which lie further on among other branches'.
 at::Tensor attend_tree(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tables,
-                       const at::Tensor& rows, const at::Tensor& positions, const at::Tensor& extra, double scale) {
-  return attend_with(q, keys, values, tables, rows, positions, scale, extra);
+                       const at::Tensor& rows, const at::Tensor& positions, const at::Tensor& extra, double scale,
+                       const c10::optional<at::Tensor>& firsts) {
+  return attend_with(q, keys, values, tables, rows, positions, scale, firsts, extra);
 }
 
 // Writes k, v [N, KVH, D] (rows and heads may be strided) at (pages[n], :, offsets[n]).

@@ -2,8 +2,12 @@
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("attend", &attend, "attention of rows over the paged KV cache, read in place through block tables");
-  m.def("attend_tree", &attend_tree, "attention of rows, token tree nodes among them, over the paged KV cache");
+  m.def("attend", &attend, "attention of rows over the paged KV cache, read in place through block tables",
+        py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("tables"), py::arg("rows"), py::arg("positions"),
+        py::arg("scale"), py::arg("firsts") = py::none());
+  m.def("attend_tree", &attend_tree, "attention of rows, token tree nodes among them, over the paged KV cache",
+        py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("tables"), py::arg("rows"), py::arg("positions"),
+        py::arg("extra"), py::arg("scale"), py::arg("firsts") = py::none());
   m.def("store", &store, "write rows' keys and values into pages of the KV cache");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm of each row of x");

@@ -74,9 +74,10 @@ inline float exp_float(float x) {
 }  // namespace specserve
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tables,
-                  const at::Tensor& rows, const at::Tensor& positions, double scale);
+                  const at::Tensor& rows, const at::Tensor& positions, double scale, const c10::optional<at::Tensor>& firsts);
 at::Tensor attend_tree(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tables,
-                       const at::Tensor& rows, const at::Tensor& positions, const at::Tensor& extra, double scale);
+                       const at::Tensor& rows, const at::Tensor& positions, const at::Tensor& extra, double scale,
+                       const c10::optional<at::Tensor>& firsts);
 void store(const at::Tensor& k, const at::Tensor& v, at::Tensor& keys, at::Tensor& values, const at::Tensor& pages,
            const at::Tensor& offsets);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,8 +21,9 @@ from draft_service.proposers import EagleProposer, LookupThenHead, NgramProposer
 from modeling.batch import SeqSpan
 from modeling.config import ModelConfig
 from modeling.kv_cache import pages_for_slots, slot_pages
-from modeling.eagle import DraftMismatch, EagleEngine, EagleHead, check_target
+from modeling.eagle import DraftMismatch, EagleEngine, EagleHead, check_target, unsupported_target
 from modeling.engine import ModelEngine
+from modeling.llama import read_safetensors
 from modeling.phrases import PhraseError, PhraseStore
 from proto.messages import SamplingParams
 from tests.eagle_helpers import tiny_head
@@ -196,6 +199,72 @@ def test_a_short_distillation_lowers_the_loss_and_writes_a_draft_the_proposer_se
     (interrupted.out / "training" / "checkpoint.pt").write_bytes(b"half a file")  # a crash while it was written
     with pytest.raises(ResumeMismatch, match="cannot be read"):
         run(DistillArgs(**{**interrupted.__dict__, "resume": True}), log=lambda line: None)
+
+
+def _saved_head(folder: Path, target: Path) -> EagleHead:
+    """The training form of the head saved in `folder`."""
+    weights = read_safetensors(folder)
+    embed = read_safetensors(target, ["model.embed_tokens.weight"])["model.embed_tokens.weight"]
+    head = EagleHead(ModelConfig.from_folder(target), embed, weights["draft_vocab"].long())
+    head.init_layer_from(weights, 0, weights["model.norm.weight"])
+    with torch.no_grad():
+        head.fc.copy_(weights["fc.weight"].float())
+    return head
+
+
+@pytest.fixture(scope="module")
+def tiny_llama3_target(tiny_target_with_tokenizer: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama 3.x-style target: the tiny target's shape with Llama 3's RoPE scaling, and the same tokenizer."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(3)
+    config = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    folder = tmp_path_factory.mktemp("tiny_llama3") / "target"
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    shutil.copy(tiny_target_with_tokenizer / "tokenizer.json", folder / "tokenizer.json")
+    assert ModelConfig.from_folder(folder).rope_scaling is not None
+    return folder
+
+
+def test_a_head_distilled_for_a_llama3_target_serves_what_it_learned(tiny_llama3_target: Path, tmp_path: Path) -> None:
+    out = tmp_path / "distilled"
+    args = DistillArgs(target=tiny_llama3_target, out=out, dtype="float32", num_prompts=12, self_prompts=4,
+                       request_tokens=12, max_new_tokens=16, text_tokens=300, draft_vocab_size=64, steps=30,
+                       batch_sequences=8, lr=3e-3, checkpoint_every=30)
+    figures = run(args, log=lambda line: None)
+    assert figures["train_cls_last"] < figures["train_cls_first"]
+    # The serving engine, on the target's scaled RoPE, computes what the saved head computes in its training form.
+    engine = EagleEngine(out, tiny_llama3_target, device="cpu", dtype="float32", num_pages=pages_for_slots(1, 64),
+                         max_len=64)
+    engine.load()
+    engine.allocate()
+    features = torch.randn(20, 64, generator=torch.Generator().manual_seed(2))
+    tokens = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(3))
+    _, predicted = engine.forward([SeqSpan(slot_pages(0, 64), 0, tokens.tolist(), 20)], features)
+    saved_head = _saved_head(out, tiny_llama3_target)
+    with torch.no_grad():
+        expected = saved_head(features[None], tokens[None])[0]
+    torch.testing.assert_close(predicted, expected, atol=1e-4, rtol=1e-4)
+    proposer = _built(out, tiny_llama3_target, num_slots=1)
+    (proposal,) = proposer.propose([ProposeInput("r", [1, 2, 3, 4], 0, 3, GREEDY, torch.randn(3, 64))])
+    assert len(proposal.token_ids) == 3
+
+
+@pytest.mark.parametrize(("changes", "reason"), [
+    ({"model_type": "qwen3", "qk_norm": True}, "its qwen3 layers are not Llama's"),
+    ({"model_type": "gemma3_text", "gemma": True, "hidden_act": "gelu_pytorch_tanh"}, "its gemma3_text layers are not Llama's"),
+    ({"model_type": "mistral", "sliding_window": 16, "sliding_layers": (True, True, True)}, "sliding windows"),
+    ({"o_bias": True}, "biases"),
+    ({"tie_word_embeddings": False}, "not tied"),
+])
+def test_a_head_is_refused_for_a_target_whose_layers_it_does_not_copy(tiny_llama_folder: Path, changes: dict[str, Any],
+                                                                      reason: str) -> None:
+    target = ModelConfig.from_folder(tiny_llama_folder)
+    assert unsupported_target(target) == ""
+    assert reason in unsupported_target(replace(target, **changes))
 
 
 def test_distill_refuses_arguments_that_cannot_work_before_any_work(tiny_target_with_tokenizer: Path, tmp_path: Path) -> None:

@@ -273,15 +273,10 @@ def test_the_model_fingerprint_tells_apart_a_model_changed_in_one_tensor_only(ti
     shutil.copytree(tiny_llama_folder, copy)
     assert model_fingerprint(copy) == model_fingerprint(tiny_llama_folder)  # where a model lies does not matter
     (weights,) = copy.glob("*.safetensors")
-    # An attention weight none of the file's sampled 64 KiB pieces (at 10, 50 and 90% of it) touches, changed as a
-    # merged LoRA would change it.
-    size = weights.stat().st_size
+    # One attention weight of one layer, changed as a merged LoRA would change it (every value, a little).
     header_len = int.from_bytes(weights.read_bytes()[:8], "little")
     header = json.loads(weights.read_bytes()[8 : 8 + header_len])
-    sampled = [(int(size * f), int(size * f) + 64 * 1024) for f in (0.1, 0.5, 0.9)]
-    name = next(n for n, entry in sorted(header.items()) if "_proj" in n and all(
-        8 + header_len + entry["data_offsets"][1] <= lo or 8 + header_len + entry["data_offsets"][0] >= hi for lo, hi in sampled))
-    start, end = header[name]["data_offsets"]
+    start, end = header["model.layers.1.self_attn.o_proj.weight"]["data_offsets"]
     with weights.open("r+b") as f:  # the header stays as it is: only the weight's values change
         f.seek(8 + header_len + start)
         values = torch.frombuffer(bytearray(f.read(end - start)), dtype=torch.float32) + 0.01
@@ -308,3 +303,27 @@ def test_a_prefix_read_from_another_sequences_pages_gives_the_bits_of_computing_
     assert torch.equal(reused[:4], computed)
     for store in (cache.keys, cache.values):
         assert torch.equal(store[:, 20, :, :4], store[:, 15, :, :4]), "the page written after the shared ones differs"
+
+
+def test_the_model_fingerprint_does_not_depend_on_how_the_files_spell_the_model(tiny_llama_folder: Path,
+                                                                                tmp_path: Path) -> None:
+    """The other RoPE spelling, keys in another order, the weights in shards with an index: the same model."""
+    from safetensors.torch import load_file, save_file
+
+    from modeling.config import model_fingerprint
+
+    respelled = tmp_path / "respelled"
+    respelled.mkdir()
+    hf = json.loads((tiny_llama_folder / "config.json").read_text())
+    theta = hf.pop("rope_parameters")["rope_theta"]
+    (respelled / "config.json").write_text(json.dumps(dict(reversed(list({**hf, "rope_theta": theta}.items())))))
+    (weights,) = tiny_llama_folder.glob("*.safetensors")
+    tensors = load_file(weights)
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    for shard, members in shards.items():
+        save_file({name: tensors[name] for name in members}, str(respelled / shard))
+    (respelled / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {name: shard for shard, members in shards.items() for name in members}}))
+    assert model_fingerprint(respelled) == model_fingerprint(tiny_llama_folder)

@@ -46,13 +46,18 @@ def test_without_any_rope_setting_the_base_is_ten_thousand() -> None:
 
 
 @pytest.mark.parametrize(("spelling", "named"), [
-    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0}}, "rope_parameters.rope_type 'llama3'"),
-    ({"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.rope_type 'llama3'"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.rope_type 'linear'"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0}},
+     "rope_parameters lacks 'low_freq_factor', which rope_type 'llama3' needs"),
+    ({"rope_theta": 500000.0, "rope_scaling": {"rope_type": "longrope", "factor": 8.0}}, "rope_scaling.rope_type 'longrope'"),
+    ({"rope_scaling": {"type": "linear"}}, "rope_scaling lacks 'factor'"),
     ({"rope_parameters": {"rope_type": "yarn-ish", "rope_theta": 1.0}}, "'yarn-ish'"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "factor": 2.0}}, "'factor'"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0, "low_freq_factor": 1.0}},
+     "'low_freq_factor', which rope_type 'linear' does not take"),
     ({"rope_scaling": "linear"}, "rope_scaling 'linear' is not an object"),
     ({"rope_theta": 1e4, "rope_parameters": {"rope_theta": 5e5}}, "disagree"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}, "rope_scaling": {"type": "linear", "factor": 4.0}},
+     "different RoPE scalings"),
 ])
 def test_rope_settings_it_does_not_implement_are_refused_by_name(spelling: dict[str, Any], named: str) -> None:
     with pytest.raises(UnsupportedModel, match=named.replace(".", r"\.").replace("(", r"\(")):
@@ -60,24 +65,30 @@ def test_rope_settings_it_does_not_implement_are_refused_by_name(spelling: dict[
 
 
 @pytest.mark.parametrize(("extra", "named"), [
-    ({"mlp_bias": True}, "mlp_bias True"),
-    ({"sliding_window": 64}, "sliding_window 64"),
-    ({"model_type": "mistral", "sliding_window": 16}, "sliding_window 16"),
+    ({"sliding_window": 64}, "key 'sliding_window' is not known to this server for model_type 'llama'"),
+    ({"model_type": "mistral", "layer_types": ["sliding_attention", "full_attention"]}, "'layer_types' is not known to this server for model_type 'mistral'"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "layer_types": ["sliding_attention", "local"]}, "layer_types"),
     ({"rope_interleaved": True}, "rope_interleaved"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
-    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+    ({"model_type": "gemma3_text", "final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+    ({"model_type": "gemma3_text", "attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"model_type": "gemma3_text", "hidden_activation": "gelu"}, "hidden_activation 'gelu'"),
+    ({"final_logit_softcapping": 30.0}, "'final_logit_softcapping' is not known"),
     ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
-    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 32}, "sliding_window 32"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"qk_layernorm": True}, "'qk_layernorm' is not known"),
-    ({"model_type": "gemma3"}, "model_type 'gemma3'"),
+    ({"model_type": "mistral", "attention_bias": True}, "'attention_bias' is not known to this server for model_type 'mistral'"),
+    ({"model_type": "gemma3"}, "model_type 'gemma3' is Gemma 3 with its vision tower"),
+    ({"model_type": "phi3"}, "model_type 'phi3' is not one of"),
 ])
 def test_keys_that_would_change_the_math_are_refused_by_name(extra: dict[str, Any], named: str) -> None:
     with pytest.raises(UnsupportedModel, match=named):
         ModelConfig.from_hf({**BASE, **extra})
 
 
-@pytest.mark.parametrize("make", [transformers.LlamaConfig, transformers.MistralConfig, transformers.Qwen2Config])
+@pytest.mark.parametrize("make", [transformers.LlamaConfig, transformers.MistralConfig, transformers.Qwen2Config,
+                                  transformers.Qwen3Config, transformers.Gemma3TextConfig])
 def test_configs_saved_by_the_installed_transformers_are_read(make: Any) -> None:
     fields = {k: v for k, v in BASE.items() if k != "model_type"}
     window = {"sliding_window": None} if make is transformers.MistralConfig else {}
