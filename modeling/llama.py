@@ -31,6 +31,11 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device, fill: float | 
     return torch.nn.Parameter(data, requires_grad=False)
 
 
+def norm_dtype(config: ModelConfig, dtype: torch.dtype) -> torch.dtype:
+    """Gemma applies its norms in float32 (x * (1 + w), rounded once), so its weights stay float32; others' are in dtype."""
+    return torch.float32 if config.gemma else dtype
+
+
 class DecoderLayer(torch.nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -45,18 +50,21 @@ class DecoderLayer(torch.nn.Module):
         def bias(size: int, wanted: bool) -> torch.nn.Parameter | None:
             return param(size, fill=0.0) if wanted else None
 
+        def norm(size: int) -> torch.nn.Parameter:
+            return _param(size, dtype=norm_dtype(config, dtype), device=device, fill=1.0)
+
         # Norm weights are held as the factor they apply (Gemma's stored w is applied as 1 + w).
-        self.input_norm = param(hidden, fill=1.0)
+        self.input_norm = norm(hidden)
         self.qkv_proj = param(q_size + 2 * kv_size, hidden)
         self.qkv_bias = bias(q_size + 2 * kv_size, config.attention_bias)
-        self.q_norm = param(config.head_dim, fill=1.0) if config.qk_norm else None
-        self.k_norm = param(config.head_dim, fill=1.0) if config.qk_norm else None
+        self.q_norm = norm(config.head_dim) if config.qk_norm else None
+        self.k_norm = norm(config.head_dim) if config.qk_norm else None
         self.o_proj = param(hidden, q_size)
         self.o_bias = bias(hidden, config.o_bias)
-        self.post_attention_norm = param(hidden, fill=1.0)
+        self.post_attention_norm = norm(hidden)
         # Gemma's sandwich: post_attention_norm normalises the attention's output, these two the MLP's input and output.
-        self.pre_mlp_norm = param(hidden, fill=1.0) if config.gemma else None
-        self.post_mlp_norm = param(hidden, fill=1.0) if config.gemma else None
+        self.pre_mlp_norm = norm(hidden) if config.gemma else None
+        self.post_mlp_norm = norm(hidden) if config.gemma else None
         self.gate_up_proj = param(2 * inner, hidden)
         self.gate_up_bias = bias(2 * inner, config.mlp_bias)
         self.down_proj = param(hidden, inner)
@@ -76,7 +84,7 @@ class LlamaModel(torch.nn.Module):
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers: list[DecoderLayer] = torch.nn.ModuleList(  # type: ignore[assignment]
             DecoderLayer(config, dtype, device) for _ in range(config.num_layers))
-        self.norm = _param(config.hidden_size, dtype=dtype, device=device, fill=1.0)
+        self.norm = _param(config.hidden_size, dtype=norm_dtype(config, dtype), device=device, fill=1.0)
         self.lm_head = (
             self.embed_tokens
             if config.tie_word_embeddings
@@ -328,9 +336,12 @@ def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's: weight * round(x / rms(x)). A float32 weight for a narrower x is Gemma's: round(x / rms(x) * weight)."""
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32 and dtype != torch.float32:
+        return (x32 * weight).to(dtype)
     return weight * x32.to(dtype)
 
 

@@ -3,6 +3,8 @@
 // ops round (after every op) unless noted, so the fused model stays close to the plain one.
 #include "ops.h"
 
+#include <type_traits>
+
 #include <ATen/Parallel.h>
 
 #include <vector>
@@ -24,8 +26,10 @@ void check_rows(const at::Tensor& x, const char* name) {
 }
 
 // out = weight * to_T(x * rsqrt(mean(x^2) + eps)), the statistics in float32 (as HF's LlamaRMSNorm).
-template <typename T>
-void norm_row(const T* x, const T* weight, T* out, int64_t width, float eps) {
+// A float32 weight for a bfloat16 x is Gemma's convention instead: the product taken in float32
+// and rounded once, to_T(x * rsqrt(...) * weight).
+template <typename T, typename W>
+void norm_row(const T* x, const W* weight, T* out, int64_t width, float eps) {
   float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
   for (int64_t i = 0; i < width; ++i) {
@@ -33,19 +37,24 @@ void norm_row(const T* x, const T* weight, T* out, int64_t width, float eps) {
     squares += v * v;
   }
   const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(width) + eps);
+  if constexpr (std::is_same<W, float>::value && !std::is_same<T, float>::value) {
 #pragma omp simd
-  for (int64_t i = 0; i < width; ++i) {
-    out[i] = from_float<T>(to_float(weight[i]) * round_to<T>(to_float(x[i]) * inverse));
+    for (int64_t i = 0; i < width; ++i) out[i] = from_float<T>(to_float(x[i]) * inverse * weight[i]);
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < width; ++i) {
+      out[i] = from_float<T>(to_float(weight[i]) * round_to<T>(to_float(x[i]) * inverse));
+    }
   }
 }
 
-template <typename T>
+template <typename T, typename W>
 void norm_rows(at::Tensor* x, const at::Tensor* delta, const at::Tensor& weight, at::Tensor& out, float eps) {
   const int64_t rows = x->size(0), width = x->size(1);
   const int64_t x_stride = x->stride(0), delta_stride = delta ? delta->stride(0) : 0;
   T* x_data = x->data_ptr<T>();
   const T* delta_data = delta ? delta->data_ptr<T>() : nullptr;
-  const T* w = weight.data_ptr<T>();
+  const W* w = weight.data_ptr<W>();
   T* out_data = out.data_ptr<T>();
   at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -63,17 +72,19 @@ void norm_rows(at::Tensor* x, const at::Tensor* delta, const at::Tensor& weight,
 at::Tensor norm_dispatch(at::Tensor* x, const at::Tensor* delta, const at::Tensor& weight, double eps) {
   check_rows(*x, "x");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x->size(1) && weight.is_contiguous() &&
-                  weight.scalar_type() == x->scalar_type(),
-              "weight must be contiguous [width] in x's dtype");
+                  (weight.scalar_type() == x->scalar_type() || weight.scalar_type() == at::kFloat),
+              "weight must be contiguous [width] in x's dtype or float32");
   if (delta) {
     check_rows(*delta, "delta");
     TORCH_CHECK(delta->sizes() == x->sizes() && delta->scalar_type() == x->scalar_type(), "delta must match x");
   }
   at::Tensor out = at::empty(x->sizes(), x->options());
   if (x->scalar_type() == at::kFloat) {
-    norm_rows<float>(x, delta, weight, out, static_cast<float>(eps));
+    norm_rows<float, float>(x, delta, weight, out, static_cast<float>(eps));
+  } else if (weight.scalar_type() == at::kFloat) {
+    norm_rows<c10::BFloat16, float>(x, delta, weight, out, static_cast<float>(eps));
   } else {
-    norm_rows<c10::BFloat16>(x, delta, weight, out, static_cast<float>(eps));
+    norm_rows<c10::BFloat16, c10::BFloat16>(x, delta, weight, out, static_cast<float>(eps));
   }
   return out;
 }

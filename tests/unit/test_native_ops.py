@@ -217,6 +217,21 @@ def test_fused_norms_match_torch(ops, dtype: torch.dtype, rows: int) -> None:  #
     _close_to_torch(normed, rms_norm(x + delta, weight, 1e-5))
 
 
+def test_a_float32_norm_weight_on_bfloat16_rows_rounds_once_as_gemma_does(ops) -> None:  # type: ignore[no-untyped-def]
+    generator = torch.Generator().manual_seed(16)
+    x = (torch.randn(5, 640, generator=generator) * 3).to(torch.bfloat16)
+    delta = torch.randn(5, 640, generator=generator).to(torch.bfloat16)
+    weight = 1.0 + torch.randn(640, generator=generator) * 0.1  # Gemma's 1 + w, kept in float32
+    x32 = (x + delta).float()
+    expected = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * weight).to(torch.bfloat16)
+    torch.testing.assert_close(rms_norm(x + delta, weight, 1e-6), expected, atol=0, rtol=0)
+    residual = x.clone()
+    _close_to_torch(ops.add_rms_norm_(residual, delta, weight, 1e-6), expected)
+    _close_to_torch(ops.rms_norm(x + delta, weight, 1e-6), expected)
+    # Not Llama's weight * round(x / rms(x)), which rounds twice.
+    assert not torch.equal(expected, rms_norm(x + delta, weight.to(torch.bfloat16), 1e-6))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_rope_matches_torch_and_leaves_values_alone(ops, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
     generator = torch.Generator().manual_seed(7)
