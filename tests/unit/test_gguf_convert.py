@@ -106,7 +106,7 @@ def test_config_matches_transformers(default_model_dir: Path, gguf_path: Path) -
                 "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings",
                 "vocab_size", "tie_word_embeddings", "bos_token_id", "eos_token_id"):
         assert ours[key] == getattr(theirs, key), key
-    assert ours["rope_theta"] == theirs.rope_parameters["rope_theta"]
+    assert ours["rope_parameters"] == {"rope_type": "default", "rope_theta": theirs.rope_parameters["rope_theta"]}
     assert ours["architectures"] == ["LlamaForCausalLM"]
 
 
