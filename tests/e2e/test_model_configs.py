@@ -146,3 +146,33 @@ def test_a_rope_scaling_it_does_not_implement_is_refused_before_anything_starts(
     assert done.returncode != 0
     assert "rope_parameters.rope_type 'longrope' is not supported" in done.stderr, done.stderr
     assert "READY" not in done.stdout + done.stderr
+
+
+def _broken(folder: Path, how: str) -> str:
+    """Break a saved model folder one way; returns what the refusal must name."""
+    if how == "unknown-model-type":
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "model_type": "falcon"}))
+        return "model_type 'falcon'"
+    if how == "no-weights":
+        for path in [*folder.glob("*.safetensors"), *folder.glob("*.index.json")]:
+            path.unlink()
+        return f"no weight files (*.safetensors or model.safetensors.index.json) in {folder}"
+    shards = sorted(folder.glob("*.safetensors"))
+    shards[-1].unlink()
+    return f"names shard '{shards[-1].name}'"
+
+
+@pytest.mark.parametrize("how", ["unknown-model-type", "no-weights", "missing-shard"])
+def test_a_broken_model_folder_is_refused_before_anything_starts(how: str, tmp_path: Path) -> None:
+    folder = tmp_path / "tiny"
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="100KB")
+    named = _broken(folder, how)
+    done = subprocess.run([sys.executable, "-m", "specserve.cli", "up", "--model", str(folder), "--port", str(free_port()),
+                           "--http-port", str(free_port())], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert named in done.stderr, done.stderr
+    assert "READY" not in done.stdout + done.stderr
