@@ -85,7 +85,7 @@ def _hit_share(base_url: str) -> float:
 
 
 @contextmanager
-def specserve_server(model: Path, dtype: str, prefix_cache: bool, num_workers: int) -> Iterator[str]:
+def specserve_server(model: Path | str, dtype: str, prefix_cache: bool, num_workers: int) -> Iterator[str]:
     http_port = free_port()
     flags = ["--model", str(model), "--dtype", dtype, "--draft", "none", "--port", str(free_port()),
              "--http-port", str(http_port), "--num-workers", str(num_workers), *([] if prefix_cache else ["--no-prefix-cache"])]
@@ -96,10 +96,10 @@ def specserve_server(model: Path, dtype: str, prefix_cache: bool, num_workers: i
 
 
 @contextmanager
-def vllm_server(vllm: str, model: Path, dtype: str, log_dir: Path) -> Iterator[str]:
+def vllm_server(vllm: str, model: Path, dtype: str, log_dir: Path, served_name: str = SERVED_NAME) -> Iterator[str]:
     port = free_port()
     command = [vllm, "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
-               "--max-model-len", "2048", "--served-model-name", SERVED_NAME]
+               "--max-model-len", "2048", "--served-model-name", served_name]
     print(f"starting: {shlex.join(command)}", file=sys.stderr, flush=True)
     with (log_dir / "vllm.log").open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=_vllm_env())
