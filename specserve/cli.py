@@ -9,7 +9,7 @@ from pathlib import Path
 
 from common import logs
 from specserve.stack import is_serving
-from specserve.up import UpRefused, add_up_arguments, run_up, up_config
+from specserve.up import UpRefused, add_up_arguments, resolve_model, run_up, up_config
 
 SERVICE_MODULES = {"scheduler": "scheduler", "worker": "gpu_worker", "draft": "draft_service", "gateway": "gateway"}
 
@@ -40,7 +40,9 @@ def _build_parser() -> argparse.ArgumentParser:
     distill = commands.add_parser("distill", help="make a draft for a target from the target's own outputs: its phrases and an EAGLE-style head")
     _add_distill_arguments(distill)
     distill.set_defaults(run=_run_distill)
-    prepare = commands.add_parser("prepare-model", help="convert the embedded default model once and print its folder")
+    prepare = commands.add_parser("prepare-model", help="fetch and convert a model once (default: the embedded default) "
+                                                        "and print its folder")
+    prepare.add_argument("model", nargs="?", default=None, help="a named model (gemma3-270m, ...) or a .gguf file")
     prepare.set_defaults(run=_run_prepare_model)
     health = commands.add_parser("healthcheck", help="exit 0 when a service is ready (for container health checks)")
     target = health.add_mutually_exclusive_group(required=True)
@@ -72,9 +74,11 @@ def _run_distill(args: argparse.Namespace) -> int:
 
 
 def _run_prepare_model(args: argparse.Namespace) -> int:
-    from modeling.model_store import ensure_default_model
-
-    print(ensure_default_model())
+    try:
+        print(resolve_model(args.model))
+    except UpRefused as refused:
+        print(f"specserve prepare-model: {refused}", file=sys.stderr)
+        return 2
     return 0
 
 
