@@ -157,6 +157,22 @@ def test_greedy_output_through_the_engine_matches_transformers(case: tuple[str, 
     assert compared >= NUM_NEW
 
 
+def test_a_draft_model_of_the_family_proposes_what_the_model_would_say(case: tuple[str, Path, Any]) -> None:
+    """The draft service's model draft runs every family: the model drafting for itself proposes its greedy tokens."""
+    from draft_service.proposers import ModelProposer, ProposeInput
+    from proto.messages import SamplingParams
+
+    name, folder, reference = case
+    proposer = ModelProposer(folder, device="cpu", dtype="float32", num_seqs=2, max_len=MAX_LEN, max_draft_tokens=4,
+                             draft_top_k=8)
+    for phase in proposer.phases():
+        phase()
+    prompt = PROMPT[:30]  # past the shortest sliding window
+    expected = _reference_greedy(reference, prompt)[:4]
+    (made,) = proposer.propose([ProposeInput("a", prompt, 0, 4, SamplingParams(temperature=0.0))])
+    assert made.token_ids[: len(expected)] == expected, name
+
+
 def _old_spelling(hf: dict[str, Any]) -> dict[str, Any]:
     """The config as transformers 4 wrote it: a top-level rope_theta (and Gemma's rope_local_base_freq), rope_scaling."""
     old = dict(hf)
