@@ -50,7 +50,9 @@ def target_probs(logits: torch.Tensor, params: SamplingLike) -> torch.Tensor:
             if count == vocab or bool((mass[..., -1] >= params.top_p).all()):
                 break
             count = count * 8 if count * 8 <= vocab // 4 else vocab  # past a quarter, one whole sort
-        keep_sorted = mass - best < params.top_p  # the mass of strictly better tokens; never drops the best token
+        keep_sorted = mass - best < params.top_p  # the mass of strictly better tokens
+        # The best token is always kept: a top_p below float32's smallest number compares as 0 and would keep none.
+        keep_sorted[..., 0] = True
         keep = torch.zeros(scaled.shape, dtype=torch.bool, device=scaled.device).scatter_(-1, order, keep_sorted)
         scaled = scaled.masked_fill(~keep, float("-inf"))
     return torch.softmax(scaled, dim=-1)

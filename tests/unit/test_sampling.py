@@ -85,3 +85,13 @@ def test_seeds_that_differ_only_above_32_bits_draw_differently() -> None:
         assert not torch.equal(first, torch.rand(4, generator=generator_for(seed + 2**32, 9, cpu)))
         assert not torch.equal(first, torch.rand(4, generator=generator_for(seed + 2**33, 9, cpu)))
         assert torch.equal(first, torch.rand(4, generator=generator_for(seed, 9, cpu)))
+
+
+@pytest.mark.parametrize("top_p", [1e-46, 1e-45, 1e-30, 1e-8])
+def test_a_top_p_too_small_for_float32_keeps_the_best_token(top_p: float) -> None:
+    """1e-46 is 0 in float32: the best token must still be kept (not every token masked, which drew token 0)."""
+    logits = torch.tensor([0.0, 1.0, 5.0, 2.0, 4.9])
+    probs = target_probs(logits, SamplingParams(temperature=1.0, top_p=top_p, seed=3))
+    assert torch.isfinite(probs).all()
+    assert probs.tolist() == [0.0, 0.0, 1.0, 0.0, 0.0]
+    assert sample(logits[None], [SamplingParams(temperature=1.0, top_p=top_p, seed=3)], [7]) == [2]
