@@ -10,6 +10,7 @@ speculation/.
 from __future__ import annotations
 
 import random
+import time
 from functools import partial
 from typing import assert_never
 
@@ -22,7 +23,7 @@ from scheduler.outbox import Outbox
 from scheduler.requests import RequestRejected, RequestStatus, RequestTable
 from scheduler.speculation.link import DraftLink
 from scheduler.stepping import StepCycle, protocol_error
-from scheduler.workers import WorkerRecord, WorkerRegistry
+from scheduler.workers import WorkerRecord, WorkerRegistry, hello_problem
 
 log = get_logger()
 
@@ -74,8 +75,11 @@ class SchedulerCore:
             case m.SubmitRequest():
                 self._submit(identity, message, now_s)
             case m.AbortRequest():
-                if (request := self._requests.get(message.request_id)) is not None:  # else already finished
-                    self._steps.finish(request, RequestStatus.FINISHED_ABORTED, notify=False, reason=message.reason)
+                request = self._requests.get(message.request_id)
+                if request is not None and request.gateway != identity:  # a gateway ends only its own requests
+                    self.protocol_errors["gateway"].record("not_owner", message="abort", request_id=message.request_id)
+                elif request is not None:  # else already finished
+                    self._steps.finish(request, RequestStatus.FINISHED_ABORTED, notify=False, reason=message.reason[:200])
                     self._steps.place_waiting()  # its pages may be what a waiting request needs
                     self._steps.dispatch(now_s)
             case m.InfoQuery():
@@ -114,7 +118,7 @@ class SchedulerCore:
 
     def _submit(self, identity: bytes, submit: m.SubmitRequest, now_s: float) -> None:
         try:
-            request = self._requests.admit(identity, submit, now_s)
+            request = self._requests.admit(identity, submit, now_s, vocab_size=self._workers.target_vocab_size)
         except RequestRejected as exc:
             log.info("request.rejected", request_id=submit.request_id, code=exc.code, reason=exc.message)
             self.outbox.to_gateway(identity, m.RequestError(submit.request_id, exc.code, exc.message))
@@ -129,6 +133,9 @@ class SchedulerCore:
             return self._on_hello(identity, message, now_s)
         worker = self._workers.current(message.worker_id, message.incarnation)
         if worker is None:
+            return False
+        if worker.identity != identity:  # believed only from the socket that said the hello
+            self.protocol_errors["worker"].record("not_owner", message=type(message).__name__, worker_id=message.worker_id)
             return False
         worker.last_seen_s = now_s
         match message:
@@ -170,6 +177,9 @@ class SchedulerCore:
         return True
 
     def _on_hello(self, identity: bytes, hello: m.WorkerHello, now_s: float) -> bool:
+        if problem := hello_problem(hello, time.time_ns()):  # checked in full before any record is built
+            self.protocol_errors["worker"].record("bad_hello", worker_id=hello.worker_id[:64], problem=problem)
+            return False
         is_new, replaced = self._workers.replaced_by(hello)
         if not is_new:
             return False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import random
 from collections import deque
 from collections.abc import Iterator
@@ -46,6 +47,32 @@ FINISH_REASONS: dict[RequestStatus, m.FinishReason] = {
 
 class IllegalRequestMove(RuntimeError):
     """A status move the table does not allow: a bug in the scheduler, never input."""
+
+
+MAX_REQUEST_ID_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def sampling_problem(sampling: m.SamplingParams) -> str:
+    """Why these sampling values cannot be served ("" when they can)."""
+    if not math.isfinite(sampling.temperature) or not 0.0 <= sampling.temperature <= 1e4:
+        return f"temperature {sampling.temperature} is outside 0 .. 10000"
+    if not (math.isfinite(sampling.top_p) and 0.0 < sampling.top_p <= 1.0):
+        return f"top_p {sampling.top_p} is outside (0, 1]"
+    if sampling.top_k < 0:
+        return f"top_k {sampling.top_k} is negative"
+    if not 0 <= sampling.seed < 1 << 64:
+        return f"seed {sampling.seed} is outside 0 .. 2^64 - 1"
+    return ""
+
+
+def token_problem(submit: m.SubmitRequest | Request, vocab_size: int) -> str:
+    """A prompt or stop token id outside the vocabulary of `vocab_size` ids (any negative one when it is not known)."""
+    for field_name, ids in (("prompt_token_ids", list(submit.prompt_token_ids)), ("stop_token_ids", list(submit.stop_token_ids))):
+        if ids and (min(ids) < 0 or (vocab_size and max(ids) >= vocab_size)):
+            bad = next(i for i in ids if i < 0 or (vocab_size and i >= vocab_size))
+            return f"{field_name} holds {bad}, outside the vocabulary of {vocab_size or 'the model'} ids"
+    return ""
 
 
 class RequestRejected(Exception):
@@ -139,12 +166,23 @@ class RequestTable:
     def waiting(self) -> list[Request]:
         return list(self._waiting)
 
-    def admit(self, gateway: bytes, submit: m.SubmitRequest, now_s: float) -> Request:
-        """Queue a submitted request; raises RequestRejected, changing nothing, when it cannot be served."""
+    def admit(self, gateway: bytes, submit: m.SubmitRequest, now_s: float, *, vocab_size: int = 0) -> Request:
+        """Queue a submitted request; raises RequestRejected, changing nothing, when it cannot be served.
+
+        Everything is checked, whoever sent it: token ids against the targets' vocabulary
+        (`vocab_size`, 0 while no target has said hello: then at placement, `token_problem`),
+        sampling values, sizes.
+        """
         limit = self._max_model_len
         num_prompt = len(submit.prompt_token_ids)
+        if not 0 < len(submit.request_id) <= MAX_REQUEST_ID_CHARS:
+            raise RequestRejected("INVALID_ARGUMENT", f"request_id must have 1 to {MAX_REQUEST_ID_CHARS} characters")
         if submit.request_id in self._by_id:
             raise RequestRejected("INVALID_ARGUMENT", f"request_id {submit.request_id!r} is already in use")
+        if problem := sampling_problem(submit.sampling) or token_problem(submit, vocab_size):
+            raise RequestRejected("INVALID_ARGUMENT", problem)
+        if len(submit.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise RequestRejected("INVALID_ARGUMENT", f"stop_token_ids has more than {MAX_STOP_TOKEN_IDS} ids")
         if num_prompt == 0:
             raise RequestRejected("INVALID_ARGUMENT", "prompt_token_ids is empty")
         if submit.max_tokens is not None and submit.max_tokens < 1:

@@ -1,0 +1,116 @@
+"""Messages the scheduler believes only from their owner, and only when they make sense: checked before any state.
+
+Each case is a well-formed message from something that can reach the scheduler's sockets
+(a second gateway, a process posing as a worker). None may crash the scheduler, change a
+user's output, or take a healthy worker down; each is counted as refused.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from proto import messages as m
+from proto.lifecycle import State
+from tests.unit.scheduler_fakes import DEFAULT_TOKEN, EOS, FakeWorker, Sim
+
+OTHER_GATEWAY = b"gateway-2"
+
+
+def test_a_worker_message_from_another_socket_than_its_hello_is_refused() -> None:
+    sim = Sim()
+    worker = sim.worker("w0").start()
+    sim.submit("r1", max_tokens=3)
+    step = worker.step()
+    impostor = FakeWorker(sim, "w0", identity=b"impostor")
+    # A forged result (token 1 for everyone) and a forged failure report, from another socket.
+    forged = m.StepResult(worker_id="w0", incarnation=worker.incarnation, step_id=step.step_id,
+                          outputs=[m.SeqOutput(seq.request_id, [1]) for seq in step.seqs], duration_ms=10.0)
+    assert not impostor.send(forged)
+    assert not impostor.send(m.WorkerFailed("w0", worker.incarnation, State.READY, "RuntimeError", "forged"))
+    assert sim.process("w0").state == State.READY
+    assert sim.info().protocol_errors["worker.not_owner"] == 2
+    worker.run()
+    assert sim.streamed("r1") == [DEFAULT_TOKEN] * 3  # the real worker's tokens, none of the impostor's
+    assert sim.finish_reason("r1") == "length"
+
+
+def test_a_gateway_may_abort_only_its_own_requests() -> None:
+    sim = Sim()
+    worker = sim.worker("w0").start()
+    sim.submit("r1", max_tokens=3)
+    sim.core.on_gateway_message(OTHER_GATEWAY, m.GatewayHello("gateway-2", m.PROTOCOL_VERSION), sim.now_s)
+    sim.core.on_gateway_message(OTHER_GATEWAY, m.AbortRequest("r1", "forged"), sim.now_s)
+    sim.collect()
+    assert sim.info().protocol_errors["gateway.not_owner"] == 1
+    worker.run()
+    assert len(sim.streamed("r1")) == 3 and sim.finish_reason("r1") == "length"  # its owner hears how it ended
+
+
+@pytest.mark.parametrize(("overrides", "named"), [
+    ({"num_kv_pages": 2**62}, "num_kv_pages"),
+    ({"kv_page_size": 2**40}, "kv_page_size"),
+    ({"incarnation": 2**62}, "incarnation"),
+    ({"incarnation": -5}, "incarnation"),
+    ({"vocab_size": -1}, "vocab_size"),
+    ({"max_draft_tokens": 10**6}, "max_draft_tokens"),
+    ({"model_name": "x" * 100_000}, "model_name"),
+])
+def test_an_unbelievable_hello_builds_nothing_and_leaves_the_live_worker_alone(overrides: dict[str, object],
+                                                                                named: str) -> None:
+    from scheduler.workers import hello_problem
+
+    sim = Sim()
+    worker = sim.worker("w0").start()
+    bogus = FakeWorker(sim, "w0", identity=b"impostor", **overrides)
+    assert named in hello_problem(bogus.hello_message, 10**18)
+    assert not bogus.hello()  # no record built (a page pool of 2^62 pages was a MemoryError)
+    assert sim.process("w0").state == State.READY and sim.process("w0").incarnation == worker.incarnation
+    assert sim.info().protocol_errors["worker.bad_hello"] == 1
+    sim.submit("r1", max_tokens=2)
+    worker.run()
+    assert sim.finish_reason("r1") == "length"
+
+
+@pytest.mark.parametrize(("prompt_ids", "stop_ids", "named"), [
+    ([100, 49152, 101], [EOS], "prompt_token_ids holds 49152"),
+    ([100, -1], [EOS], "prompt_token_ids holds -1"),
+    ([100, 101], [10**9], "stop_token_ids holds 1000000000"),
+])
+def test_token_ids_outside_the_vocabulary_are_refused_before_any_worker_sees_them(
+        prompt_ids: list[int], stop_ids: list[int], named: str) -> None:
+    sim = Sim()
+    worker = sim.worker("w0").start()
+    sim.submit("bad", prompt_ids, stop_token_ids=stop_ids)
+    (error,) = sim.errors("bad")
+    assert error.code == "INVALID_ARGUMENT" and named in error.message
+    assert worker.pending_step() is None and sim.process("w0").state == State.READY
+
+
+def test_a_request_queued_before_any_worker_is_checked_against_the_vocabulary_at_placement() -> None:
+    sim = Sim()
+    sim.submit("early", [100, 60000, 101])  # no target has said hello: the vocabulary is not known yet
+    sim.submit("fine", [100, 101])
+    worker = sim.worker("w0").start()
+    (error,) = sim.errors("early")
+    assert error.code == "INVALID_ARGUMENT" and "60000" in error.message
+    assert all(seq.request_id == "fine" for step in worker.all_steps() for seq in step.seqs)
+    worker.run()
+    assert sim.finish_reason("fine") == "length" and sim.process("w0").state == State.READY
+
+
+@pytest.mark.parametrize(("sampling", "named"), [
+    (m.SamplingParams(temperature=math.nan), "temperature"),
+    (m.SamplingParams(temperature=-1.0), "temperature"),
+    (m.SamplingParams(temperature=1.0, top_p=0.0), "top_p"),
+    (m.SamplingParams(temperature=1.0, top_p=math.inf), "top_p"),
+    (m.SamplingParams(temperature=1.0, top_k=-3), "top_k"),
+    (m.SamplingParams(temperature=1.0, seed=-1), "seed"),
+])
+def test_sampling_values_out_of_range_are_refused_by_name(sampling: m.SamplingParams, named: str) -> None:
+    sim = Sim()
+    sim.worker("w0").start()
+    sim.submit("bad", sampling=sampling)
+    (error,) = sim.errors("bad")
+    assert error.code == "INVALID_ARGUMENT" and named in error.message
