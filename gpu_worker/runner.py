@@ -141,7 +141,8 @@ class ModelRunner:
             if len(w.pages) * size < end:
                 raise PageError(f"request {w.request_id}: {len(w.pages)} pages of {size} positions cannot hold {end} positions")
             if any(not 0 <= t < vocab for t in w.token_ids):
-                raise PageError(f"request {w.request_id}: a token id is outside the vocabulary 0..{vocab - 1}")
+                raise PageError(f"request {w.request_id}: a token id is outside the vocabulary 0..{vocab - 1}",
+                                request_id=w.request_id)
             for page in w.pages[w.start_position // size : pages_for(end, size)]:
                 if written.setdefault(page, w.request_id) != w.request_id:
                     raise PageError(f"page {page} is written by requests {written[page]} and {w.request_id} in one step")

@@ -95,7 +95,7 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
         try:
             self.run_step(execute)
         except PageError as exc:
-            self._refuse(step, str(exc))
+            self._refuse(step, str(exc), exc.request_id)
             return
         self.num_steps += 1
         duration_ms = (time.perf_counter() - started) * 1000
@@ -109,9 +109,9 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
         self.log.debug("step.done", step_id=step.step_id, num_seqs=len(step.seqs), duration_ms=round(duration_ms, 2),
                        request_ids=[w.request_id for w in step.seqs])
 
-    def _refuse(self, step: m.StepRequest, reason: str) -> None:
-        self.log.warning("step.refused", step_id=step.step_id, reason=reason)
+    def _refuse(self, step: m.StepRequest, reason: str, request_id: str = "") -> None:
+        self.log.warning("step.refused", step_id=step.step_id, reason=reason, request_id=request_id)
         self.send(m.StepRefused(
             worker_id=self.process_id, incarnation=self.incarnation, step_id=step.step_id,
-            state=self.state, reason=reason,
+            state=self.state, reason=reason, request_id=request_id,
         ))

@@ -30,7 +30,14 @@ MAX_SHARED_QUERY_TOKENS = 16
 
 
 class PageError(ValueError):
-    """A step asked for something inconsistent with the pages it names (a protocol error)."""
+    """A step asked for something inconsistent with the pages it names (a protocol error).
+
+    `request_id` names the request when its own content is at fault (not the step's plan).
+    """
+
+    def __init__(self, message: str, request_id: str = "") -> None:
+        super().__init__(message)
+        self.request_id = request_id
 
 
 @dataclass(frozen=True)

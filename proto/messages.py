@@ -21,7 +21,7 @@ from proto.lifecycle import State
 # 2: target features for draft heads; 3: token trees; 4: a READY report may lower max_draft_tokens;
 # 5: lifecycle states typed, a step output names the draft nodes it accepted;
 # 6: a paged KV cache (a step names each sequence's pages; cached prompt tokens in usage).
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 Role = Literal["target", "draft"]
 
@@ -351,6 +351,9 @@ class StepRefused(msgspec.Struct, tag="step_refused", frozen=True, forbid_unknow
     step_id: int
     state: State
     reason: str
+    # The request whose own content the step was refused for (a token id outside the vocabulary): it alone fails,
+    # and the worker is not at fault. "": the step as a whole was inconsistent.
+    request_id: str = ""
 
 
 class Proposal(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -28,6 +28,7 @@ class SchedulerConfig:
     propose_timeout_s: float = 2.0  # a proposal unanswered this long: the step runs without one
     phase_timeout_s: float = 600.0  # a start-up phase (STARTING .. WARMING) longer than this FAILs the process
     prefix_cache: bool = True  # share the KV pages of equal prompt prefixes between requests
+    max_request_retries: int = 2  # a request in the step of this many lost workers is retried; one more fails it
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a worker or draft start-up phase running longer is FAILED and the process told to stop")
     parser.add_argument("--propose-timeout-s", type=float, default=2.0,
                         help="how long a step waits for the draft service before it runs without proposals")
+    parser.add_argument("--max-request-retries", type=int, default=2,
+                        help="a request whose step was in flight on a worker that was lost is run again this many times "
+                             "at most; the next loss fails it (a request that kills every worker it meets)")
     parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV pages of a cached prompt prefix (--no-prefix-cache: every prompt is computed)")
 

@@ -154,6 +154,8 @@ class SchedulerCore:
                 if problem:
                     worker.failure = problem
                     self._lose_worker(worker, State.FAILED, now_s)
+            case m.StepRefused() if self._refused_for_its_request(worker, message, now_s):
+                pass
             case m.StepRefused():
                 log.error("step.refused", worker_id=worker.worker_id, step_id=message.step_id, reason=message.reason)
                 worker.failure = f"refused a step: {message.reason}"
@@ -174,6 +176,25 @@ class SchedulerCore:
                 self._lose_worker(worker, State.FAILED, now_s)
             case _:
                 assert_never(message)
+        return True
+
+    def _refused_for_its_request(self, worker: WorkerRecord, refused: m.StepRefused, now_s: float) -> bool:
+        """A step refused for one request's own content: that request fails alone; the worker, which ran nothing of
+        the step, is not at fault and its other sequences are planned again."""
+        step = worker.in_flight
+        if not refused.request_id or step is None or step.step_id != refused.step_id:
+            return False
+        request = next((s.request for s in step.seqs if s.request.request_id == refused.request_id), None)
+        if request is None:
+            return False
+        log.warning("request.refused_by_worker", request_id=request.request_id, worker_id=worker.worker_id,
+                    reason=refused.reason)
+        worker.in_flight = None
+        problem = f"the worker refused the request: {refused.reason}"
+        self._steps.finish(request, RequestStatus.FAILED, notify=False, reason=problem)
+        self.outbox.to_gateway(request.gateway, m.RequestError(request.request_id, "INVALID_ARGUMENT", problem))
+        self._steps.place_waiting()
+        self._steps.dispatch(now_s)
         return True
 
     def _on_hello(self, identity: bytes, hello: m.WorkerHello, now_s: float) -> bool:
@@ -239,6 +260,30 @@ class SchedulerCore:
         if forget and (draft := self._drafts.current(self._workers, self._requests)) is not None:
             self.outbox.to_worker(draft.identity, m.ReleaseSequences(draft.incarnation, forget))
 
+    def _quarantine(self, worker: WorkerRecord, now_s: float) -> None:
+        """The requests of the step in flight on a lost worker count the loss. In two lost steps a request becomes a
+        suspect and runs in steps of its own; one whose own step is in flight on a lost worker after more than
+        --max-request-retries losses fails. So one request that kills every worker it meets cannot take the service
+        down, and the others in its batch do not share its fate."""
+        if worker.in_flight is None:
+            return
+        alone = len(worker.in_flight.seqs) == 1
+        for seq in worker.in_flight.seqs:
+            request = seq.request
+            if worker.requests.get(request.request_id) is not request:
+                continue
+            request.num_lost_steps += 1
+            # Once could be chance (a worker killed for its own reasons); twice, it runs alone from now on, so that
+            # the next loss points at it or clears the others.
+            request.suspect = request.num_lost_steps >= 2
+            if alone and request.num_lost_steps > self._config.max_request_retries:
+                problem = (f"the request was in flight on {request.num_lost_steps} workers that were lost (last: "
+                           f"{worker.worker_id}, {worker.failure}); it is not run again (--max-request-retries "
+                           f"{self._config.max_request_retries})")
+                log.error("request.quarantined", request_id=request.request_id, reason=problem)
+                self._steps.finish(request, RequestStatus.FAILED, notify=False, reason=problem)
+                self.outbox.to_gateway(request.gateway, m.RequestError(request.request_id, "INTERNAL", problem))
+
     def _lose_draft(self, draft: WorkerRecord, now_s: float) -> None:
         """Steps go on without speculation; a new incarnation starts from nothing."""
         for pending in self._drafts.lose(draft, self._requests):
@@ -253,6 +298,8 @@ class SchedulerCore:
         """
         log.warning("worker.lost", worker_id=worker.worker_id, incarnation=worker.incarnation, state=state,
                     failure=worker.failure, num_requeued=len(worker.requests))
+        if worker.is_target:
+            self._quarantine(worker, now_s)
         if not worker.told_to_stop:
             worker.told_to_stop = True
             self.outbox.to_worker(worker.identity, m.Drain(worker.incarnation))

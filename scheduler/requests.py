@@ -27,11 +27,12 @@ class RequestStatus(enum.Enum):
 
 _S = RequestStatus
 # Every status a request may move to from each status. A running request goes back to
-# WAITING when its worker is lost or it is preempted for pages; only a waiting one fails
-# (no READY worker in time, a prompt no worker's KV cache can hold).
+# WAITING when its worker is lost or it is preempted for pages. A waiting one fails (no READY
+# worker in time, a prompt no worker's KV cache can hold), and a running one when a worker
+# refuses it for its content or it was in flight on too many lost workers.
 REQUEST_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
     _S.WAITING: frozenset({_S.RUNNING, _S.FINISHED_ABORTED, _S.FAILED}),
-    _S.RUNNING: frozenset({_S.WAITING, _S.FINISHED_STOPPED, _S.FINISHED_LENGTH, _S.FINISHED_ABORTED}),
+    _S.RUNNING: frozenset({_S.WAITING, _S.FINISHED_STOPPED, _S.FINISHED_LENGTH, _S.FINISHED_ABORTED, _S.FAILED}),
     _S.FINISHED_STOPPED: frozenset(),
     _S.FINISHED_LENGTH: frozenset(),
     _S.FINISHED_ABORTED: frozenset(),
@@ -97,6 +98,10 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose keys and values its pages on the worker hold
     num_cached_tokens: int = 0  # prompt tokens its first placement found in the prefix cache (for usage)
     num_preemptions: int = 0
+    # Workers lost with a step of this request in flight; from two on it is a suspect and runs in steps of its own
+    # until it ends (SchedulerCore._quarantine, --max-request-retries).
+    num_lost_steps: int = 0
+    suspect: bool = False
     draft: DraftView = field(default_factory=lambda: DraftView())
     features: FeatureStore = field(default_factory=FeatureStore, compare=False, repr=False)  # while a draft reads features
     # Speculation so far: draft tokens verified, accepted, and verify steps.

@@ -76,7 +76,7 @@ class StepCycle:
                 self._outbox.to_worker(worker.identity, m.Drain(worker.incarnation))
             elif worker.is_target and worker.runs_steps and not worker.is_busy and worker.requests:
                 draft = self._drafts.current(self._workers, self._requests)
-                plan = plan_step(list(worker.requests.values()), self._limits,
+                plan = plan_step(self._step_candidates(worker), self._limits,
                                  partial(self._drafts.draft_tokens, draft, worker))
                 if plan is None:
                     continue
@@ -84,6 +84,16 @@ class StepCycle:
                     self._outbox.to_worker(draft.identity, self._drafts.propose(draft, worker, plan, now_s))
                 else:
                     self._send(worker, plan, {}, now_s)
+
+    def _step_candidates(self, worker: WorkerRecord) -> list[Request]:
+        """The requests the next step is planned from: a suspect (a request that was in flight when a worker was lost)
+        alone, taking turns with a step of everyone else."""
+        requests = list(worker.requests.values())
+        suspects = [r for r in requests if r.suspect]
+        if not suspects:
+            return requests
+        worker.suspect_turn = not worker.suspect_turn or len(suspects) == len(requests)
+        return suspects[:1] if worker.suspect_turn else [r for r in requests if not r.suspect]
 
     def step_after_proposal(self, pending: PendingProposal, proposals: dict[str, m.Proposal], now_s: float) -> None:
         """Send the step that waited for this propose request, if its worker still waits for it."""

@@ -42,6 +42,7 @@ class WorkerRecord:
     # A target's longest proposal per step: its hello's, lowered by its READY report (0: it
     # serves without speculation, its steps not being batch invariant).
     max_draft_tokens: int = 0
+    suspect_turn: bool = False  # the last step planned here ran a suspect request alone (stepping._step_candidates)
     failure: str = ""
 
     @property

@@ -114,3 +114,56 @@ def test_sampling_values_out_of_range_are_refused_by_name(sampling: m.SamplingPa
     sim.submit("bad", sampling=sampling)
     (error,) = sim.errors("bad")
     assert error.code == "INVALID_ARGUMENT" and named in error.message
+
+
+def _serve_until_done(sim: Sim, poison: str, max_workers: int = 8) -> list[str]:
+    """Answer every step on a fresh worker; a step holding `poison` kills the worker it runs on (a new incarnation
+    takes over). Returns the ids of the workers lost."""
+    lost: list[str] = []
+    worker = sim.worker("w0").start()
+    for _ in range(2000):
+        step = worker.pending_step()
+        if step is None:
+            return lost
+        if any(seq.request_id == poison for seq in step.seqs):
+            worker.fail("Segmentation fault in a kernel")
+            lost.append(f"w0#{worker.incarnation}")
+            assert len(lost) <= max_workers
+            worker = sim.worker("w0", incarnation=worker.incarnation + 1).start()
+        else:
+            worker.complete()
+    raise AssertionError("still stepping")
+
+
+def test_a_request_that_kills_every_worker_it_runs_on_fails_alone_after_its_retries() -> None:
+    sim = Sim(max_request_retries=2)
+    innocents = [f"r{i}" for i in range(6)]
+    for request_id in innocents[:3]:
+        sim.submit(request_id, max_tokens=5)
+    sim.submit("poison", max_tokens=5)
+    for request_id in innocents[3:]:
+        sim.submit(request_id, max_tokens=5)
+    lost = _serve_until_done(sim, "poison")
+    # Two batches it was in (one lost worker could be chance), then its own step, its third loss: past 2 retries.
+    assert len(lost) == 3
+    (error,) = sim.errors("poison")
+    assert error.code == "INTERNAL" and "--max-request-retries 2" in error.message and "Segmentation fault" in error.message
+    for request_id in innocents:  # every other request completes, as it would have without the poison
+        assert sim.streamed(request_id) == [DEFAULT_TOKEN] * 5 and sim.finish_reason(request_id) == "length"
+        assert not sim.errors(request_id)
+
+
+def test_a_step_refused_for_one_requests_content_fails_that_request_and_keeps_the_worker() -> None:
+    sim = Sim()
+    sim.submit("good", max_tokens=3)
+    sim.submit("bad", max_tokens=3)
+    worker = sim.worker("w0").start()
+    step = worker.step()
+    assert {seq.request_id for seq in step.seqs} == {"good", "bad"}
+    assert worker.send(m.StepRefused("w0", worker.incarnation, step.step_id, State.READY,
+                                     "request bad: a token id is outside the vocabulary 0..49151", request_id="bad"))
+    (error,) = sim.errors("bad")
+    assert error.code == "INVALID_ARGUMENT" and "outside the vocabulary" in error.message
+    assert sim.process("w0").state == State.READY  # not the worker's fault
+    worker.run()
+    assert sim.streamed("good") == [DEFAULT_TOKEN] * 3 and sim.finish_reason("good") == "length"
