@@ -29,6 +29,7 @@ class SchedulerConfig:
     phase_timeout_s: float = 600.0  # a start-up phase (STARTING .. WARMING) longer than this FAILs the process
     prefix_cache: bool = True  # share the KV pages of equal prompt prefixes between requests
     max_request_retries: int = 2  # a request in the step of this many lost workers is retried; one more fails it
+    gone_listed_s: float = 300.0  # a DEAD or FAILED process is listed (GetServerInfo, /metrics) this long, then not
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a worker or draft start-up phase running longer is FAILED and the process told to stop")
     parser.add_argument("--propose-timeout-s", type=float, default=2.0,
                         help="how long a step waits for the draft service before it runs without proposals")
+    parser.add_argument("--gone-listed-s", type=float, default=300.0,
+                        help="how long a DEAD or FAILED process stays listed in GetServerInfo and /metrics")
     parser.add_argument("--max-request-retries", type=int, default=2,
                         help="a request whose step was in flight on a worker that was lost is run again this many times "
                              "at most; the next loss fails it (a request that kills every worker it meets)")
@@ -63,8 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def from_arguments(args: argparse.Namespace) -> SchedulerConfig:
     positive = ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "max_queue_len",
-                "no_worker_timeout_s", "heartbeat_timeout_s", "step_timeout_s", "propose_timeout_s", "phase_timeout_s")
+                "no_worker_timeout_s", "heartbeat_timeout_s", "step_timeout_s", "propose_timeout_s", "phase_timeout_s",
+                "gone_listed_s")
     if problem := not_positive_problem(args, positive) or below_problem(
-            args, ("num_speculative_tokens", "spec_disable_batch_threshold", "spec_draft_token_budget"), 0):
+            args, ("num_speculative_tokens", "spec_disable_batch_threshold", "spec_draft_token_budget",
+                   "max_request_retries"), 0):
         raise ValueError(problem)
     return SchedulerConfig(**{field.name: getattr(args, field.name) for field in fields(SchedulerConfig)})  # one flag each

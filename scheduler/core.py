@@ -61,7 +61,9 @@ class SchedulerCore:
         return m.InfoReply(
             query_id=query_id, model_name=self._config.model_name, max_model_len=self._config.max_model_len,
             num_waiting=self.num_waiting, num_running=self.num_running,
-            processes=[w.info(now_s) for w in self._workers], speculation=self._drafts.counters.info(),
+            processes=[w.info(now_s) for w in self._workers
+                       if w.is_live or now_s - w.state_since_s <= self._config.gone_listed_s],
+            speculation=self._drafts.counters.info(),
             protocol_errors={f"{socket}.{kind}": count for socket, errors in self.protocol_errors.items()
                              for kind, count in errors.counts.items()},
         )

@@ -167,3 +167,15 @@ def test_a_step_refused_for_one_requests_content_fails_that_request_and_keeps_th
     assert sim.process("w0").state == State.READY  # not the worker's fault
     worker.run()
     assert sim.streamed("good") == [DEFAULT_TOKEN] * 3 and sim.finish_reason("good") == "length"
+
+
+def test_a_gone_process_leaves_the_listing_after_the_stated_time() -> None:
+    sim = Sim(gone_listed_s=300.0)
+    old = sim.worker("w0").start()
+    old.fail()
+    sim.worker("w1").start()
+    assert {p.process_id: p.state for p in sim.info().processes} == {"w0": State.FAILED, "w1": State.READY}
+    sim.advance(299.0)
+    assert "w0" in {p.process_id for p in sim.info().processes}
+    sim.advance(2.0)
+    assert [p.process_id for p in sim.info().processes] == ["w1"]
