@@ -120,7 +120,8 @@ def scheduler_spec(config: StackConfig, addresses: StackAddresses) -> ServiceSpe
 
 def worker_spec(config: StackConfig, addresses: StackAddresses, index: int | str,
                 extra_args: tuple[str, ...] = ()) -> ServiceSpec:
-    """Target worker `index`, whose id is worker-INDEX (a test may name one, e.g. worker-faulty)."""
+    """Target worker `index`, whose id is worker-INDEX (a test may name one, e.g. worker-faulty); past the restart
+    limit it stays down and the other workers serve."""
     name = f"worker-{index}"
     return ServiceSpec(name, _python("gpu_worker", [
         "--worker-id", name, "--model", str(config.model), "--scheduler-address", addresses.worker_address,
@@ -128,7 +129,7 @@ def worker_spec(config: StackConfig, addresses: StackAddresses, index: int | str
         "--max-num-batched-tokens", str(config.max_num_batched_tokens),
         *_given({"--kv-cache-memory": config.kv_cache_memory_gib, "--max-num-seqs": config.max_num_seqs}),
         "--num-threads", str(config.num_threads_per_worker), *config.worker_args, *extra_args,
-    ], config), stop_order=1)
+    ], config), stop_order=1, essential=False)
 
 
 def draft_spec(config: StackConfig, addresses: StackAddresses, draft: DraftSpec) -> ServiceSpec:

@@ -28,7 +28,9 @@ class ServiceSpec:
     name: str
     argv: list[str]
     stop_order: int  # lower stops first
-    essential: bool = True  # False: past the restart limit it stays down and the rest go on (the draft service)
+    # False: past the restart limit it stays down and the rest go on (a target worker, the draft service): the stack
+    # serves degraded and says so (/ready, GetServerInfo) rather than stopping every service for one.
+    essential: bool = True
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,10 @@ class Supervisor:
             child.given_up = True
             log.error("supervisor.gave_up", service=child.spec.name, reason=reason, note="the other services go on without it")
             return
-        backoff_s = min(self._policy.initial_backoff_s * 2 ** (len(child.restarts_s) - 1), self._policy.max_backoff_s)
+        # The first exit in the window is restarted at once (a stream waiting for its scheduler should not wait for
+        # a backoff meant for crash loops); then 1x, 2x, 4x ... the initial backoff.
+        exits = len(child.restarts_s)
+        backoff_s = 0.0 if exits == 1 else min(self._policy.initial_backoff_s * 2 ** (exits - 2), self._policy.max_backoff_s)
         child.restart_at_s = now_s + backoff_s
         log.warning("supervisor.exited", service=child.spec.name, returncode=returncode, restart_in_s=backoff_s)
 
