@@ -43,7 +43,10 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    stat = Path(f"/proc/{pid}/stat").read_text().split()
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().split()
+    except FileNotFoundError:  # reaped since
+        return False
     return stat[2] != "Z"
 
 
@@ -72,7 +75,7 @@ def test_up_generate_and_ctrl_c(default_model_dir: Path) -> None:
         assert streamed.stdout.strip()
 
         # A worker killed with SIGKILL is restarted by the supervisor and comes back READY as a new incarnation.
-        (victim,) = [pid for pid in children if "--worker-id\0worker-1\0" in Path(f"/proc/{pid}/cmdline").read_text()]
+        (victim,) = [pid for pid in children if "--worker-id\0worker-1\0" in _cmdline(pid)]
         before = _process(port, "worker-1")
         os.kill(victim, signal.SIGKILL)
         deadline = time.monotonic() + 90
@@ -91,7 +94,7 @@ def test_up_generate_and_ctrl_c(default_model_dir: Path) -> None:
             call = pb_grpc.SpecServeStub(channel).Generate(request, timeout=180)
             first = [next(call) for _ in range(3)]
             assert first[-1].finish_reason == pb.FINISH_REASON_UNSPECIFIED  # still streaming when the scheduler dies
-            (scheduler,) = [pid for pid in children if "-m\0scheduler\0" in Path(f"/proc/{pid}/cmdline").read_text()]
+            (scheduler,) = [pid for pid in children if "-m\0scheduler\0" in _cmdline(pid)]
             os.kill(scheduler, signal.SIGKILL)
             rest = list(call)
         assert [t for r in [*first, *rest] for t in r.token_ids] == undisturbed
@@ -100,6 +103,27 @@ def test_up_generate_and_ctrl_c(default_model_dir: Path) -> None:
         while len(children := _children(up.pid)) != 5 or scheduler in children or not _all_ready(port):
             assert time.monotonic() < deadline, "the stack did not come back after the scheduler was killed"
             time.sleep(0.5)
+
+        # Killed twice within 5 s while four requests stream (the second scheduler dies young too): every stream
+        # waits for the third and completes with the tokens of an undisturbed run.
+        requests = [pb.GenerateRequest(prompt=f"Chapter {i}. The river", params=pb.SamplingParams(
+            max_tokens=64, temperature=0, ignore_eos=True)) for i in range(4)]
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.SpecServeStub(channel)
+            undisturbed_all = [[t for r in stub.Generate(q, timeout=120) for t in r.token_ids] for q in requests]
+            calls = [stub.Generate(q, timeout=300) for q in requests]
+            firsts = [[next(c)] for c in calls]
+            killed_at = time.monotonic()
+            first_victim = _scheduler_pid(up.pid)
+            os.kill(first_victim, signal.SIGKILL)
+            while (second_victim := _scheduler_pid(up.pid)) in (None, first_victim):
+                assert time.monotonic() - killed_at < 4.0, "the supervisor did not restart the scheduler"
+                time.sleep(0.05)
+            time.sleep(0.3)
+            os.kill(second_victim, signal.SIGKILL)
+            assert time.monotonic() - killed_at < 5.0
+            streams = [[t for r in [*head, *call] for t in r.token_ids] for head, call in zip(firsts, calls)]
+        assert streams == undisturbed_all
 
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
@@ -111,6 +135,17 @@ def test_up_generate_and_ctrl_c(default_model_dir: Path) -> None:
         if up.poll() is None:
             up.kill()
             up.wait()
+
+
+def _scheduler_pid(up_pid: int) -> int | None:
+    return next((pid for pid in _children(up_pid) if "-m\0scheduler\0" in _cmdline(pid)), None)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:  # gone meanwhile
+        return ""
 
 
 def test_generate_without_a_server_fails_clearly() -> None:
