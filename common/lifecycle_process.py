@@ -236,7 +236,7 @@ class LifecycleProcess(abc.ABC, Generic[T]):
     def _heartbeat_loop(self) -> None:
         """Runs on its own thread and socket, so heartbeats go on during long phases and steps."""
         socket = self._context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.IDENTITY, f"{self.process_id}/heartbeat".encode())
+        socket.setsockopt(zmq.IDENTITY, m.heartbeat_identity(self.process_id))
         socket.setsockopt(zmq.LINGER, 0)
         monitor = socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         socket.connect(self._scheduler_address)

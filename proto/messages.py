@@ -267,6 +267,12 @@ SchedulerToDraft = ProposeRequest | ReleaseSequences | Drain
 # ---------------------------------------------------------------- worker -> scheduler
 
 
+def heartbeat_identity(worker_id: str) -> bytes:
+    """The routing identity of a process's heartbeat socket: heartbeats (and the watchdog's WorkerFailed) come from
+    their own thread and socket, which the scheduler believes for those two messages only."""
+    return f"{worker_id}/heartbeat".encode()
+
+
 class WorkerHello(msgspec.Struct, tag="hello", frozen=True, forbid_unknown_fields=True):
     """First message of every process incarnation; everything here is known before loading."""
 

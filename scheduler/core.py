@@ -136,7 +136,7 @@ class SchedulerCore:
         worker = self._workers.current(message.worker_id, message.incarnation)
         if worker is None:
             return False
-        if worker.identity != identity:  # believed only from the socket that said the hello
+        if not worker.sent_by(identity, message):  # believed only from the sockets of the process that said the hello
             self.protocol_errors["worker"].record("not_owner", message=type(message).__name__, worker_id=message.worker_id)
             return False
         worker.last_seen_s = now_s

@@ -74,6 +74,13 @@ class WorkerRecord:
     def is_busy(self) -> bool:
         return self.in_flight is not None or self.awaiting_proposal is not None
 
+    def sent_by(self, identity: bytes, message: m.WorkerToScheduler) -> bool:
+        """Whether `message` came from this process: its main socket (the one that said the hello), or for heartbeats
+        and the watchdog's failure report its heartbeat socket (common/lifecycle_process.py)."""
+        if identity == self.identity:
+            return True
+        return isinstance(message, m.Heartbeat | m.WorkerFailed) and identity == m.heartbeat_identity(self.worker_id)
+
     def move_to(self, state: State, now_s: float) -> None:
         if state not in SCHEDULER_TRANSITIONS[self.state]:
             raise IllegalTransition(f"{self.worker_id}: {self.state} -> {state} is not a move the scheduler makes")

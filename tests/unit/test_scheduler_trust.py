@@ -179,3 +179,16 @@ def test_a_gone_process_leaves_the_listing_after_the_stated_time() -> None:
     assert "w0" in {p.process_id for p in sim.info().processes}
     sim.advance(2.0)
     assert [p.process_id for p in sim.info().processes] == ["w1"]
+
+
+def test_heartbeats_are_believed_from_the_workers_heartbeat_socket_too() -> None:
+    sim = Sim(heartbeat_timeout_s=5.0)
+    worker = sim.worker("w0").start()
+    beats = FakeWorker(sim, "w0", identity=m.heartbeat_identity("w0"))
+    for _ in range(4):
+        sim.advance(3.0)
+        assert beats.send(m.Heartbeat("w0", worker.incarnation, State.READY, 0, 0))
+        sim.check_timeouts()
+    assert sim.process("w0").state == State.READY  # 12 s without a word on its main socket, alive by its heartbeats
+    # The heartbeat socket is believed for heartbeats and the watchdog's report only.
+    assert not beats.send(m.LifecycleReport("w0", worker.incarnation, State.DRAINING, State.READY, 1.0))
