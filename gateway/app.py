@@ -20,12 +20,12 @@ from gateway.errors import StartupError
 from gateway.generation import Generation
 from gateway.health import HealthReporter
 from gateway.http_api import HttpApi
+from gateway.http_body import BodyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.scheduler_client import SchedulerClient
-from gateway.server import SpecServeServicer
+from gateway.server import SpecServeServicer, add_servicer
 from modeling.tokenizer import Tokenizer, TokenizerLoadError
 from proto import specserve_pb2 as pb
-from proto import specserve_pb2_grpc as pb_grpc
 
 SPECSERVE_SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["SpecServe"].full_name
 
@@ -93,8 +93,9 @@ class Gateway:
                 await server.start()
                 resources.push_async_callback(server.stop, None)
             with self._phase("start_http"):
-                http = HttpApi(generation, reporter, self._config.model_dir.name)
-                runner = web.AppRunner(http.application(), handler_cancellation=True, access_log=None)
+                limits = BodyLimits(self._config.http_max_body_bytes, self._config.http_read_timeout_s)
+                http = HttpApi(generation, reporter, self._config.model_dir.name, limits)
+                runner = http.runner()
                 await runner.setup()
                 resources.push_async_callback(runner.cleanup)
                 http_port = await self._bind_http(runner)
@@ -171,7 +172,7 @@ class Gateway:
 
 def add_services(server: grpc.aio.Server, servicer: SpecServeServicer, health_servicer: health.aio.HealthServicer) -> None:
     """SpecServe, grpc.health.v1.Health and server reflection (so `grpcurl list` works)."""
-    pb_grpc.add_SpecServeServicer_to_server(servicer, server)
+    add_servicer(server, servicer)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SPECSERVE_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.arguments import flag, not_positive_problem
+from gateway.http_body import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,8 @@ class GatewayConfig:
     scheduler_restart_window_s: float = 60.0
     health_poll_interval_s: float = 0.5
     shutdown_grace_s: float = 30.0  # streams in flight get this long to finish after the first SIGTERM/SIGINT
+    http_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger HTTP body gets 413
+    http_read_timeout_s: float = DEFAULT_READ_TIMEOUT_S  # an HTTP body not all received by then gets 408
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how long a request in flight waits for a silent scheduler to come back before it fails")
     parser.add_argument("--health-poll-interval-s", type=float, default=0.5, help="how often health asks the scheduler")
     parser.add_argument("--shutdown-grace-s", type=float, default=30.0, help="time streams get to finish on shutdown")
+    parser.add_argument("--http-max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="the largest HTTP request body accepted (larger: 413)")
+    parser.add_argument("--http-read-timeout-s", type=float, default=DEFAULT_READ_TIMEOUT_S,
+                        help="how long an HTTP request body may take to arrive (longer: 408 and the connection closes)")
     return parser
 
 
@@ -56,8 +63,9 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
     for name in ("port", "http_port"):
         if not 0 <= getattr(args, name) <= 65535:
             parser.error(f"{flag(name)} {getattr(args, name)}: must be in [0, 65535]")
-    if problem := not_positive_problem(args, ("scheduler_timeout_s", "scheduler_restart_window_s", "health_poll_interval_s",
-                                              "shutdown_grace_s")):
+    if problem := not_positive_problem(args, ("scheduler_timeout_s", "scheduler_restart_window_s",
+                                              "health_poll_interval_s", "shutdown_grace_s", "http_max_body_bytes",
+                                              "http_read_timeout_s")):
         parser.error(problem)
     return GatewayConfig(
         model_dir=args.model,
@@ -71,4 +79,6 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
         scheduler_restart_window_s=args.scheduler_restart_window_s,
         health_poll_interval_s=args.health_poll_interval_s,
         shutdown_grace_s=args.shutdown_grace_s,
+        http_max_body_bytes=args.http_max_body_bytes,
+        http_read_timeout_s=args.http_read_timeout_s,
     )

@@ -20,6 +20,7 @@ GRPC_FIELDS = FieldNames(
     top_p="params.top_p",
     top_k="params.top_k",
     seed="params.seed",
+    stop_strings="params.stop",
     stop_string="params.stop[{index}]",
     stop_token_id="params.stop_token_ids[{index}]",
 )

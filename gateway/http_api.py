@@ -7,6 +7,8 @@ alive), GET /ready (200 only while a target worker is READY), GET /metrics (Prom
 A request body becomes a ClientRequest (openai_request.py) checked by the same `validate`
 as gRPC's, so both APIs accept and refuse the same things; errors come back in OpenAI's
 format with the matching HTTP status, the offending field, named as in the body, in `param`.
+A body is read within BodyLimits (http_body.py): its size, the time it takes to arrive, its
+charset, how deep it nests and whether its text is valid Unicode.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from common.logs import get_logger
 from gateway.errors import RequestFailed
 from gateway.generation import Generation
 from gateway.health import SERVING, HealthReporter
+from gateway.http_body import BodyLimits, json_body
 from gateway.openai_request import ApiError, chat_prompt, client_request_of, completion_prompt
 from gateway.output import Chunk
 from gateway.request import Prompt, Submission
@@ -32,8 +35,10 @@ from gateway.validation import validate
 
 
 class HttpApi:
-    def __init__(self, generation: Generation, reporter: HealthReporter, model_name: str) -> None:
+    def __init__(self, generation: Generation, reporter: HealthReporter, model_name: str,
+                 limits: BodyLimits = BodyLimits()) -> None:
         self._generation = generation
+        self._limits = limits
         self._reporter = reporter
         self._model_name = model_name
         self._created = int(time.time())
@@ -47,8 +52,14 @@ class HttpApi:
         """Return once no generation request is in flight (for draining)."""
         await self._idle.wait()
 
+    def runner(self) -> web.AppRunner:
+        """The application ready to set up and bind. Its keep-alive timer runs from the connection's start (and from
+        each response) until a request's headers are all in: the read timeout bounds headers sent slowly too."""
+        return web.AppRunner(self.application(), handler_cancellation=True, access_log=None,
+                             keepalive_timeout=self._limits.read_timeout_s)
+
     def application(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors])
+        app = web.Application(middlewares=[self._errors], client_max_size=self._limits.max_body_bytes)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -67,6 +78,11 @@ class HttpApi:
             return error_response(ApiError.from_failure(failure))
         except web.HTTPException as error:  # unknown route, wrong method
             return error_response(ApiError(error.status, error.reason or "not found"))
+        except ConnectionResetError:  # the client is gone: there is no one to answer
+            raise
+        except Exception as error:  # recoverable: this request fails (as JSON, like every error), the gateway lives on
+            self._log.exception("request.internal_error", error_type=type(error).__name__)
+            return error_response(ApiError(500, f"internal error in the gateway: {type(error).__name__}"))
 
     # ------------------------------------------------------------------ the simple routes
 
@@ -93,11 +109,11 @@ class HttpApi:
     # ------------------------------------------------------------------ generation
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await _json_body(request)
+        body = await json_body(request, self._limits)
         return await self._run(request, body, completion_prompt(body), chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = await _json_body(request)
+        body = await json_body(request, self._limits)
         return await self._run(request, body, chat_prompt(body), chat=True)
 
     async def _run(self, request: web.Request, body: dict[str, Any], prompt: Prompt, *, chat: bool) -> web.StreamResponse:
@@ -216,18 +232,11 @@ def _usage(last: Chunk) -> dict[str, Any]:
 
 
 def error_response(error: ApiError) -> web.Response:
-    return web.json_response(error.body(), status=error.status)
+    response = web.json_response(error.body(), status=error.status)
+    if error.status == 408:  # the rest of the body may never come: close the connection after the answer
+        response.force_close()
+    return response
 
 
 async def _send_event(response: web.StreamResponse, payload: dict[str, Any]) -> None:
     await response.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
-
-
-async def _json_body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ApiError(400, f"the body is not valid JSON: {error}") from error
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object")
-    return body

@@ -24,8 +24,9 @@ HTTP_STATUS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.INTERNAL: 500,
 }
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable",
-               500: "internal_error"}
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 408: "invalid_request_error",
+               413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
+               503: "service_unavailable", 500: "internal_error"}
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # OpenAI (and vLLM) parameters this server does not implement, with the values that ask for nothing: any other value
 # is refused, never silently ignored (it would change the output the client expects).
@@ -48,6 +49,7 @@ OPENAI_FIELDS = FieldNames(
     top_p="top_p",
     top_k="top_k",
     seed="seed",
+    stop_strings="stop",
     stop_string="stop[{index}]",
     stop_token_id="stop_token_ids[{index}]",
 )

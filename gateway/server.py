@@ -1,4 +1,4 @@
-"""The SpecServe gRPC servicer: validate, tokenize, submit to the scheduler, stream the output back."""
+"""The SpecServe gRPC servicer: decode, validate, tokenize, submit to the scheduler, stream the output back."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ import asyncio
 import contextlib
 import time
 import uuid
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import grpc
 import msgspec
 import structlog
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from common.logs import get_logger
 from gateway.errors import RequestFailed
@@ -21,6 +22,10 @@ from gateway.output import Chunk
 from proto import messages
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
+
+SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["SpecServe"].full_name
+RequestT = TypeVar("RequestT", bound=Message)
+ReplyT = TypeVar("ReplyT")
 
 FINISH_REASONS: dict[messages.FinishReason, pb.FinishReason] = {
     "stop": pb.FINISH_REASON_STOP,
@@ -67,6 +72,34 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
         async with contextlib.aclosing(self._generation.chunks(submission, "grpc")) as chunks:
             async for chunk in chunks:
                 await write_chunk(context, chunk, request_id)
+
+
+def add_servicer(server: grpc.aio.Server, servicer: SpecServeServicer) -> None:
+    """Registers SpecServe as the generated code does, except that requests arrive as bytes and are decoded in the
+    call: grpc turns a deserializer's exception into UNKNOWN, and bytes that are no request are INVALID_ARGUMENT."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            decoding(pb.GenerateRequest, servicer.Generate), response_serializer=pb.GenerateResponse.SerializeToString),
+        "GetServerInfo": grpc.unary_unary_rpc_method_handler(
+            decoding(pb.ServerInfoRequest, servicer.GetServerInfo),
+            response_serializer=pb.ServerInfoResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+def decoding(request_type: type[RequestT], method: Callable[[RequestT, grpc.aio.ServicerContext], Awaitable[ReplyT]]
+             ) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[ReplyT]]:
+    """`method` called with the request decoded from its bytes; bytes that do not decode abort INVALID_ARGUMENT."""
+    async def call(raw: bytes, context: grpc.aio.ServicerContext) -> ReplyT:
+        try:
+            request = request_type.FromString(raw)
+        except DecodeError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the request is not a valid {request_type.DESCRIPTOR.full_name}: {error}")
+            raise  # not reached: abort raises
+        return await method(request, context)
+    return call
 
 
 async def write_chunk(context: grpc.aio.ServicerContext, chunk: Chunk, request_id: str) -> None:

@@ -17,6 +17,10 @@ from modeling.tokenizer import ChatMessage
 from proto import messages
 
 MAX_REQUEST_ID_CHARS = 128
+# Every stop string is looked for in every chunk of the output: a few short ones are cheap, tens of thousands slow
+# every other request on the gateway. OpenAI documents up to 4; these leave room for clients that send more.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class FieldNames:
     top_p: str
     top_k: str
     seed: str
+    stop_strings: str  # the list as a whole
     stop_string: str  # "{index}"
     stop_token_id: str  # "{index}"
 
@@ -131,7 +136,13 @@ def sampling_of(request: ClientRequest, fields: FieldNames) -> messages.Sampling
 
 
 def stop_strings_of(stop_strings: Sequence[str], fields: FieldNames) -> tuple[str, ...]:
+    """At most MAX_STOP_STRINGS, each 1 to MAX_STOP_STRING_CHARS characters."""
+    if len(stop_strings) > MAX_STOP_STRINGS:
+        raise InvalidArgument(fields.stop_strings, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop_strings)}")
     for index, stop in enumerate(stop_strings):
         if not stop:
             raise InvalidArgument(fields.stop_string.format(index=index), "must not be empty")
+        if len(stop) > MAX_STOP_STRING_CHARS:
+            raise InvalidArgument(fields.stop_string.format(index=index),
+                                  f"must be at most {MAX_STOP_STRING_CHARS} characters, got {len(stop)}")
     return tuple(stop_strings)

@@ -129,6 +129,12 @@ CHAT = [{"role": "user", "content": "hi"}]
     ({"messages": [{"role": "", "content": "hi"}]}, "messages[0].role"),
     ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": CHAT, "max_tokens": 0}, "max_tokens"),
+    # Text no tokenizer can encode (json.dumps sends a lone surrogate as its escape) and unbounded stop strings.
+    ({"prompt": "a\ud800b"}, "prompt"),
+    ({"prompt": "x", "stop": ["ok", "\udfff"]}, "stop[1]"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
+    ({"prompt": "x", "stop": [f"s{i}" for i in range(17)]}, "stop"),
+    ({"prompt": "x", "stop": ["x" * 257]}, "stop[0]"),
 ])
 def test_bad_parameters_are_400_naming_the_field(fp32_stack: Stack, body: dict[str, Any], param: str) -> None:
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
