@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -15,7 +15,6 @@ import grpc
 import pytest
 from aiohttp import web
 
-from common.logs import configure
 from gateway.config import parse_config
 from gateway.generation import Generation
 from gateway.http_api import HttpApi
@@ -25,27 +24,13 @@ from gateway.openai_request import ApiError
 from gateway.validation import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from modeling.tokenizer import Tokenizer
 from proto import specserve_pb2 as pb
-from tests.unit.test_gateway_server import Harness, collect, gateway, text_script
+# The module-wide event loop, tokenizer and log set-up are the gateway server tests' fixtures.
+from tests.unit.test_gateway_server import Harness, collect, gateway, logs_to_stderr, run, text_script, tokenizer  # noqa: F401
 
 T = TypeVar("T")
 MODEL = "SmolLM2-135M-Instruct"
 
 
-@pytest.fixture(scope="module")
-def tokenizer(default_model_dir: Path) -> Tokenizer:
-    return Tokenizer.load(default_model_dir)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def logs_to_stderr() -> None:
-    configure("gateway-test")
-
-
-@pytest.fixture(scope="module")
-def run() -> Iterator[Callable[[Awaitable[T]], T]]:
-    """One event loop for the module: grpc.aio keeps per-loop state."""
-    with asyncio.Runner() as runner:
-        yield runner.run  # type: ignore[misc]
 
 
 @asynccontextmanager
