@@ -9,6 +9,7 @@ import torch
 from gpu_worker.config import WorkerConfig
 from modeling.config import ModelConfig
 from modeling.kv_cache import page_bytes, pages_for
+from proto import messages as m
 
 GIB = 1024**3
 CPU_SHARE = 0.25  # of the memory available at start, by default
@@ -55,6 +56,8 @@ def num_kv_pages(config: WorkerConfig, model: ModelConfig) -> tuple[int, str]:
     budget, why = kv_cache_budget_bytes(config, model)
     per_page = page_bytes(model, config.page_size, getattr(torch, config.process.dtype))
     pages = budget // per_page
+    if pages > m.MAX_KV_PAGES:
+        pages, why = m.MAX_KV_PAGES, f"{why}, capped at the protocol's {m.MAX_KV_PAGES} pages"
     if pages * config.page_size < MIN_POSITIONS:
         raise MemoryBudgetError(
             f"the KV cache budget of {budget / GIB:.4f} GiB ({why}) holds {pages} pages of {config.page_size} positions "

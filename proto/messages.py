@@ -267,6 +267,11 @@ SchedulerToDraft = ProposeRequest | ReleaseSequences | Drain
 # ---------------------------------------------------------------- worker -> scheduler
 
 
+# The most KV pages a process may have (the scheduler keeps a record of each of a target's pages): a worker caps its
+# pool here, and the scheduler refuses a hello claiming more.
+MAX_KV_PAGES = 1 << 21
+
+
 def heartbeat_identity(worker_id: str) -> bytes:
     """The routing identity of a process's heartbeat socket: heartbeats (and the watchdog's WorkerFailed) come from
     their own thread and socket, which the scheduler believes for those two messages only."""

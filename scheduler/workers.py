@@ -126,7 +126,6 @@ class WorkerRecord:
 
 
 # What a hello may claim: anything beyond is refused before a record (and its page pool) is built.
-MAX_KV_PAGES = 1 << 21
 MAX_PAGE_SIZE = 1024
 MAX_SIZE = 1 << 24  # vocabulary, context length
 MAX_FEATURE_WIDTH = 1 << 16
@@ -142,7 +141,7 @@ def hello_problem(hello: m.WorkerHello, now_ns: int) -> str:
     future."""
     if not 0 < hello.incarnation <= now_ns + MAX_INCARNATION_AHEAD_NS:
         return f"incarnation {hello.incarnation} is not a start time up to a day ahead of the scheduler's clock"
-    ranges = {"num_kv_pages": (hello.num_kv_pages, 0, MAX_KV_PAGES), "kv_page_size": (hello.kv_page_size, 0, MAX_PAGE_SIZE),
+    ranges = {"num_kv_pages": (hello.num_kv_pages, 0, m.MAX_KV_PAGES), "kv_page_size": (hello.kv_page_size, 0, MAX_PAGE_SIZE),
               "vocab_size": (hello.vocab_size, 0, MAX_SIZE), "max_model_len": (hello.max_model_len, 0, MAX_SIZE),
               "feature_width": (hello.feature_width, 0, MAX_FEATURE_WIDTH),
               "max_draft_tokens": (hello.max_draft_tokens, 0, MAX_DRAFT_TOKENS), "pid": (hello.pid, 0, 1 << 32)}

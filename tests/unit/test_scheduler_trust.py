@@ -8,6 +8,7 @@ user's output, or take a healthy worker down; each is counted as refused.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -192,3 +193,19 @@ def test_heartbeats_are_believed_from_the_workers_heartbeat_socket_too() -> None
     assert sim.process("w0").state == State.READY  # 12 s without a word on its main socket, alive by its heartbeats
     # The heartbeat socket is believed for heartbeats and the watchdog's report only.
     assert not beats.send(m.LifecycleReport("w0", worker.incarnation, State.DRAINING, State.READY, 1.0))
+
+
+def test_a_worker_caps_its_pages_at_what_the_scheduler_believes(tiny_llama_folder: Path) -> None:
+    """A huge budget for a tiny model buys more pages than a hello may claim: the worker stops at the protocol's cap."""
+    from common.process_config import ProcessConfig
+    from gpu_worker.config import WorkerConfig
+    from gpu_worker.memory import num_kv_pages
+    from modeling.config import ModelConfig
+
+    process = ProcessConfig(worker_id="w", scheduler_address="inproc://x", device="cpu", dtype="float32",
+                            heartbeat_interval_s=1.0, phase_timeout_s=60.0, step_timeout_s=60.0, drain_timeout_s=10.0,
+                            num_threads=0, status_file=None)
+    config = WorkerConfig(process=process, model=tiny_llama_folder, max_model_len=1 << 20, kv_cache_memory_gib=4096.0,
+                          page_size=16, max_num_seqs=100_000, max_num_batched_tokens=64, max_draft_tokens=6)
+    pages, why = num_kv_pages(config, ModelConfig.from_folder(tiny_llama_folder))
+    assert pages == m.MAX_KV_PAGES and "capped" in why
