@@ -27,7 +27,7 @@ from pathlib import Path
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.prefix_bench import _vllm_env, specserve_server, vllm_server
+from bench.prefix_bench import vllm_env, specserve_server, vllm_server
 from specserve.stack import StackError
 
 SERVERS = ("specserve", "vllm")
@@ -56,7 +56,7 @@ def measure(server: str, base_url: str, args: argparse.Namespace, concurrency: i
                "--model", args.folder.name, "--tokenizer", str(args.folder), *workload_args(args, concurrency),
                "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
     print(f"{server}: {shlex.join(command)}", file=sys.stderr, flush=True)
-    subprocess.run(command, check=True, env=_vllm_env(), stdout=sys.stderr)
+    subprocess.run(command, check=True, env=vllm_env(), stdout=sys.stderr)
     data = json.loads(result.read_text())
     return Figures(server, concurrency, data["output_throughput"], data["median_ttft_ms"], data["median_itl_ms"],
                    data["p99_itl_ms"], data["completed"])

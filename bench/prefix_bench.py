@@ -65,7 +65,7 @@ def measure(server: str, base_url: str, model: Path, args: argparse.Namespace, w
     result = work_dir / f"{server}.json"
     command = client_command(args.vllm, base_url, model, args, result)
     print(f"{server}: {shlex.join(command)}", file=sys.stderr, flush=True)
-    subprocess.run(command, check=True, env=_vllm_env(), stdout=sys.stderr)
+    subprocess.run(command, check=True, env=vllm_env(), stdout=sys.stderr)
     data = json.loads(result.read_text())
     return Figures(server, data["median_ttft_ms"], data["p99_ttft_ms"], data["output_throughput"], data["completed"],
                    None if server == "vllm" else _hit_share(base_url))
@@ -102,7 +102,7 @@ def vllm_server(vllm: str, model: Path, dtype: str, log_dir: Path, served_name: 
                "--max-model-len", "2048", "--served-model-name", served_name]
     print(f"starting: {shlex.join(command)}", file=sys.stderr, flush=True)
     with (log_dir / "vllm.log").open("wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=_vllm_env())
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=vllm_env())
         try:
             _wait_healthy(port, process, timeout_s=600)
             yield f"http://127.0.0.1:{port}"
@@ -115,7 +115,7 @@ def vllm_server(vllm: str, model: Path, dtype: str, log_dir: Path, served_name: 
                 process.wait()
 
 
-def _vllm_env() -> dict[str, str]:
+def vllm_env() -> dict[str, str]:
     """vLLM's CPU build on both cores, offline."""
     return {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}

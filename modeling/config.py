@@ -44,7 +44,7 @@ class Family:
 
 _QWEN_WINDOW_KEYS = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
 FAMILIES: dict[str, Family] = {
-    "llama": Family(frozenset({"attention_bias", "mlp_bias", "head_dim", "pretraining_tp"})),
+    "llama": Family(frozenset({"attention_bias", "mlp_bias", "head_dim"})),
     "mistral": Family(frozenset({"sliding_window", "head_dim"}), default_max_positions=131072),
     "qwen2": Family(_QWEN_WINDOW_KEYS, default_max_positions=32768, qkv_bias=True),
     "qwen3": Family(_QWEN_WINDOW_KEYS | {"attention_bias", "head_dim"}, default_max_positions=32768,
@@ -56,7 +56,6 @@ FAMILIES: dict[str, Family] = {
         activation_key="hidden_activation", default_activation="gelu_pytorch_tanh", default_max_positions=131072,
         default_head_dim=256, default_tied=True, default_theta=1_000_000.0, qk_norm=True, gemma=True),
 }
-SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
 ACTIVATIONS = frozenset({"silu", "gelu_pytorch_tanh"})
 _GEMMA_LOCAL_THETA = 10000.0
 
@@ -113,11 +112,6 @@ class ModelConfig:
     def layer_window(self, layer: int) -> int | None:
         """How many positions (itself included) layer `layer` attends to at most; None: all."""
         return self.sliding_window if self.is_sliding(layer) else None
-
-    @property
-    def positions_limit(self) -> int | None:
-        """The most positions a sequence may have with this model's RoPE (None: no limit of the model's)."""
-        return self.global_rope.positions_limit
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:

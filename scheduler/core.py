@@ -20,7 +20,7 @@ from proto import messages as m
 from proto.lifecycle import TRANSITIONS, State
 from scheduler.config import SchedulerConfig
 from scheduler.outbox import Outbox
-from scheduler.requests import RequestRejected, RequestStatus, RequestTable
+from scheduler.requests import RequestRejected, RequestStatus, RequestTable, token_problem
 from scheduler.speculation.link import DraftLink
 from scheduler.stepping import StepCycle, protocol_error
 from scheduler.workers import WorkerRecord, WorkerRegistry, hello_problem
@@ -156,12 +156,11 @@ class SchedulerCore:
                 if problem:
                     worker.failure = problem
                     self._lose_worker(worker, State.FAILED, now_s)
-            case m.StepRefused() if self._refused_for_its_request(worker, message, now_s):
-                pass
             case m.StepRefused():
-                log.error("step.refused", worker_id=worker.worker_id, step_id=message.step_id, reason=message.reason)
-                worker.failure = f"refused a step: {message.reason}"
-                self._lose_worker(worker, State.FAILED, now_s)
+                if not self._refused_for_its_request(worker, message, now_s):
+                    log.error("step.refused", worker_id=worker.worker_id, step_id=message.step_id, reason=message.reason)
+                    worker.failure = f"refused a step: {message.reason}"
+                    self._lose_worker(worker, State.FAILED, now_s)
             case m.ProposeResult():
                 answered = self._drafts.answer(message, self._requests, self._workers.target_vocab_size,
                                                partial(protocol_error, worker, "bad_proposal"))
@@ -219,9 +218,20 @@ class SchedulerCore:
         elif not worker.is_target:
             self._drafts.note_hello(worker)
         else:
+            vocabulary_was_known = bool(self._workers.target_vocab_size)
             for draft in self._workers.note_target(hello):
                 self._refuse(draft, self._workers.draft_problem(draft.hello), now_s)
+            if not vocabulary_was_known:
+                self._refuse_out_of_vocabulary()
         return True
+
+    def _refuse_out_of_vocabulary(self) -> None:
+        """Requests queued before any target said hello were admitted without knowing the vocabulary: checked now,
+        before a worker can see them (later ones are checked at admission)."""
+        for request in self._requests.waiting:
+            if problem := token_problem(request, self._workers.target_vocab_size):
+                self._steps.finish(request, RequestStatus.FAILED, notify=False, reason=problem)
+                self.outbox.to_gateway(request.gateway, m.RequestError(request.request_id, "INVALID_ARGUMENT", problem))
 
     def _refuse(self, worker: WorkerRecord, problem: str, now_s: float) -> None:
         log.error("worker.refused", worker_id=worker.worker_id, incarnation=worker.incarnation, role=worker.hello.role,

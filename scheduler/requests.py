@@ -175,7 +175,7 @@ class RequestTable:
         """Queue a submitted request; raises RequestRejected, changing nothing, when it cannot be served.
 
         Everything is checked, whoever sent it: token ids against the targets' vocabulary
-        (`vocab_size`, 0 while no target has said hello: then at placement, `token_problem`),
+        (`vocab_size`, 0 while no target has said hello: then when the first one does),
         sampling values, sizes.
         """
         limit = self._max_model_len

@@ -28,7 +28,7 @@ from scheduler.batching import BatchLimits, InFlightStep, ScheduledSeq, StepPlan
 from scheduler.config import SchedulerConfig
 from scheduler.outbox import Outbox
 from scheduler.placement import choose_worker, too_long_problem
-from scheduler.requests import FINISH_REASONS, Request, RequestStatus, RequestTable, token_problem
+from scheduler.requests import FINISH_REASONS, Request, RequestStatus, RequestTable
 from scheduler.speculation.link import DraftLink, DraftWork, PendingProposal, draft_work
 from scheduler.speculation.verification import record_verification, step_result_problem
 from scheduler.workers import WorkerRecord, WorkerRegistry
@@ -54,8 +54,7 @@ class StepCycle:
         """
         while (request := self._requests.first_waiting()) is not None:
             targets = self._workers.ready_targets()
-            # Ids are checked at admission when a target had said hello by then; else here, before any worker sees them.
-            if problem := token_problem(request, self._workers.target_vocab_size) or too_long_problem(request, targets):
+            if problem := too_long_problem(request, targets):
                 self.finish(request, RequestStatus.FAILED, notify=False, reason=problem)
                 self._outbox.to_gateway(request.gateway, m.RequestError(request.request_id, "INVALID_ARGUMENT", problem))
                 continue

@@ -89,7 +89,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_any_worker_sees_the
     assert worker.pending_step() is None and sim.process("w0").state == State.READY
 
 
-def test_a_request_queued_before_any_worker_is_checked_against_the_vocabulary_at_placement() -> None:
+def test_a_request_queued_before_any_worker_is_checked_against_the_vocabulary_before_a_worker_sees_it() -> None:
     sim = Sim()
     sim.submit("early", [100, 60000, 101])  # no target has said hello: the vocabulary is not known yet
     sim.submit("fine", [100, 101])
