@@ -343,6 +343,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     stack.add_argument("--spec-disable-batch-threshold", type=int, default=None)
     stack.add_argument("--spec-draft-token-budget", type=int, default=None)
     stack.add_argument("--no-token-trees", action="store_true", help="the draft proposes chains, not token trees")
+    stack.add_argument("--insecure-loopback", action="store_true",
+                       help="the services' sockets without CurveZMQ keys (to measure what authentication costs)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="passed to `specserve up` with --start; otherwise only recorded in the JSON")
     parser.add_argument("--model", type=Path, default=None,
@@ -384,7 +386,8 @@ def up_flags(args: argparse.Namespace) -> list[str]:
     given = [part for flag, value in optional.items() if value is not None for part in (flag, str(value))]
     return ["--host", "127.0.0.1", "--port", str(args.port or free_port()), "--http-port", str(free_port()),
             "--ready-timeout-s", str(args.ready_timeout_s), *given, *(["--no-token-trees"] if args.no_token_trees else []),
-            *(["--no-prefix-cache"] if args.no_prefix_cache else [])]
+            *(["--no-prefix-cache"] if args.no_prefix_cache else []),
+            *(["--insecure-loopback"] if args.insecure_loopback else [])]
 
 
 def run(args: argparse.Namespace) -> tuple[list[RunSummary], dict[str, Any]]:

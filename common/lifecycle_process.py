@@ -28,6 +28,7 @@ from common.faults import FaultInjector
 from common.logs import get_logger
 from common.protocol_errors import ProtocolErrors
 from common.status_file import write_status_file
+from common.transport import HANDSHAKE_EVENTS
 from proto import messages as m
 from proto.lifecycle import Lifecycle, State
 
@@ -57,6 +58,8 @@ class LifecycleProcess(abc.ABC, Generic[T]):
         self.log = log.bind(worker_id=process.worker_id, incarnation=self.incarnation)
         self.num_steps = 0  # steps or proposals served, for heartbeats
         self._scheduler_address = process.scheduler_address
+        self._transport = process.transport
+        self._identity = m.worker_identity(process.worker_id, self.incarnation)
         self._heartbeat_interval_s = process.heartbeat_interval_s
         self._status_file = process.status_file
         self._lifecycle = Lifecycle(self._on_transition)
@@ -138,8 +141,9 @@ class LifecycleProcess(abc.ABC, Generic[T]):
 
     def _start(self) -> bool:
         """The start-up phases; True once READY, False when told to stop on the way."""
-        self._socket.setsockopt(zmq.IDENTITY, self.process_id.encode())
+        self._socket.setsockopt(zmq.IDENTITY, self._identity)
         self._socket.setsockopt(zmq.LINGER, 2000)
+        self._transport.join(self._socket, "worker")
         self._socket.connect(self._scheduler_address)
         self.faults = FaultInjector(self.process_id)
         self._watch(State.STARTING, self._phase_timeout_s, "--phase-timeout-s")
@@ -214,6 +218,8 @@ class LifecycleProcess(abc.ABC, Generic[T]):
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.errors.record("decode", error=str(exc), num_bytes=len(frame))
             return
+        if isinstance(message, m.Probe):  # the scheduler checking that this connection is up: nothing to do
+            return
         if isinstance(message, m.Drain):
             if message.incarnation == self.incarnation:
                 self._dismissed = not self._drain_requested.is_set()
@@ -236,9 +242,10 @@ class LifecycleProcess(abc.ABC, Generic[T]):
     def _heartbeat_loop(self) -> None:
         """Runs on its own thread and socket, so heartbeats go on during long phases and steps."""
         socket = self._context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.IDENTITY, m.heartbeat_identity(self.process_id))
+        socket.setsockopt(zmq.IDENTITY, m.heartbeat_identity(self._identity))
         socket.setsockopt(zmq.LINGER, 0)
-        monitor = socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._transport.join(socket, "worker")
+        monitor = socket.get_monitor_socket(HANDSHAKE_EVENTS)
         socket.connect(self._scheduler_address)
         connected = False
         while self._lifecycle.state not in (State.STOPPED, State.FAILED):
@@ -247,10 +254,12 @@ class LifecycleProcess(abc.ABC, Generic[T]):
                 self._give_up(socket, *deadline)
             while monitor.poll(0):
                 event = zmq.utils.monitor.parse_monitor_message(monitor.recv_multipart())["event"]
-                if event == zmq.EVENT_CONNECTED:
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     connected = True
                 elif event == zmq.EVENT_DISCONNECTED and connected:
                     self._scheduler_lost()
+                elif (refused := self._transport.handshake_failure(event, "worker")) is not None:
+                    self._refused_by_scheduler(refused)
             socket.send(self._heartbeat_codec.encode(m.Heartbeat(
                 worker_id=self.process_id, incarnation=self.incarnation, state=self._lifecycle.state,
                 num_used_kv_pages=self.num_used_kv_pages(), num_steps=self.num_steps, protocol_errors=dict(self.errors.counts),
@@ -264,6 +273,13 @@ class LifecycleProcess(abc.ABC, Generic[T]):
         self.log.error("process.scheduler_lost", address=self._scheduler_address, exit_status=EXIT_DISMISSED,
                        note="the connection to the scheduler dropped; exiting so that a fresh start registers anew")
         self._end_now(EXIT_DISMISSED)
+
+    def _refused_by_scheduler(self, reason: str) -> None:
+        """The scheduler refused the handshake: nothing this process says can reach it, and trying again will not
+        change that until its keys do. End now, FAILED, with the cause."""
+        self.log.error("process.refused_by_scheduler", address=self._scheduler_address, transport=self._transport.describe(),
+                       reason=reason, exit_status=1)
+        self._end_now(1)
 
     def _give_up(self, socket: zmq.Socket[bytes], what: str, _: float, limit: str) -> None:
         """The watchdog: a phase or step ran past its deadline; report it and end the process now."""

@@ -7,6 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.transport import Transport
+from common.transport import add_arguments as add_transport_arguments
+from common.transport import from_arguments as transport_from_arguments
 from common.lifecycle_process import add_process_arguments, check_process_arguments
 
 
@@ -22,6 +25,7 @@ class ProcessConfig:
     drain_timeout_s: float  # after SIGTERM, how long work in flight may take before the process stops anyway
     num_threads: int  # torch intra-op threads on CPU; 0 = torch's default
     status_file: Path | None  # the current lifecycle state is written here (container health checks)
+    transport: Transport = Transport(None)  # its keys (common/transport.py), or insecure loopback
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, default_worker_id: str, dtypes: Sequence[str]) -> None:
@@ -30,14 +34,16 @@ def add_arguments(parser: argparse.ArgumentParser, *, default_worker_id: str, dt
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=dtypes, default="bfloat16")
     add_process_arguments(parser)
+    add_transport_arguments(parser)
 
 
 def from_arguments(args: argparse.Namespace) -> ProcessConfig:
     """Raises ValueError naming the setting."""
     check_process_arguments(args)
+    secured = transport_from_arguments(args, "worker", (("--scheduler-address", args.scheduler_address),))
     return ProcessConfig(
         worker_id=args.worker_id, scheduler_address=args.scheduler_address, device=args.device, dtype=args.dtype,
         heartbeat_interval_s=args.heartbeat_interval_s, phase_timeout_s=args.phase_timeout_s,
         step_timeout_s=args.step_timeout_s, drain_timeout_s=args.drain_timeout_s, num_threads=args.num_threads,
-        status_file=args.status_file,
+        status_file=args.status_file, transport=secured,
     )

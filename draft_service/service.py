@@ -107,8 +107,8 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
                     return
                 for request_id in message.request_ids:
                     self._forget(request_id)
-            case m.Drain():  # LifecycleProcess answers Drain itself and never passes it here
-                self.errors.record("unexpected_message", message="drain")
+            case m.Drain() | m.Probe():  # LifecycleProcess answers these itself and never passes them here
+                self.errors.record("unexpected_message", message=type(message).__name__)
             case _:
                 assert_never(message)
 

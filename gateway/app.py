@@ -77,6 +77,7 @@ class Gateway:
                     self._config.gateway_id,
                     reply_timeout_s=self._config.scheduler_timeout_s,
                     restart_window_s=self._config.scheduler_restart_window_s,
+                    transport=self._config.transport,
                 )
                 resources.callback(scheduler.close)
                 await scheduler.connect()

@@ -8,6 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.transport import Transport, TransportError
+from common.transport import add_arguments as add_transport_arguments
+from common.transport import from_arguments as transport_from_arguments
 from common.arguments import flag, not_positive_problem
 from gateway.http_body import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S
 
@@ -29,6 +32,7 @@ class GatewayConfig:
     shutdown_grace_s: float = 30.0  # streams in flight get this long to finish after the first SIGTERM/SIGINT
     http_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger HTTP body gets 413
     http_read_timeout_s: float = DEFAULT_READ_TIMEOUT_S  # an HTTP body not all received by then gets 408
+    transport: Transport = Transport(None)  # its keys (common/transport.py), or insecure loopback
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the largest HTTP request body accepted (larger: 413)")
     parser.add_argument("--http-read-timeout-s", type=float, default=DEFAULT_READ_TIMEOUT_S,
                         help="how long an HTTP request body may take to arrive (longer: 408 and the connection closes)")
+    add_transport_arguments(parser)
     return parser
 
 
@@ -67,6 +72,10 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
                                               "health_poll_interval_s", "shutdown_grace_s", "http_max_body_bytes",
                                               "http_read_timeout_s")):
         parser.error(problem)
+    try:
+        secured = transport_from_arguments(args, "gateway", (("--scheduler-address", args.scheduler_address),))
+    except TransportError as exc:
+        parser.error(str(exc))
     return GatewayConfig(
         model_dir=args.model,
         scheduler_address=args.scheduler_address,
@@ -81,4 +90,5 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
         shutdown_grace_s=args.shutdown_grace_s,
         http_max_body_bytes=args.http_max_body_bytes,
         http_read_timeout_s=args.http_read_timeout_s,
+        transport=secured,
     )

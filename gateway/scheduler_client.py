@@ -16,6 +16,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from common.logs import get_logger
 from common.protocol_errors import ProtocolErrors
+from common.transport import HANDSHAKE_EVENTS, Transport
 from gateway.errors import InvalidArgument, SchedulerUnavailable
 from proto import messages
 
@@ -45,9 +46,12 @@ class SchedulerClient:
     query waiting for its query_id. A malformed frame is counted, logged (the first of its kind) and dropped.
     """
 
-    def __init__(self, address: str, gateway_id: str, *, reply_timeout_s: float, restart_window_s: float = 60.0) -> None:
+    def __init__(self, address: str, gateway_id: str, *, reply_timeout_s: float, restart_window_s: float = 60.0,
+                 transport: Transport = Transport(None)) -> None:
         self.address = address
         self.gateway_id = gateway_id
+        self.transport = transport
+        self.handshake_problem: str | None = None  # why the scheduler refused the last handshake, until one succeeds
         self.reply_timeout_s = reply_timeout_s  # how long an info query waits; see --scheduler-timeout-s
         self.restart_window_s = restart_window_s  # how long a request in flight waits for it to come back
         self.protocol_errors = ProtocolErrors("gateway.scheduler")  # malformed frames: counted, first of a kind logged
@@ -63,7 +67,7 @@ class SchedulerClient:
         self._queries: dict[int, asyncio.Future[messages.InfoReply]] = {}
         self._query_ids = itertools.count(1)
         self._last_heard_at = -float("inf")  # time.monotonic() of the last frame received
-        self._connected = asyncio.Event()  # set while the TCP (or IPC) connection is up, per the socket monitor
+        self._connected = asyncio.Event()  # set while the connection is up and its handshake done, per the socket monitor
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -75,8 +79,9 @@ class SchedulerClient:
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTING_ID, self.gateway_id.encode())
-        # Monitor before connecting, so the first EVENT_CONNECTED is seen and counted too.
-        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.transport.join(self._socket, "gateway")
+        # Monitor before connecting, so the first handshake is seen and counted too.
+        self._monitor = self._socket.get_monitor_socket(HANDSHAKE_EVENTS)
         self._socket.connect(self.address)
         await self._send_hello()
 
@@ -207,8 +212,9 @@ class SchedulerClient:
         num_connects = 0
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_CONNECTED:
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 num_connects += 1
+                self.handshake_problem = None
                 self._connected.set()
                 self._log.info("scheduler.connected", address=self.address, num_connects=num_connects)
                 if num_connects > 1:  # the first hello went out with connect()
@@ -218,8 +224,14 @@ class SchedulerClient:
                     except SchedulerUnavailable as error:  # the streams left find out through their liveness checks
                         self._log.error("scheduler.reconnect_incomplete", error=error.message)
             elif event["event"] == zmq.EVENT_DISCONNECTED:
+                if self._connected.is_set():
+                    self._log.warning("scheduler.disconnected", address=self.address)
                 self._connected.clear()
-                self._log.warning("scheduler.disconnected", address=self.address)
+            elif (refused := self.transport.handshake_failure(event["event"], "gateway")) is not None:
+                if refused != self.handshake_problem:  # ZeroMQ retries every few seconds: logged once per cause
+                    self._log.error("scheduler.refused_handshake", address=self.address,
+                                    transport=self.transport.describe(), reason=refused)
+                self.handshake_problem = refused
 
     async def _resume_streams(self) -> None:
         """The connection came back: the scheduler at the other end may be a restarted one that knows none of the
@@ -255,6 +267,8 @@ class SchedulerClient:
         return self._socket
 
     def _silence_message(self) -> str:
+        if self.handshake_problem is not None:
+            return f"the scheduler at {self.address} refused this gateway's connection: {self.handshake_problem}"
         return (
             f"the scheduler at {self.address} did not answer within {self.reply_timeout_s:g} s "
             "(is it running? the wait is set by --scheduler-timeout-s)"

@@ -69,8 +69,8 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
         match message:
             case m.StepRequest():
                 self._handle_step(message)
-            case m.Drain():  # LifecycleProcess answers Drain itself and never passes it here
-                self.errors.record("unexpected_message", message="drain")
+            case m.Drain() | m.Probe():  # LifecycleProcess answers these itself and never passes them here
+                self.errors.record("unexpected_message", message=type(message).__name__)
             case _:
                 assert_never(message)
 

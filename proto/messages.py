@@ -21,7 +21,7 @@ from proto.lifecycle import State
 # 2: target features for draft heads; 3: token trees; 4: a READY report may lower max_draft_tokens;
 # 5: lifecycle states typed, a step output names the draft nodes it accepted;
 # 6: a paged KV cache (a step names each sequence's pages; cached prompt tokens in usage).
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 Role = Literal["target", "draft"]
 
@@ -220,7 +220,11 @@ class Drain(msgspec.Struct, tag="drain", frozen=True, forbid_unknown_fields=True
     incarnation: int
 
 
-SchedulerToWorker = StepRequest | Drain
+class Probe(msgspec.Struct, tag="probe", frozen=True, forbid_unknown_fields=True):
+    """Nothing to do: the scheduler sent it only to learn whether this process's connection is still there."""
+
+
+SchedulerToWorker = StepRequest | Drain | Probe
 
 
 # ---------------------------------------------------------------- scheduler -> draft service
@@ -261,7 +265,7 @@ class ReleaseSequences(msgspec.Struct, tag="release_seqs", frozen=True, forbid_u
     request_ids: list[str]
 
 
-SchedulerToDraft = ProposeRequest | ReleaseSequences | Drain
+SchedulerToDraft = ProposeRequest | ReleaseSequences | Drain | Probe
 
 
 # ---------------------------------------------------------------- worker -> scheduler
@@ -272,10 +276,17 @@ SchedulerToDraft = ProposeRequest | ReleaseSequences | Drain
 MAX_KV_PAGES = 1 << 21
 
 
-def heartbeat_identity(worker_id: str) -> bytes:
+def worker_identity(worker_id: str, incarnation: int) -> bytes:
+    """The routing identity of a process's main socket: its own to each incarnation, so that a restarted process never
+    reuses one still held by its predecessor's connection (the scheduler's socket ignores a second connection with
+    an identity in use)."""
+    return f"{worker_id}/{incarnation}".encode()
+
+
+def heartbeat_identity(main_identity: bytes) -> bytes:
     """The routing identity of a process's heartbeat socket: heartbeats (and the watchdog's WorkerFailed) come from
     their own thread and socket, which the scheduler believes for those two messages only."""
-    return f"{worker_id}/heartbeat".encode()
+    return main_identity + b"/heartbeat"
 
 
 class WorkerHello(msgspec.Struct, tag="hello", frozen=True, forbid_unknown_fields=True):

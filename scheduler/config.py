@@ -6,6 +6,9 @@ import argparse
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from common.transport import Transport
+from common.transport import add_arguments as add_transport_arguments
+from common.transport import from_arguments as transport_from_arguments
 from common.arguments import below_problem, not_positive_problem
 
 
@@ -30,6 +33,12 @@ class SchedulerConfig:
     prefix_cache: bool = True  # share the KV pages of equal prompt prefixes between requests
     max_request_retries: int = 2  # a request in the step of this many lost workers is retried; one more fails it
     gone_listed_s: float = 300.0  # a DEAD or FAILED process is listed (GetServerInfo, /metrics) this long, then not
+    keys: Path | None = None  # the CurveZMQ key folder (common/transport.py); None: --insecure-loopback
+    insecure_loopback: bool = False  # no keys, every address on loopback
+
+    @property
+    def transport(self) -> Transport:
+        return Transport(self.keys)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "at most; the next loss fails it (a request that kills every worker it meets)")
     parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV pages of a cached prompt prefix (--no-prefix-cache: every prompt is computed)")
+    add_transport_arguments(parser)
 
 
 def from_arguments(args: argparse.Namespace) -> SchedulerConfig:
@@ -72,4 +82,6 @@ def from_arguments(args: argparse.Namespace) -> SchedulerConfig:
             args, ("num_speculative_tokens", "spec_disable_batch_threshold", "spec_draft_token_budget",
                    "max_request_retries"), 0):
         raise ValueError(problem)
+    transport_from_arguments(args, "scheduler", (("--gateway-address", args.gateway_address),
+                                                ("--worker-address", args.worker_address)))
     return SchedulerConfig(**{field.name: getattr(args, field.name) for field in fields(SchedulerConfig)})  # one flag each

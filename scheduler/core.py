@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import assert_never
 
@@ -29,8 +30,13 @@ log = get_logger()
 
 
 class SchedulerCore:
-    def __init__(self, config: SchedulerConfig, rng: random.Random | None = None) -> None:
+    """`peer_connected(identity)`: whether a worker socket with that routing identity is connected now (the shell asks
+    ZeroMQ); it decides whether a second hello for a worker id comes from a restarted process or from an impostor."""
+
+    def __init__(self, config: SchedulerConfig, rng: random.Random | None = None,
+                 peer_connected: Callable[[bytes], bool] = lambda identity: True) -> None:
         self._config = config
+        self._peer_connected = peer_connected
         self._requests = RequestTable(config.max_model_len, config.max_queue_len, rng or random.Random())
         self._workers = WorkerRegistry(config.max_model_len)
         self._drafts = DraftLink(config)
@@ -205,6 +211,9 @@ class SchedulerCore:
         is_new, replaced = self._workers.replaced_by(hello)
         if not is_new:
             return False
+        if replaced is not None and replaced.identity != identity and self._peer_connected(replaced.identity):
+            self._refuse_duplicate(identity, hello, replaced)
+            return True
         if replaced is not None:
             replaced.failure = replaced.failure or "replaced by a new incarnation"
             self._lose_worker(replaced, State.DEAD, now_s)
@@ -224,6 +233,15 @@ class SchedulerCore:
             if not vocabulary_was_known:
                 self._refuse_out_of_vocabulary()
         return True
+
+    def _refuse_duplicate(self, identity: bytes, hello: m.WorkerHello, live: WorkerRecord) -> None:
+        """A hello for the id of a process whose connection is still up: the first one stays; the newcomer is told to
+        stop (a restarted process is only ever started after its predecessor's connection closed)."""
+        self.protocol_errors["worker"].record("duplicate_id", worker_id=hello.worker_id, incarnation=hello.incarnation)
+        log.error("worker.duplicate_refused", worker_id=hello.worker_id, incarnation=hello.incarnation,
+                  live_incarnation=live.incarnation,
+                  note="a process with this id is connected; the one saying hello again is told to stop")
+        self.outbox.to_worker(identity, m.Drain(hello.incarnation))
 
     def _refuse_out_of_vocabulary(self) -> None:
         """Requests queued before any target said hello were admitted without knowing the vocabulary: checked now,

@@ -11,10 +11,13 @@ from typing import TypeVar
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
+from zmq.utils.monitor import parse_monitor_message
 
 from common.logs import get_logger
 from common.protocol_errors import ProtocolErrors
 from common.status_file import LISTENING, write_status_file
+from common.transport import ROLES, KeyCheck, Role
 from proto import messages as m
 from scheduler.config import SchedulerConfig
 from scheduler.core import SchedulerCore
@@ -24,15 +27,27 @@ log = get_logger()
 T = TypeVar("T")
 
 _TICK_S = 0.05
+# ZeroMQ's own heartbeats on every connection: a peer silent this long (a host gone without closing its TCP
+# connection) is disconnected, which frees its routing identity for the process that replaces it.
+_ZMTP_HEARTBEAT_IVL_MS = 1000
+_ZMTP_HEARTBEAT_TIMEOUT_MS = 5000
+# Handshakes that failed before any key was checked (another mechanism, a wrong server key); refused keys are
+# counted by KeyCheck.
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 
 class SchedulerService:
     def __init__(self, config: SchedulerConfig) -> None:
         self._config = config
-        self._core = SchedulerCore(config)
+        self._core = SchedulerCore(config, peer_connected=self._worker_connected)
         self._context = zmq.asyncio.Context()
         self._gateway_socket = self._context.socket(zmq.ROUTER)
         self._worker_socket = self._context.socket(zmq.ROUTER)
+        # A send to an identity with no connection raises (EHOSTUNREACH) instead of vanishing: how a probe learns that a
+        # worker's connection is gone. The blocking view shares the socket, for the core's synchronous question.
+        self._worker_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._worker_probe: zmq.Socket[bytes] = zmq.Socket.shadow(self._worker_socket.underlying)
+        self._probe_frame = m.Codec(m.SchedulerToWorker).encode(m.Probe())
         self._gateway_codec: m.Codec[m.GatewayToScheduler] = m.Codec(m.GatewayToScheduler)
         self._worker_codec: m.Codec[m.WorkerToScheduler] = m.Codec(m.WorkerToScheduler)
         self._gateway_errors = self._core.protocol_errors["gateway"]
@@ -40,31 +55,84 @@ class SchedulerService:
         self._stop = asyncio.Event()
 
     async def run(self) -> None:
-        for sock, address in ((self._gateway_socket, self._config.gateway_address), (self._worker_socket, self._config.worker_address)):
+        transport = self._config.transport
+        authenticator = self._start_authenticator() if transport.secure else None
+        sockets: dict[Role, tuple[zmq.asyncio.Socket, str]] = {
+            "gateway": (self._gateway_socket, self._config.gateway_address),
+            "worker": (self._worker_socket, self._config.worker_address)}
+        monitors = {}
+        for role, (sock, address) in sockets.items():
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted process may reuse its identity
+            # No ROUTER_HANDOVER: while a connection holds an identity, another connection claiming it is ignored.
+            sock.setsockopt(zmq.HEARTBEAT_IVL, _ZMTP_HEARTBEAT_IVL_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ZMTP_HEARTBEAT_TIMEOUT_MS)
+            transport.serve(sock, role)
+            monitors[role] = sock.get_monitor_socket(_HANDSHAKE_FAILED)
             sock.bind(address)
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._stop.set)
         if self._config.status_file is not None:
             write_status_file(self._config.status_file, LISTENING)
-        log.info("scheduler.listening", gateway_address=self._config.gateway_address, worker_address=self._config.worker_address)
+        log.info("scheduler.listening", gateway_address=self._config.gateway_address, worker_address=self._config.worker_address,
+                 transport=transport.describe())
+        if not transport.secure:
+            log.warning("scheduler.insecure", note="--insecure-loopback: any process on this machine can speak for a "
+                                                   "gateway or a worker; give --keys to authenticate them")
         try:
             async with asyncio.TaskGroup() as tasks:
                 receivers = [
                     tasks.create_task(self._receive_gateways(), name="receive-gateways"),
                     tasks.create_task(self._receive_workers(), name="receive-workers"),
                     tasks.create_task(self._tick(), name="timeouts"),
+                    *(tasks.create_task(self._count_failed_handshakes(role, monitor), name=f"handshakes-{role}")
+                      for role, monitor in monitors.items()),
                 ]
                 await self._stop.wait()
                 for task in receivers:
                     task.cancel()
         finally:
+            for monitor in monitors.values():
+                monitor.close()
             self._gateway_socket.close()
             self._worker_socket.close()
+            if authenticator is not None:
+                authenticator.stop()
             self._context.term()
         log.info("scheduler.stopped")
+
+    def _start_authenticator(self) -> AsyncioAuthenticator:
+        """ZAP for both sockets: a client's key must be in authorized/ROLE/ of the key folder; one that is not is
+        refused in the handshake, counted and logged."""
+        keys = self._config.keys
+        assert keys is not None
+        authenticator = AsyncioAuthenticator(self._context)
+        authenticator.start()
+        for role in ROLES:
+            errors = self._core.protocol_errors[role]
+
+            def refused(key: bytes, errors: ProtocolErrors = errors) -> None:
+                errors.record("unauthorized_key", public_key=key.decode("ascii", "replace"))
+            authenticator.configure_curve_callback(role, KeyCheck(keys, role, refused))
+        return authenticator
+
+    def _worker_connected(self, identity: bytes) -> bool:
+        """Whether a worker socket with this routing identity is connected: a Probe is routed to it, or not."""
+        try:
+            self._worker_probe.send_multipart([identity, self._probe_frame], flags=zmq.NOBLOCK)
+        except zmq.Again:  # its queue is full: it is there
+            return True
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                return False
+            raise
+        return True
+
+    async def _count_failed_handshakes(self, role: Role, monitor: zmq.asyncio.Socket) -> None:
+        errors = self._core.protocol_errors[role]
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            errors.record("handshake_failed", zmq_event=zmq.Event(event["event"]).name, detail=event["value"])
 
     async def _receive_gateways(self) -> None:
         async for identity, message in _decoded(self._gateway_socket, self._gateway_codec, self._gateway_errors):
@@ -92,7 +160,12 @@ class SchedulerService:
         for item in sorted(outbox, key=lambda o: not o.to_worker):
             sock = self._worker_socket if item.to_worker else self._gateway_socket
             codec = self._worker_codec if item.to_worker else self._gateway_codec
-            await sock.send_multipart([item.identity, codec.encode(item.message)])
+            try:
+                await sock.send_multipart([item.identity, codec.encode(item.message)])
+            except zmq.ZMQError as exc:  # to a worker whose connection is gone (ROUTER_MANDATORY): its loss is found apart
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                log.info("worker.unreachable", message=type(item.message).__name__, identity=item.identity[:80])
 
 
 async def _decoded(socket: zmq.asyncio.Socket, codec: m.Codec[T], errors: ProtocolErrors) -> AsyncIterator[tuple[bytes, T]]:

@@ -79,7 +79,7 @@ class WorkerRecord:
         and the watchdog's failure report its heartbeat socket (common/lifecycle_process.py)."""
         if identity == self.identity:
             return True
-        return isinstance(message, m.Heartbeat | m.WorkerFailed) and identity == m.heartbeat_identity(self.worker_id)
+        return isinstance(message, m.Heartbeat | m.WorkerFailed) and identity == m.heartbeat_identity(self.identity)
 
     def move_to(self, state: State, now_s: float) -> None:
         if state not in SCHEDULER_TRANSITIONS[self.state]:

@@ -1,4 +1,4 @@
-"""`specserve up | generate | scheduler | worker | gateway | prepare-model`: the one command users run."""
+"""`specserve up | generate | scheduler | worker | gateway | prepare-model | keys`: the one command users run."""
 
 from __future__ import annotations
 
@@ -44,6 +44,10 @@ def _build_parser() -> argparse.ArgumentParser:
                                                         "and print its folder")
     prepare.add_argument("model", nargs="?", default=None, help="a named model (gemma3-270m, ...) or a .gguf file")
     prepare.set_defaults(run=_run_prepare_model)
+    keys = commands.add_parser("keys", help="make the CurveZMQ key folder the services authenticate each other with "
+                                            "(what is there already is kept)")
+    keys.add_argument("folder", type=Path)
+    keys.set_defaults(run=_run_keys)
     health = commands.add_parser("healthcheck", help="exit 0 when a service is ready (for container health checks)")
     target = health.add_mutually_exclusive_group(required=True)
     target.add_argument("--grpc", metavar="HOST:PORT", help="a gateway: its gRPC health is SERVING")
@@ -79,6 +83,17 @@ def _run_prepare_model(args: argparse.Namespace) -> int:
     except UpRefused as refused:
         print(f"specserve prepare-model: {refused}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _run_keys(args: argparse.Namespace) -> int:
+    from common.transport import make_keys
+
+    made = make_keys(args.folder)
+    for path in made:
+        print(f"made {path}")
+    if not made:
+        print(f"{args.folder}: every key is there already; nothing made")
     return 0
 
 

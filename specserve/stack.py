@@ -15,12 +15,13 @@ import sys
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
 from common.draft_spec import DraftSpec
 from common.faults import ENV_VAR as FAULT_ENV_VAR
+from common.transport import make_keys
 from specserve.supervisor import ServiceSpec
 
 DRAFT_ID = "draft-0"
@@ -66,6 +67,8 @@ class StackConfig:
     grpc_port: int | None = None  # None: a free port, picked with the stack's addresses
     http_port: int | None = None  # None: a free port, picked with the stack's addresses
     log_json: bool = False
+    keys: Path | None = None  # the CurveZMQ key folder every process is given (LocalStack makes one when None)
+    insecure_loopback: bool = False  # no keys: every process runs --insecure-loopback
     scheduler_args: tuple[str, ...] = ()  # more flags for a service, as they are (tests)
     worker_args: tuple[str, ...] = ()
     draft_args: tuple[str, ...] = ()
@@ -155,7 +158,23 @@ def gateway_spec(config: StackConfig, addresses: StackAddresses) -> ServiceSpec:
 
 
 def _python(module: str, module_argv: list[str], config: StackConfig) -> list[str]:
-    return [sys.executable, "-m", module, *module_argv, *(["--log-json"] if config.log_json else [])]
+    return [sys.executable, "-m", module, *module_argv, *transport_args(config), *(["--log-json"] if config.log_json else [])]
+
+
+def transport_args(config: StackConfig) -> list[str]:
+    if config.insecure_loopback:
+        return ["--insecure-loopback"]
+    if config.keys is None:
+        raise ValueError("a stack needs a key folder (StackConfig.keys), or insecure_loopback")
+    return ["--keys", str(config.keys)]
+
+
+def with_keys(config: StackConfig, folder: Path) -> StackConfig:
+    """`config` with its key folder: as given, or made in `folder` (unless it runs without keys)."""
+    if config.insecure_loopback or config.keys is not None:
+        return config
+    make_keys(folder)
+    return replace(config, keys=folder)
 
 
 def _given(optional: Mapping[str, object]) -> list[str]:
@@ -194,9 +213,9 @@ class LocalStack:
     """
 
     def __init__(self, config: StackConfig, log_dir: Path) -> None:
-        self.config = config
+        self.config = with_keys(config, log_dir / "keys")
         self.log_dir = log_dir
-        self.addresses = StackAddresses.pick(config)
+        self.addresses = StackAddresses.pick(self.config)
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(self, wait_serving: bool = True, timeout_s: float = 240.0) -> None:

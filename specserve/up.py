@@ -10,13 +10,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from common.draft_spec import LOOKUP_THEN_HEAD_KINDS, SERVING_KINDS, DraftKind, DraftSpec
 from draft_service.defaults import HEAD_DRAFT_TOKENS
-from specserve.stack import StackAddresses, StackConfig, is_serving, service_specs
+from common.transport import ENV_VAR as KEYS_ENV_VAR
+from common.transport import ROLES, TransportError, check_keys
+from specserve.stack import StackAddresses, StackConfig, is_serving, service_specs, with_keys
 from specserve.supervisor import GaveUp, RestartPolicy, Supervisor
 
 NO_DRAFT = "none"
@@ -87,6 +90,12 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spec-draft-token-budget", type=int, default=32,
                         help="draft tokens a speculative step verifies in all, shared evenly among its sequences")
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
+    parser.add_argument("--keys", type=Path, default=os.environ.get(KEYS_ENV_VAR) or None,
+                        help="a CurveZMQ key folder made by `specserve keys FOLDER` for the services' sockets "
+                             f"(default: ${KEYS_ENV_VAR}, else fresh keys made for this run and removed at its end)")
+    parser.add_argument("--insecure-loopback", action="store_true",
+                        help="the services' sockets unauthenticated and unencrypted, on 127.0.0.1 (any local process "
+                             "could then speak for a gateway or a worker)")
     parser.add_argument("--log-json", action="store_true")
 
 
@@ -165,7 +174,7 @@ def _draft_problem(draft: DraftSpec, model: Path) -> str:
 
 def up_config(args: argparse.Namespace) -> UpConfig:
     """`up`'s flags with every default decided; raises UpRefused for what cannot work. `args` is left as it is."""
-    if problem := _numbers_problem(args):
+    if problem := _numbers_problem(args) or _keys_problem(args):
         raise UpRefused(problem)
     model = resolve_model(args.model)
     max_model_len = _max_model_len(args.max_model_len, model)
@@ -202,7 +211,22 @@ def stack_config(args: argparse.Namespace, *, model: Path, max_model_len: int, d
                                       else args.spec_disable_batch_threshold),
         spec_draft_token_budget=args.spec_draft_token_budget, gateway_shutdown_grace_s=GATEWAY_SHUTDOWN_GRACE_S,
         host=args.host, grpc_port=args.port, http_port=args.http_port, log_json=args.log_json,
+        keys=args.keys, insecure_loopback=args.insecure_loopback,
     )
+
+
+def _keys_problem(args: argparse.Namespace) -> str:
+    """What is wrong with --keys and --insecure-loopback ("" when nothing)."""
+    if args.keys is not None and args.insecure_loopback:
+        return "--keys and --insecure-loopback exclude each other: give one"
+    try:
+        if args.keys is not None:
+            check_keys(args.keys, "scheduler")
+            for role in ROLES:
+                check_keys(args.keys, role)
+    except TransportError as exc:
+        return str(exc)
+    return ""
 
 
 def _numbers_problem(args: argparse.Namespace) -> str:
@@ -315,12 +339,20 @@ def ready_line(config: UpConfig) -> str:
     stack = config.stack
     return (f"specserve ready: gRPC on {stack.host}:{stack.grpc_port}, HTTP on {stack.host}:{stack.http_port}, "
             f"model {stack.model.name} ({stack.dtype}, {stack.num_workers} worker(s) on {stack.device}), "
-            f"draft {config.draft_name}")
+            f"draft {config.draft_name}"
+            f"{', services unauthenticated on loopback (--insecure-loopback)' if stack.insecure_loopback else ''}")
 
 
 def run_up(config: UpConfig) -> int:
-    """The stack under the supervisor: the ready line once it serves, then restarts until a signal. The exit status."""
-    stack = config.stack
+    """The stack under the supervisor: the ready line once it serves, then restarts until a signal. The exit status.
+
+    Without a key folder given (or --insecure-loopback), this run's keys are made in a private temporary folder,
+    removed when it ends."""
+    with tempfile.TemporaryDirectory(prefix="specserve-keys-") as folder:
+        return _supervise(config, with_keys(config.stack, Path(folder) / "keys"))
+
+
+def _supervise(config: UpConfig, stack: StackConfig) -> int:
     addresses = StackAddresses.pick(stack)
     supervisor = Supervisor(service_specs(stack, addresses), RestartPolicy())
     supervisor.install_signal_handlers()

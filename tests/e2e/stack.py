@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import zmq
 
+from common.transport import Role, Transport
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 from proto.lifecycle import State
@@ -40,6 +42,15 @@ class Stack(LocalStack):
     @property
     def stub(self) -> pb_grpc.SpecServeStub:
         return pb_grpc.SpecServeStub(self.channel)
+
+    def insider(self, context: zmq.Context[zmq.Socket[bytes]], role: Role) -> zmq.Socket[bytes]:
+        """A DEALER connected to the scheduler's `role` socket holding this stack's key for that role: what a
+        compromised process (or one with a stolen key) can send, the checks behind the handshake being what is tested."""
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        Transport(self.config.keys).join(sock, role)
+        sock.connect(self.addresses.gateway_address if role == "gateway" else self.addresses.worker_address)
+        return sock
 
     def info(self) -> pb.ServerInfoResponse:
         reply: pb.ServerInfoResponse = self.stub.GetServerInfo(pb.ServerInfoRequest(), timeout=5)

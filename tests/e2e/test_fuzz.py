@@ -31,13 +31,11 @@ def test_the_scheduler_drops_malformed_frames_on_both_sockets_and_serves_on(fp32
     request = greedy(list(range(100, 130)), 24)
     before = fp32_stack.generate(request).token_ids
     context = zmq.Context()
-    anonymous = context.socket(zmq.DEALER)  # never says hello
-    anonymous.connect(fp32_stack.addresses.gateway_address)
-    greeted = context.socket(zmq.DEALER)  # says hello, then sends garbage
-    greeted.connect(fp32_stack.addresses.gateway_address)
+    # Each holds the stack's keys: what is fuzzed is what comes after the handshake.
+    anonymous = fp32_stack.insider(context, "gateway")  # never says hello
+    greeted = fp32_stack.insider(context, "gateway")  # says hello, then sends garbage
     greeted.send(msgspec.msgpack.encode(m.GatewayHello("fuzz-gateway", m.PROTOCOL_VERSION)))
-    worker_side = context.socket(zmq.DEALER)
-    worker_side.connect(fp32_stack.addresses.worker_address)
+    worker_side = fp32_stack.insider(context, "worker")
     for sock in (anonymous, greeted, worker_side):
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 100_000)

@@ -1,8 +1,9 @@
-"""Well-formed messages from something that reached the scheduler's ZeroMQ sockets, against a real stack.
+"""Messages from something that reached the scheduler's ZeroMQ sockets, against a real stack.
 
-A raw ZeroMQ client plays a second gateway and a process posing as a worker. Each of its
-messages is refused and counted; no process crashes or restarts, the users' output does
-not change, and the stack keeps serving.
+A raw ZeroMQ client without the stack's keys is refused in the CURVE handshake: nothing it
+sends arrives. One that holds them (a compromised process, a stolen key) plays a second
+gateway and a process posing as a worker. Each of its messages is refused and counted; no
+process crashes or restarts, the users' output does not change, and the stack keeps serving.
 """
 
 from __future__ import annotations
@@ -12,25 +13,26 @@ import time
 
 import msgspec
 import zmq
+import zmq.auth
 
+from common.transport import Role, Transport
 from proto import messages as m
 from proto import specserve_pb2 as pb
 from proto.lifecycle import State
 from tests.e2e.stack import Stack
-from tests.e2e.test_reliability import greedy
+from tests.e2e.test_reliability import greedy, run_all
 
 PROMPT = list(range(300, 340))
 
 
 class RawPeer:
-    """A DEALER on one of the scheduler's sockets, speaking the protocol with no process behind it."""
+    """A DEALER on one of the scheduler's sockets holding the stack's key for it, speaking the protocol with no
+    process behind it."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, stack: Stack, role: Role) -> None:
         self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(address)
-        self.decoder = msgspec.msgpack.Decoder(m.SchedulerToGateway)
+        self.socket = stack.insider(self.context, role)
+        self.decoder = msgspec.msgpack.Decoder(m.SchedulerToGateway if role == "gateway" else m.SchedulerToWorker)
 
     def send(self, message: msgspec.Struct) -> None:
         self.socket.send(msgspec.msgpack.encode(message))
@@ -51,7 +53,7 @@ class RawPeer:
 
 
 def _gateway(stack: Stack) -> RawPeer:
-    peer = RawPeer(stack.addresses.gateway_address)
+    peer = RawPeer(stack, "gateway")
     peer.send(m.GatewayHello("second-gateway", m.PROTOCOL_VERSION))
     return peer
 
@@ -96,7 +98,7 @@ def test_hellos_and_reports_posing_as_a_worker_are_refused_and_the_real_worker_s
     before = _targets(fp32_stack)
     real = _target(fp32_stack)
     gateway = _gateway(fp32_stack)
-    impostor = RawPeer(fp32_stack.addresses.worker_address)
+    impostor = RawPeer(fp32_stack, "worker")
     try:
         refused_before = _refusals(gateway)
         hello = m.WorkerHello(worker_id="evil", role="target", incarnation=time.time_ns(),
@@ -143,3 +145,117 @@ def test_a_second_gateway_cannot_abort_anothers_request(fp32_stack: Stack) -> No
     finally:
         gateway.close()
     assert streamed == [expected]  # finished, whole, and its owner heard the end
+
+
+def _refusals_grow(gateway: RawPeer, before: dict[str, int], kinds: list[str], timeout_s: float = 10.0) -> dict[str, int]:
+    """The refusal counters once each of `kinds` has grown past `before`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        refused = _refusals(gateway)
+        if all(refused.get(kind, 0) > before.get(kind, 0) for kind in kinds):
+            return refused
+        assert time.monotonic() < deadline, (kinds, refused)
+        time.sleep(0.2)
+
+
+def test_peers_without_the_stacks_keys_are_refused_in_the_handshake_and_a_fake_worker_never_registers(
+        fp32_stack: Stack) -> None:
+    assert fp32_stack.config.keys is not None
+    before_output = fp32_stack.generate(greedy(PROMPT, 16)).token_ids
+    before = _targets(fp32_stack)
+    gateway = _gateway(fp32_stack)
+    context = zmq.Context()
+    outsiders: dict[Role, list[zmq.Socket[bytes]]] = {"gateway": [], "worker": []}
+    try:
+        refused_before = _refusals(gateway)
+        scheduler_key, _ = zmq.auth.load_certificate(fp32_stack.config.keys / "scheduler.key")
+        for role, address in (("gateway", fp32_stack.addresses.gateway_address),
+                              ("worker", fp32_stack.addresses.worker_address)):
+            plain = context.socket(zmq.DEALER)  # no CURVE at all
+            stranger = context.socket(zmq.DEALER)  # CURVE with the right server key, but a key of its own
+            stranger.curve_serverkey = scheduler_key
+            stranger.curve_publickey, stranger.curve_secretkey = zmq.curve_keypair()
+            for sock in (plain, stranger):
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(address)
+                outsiders[role].append(sock)
+        incarnation = time.time_ns()
+        hello = m.WorkerHello(worker_id="fake-worker", role="target", incarnation=incarnation,
+                              protocol_version=m.PROTOCOL_VERSION, pid=1, model_name="SmolLM2-135M-Instruct",
+                              model_fingerprint="x", vocab_size=49152, max_model_len=2048, num_kv_pages=64,
+                              kv_page_size=16, dtype="float32", device="cpu")
+        phases = [State.STARTING, State.LOADING, State.ALLOCATING, State.WARMING, State.READY]
+        for sock in outsiders["worker"]:  # a whole fake worker: its hello and every report up to READY
+            sock.send(msgspec.msgpack.encode(hello))
+            for previous, state in zip(phases, phases[1:], strict=False):
+                sock.send(msgspec.msgpack.encode(m.LifecycleReport("fake-worker", incarnation, state, previous, 0.1)))
+        for sock in outsiders["gateway"]:
+            sock.send(msgspec.msgpack.encode(m.GatewayHello("outsider", m.PROTOCOL_VERSION)))
+            sock.send(msgspec.msgpack.encode(m.SubmitRequest("outsider-1", PROMPT, 4, m.SamplingParams(), [])))
+        refused = _refusals_grow(gateway, refused_before, [
+            "gateway.handshake_failed", "gateway.unauthorized_key", "worker.handshake_failed", "worker.unauthorized_key"])
+        # Users' requests are served while the outsiders keep knocking (ZeroMQ retries their handshakes).
+        assert fp32_stack.generate(greedy(PROMPT, 16)).token_ids == before_output
+        assert all(not sock.poll(0) for socks in outsiders.values() for sock in socks)  # nothing came back
+    finally:
+        for socks in outsiders.values():
+            for sock in socks:
+                sock.close()
+        context.term()
+        gateway.close()
+    assert "fake-worker" not in {p.process_id for p in fp32_stack.info().processes}
+    assert _targets(fp32_stack) == before
+    log = (fp32_stack.log_dir / "scheduler.log").read_text()
+    assert "unauthorized_key" in log and "handshake_failed" in log
+    print(f"\nrefused in the handshake: { {k: v for k, v in refused.items() if 'handshake' in k or 'key' in k} }")
+
+
+def test_a_hello_with_a_live_workers_id_is_refused_and_the_newcomer_told_to_stop(fp32_stack: Stack) -> None:
+    before_output = fp32_stack.generate(greedy(PROMPT, 16)).token_ids
+    before = _targets(fp32_stack)
+    real = _target(fp32_stack)
+    gateway = _gateway(fp32_stack)
+    impostor = RawPeer(fp32_stack, "worker")
+    try:
+        refused_before = _refusals(gateway)
+        incarnation = time.time_ns()  # newer than the real one's, and plausible
+        impostor.send(m.WorkerHello(worker_id=real.process_id, role="target", incarnation=incarnation,
+                                    protocol_version=m.PROTOCOL_VERSION, pid=1, model_name="SmolLM2-135M-Instruct",
+                                    model_fingerprint="x", vocab_size=49152, max_model_len=2048, num_kv_pages=64,
+                                    kv_page_size=16, dtype="float32", device="cpu"))
+        drain = impostor.receive(m.Drain)
+        assert isinstance(drain, m.Drain) and drain.incarnation == incarnation
+        impostor.send(m.LifecycleReport(real.process_id, incarnation, State.LOADING, State.STARTING, 0.1))
+        refused = _refusals_grow(gateway, refused_before, ["worker.duplicate_id"])
+        assert fp32_stack.generate(greedy(PROMPT, 16)).token_ids == before_output
+    finally:
+        impostor.close()
+        gateway.close()
+    assert _targets(fp32_stack) == before  # the real worker: same incarnation, READY, never dismissed
+    assert "worker.duplicate_refused" in (fp32_stack.log_dir / "scheduler.log").read_text()
+    print(f"\nduplicate id refused: {refused['worker.duplicate_id']}")
+
+
+def test_a_connection_claiming_a_live_workers_routing_identity_neither_takes_its_route_nor_speaks_for_it(
+        fp32_stack: Stack) -> None:
+    before_output = fp32_stack.generate(greedy(PROMPT, 16)).token_ids
+    before = _targets(fp32_stack)
+    real = _target(fp32_stack)
+    context = zmq.Context()
+    thief = context.socket(zmq.DEALER)
+    thief.setsockopt(zmq.IDENTITY, m.worker_identity(real.process_id, real.incarnation))  # public: id and incarnation
+    thief.setsockopt(zmq.LINGER, 0)
+    Transport(fp32_stack.config.keys).join(thief, "worker")
+    thief.connect(fp32_stack.addresses.worker_address)
+    try:
+        thief.send(msgspec.msgpack.encode(m.WorkerFailed(real.process_id, real.incarnation, State.READY, "RuntimeError",
+                                                         "forged")))
+        # Steps for the real worker still reach it: a taken-over route would deliver them here instead.
+        assert run_all(fp32_stack, [greedy(PROMPT, 16) for _ in range(8)]) == [before_output] * 8
+        after = fp32_stack.process_info(real.process_id)
+        assert after is not None and after.prefix_cache_queried_tokens > real.prefix_cache_queried_tokens  # it ran some
+        assert not thief.poll(500)
+    finally:
+        thief.close()
+        context.term()
+    assert _targets(fp32_stack) == before

@@ -128,9 +128,7 @@ def test_32_streams_survive_a_sigkilled_worker_token_for_token(two_workers: Stac
     assert back.incarnation != old_incarnation
     # A message from the old incarnation is dropped: it changes nothing.
     context = zmq.Context()
-    stale = context.socket(zmq.DEALER)
-    stale.setsockopt(zmq.IDENTITY, b"worker-1/stale-probe")
-    stale.connect(two_workers.addresses.worker_address)
+    stale = two_workers.insider(context, "worker")
     codec: m.Codec[m.WorkerToScheduler] = m.Codec(m.WorkerToScheduler)
     stale.send(codec.encode(m.WorkerFailed("worker-1", old_incarnation, "READY", "RuntimeError", "a ghost")))
     stale.send(codec.encode(m.LifecycleReport("worker-1", old_incarnation, "STOPPED", "READY", 1.0)))

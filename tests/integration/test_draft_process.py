@@ -22,7 +22,7 @@ def _start_draft(proposer: str, address: str, tmp_path: Path, *extra: str) -> su
     log = (tmp_path / "draft.log").open("ab")
     return subprocess.Popen([sys.executable, "-m", "draft_service", "--proposer", proposer, "--scheduler-address", address,
                              "--dtype", "float32", "--num-seqs", "2", "--max-model-len", "128", "--max-draft-tokens", "3",
-                             "--status-file", str(tmp_path / "status"), *extra], stdout=log, stderr=subprocess.STDOUT)
+                             "--status-file", str(tmp_path / "status"), "--insecure-loopback", *extra], stdout=log, stderr=subprocess.STDOUT)
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:

@@ -44,6 +44,8 @@ class FakeScheduler:
                 message = self.codec.decode(frame)
                 if isinstance(message, m.Heartbeat):
                     continue
+                if isinstance(message, m.WorkerHello):  # a new process: its own identity
+                    self.identity = identity
                 self.identity = self.identity or identity
                 if isinstance(message, kind):
                     return message
@@ -70,7 +72,7 @@ def _start_worker(model: Path, address: str, tmp_path: Path, env: dict[str, str]
     log = (tmp_path / "worker.log").open("wb")
     return subprocess.Popen([sys.executable, "-m", "gpu_worker", "--model", str(model), "--scheduler-address", address,
                              "--dtype", "float32", "--kv-cache-memory", "0.01", "--max-model-len", "256",
-                             "--max-num-batched-tokens", "64", "--status-file", str(tmp_path / "status")],
+                             "--max-num-batched-tokens", "64", "--status-file", str(tmp_path / "status"), "--insecure-loopback"],
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
 

@@ -73,7 +73,9 @@ class Sim:
 
     def __init__(self, *, rng: random.Random | None = None, **config_overrides: object) -> None:
         self.config = make_config(**config_overrides)
-        self.core = SchedulerCore(self.config, rng=rng or random.Random(0))
+        self.disconnected: set[bytes] = set()  # worker socket identities whose connection is gone
+        self.core = SchedulerCore(self.config, rng=rng or random.Random(0),
+                                  peer_connected=lambda identity: identity not in self.disconnected)
         self.now_s = 100.0
         self.sent: list[Outgoing] = []
         self.core.on_gateway_message(GATEWAY, m.GatewayHello("gateway-1", m.PROTOCOL_VERSION), self.now_s)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ def test_an_install_without_the_drafts_folder_falls_back_to_prompt_lookup(
 
 def _service_argvs(*up_flags: str, model: Path) -> dict[str, list[str]]:
     """Each process's command line for `up UP_FLAGS` on a CPU, `model` standing for what up_config would find."""
-    args = _build_parser().parse_args(["up", *up_flags])
+    args = _build_parser().parse_args(["up", "--keys", "/keys", *up_flags])
     draft = args.draft.proposer if args.draft else None
     config = stack_config(args, model=model, max_model_len=2048, draft=draft, device="cpu", dtype="bfloat16")
     return {spec.name: spec.argv for spec in service_specs(config, StackAddresses.pick(config))}
@@ -108,6 +109,8 @@ def test_token_trees_are_on_unless_turned_off_and_only_phrases_take_the_switch(
     (["--port", "0"], "--port must be a port number"),
     (["--device", "tpu"], "--device tpu: expected cpu or cuda"),
     (["--draft", "default"], "was trained for a target with another vocabulary"),  # the shipped draft is the default model's
+    (["--keys", "/no/such/keys"], "--keys /no/such/keys: no such folder"),
+    (["--keys", "/tmp", "--insecure-loopback"], "--keys and --insecure-loopback exclude each other"),
 ])
 def test_up_refuses_what_cannot_work_before_any_process_starts(tiny_llama_folder: Path, flags: list[str], problem: str,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
@@ -154,7 +157,7 @@ def test_the_draft_service_checks_its_proposer_arguments() -> None:
     def config(*argv: str) -> DraftConfig:
         parser = argparse.ArgumentParser()
         add_arguments(parser)
-        return from_arguments(parser.parse_args(list(argv)))
+        return from_arguments(parser.parse_args([*argv, "--insecure-loopback"]))
 
     both = config("--proposer", "eagle+ngram:/d", "--target-model", "/t", "--head-draft-tokens", "2")
     assert both.proposer == DraftSpec(DraftKind.EAGLE_NGRAM, Path("/d")) and both.head_draft_tokens == 2
@@ -206,3 +209,30 @@ def test_up_resolves_its_flags_once_into_a_frozen_config_and_leaves_them_as_they
     assert stack.draft == DraftSpec(DraftKind.NGRAM) and config.draft_name == "ngram" and stack.device == "cpu"
     with pytest.raises(dataclasses.FrozenInstanceError):
         stack.num_workers = 2  # type: ignore[misc]
+
+
+def test_every_service_is_given_the_key_folder() -> None:
+    argvs = _service_argvs("--draft", "ngram", model=Path("/m"))
+    assert set(argvs) == {"scheduler", "worker-0", "draft", "gateway"}
+    for argv in argvs.values():
+        assert argv[argv.index("--keys") + 1] == "/keys" and "--insecure-loopback" not in argv
+
+
+def test_up_without_keys_given_makes_a_private_folder_for_its_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import specserve.up
+
+    seen: list[tuple[str, ...]] = []
+
+    def supervise(config: object, stack: object) -> int:
+        keys = stack.keys  # type: ignore[attr-defined]
+        seen.append(tuple(sorted(p.relative_to(keys).as_posix() for p in keys.rglob("*.key*"))))
+        assert keys.stat().st_mode & 0o777 == 0o700
+        return 0
+
+    monkeypatch.setattr(specserve.up, "_supervise", supervise)
+    args = _build_parser().parse_args(["up", "--keys", "/unused"])
+    config = stack_config(args, model=tmp_path, max_model_len=64, draft=None, device="cpu", dtype="float32")
+    up = specserve.up.UpConfig(stack=dataclasses.replace(config, keys=None), draft_name="none", ready_timeout_s=1.0)
+    assert specserve.up.run_up(up) == 0
+    assert seen == [("authorized/gateway/gateway.key", "authorized/worker/worker.key", "gateway.key",
+                     "gateway.key_secret", "scheduler.key", "scheduler.key_secret", "worker.key", "worker.key_secret")]

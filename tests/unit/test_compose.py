@@ -40,9 +40,21 @@ def _service_parser(name: str) -> argparse.ArgumentParser:
     return parser
 
 
-def _accepts(argv: list[str]) -> None:
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What the keys service makes in the `keys` volume, for the commands that read /keys."""
+    folder = tmp_path_factory.mktemp("volume") / "keys"
+    args = _build_parser().parse_args(["keys", str(folder)])
+    assert args.run(args) == 0
+    return folder
+
+
+def _accepts(argv: list[str], keys: Path | None = None) -> None:
     """Parse argv as `specserve ARGV` would, without running anything; raises SystemExit if refused."""
-    if argv[0] in ("scheduler", "worker", "draft", "gateway"):
+    argv = [str(keys) if keys is not None and part == "/keys" else part for part in argv]
+    if argv[0] == "scheduler":
+        scheduler.config.from_arguments(_service_parser("scheduler").parse_args(argv[1:]))  # the keys are read here
+    elif argv[0] in ("worker", "draft", "gateway"):
         parser = _service_parser(argv[0])
         args = parser.parse_args(argv[1:])
         if argv[0] == "draft":
@@ -51,12 +63,12 @@ def _accepts(argv: list[str]) -> None:
         _build_parser().parse_args(argv)
 
 
-def test_every_service_command_and_health_check_is_accepted(resolved: dict) -> None:  # type: ignore[type-arg]
+def test_every_service_command_and_health_check_is_accepted(resolved: dict, keys: Path) -> None:  # type: ignore[type-arg]
     services = resolved["services"]
-    assert {"model-init", "scheduler", "draft", "gateway"} <= services.keys()
+    assert {"model-init", "keys", "scheduler", "draft", "gateway"} <= services.keys()
     assert any(name.startswith("gpu-worker") for name in services)
     for name, service in services.items():
-        _accepts(service["command"])
+        _accepts(service["command"], keys)
         if "healthcheck" in service:
             test = service["healthcheck"]["test"]
             assert test[:2] == ["CMD", "specserve"], name
@@ -72,6 +84,18 @@ def test_workers_reserve_a_gpu_and_follow_readiness(resolved: dict) -> None:  # 
         assert "--status-file" in service["command"] and "healthcheck" in service
         assert service["depends_on"]["scheduler"]["condition"] == "service_healthy"
     assert resolved["services"]["gateway"]["healthcheck"]["test"][-2:] == ["--grpc", "127.0.0.1:50051"]
+
+
+def test_every_service_on_the_sockets_reads_the_keys_made_before_it_starts(resolved: dict) -> None:  # type: ignore[type-arg]
+    services = resolved["services"]
+    assert services["keys"]["command"] == ["keys", "/keys"]
+    for name, service in services.items():
+        if service["command"][0] in ("scheduler", "worker", "draft", "gateway"):
+            command = service["command"]
+            assert command[command.index("--keys") + 1] == "/keys", name
+            assert "--insecure-loopback" not in command, name
+            assert service["depends_on"]["keys"]["condition"] == "service_completed_successfully", name
+            assert any(str(volume).endswith(":/keys") or str(volume).endswith(":/keys:rw") for volume in service["volumes"]), name
 
 
 def test_a_wrong_command_is_refused() -> None:

@@ -416,7 +416,7 @@ def test_the_service_builds_each_distilled_kind_from_one_folder(
         add_arguments(parser)
         config = from_arguments(parser.parse_args(["--proposer", f"{kind}:{folder}", "--target-model", str(tiny_llama_folder),
                                                    "--dtype", "float32", "--max-model-len", "64", "--num-seqs", "2",
-                                                   "--max-draft-tokens", "4"]))
+                                                   "--max-draft-tokens", "4", "--insecure-loopback"]))
         assert config.proposer.runs_model == (kind != "phrases")
         proposer = make_proposer(config)
         for phase in proposer.phases():

@@ -205,11 +205,11 @@ def test_stop_strings_are_bounded_in_number_and_length_over_http(run: Any, token
 
 def test_the_http_limits_are_set_and_checked_on_the_command_line(default_model_dir: Path) -> None:
     config = parse_config(["--model", str(default_model_dir), "--http-max-body-bytes", "1024",
-                           "--http-read-timeout-s", "2.5"])
+                           "--http-read-timeout-s", "2.5", "--insecure-loopback"])
     assert (config.http_max_body_bytes, config.http_read_timeout_s) == (1024, 2.5)
     for flag in ("--http-max-body-bytes", "--http-read-timeout-s"):
         with pytest.raises(SystemExit):
-            parse_config(["--model", str(default_model_dir), flag, "0"])
+            parse_config(["--model", str(default_model_dir), flag, "0", "--insecure-loopback"])
 
 
 # ---------------------------------------------------------------------------------------------------- gRPC

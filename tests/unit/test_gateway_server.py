@@ -504,7 +504,7 @@ def test_a_request_that_cannot_be_resumed_fails_unavailable_instead_of_waiting(r
 def gateway_command(model_dir: Path, scheduler_address: str, *options: str) -> list[str]:
     return [
         sys.executable, "-m", "gateway", "--model", str(model_dir), "--scheduler-address", scheduler_address,
-        "--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--log-json", *options,
+        "--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--log-json", "--insecure-loopback", *options,
     ]  # fmt: skip
 
 

@@ -41,6 +41,7 @@ SCHEDULER_TO_WORKER: list[msgspec.Struct] = [
                   draft_dists=[m.SparseDist([6, 9], [0.75, 0.25]), m.SparseDist([7], [1.0])]),
     ]),
     m.Drain(2),
+    m.Probe(),
 ]
 SCHEDULER_TO_DRAFT: list[msgspec.Struct] = [
     m.ProposeRequest(3, 9, [
@@ -49,6 +50,7 @@ SCHEDULER_TO_DRAFT: list[msgspec.Struct] = [
     ]),
     m.ReleaseSequences(9, ["r-1", "r-2"]),
     m.Drain(9),
+    m.Probe(),
 ]
 WORKER_TO_SCHEDULER: list[msgspec.Struct] = [
     m.WorkerHello("w0", "target", 2, m.PROTOCOL_VERSION, 4242, "SmolLM2-135M-Instruct", "fp-1", 49152, 2048, 4096, 16, "bfloat16", "cuda:0"),

@@ -37,6 +37,34 @@ def test_a_worker_message_from_another_socket_than_its_hello_is_refused() -> Non
     assert sim.finish_reason("r1") == "length"
 
 
+def test_a_second_process_with_a_live_workers_id_is_told_to_stop_and_the_first_serves_on() -> None:
+    sim = Sim()
+    first = sim.worker("w0", identity=b"w0/1").start()
+    sim.submit("r1", max_tokens=2)
+    newcomer = sim.worker("w0", identity=b"w0/2", incarnation=2)
+    assert newcomer.hello()  # handled: refused, counted, and the newcomer told to stop
+    newcomer.inbox()
+    assert [d.incarnation for d in newcomer.drains] == [2]
+    assert not newcomer.report(State.LOADING)  # it is nobody: its reports are dropped
+    assert sim.info().protocol_errors["worker.duplicate_id"] == 1
+    assert (sim.process("w0").incarnation, sim.process("w0").state) == (1, State.READY)
+    first.run()
+    assert sim.finish_reason("r1") == "length"
+
+
+def test_a_restarted_process_replaces_its_predecessor_once_that_ones_connection_is_gone() -> None:
+    sim = Sim()
+    sim.worker("w0", identity=b"w0/1").start()
+    sim.submit("r1", max_tokens=2)
+    sim.disconnected.add(b"w0/1")  # killed: the kernel closed its connection before the supervisor started another
+    restarted = sim.worker("w0", identity=b"w0/2", incarnation=2).start()
+    restarted.inbox()
+    assert not restarted.drains and "worker.duplicate_id" not in sim.info().protocol_errors
+    assert (sim.process("w0").incarnation, sim.process("w0").state) == (2, State.READY)
+    restarted.run()
+    assert sim.finish_reason("r1") == "length"  # recomputed on the new incarnation
+
+
 def test_a_gateway_may_abort_only_its_own_requests() -> None:
     sim = Sim()
     worker = sim.worker("w0").start()
@@ -185,7 +213,7 @@ def test_a_gone_process_leaves_the_listing_after_the_stated_time() -> None:
 def test_heartbeats_are_believed_from_the_workers_heartbeat_socket_too() -> None:
     sim = Sim(heartbeat_timeout_s=5.0)
     worker = sim.worker("w0").start()
-    beats = FakeWorker(sim, "w0", identity=m.heartbeat_identity("w0"))
+    beats = FakeWorker(sim, "w0", identity=m.heartbeat_identity(worker.identity))
     for _ in range(4):
         sim.advance(3.0)
         assert beats.send(m.Heartbeat("w0", worker.incarnation, State.READY, 0, 0))
