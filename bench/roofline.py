@@ -1,0 +1,174 @@
+"""This machine's memory and matmul bounds, and how close the model's decode steps come to them.
+
+Measured with the threads torch has (`--threads` sets them), in one sitting:
+
+- read bandwidth: the best of `--repeats` sums of a 1 GiB float32 tensor (far larger than
+  any cache), in GB/s;
+- matmul peak: the best of `--repeats` 2048 x 2048 x 2048 matmuls in the serving dtype and
+  in float32, whichever is faster (torch's library GEMM; the native kernels widen bfloat16
+  to float32 and sum there, so on a CPU without bfloat16 arithmetic float32's peak is the
+  one that bounds them);
+- decode steps of the model alone (`modeling.engine.ModelEngine`, the kernels a worker
+  runs): B sequences of `--context` cached positions each take one new token; the median of
+  `--repeats` steps.
+
+For each B the step's bound is the larger of its bytes over the bandwidth and its FLOPs
+over the matmul peak. Bytes served: every matmul weight once (q, k, v, o, gate, up, down
+and the LM head, which is the embedding table when they are tied) plus the keys and
+values the step reads; FLOPs: 2 per weight per row, plus attention's 4 per cached
+position, head and head dimension. The table gives each step as a multiple of its bound.
+
+    python -m bench.roofline --dtype float32 --batch 1 4 16 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from modeling.batch import SeqSpan
+from modeling.config import ModelConfig
+from modeling.engine import ModelEngine
+from modeling.kv_cache import pages_for
+
+GIB = 1 << 30
+_MATMUL_SIZE = 2048
+
+
+@dataclass(frozen=True)
+class Bounds:
+    read_gb_s: float
+    matmul_tflop_s: float
+
+
+@dataclass(frozen=True)
+class StepCost:
+    bytes: float
+    flops: float
+
+    def bound_ms(self, bounds: Bounds) -> float:
+        return max(self.bytes / (bounds.read_gb_s * 1e9), self.flops / (bounds.matmul_tflop_s * 1e12)) * 1e3
+
+    def limited_by(self, bounds: Bounds) -> str:
+        return "memory" if self.bytes / (bounds.read_gb_s * 1e9) >= self.flops / (bounds.matmul_tflop_s * 1e12) else "compute"
+
+
+def best_s(work: Callable[[], object], repeats: int) -> float:
+    work()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        work()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def measure_bounds(dtype: torch.dtype, repeats: int) -> Bounds:
+    data = torch.ones(GIB // 4, dtype=torch.float32)
+    read_s = best_s(lambda: data.sum(), repeats)
+    del data
+    matmul_s = float("inf")
+    for kind in {dtype, torch.float32}:
+        a = torch.randn(_MATMUL_SIZE, _MATMUL_SIZE).to(kind)
+        b = torch.randn(_MATMUL_SIZE, _MATMUL_SIZE).to(kind)
+        matmul_s = min(matmul_s, best_s(lambda: a @ b, repeats))  # noqa: B023 - timed before the next kind
+    return Bounds(read_gb_s=GIB / read_s / 1e9, matmul_tflop_s=2 * _MATMUL_SIZE**3 / matmul_s / 1e12)
+
+
+def matmul_params(config: ModelConfig) -> int:
+    """The weights a decode step multiplies by: every layer's projections and the LM head."""
+    q, kv, hidden = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.hidden_size
+    per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * config.intermediate_size
+    return config.num_layers * per_layer + config.vocab_size * hidden
+
+
+def step_cost(config: ModelConfig, batch: int, context: int, itemsize: int) -> StepCost:
+    params = matmul_params(config)
+    kv_bytes = batch * context * config.num_layers * 2 * config.num_kv_heads * config.head_dim * itemsize
+    attention_flops = 4 * batch * context * config.num_layers * config.num_heads * config.head_dim
+    return StepCost(bytes=params * itemsize + kv_bytes, flops=2 * batch * params + attention_flops)
+
+
+def decode_step_ms(engine: ModelEngine, batch: int, context: int, repeats: int) -> float:
+    """The median time of a step in which `batch` sequences of `context` positions each take one new token."""
+    pages_each = pages_for(context + repeats + 2, engine.page_size)
+    tables = [tuple(range(i * pages_each, (i + 1) * pages_each)) for i in range(batch)]
+    prompt = [(7 * p) % 1000 + 100 for p in range(context)]
+    for table in tables:  # fill the caches
+        engine.forward([SeqSpan(table, 0, prompt, 1)])
+    times = []
+    for step in range(repeats + 1):
+        spans = [SeqSpan(table, context + step, [42], 1) for table in tables]
+        started = time.perf_counter()
+        engine.forward(spans)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:]) * 1e3
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> str:
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "?"
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return " ".join(f for f in wanted if f in flags) or "none of " + ", ".join(wanted)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from specserve.up import resolve_model
+
+    parser = argparse.ArgumentParser(prog="python -m bench.roofline", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="what `specserve up --model` takes (default: the embedded default)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), nargs="+", default=["float32"])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--context", type=int, default=160, help="cached positions of each sequence")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    folder = resolve_model(args.model)
+    config = ModelConfig.from_folder(folder)
+    print(f"{cpu_name()} ({cpu_flags()}), {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"{folder.name}, context {args.context}")
+    print()
+    print("| dtype | read GB/s | matmul TFLOP/s | B | step ms | bound ms | limited by | step / bound |")
+    print("|---|---:|---:|---:|---:|---:|---|---:|")
+    for dtype_name in args.dtype:
+        dtype = getattr(torch, dtype_name)
+        bounds = measure_bounds(dtype, max(3, args.repeats // 4))
+        engine = ModelEngine(folder, config, device="cpu", dtype=dtype_name, max_len=args.context + args.repeats + 2,
+                             num_pages=max(args.batch) * pages_for(args.context + args.repeats + 2, 16) + 8)
+        engine.load()
+        engine.allocate()
+        for batch in args.batch:
+            cost = step_cost(config, batch, args.context, dtype.itemsize)
+            step_ms = decode_step_ms(engine, batch, args.context, args.repeats)
+            bound_ms = cost.bound_ms(bounds)
+            print(f"| {dtype_name} | {bounds.read_gb_s:.1f} | {bounds.matmul_tflop_s:.2f} | {batch} | {step_ms:.1f} | "
+                  f"{bound_ms:.1f} | {cost.limited_by(bounds)} | {step_ms / bound_ms:.2f} |", flush=True)
+        del engine
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
