@@ -27,12 +27,13 @@ import argparse
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from bench.linear_kernel import best_ms
 from modeling.batch import SeqSpan
 from modeling.config import ModelConfig
 from modeling.engine import ModelEngine
@@ -60,25 +61,15 @@ class StepCost:
         return "memory" if self.bytes / (bounds.read_gb_s * 1e9) >= self.flops / (bounds.matmul_tflop_s * 1e12) else "compute"
 
 
-def best_s(work: Callable[[], object], repeats: int) -> float:
-    work()
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        work()
-        best = min(best, time.perf_counter() - started)
-    return best
-
-
 def measure_bounds(dtype: torch.dtype, repeats: int) -> Bounds:
     data = torch.ones(GIB // 4, dtype=torch.float32)
-    read_s = best_s(lambda: data.sum(), repeats)
+    read_s = best_ms(lambda: data.sum(), repeats) / 1e3
     del data
     matmul_s = float("inf")
     for kind in {dtype, torch.float32}:
         a = torch.randn(_MATMUL_SIZE, _MATMUL_SIZE).to(kind)
         b = torch.randn(_MATMUL_SIZE, _MATMUL_SIZE).to(kind)
-        matmul_s = min(matmul_s, best_s(lambda: a @ b, repeats))  # noqa: B023 - timed before the next kind
+        matmul_s = min(matmul_s, best_ms(lambda: a @ b, repeats) / 1e3)  # noqa: B023 - timed before the next kind
     return Bounds(read_gb_s=GIB / read_s / 1e9, matmul_tflop_s=2 * _MATMUL_SIZE**3 / matmul_s / 1e12)
 
 

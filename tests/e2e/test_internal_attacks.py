@@ -58,6 +58,15 @@ def _gateway(stack: Stack) -> RawPeer:
     return peer
 
 
+def _plausible_hello(worker_id: str, incarnation: int, **overrides: object) -> m.WorkerHello:
+    """A target's hello as a real one would look, but for `overrides`."""
+    fields: dict[str, object] = dict(
+        worker_id=worker_id, role="target", incarnation=incarnation, protocol_version=m.PROTOCOL_VERSION, pid=1,
+        model_name="SmolLM2-135M-Instruct", model_fingerprint="x", vocab_size=49152, max_model_len=2048,
+        num_kv_pages=64, kv_page_size=16, dtype="float32", device="cpu")
+    return m.WorkerHello(**{**fields, **overrides})  # type: ignore[arg-type]
+
+
 def _refusals(gateway: RawPeer) -> dict[str, int]:
     gateway.send(m.InfoQuery(query_id=77))
     reply = gateway.receive(m.InfoReply)
@@ -101,10 +110,7 @@ def test_hellos_and_reports_posing_as_a_worker_are_refused_and_the_real_worker_s
     impostor = RawPeer(fp32_stack, "worker")
     try:
         refused_before = _refusals(gateway)
-        hello = m.WorkerHello(worker_id="evil", role="target", incarnation=time.time_ns(),
-                              protocol_version=m.PROTOCOL_VERSION, pid=1, model_name="x", model_fingerprint="x",
-                              vocab_size=49152, max_model_len=2048, num_kv_pages=2**62, kv_page_size=16,
-                              dtype="float32", device="cpu")
+        hello = _plausible_hello("evil", time.time_ns(), num_kv_pages=2**62)
         impostor.send(hello)  # a page pool of 2^62 pages was a MemoryError that took the scheduler down
         impostor.send(msgspec.structs.replace(hello, worker_id=real.process_id, incarnation=2**62, num_kv_pages=64))
         impostor.send(m.WorkerFailed(real.process_id, real.incarnation, State.READY, "RuntimeError", "forged"))
@@ -180,10 +186,7 @@ def test_peers_without_the_stacks_keys_are_refused_in_the_handshake_and_a_fake_w
                 sock.connect(address)
                 outsiders[role].append(sock)
         incarnation = time.time_ns()
-        hello = m.WorkerHello(worker_id="fake-worker", role="target", incarnation=incarnation,
-                              protocol_version=m.PROTOCOL_VERSION, pid=1, model_name="SmolLM2-135M-Instruct",
-                              model_fingerprint="x", vocab_size=49152, max_model_len=2048, num_kv_pages=64,
-                              kv_page_size=16, dtype="float32", device="cpu")
+        hello = _plausible_hello("fake-worker", incarnation)
         phases = [State.STARTING, State.LOADING, State.ALLOCATING, State.WARMING, State.READY]
         for sock in outsiders["worker"]:  # a whole fake worker: its hello and every report up to READY
             sock.send(msgspec.msgpack.encode(hello))
@@ -219,10 +222,7 @@ def test_a_hello_with_a_live_workers_id_is_refused_and_the_newcomer_told_to_stop
     try:
         refused_before = _refusals(gateway)
         incarnation = time.time_ns()  # newer than the real one's, and plausible
-        impostor.send(m.WorkerHello(worker_id=real.process_id, role="target", incarnation=incarnation,
-                                    protocol_version=m.PROTOCOL_VERSION, pid=1, model_name="SmolLM2-135M-Instruct",
-                                    model_fingerprint="x", vocab_size=49152, max_model_len=2048, num_kv_pages=64,
-                                    kv_page_size=16, dtype="float32", device="cpu"))
+        impostor.send(_plausible_hello(real.process_id, incarnation))
         drain = impostor.receive(m.Drain)
         assert isinstance(drain, m.Drain) and drain.incarnation == incarnation
         impostor.send(m.LifecycleReport(real.process_id, incarnation, State.LOADING, State.STARTING, 0.1))
