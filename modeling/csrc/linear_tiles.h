@@ -62,7 +62,13 @@ template <typename T>
 void run(const LinearCall<T>& call) {
   const int64_t num_panels = (call.num_out + kPanel - 1) / kPanel;
   const int64_t panel_stride = call.depth * kPanel;
-  const int rows_per_tile = static_cast<int>(std::min<int64_t>(call.num_rows, kMaxRows));
+  // float32 weights and few rows: at most half the rows a one-panel tile could hold, so that every tile streams
+  // two or more panels. One tile of all the rows would stream one panel, and a core cannot read one stream of
+  // weights at the memory's pace; the rows past the tile read the block of panels again from cache. Not for
+  // bfloat16, whose every pass widens the weights again, nor for steps of many rows, which are compute bound
+  // (measured: docs/benchmarks.md, the roofline).
+  const bool split = std::is_same_v<T, float> && call.num_rows <= kMaxRows;
+  const int rows_per_tile = static_cast<int>(std::min<int64_t>(call.num_rows, split ? std::max(1, kMaxRows / 2) : kMaxRows));
   const int group = panels_for(rows_per_tile);
   const int64_t num_groups = (num_panels + group - 1) / group;
   // Each thread takes the next group of panels as it finishes one, rather than a fixed share: on a
