@@ -31,6 +31,7 @@ from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 from proto.lifecycle import State
 from specserve.stack import StackError, free_port
+from modeling.quantization import QUANTIZATIONS
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_CONCURRENCIES = (1, 4, 16, 64)
@@ -343,6 +344,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     stack.add_argument("--spec-disable-batch-threshold", type=int, default=None)
     stack.add_argument("--spec-draft-token-budget", type=int, default=None)
     stack.add_argument("--no-token-trees", action="store_true", help="the draft proposes chains, not token trees")
+    stack.add_argument("--quantization", choices=("auto", *QUANTIZATIONS), default=None, help="up's (default: auto)")
     stack.add_argument("--insecure-loopback", action="store_true",
                        help="the services' sockets without CurveZMQ keys (to measure what authentication costs)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
@@ -378,7 +380,8 @@ def model_dir(args: argparse.Namespace) -> Path:
 
 def up_flags(args: argparse.Namespace) -> list[str]:
     """The `specserve up` flags of the stack --start runs: the given options, free ports for the rest."""
-    optional = {"--model": args.model, "--dtype": args.dtype, "--num-workers": args.num_workers,
+    optional = {"--model": args.model, "--dtype": args.dtype, "--quantization": args.quantization,
+                "--num-workers": args.num_workers,
                 "--kv-cache-memory": args.kv_cache_memory, "--max-num-seqs": args.max_num_seqs, "--draft": args.draft,
                 "--num-speculative-tokens": args.num_speculative_tokens,
                 "--spec-disable-batch-threshold": args.spec_disable_batch_threshold,

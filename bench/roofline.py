@@ -14,11 +14,12 @@ Measured with the threads torch has (`--threads` sets them), in one sitting:
 
 For each B the step's bound is the larger of its bytes over the bandwidth and its FLOPs
 over the matmul peak. Bytes served: every matmul weight once (q, k, v, o, gate, up, down
-and the LM head, which is the embedding table when they are tied) plus the keys and
-values the step reads; FLOPs: 2 per weight per row, plus attention's 4 per cached
+and the LM head, which is the embedding table when they are tied) as the engine holds it
+(GGUF blocks with `--quantization q4_1`, scales included) plus the keys and values the
+step reads; FLOPs: 2 per weight per row, plus attention's 4 per cached
 position, head and head dimension. The table gives each step as a multiple of its bound.
 
-    python -m bench.roofline --dtype float32 --batch 1 4 16 64
+    python -m bench.roofline --dtype float32 bfloat16 --quantization none q4_1 --batch 1 4 16 64
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from modeling.batch import SeqSpan
 from modeling.config import ModelConfig
 from modeling.engine import ModelEngine
 from modeling.kv_cache import pages_for
+from modeling.quantized import QUANTIZATIONS
 
 GIB = 1 << 30
 _MATMUL_SIZE = 2048
@@ -80,11 +82,13 @@ def matmul_params(config: ModelConfig) -> int:
     return config.num_layers * per_layer + config.vocab_size * hidden
 
 
-def step_cost(config: ModelConfig, batch: int, context: int, itemsize: int) -> StepCost:
+def step_cost(config: ModelConfig, batch: int, context: int, itemsize: int, weight_bytes: int | None = None) -> StepCost:
+    """`weight_bytes`: what the matmul weights take as served (default: `itemsize` each)."""
     params = matmul_params(config)
     kv_bytes = batch * context * config.num_layers * 2 * config.num_kv_heads * config.head_dim * itemsize
     attention_flops = 4 * batch * context * config.num_layers * config.num_heads * config.head_dim
-    return StepCost(bytes=params * itemsize + kv_bytes, flops=2 * batch * params + attention_flops)
+    weights = params * itemsize if weight_bytes is None else weight_bytes
+    return StepCost(bytes=weights + kv_bytes, flops=2 * batch * params + attention_flops)
 
 
 def decode_step_ms(engine: ModelEngine, batch: int, context: int, repeats: int) -> float:
@@ -130,6 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="what `specserve up --model` takes (default: the embedded default)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), nargs="+", default=["float32"])
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, nargs="+", default=["none"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--context", type=int, default=160, help="cached positions of each sequence")
     parser.add_argument("--repeats", type=int, default=20)
@@ -142,22 +147,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{cpu_name()} ({cpu_flags()}), {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"{folder.name}, context {args.context}")
     print()
-    print("| dtype | read GB/s | matmul TFLOP/s | B | step ms | bound ms | limited by | step / bound |")
-    print("|---|---:|---:|---:|---:|---:|---|---:|")
+    print("| dtype | weights | read GB/s | matmul TFLOP/s | B | step ms | bound ms | limited by | step / bound |")
+    print("|---|---|---:|---:|---:|---:|---:|---|---:|")
     for dtype_name in args.dtype:
         dtype = getattr(torch, dtype_name)
         bounds = measure_bounds(dtype, max(3, args.repeats // 4))
-        engine = ModelEngine(folder, config, device="cpu", dtype=dtype_name, max_len=args.context + args.repeats + 2,
-                             num_pages=max(args.batch) * pages_for(args.context + args.repeats + 2, 16) + 8)
-        engine.load()
-        engine.allocate()
-        for batch in args.batch:
-            cost = step_cost(config, batch, args.context, dtype.itemsize)
-            step_ms = decode_step_ms(engine, batch, args.context, args.repeats)
-            bound_ms = cost.bound_ms(bounds)
-            print(f"| {dtype_name} | {bounds.read_gb_s:.1f} | {bounds.matmul_tflop_s:.2f} | {batch} | {step_ms:.1f} | "
-                  f"{bound_ms:.1f} | {cost.limited_by(bounds)} | {step_ms / bound_ms:.2f} |", flush=True)
-        del engine
+        for quantization in args.quantization:
+            engine = ModelEngine(folder, config, device="cpu", dtype=dtype_name,
+                                 max_len=args.context + args.repeats + 2, quantization=quantization,
+                                 num_pages=max(args.batch) * pages_for(args.context + args.repeats + 2, 16) + 8)
+            engine.load()
+            engine.allocate()
+            weights = "dense" if quantization == "none" else quantization
+            for batch in args.batch:
+                cost = step_cost(config, batch, args.context, dtype.itemsize, engine.linear_weight_bytes())
+                step_ms = decode_step_ms(engine, batch, args.context, args.repeats)
+                bound_ms = cost.bound_ms(bounds)
+                print(f"| {dtype_name} | {weights} | {bounds.read_gb_s:.1f} | {bounds.matmul_tflop_s:.2f} | {batch} | "
+                      f"{step_ms:.1f} | {bound_ms:.1f} | {cost.limited_by(bounds)} | {step_ms / bound_ms:.2f} |",
+                      flush=True)
+            del engine
     return 0
 
 

@@ -8,10 +8,11 @@ from pathlib import Path
 
 from common.arguments import below_problem
 from common import process_config
-from common.draft_spec import DraftSpec
+from common.draft_spec import DraftKind, DraftSpec
 from common.process_config import ProcessConfig
 from draft_service.defaults import HEAD_DRAFT_TOKENS
 from modeling.engine import DTYPES
+from modeling.quantized import QUANTIZATION_HELP, QuantizationError, gguf_blocks
 
 PROPOSER_HELP = (
     "what proposes: 'ngram' (prompt lookup), 'model:PATH' (a draft model folder whose vocabulary matches the "
@@ -36,6 +37,7 @@ class DraftConfig:
     max_model_len: int  # tokens per sequence it can hold
     num_seqs: int  # sequences it holds at once (a draft model: its KV cache holds this many of max_model_len)
     draft_top_k: int  # a sampled draft token is drawn from the draft's k most likely tokens at most
+    quantization: str = "none"  # a draft model: GGUF blocks served as they are (modeling/quantized.py), or "none"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--num-seqs", type=int, default=64)
     parser.add_argument("--draft-top-k", type=int, default=32)
+    parser.add_argument("--quantization", default="none", help="for a draft model (--proposer model:PATH): "
+                        + QUANTIZATION_HELP)
     process_config.add_arguments(parser, default_worker_id="draft-0", dtypes=DTYPES)
 
 
@@ -67,9 +71,16 @@ def from_arguments(args: argparse.Namespace) -> DraftConfig:
     proposer = DraftSpec.parse(args.proposer, flag="--proposer")
     if proposer.needs_target_model and args.target_model is None:
         raise ValueError(f"--proposer {proposer.kind}:PATH needs --target-model (the target's folder: the draft is checked against it)")
+    if args.quantization != "none" and proposer.kind is not DraftKind.MODEL:
+        raise ValueError(f"--quantization {args.quantization} is for a draft model (--proposer model:PATH), "
+                         f"not --proposer {proposer.kind}: the choice for it is none")
+    try:
+        gguf_blocks(proposer.path or Path("."), args.quantization)
+    except QuantizationError as exc:
+        raise ValueError(str(exc)) from exc
     return DraftConfig(
         process=process, proposer=proposer, target_model=args.target_model,
         max_draft_tokens=args.max_draft_tokens, head_draft_tokens=args.head_draft_tokens, token_trees=args.token_trees,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, max_model_len=args.max_model_len, num_seqs=args.num_seqs,
-        draft_top_k=args.draft_top_k,
+        draft_top_k=args.draft_top_k, quantization=args.quantization,
     )

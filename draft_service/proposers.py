@@ -94,6 +94,11 @@ class Proposer(Protocol):
     @property
     def num_kv_pages(self) -> int: ...
 
+    @property
+    def kernels(self) -> str:
+        """Which kernels its model runs on, once loaded ("" when it runs no model)."""
+        ...
+
 
 def nothing() -> None:
     return None
@@ -115,6 +120,10 @@ class StatelessProposer:
 
     num_used_kv_pages = 0
     num_kv_pages = 0
+
+    @property
+    def kernels(self) -> str:
+        return ""
 
 
 class LookupProposer(StatelessProposer):
@@ -234,6 +243,8 @@ def warm_up_sequences(proposer: Proposer, num_slots: int, k: int, feature_width:
 class _Engine(Protocol):
     def load(self) -> None: ...
     def allocate(self) -> None: ...
+    @property
+    def ops(self) -> str: ...
 
 
 EngineT = TypeVar("EngineT", bound=_Engine)
@@ -256,6 +267,10 @@ class SlottedModelProposer(Generic[EngineT]):
     def num_kv_pages(self) -> int:
         return self._pages.pool.num_pages
 
+    @property
+    def kernels(self) -> str:
+        return self._engine.ops
+
     def _warm_up(self) -> None:
         raise NotImplementedError
 
@@ -267,7 +282,7 @@ class ModelProposer(SlottedModelProposer[ModelEngine]):
     target_fingerprint = ""
 
     def __init__(self, folder: Path, *, device: str, dtype: str, num_seqs: int, max_len: int, max_draft_tokens: int,
-                 draft_top_k: int) -> None:
+                 draft_top_k: int, quantization: str = "none") -> None:
         self._config = ModelConfig.from_folder(folder)
         if max_len > self._config.max_position_embeddings:
             raise ValueError(f"--max-model-len {max_len} exceeds the draft model's {self._config.max_position_embeddings} positions")
@@ -275,7 +290,7 @@ class ModelProposer(SlottedModelProposer[ModelEngine]):
         self.vocab_fingerprint = vocab_fingerprint(folder)
         self._pages = SequencePages(num_seqs, max_len, DEFAULT_PAGE_SIZE)
         self._engine = ModelEngine(folder, self._config, device=device, dtype=dtype, num_pages=self._pages.pool.num_pages,
-                                   max_len=max_len, page_size=DEFAULT_PAGE_SIZE)
+                                   max_len=max_len, page_size=DEFAULT_PAGE_SIZE, quantization=quantization)
         self._num_seqs = num_seqs
         self._max_draft_tokens = max_draft_tokens
         self._draft_top_k = draft_top_k
@@ -452,6 +467,10 @@ class LookupThenHead:
     @property
     def num_kv_pages(self) -> int:
         return self._head.num_kv_pages
+
+    @property
+    def kernels(self) -> str:
+        return self._head.kernels
 
     def forget(self, request_id: str) -> None:
         self._head.forget(request_id)

@@ -53,7 +53,8 @@ def make_proposer(config: DraftConfig) -> Proposer:
             assert path is not None  # checked with the arguments
             return ModelProposer(path, device=config.process.device, dtype=config.process.dtype,
                                  num_seqs=config.num_seqs, max_len=config.max_model_len,
-                                 max_draft_tokens=config.max_draft_tokens, draft_top_k=config.draft_top_k)
+                                 max_draft_tokens=config.max_draft_tokens, draft_top_k=config.draft_top_k,
+                                 quantization=config.quantization)
         case DraftKind.RANDOM:
             assert spec.vocab_size is not None  # checked with the arguments
             return RandomProposer(spec.vocab_size)
@@ -96,6 +97,10 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
     def num_used_kv_pages(self) -> int:
         """The draft KV pages its proposer holds (a lookup proposer holds none, whatever sequences it keeps)."""
         return self._proposer.num_used_kv_pages if self._proposer is not None else 0
+
+    def kernels(self) -> str:
+        """The kernels of the proposer's draft model or head ("" for a lookup, which runs none)."""
+        return self._proposer.kernels if self._proposer is not None else ""
 
     def handle(self, message: m.SchedulerToDraft) -> None:
         match message:

@@ -11,6 +11,7 @@ from common import process_config
 from common.process_config import ProcessConfig
 from modeling.engine import DTYPES
 from modeling.kv_cache import DEFAULT_PAGE_SIZE
+from modeling.quantized import QUANTIZATION_HELP, QuantizationError, gguf_blocks
 
 KV_MEMORY_HELP = (
     "GiB of memory for the KV cache (keys and values of every page). Default: a quarter of the memory available when "
@@ -29,6 +30,7 @@ class WorkerConfig:
     max_num_seqs: int  # sequences in one step at most (warm-up runs that many)
     max_num_batched_tokens: int  # the largest prefill chunk the scheduler will send
     max_draft_tokens: int  # the longest proposal a verify step carries
+    quantization: str = "none"  # GGUF blocks served as they are (modeling/quantized.py), or "none"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,10 +41,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one step at most")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-draft-tokens", type=int, default=8)
+    parser.add_argument("--quantization", default="none", help=QUANTIZATION_HELP)
     process_config.add_arguments(parser, default_worker_id="worker-0", dtypes=DTYPES)
 
 
 def from_arguments(args: argparse.Namespace) -> WorkerConfig:
+    """Raises ValueError naming the setting (a quantization the model cannot take among them)."""
+    try:
+        gguf_blocks(args.model, args.quantization)
+    except QuantizationError as exc:
+        raise ValueError(str(exc)) from exc
     if problem := below_problem(args, ("max_model_len", "page_size", "max_num_seqs", "max_num_batched_tokens"), 1):
         raise ValueError(problem)
     if args.kv_cache_memory_gib is not None and (problem := not_positive_problem(args, ("kv_cache_memory_gib",))):
@@ -56,4 +64,5 @@ def from_arguments(args: argparse.Namespace) -> WorkerConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_draft_tokens=args.max_draft_tokens,
+        quantization=args.quantization,
     )

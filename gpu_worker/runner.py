@@ -34,7 +34,8 @@ class ModelRunner:
         self._model_config = model_config
         self._num_pages = num_pages
         self._engine = ModelEngine(config.model, model_config, device=config.process.device, dtype=config.process.dtype,
-                                   num_pages=num_pages, max_len=config.max_model_len, page_size=config.page_size)
+                                   num_pages=num_pages, max_len=config.max_model_len, page_size=config.page_size,
+                                   quantization=config.quantization)
 
     # ------------------------------------------------------------------ phases
 

@@ -11,41 +11,87 @@ in the step: the property greedy speculation and concurrency-independent output 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+from gguf.quants import quantize
 
-from modeling.llama import LlamaModel
+from modeling.llama import LlamaModel, head_parts, projection_parts
 from modeling.native import KernelUnavailable, native_ops
+from modeling.quantized import BLOCK_FORMATS, Blocks, GgufBlocks, block_panels, panel_rows
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _IN_PLACE_BLOCK_ELEMENTS = 1 << 20  # the scratch of in-place packing: a few MiB
 
 
-def attach_native_ops(model: LlamaModel, dtype: torch.dtype, device: torch.device) -> str:
+def attach_native_ops(model: LlamaModel, dtype: torch.dtype, device: torch.device, blocks: GgufBlocks | None = None) -> str:
     """Give a CPU float32 or bfloat16 model the native kernels, its linear weights packed for them.
 
-    Returns which ops the model runs on, and why, for the owner's log.
+    With `blocks`, every projection and LM head they hold in a block format the kernel reads
+    is packed from its GGUF blocks instead (the model left those parameters unread: see
+    `served_by_blocks`). Returns which ops the model runs on, and why, for the owner's log.
     """
-    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
-        return f"torch (no native ops for {dtype} on {device.type})"
-    try:
-        ops = native_ops()
-    except KernelUnavailable as exc:
-        return f"torch ({exc})"
+    if (unavailable := native_unavailable(dtype, device)) is not None:
+        return f"torch ({unavailable})"
+    ops = native_ops()
     linear = PackedLinear(ops)
+    formats: dict[str, int] = {}
+
+    def pack(weight: torch.Tensor, parts: list[str]) -> torch.nn.Parameter:
+        found = blocks.blocks(parts) if blocks is not None else None
+        if found is None:
+            return linear.pack(weight, in_place=True)
+        formats[found.format] = formats.get(found.format, 0) + 1
+        return linear.pack_blocks(found)
+
     with torch.no_grad():
-        for layer in model.layers:
-            for name in PROJECTIONS:
-                setattr(layer, name, linear.pack(getattr(layer, name), in_place=True))
+        for index, layer in enumerate(model.layers):
+            for name, parts in projection_parts(index).items():
+                setattr(layer, name, pack(getattr(layer, name), parts))
         tied = model.lm_head is model.embed_tokens
-        model.lm_head = linear.pack(model.lm_head, in_place=True)
+        model.lm_head = pack(model.lm_head, head_parts(model.config))
         if tied:  # one table for both: embeddings are read back out of the packed LM head
-            model.embed_from(functools.partial(linear.rows, model.lm_head))
+            model.embed_from(functools.partial(_embedding_rows, linear, model.lm_head, dtype))
     model.linear = linear
     model.native = ops
-    return f"native (linear kernel: {linear.path})"
+    served = ", ".join(f"{count} weights from {name} blocks" for name, count in sorted(formats.items()))
+    return f"native (linear kernel: {linear.path}{'; ' + served if served else ''})"
+
+
+def native_unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why a model of `dtype` on `device` cannot run on the native kernels; None when it can."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
+        return f"no native ops for {dtype} on {device.type}"
+    try:
+        native_ops()
+    except KernelUnavailable as exc:
+        return str(exc)
+    return None
+
+
+def block_probe(linear: PackedLinear, format_name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A plain `[N, K]` weight -> `format_name` blocks packed for `linear` (gguf's own quantizer): the
+    batch-invariance probe's `pack` for a model served from blocks."""
+    kind = next(kind for kind, (name, _) in BLOCK_FORMATS.items() if name == format_name)
+
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        rows = quantize(weight.float().cpu().numpy(), kind)
+        return linear.pack_blocks(Blocks(format_name, rows, weight.shape[1]))
+
+    return pack
+
+
+def served_by_blocks(model: LlamaModel, blocks: GgufBlocks) -> set[str]:
+    """The Hugging Face names of the weights `attach_native_ops` will pack from `blocks`: the model need not read them."""
+    groups = [parts for index in range(len(model.layers)) for parts in projection_parts(index).values()]
+    groups.append(head_parts(model.config))
+    return {name for parts in groups if blocks.format_of(parts) is not None for name in parts}
+
+
+def _embedding_rows(linear: PackedLinear, head: torch.Tensor, dtype: torch.dtype, ids: torch.Tensor) -> torch.Tensor:
+    return linear.rows(head, ids).to(dtype)
 
 
 class PackedLinear:
@@ -63,6 +109,7 @@ class PackedLinear:
         self.path = path or paths[0]
         self._panel = int(ops.linear_panel_width())
         self._out_features: dict[int, int] = {}  # packed weight's data pointer -> its rows before packing
+        self._formats: dict[int, str] = {}  # packed GGUF blocks' data pointer -> their block format
 
     def pack(self, weight: torch.Tensor, *, in_place: bool = False) -> torch.nn.Parameter:
         """`[N, K]` -> `[ceil(N / P), K, P]`: column panels of P outputs, the last padded with zero rows of W.
@@ -86,6 +133,16 @@ class PackedLinear:
                 packed[full, :, :rest].copy_(weight[full * panel :].T)
         return self._register(packed, num_out)
 
+    def pack_blocks(self, blocks: Blocks) -> torch.nn.Parameter:
+        """GGUF blocks -> the kernel's panels of blocks (`modeling.quantized.block_panels`), read as they are."""
+        packed = block_panels(blocks, self._panel)
+        self._formats[packed.data_ptr()] = blocks.format
+        return self._register(packed, blocks.rows.shape[0])
+
+    def block_formats(self) -> set[str]:
+        """The GGUF block formats of the weights packed so far."""
+        return set(self._formats.values())
+
     def _pack_in_place(self, weight: torch.Tensor, num_panels: int, depth: int) -> torch.Tensor:
         panel = self._panel
         panels = weight.view(num_panels, panel, depth)  # the same memory as [num_panels, depth, panel]
@@ -104,8 +161,12 @@ class PackedLinear:
         return torch.nn.Parameter(packed, requires_grad=False)
 
     def rows(self, packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of the weight `packed` was packed from: `[len(ids), K]` (an embedding lookup on a tied head)."""
+        """Rows `ids` of the weight `packed` was packed from: `[len(ids), K]` (an embedding lookup on a tied head).
+
+        Rows of GGUF blocks come widened to float32, as the kernel widens them."""
         panel = self._panel
+        if packed.dtype == torch.uint8:
+            return panel_rows(packed, self._formats[packed.data_ptr()], panel, ids)
         return packed[ids // panel, :, ids % panel]
 
     def out_features(self, packed: torch.Tensor) -> int:
@@ -115,6 +176,10 @@ class PackedLinear:
             raise ValueError("the native linear kernel takes only weights packed by PackedLinear.pack") from exc
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if weight.dtype == torch.uint8:
+            blocks: torch.Tensor = self._ops.linear_blocks(x, weight, self.out_features(weight), bias,
+                                                          self._formats[weight.data_ptr()], self.path)
+            return blocks
         out: torch.Tensor = self._ops.linear(x, weight, self.out_features(weight), bias, self.path)
         return out
 

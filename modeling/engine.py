@@ -14,10 +14,11 @@ import torch
 
 from modeling.batch import PageError, SeqSpan
 from modeling.config import ModelConfig
-from modeling.cpu_kernels import PackedLinear, attach_native_ops
+from modeling.cpu_kernels import PackedLinear, attach_native_ops, block_probe, native_unavailable, served_by_blocks
 from modeling.invariance import linear_rows_problem
 from modeling.kv_cache import DEFAULT_PAGE_SIZE, KVCache, pages_for, slot_pages
-from modeling.llama import LlamaModel
+from modeling.llama import PROJECTION_PARTS, LlamaModel
+from modeling.quantized import gguf_blocks
 
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -30,8 +31,12 @@ class SelfCheckFailed(RuntimeError):
 
 class ModelEngine:
     def __init__(self, folder: Path, config: ModelConfig, *, device: str, dtype: str, num_pages: int, max_len: int,
-                 page_size: int = DEFAULT_PAGE_SIZE) -> None:
-        """A cache of `num_pages` pages of `page_size` positions; sequences up to `max_len` positions."""
+                 page_size: int = DEFAULT_PAGE_SIZE, quantization: str = "none") -> None:
+        """A cache of `num_pages` pages of `page_size` positions; sequences up to `max_len` positions.
+
+        `quantization` (modeling/quantized.py): "none", or which GGUF blocks of the folder's
+        file to serve as they are; load() raises QuantizationError if the model cannot take it.
+        """
         if page_size < 1 or num_pages * page_size < _SELF_CHECK_LEN:
             raise ValueError(f"{num_pages} KV pages of {page_size} positions are too few: the self-check needs {_SELF_CHECK_LEN}")
         self.config = config
@@ -41,6 +46,8 @@ class ModelEngine:
         self.page_size = page_size
         self.max_len = max_len
         self._folder = folder
+        self.quantization = quantization
+        self._block_formats: set[str] = set()  # the GGUF block formats the loaded model's linears read
         self._model: LlamaModel | None = None
         self.ops = "not loaded"  # which ops the loaded model runs on, and why (for the owner's log)
         self._cache: KVCache | None = None
@@ -57,12 +64,26 @@ class ModelEngine:
         return slot_pages(slot, self.max_len, self.page_size)
 
     def load(self) -> None:
+        blocks = gguf_blocks(self._folder, self.quantization)
         model = LlamaModel(self.config, self.dtype, self.device)
-        model.load_weights(self._folder)
-        self.ops = attach_native_ops(model, self.dtype, self.device)
+        unavailable = native_unavailable(self.dtype, self.device)
+        skip = served_by_blocks(model, blocks) if blocks is not None and unavailable is None else set()
+        model.load_weights(self._folder, skip)
+        self.ops = attach_native_ops(model, self.dtype, self.device, blocks if skip else None)
+        if blocks is not None and unavailable is not None:  # torch ops read the folder's dequantized weights
+            self.ops += f"; --quantization {self.quantization} not applied: the weights are read dense"
+        if skip and isinstance(model.linear, PackedLinear):
+            self._block_formats = model.linear.block_formats()
         model.set_rope_cache(self.max_len)
         model.eval()
         self._model = model
+
+    def linear_weight_bytes(self) -> int:
+        """Bytes of the weights the model's matmuls read (projections and LM head), as they are held."""
+        if self._model is None:
+            raise RuntimeError("the engine is not built: load() comes first")
+        weights = [self._model.lm_head] + [getattr(layer, name) for layer in self._model.layers for name in PROJECTION_PARTS]
+        return sum(weight.numel() * weight.element_size() for weight in weights)
 
     def allocate(self) -> None:
         self._cache = KVCache(self.config, self.num_pages, self.page_size, self.dtype, self.device)
@@ -128,6 +149,10 @@ class ModelEngine:
         pack = model.linear.pack if isinstance(model.linear, PackedLinear) else _unchanged
         depths = {self.config.hidden_size, self.config.intermediate_size, self.config.num_heads * self.config.head_dim}
         problem = linear_rows_problem(model.linear, pack, depths, self.dtype, self.device)
+        for format_name in sorted(self._block_formats):
+            if problem is None and isinstance(model.linear, PackedLinear):
+                problem = linear_rows_problem(model.linear, block_probe(model.linear, format_name), depths, self.dtype,
+                                              self.device)
         if problem is None and not torch.equal(whole, stepped):
             differ = int((whole != stepped).any(dim=-1).nonzero()[0])
             problem = f"a prompt prefilled at once and token by token gives different logits at position {differ}"

@@ -1,8 +1,9 @@
 """Convert a GGUF file (llama, qwen2, qwen3 or gemma3) into a Hugging Face style model folder.
 
 The folder holds config.json (modeling/gguf_arch.py), model.safetensors with every tensor
-dequantized to float32 under its transformers name, and the tokenizer files
-(modeling/gguf_tokenizer.py). What the converter cannot represent (an architecture, a
+dequantized to float32 under its transformers name, the tokenizer files
+(modeling/gguf_tokenizer.py), and the GGUF file itself (`model.gguf`), whose quantized
+blocks the CPU kernels can serve as they are (modeling/quantized.py). What the converter cannot represent (an architecture, a
 tensor, a metadata key, a quantization type) is refused with GgufConversionError naming it,
 never dropped.
 """
@@ -10,6 +11,7 @@ never dropped.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -32,13 +34,14 @@ from modeling.gguf_arch import GLOBAL_TENSORS, ROPE_FREQS_TENSOR, Architecture, 
 from modeling.gguf_metadata import GgufConversionError, GgufMetadata
 from modeling.gguf_tokenizer import build_tokenizer, generation_config, special_tokens_map, tokenizer_config
 
-__all__ = ["CONVERTED_MARKER", "CONVERTER_VERSION", "GgufConversionError", "convert_gguf", "is_converted",
-           "read_gguf", "unpermute_rope_rows"]
+__all__ = ["CONVERTED_MARKER", "CONVERTER_VERSION", "GGUF_FILE", "GgufConversionError", "convert_gguf",
+           "hf_tensor_name", "is_converted", "read_gguf", "unpermute_rope_rows"]
 
 # Written last, inside the folder, before the folder is renamed into place; bump the
 # version whenever the converter's output changes, so old folders get converted again.
 CONVERTED_MARKER = "specserve_converted.json"
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
+GGUF_FILE = "model.gguf"  # the source file, kept beside its conversion
 
 _LAYER_TENSOR_NAME = re.compile(r"blk\.(?P<layer>\d+)\.(?P<part>.+)")
 
@@ -64,6 +67,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
             tensors = _hf_tensors(reader, plan.layout, plan.config)
             save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
             plan.tokenizer.save(str(staging / "tokenizer.json"))
+            _keep_source(gguf_path, staging / GGUF_FILE)
             for name, value in plan.json_files.items():
                 _write_json(staging / name, value)
             _write_json(staging / CONVERTED_MARKER, {"converter_version": CONVERTER_VERSION, "source": gguf_path.name})
@@ -153,7 +157,7 @@ def _hf_tensors(reader: GGUFReader, layout: Architecture, config: dict[str, Any]
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS_TENSOR:  # part of the config (rope_parameters), not a weight
             continue
-        name = _hf_tensor_name(tensor.name, layout, config["model_type"])
+        name = hf_tensor_name(tensor.name, layout, config["model_type"])
         weight = _dequantized(tensor)
         if layout.rope_rows_permuted and name.endswith("self_attn.q_proj.weight"):
             weight = unpermute_rope_rows(weight, config["num_attention_heads"])
@@ -166,7 +170,7 @@ def _hf_tensors(reader: GGUFReader, layout: Architecture, config: dict[str, Any]
     return tensors
 
 
-def _hf_tensor_name(gguf_name: str, layout: Architecture, model_type: str) -> str:
+def hf_tensor_name(gguf_name: str, layout: Architecture, model_type: str) -> str:
     if gguf_name in GLOBAL_TENSORS:
         return GLOBAL_TENSORS[gguf_name]
     match = _LAYER_TENSOR_NAME.fullmatch(gguf_name)
@@ -190,6 +194,14 @@ def _check_complete(tensors: dict[str, np.ndarray], layout: Architecture, config
         raise GgufConversionError(f"token_embd has {vocab_rows} rows but vocab_size is {config['vocab_size']}")
 
 
+def _keep_source(gguf_path: Path, target: Path) -> None:
+    """A link to the source file where the file system allows one (the fetched file, in the same cache), else a copy."""
+    try:
+        os.link(gguf_path, target)
+    except OSError:
+        shutil.copyfile(gguf_path, target)
+
+
 def _write_json(path: Path, value: dict[str, Any]) -> None:
     path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
@@ -203,7 +215,8 @@ def _atomic_folder(out_dir: Path) -> Iterator[Path]:
     try:
         yield staging
         for path in staging.iterdir():
-            path.chmod(0o644)  # safetensors writes its file private
+            if path.name != GGUF_FILE:  # the source may be a link to a user's own file: its mode is theirs
+                path.chmod(0o644)  # safetensors writes its file private
         staging.rename(out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

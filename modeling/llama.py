@@ -7,7 +7,7 @@ a RoPE per layer, and Gemma's sandwich norms, embedding scale and GELU-tanh MLP.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from types import ModuleType
 from typing import Protocol
@@ -22,7 +22,15 @@ from modeling.rope import Rope
 from modeling.rope import rope_tables as rope_tables_of
 from modeling.weights import WeightError, WeightFiles
 
-__all__ = ["DecoderLayer", "LlamaModel", "WeightError"]
+__all__ = ["PROJECTION_PARTS", "DecoderLayer", "LlamaModel", "WeightError", "head_parts", "projection_parts"]
+
+# A layer's projections as the model fuses them -> the transformers names of their parts, in row order.
+PROJECTION_PARTS = {
+    "qkv_proj": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "o_proj": ("self_attn.o_proj.weight",),
+    "gate_up_proj": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "down_proj": ("mlp.down_proj.weight",),
+}
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device, fill: float | None = None) -> torch.nn.Parameter:
@@ -106,9 +114,13 @@ class LlamaModel(torch.nn.Module):
 
     # ------------------------------------------------------------------ building
 
-    def load_weights(self, folder: Path) -> None:
-        """Read the folder's safetensors (HF names; one file, several, or shards with their index) into the parameters."""
-        copy_hf_weights(self, WeightFiles(folder))
+    def load_weights(self, folder: Path, skip: Collection[str] = ()) -> None:
+        """Read the folder's safetensors (HF names; one file, several, or shards with their index) into the parameters.
+
+        A parameter whose every part is in `skip` (weights served by another route: GGUF
+        blocks) is left unread, its memory untouched, for its owner to replace.
+        """
+        copy_hf_weights(self, WeightFiles(folder), skip)
 
     def set_rope_cache(self, max_len: int) -> None:
         """Precompute cos/sin for positions 0..max_len-1 exactly as HF does (fp32, then cast)."""
@@ -391,7 +403,17 @@ class TensorDict:
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-def copy_hf_weights(model: LlamaModel, source: TensorSource | dict[str, torch.Tensor]) -> None:
+def projection_parts(layer: int) -> dict[str, list[str]]:
+    """A layer's fused projections (DecoderLayer's attributes) -> the Hugging Face names of their parts, in row order."""
+    return {attr: [f"model.layers.{layer}.{part}" for part in parts] for attr, parts in PROJECTION_PARTS.items()}
+
+
+def head_parts(config: ModelConfig) -> list[str]:
+    """The Hugging Face name of the LM head's weight (the embeddings', when tied)."""
+    return ["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+
+
+def copy_hf_weights(model: LlamaModel, source: TensorSource | dict[str, torch.Tensor], skip: Collection[str] = ()) -> None:
     """Read every weight the config implies, under its Hugging Face name, into the model's (fused) parameters.
 
     A missing or misshapen tensor, or one the config does not account for (a bias the config
@@ -404,6 +426,9 @@ def copy_hf_weights(model: LlamaModel, source: TensorSource | dict[str, torch.Te
 
     def put(param: torch.Tensor, parts: list[str], *, plus_one: bool = False) -> None:
         """Read the named tensors, stacked along rows, into `param` (its rows in order)."""
+        if parts and all(name in skip and name in available for name in parts):
+            used.update(parts)
+            return
         row = 0
         for name in parts:
             if name not in available:
@@ -441,19 +466,20 @@ def copy_hf_weights(model: LlamaModel, source: TensorSource | dict[str, torch.Te
             if layer.pre_mlp_norm is not None and layer.post_mlp_norm is not None:
                 put(layer.pre_mlp_norm, [p + "pre_feedforward_layernorm.weight"], plus_one=True)
                 put(layer.post_mlp_norm, [p + "post_feedforward_layernorm.weight"], plus_one=True)
-            put(layer.qkv_proj, [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
+            projections = projection_parts(i)
+            put(layer.qkv_proj, projections["qkv_proj"])
             if layer.qkv_bias is not None:
                 put(layer.qkv_bias, [p + f"self_attn.{n}_proj.bias" for n in "qkv"])
             if layer.q_norm is not None and layer.k_norm is not None:
                 put(layer.q_norm, [p + "self_attn.q_norm.weight"], plus_one=gemma)
                 put(layer.k_norm, [p + "self_attn.k_norm.weight"], plus_one=gemma)
-            put(layer.o_proj, [p + "self_attn.o_proj.weight"])
+            put(layer.o_proj, projections["o_proj"])
             if layer.o_bias is not None:
                 put(layer.o_bias, [p + "self_attn.o_proj.bias"])
-            put(layer.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+            put(layer.gate_up_proj, projections["gate_up_proj"])
             if layer.gate_up_bias is not None:
                 put(layer.gate_up_bias, [p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"])
-            put(layer.down_proj, [p + "mlp.down_proj.weight"])
+            put(layer.down_proj, projections["down_proj"])
             if layer.down_bias is not None:
                 put(layer.down_bias, [p + "mlp.down_proj.bias"])
     unused = sorted(name for name in available - used if not name.endswith(_IGNORED_SUFFIXES))

@@ -47,6 +47,8 @@ class StackConfig:
 
     model: Path
     dtype: str = "float32"
+    quantization: str = "none"  # the target workers' --quantization (modeling/quantized.py)
+    draft_quantization: str = "none"  # a draft model's (--draft model:PATH)
     device: str = "cpu"  # cpu, or cuda: target worker i on cuda:i, the draft service on cuda:0
     num_workers: int = 1
     kv_cache_memory_gib: float | None = 0.5  # each target worker's KV cache; None: the worker's default share
@@ -131,6 +133,7 @@ def worker_spec(config: StackConfig, addresses: StackAddresses, index: int | str
         "--device", config.worker_device(index), "--dtype", config.dtype, "--max-model-len", str(config.max_model_len),
         "--max-num-batched-tokens", str(config.max_num_batched_tokens),
         *_given({"--kv-cache-memory": config.kv_cache_memory_gib, "--max-num-seqs": config.max_num_seqs}),
+        *_given({"--quantization": None if config.quantization == "none" else config.quantization}),
         "--num-threads", str(config.num_threads_per_worker), *config.worker_args, *extra_args,
     ], config), stop_order=1, essential=False)
 
@@ -139,6 +142,7 @@ def draft_spec(config: StackConfig, addresses: StackAddresses, draft: DraftSpec)
     """The draft service proposing with `draft`; past the restart limit the others go on without it."""
     optional = {"--target-model": config.model if draft.needs_target_model else None,
                 "--head-draft-tokens": config.head_draft_tokens,
+                "--quantization": None if config.draft_quantization == "none" else config.draft_quantization,
                 "--max-draft-tokens": None if config.num_speculative_tokens is None else max(config.num_speculative_tokens, 1)}
     return ServiceSpec("draft", _python("draft_service", [
         "--worker-id", DRAFT_ID, "--proposer", str(draft), *_given(optional),

@@ -12,11 +12,12 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from common.draft_spec import LOOKUP_THEN_HEAD_KINDS, SERVING_KINDS, DraftKind, DraftSpec
 from draft_service.defaults import HEAD_DRAFT_TOKENS
+from modeling.quantization import QUANTIZATIONS
 from common.transport import ENV_VAR as KEYS_ENV_VAR
 from common.transport import ROLES, TransportError, check_keys
 from specserve.stack import StackAddresses, StackConfig, is_serving, service_specs, with_keys
@@ -54,6 +55,13 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                              "into the cache; or a local Hugging Face model folder. A name wins over a folder of that "
                              "name (write ./NAME)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: the faster one on this machine")
+    parser.add_argument("--quantization", choices=("auto", *QUANTIZATIONS), default="auto",
+                        help="q4_1 or q8_0: serve the model's own Q4_1 (the embedded default's) or Q8_0 GGUF blocks, "
+                             "widened inside the CPU kernel; none: its dense weights in --dtype; auto (default): the "
+                             "blocks on a CPU for a model that has them (faster at every batch size measured: "
+                             "docs/benchmarks.md), else none")
+    parser.add_argument("--draft-quantization", choices=("auto", *QUANTIZATIONS), default="auto",
+                        help="the same for a draft model (--draft model:PATH)")
     parser.add_argument("--num-workers", type=int, default=1, help="data-parallel target worker processes")
     parser.add_argument("--device", default=None, help="cpu, or cuda (one worker per GPU); default: cuda when present")
     parser.add_argument("--host", default="127.0.0.1")
@@ -191,9 +199,29 @@ def up_config(args: argparse.Namespace) -> UpConfig:
     device = args.device or _default_device()
     if problem := _device_problem(device, args.num_workers):
         raise UpRefused(f"--device {device}: {problem}")
-    return UpConfig(stack=stack_config(args, model=model, max_model_len=max_model_len, draft=proposer, device=device,
-                                       dtype=args.dtype or default_dtype(device)),
+    quantization = _quantization(args.quantization, "--quantization", model, device)
+    draft_model = proposer.path if proposer is not None and proposer.kind is DraftKind.MODEL else None
+    draft_quantization = (_quantization(args.draft_quantization, "--draft-quantization", draft_model, device)
+                          if draft_model is not None else "none")
+    config = stack_config(args, model=model, max_model_len=max_model_len, draft=proposer, device=device,
+                          dtype=args.dtype or default_dtype(device))
+    return UpConfig(stack=replace(config, quantization=quantization, draft_quantization=draft_quantization),
                     draft_name=draft.name, ready_timeout_s=args.ready_timeout_s)
+
+
+def _quantization(chosen: str, flag: str, model: Path, device: str) -> str:
+    """The quantization `chosen` names for `model` ("auto" decided); raises UpRefused for one it cannot take."""
+    from modeling.quantized import QuantizationError, gguf_blocks, servable_quantization
+
+    if chosen == "auto":
+        return servable_quantization(model) if device == "cpu" else "none"
+    try:
+        gguf_blocks(model, chosen)
+    except QuantizationError as exc:
+        raise UpRefused(str(exc).replace("--quantization", flag)) from exc
+    if chosen != "none" and device != "cpu":
+        raise UpRefused(f"{flag} {chosen} is served by the CPU kernels, not on --device {device}: the choice there is none")
+    return chosen
 
 
 def stack_config(args: argparse.Namespace, *, model: Path, max_model_len: int, draft: DraftSpec | None, device: str,
@@ -338,7 +366,9 @@ def default_dtype(device: str) -> str:
 def ready_line(config: UpConfig) -> str:
     stack = config.stack
     return (f"specserve ready: gRPC on {stack.host}:{stack.grpc_port}, HTTP on {stack.host}:{stack.http_port}, "
-            f"model {stack.model.name} ({stack.dtype}, {stack.num_workers} worker(s) on {stack.device}), "
+            f"model {stack.model.name} ({stack.dtype}"
+            f"{', weights ' + stack.quantization if stack.quantization != 'none' else ''}, "
+            f"{stack.num_workers} worker(s) on {stack.device}), "
             f"draft {config.draft_name}"
             f"{', services unauthenticated on loopback (--insecure-loopback)' if stack.insecure_loopback else ''}")
 

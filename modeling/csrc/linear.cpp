@@ -13,6 +13,15 @@
 // last panel padded with zero columns. Weights are float32 or bfloat16; bfloat16 is
 // widened to float32 as it is loaded (exactly), so both sum in float32.
 //
+// Or the weight is a GGUF file's own quantized blocks (Q4_1, Q8_0: 32 consecutive k of one
+// output each), regrouped by modeling/cpu_kernels.py into panels of blocks: for panel p and
+// block b, the kPanel outputs' float16 scales (d, then m for Q4_1) followed by their quants
+// for each of the block's 32 k, [k][kPanel] (Q8_0: one int8 each; Q4_1: 8 bytes, byte j
+// holding output j in its low nibble and output j + 8 in its high one). They are widened as
+// they are loaded, in registers, to the float32 values gguf's dequantization gives, d * q + m
+// with each operation rounded (Q8_0: q * d), so a row's sums are those of the dense float32
+// weights, bit for bit; no dequantized copy of a weight is ever held in memory.
+//
 // One build holds the tiles for every instruction set (AVX512F, AVX2 with FMA, and plain
 // C++), each compiled for its own set; which one runs is chosen when the module loads, by
 // asking the CPU (`linear_paths`), and a caller may name another the CPU has. All of them
@@ -38,13 +47,44 @@ namespace {
 
 constexpr int kPanel = 16;         // outputs per packed column panel
 constexpr int64_t kDepthBlock = 256;  // k per pass over the rows: a float32 panel's block is 16 KiB
+constexpr int64_t kQuantBlock = 32;   // k per GGUF block (Q4_1, Q8_0)
 
-// One call's operands: x as contiguous float32 rows, the packed weight, the output.
+enum class WeightFormat { kFloat32, kBFloat16, kQ4_1, kQ8_0 };
+
+// Bytes of one panel's block of kQuantBlock k: its scales, then its quants.
+constexpr int64_t kQ4_1Bytes = 2 * 2 * kPanel + kQuantBlock * kPanel / 2;  // 320
+constexpr int64_t kQ8_0Bytes = 2 * kPanel + kQuantBlock * kPanel;          // 544
+
+// An IEEE float16 (a GGUF scale) as float32, exactly.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1Fu;
+  uint32_t mantissa = h & 0x3FFu;
+  uint32_t bits;
+  if (exponent == 0x1Fu) {
+    bits = sign | 0x7F800000u | (mantissa << 13);  // infinity or NaN
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise it
+    int shift = 0;
+    while (!(mantissa & 0x400u)) {
+      mantissa <<= 1;
+      ++shift;
+    }
+    bits = sign | static_cast<uint32_t>(113 - shift) << 23 | ((mantissa & 0x3FFu) << 13);
+  }
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// One call's operands: x as contiguous float32 rows and the output (the weight is the panels' business).
 template <typename T>
 struct LinearCall {
   const float* x;  // [num_rows, depth]
   int64_t num_rows, depth;
-  const T* packed;  // [panels, depth, kPanel]
   int64_t num_out;
   const T* bias;  // [num_out] or null
   T* y;           // [num_rows, num_out]
@@ -68,6 +108,7 @@ struct LinearCall {
 namespace avx512f {
 constexpr int kLanes = 16;
 constexpr int kAccumulators = 24;  // of 32 vector registers
+constexpr int kBlockTilePanels = 4;  // panels of a tile widening GGUF blocks
 using Vec = __m512;
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
@@ -78,15 +119,42 @@ inline Vec vload(const c10::BFloat16* p) {
 }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vload_half(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+struct Q4_1Block {
+  static constexpr int64_t kBytes = kQ4_1Bytes;
+  const uint8_t* q;
+  Vec d, m;
+  Q4_1Block() = default;
+  explicit Q4_1Block(const uint8_t* block) : q(block + 4 * kPanel), d(vload_half(block)), m(vload_half(block + 2 * kPanel)) {}
+  void load(int64_t i, Vec* w) const {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i * (kPanel / 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i low = _mm_and_si128(bytes, mask), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    const Vec quants = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(low, high)));
+    w[0] = _mm512_add_ps(_mm512_mul_ps(d, quants), m);
+  }
+};
+struct Q8_0Block {
+  static constexpr int64_t kBytes = kQ8_0Bytes;
+  const uint8_t* q;
+  Vec d;
+  Q8_0Block() = default;
+  explicit Q8_0Block(const uint8_t* block) : q(block + 2 * kPanel), d(vload_half(block)) {}
+  void load(int64_t i, Vec* w) const {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i * kPanel));
+    w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), d);
+  }
+};
 #include "linear_tiles.h"
 }  // namespace avx512f
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
 constexpr int kLanes = 8;
 constexpr int kAccumulators = 12;  // of 16 vector registers
+constexpr int kBlockTilePanels = 2;
 using Vec = __m256;
 inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
@@ -97,6 +165,36 @@ inline Vec vload(const c10::BFloat16* p) {
 }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vload_half(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+struct Q4_1Block {
+  static constexpr int64_t kBytes = kQ4_1Bytes;
+  const uint8_t* q;
+  Vec d[2], m[2];
+  Q4_1Block() = default;
+  explicit Q4_1Block(const uint8_t* block)
+      : q(block + 4 * kPanel),
+        d{vload_half(block), vload_half(block + 2 * kLanes)},
+        m{vload_half(block + 2 * kPanel), vload_half(block + 2 * kPanel + 2 * kLanes)} {}
+  void load(int64_t i, Vec* w) const {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i * (kPanel / 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i low = _mm_and_si128(bytes, mask), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    w[0] = _mm256_add_ps(_mm256_mul_ps(d[0], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low))), m[0]);
+    w[1] = _mm256_add_ps(_mm256_mul_ps(d[1], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high))), m[1]);
+  }
+};
+struct Q8_0Block {
+  static constexpr int64_t kBytes = kQ8_0Bytes;
+  const uint8_t* q;
+  Vec d[2];
+  Q8_0Block() = default;
+  explicit Q8_0Block(const uint8_t* block) : q(block + 2 * kPanel), d{vload_half(block), vload_half(block + 2 * kLanes)} {}
+  void load(int64_t i, Vec* w) const {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i * kPanel));
+    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), d[0]);
+    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))), d[1]);
+  }
+};
 #include "linear_tiles.h"
 }  // namespace avx2
 #pragma GCC pop_options
@@ -106,6 +204,7 @@ inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 namespace portable {
 constexpr int kLanes = 8;
 constexpr int kAccumulators = 12;
+constexpr int kBlockTilePanels = 2;
 struct Vec {
   float v[kLanes];
 };
@@ -130,6 +229,47 @@ inline Vec vfma(Vec a, Vec b, Vec c) {
   return c;
 }
 inline void vstore(float* p, Vec v) { std::memcpy(p, v.v, sizeof(v.v)); }
+inline Vec vload_half(const uint8_t* p) {
+  Vec out;
+  for (int i = 0; i < kLanes; ++i) {
+    uint16_t h;
+    std::memcpy(&h, p + 2 * i, sizeof(h));
+    out.v[i] = half_to_float(h);
+  }
+  return out;
+}
+struct Q4_1Block {
+  static constexpr int64_t kBytes = kQ4_1Bytes;
+  const uint8_t* q;
+  Vec d[2], m[2];
+  Q4_1Block() = default;
+  explicit Q4_1Block(const uint8_t* block)
+      : q(block + 4 * kPanel),
+        d{vload_half(block), vload_half(block + 2 * kLanes)},
+        m{vload_half(block + 2 * kPanel), vload_half(block + 2 * kPanel + 2 * kLanes)} {}
+  void load(int64_t i, Vec* w) const {
+    for (int l = 0; l < kLanes; ++l) {
+      const uint8_t byte = q[i * (kPanel / 2) + l];
+      const float low = d[0].v[l] * static_cast<float>(byte & 0x0F);
+      const float high = d[1].v[l] * static_cast<float>(byte >> 4);
+      w[0].v[l] = low + m[0].v[l];
+      w[1].v[l] = high + m[1].v[l];
+    }
+  }
+};
+struct Q8_0Block {
+  static constexpr int64_t kBytes = kQ8_0Bytes;
+  const uint8_t* q;
+  Vec d[2];
+  Q8_0Block() = default;
+  explicit Q8_0Block(const uint8_t* block) : q(block + 2 * kPanel), d{vload_half(block), vload_half(block + 2 * kLanes)} {}
+  void load(int64_t i, Vec* w) const {
+    for (int l = 0; l < kPanel; ++l) {
+      const float quant = static_cast<float>(static_cast<int8_t>(q[i * kPanel + l]));
+      w[l / kLanes].v[l % kLanes] = quant * d[l / kLanes].v[l % kLanes];
+    }
+  }
+};
 #include "linear_tiles.h"
 }  // namespace portable
 
@@ -139,19 +279,21 @@ std::vector<std::string> available_paths() {
 #ifdef SPECSERVE_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f")) paths.emplace_back("avx512f");
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) paths.emplace_back("avx2");
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+    paths.emplace_back("avx2");
+  }
 #endif
   paths.emplace_back("portable");
   return paths;
 }
 
 template <typename T>
-void run_on(const std::string& path, const LinearCall<T>& call) {
+void run_on(const std::string& path, const LinearCall<T>& call, WeightFormat format, const void* packed) {
 #ifdef SPECSERVE_X86
-  if (path == "avx512f") return avx512f::run<T>(call);
-  if (path == "avx2") return avx2::run<T>(call);
+  if (path == "avx512f") return avx512f::run_format<T>(call, format, packed);
+  if (path == "avx2") return avx2::run_format<T>(call, format, packed);
 #endif
-  return portable::run<T>(call);
+  return portable::run_format<T>(call, format, packed);
 }
 
 }  // namespace
@@ -160,23 +302,22 @@ std::vector<std::string> linear_paths() { return available_paths(); }
 
 int64_t linear_panel_width() { return kPanel; }
 
-// x [M, K] (float32 or bfloat16, rows may be strided) times a weight packed by
-// modeling/cpu_kernels.py ([panels, K, kPanel], x's dtype) -> [M, num_out] in x's dtype;
-// bias [num_out] or None. `path` names the instruction set ("": the fastest this CPU has).
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t num_out, const c10::optional<at::Tensor>& bias,
-                  const std::string& path) {
+namespace {
+
+const std::string& chosen_path(const std::string& path) {
   static const std::vector<std::string> paths = available_paths();
   const std::string& chosen = path.empty() ? paths.front() : path;
   TORCH_CHECK(std::find(paths.begin(), paths.end(), chosen) != paths.end(), "the linear kernel path ", chosen,
               " is not available on this CPU");
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "the linear kernel runs on CPU tensors");
+  return chosen;
+}
+
+// y = x @ W^T (+ b) for x [M, K] and a weight in `format` of `depth` inputs, checked by the caller.
+at::Tensor linear_any(const at::Tensor& x, WeightFormat format, const void* packed, int64_t num_out,
+                      const c10::optional<at::Tensor>& bias, const std::string& path) {
+  const std::string& chosen = chosen_path(path);
+  TORCH_CHECK(x.device().is_cpu(), "the linear kernel runs on CPU tensors");
   TORCH_CHECK(x.dim() == 2, "x must be [rows, in_features]");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
-              "the weight must be packed [panels, in_features, ", kPanel, "]");
-  TORCH_CHECK(x.size(1) == packed.size(1), "x has ", x.size(1), " features, the weight takes ", packed.size(1));
-  TORCH_CHECK(num_out > 0 && (num_out + kPanel - 1) / kPanel == packed.size(0), "num_out ", num_out,
-              " does not fit the packed weight");
-  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "x and the weight must share a dtype");
   if (bias) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == num_out && bias->is_contiguous() && bias->device().is_cpu() &&
                     bias->scalar_type() == x.scalar_type(),
@@ -189,13 +330,54 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t num_out
   const at::Tensor rows = x.to(at::kFloat).contiguous();
   const float* xf = rows.data_ptr<float>();
   if (x.scalar_type() == at::kFloat) {
-    run_on<float>(chosen, {xf, num_rows, depth, packed.data_ptr<float>(), num_out,
-                           bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>()});
+    run_on<float>(chosen, {xf, num_rows, depth, num_out, bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>()},
+                  format, packed);
   } else if (x.scalar_type() == at::kBFloat16) {
-    run_on<c10::BFloat16>(chosen, {xf, num_rows, depth, packed.data_ptr<c10::BFloat16>(), num_out,
-                                   bias ? bias->data_ptr<c10::BFloat16>() : nullptr, y.data_ptr<c10::BFloat16>()});
+    run_on<c10::BFloat16>(chosen, {xf, num_rows, depth, num_out, bias ? bias->data_ptr<c10::BFloat16>() : nullptr,
+                                   y.data_ptr<c10::BFloat16>()},
+                          format, packed);
   } else {
-    TORCH_CHECK(false, "the linear kernel supports float32 and bfloat16, not ", x.scalar_type());
+    TORCH_CHECK(false, "the linear kernel supports float32 and bfloat16 rows, not ", x.scalar_type());
   }
   return y;
+}
+
+}  // namespace
+
+// x [M, K] (float32 or bfloat16, rows may be strided) times a weight packed by
+// modeling/cpu_kernels.py ([panels, K, kPanel], x's dtype) -> [M, num_out] in x's dtype;
+// bias [num_out] or None. `path` names the instruction set ("": the fastest this CPU has).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t num_out, const c10::optional<at::Tensor>& bias,
+                  const std::string& path) {
+  TORCH_CHECK(packed.device().is_cpu(), "the linear kernel runs on CPU tensors");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
+              "the weight must be packed [panels, in_features, ", kPanel, "]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == packed.size(1), "x must be [rows, ", packed.size(1), "], not ", x.sizes());
+  TORCH_CHECK(num_out > 0 && (num_out + kPanel - 1) / kPanel == packed.size(0), "num_out ", num_out,
+              " does not fit the packed weight");
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "x and the weight must share a dtype");
+  const WeightFormat format = x.scalar_type() == at::kBFloat16 ? WeightFormat::kBFloat16 : WeightFormat::kFloat32;
+  return linear_any(x, format, packed.data_ptr(), num_out, bias, path);
+}
+
+int64_t linear_block_bytes(const std::string& format) {
+  if (format == "q4_1") return kQ4_1Bytes;
+  if (format == "q8_0") return kQ8_0Bytes;
+  TORCH_CHECK(false, "no block format ", format, " (the kernel's: q4_1, q8_0)");
+}
+
+// x [M, K] (float32 or bfloat16) times GGUF blocks regrouped by modeling/cpu_kernels.py into
+// panels ([panels, K / 32, linear_block_bytes(format)], uint8) -> [M, num_out] in x's dtype.
+at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& packed, int64_t num_out,
+                         const c10::optional<at::Tensor>& bias, const std::string& format, const std::string& path) {
+  const int64_t bytes = linear_block_bytes(format);
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte, "the blocks must be a uint8 CPU tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == bytes && packed.is_contiguous(),
+              "the blocks must be packed [panels, in_features / ", kQuantBlock, ", ", bytes, "]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == packed.size(1) * kQuantBlock, "x must be [rows, ",
+              packed.size(1) * kQuantBlock, "], not ", x.sizes());
+  TORCH_CHECK(num_out > 0 && (num_out + kPanel - 1) / kPanel == packed.size(0), "num_out ", num_out,
+              " does not fit the packed blocks");
+  const WeightFormat format_code = format == "q4_1" ? WeightFormat::kQ4_1 : WeightFormat::kQ8_0;
+  return linear_any(x, format_code, packed.data_ptr(), num_out, bias, path);
 }

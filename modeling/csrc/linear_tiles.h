@@ -1,6 +1,7 @@
 // The tiles of csrc/linear.cpp for one instruction set, included once per set inside a
 // namespace that first defines: Vec, kLanes, kAccumulators (vector registers the tile
-// may hold as sums), vzero, vbroadcast, vload (float32 and bfloat16) and vfma.
+// may hold as sums), vzero, vbroadcast, vload (float32 and bfloat16), vfma, and the
+// weight readers Q4_1Block and Q8_0Block.
 //
 // Every output element is one chain vfma(x[m, k], w[k, n], sum) over k = 0 .. K-1 from
 // zero; tiles differ only in how many rows and panels they keep in registers.
@@ -9,48 +10,112 @@ constexpr int kVecs = kPanel / kLanes;  // vectors per panel
 constexpr int kMaxRows = kAccumulators / kVecs;  // rows of a one-panel tile
 constexpr int kMaxPanels = 8;
 
-// kRows rows of x by kPanels consecutive panels, sums over k in [begin, end) added to `out`
-// ([kRows, kPanels * kPanel], float32), which holds the chains' values after k = begin - 1
+// Packed panels of plain float32 or bfloat16 weights: [panels, K, kPanel].
+// `origin` is the k of the data's first row: a scratch of widened blocks (see run) holds a depth block only.
+template <typename W>
+struct DensePanels {
+  static constexpr int64_t kBlock = kDepthBlock;  // any k in one block: a tile never crosses one
+  // Rows of few rows take tiles of half the rows, each streaming two or more panels, for float32 only (see run).
+  static constexpr bool kSplitFewRows = std::is_same_v<W, float>;
+  static constexpr bool kWidened = false;  // loaded as they are
+  static constexpr int kTilePanels = kMaxPanels;
+  const W* data;
+  int64_t depth;  // k per panel
+  int64_t origin = 0;
+
+  struct Block {
+    const W* at;  // the panel's weights from the block's first k
+    void load(int64_t i, Vec* w) const {
+#pragma GCC unroll 4
+      for (int j = 0; j < kVecs; ++j) w[j] = vload(at + i * kPanel + j * kLanes);
+    }
+  };
+  Block block(int64_t panel, int64_t k) const { return {data + panel * depth * kPanel + (k - origin) * kPanel}; }
+};
+
+// Packed panels of GGUF blocks (csrc/linear.cpp): [panels, K / 32, kBlockBytes], each block's
+// weights widened to float32 as they are loaded, exactly as gguf's dequantization computes them.
+template <typename Reader>
+struct BlockPanels {
+  static constexpr int64_t kBlock = kQuantBlock;
+  static constexpr bool kSplitFewRows = false;  // every pass over a panel widens it again
+  static constexpr bool kWidened = true;
+  // Widening takes registers of its own (the scales, the weights of each k): fewer panels per tile.
+  static constexpr int kTilePanels = kBlockTilePanels;
+  const uint8_t* data;
+  int64_t depth;
+
+  using Block = Reader;
+  Block block(int64_t panel, int64_t k) const {
+    return Block(data + (panel * (depth / kQuantBlock) + k / kQuantBlock) * Reader::kBytes);
+  }
+
+  // Panels first .. first + count - 1 over k in [begin, end), widened into `out` ([count, end - begin, kPanel]).
+  void widen(int64_t first, int count, int64_t begin, int64_t end, float* out) const {
+    const int64_t span = end - begin;
+    for (int p = 0; p < count; ++p) {
+      for (int64_t start = begin; start < end; start += kBlock) {
+        const Block weights = block(first + p, start);
+        for (int64_t i = 0; i < kBlock; ++i) {
+          Vec w[kVecs];
+          weights.load(i, w);
+#pragma GCC unroll 4
+          for (int j = 0; j < kVecs; ++j) vstore(out + (p * span + start - begin + i) * kPanel + j * kLanes, w[j]);
+        }
+      }
+    }
+  }
+};
+
+// kRows rows of x by kPanels consecutive panels from `first`, sums over k in [begin, end) added to
+// `out` ([kRows, kPanels * kPanel], float32), which holds the chains' values after k = begin - 1
 // (zero for begin = 0). Storing and reloading a float32 sum is exact, so splitting K this
-// way keeps each chain as it is.
-template <typename W, int kRows, int kPanels>
-void tile(const float* x, int64_t x_stride, const W* panels, int64_t panel_stride, int64_t begin, int64_t end,
+// way keeps each chain as it is. `begin` is a multiple of the panels' block.
+template <typename Panels, int kRows, int kPanels>
+void tile(const float* x, int64_t x_stride, const Panels& panels, int64_t first, int64_t begin, int64_t end,
           float* out) {
   constexpr int kSums = kRows * kPanels * kVecs;  // sum i: row i / (kPanels * kVecs), vector i % (kPanels * kVecs)
   constexpr int kRowVecs = kPanels * kVecs;
   Vec acc[kSums];
 #pragma GCC unroll 32
   for (int i = 0; i < kSums; ++i) acc[i] = begin == 0 ? vzero() : vload(out + i * kLanes);
-  for (int64_t k = begin; k < end; ++k) {
-    Vec w[kRowVecs];
+  for (int64_t start = begin; start < end; start += Panels::kBlock) {
+    typename Panels::Block blocks[kPanels];
+#pragma GCC unroll 8
+    for (int p = 0; p < kPanels; ++p) blocks[p] = panels.block(first + p, start);
+    const int64_t count = std::min(Panels::kBlock, end - start);
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t k = start + i;
+      Vec w[kRowVecs];
+#pragma GCC unroll 8
+      for (int p = 0; p < kPanels; ++p) blocks[p].load(i, w + p * kVecs);
 #pragma GCC unroll 32
-    for (int j = 0; j < kRowVecs; ++j) w[j] = vload(panels + (j / kVecs) * panel_stride + k * kPanel + (j % kVecs) * kLanes);
+      for (int r = 0; r < kRows; ++r) {
+        const Vec a = vbroadcast(x + r * x_stride + k);
 #pragma GCC unroll 32
-    for (int r = 0; r < kRows; ++r) {
-      const Vec a = vbroadcast(x + r * x_stride + k);
-#pragma GCC unroll 32
-      for (int j = 0; j < kRowVecs; ++j) acc[r * kRowVecs + j] = vfma(a, w[j], acc[r * kRowVecs + j]);
+        for (int j = 0; j < kRowVecs; ++j) acc[r * kRowVecs + j] = vfma(a, w[j], acc[r * kRowVecs + j]);
+      }
     }
   }
 #pragma GCC unroll 32
   for (int i = 0; i < kSums; ++i) vstore(out + i * kLanes, acc[i]);
 }
 
-template <typename W, int kPanels, int kRows = 1>
-void tile_rows(int rows, const float* x, int64_t x_stride, const W* panels, int64_t panel_stride, int64_t begin,
+template <typename Panels, int kPanels, int kRows = 1>
+void tile_rows(int rows, const float* x, int64_t x_stride, const Panels& panels, int64_t first, int64_t begin,
                int64_t end, float* out) {
   if constexpr (kRows <= kMaxRows && kRows * kPanels * kVecs <= kAccumulators) {
-    if (rows == kRows) return tile<W, kRows, kPanels>(x, x_stride, panels, panel_stride, begin, end, out);
-    return tile_rows<W, kPanels, kRows + 1>(rows, x, x_stride, panels, panel_stride, begin, end, out);
+    if (rows == kRows) return tile<Panels, kRows, kPanels>(x, x_stride, panels, first, begin, end, out);
+    return tile_rows<Panels, kPanels, kRows + 1>(rows, x, x_stride, panels, first, begin, end, out);
   }
 }
 
-template <typename W, int kPanels = 1>
-void tile_any(int rows, int num_panels, const float* x, int64_t x_stride, const W* panels, int64_t panel_stride,
+template <typename Panels, int kPanels = 1>
+void tile_any(int rows, int num_panels, const float* x, int64_t x_stride, const Panels& panels, int64_t first,
               int64_t begin, int64_t end, float* out) {
   if constexpr (kPanels <= kMaxPanels) {
-    if (num_panels == kPanels) return tile_rows<W, kPanels>(rows, x, x_stride, panels, panel_stride, begin, end, out);
-    return tile_any<W, kPanels + 1>(rows, num_panels, x, x_stride, panels, panel_stride, begin, end, out);
+    if (num_panels == kPanels) return tile_rows<Panels, kPanels>(rows, x, x_stride, panels, first, begin, end, out);
+    return tile_any<Panels, kPanels + 1>(rows, num_panels, x, x_stride, panels, first, begin, end, out);
   }
 }
 
@@ -58,38 +123,67 @@ void tile_any(int rows, int num_panels, const float* x, int64_t x_stride, const 
 // independent chains hide the FMA latency (a single decode row).
 inline int panels_for(int rows) { return std::max(1, std::min(kMaxPanels, kAccumulators / (rows * kVecs))); }
 
-template <typename T>
-void run(const LinearCall<T>& call) {
+template <typename T, typename Panels>
+void run(const LinearCall<T>& call, const Panels& panels) {
   const int64_t num_panels = (call.num_out + kPanel - 1) / kPanel;
-  const int64_t panel_stride = call.depth * kPanel;
   // float32 weights and few rows: at most half the rows a one-panel tile could hold, so that every tile streams
   // two or more panels. One tile of all the rows would stream one panel, and a core cannot read one stream of
   // weights at the memory's pace; the rows past the tile read the block of panels again from cache. Not for
-  // bfloat16, whose every pass widens the weights again, nor for steps of many rows, which are compute bound
-  // (measured: docs/benchmarks.md, the roofline).
-  const bool split = std::is_same_v<T, float> && call.num_rows <= kMaxRows;
+  // bfloat16 or GGUF blocks, whose every pass widens the weights again, nor for steps of many rows, which are
+  // compute bound (measured: docs/benchmarks.md, the roofline).
+  const bool split = Panels::kSplitFewRows && call.num_rows <= kMaxRows;
+  // GGUF blocks and more rows than one tile takes: each depth block of a group's panels is widened once, into a
+  // scratch that stays in cache, and the rows' tiles read it there, rather than each tile widening it again.
+  const bool widen_once = Panels::kWidened && call.num_rows > kMaxRows;
   const int rows_per_tile = static_cast<int>(std::min<int64_t>(call.num_rows, split ? std::max(1, kMaxRows / 2) : kMaxRows));
-  const int group = panels_for(rows_per_tile);
+  const int group = widen_once ? panels_for(rows_per_tile) : std::min(Panels::kTilePanels, panels_for(rows_per_tile));
   const int64_t num_groups = (num_panels + group - 1) / group;
   // Each thread takes the next group of panels as it finishes one, rather than a fixed share: on a
   // machine where another process holds a core for a while, the other threads do the rest.
   std::atomic<int64_t> next_group{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_groups), 1, [&](int64_t, int64_t) {
     std::vector<float> out(static_cast<size_t>(call.num_rows) * group * kPanel);  // [rows, width]
+    std::vector<float> widened(widen_once ? static_cast<size_t>(group) * kDepthBlock * kPanel : 0);
     for (int64_t g; (g = next_group.fetch_add(1, std::memory_order_relaxed)) < num_groups;) {
       const int64_t first_panel = g * group;
-      const int panels = static_cast<int>(std::min<int64_t>(group, num_panels - first_panel));
-      const int64_t width = static_cast<int64_t>(panels) * kPanel;
+      const int count = static_cast<int>(std::min<int64_t>(group, num_panels - first_panel));
+      const int64_t width = static_cast<int64_t>(count) * kPanel;
       // K in blocks, each over every row: the block of the panels stays in the nearest cache while the rows pass.
       for (int64_t begin = 0; begin < call.depth; begin += kDepthBlock) {
         const int64_t end = std::min(call.depth, begin + kDepthBlock);
+        if constexpr (Panels::kWidened) {
+          if (widen_once) {
+            panels.widen(first_panel, count, begin, end, widened.data());
+            const DensePanels<float> block{widened.data(), end - begin, begin};
+            for (int64_t row = 0; row < call.num_rows; row += rows_per_tile) {
+              const int rows = static_cast<int>(std::min<int64_t>(rows_per_tile, call.num_rows - row));
+              tile_any<DensePanels<float>>(rows, count, call.x + row * call.depth, call.depth, block, 0, begin, end,
+                                           out.data() + row * width);
+            }
+            continue;
+          }
+        }
         for (int64_t row = 0; row < call.num_rows; row += rows_per_tile) {
           const int rows = static_cast<int>(std::min<int64_t>(rows_per_tile, call.num_rows - row));
-          tile_any<T>(rows, panels, call.x + row * call.depth, call.depth, call.packed + first_panel * panel_stride,
-                      panel_stride, begin, end, out.data() + row * width);
+          tile_any<Panels>(rows, count, call.x + row * call.depth, call.depth, panels, first_panel, begin, end,
+                           out.data() + row * width);
         }
       }
       call.store(out.data(), first_panel * kPanel, width);
     }
   });
+}
+
+template <typename T>
+void run_format(const LinearCall<T>& call, WeightFormat format, const void* packed) {
+  switch (format) {
+    case WeightFormat::kFloat32:
+      return run(call, DensePanels<float>{static_cast<const float*>(packed), call.depth});
+    case WeightFormat::kBFloat16:
+      return run(call, DensePanels<c10::BFloat16>{static_cast<const c10::BFloat16*>(packed), call.depth});
+    case WeightFormat::kQ4_1:
+      return run(call, BlockPanels<Q4_1Block>{static_cast<const uint8_t*>(packed), call.depth});
+    case WeightFormat::kQ8_0:
+      return run(call, BlockPanels<Q8_0Block>{static_cast<const uint8_t*>(packed), call.depth});
+  }
 }

@@ -86,5 +86,8 @@ void rope_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_
 at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t num_out, const c10::optional<at::Tensor>& bias,
                   const std::string& path);
+at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& packed, int64_t num_out,
+                         const c10::optional<at::Tensor>& bias, const std::string& format, const std::string& path);
+int64_t linear_block_bytes(const std::string& format);
 int64_t linear_panel_width();
 std::vector<std::string> linear_paths();

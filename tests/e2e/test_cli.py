@@ -60,6 +60,7 @@ def test_up_generate_and_ctrl_c(default_model_dir: Path) -> None:
         assert up.stdout is not None
         ready_line = up.stdout.readline()  # blocks until the stack is ready (or up exits)
         assert ready_line.startswith("specserve ready: gRPC on 127.0.0.1:"), ready_line
+        assert "(float32, weights q4_1, 2 worker(s) on cpu)" in ready_line  # its own 4-bit blocks, by default
         children = _children(up.pid)
         assert len(children) == 5  # scheduler, gateway, two workers, the draft service (lookup, then the shipped head)
 

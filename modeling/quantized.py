@@ -1,0 +1,259 @@
+"""Weight-only quantized linears: a GGUF file's own blocks, served as they are by the CPU kernel.
+
+A model converted from a GGUF file keeps the file beside its conversion
+(modeling/gguf_convert.py). With `--quantization q4_1` (or q8_0) its projections are served
+from that file's Q4_1 (Q8_0) blocks, and its other tensors of a block format the kernel reads
+(Q8_0: the embedded model's token embeddings, which are also its tied LM head) from theirs. The kernel
+(csrc/linear.cpp) widens a block in registers to exactly the float32 values the conversion
+wrote into model.safetensors, so a float32 model computes the same bits from a fifth of the
+bytes, and no dequantized copy of a weight is ever held in memory.
+
+Here: the choices, the check that a model can take one (before anything starts), the blocks
+of a fused projection under the transformers names, and their regrouping into the kernel's
+panels, with its inverse for the rows an embedding lookup reads from a packed tied head.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from modeling.gguf_arch import ROPE_FREQS_TENSOR, architecture
+from modeling.gguf_convert import GGUF_FILE, hf_tensor_name, unpermute_rope_rows
+from modeling.gguf_metadata import GgufConversionError, GgufMetadata
+from modeling.llama import PROJECTION_PARTS
+from modeling.quantization import QUANTIZATION_HELP, QUANTIZATIONS
+
+__all__ = ["QUANTIZATIONS", "QUANTIZATION_HELP", "Blocks", "GgufBlocks", "QuantizationError", "block_panels",
+           "gguf_blocks", "panel_rows", "servable_quantization", "tensor_infos"]
+
+QUANT_BLOCK = 32  # inputs per GGUF block of the formats below
+# The block formats the kernel reads: GGUF type -> (name, bytes of one block of one output row).
+BLOCK_FORMATS = {GGMLQuantizationType.Q4_1: ("q4_1", 20), GGMLQuantizationType.Q8_0: ("q8_0", 34)}
+
+
+class QuantizationError(ValueError):
+    """A quantization this model cannot take; the message names the choices."""
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """One weight (or the rows of a fused one) as GGUF blocks: row r holds output r's `in_features / 32` blocks."""
+
+    format: str  # "q4_1" or "q8_0"
+    rows: np.ndarray  # uint8 [out_features, in_features / 32 * block bytes]
+    in_features: int
+
+
+def servable_quantization(folder: Path) -> str:
+    """The quantization the model in `folder` can be served with from its own blocks ("none" if none)."""
+    for quantization in QUANTIZATIONS[1:]:
+        try:
+            GgufBlocks(folder, quantization)
+        except QuantizationError:
+            continue
+        return quantization
+    return "none"
+
+
+def gguf_blocks(folder: Path, quantization: str) -> GgufBlocks | None:
+    """The blocks `quantization` serves the model in `folder` from (None for "none").
+
+    Raises QuantizationError, naming the choices, for an unknown quantization or one the model cannot take.
+    """
+    if quantization not in QUANTIZATIONS:
+        raise QuantizationError(f"--quantization {quantization!r} is not one of the choices: {', '.join(QUANTIZATIONS)}")
+    return None if quantization == "none" else GgufBlocks(folder, quantization)
+
+
+class GgufBlocks:
+    """The block-quantized tensors of a converted folder's GGUF file, under their transformers names.
+
+    Made for one quantization; raises QuantizationError when the model cannot take it.
+    """
+
+    def __init__(self, folder: Path, quantization: str) -> None:
+        self.quantization = quantization
+        path = folder / GGUF_FILE
+        if not path.is_file():
+            raise QuantizationError(
+                f"--quantization {quantization} serves a model's own GGUF blocks, and {folder} holds no {GGUF_FILE} "
+                f"(a Hugging Face folder, or a conversion by an older specserve): the choice for it is none")
+        try:
+            arch, self._data, infos = tensor_infos(path)
+            layout = architecture(GgufMetadata({"general.architecture": arch}))
+        except (GgufConversionError, ValueError, struct.error, OSError) as exc:
+            raise QuantizationError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+        config = json.loads((folder / "config.json").read_text())
+        self._heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+        self._permuted = layout.rope_rows_permuted
+        self._tensors = {hf_tensor_name(info.name, layout, arch): info
+                         for info in infos if info.name != ROPE_FREQS_TENSOR}
+        projections = [name for name in self._tensors if name.endswith(tuple(sum(PROJECTION_PARTS.values(), ())))]
+        kinds = {self._tensors[name].kind for name in projections}
+        servable = [BLOCK_FORMATS[kind][0] for kind in kinds if len(kinds) == 1 and kind in BLOCK_FORMATS]
+        if servable != [quantization]:
+            raise QuantizationError(
+                f"--quantization {quantization} serves a model's own {quantization.upper()} blocks, and the "
+                f"projections of {path} are {', '.join(sorted(kind.name for kind in kinds)) or 'not there'}: the "
+                f"choices for it are {', '.join(['none', *servable])}")
+
+    def format_of(self, names: list[str]) -> str | None:
+        """The block format all the named weights are in, if the kernel reads it; else None."""
+        types = {info.kind if (info := self._tensors.get(name)) is not None else None for name in names}
+        kind = types.pop() if len(types) == 1 else None
+        return BLOCK_FORMATS[kind][0] if kind in BLOCK_FORMATS else None
+
+    def blocks(self, names: list[str]) -> Blocks | None:
+        """The named weights' blocks, stacked along rows; None unless all are in one block format the kernel reads."""
+        if (format_name := self.format_of(names)) is None:
+            return None
+        infos = [self._tensors[name] for name in names]
+        parts = []
+        for name, info in zip(names, infos):
+            rows = info.rows(self._data)  # [out, in / 32 * bytes]: a view of the mapped file
+            leaf = name.rsplit(".", 2)[-2]
+            if self._permuted and leaf in self._heads:
+                rows = unpermute_rope_rows(rows, self._heads[leaf])  # whole rows move: their blocks with them
+            parts.append(rows)
+        in_features = infos[0].shape[0]  # GGUF lists the inner dimension first
+        return Blocks(format_name, np.ascontiguousarray(np.concatenate(parts) if len(parts) > 1 else parts[0]),
+                      in_features)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    kind: GGMLQuantizationType
+    shape: tuple[int, ...]  # as GGUF lists it: the inner dimension first
+    offset: int  # of its data in the file
+
+    def rows(self, data: np.ndarray) -> np.ndarray:
+        """Its blocks, row by row (a block format's only), as a view of the mapped file `data`."""
+        _, block_bytes = BLOCK_FORMATS[self.kind]
+        row_bytes = self.shape[0] // QUANT_BLOCK * block_bytes
+        num_rows = int(np.prod(self.shape[1:]))
+        return data[self.offset : self.offset + num_rows * row_bytes].reshape(num_rows, row_bytes)
+
+
+# GGUF value types of a fixed size -> bytes; 8 is a string, 9 an array.
+_VALUE_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY, _DEFAULT_ALIGNMENT = 8, 9, 32
+
+
+def tensor_infos(path: Path) -> tuple[str, np.ndarray, list[TensorInfo]]:
+    """A GGUF file's architecture, its bytes (mapped) and its tensors' names, types, shapes and data offsets.
+
+    Only what serving its blocks needs: the metadata (a vocabulary of tens of thousands of
+    strings) is stepped over, not decoded, which gguf's reader takes seconds to do.
+    """
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    view = memoryview(data)  # type: ignore[arg-type]
+    at = 0
+
+    def take(fmt: str) -> Any:
+        nonlocal at
+        values = struct.unpack_from("<" + fmt, view, at)
+        at += struct.calcsize("<" + fmt)
+        return values[0] if len(values) == 1 else values
+
+    def string() -> str:
+        nonlocal at
+        length = take("Q")
+        at += length
+        return bytes(view[at - length : at]).decode("utf-8")
+
+    def skip(kind: int) -> None:
+        nonlocal at
+        if kind == _STRING:
+            length = take("Q")  # read before `at` is: take moves it
+            at += length
+        elif kind == _ARRAY:
+            element, count = take("IQ")
+            if element in _VALUE_BYTES:
+                at += count * _VALUE_BYTES[element]
+            else:
+                for _ in range(count):
+                    skip(element)
+        else:
+            at += _VALUE_BYTES[kind]
+
+    magic, version, num_tensors, num_values = take("4sIQQ")
+    if magic != b"GGUF" or version < 2:
+        raise ValueError(f"magic {magic!r}, version {version}: not a GGUF file of version 2 or later")
+    arch, alignment = "", _DEFAULT_ALIGNMENT
+    for _ in range(num_values):
+        key, kind = string(), take("I")
+        if key == "general.architecture" and kind == _STRING:
+            arch = string()
+        elif key == "general.alignment" and kind == 4:
+            alignment = take("I")
+        else:
+            skip(kind)
+    infos = []
+    for _ in range(num_tensors):
+        name = string()
+        num_dims = take("I")
+        dims = struct.unpack_from(f"<{num_dims}Q", view, at)
+        at += 8 * num_dims
+        kind, offset = take("IQ")
+        infos.append((name, GGMLQuantizationType(kind), tuple(int(d) for d in dims), offset))
+    start = -(-at // alignment) * alignment
+    return arch, data, [TensorInfo(name, kind, dims, start + offset) for name, kind, dims, offset in infos]
+
+
+def block_panels(blocks: Blocks, panel: int) -> torch.Tensor:
+    """GGUF block rows -> the kernel's panels: uint8 `[ceil(N / panel), K / 32, bytes]` (csrc/linear.cpp).
+
+    For panel p and block b: the panel's outputs' float16 scales d (then m for Q4_1), then for each
+    of the block's 32 inputs the outputs' quants (Q8_0: one int8 each; Q4_1: `panel / 2` bytes,
+    byte j holding output j in its low nibble and output j + panel / 2 in its high one). Rows past
+    N (the last panel's padding) are zero blocks: zero weights.
+    """
+    num_out = blocks.rows.shape[0]
+    num_blocks = blocks.in_features // QUANT_BLOCK
+    num_panels = -(-num_out // panel)
+    raw = np.zeros((num_panels * panel, num_blocks, blocks.rows.shape[1] // num_blocks), dtype=np.uint8)
+    raw[:num_out] = blocks.rows.reshape(num_out, num_blocks, -1)
+    by_panel = raw.reshape(num_panels, panel, num_blocks, -1).transpose(0, 2, 1, 3)  # [P, blocks, panel, bytes]
+    if blocks.format == "q8_0":
+        scales = by_panel[..., :2]  # d
+        quants = by_panel[..., 2:].transpose(0, 1, 3, 2)  # [P, blocks, 32, panel]
+    else:  # q4_1: d, m, then 16 bytes: input j's quant in byte j's low nibble, input j + 16's in its high one
+        scales = np.concatenate([by_panel[..., 0:2], by_panel[..., 2:4]], axis=2)  # [P, blocks, 2 * panel, 2]
+        packed = by_panel[..., 4:]
+        values = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).transpose(0, 1, 3, 2)  # [P, blocks, 32, panel]
+        half = panel // 2
+        quants = values[..., :half] | (values[..., half:] << 4)
+    out = np.concatenate([scales.reshape(num_panels, num_blocks, -1), quants.reshape(num_panels, num_blocks, -1)],
+                         axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(out))
+
+
+def panel_rows(packed: torch.Tensor, format_name: str, panel: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the weight `block_panels` packed, widened to float32 as gguf dequantizes them: `[len(ids), K]`."""
+    chosen = packed[ids // panel]  # [n, blocks, bytes]
+    lane = (ids % panel).view(-1, 1, 1)
+    n, num_blocks, _ = chosen.shape
+
+    def per_lane(values: torch.Tensor) -> torch.Tensor:  # [n, blocks, lanes ...] -> the id's own lane
+        return values.gather(2, lane.expand(n, num_blocks, 1)).squeeze(2)
+
+    d = per_lane(chosen[..., : 2 * panel].contiguous().view(torch.float16)).float()
+    if format_name == "q8_0":
+        quants = chosen[..., 2 * panel :].contiguous().view(torch.int8).view(n, num_blocks, QUANT_BLOCK, panel)
+        picked = quants.gather(3, lane.unsqueeze(-1).expand(n, num_blocks, QUANT_BLOCK, 1)).squeeze(3)
+        return (picked.float() * d.unsqueeze(-1)).reshape(n, -1)
+    m = per_lane(chosen[..., 2 * panel : 4 * panel].contiguous().view(torch.float16)).float()
+    half = panel // 2
+    nibbles = chosen[..., 4 * panel :].reshape(n, num_blocks, QUANT_BLOCK, half)
+    byte = nibbles.gather(3, (lane % half).unsqueeze(-1).expand(n, num_blocks, QUANT_BLOCK, 1)).squeeze(3)
+    quants = torch.where((lane >= half).view(-1, 1, 1), byte >> 4, byte & 0x0F)
+    return (d.unsqueeze(-1) * quants.float() + m.unsqueeze(-1)).reshape(n, -1)

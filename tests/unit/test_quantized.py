@@ -1,0 +1,269 @@
+"""GGUF blocks served as they are: the block kernel against gguf's own dequantization, batch invariance, the
+regrouping into panels and back, models served from their Q4_1 file, and the quantizations a model cannot take."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from modeling.batch import SeqSpan
+from modeling.config import ModelConfig
+from modeling.cpu_kernels import PackedLinear, block_probe
+from modeling.engine import ModelEngine
+from modeling.gguf_convert import convert_gguf
+from modeling.invariance import linear_rows_problem
+from modeling.native import KernelUnavailable, native_ops
+from modeling.quantized import QUANTIZATIONS, Blocks, QuantizationError, gguf_blocks
+from specserve.cli import _build_parser
+from specserve.stack import StackAddresses, StackConfig, worker_spec
+from specserve.up import UpRefused, up_config
+from tests.gguf_files import FAMILIES
+
+KINDS = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
+# (out, in): every projection shape of the embedded model, then odd ones (a partial panel, one block, a few).
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (5, 32), (17, 64), (33, 96), (100, 160)]
+
+
+@pytest.fixture(scope="module")
+def ops() -> ModuleType:
+    try:
+        return native_ops()
+    except KernelUnavailable as exc:
+        pytest.skip(f"native kernels unavailable: {exc}")
+
+
+def random_blocks(format_name: str, out_features: int, in_features: int, seed: int) -> tuple[Blocks, torch.Tensor]:
+    """Blocks of a random weight, and the float32 weight gguf's dequantization gives for them."""
+    generator = np.random.default_rng(seed)
+    weight = (generator.standard_normal((out_features, in_features)) * 0.05).astype(np.float32)
+    rows = quantize(weight, KINDS[format_name])
+    return Blocks(format_name, rows, in_features), torch.from_numpy(dequantize(rows, KINDS[format_name]).copy())
+
+
+@pytest.mark.parametrize("format_name", sorted(KINDS))
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+def test_blocks_equal_the_dense_weights_gguf_dequantizes_on_every_path(
+        ops: ModuleType, format_name: str, out_features: int, in_features: int) -> None:
+    blocks, weight = random_blocks(format_name, out_features, in_features, seed=out_features + in_features)
+    rows = torch.randn(13, in_features) * torch.rand(13, 1) * 3
+    bias = torch.randn(out_features)
+    reference = rows @ weight.T + bias
+    for path in ops.linear_paths():
+        linear = PackedLinear(ops, path)
+        served = linear(rows, linear.pack_blocks(blocks), bias)
+        # The same chains of fused multiply-adds as the dense kernel on the dequantized weight: the same bits.
+        assert torch.equal(served, linear(rows, linear.pack(weight), bias)), path
+        torch.testing.assert_close(served, reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("format_name", sorted(KINDS))
+def test_bfloat16_rows_sum_in_float32_over_the_exact_weights(ops: ModuleType, format_name: str) -> None:
+    blocks, weight = random_blocks(format_name, 100, 576, seed=3)
+    rows = torch.randn(7, 576).to(torch.bfloat16)
+    linear = PackedLinear(ops)
+    served = linear(rows, linear.pack_blocks(blocks))
+    assert served.dtype == torch.bfloat16
+    assert torch.equal(served, linear(rows.float(), linear.pack(weight)).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("format_name", sorted(KINDS))
+def test_block_kernel_is_batch_invariant(ops: ModuleType, format_name: str, dtype: torch.dtype) -> None:
+    for path in ops.linear_paths():
+        linear = PackedLinear(ops, path)
+        assert linear_rows_problem(linear, block_probe(linear, format_name), [576, 1536], dtype,
+                                   torch.device("cpu")) is None, path
+
+
+@pytest.mark.parametrize("format_name", sorted(KINDS))
+def test_rows_of_packed_blocks_are_gguf_dequantized_rows(ops: ModuleType, format_name: str) -> None:
+    blocks, weight = random_blocks(format_name, 37, 96, seed=5)
+    linear = PackedLinear(ops)
+    ids = torch.tensor([0, 36, 7, 8, 15, 16, 31, 7])
+    assert torch.equal(linear.rows(linear.pack_blocks(blocks), ids), weight[ids])
+
+
+def test_refused_block_shapes(ops: ModuleType) -> None:
+    blocks, _ = random_blocks("q4_1", 16, 64, seed=1)
+    linear = PackedLinear(ops)
+    packed = linear.pack_blocks(blocks)
+    with pytest.raises(RuntimeError, match="x must be"):
+        linear(torch.randn(2, 32), packed)
+    with pytest.raises(RuntimeError, match="no block format q5_0"):
+        ops.linear_blocks(torch.randn(2, 64), packed, 16, None, "q5_0")
+
+
+# ---------------------------------------------------------------- models served from their GGUF file
+
+
+def q4_1_file(path: Path, projections: GGMLQuantizationType = GGMLQuantizationType.Q4_1) -> Path:
+    """A tiny Llama GGUF file laid out as the embedded model's is: Q4_1 (or `projections`) projections, a Q8_0
+    output, F16 token embeddings, F32 norms."""
+    tiny = FAMILIES["llama"]()
+    shape = tiny.shape
+    down = (np.random.default_rng(1).standard_normal((shape.hidden_size, shape.intermediate_size)) * 0.08)
+
+    def kind_of(name: str, kind: GGMLQuantizationType) -> GGMLQuantizationType:
+        if name.endswith("norm.weight") or name == "token_embd.weight":
+            return kind
+        return GGMLQuantizationType.Q8_0 if name == "output.weight" else projections
+
+    tiny.tensors = [(name, down.astype(np.float32) if name.endswith("ffn_down.weight") else weight,
+                     kind_of(name, kind)) for name, weight, kind in tiny.tensors]
+    return tiny.write(path)
+
+
+@pytest.fixture(scope="module")
+def q4_1_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    scratch = tmp_path_factory.mktemp("q4_1")
+    return convert_gguf(q4_1_file(scratch / "tiny.gguf"), scratch / "model")
+
+
+@pytest.fixture(scope="module")
+def q8_0_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    scratch = tmp_path_factory.mktemp("q8_0")
+    return convert_gguf(q4_1_file(scratch / "tiny.gguf", GGMLQuantizationType.Q8_0), scratch / "model")
+
+
+def engine(folder: Path, dtype: str, quantization: str) -> ModelEngine:
+    built = ModelEngine(folder, ModelConfig.from_folder(folder), device="cpu", dtype=dtype, num_pages=32,
+                        max_len=128, quantization=quantization)
+    built.load()
+    built.allocate()
+    return built
+
+
+def greedy(built: ModelEngine, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy continuation of `prompt` and the logits of every step."""
+    pages = tuple(range(8))
+    logits = built.forward([SeqSpan(pages, 0, prompt, 1)])
+    tokens, every = [], [logits]
+    for position in range(len(prompt), len(prompt) + steps):
+        tokens.append(int(logits[-1].argmax()))
+        logits = built.forward([SeqSpan(pages, position, [tokens[-1]], 1)])
+        every.append(logits)
+    return tokens, torch.cat(every)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quantization", ["q4_1", "q8_0"])
+def test_tiny_model_served_from_its_blocks_computes_its_folder_weights(
+        ops: ModuleType, q4_1_folder: Path, q8_0_folder: Path, quantization: str, dtype: str) -> None:
+    folder = q4_1_folder if quantization == "q4_1" else q8_0_folder
+    dense, served = engine(folder, dtype, "none"), engine(folder, dtype, quantization)
+    # Two layers of four fused projections, and the (untied) Q8_0 head.
+    assert served.ops.endswith("8 weights from q4_1 blocks, 1 weights from q8_0 blocks)" if quantization == "q4_1"
+                               else "9 weights from q8_0 blocks)")
+    # Q4_1: 20 bytes per 32 weights, Q8_0 34 (the head is Q8_0 in both).
+    assert served.linear_weight_bytes() < dense.linear_weight_bytes() * (0.3 if dtype == "float32" else 0.6)
+    assert served.self_check() is None
+    tokens, logits = greedy(served, [3, 14, 15, 92, 65], 12)
+    dense_tokens, dense_logits = greedy(dense, [3, 14, 15, 92, 65], 12)
+    if dtype == "float32":  # the folder holds gguf's dequantization, which the kernel computes exactly
+        assert torch.equal(logits, dense_logits)
+    assert tokens == dense_tokens or dtype == "bfloat16"  # bfloat16's dense weights are rounded; the blocks' are not
+
+
+def test_embedded_model_q4_1_greedy_equals_its_float32_folder(ops: ModuleType, default_model_dir: Path) -> None:
+    """The embedded model's own Q4_1 blocks at float32 give its converted folder's logits bit for bit (so every
+    greedy token, whatever the top-2 margin), on prompts of the kind users send."""
+    dense, served = engine(default_model_dir, "float32", "none"), engine(default_model_dir, "float32", "q4_1")
+    from modeling.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(default_model_dir)
+    for text in ("The capital of France is", "def fibonacci(n):\n", "Write a haiku about autumn rain."):
+        prompt = tokenizer.encode(text)
+        tokens, logits = greedy(served, prompt, 16)
+        dense_tokens, dense_logits = greedy(dense, prompt, 16)
+        assert tokens == dense_tokens
+        assert torch.equal(logits, dense_logits)
+
+
+def test_quantization_a_model_cannot_take_is_refused_naming_the_choices(
+        tmp_path: Path, tiny_llama_folder: Path, q8_0_folder: Path) -> None:
+    with pytest.raises(QuantizationError, match="not one of the choices: none, q4_1, q8_0"):
+        gguf_blocks(tiny_llama_folder, "q4_0")
+    with pytest.raises(QuantizationError, match="holds no model.gguf .*the choice for it is none"):
+        gguf_blocks(tiny_llama_folder, "q4_1")
+    mixed = convert_gguf(FAMILIES["llama"]().write(tmp_path / "mixed.gguf"), tmp_path / "mixed")
+    with pytest.raises(QuantizationError, match="projections of .* are .*Q4_K.*Q8_0: the choices for it are none$"):
+        gguf_blocks(mixed, "q4_1")
+    with pytest.raises(QuantizationError, match="serves a model's own Q4_1 blocks.*the choices for it are none, q8_0$"):
+        gguf_blocks(q8_0_folder, "q4_1")
+    assert gguf_blocks(mixed, "none") is None
+    with pytest.raises(QuantizationError):  # an engine refuses it before anything is built
+        ModelEngine(mixed, ModelConfig.from_folder(mixed), device="cpu", dtype="float32", num_pages=8, max_len=32,
+                    quantization="q4_1").load()
+    assert QUANTIZATIONS[0] == "none"
+
+
+# ---------------------------------------------------------------- choosing it: `specserve up`, the worker, the draft
+
+
+def up_stack(*flags: str) -> StackConfig:
+    return up_config(_build_parser().parse_args(["up", "--device", "cpu", *flags])).stack
+
+
+def test_up_serves_the_embedded_model_from_its_q4_1_blocks_by_default(default_model_dir: Path) -> None:
+    assert up_stack().quantization == "q4_1"
+    assert up_stack("--quantization", "none").quantization == "none"
+    stack = up_stack("--insecure-loopback")
+    argv = worker_spec(stack, StackAddresses.pick(stack), 0).argv
+    assert argv[argv.index("--quantization") + 1] == "q4_1"
+
+
+def test_up_refuses_a_quantization_before_anything_starts(
+        tiny_llama_folder: Path, q8_0_folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _build_parser().parse_args(["up", "--quantization", "q3_k"])
+    assert "invalid choice: 'q3_k' (choose from 'auto', 'none', 'q4_1', 'q8_0')" in capsys.readouterr().err
+    with pytest.raises(UpRefused, match="--quantization q4_1 serves a model's own GGUF blocks.*choice for it is none"):
+        up_stack("--model", str(tiny_llama_folder), "--quantization", "q4_1")
+    assert up_stack("--model", str(tiny_llama_folder)).quantization == "none"  # auto: it has no blocks
+    assert up_stack("--model", str(q8_0_folder)).quantization == "q8_0"  # auto: its projections' own blocks
+
+
+def test_worker_and_draft_refuse_what_their_model_cannot_take(tiny_llama_folder: Path, q4_1_folder: Path) -> None:
+    from draft_service.config import add_arguments as draft_arguments
+    from draft_service.config import from_arguments as draft_config
+    from gpu_worker.config import add_arguments as worker_arguments
+    from gpu_worker.config import from_arguments as worker_config
+
+    def parse(add: Callable[[argparse.ArgumentParser], None], *argv: str) -> argparse.Namespace:
+        parser = argparse.ArgumentParser()
+        add(parser)
+        return parser.parse_args([*argv, "--insecure-loopback"])
+
+    with pytest.raises(ValueError, match="not one of the choices: none, q4_1, q8_0"):
+        worker_config(parse(worker_arguments, "--model", str(q4_1_folder), "--quantization", "int4"))
+    with pytest.raises(ValueError, match="holds no model.gguf"):
+        worker_config(parse(worker_arguments, "--model", str(tiny_llama_folder), "--quantization", "q4_1"))
+    assert worker_config(parse(worker_arguments, "--model", str(q4_1_folder), "--quantization", "q4_1")).quantization == "q4_1"
+    with pytest.raises(ValueError, match="is for a draft model"):
+        draft_config(parse(draft_arguments, "--proposer", "ngram", "--quantization", "q4_1"))
+    assert draft_config(parse(draft_arguments, "--proposer", f"model:{q4_1_folder}",
+                              "--quantization", "q4_1")).quantization == "q4_1"
+
+
+def test_tensor_infos_agree_with_gguf_reader(tmp_path: Path, default_model_dir: Path) -> None:
+    from gguf import GGUFReader
+
+    from modeling.quantized import tensor_infos
+
+    for path in (q4_1_file(tmp_path / "tiny.gguf"), default_model_dir / "model.gguf"):
+        arch, data, infos = tensor_infos(path)
+        reader = GGUFReader(path)
+        assert arch == reader.fields["general.architecture"].contents()
+        assert [(info.name, info.kind, info.shape) for info in infos] == [
+            (tensor.name, tensor.tensor_type, tuple(int(d) for d in tensor.shape)) for tensor in reader.tensors]
+        for info, tensor in zip(infos, reader.tensors):
+            if info.kind in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0):
+                assert np.array_equal(info.rows(data), tensor.data)
