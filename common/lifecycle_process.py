@@ -100,6 +100,10 @@ class LifecycleProcess(abc.ABC, Generic[T]):
         """Sent with READY: a lower limit on draft tokens than the hello said, found while starting (None: no change)."""
         return None
 
+    def kernels(self) -> str:
+        """Sent with READY: which kernels its model runs on, as its engine says ("": it runs no model)."""
+        return ""
+
     # ------------------------------------------------------------------ shared behaviour
 
     @property
@@ -233,10 +237,11 @@ class LifecycleProcess(abc.ABC, Generic[T]):
         self.log.info("lifecycle.transition", previous=old, state=new, previous_duration_s=round(duration_s, 3))
         if self._status_file is not None:
             write_status_file(self._status_file, new)
+        ready = new is State.READY
         self.send(m.LifecycleReport(
             worker_id=self.process_id, incarnation=self.incarnation, state=new,
             previous_state=old, previous_duration_s=duration_s,
-            max_draft_tokens=self.ready_max_draft_tokens() if new is State.READY else None,
+            max_draft_tokens=self.ready_max_draft_tokens() if ready else None, kernels=self.kernels() if ready else "",
         ))
 
     def _heartbeat_loop(self) -> None:

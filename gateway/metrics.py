@@ -2,7 +2,7 @@
 
 Request, token and latency figures are counted here as requests stream, and the messages
 the gateway dropped as it reads them. Queue length, running requests, speculation
-counters, each process's lifecycle state and dropped messages come from the
+counters, each process's lifecycle state, kernels and dropped messages come from the
 scheduler's InfoReply (the same message GetServerInfo and health use), fetched when
 /metrics is scraped: no second channel to the scheduler.
 """
@@ -77,12 +77,18 @@ class SchedulerCollector(Collector):
                                   labels=["process_id", "role", "state"])
         heartbeat = GaugeMetricFamily("specserve_process_heartbeat_age_seconds", "Since each process was last heard",
                                       labels=["process_id", "role"])
+        kernels = GaugeMetricFamily("specserve_process_kernels_info", "1, labelled with the kernels each process's model "
+                                    "runs on, as it said when READY (none for a process that runs no model)",
+                                    labels=["process_id", "role", "kernels"])
         for process in info.processes:
             for name in State:
                 state.add_metric([process.process_id, process.role, name.value], 1.0 if process.state == name.value else 0.0)
             heartbeat.add_metric([process.process_id, process.role], process.heartbeat_age_s)
+            if process.kernels:
+                kernels.add_metric([process.process_id, process.role, process.kernels], 1.0)
         yield state
         yield heartbeat
+        yield kernels
         yield from _kv_cache_metrics(info.processes)
         spec = info.speculation
         if spec is None:

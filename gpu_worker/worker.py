@@ -65,6 +65,9 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
     def ready_max_draft_tokens(self) -> int | None:
         return self._max_draft_tokens
 
+    def kernels(self) -> str:
+        return self._runner.ops if self._runner is not None else ""
+
     def handle(self, message: m.SchedulerToWorker) -> None:
         match message:
             case m.StepRequest():

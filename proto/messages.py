@@ -20,8 +20,9 @@ from proto.lifecycle import State
 
 # 2: target features for draft heads; 3: token trees; 4: a READY report may lower max_draft_tokens;
 # 5: lifecycle states typed, a step output names the draft nodes it accepted;
-# 6: a paged KV cache (a step names each sequence's pages; cached prompt tokens in usage).
-PROTOCOL_VERSION = 8
+# 6: a paged KV cache (a step names each sequence's pages; cached prompt tokens in usage);
+# 9: a READY report names the kernels its model runs on (a receiver refuses fields it does not know).
+PROTOCOL_VERSION = 9
 
 Role = Literal["target", "draft"]
 
@@ -127,6 +128,7 @@ class ProcessInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefix_cache_queried_tokens: int = 0  # prompt tokens looked up in its prefix cache since it was READY
     prefix_cache_hit_tokens: int = 0  # of those, found cached
     num_preemptions: int = 0  # sequences preempted (recomputed later) for lack of pages
+    kernels: str = ""  # which kernels its model runs on, as its READY report said ("": not READY yet, or no model)
 
 
 class SpeculationInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -323,6 +325,9 @@ class LifecycleReport(msgspec.Struct, tag="lifecycle", frozen=True, forbid_unkno
     # (modeling/invariance.py), so verification would not be lossless and it serves
     # without speculation. None: the hello's limit stands.
     max_draft_tokens: int | None = None
+    # With READY: which kernels its model runs on, as its model engine says ("native (linear
+    # kernel: avx2)", or "torch (...)" with the reason); "" when it runs no model (a lookup draft).
+    kernels: str = ""
 
 
 class WorkerFailed(msgspec.Struct, tag="failed", frozen=True, forbid_unknown_fields=True):

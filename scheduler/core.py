@@ -24,7 +24,7 @@ from scheduler.outbox import Outbox
 from scheduler.requests import RequestRejected, RequestStatus, RequestTable, token_problem
 from scheduler.speculation.link import DraftLink
 from scheduler.stepping import StepCycle, protocol_error
-from scheduler.workers import WorkerRecord, WorkerRegistry, hello_problem
+from scheduler.workers import MAX_KERNELS_CHARS, WorkerRecord, WorkerRegistry, hello_problem
 
 log = get_logger()
 
@@ -269,6 +269,8 @@ class SchedulerCore:
             self._lose_worker(worker, state, now_s)
             return True
         worker.move_to(state, now_s)
+        if state is State.READY:
+            worker.kernels = report.kernels[:MAX_KERNELS_CHARS]
         if state is State.READY and worker.is_target and report.max_draft_tokens is not None:
             worker.max_draft_tokens = max(0, min(worker.max_draft_tokens, report.max_draft_tokens))
             log.warning("worker.speculation_limited", worker_id=worker.worker_id, max_draft_tokens=worker.max_draft_tokens,

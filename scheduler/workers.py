@@ -42,6 +42,7 @@ class WorkerRecord:
     # A target's longest proposal per step: its hello's, lowered by its READY report (0: it
     # serves without speculation, its steps not being batch invariant).
     max_draft_tokens: int = 0
+    kernels: str = ""  # which kernels its model runs on, as its READY report said
     suspect_turn: bool = False  # the last step planned here ran a suspect request alone (stepping._step_candidates)
     failure: str = ""
 
@@ -122,6 +123,7 @@ class WorkerRecord:
             prefix_cache_queried_tokens=0 if pages is None else pages.counters.num_queried_tokens,
             prefix_cache_hit_tokens=0 if pages is None else pages.counters.num_hit_tokens,
             num_preemptions=self.num_preemptions,
+            kernels=self.kernels,
         )
 
 
@@ -131,6 +133,7 @@ MAX_SIZE = 1 << 24  # vocabulary, context length
 MAX_FEATURE_WIDTH = 1 << 16
 MAX_DRAFT_TOKENS = 64
 MAX_NAME_CHARS = 256
+MAX_KERNELS_CHARS = 1024  # a READY report's kernels beyond this are cut (they go into GetServerInfo and /metrics labels)
 # Incarnations are the process's start time in ns (common/lifecycle_process.py): one from further ahead than
 # this would outrank every honest restart for that long.
 MAX_INCARNATION_AHEAD_NS = 24 * 3600 * 10**9

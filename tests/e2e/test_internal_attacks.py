@@ -106,6 +106,7 @@ def test_hellos_and_reports_posing_as_a_worker_are_refused_and_the_real_worker_s
     before_output = fp32_stack.generate(greedy(PROMPT, 16)).token_ids
     before = _targets(fp32_stack)
     real = _target(fp32_stack)
+    assert "linear kernel" in real.kernels or real.kernels.startswith("torch ("), real.kernels  # as it said when READY
     gateway = _gateway(fp32_stack)
     impostor = RawPeer(fp32_stack, "worker")
     try:
@@ -131,6 +132,7 @@ def test_hellos_and_reports_posing_as_a_worker_are_refused_and_the_real_worker_s
         gateway.close()
     assert streamed == [before_output]
     assert _targets(fp32_stack) == before
+    assert _target(fp32_stack).kernels == real.kernels
     assert "evil" not in {p.process_id for p in fp32_stack.info().processes}
 
 

@@ -30,7 +30,8 @@ def test_chunks_count_tokens_first_token_latency_and_spread_gaps() -> None:
 def test_scheduler_figures_come_from_the_info_reply() -> None:
     info = m.InfoReply(1, "model", 2048, num_waiting=3, num_running=5, processes=[
         m.ProcessInfo("worker-0", "target", State.READY, 1, 0.2, 6, 8, 16, 5, "", num_cached_kv_pages=2,
-                      prefix_cache_queried_tokens=100, prefix_cache_hit_tokens=64, num_preemptions=3),
+                      prefix_cache_queried_tokens=100, prefix_cache_hit_tokens=64, num_preemptions=3,
+                      kernels="native (linear kernel: avx2)"),
         m.ProcessInfo("draft-0", "draft", State.FAILED, 1, 4.0, 0, 64, 16, 0, "LOADING: OSError"),
     ], speculation=m.SpeculationInfo(10, 4, 3, 20, 0.4, 4 / 3, {0: 20, 6: 3}))
     got = samples(GatewayMetrics().exposition(info))
@@ -42,6 +43,8 @@ def test_scheduler_figures_come_from_the_info_reply() -> None:
     assert got[("specserve_queue_length", ())] == 3 and got[("specserve_running_requests", ())] == 5
     assert got[("specserve_process_state", (("process_id", "draft-0"), ("role", "draft"), ("state", "FAILED")))] == 1
     assert got[("specserve_process_state", (("process_id", "draft-0"), ("role", "draft"), ("state", "READY")))] == 0
+    kernels = [(labels, value) for (name, labels), value in got.items() if name == "specserve_process_kernels_info"]
+    assert kernels == [((("kernels", "native (linear kernel: avx2)"), *worker, ("role", "target")), 1)]  # none for the draft
     assert got[("specserve_draft_tokens_total", ())] == 10 and got[("specserve_accepted_draft_tokens_total", ())] == 4
     assert got[("specserve_acceptance_rate", ())] == 0.4
     assert got[("specserve_speculation_decisions_total", (("k", "6"),))] == 3

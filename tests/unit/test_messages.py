@@ -28,7 +28,8 @@ SCHEDULER_TO_GATEWAY: list[msgspec.Struct] = [
     m.RequestError("r-2", "UNAVAILABLE", "no READY worker within 30.0 s (--no-worker-timeout-s)"),
     m.InfoReply(7, "SmolLM2-135M-Instruct", 2048, 1, 2, [
         m.ProcessInfo("w0", "target", State.READY, 3, 0.25, 2, 64, 16, 2, "", num_cached_kv_pages=1,
-                      prefix_cache_queried_tokens=40, prefix_cache_hit_tokens=32, num_preemptions=1),
+                      prefix_cache_queried_tokens=40, prefix_cache_hit_tokens=32, num_preemptions=1,
+                      kernels="native (linear kernel: avx2)"),
         m.ProcessInfo("w1", "target", "FAILED", 1, 9.5, 0, 64, 16, 0, "LOADING: OSError: no such file"),
     ]),
 ]
@@ -55,6 +56,7 @@ SCHEDULER_TO_DRAFT: list[msgspec.Struct] = [
 WORKER_TO_SCHEDULER: list[msgspec.Struct] = [
     m.WorkerHello("w0", "target", 2, m.PROTOCOL_VERSION, 4242, "SmolLM2-135M-Instruct", "fp-1", 49152, 2048, 4096, 16, "bfloat16", "cuda:0"),
     m.LifecycleReport("w0", 2, State.LOADING, State.STARTING, 0.125),
+    m.LifecycleReport("w0", 2, State.READY, State.WARMING, 2.5, max_draft_tokens=0, kernels="torch (turned off by SPECSERVE_NATIVE_OPS=0)"),
     m.WorkerFailed("w0", 2, State.LOADING, "OSError", "model.safetensors: no such file"),
     m.Heartbeat("w0", 2, State.READY, 3, 118),
     m.StepResult("w0", 2, 4, [m.SeqOutput("r-1", [42]), m.SeqOutput("r-2", [9, 8, 13], accepted_nodes=[0, 1])], 12.5),

@@ -15,6 +15,7 @@ import pytest
 from proto import messages as m
 from proto.lifecycle import State
 from scheduler.outbox import Outgoing
+from scheduler.workers import MAX_KERNELS_CHARS
 from tests.unit.scheduler_fakes import DEFAULT_TOKEN, EOS, GATEWAY, FakeWorker, Sim, assert_all_free, prompt
 
 
@@ -729,6 +730,26 @@ def test_info_lists_every_process_with_role_state_incarnation_and_failure() -> N
         m.ProcessInfo("w1", "target", "FAILED", 3, heartbeat_age_s=2.0, num_used_kv_pages=0, num_kv_pages=2,
                       kv_page_size=64, num_running=0, failure="LOADING: RuntimeError: out of memory"),
     ]
+
+
+def report_ready(worker: FakeWorker, kernels: str) -> bool:
+    """The READY report of a worker that has warmed up, naming the kernels its model runs on."""
+    worker.boot(State.WARMING)
+    worker.state = State.READY
+    return worker.send(m.LifecycleReport(worker.worker_id, worker.incarnation, State.READY, State.WARMING, 0.5, kernels=kernels))
+
+
+def test_info_names_the_kernels_each_incarnation_said_it_runs_on_when_ready() -> None:
+    sim = Sim()
+    first = sim.worker("w0")
+    assert first.hello() and report_ready(first, "native (linear kernel: avx2)")
+    assert sim.process("w0").kernels == "native (linear kernel: avx2)"
+    first.fail()
+    assert sim.process("w0").kernels == "native (linear kernel: avx2)"  # a FAILED process is listed as it was
+    back = sim.worker("w0", incarnation=2).start(until=State.WARMING)
+    assert sim.process("w0").kernels == ""  # a new incarnation names its kernels when READY
+    assert report_ready(back, "torch (" + "x" * 2 * MAX_KERNELS_CHARS + ")")
+    assert sim.process("w0").kernels == "torch (" + "x" * (MAX_KERNELS_CHARS - len("torch ("))  # cut
 
 
 def test_an_info_query_is_answered_to_the_gateway_that_asked() -> None:
