@@ -22,7 +22,6 @@ from modeling.llama import LlamaModel, head_parts, projection_parts
 from modeling.native import KernelUnavailable, native_ops
 from modeling.quantized import BLOCK_FORMATS, Blocks, GgufBlocks, block_panels, panel_rows
 
-PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _IN_PLACE_BLOCK_ELEMENTS = 1 << 20  # the scratch of in-place packing: a few MiB
 
 
