@@ -12,7 +12,7 @@ from common.draft_spec import DraftKind, DraftSpec
 from common.process_config import ProcessConfig
 from draft_service.defaults import HEAD_DRAFT_TOKENS
 from modeling.engine import DTYPES
-from modeling.quantized import QUANTIZATION_HELP, QuantizationError, gguf_blocks
+from modeling.quantized import QUANTIZATION_HELP, QuantizationError, weight_blocks
 
 PROPOSER_HELP = (
     "what proposes: 'ngram' (prompt lookup), 'model:PATH' (a draft model folder whose vocabulary matches the "
@@ -75,7 +75,7 @@ def from_arguments(args: argparse.Namespace) -> DraftConfig:
         raise ValueError(f"--quantization {args.quantization} is for a draft model (--proposer model:PATH), "
                          f"not --proposer {proposer.kind}: the choice for it is none")
     try:
-        gguf_blocks(proposer.path or Path("."), args.quantization)
+        weight_blocks(proposer.path or Path("."), args.quantization)
     except QuantizationError as exc:
         raise ValueError(str(exc)) from exc
     return DraftConfig(

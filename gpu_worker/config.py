@@ -11,7 +11,7 @@ from common import process_config
 from common.process_config import ProcessConfig
 from modeling.engine import DTYPES
 from modeling.kv_cache import DEFAULT_PAGE_SIZE
-from modeling.quantized import QUANTIZATION_HELP, QuantizationError, gguf_blocks
+from modeling.quantized import QUANTIZATION_HELP, QuantizationError, weight_blocks
 
 KV_MEMORY_HELP = (
     "GiB of memory for the KV cache (keys and values of every page). Default: a quarter of the memory available when "
@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def from_arguments(args: argparse.Namespace) -> WorkerConfig:
     """Raises ValueError naming the setting (a quantization the model cannot take among them)."""
     try:
-        gguf_blocks(args.model, args.quantization)
+        weight_blocks(args.model, args.quantization)
     except QuantizationError as exc:
         raise ValueError(str(exc)) from exc
     if problem := below_problem(args, ("max_model_len", "page_size", "max_num_seqs", "max_num_batched_tokens"), 1):

@@ -20,17 +20,19 @@ from gguf.quants import quantize
 
 from modeling.llama import LlamaModel, head_parts, projection_parts
 from modeling.native import KernelUnavailable, native_ops
-from modeling.quantized import BLOCK_FORMATS, Blocks, GgufBlocks, block_panels, panel_rows
+from modeling.quantized import BLOCK_FORMATS, Blocks, ChannelInt8, GgufBlocks, block_panels, panel_rows
 
 _IN_PLACE_BLOCK_ELEMENTS = 1 << 20  # the scratch of in-place packing: a few MiB
 
 
-def attach_native_ops(model: LlamaModel, dtype: torch.dtype, device: torch.device, blocks: GgufBlocks | None = None) -> str:
+def attach_native_ops(model: LlamaModel, dtype: torch.dtype, device: torch.device,
+                      blocks: GgufBlocks | ChannelInt8 | None = None) -> str:
     """Give a CPU float32 or bfloat16 model the native kernels, its linear weights packed for them.
 
     With `blocks`, every projection and LM head they hold in a block format the kernel reads
     is packed from its GGUF blocks instead (the model left those parameters unread: see
-    `served_by_blocks`). Returns which ops the model runs on, and why, for the owner's log.
+    `served_by_blocks`), or, for per-channel int8, from the blocks they quantize the loaded
+    parameter to. Returns which ops the model runs on, and why, for the owner's log.
     """
     if (unavailable := native_unavailable(dtype, device)) is not None:
         return f"torch ({unavailable})"
@@ -39,10 +41,11 @@ def attach_native_ops(model: LlamaModel, dtype: torch.dtype, device: torch.devic
     formats: dict[str, int] = {}
 
     def pack(weight: torch.Tensor, parts: list[str]) -> torch.nn.Parameter:
-        found = blocks.blocks(parts) if blocks is not None else None
+        found = blocks.blocks(parts, weight) if blocks is not None else None
         if found is None:
             return linear.pack(weight, in_place=True)
-        formats[found.format] = formats.get(found.format, 0) + 1
+        name = found.format if blocks is None or blocks.from_file else f"{blocks.quantization} per-channel"
+        formats[name] = formats.get(name, 0) + 1
         return linear.pack_blocks(found)
 
     with torch.no_grad():
@@ -82,8 +85,10 @@ def block_probe(linear: PackedLinear, format_name: str) -> Callable[[torch.Tenso
     return pack
 
 
-def served_by_blocks(model: LlamaModel, blocks: GgufBlocks) -> set[str]:
+def served_by_blocks(model: LlamaModel, blocks: GgufBlocks | ChannelInt8) -> set[str]:
     """The Hugging Face names of the weights `attach_native_ops` will pack from `blocks`: the model need not read them."""
+    if not blocks.from_file:
+        return set()
     groups = [parts for index in range(len(model.layers)) for parts in projection_parts(index).values()]
     groups.append(head_parts(model.config))
     return {name for parts in groups if blocks.format_of(parts) is not None for name in parts}

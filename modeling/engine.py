@@ -18,7 +18,7 @@ from modeling.cpu_kernels import PackedLinear, attach_native_ops, block_probe, n
 from modeling.invariance import linear_rows_problem
 from modeling.kv_cache import DEFAULT_PAGE_SIZE, KVCache, pages_for, slot_pages
 from modeling.llama import PROJECTION_PARTS, LlamaModel
-from modeling.quantized import gguf_blocks
+from modeling.quantized import weight_blocks
 
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -34,8 +34,9 @@ class ModelEngine:
                  page_size: int = DEFAULT_PAGE_SIZE, quantization: str = "none") -> None:
         """A cache of `num_pages` pages of `page_size` positions; sequences up to `max_len` positions.
 
-        `quantization` (modeling/quantized.py): "none", or which GGUF blocks of the folder's
-        file to serve as they are; load() raises QuantizationError if the model cannot take it.
+        `quantization` (modeling/quantized.py): "none", which GGUF blocks of the folder's file
+        to serve as they are, or "int8" per channel; load() raises QuantizationError if the model
+        cannot take it.
         """
         if page_size < 1 or num_pages * page_size < _SELF_CHECK_LEN:
             raise ValueError(f"{num_pages} KV pages of {page_size} positions are too few: the self-check needs {_SELF_CHECK_LEN}")
@@ -64,15 +65,15 @@ class ModelEngine:
         return slot_pages(slot, self.max_len, self.page_size)
 
     def load(self) -> None:
-        blocks = gguf_blocks(self._folder, self.quantization)
+        blocks = weight_blocks(self._folder, self.quantization)
         model = LlamaModel(self.config, self.dtype, self.device)
         unavailable = native_unavailable(self.dtype, self.device)
         skip = served_by_blocks(model, blocks) if blocks is not None and unavailable is None else set()
         model.load_weights(self._folder, skip)
-        self.ops = attach_native_ops(model, self.dtype, self.device, blocks if skip else None)
-        if blocks is not None and unavailable is not None:  # torch ops read the folder's dequantized weights
+        self.ops = attach_native_ops(model, self.dtype, self.device, blocks)
+        if blocks is not None and unavailable is not None:  # torch ops read the folder's (dequantized) weights
             self.ops += f"; --quantization {self.quantization} not applied: the weights are read dense"
-        if skip and isinstance(model.linear, PackedLinear):
+        if blocks is not None and isinstance(model.linear, PackedLinear):
             self._block_formats = model.linear.block_formats()
         model.set_rope_cache(self.max_len)
         model.eval()

@@ -1,4 +1,5 @@
-"""Weight-only quantized linears: a GGUF file's own blocks, served as they are by the CPU kernel.
+"""Weight-only quantized linears: a GGUF file's own blocks served as they are, or any model's weights as per-channel
+int8, both read by the CPU kernel.
 
 A model converted from a GGUF file keeps the file beside its conversion
 (modeling/gguf_convert.py). With `--quantization q4_1` (or q8_0) its projections are served
@@ -7,6 +8,11 @@ from that file's Q4_1 (Q8_0) blocks, and its other tensors of a block format the
 (csrc/linear.cpp) widens a block in registers to exactly the float32 values the conversion
 wrote into model.safetensors, so a float32 model computes the same bits from a fifth of the
 bytes, and no dequantized copy of a weight is ever held in memory.
+
+With `--quantization int8` any model's projections and LM head are quantized as it loads, one
+float16 scale per output channel (d = max |w| / 127, rounded up) and an int8 per weight
+(round(w / d)), and laid out as Q8_0 blocks that all carry their row's scale: the kernel widens
+them to d * q, the float32 weight they stand for, as it widens a GGUF file's Q8_0 blocks.
 
 Here: the choices, the check that a model can take one (before anything starts), the blocks
 of a fused projection under the transformers names, and their regrouping into the kernel's
@@ -29,10 +35,10 @@ from modeling.gguf_arch import ROPE_FREQS_TENSOR, architecture
 from modeling.gguf_convert import GGUF_FILE, hf_tensor_name, unpermute_rope_rows
 from modeling.gguf_metadata import GgufConversionError, GgufMetadata
 from modeling.llama import PROJECTION_PARTS
-from modeling.quantization import QUANTIZATION_HELP, QUANTIZATIONS
+from modeling.quantization import GGUF_QUANTIZATIONS, QUANTIZATION_HELP, QUANTIZATIONS
 
-__all__ = ["QUANTIZATIONS", "QUANTIZATION_HELP", "Blocks", "GgufBlocks", "QuantizationError", "block_panels",
-           "gguf_blocks", "panel_rows", "servable_quantization", "tensor_infos"]
+__all__ = ["QUANTIZATIONS", "QUANTIZATION_HELP", "Blocks", "ChannelInt8", "GgufBlocks", "QuantizationError",
+           "block_panels", "channel_int8_blocks", "panel_rows", "servable_quantization", "tensor_infos", "weight_blocks"]
 
 QUANT_BLOCK = 32  # inputs per GGUF block of the formats below
 # The block formats the kernel reads: GGUF type -> (name, bytes of one block of one output row).
@@ -47,14 +53,14 @@ class QuantizationError(ValueError):
 class Blocks:
     """One weight (or the rows of a fused one) as GGUF blocks: row r holds output r's `in_features / 32` blocks."""
 
-    format: str  # "q4_1" or "q8_0"
+    format: str  # "q4_1" or "q8_0": the kernel's block format
     rows: np.ndarray  # uint8 [out_features, in_features / 32 * block bytes]
     in_features: int
 
 
 def servable_quantization(folder: Path) -> str:
     """The quantization the model in `folder` can be served with from its own blocks ("none" if none)."""
-    for quantization in QUANTIZATIONS[1:]:
+    for quantization in GGUF_QUANTIZATIONS:
         try:
             GgufBlocks(folder, quantization)
         except QuantizationError:
@@ -63,13 +69,15 @@ def servable_quantization(folder: Path) -> str:
     return "none"
 
 
-def gguf_blocks(folder: Path, quantization: str) -> GgufBlocks | None:
-    """The blocks `quantization` serves the model in `folder` from (None for "none").
+def weight_blocks(folder: Path, quantization: str) -> GgufBlocks | ChannelInt8 | None:
+    """Where the blocks `quantization` serves the model in `folder` from come from (None for "none").
 
     Raises QuantizationError, naming the choices, for an unknown quantization or one the model cannot take.
     """
     if quantization not in QUANTIZATIONS:
         raise QuantizationError(f"--quantization {quantization!r} is not one of the choices: {', '.join(QUANTIZATIONS)}")
+    if quantization == "int8":
+        return ChannelInt8(folder)
     return None if quantization == "none" else GgufBlocks(folder, quantization)
 
 
@@ -78,6 +86,8 @@ class GgufBlocks:
 
     Made for one quantization; raises QuantizationError when the model cannot take it.
     """
+
+    from_file = True  # the blocks are the file's: the model need not read the dense weights they replace
 
     def __init__(self, folder: Path, quantization: str) -> None:
         self.quantization = quantization
@@ -111,8 +121,10 @@ class GgufBlocks:
         kind = types.pop() if len(types) == 1 else None
         return BLOCK_FORMATS[kind][0] if kind in BLOCK_FORMATS else None
 
-    def blocks(self, names: list[str]) -> Blocks | None:
-        """The named weights' blocks, stacked along rows; None unless all are in one block format the kernel reads."""
+    def blocks(self, names: list[str], weight: torch.Tensor | None = None) -> Blocks | None:
+        """The named weights' blocks, stacked along rows; None unless all are in one block format the kernel reads.
+
+        (`weight`, the fused parameter they replace, is left unread: see `from_file`.)"""
         if (format_name := self.format_of(names)) is None:
             return None
         infos = [self._tensors[name] for name in names]
@@ -126,6 +138,63 @@ class GgufBlocks:
         in_features = infos[0].shape[0]  # GGUF lists the inner dimension first
         return Blocks(format_name, np.ascontiguousarray(np.concatenate(parts) if len(parts) > 1 else parts[0]),
                       in_features)
+
+
+class ChannelInt8:
+    """Per-channel int8 blocks of a model's own weights, quantized from the dense parameters as it loads.
+
+    Raises QuantizationError when the model cannot take them: a hidden size that is not a whole
+    number of 32-input blocks. A weight whose inputs are not (none of a Llama whose hidden size
+    is, but for an odd intermediate size) stays dense.
+    """
+
+    quantization = "int8"
+    from_file = False  # quantized from the dense weights: the model reads them first
+
+    def __init__(self, folder: Path) -> None:
+        config = json.loads((folder / "config.json").read_text())
+        hidden = config.get("hidden_size")
+        if not isinstance(hidden, int) or hidden % QUANT_BLOCK:
+            raise QuantizationError(
+                f"--quantization int8 packs weights in blocks of {QUANT_BLOCK} inputs, and {folder}'s hidden_size is "
+                f"{hidden!r}: the choice for it is none")
+
+    def format_of(self, names: list[str]) -> str | None:
+        return "q8_0"
+
+    def blocks(self, names: list[str], weight: torch.Tensor | None = None) -> Blocks | None:
+        """The (fused) `weight` the named weights were read into, as per-channel int8 blocks; None if it cannot be."""
+        if weight is None or weight.shape[1] % QUANT_BLOCK:
+            return None
+        try:
+            return channel_int8_blocks(weight)
+        except QuantizationError as exc:
+            raise QuantizationError(f"{', '.join(names)}: {exc}") from exc
+
+
+def channel_int8_blocks(weight: torch.Tensor) -> Blocks:
+    """`[N, K]` (K a multiple of 32) -> one int8 per weight and one float16 scale per output row, as Q8_0 blocks.
+
+    d = max |w| / 127 as a float16, rounded up where rounding to nearest would leave some
+    |w| / d above 127; q = round(w / d). The kernel widens q to q * d exactly (a float16 times
+    an 8-bit integer is exact in float32), so every weight is off by at most d / 2.
+    """
+    values = weight.detach().float().cpu().numpy()
+    num_out, depth = values.shape
+    largest = np.abs(values).max(axis=1)
+    with np.errstate(over="ignore"):
+        scale = (largest / 127).astype(np.float16)
+    scale = np.where(scale.astype(np.float32) * 127 < largest, np.nextafter(scale, np.float16(np.inf)), scale)
+    if not np.isfinite(scale).all():
+        raise QuantizationError("a weight is not finite, or beyond float16's range times 127: it cannot be int8")
+    widened = scale.astype(np.float32)[:, None]
+    quotient = np.divide(values, widened, out=np.zeros_like(values), where=widened > 0)
+    quants = np.clip(np.rint(quotient), -127, 127).astype(np.int8)
+    num_blocks = depth // QUANT_BLOCK
+    rows = np.empty((num_out, num_blocks, 2 + QUANT_BLOCK), dtype=np.uint8)
+    rows[:, :, :2] = scale.view(np.uint8).reshape(num_out, 1, 2)
+    rows[:, :, 2:] = quants.view(np.uint8).reshape(num_out, num_blocks, QUANT_BLOCK)
+    return Blocks("q8_0", rows.reshape(num_out, -1), depth)
 
 
 @dataclass(frozen=True)

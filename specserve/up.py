@@ -57,7 +57,8 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: the faster one on this machine")
     parser.add_argument("--quantization", choices=("auto", *QUANTIZATIONS), default="auto",
                         help="q4_1 or q8_0: serve the model's own Q4_1 (the embedded default's) or Q8_0 GGUF blocks, "
-                             "widened inside the CPU kernel; none: its dense weights in --dtype; auto (default): the "
+                             "widened inside the CPU kernel; int8: any model's weights quantized as it loads, one "
+                             "scale per output channel; none: its dense weights in --dtype; auto (default): the "
                              "blocks on a CPU for a model that has them (faster at every batch size measured: "
                              "docs/benchmarks.md), else none")
     parser.add_argument("--draft-quantization", choices=("auto", *QUANTIZATIONS), default="auto",
@@ -211,12 +212,12 @@ def up_config(args: argparse.Namespace) -> UpConfig:
 
 def _quantization(chosen: str, flag: str, model: Path, device: str) -> str:
     """The quantization `chosen` names for `model` ("auto" decided); raises UpRefused for one it cannot take."""
-    from modeling.quantized import QuantizationError, gguf_blocks, servable_quantization
+    from modeling.quantized import QuantizationError, weight_blocks, servable_quantization
 
     if chosen == "auto":
         return servable_quantization(model) if device == "cpu" else "none"
     try:
-        gguf_blocks(model, chosen)
+        weight_blocks(model, chosen)
     except QuantizationError as exc:
         raise UpRefused(str(exc).replace("--quantization", flag)) from exc
     if chosen != "none" and device != "cpu":

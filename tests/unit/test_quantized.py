@@ -21,7 +21,7 @@ from modeling.engine import ModelEngine
 from modeling.gguf_convert import convert_gguf
 from modeling.invariance import linear_rows_problem
 from modeling.native import KernelUnavailable, native_ops
-from modeling.quantized import QUANTIZATIONS, Blocks, QuantizationError, gguf_blocks
+from modeling.quantized import QUANTIZATIONS, Blocks, QuantizationError, channel_int8_blocks, weight_blocks
 from specserve.cli import _build_parser
 from specserve.stack import StackAddresses, StackConfig, worker_spec
 from specserve.up import UpRefused, up_config
@@ -189,20 +189,83 @@ def test_embedded_model_q4_1_greedy_equals_its_float32_folder(ops: ModuleType, d
 
 def test_quantization_a_model_cannot_take_is_refused_naming_the_choices(
         tmp_path: Path, tiny_llama_folder: Path, q8_0_folder: Path) -> None:
-    with pytest.raises(QuantizationError, match="not one of the choices: none, q4_1, q8_0"):
-        gguf_blocks(tiny_llama_folder, "q4_0")
+    with pytest.raises(QuantizationError, match="not one of the choices: none, q4_1, q8_0, int8"):
+        weight_blocks(tiny_llama_folder, "q4_0")
     with pytest.raises(QuantizationError, match="holds no model.gguf .*the choice for it is none"):
-        gguf_blocks(tiny_llama_folder, "q4_1")
+        weight_blocks(tiny_llama_folder, "q4_1")
     mixed = convert_gguf(FAMILIES["llama"]().write(tmp_path / "mixed.gguf"), tmp_path / "mixed")
     with pytest.raises(QuantizationError, match="projections of .* are .*Q4_K.*Q8_0: the choices for it are none$"):
-        gguf_blocks(mixed, "q4_1")
+        weight_blocks(mixed, "q4_1")
     with pytest.raises(QuantizationError, match="serves a model's own Q4_1 blocks.*the choices for it are none, q8_0$"):
-        gguf_blocks(q8_0_folder, "q4_1")
-    assert gguf_blocks(mixed, "none") is None
+        weight_blocks(q8_0_folder, "q4_1")
+    assert weight_blocks(mixed, "none") is None
     with pytest.raises(QuantizationError):  # an engine refuses it before anything is built
         ModelEngine(mixed, ModelConfig.from_folder(mixed), device="cpu", dtype="float32", num_pages=8, max_len=32,
                     quantization="q4_1").load()
     assert QUANTIZATIONS[0] == "none"
+
+
+# ---------------------------------------------------------------- per-channel int8, for any model
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+def test_int8_blocks_are_one_scale_per_channel_within_half_a_step(ops: ModuleType, out_features: int, in_features: int) -> None:
+    generator = torch.Generator().manual_seed(out_features * in_features)
+    weight = torch.randn(out_features, in_features, generator=generator) * torch.rand(out_features, 1, generator=generator)
+    weight[out_features // 2] = 0  # an all-zero channel: a zero scale, zero quants
+    weight[0, 3] = 40.0  # an outlier sets its own channel's scale only
+    blocks = channel_int8_blocks(weight)
+    assert blocks.format == "q8_0" and blocks.rows.shape == (out_features, in_features // 32 * 34)
+    by_block = blocks.rows.reshape(out_features, in_features // 32, 34)
+    scales = by_block[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float32)  # [out, blocks]
+    assert (scales == scales[:, :1]).all()  # every block of a row carries the row's one scale
+    largest = weight.abs().amax(dim=1).numpy()
+    assert (scales[:, 0] * 127 >= largest).all() and scales[out_features // 2, 0] == 0
+    assert (by_block[:, :, 2:].view(np.int8) != -128).all()  # symmetric: -127..127
+    rows = torch.randn(9, in_features)
+    for path in ops.linear_paths():
+        linear = PackedLinear(ops, path)
+        packed = linear.pack_blocks(blocks)
+        widened = linear.rows(packed, torch.arange(out_features))
+        # Off by at most half a step of the channel's scale (and by rounding to float16 nothing more).
+        assert ((widened - weight).abs() <= torch.from_numpy(scales[:, :1]) / 2).all()
+        # The kernel sums over exactly those weights: the dense kernel's bits on them.
+        assert torch.equal(linear(rows, packed), linear(rows, linear.pack(widened))), path
+
+
+def test_int8_refuses_weights_it_cannot_hold() -> None:
+    with pytest.raises(QuantizationError, match="not finite"):
+        channel_int8_blocks(torch.tensor([[float("nan")] + [0.0] * 31]))
+    with pytest.raises(QuantizationError, match="not finite"):
+        channel_int8_blocks(torch.full((1, 32), 1e7))  # its scale would be beyond float16
+
+
+# The stated tolerance: int8 weights are off by up to 1/254 of their channel's largest, and the
+# tiny model's logits by up to this much of their own largest.
+INT8_LOGIT_TOLERANCE = 0.02
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiny_model_int8_logits_are_within_tolerance_of_its_float_weights(
+        ops: ModuleType, tiny_llama_folder: Path, dtype: str) -> None:
+    dense, served = engine(tiny_llama_folder, "float32", "none"), engine(tiny_llama_folder, dtype, "int8")
+    # Three layers of four fused projections, and the head, tied to the embeddings (read back out of its blocks).
+    assert served.ops.endswith("13 weights from int8 per-channel blocks)"), served.ops
+    assert served.linear_weight_bytes() < dense.linear_weight_bytes() * 0.3
+    assert served.self_check() is None
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79]
+    sequence = prompt + greedy(served, prompt, 12)[0]  # what it says, read back by both at every position
+    logits = served.forward([SeqSpan(tuple(range(8)), 0, sequence, len(sequence))]).float()
+    reference = dense.forward([SeqSpan(tuple(range(8)), 0, sequence, len(sequence))])
+    gap = float((logits - reference).abs().max())
+    assert gap <= INT8_LOGIT_TOLERANCE * float(reference.abs().max()), (gap, float(reference.abs().max()))
+    assert gap > 0  # it did serve the int8 weights, not the float ones
+
+
+def test_int8_is_refused_for_a_hidden_size_not_made_of_blocks(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"hidden_size": 72}')
+    with pytest.raises(QuantizationError, match="blocks of 32 inputs.*hidden_size is 72: the choice for it is none"):
+        weight_blocks(tmp_path, "int8")
 
 
 # ---------------------------------------------------------------- choosing it: `specserve up`, the worker, the draft
@@ -224,11 +287,12 @@ def test_up_refuses_a_quantization_before_anything_starts(
         tiny_llama_folder: Path, q8_0_folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         _build_parser().parse_args(["up", "--quantization", "q3_k"])
-    assert "invalid choice: 'q3_k' (choose from 'auto', 'none', 'q4_1', 'q8_0')" in capsys.readouterr().err
+    assert "invalid choice: 'q3_k' (choose from 'auto', 'none', 'q4_1', 'q8_0', 'int8')" in capsys.readouterr().err
     with pytest.raises(UpRefused, match="--quantization q4_1 serves a model's own GGUF blocks.*choice for it is none"):
         up_stack("--model", str(tiny_llama_folder), "--quantization", "q4_1")
     assert up_stack("--model", str(tiny_llama_folder)).quantization == "none"  # auto: it has no blocks
     assert up_stack("--model", str(q8_0_folder)).quantization == "q8_0"  # auto: its projections' own blocks
+    assert up_stack("--model", str(tiny_llama_folder), "--quantization", "int8").quantization == "int8"  # any folder
 
 
 def test_worker_and_draft_refuse_what_their_model_cannot_take(tiny_llama_folder: Path, q4_1_folder: Path) -> None:
@@ -242,15 +306,19 @@ def test_worker_and_draft_refuse_what_their_model_cannot_take(tiny_llama_folder:
         add(parser)
         return parser.parse_args([*argv, "--insecure-loopback"])
 
-    with pytest.raises(ValueError, match="not one of the choices: none, q4_1, q8_0"):
+    with pytest.raises(ValueError, match="not one of the choices: none, q4_1, q8_0, int8"):
         worker_config(parse(worker_arguments, "--model", str(q4_1_folder), "--quantization", "int4"))
     with pytest.raises(ValueError, match="holds no model.gguf"):
         worker_config(parse(worker_arguments, "--model", str(tiny_llama_folder), "--quantization", "q4_1"))
     assert worker_config(parse(worker_arguments, "--model", str(q4_1_folder), "--quantization", "q4_1")).quantization == "q4_1"
+    assert worker_config(parse(worker_arguments, "--model", str(tiny_llama_folder),
+                               "--quantization", "int8")).quantization == "int8"
     with pytest.raises(ValueError, match="is for a draft model"):
         draft_config(parse(draft_arguments, "--proposer", "ngram", "--quantization", "q4_1"))
     assert draft_config(parse(draft_arguments, "--proposer", f"model:{q4_1_folder}",
                               "--quantization", "q4_1")).quantization == "q4_1"
+    assert draft_config(parse(draft_arguments, "--proposer", f"model:{tiny_llama_folder}",
+                              "--quantization", "int8")).quantization == "int8"
 
 
 def test_tensor_infos_agree_with_gguf_reader(tmp_path: Path, default_model_dir: Path) -> None:
