@@ -2,7 +2,9 @@
 
 Applied to a built model (the model file stays plain): each projection weight and the
 LM head are packed once into the column panels of the native linear kernel
-(csrc/linear.cpp), and the model's `linear` becomes that kernel. Its rows, like those
+(csrc/linear.cpp), and the model's `linear` becomes that kernel, on whichever of the
+CPU's instruction-set paths a probe measured fastest for the model's shapes (they all give
+the same bits, so the choice changes only the speed). Its rows, like those
 of the other native ops, are computed exactly as they would be alone, whatever else is
 in the step: the property greedy speculation and concurrency-independent output rest on
 (modeling/invariance.py checks it at start-up).
@@ -11,18 +13,25 @@ in the step: the property greedy speculation and concurrency-independent output 
 from __future__ import annotations
 
 import functools
+import math
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from gguf.quants import quantize
 
+from modeling.config import ModelConfig
 from modeling.llama import LlamaModel, head_parts, projection_parts
 from modeling.native import KernelUnavailable, native_ops
 from modeling.quantized import BLOCK_FORMATS, Blocks, ChannelInt8, GgufBlocks, block_panels, panel_rows
 
 _IN_PLACE_BLOCK_ELEMENTS = 1 << 20  # the scratch of in-place packing: a few MiB
+# The path probe: a weight shaped like the model's MLP projections, capped at a few MiB, on the
+# row counts of a batch-1 decode step and of a batched one (the kernel's two kinds of tile).
+_PROBE_MAX_OUT, _PROBE_MAX_DEPTH, _PROBE_ROWS, _PROBE_REPEATS = 1024, 2048, (1, 16), 5
 
 
 def attach_native_ops(model: LlamaModel, dtype: torch.dtype, device: torch.device,
@@ -37,7 +46,9 @@ def attach_native_ops(model: LlamaModel, dtype: torch.dtype, device: torch.devic
     if (unavailable := native_unavailable(dtype, device)) is not None:
         return f"torch ({unavailable})"
     ops = native_ops()
-    linear = PackedLinear(ops)
+    block_format = blocks.format_of(projection_parts(0)["gate_up_proj"]) if blocks is not None else None
+    measured = measure_linear_paths(ops, model.config, dtype, block_format)
+    linear = PackedLinear(ops, measured.fastest)
     formats: dict[str, int] = {}
 
     def pack(weight: torch.Tensor, parts: list[str]) -> torch.nn.Parameter:
@@ -59,7 +70,62 @@ def attach_native_ops(model: LlamaModel, dtype: torch.dtype, device: torch.devic
     model.linear = linear
     model.native = ops
     served = ", ".join(f"{count} weights from {name} blocks" for name, count in sorted(formats.items()))
-    return f"native (linear kernel: {linear.path}{'; ' + served if served else ''})"
+    return f"native (linear kernel: {linear.path}, {measured}{'; ' + served if served else ''})"
+
+
+@dataclass(frozen=True)
+class PathTimings:
+    """Seconds of the path probe on each of this CPU's linear kernel paths, and on oneDNN for comparison."""
+
+    seconds: dict[str, float]
+    onednn: float
+
+    @property
+    def fastest(self) -> str:
+        return min(self.seconds, key=lambda path: self.seconds[path])
+
+    def __str__(self) -> str:  # e.g. "measured: avx2 0.41 ms, portable 3.2 ms; oneDNN 0.39 ms"
+        timings = ", ".join(f"{path} {_milliseconds(value)}" for path, value in self.seconds.items())
+        return f"measured: {timings}; oneDNN {_milliseconds(self.onednn)}"
+
+
+def measure_linear_paths(ops: ModuleType, config: ModelConfig, dtype: torch.dtype, block_format: str | None) -> PathTimings:
+    """Time each of this CPU's linear kernel paths on a probe shaped like the model's MLP weights, in its dtype or
+    block format (decode-step and batched row counts): the model runs on the fastest.
+
+    oneDNN (torch's linear, on the same weight dense) is timed for comparison only: its order of
+    summation depends on the number of rows, so it is never chosen (modeling/invariance.py).
+    """
+    out = min(_PROBE_MAX_OUT, config.intermediate_size)
+    depth = max(32, min(_PROBE_MAX_DEPTH, config.hidden_size) // 32 * 32)
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(out, depth, generator=generator) * 0.05).to(dtype)
+    rows = [torch.randn(count, depth, generator=generator).to(dtype) for count in _PROBE_ROWS]
+    seconds: dict[str, float] = {}
+    dense = weight
+    for path in ops.linear_paths():
+        linear = PackedLinear(ops, path)
+        packed = block_probe(linear, block_format)(weight) if block_format is not None else linear.pack(weight)
+        if block_format is not None:
+            dense = linear.rows(packed, torch.arange(out)).to(dtype)  # the weight as the blocks widen it
+        seconds[path] = sum(_best_seconds(functools.partial(linear, x, packed)) for x in rows)
+    return PathTimings(seconds, sum(_best_seconds(functools.partial(F.linear, x, dense)) for x in rows))
+
+
+def _best_seconds(run: Callable[[], object]) -> float:
+    """The fastest of a few runs of `run` after a first one (shared machines are noisy: the best run is the kernel's)."""
+    with torch.inference_mode():
+        run()
+        best = math.inf
+        for _ in range(_PROBE_REPEATS):
+            start = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _milliseconds(seconds: float) -> str:
+    return f"{seconds * 1e3:.2g} ms" if seconds < 1e-2 else f"{seconds * 1e3:.0f} ms"
 
 
 def native_unavailable(dtype: torch.dtype, device: torch.device) -> str | None:

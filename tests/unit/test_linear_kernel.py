@@ -8,12 +8,16 @@ knows and skips, saying so, those this CPU lacks (`portable` runs everywhere).
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from modeling.cpu_kernels import PackedLinear
+from modeling.config import ModelConfig
+from modeling.cpu_kernels import PackedLinear, attach_native_ops, measure_linear_paths
+from modeling.llama import LlamaModel
 from modeling.invariance import linear_rows_problem
 from modeling.native import SWITCH_ENV, native_ops
 
@@ -98,6 +102,27 @@ def test_the_default_path_is_the_fastest_this_cpu_has(ops) -> None:  # type: ign
     paths = list(ops.linear_paths())
     assert paths[-1] == "portable" and set(paths) <= set(ALL_PATHS)
     assert PackedLinear(ops).path == paths[0]
+
+
+@pytest.mark.parametrize(("dtype", "block_format"), [(torch.float32, None), (torch.bfloat16, None),
+                                                     (torch.float32, "q4_1"), (torch.bfloat16, "q8_0")])
+def test_a_model_runs_on_the_path_measured_fastest(ops, tiny_llama_folder: Path, dtype: torch.dtype,  # type: ignore[no-untyped-def]
+                                                   block_format: str | None) -> None:
+    config = ModelConfig.from_folder(tiny_llama_folder)
+    timings = measure_linear_paths(ops, config, dtype, block_format)
+    assert list(timings.seconds) == list(ops.linear_paths())  # every path this CPU has, each timed
+    assert all(seconds > 0 for seconds in [*timings.seconds.values(), timings.onednn])
+    assert timings.seconds[timings.fastest] == min(timings.seconds.values())
+    said = str(timings)
+    assert said.startswith("measured: ") and all(path in said for path in timings.seconds) and "; oneDNN " in said
+    # A model says which path it runs on, and what the probe measured to choose it.
+    model = LlamaModel(config, dtype, torch.device("cpu"))
+    model.load_weights(tiny_llama_folder)
+    ops_said = attach_native_ops(model, dtype, torch.device("cpu"))
+    chosen = re.match(r"native \(linear kernel: (\w+), measured: (.+); oneDNN", ops_said)
+    assert chosen and isinstance(model.linear, PackedLinear) and model.linear.path == chosen.group(1), ops_said
+    measured = {path: float(ms) for path, ms in re.findall(r"(\w+) ([\d.e+-]+) ms", chosen.group(2))}
+    assert measured[chosen.group(1)] == min(measured.values()), ops_said
 
 
 def test_the_start_up_probe_passes_here_and_catches_a_kernel_that_depends_on_the_rows(ops) -> None:  # type: ignore[no-untyped-def]
