@@ -176,11 +176,12 @@ struct Q4_1Block {
         d{vload_half(block), vload_half(block + 2 * kLanes)},
         m{vload_half(block + 2 * kPanel), vload_half(block + 2 * kPanel + 2 * kLanes)} {}
   void load(int64_t i, Vec* w) const {
-    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i * (kPanel / 2)));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i low = _mm_and_si128(bytes, mask), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    w[0] = _mm256_add_ps(_mm256_mul_ps(d[0], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low))), m[0]);
-    w[1] = _mm256_add_ps(_mm256_mul_ps(d[1], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high))), m[1]);
+    // The 8 bytes widened once to 8 lanes of 32 bits: output j's quant is the low nibble of lane j,
+    // output j + 8's the rest of it (one widening shuffle for both halves, not one each).
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i * (kPanel / 2))));
+    const __m256i low = _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F)), high = _mm256_srli_epi32(bytes, 4);
+    w[0] = _mm256_add_ps(_mm256_mul_ps(d[0], _mm256_cvtepi32_ps(low)), m[0]);
+    w[1] = _mm256_add_ps(_mm256_mul_ps(d[1], _mm256_cvtepi32_ps(high)), m[1]);
   }
 };
 struct Q8_0Block {
@@ -190,9 +191,10 @@ struct Q8_0Block {
   Q8_0Block() = default;
   explicit Q8_0Block(const uint8_t* block) : q(block + 2 * kPanel), d{vload_half(block), vload_half(block + 2 * kLanes)} {}
   void load(int64_t i, Vec* w) const {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i * kPanel));
-    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), d[0]);
-    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))), d[1]);
+    const uint8_t* at = q + i * kPanel;  // each half of the 16 widened straight from memory
+    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at)))), d[0]);
+    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at + 8)))),
+                         d[1]);
   }
 };
 #include "linear_tiles.h"
