@@ -21,12 +21,13 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from modeling.config import ModelConfig
 from modeling.llama import LlamaModel, head_parts, projection_parts
 from modeling.native import KernelUnavailable, native_ops
-from modeling.quantized import BLOCK_FORMATS, Blocks, ChannelInt8, GgufBlocks, block_panels, panel_rows
+from modeling.quantized import BLOCK_FORMATS, Blocks, ChannelInt8, GgufBlocks, block_panels, panel_rows, q4_1_as_q4_k
 
 _IN_PLACE_BLOCK_ELEMENTS = 1 << 20  # the scratch of in-place packing: a few MiB
 # The path probe: a weight shaped like the model's MLP projections, capped at a few MiB, on the
@@ -145,6 +146,10 @@ def block_probe(linear: PackedLinear, format_name: str) -> Callable[[torch.Tenso
     kind = next(kind for kind, (name, _) in BLOCK_FORMATS.items() if name == format_name)
 
     def pack(weight: torch.Tensor) -> torch.Tensor:
+        if kind == GGMLQuantizationType.Q4_K:  # gguf has no Q4_K quantizer: Q4_1's blocks, their scales widened
+            return linear.pack_blocks(Blocks(format_name, q4_1_as_q4_k(quantize(weight.float().cpu().numpy(),
+                                                                                 GGMLQuantizationType.Q4_1)),
+                                             weight.shape[1]))
         rows = quantize(weight.float().cpu().numpy(), kind)
         return linear.pack_blocks(Blocks(format_name, rows, weight.shape[1]))
 

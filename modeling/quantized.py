@@ -4,7 +4,10 @@ int8, both read by the CPU kernel.
 A model converted from a GGUF file keeps the file beside its conversion
 (modeling/gguf_convert.py). With `--quantization q4_1` (or q8_0) its projections are served
 from that file's Q4_1 (Q8_0) blocks, and its other tensors of a block format the kernel reads
-(Q8_0: the embedded model's token embeddings, which are also its tied LM head) from theirs. The kernel
+(Q8_0: the embedded model's token embeddings, which are also its tied LM head) from theirs. A Q4_K file's
+super-blocks (256 inputs: float16 d and dmin, eight 6-bit scales and mins, 4-bit quants) are
+regrouped into sub-blocks of 32 with float32 scales d * scale and -(dmin * min), the
+products gguf's dequantization rounds to float32, so they take Q4_1's layout. The kernel
 (csrc/linear.cpp) widens a block in registers to exactly the float32 values the conversion
 wrote into model.safetensors, so a float32 model computes the same bits from a fifth of the
 bytes, and no dequantized copy of a weight is ever held in memory.
@@ -38,11 +41,16 @@ from modeling.llama import PROJECTION_PARTS
 from modeling.quantization import GGUF_QUANTIZATIONS, QUANTIZATION_HELP, QUANTIZATIONS
 
 __all__ = ["QUANTIZATIONS", "QUANTIZATION_HELP", "Blocks", "ChannelInt8", "GgufBlocks", "QuantizationError",
-           "block_panels", "channel_int8_blocks", "panel_rows", "servable_quantization", "tensor_infos", "weight_blocks"]
+           "block_panels", "channel_int8_blocks", "panel_rows", "q4_k_sub_blocks", "servable_quantization",
+           "tensor_infos", "weight_blocks"]
 
-QUANT_BLOCK = 32  # inputs per GGUF block of the formats below
-# The block formats the kernel reads: GGUF type -> (name, bytes of one block of one output row).
-BLOCK_FORMATS = {GGMLQuantizationType.Q4_1: ("q4_1", 20), GGMLQuantizationType.Q8_0: ("q8_0", 34)}
+QUANT_BLOCK = 32  # inputs per block of the kernel's formats (Q4_K: its sub-blocks)
+# The block formats the kernel reads: GGUF type -> (name, bytes per 32 inputs of one output row in the file).
+BLOCK_FORMATS = {GGMLQuantizationType.Q4_1: ("q4_1", 20), GGMLQuantizationType.Q8_0: ("q8_0", 34),
+                 GGMLQuantizationType.Q4_K: ("q4_k", 18)}
+# Bytes of each scale in the kernel's layout of a format (Q4_K's sub-block scales are float32 products).
+SCALE_BYTES = {"q4_1": 2, "q8_0": 2, "q4_k": 4}
+_Q4_K_BYTES, _Q4_K_INPUTS = 144, 256  # one Q4_K super-block: d, dmin, 12 bytes of scales and mins, 128 of quants
 
 
 class QuantizationError(ValueError):
@@ -53,19 +61,19 @@ class QuantizationError(ValueError):
 class Blocks:
     """One weight (or the rows of a fused one) as GGUF blocks: row r holds output r's `in_features / 32` blocks."""
 
-    format: str  # "q4_1" or "q8_0": the kernel's block format
-    rows: np.ndarray  # uint8 [out_features, in_features / 32 * block bytes]
+    format: str  # "q4_1", "q8_0" or "q4_k": the kernel's block format
+    rows: np.ndarray  # uint8 [out_features, in_features / 32 * block bytes] (q4_k: `q4_k_sub_blocks`' layout)
     in_features: int
 
 
 def servable_quantization(folder: Path) -> str:
-    """The quantization the model in `folder` can be served with from its own blocks ("none" if none)."""
+    """The format all the projections of the model in `folder` are in, if the kernel reads it; else "none"."""
     for quantization in GGUF_QUANTIZATIONS:
         try:
-            GgufBlocks(folder, quantization)
+            if GgufBlocks(folder, quantization).complete:
+                return quantization
         except QuantizationError:
             continue
-        return quantization
     return "none"
 
 
@@ -84,7 +92,9 @@ def weight_blocks(folder: Path, quantization: str) -> GgufBlocks | ChannelInt8 |
 class GgufBlocks:
     """The block-quantized tensors of a converted folder's GGUF file, under their transformers names.
 
-    Made for one quantization; raises QuantizationError when the model cannot take it.
+    Made for one quantization, a format some of the projections are in; raises QuantizationError
+    when none is. Every tensor in a format the kernel reads is served from its blocks, the rest
+    dense (`complete`: all projections are in the named format).
     """
 
     from_file = True  # the blocks are the file's: the model need not read the dense weights they replace
@@ -108,8 +118,9 @@ class GgufBlocks:
                          for info in infos if info.name != ROPE_FREQS_TENSOR}
         projections = [name for name in self._tensors if name.endswith(tuple(sum(PROJECTION_PARTS.values(), ())))]
         kinds = {self._tensors[name].kind for name in projections}
-        servable = [BLOCK_FORMATS[kind][0] for kind in kinds if len(kinds) == 1 and kind in BLOCK_FORMATS]
-        if servable != [quantization]:
+        servable = sorted(BLOCK_FORMATS[kind][0] for kind in kinds if kind in BLOCK_FORMATS)
+        self.complete = servable == [quantization] and len(kinds) == 1
+        if quantization not in servable:
             raise QuantizationError(
                 f"--quantization {quantization} serves a model's own {quantization.upper()} blocks, and the "
                 f"projections of {path} are {', '.join(sorted(kind.name for kind in kinds)) or 'not there'}: the "
@@ -134,10 +145,42 @@ class GgufBlocks:
             leaf = name.rsplit(".", 2)[-2]
             if self._permuted and leaf in self._heads:
                 rows = unpermute_rope_rows(rows, self._heads[leaf])  # whole rows move: their blocks with them
-            parts.append(rows)
+            parts.append(q4_k_sub_blocks(rows) if info.kind == GGMLQuantizationType.Q4_K else rows)
         in_features = infos[0].shape[0]  # GGUF lists the inner dimension first
         return Blocks(format_name, np.ascontiguousarray(np.concatenate(parts) if len(parts) > 1 else parts[0]),
                       in_features)
+
+
+def q4_k_sub_blocks(rows: np.ndarray) -> np.ndarray:
+    """Q4_K rows `[N, K / 256 * 144]` -> the kernel's `q4_k` rows `[N, K / 32 * 24]`: for each sub-block of 32
+    inputs, float32 d * scale, float32 -(dmin * min), then the 32 quants as Q4_1 packs them (byte j: input j in
+    its low nibble, input j + 16 in its high one). d * scale * q - dmin * min is then Q4_1's d * q + m, each
+    operation rounded as gguf's dequantization rounds it."""
+    num_rows = rows.shape[0]
+    blocks = rows.reshape(-1, _Q4_K_BYTES)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [B, 1]
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    packed_scales = blocks[:, 4:16].reshape(-1, 3, 4)  # 6-bit scales and mins of the 8 sub-blocks, packed
+    low, high, rest = packed_scales[:, 0], packed_scales[:, 1], packed_scales[:, 2]
+    scales = np.concatenate([low & 0x3F, (rest & 0x0F) | ((low >> 2) & 0x30)], axis=-1).astype(np.float32)  # [B, 8]
+    mins = np.concatenate([high & 0x3F, (rest >> 4) | ((high >> 2) & 0x30)], axis=-1).astype(np.float32)
+    shifted = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    quants = (shifted & 0x0F).astype(np.uint8).reshape(-1, 8, 32)  # sub-block 2g: bytes 32g..32g+31's low nibbles, 2g+1: high
+    out = np.empty((blocks.shape[0], 8, 24), dtype=np.uint8)
+    out[..., 0:4] = (d * scales).astype("<f4").view(np.uint8).reshape(-1, 8, 4)
+    out[..., 4:8] = (-(dmin * mins)).astype("<f4").view(np.uint8).reshape(-1, 8, 4)
+    out[..., 8:] = quants[..., :16] | (quants[..., 16:] << 4)
+    return out.reshape(num_rows, -1)
+
+
+def q4_1_as_q4_k(rows: np.ndarray) -> np.ndarray:
+    """Q4_1 rows -> the kernel's `q4_k` rows of the same weights (float16 scales widened to float32, exactly)."""
+    blocks = rows.reshape(rows.shape[0], -1, 20)
+    out = np.empty((*blocks.shape[:2], 24), dtype=np.uint8)
+    for at, scale in ((0, blocks[..., 0:2]), (4, blocks[..., 2:4])):
+        out[..., at : at + 4] = scale.copy().view(np.float16).astype("<f4").view(np.uint8)
+    out[..., 8:] = blocks[..., 4:]
+    return out.reshape(rows.shape[0], -1)
 
 
 class ChannelInt8:
@@ -292,12 +335,13 @@ def block_panels(blocks: Blocks, panel: int) -> torch.Tensor:
     raw = np.zeros((num_panels * panel, num_blocks, blocks.rows.shape[1] // num_blocks), dtype=np.uint8)
     raw[:num_out] = blocks.rows.reshape(num_out, num_blocks, -1)
     by_panel = raw.reshape(num_panels, panel, num_blocks, -1).transpose(0, 2, 1, 3)  # [P, blocks, panel, bytes]
+    width = SCALE_BYTES[blocks.format]
     if blocks.format == "q8_0":
         scales = by_panel[..., :2]  # d
         quants = by_panel[..., 2:].transpose(0, 1, 3, 2)  # [P, blocks, 32, panel]
-    else:  # q4_1: d, m, then 16 bytes: input j's quant in byte j's low nibble, input j + 16's in its high one
-        scales = np.concatenate([by_panel[..., 0:2], by_panel[..., 2:4]], axis=2)  # [P, blocks, 2 * panel, 2]
-        packed = by_panel[..., 4:]
+    else:  # q4_1, q4_k: d, m, then 16 bytes: input j's quant in byte j's low nibble, input j + 16's in its high one
+        scales = np.concatenate([by_panel[..., 0:width], by_panel[..., width : 2 * width]], axis=2)  # [P, blocks, 2 * panel, width]
+        packed = by_panel[..., 2 * width :]
         values = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).transpose(0, 1, 3, 2)  # [P, blocks, 32, panel]
         half = panel // 2
         quants = values[..., :half] | (values[..., half:] << 4)
@@ -315,14 +359,16 @@ def panel_rows(packed: torch.Tensor, format_name: str, panel: int, ids: torch.Te
     def per_lane(values: torch.Tensor) -> torch.Tensor:  # [n, blocks, lanes ...] -> the id's own lane
         return values.gather(2, lane.expand(n, num_blocks, 1)).squeeze(2)
 
-    d = per_lane(chosen[..., : 2 * panel].contiguous().view(torch.float16)).float()
+    width = SCALE_BYTES[format_name]
+    scale_type = torch.float16 if width == 2 else torch.float32
+    d = per_lane(chosen[..., : width * panel].contiguous().view(scale_type)).float()
     if format_name == "q8_0":
         quants = chosen[..., 2 * panel :].contiguous().view(torch.int8).view(n, num_blocks, QUANT_BLOCK, panel)
         picked = quants.gather(3, lane.unsqueeze(-1).expand(n, num_blocks, QUANT_BLOCK, 1)).squeeze(3)
         return (picked.float() * d.unsqueeze(-1)).reshape(n, -1)
-    m = per_lane(chosen[..., 2 * panel : 4 * panel].contiguous().view(torch.float16)).float()
+    m = per_lane(chosen[..., width * panel : 2 * width * panel].contiguous().view(scale_type)).float()
     half = panel // 2
-    nibbles = chosen[..., 4 * panel :].reshape(n, num_blocks, QUANT_BLOCK, half)
+    nibbles = chosen[..., 2 * width * panel :].reshape(n, num_blocks, QUANT_BLOCK, half)
     byte = nibbles.gather(3, (lane % half).unsqueeze(-1).expand(n, num_blocks, QUANT_BLOCK, 1)).squeeze(3)
     quants = torch.where((lane >= half).view(-1, 1, 1), byte >> 4, byte & 0x0F)
     return (d.unsqueeze(-1) * quants.float() + m.unsqueeze(-1)).reshape(n, -1)

@@ -56,10 +56,10 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                              "name (write ./NAME)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: the faster one on this machine")
     parser.add_argument("--quantization", choices=("auto", *QUANTIZATIONS), default="auto",
-                        help="q4_1 or q8_0: serve the model's own Q4_1 (the embedded default's) or Q8_0 GGUF blocks, "
-                             "widened inside the CPU kernel; int8: any model's weights quantized as it loads, one "
+                        help="q4_1, q8_0 or q4_k: serve the model's own Q4_1 (the embedded default's), Q8_0 or Q4_K "
+                             "GGUF blocks, widened inside the CPU kernel; int8: any model's weights quantized as it loads, one "
                              "scale per output channel; none: its dense weights in --dtype; auto (default): the "
-                             "blocks on a CPU for a model that has them (faster at every batch size measured: "
+                             "blocks on a CPU for a model whose projections all have them (faster at every batch size measured: "
                              "docs/benchmarks.md), else none")
     parser.add_argument("--draft-quantization", choices=("auto", *QUANTIZATIONS), default="auto",
                         help="the same for a draft model (--draft model:PATH)")

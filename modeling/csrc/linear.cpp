@@ -17,9 +17,11 @@
 // output each), regrouped by modeling/cpu_kernels.py into panels of blocks: for panel p and
 // block b, the kPanel outputs' float16 scales (d, then m for Q4_1) followed by their quants
 // for each of the block's 32 k, [k][kPanel] (Q8_0: one int8 each; Q4_1: 8 bytes, byte j
-// holding output j in its low nibble and output j + 8 in its high one). They are widened as
-// they are loaded, in registers, to the float32 values gguf's dequantization gives, d * q + m
-// with each operation rounded (Q8_0: q * d), so a row's sums are those of the dense float32
+// holding output j in its low nibble and output j + 8 in its high one). Q4_K's sub-blocks of
+// 32 take Q4_1's layout with float32 scales: d * sc and -(dmin * m), products gguf rounds to
+// float32 (modeling/quantized.py computes them as it regroups). They are widened as they are
+// loaded, in registers, to the float32 values gguf's dequantization gives, d * q + m with
+// each operation rounded (Q8_0: q * d), so a row's sums are those of the dense float32
 // weights, bit for bit; no dequantized copy of a weight is ever held in memory.
 //
 // One build holds the tiles for every instruction set (AVX512F, AVX2 with FMA, and plain
@@ -49,11 +51,13 @@ constexpr int kPanel = 16;         // outputs per packed column panel
 constexpr int64_t kDepthBlock = 256;  // k per pass over the rows: a float32 panel's block is 16 KiB
 constexpr int64_t kQuantBlock = 32;   // k per GGUF block (Q4_1, Q8_0)
 
-enum class WeightFormat { kFloat32, kBFloat16, kQ4_1, kQ8_0 };
+enum class WeightFormat { kFloat32, kBFloat16, kQ4_1, kQ8_0, kQ4_K };
 
 // Bytes of one panel's block of kQuantBlock k: its scales, then its quants.
-constexpr int64_t kQ4_1Bytes = 2 * 2 * kPanel + kQuantBlock * kPanel / 2;  // 320
-constexpr int64_t kQ8_0Bytes = 2 * kPanel + kQuantBlock * kPanel;          // 544
+constexpr int64_t q4_bytes(int scale_bytes) { return 2 * scale_bytes * kPanel + kQuantBlock * kPanel / 2; }
+constexpr int64_t kQ4_1Bytes = q4_bytes(2);                        // 320: float16 d and m
+constexpr int64_t kQ4_KBytes = q4_bytes(4);                        // 384: float32 d and m
+constexpr int64_t kQ8_0Bytes = 2 * kPanel + kQuantBlock * kPanel;  // 544
 
 // An IEEE float16 (a GGUF scale) as float32, exactly.
 inline float half_to_float(uint16_t h) {
@@ -120,12 +124,21 @@ inline Vec vload(const c10::BFloat16* p) {
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline Vec vload_half(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-struct Q4_1Block {
-  static constexpr int64_t kBytes = kQ4_1Bytes;
+template <int kScaleBytes>
+inline Vec vload_scales(const uint8_t* p) {
+  if constexpr (kScaleBytes == 2) return vload_half(p);
+  return vload(reinterpret_cast<const float*>(p));
+}
+template <int kScaleBytes>  // 2: Q4_1's float16 scales; 4: Q4_K's sub-blocks, float32
+struct Q4Block {
+  static constexpr int64_t kBytes = q4_bytes(kScaleBytes);
   const uint8_t* q;
   Vec d, m;
-  Q4_1Block() = default;
-  explicit Q4_1Block(const uint8_t* block) : q(block + 4 * kPanel), d(vload_half(block)), m(vload_half(block + 2 * kPanel)) {}
+  Q4Block() = default;
+  explicit Q4Block(const uint8_t* block)
+      : q(block + 2 * kScaleBytes * kPanel),
+        d(vload_scales<kScaleBytes>(block)),
+        m(vload_scales<kScaleBytes>(block + kScaleBytes * kPanel)) {}
   void load(int64_t i, Vec* w) const {
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i * (kPanel / 2)));
     const __m128i mask = _mm_set1_epi8(0x0F);
@@ -134,6 +147,8 @@ struct Q4_1Block {
     w[0] = _mm512_add_ps(_mm512_mul_ps(d, quants), m);
   }
 };
+using Q4_1Block = Q4Block<2>;
+using Q4_KBlock = Q4Block<4>;
 struct Q8_0Block {
   static constexpr int64_t kBytes = kQ8_0Bytes;
   const uint8_t* q;
@@ -166,15 +181,22 @@ inline Vec vload(const c10::BFloat16* p) {
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec vload_half(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-struct Q4_1Block {
-  static constexpr int64_t kBytes = kQ4_1Bytes;
+template <int kScaleBytes>
+inline Vec vload_scales(const uint8_t* p) {
+  if constexpr (kScaleBytes == 2) return vload_half(p);
+  return vload(reinterpret_cast<const float*>(p));
+}
+template <int kScaleBytes>  // 2: Q4_1's float16 scales; 4: Q4_K's sub-blocks, float32
+struct Q4Block {
+  static constexpr int64_t kBytes = q4_bytes(kScaleBytes);
   const uint8_t* q;
   Vec d[2], m[2];
-  Q4_1Block() = default;
-  explicit Q4_1Block(const uint8_t* block)
-      : q(block + 4 * kPanel),
-        d{vload_half(block), vload_half(block + 2 * kLanes)},
-        m{vload_half(block + 2 * kPanel), vload_half(block + 2 * kPanel + 2 * kLanes)} {}
+  Q4Block() = default;
+  explicit Q4Block(const uint8_t* block)
+      : q(block + 2 * kScaleBytes * kPanel),
+        d{vload_scales<kScaleBytes>(block), vload_scales<kScaleBytes>(block + kScaleBytes * kLanes)},
+        m{vload_scales<kScaleBytes>(block + kScaleBytes * kPanel),
+          vload_scales<kScaleBytes>(block + kScaleBytes * (kPanel + kLanes))} {}
   void load(int64_t i, Vec* w) const {
     // The 8 bytes widened once to 8 lanes of 32 bits: output j's quant is the low nibble of lane j,
     // output j + 8's the rest of it (one widening shuffle for both halves, not one each).
@@ -184,6 +206,8 @@ struct Q4_1Block {
     w[1] = _mm256_add_ps(_mm256_mul_ps(d[1], _mm256_cvtepi32_ps(high)), m[1]);
   }
 };
+using Q4_1Block = Q4Block<2>;
+using Q4_KBlock = Q4Block<4>;
 struct Q8_0Block {
   static constexpr int64_t kBytes = kQ8_0Bytes;
   const uint8_t* q;
@@ -240,15 +264,22 @@ inline Vec vload_half(const uint8_t* p) {
   }
   return out;
 }
-struct Q4_1Block {
-  static constexpr int64_t kBytes = kQ4_1Bytes;
+template <int kScaleBytes>
+inline Vec vload_scales(const uint8_t* p) {
+  if constexpr (kScaleBytes == 2) return vload_half(p);
+  return vload(reinterpret_cast<const float*>(p));  // memcpy: any alignment
+}
+template <int kScaleBytes>  // 2: Q4_1's float16 scales; 4: Q4_K's sub-blocks, float32
+struct Q4Block {
+  static constexpr int64_t kBytes = q4_bytes(kScaleBytes);
   const uint8_t* q;
   Vec d[2], m[2];
-  Q4_1Block() = default;
-  explicit Q4_1Block(const uint8_t* block)
-      : q(block + 4 * kPanel),
-        d{vload_half(block), vload_half(block + 2 * kLanes)},
-        m{vload_half(block + 2 * kPanel), vload_half(block + 2 * kPanel + 2 * kLanes)} {}
+  Q4Block() = default;
+  explicit Q4Block(const uint8_t* block)
+      : q(block + 2 * kScaleBytes * kPanel),
+        d{vload_scales<kScaleBytes>(block), vload_scales<kScaleBytes>(block + kScaleBytes * kLanes)},
+        m{vload_scales<kScaleBytes>(block + kScaleBytes * kPanel),
+          vload_scales<kScaleBytes>(block + kScaleBytes * (kPanel + kLanes))} {}
   void load(int64_t i, Vec* w) const {
     for (int l = 0; l < kLanes; ++l) {
       const uint8_t byte = q[i * (kPanel / 2) + l];
@@ -259,6 +290,8 @@ struct Q4_1Block {
     }
   }
 };
+using Q4_1Block = Q4Block<2>;
+using Q4_KBlock = Q4Block<4>;
 struct Q8_0Block {
   static constexpr int64_t kBytes = kQ8_0Bytes;
   const uint8_t* q;
@@ -362,10 +395,26 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t num_out
   return linear_any(x, format, packed.data_ptr(), num_out, bias, path);
 }
 
+namespace {
+
+WeightFormat block_format(const std::string& format) {
+  if (format == "q4_1") return WeightFormat::kQ4_1;
+  if (format == "q8_0") return WeightFormat::kQ8_0;
+  if (format == "q4_k") return WeightFormat::kQ4_K;
+  TORCH_CHECK(false, "no block format ", format, " (the kernel's: q4_1, q8_0, q4_k)");
+}
+
+}  // namespace
+
 int64_t linear_block_bytes(const std::string& format) {
-  if (format == "q4_1") return kQ4_1Bytes;
-  if (format == "q8_0") return kQ8_0Bytes;
-  TORCH_CHECK(false, "no block format ", format, " (the kernel's: q4_1, q8_0)");
+  switch (block_format(format)) {
+    case WeightFormat::kQ4_1:
+      return kQ4_1Bytes;
+    case WeightFormat::kQ4_K:
+      return kQ4_KBytes;
+    default:
+      return kQ8_0Bytes;
+  }
 }
 
 // x [M, K] (float32 or bfloat16) times GGUF blocks regrouped by modeling/cpu_kernels.py into
@@ -380,6 +429,5 @@ at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& packed, int64_t 
               packed.size(1) * kQuantBlock, "], not ", x.sizes());
   TORCH_CHECK(num_out > 0 && (num_out + kPanel - 1) / kPanel == packed.size(0), "num_out ", num_out,
               " does not fit the packed blocks");
-  const WeightFormat format_code = format == "q4_1" ? WeightFormat::kQ4_1 : WeightFormat::kQ8_0;
-  return linear_any(x, format_code, packed.data_ptr(), num_out, bias, path);
+  return linear_any(x, block_format(format), packed.data_ptr(), num_out, bias, path);
 }

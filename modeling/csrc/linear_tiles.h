@@ -1,7 +1,7 @@
 // The tiles of csrc/linear.cpp for one instruction set, included once per set inside a
 // namespace that first defines: Vec, kLanes, kAccumulators (vector registers the tile
 // may hold as sums), vzero, vbroadcast, vload (float32 and bfloat16), vfma, and the
-// weight readers Q4_1Block and Q8_0Block.
+// weight readers Q4_1Block, Q8_0Block and Q4_KBlock.
 //
 // Every output element is one chain vfma(x[m, k], w[k, n], sum) over k = 0 .. K-1 from
 // zero; tiles differ only in how many rows and panels they keep in registers.
@@ -185,5 +185,7 @@ void run_format(const LinearCall<T>& call, WeightFormat format, const void* pack
       return run(call, BlockPanels<Q4_1Block>{static_cast<const uint8_t*>(packed), call.depth});
     case WeightFormat::kQ8_0:
       return run(call, BlockPanels<Q8_0Block>{static_cast<const uint8_t*>(packed), call.depth});
+    case WeightFormat::kQ4_K:
+      return run(call, BlockPanels<Q4_KBlock>{static_cast<const uint8_t*>(packed), call.depth});
   }
 }

@@ -21,11 +21,12 @@ from modeling.engine import ModelEngine
 from modeling.gguf_convert import convert_gguf
 from modeling.invariance import linear_rows_problem
 from modeling.native import KernelUnavailable, native_ops
-from modeling.quantized import QUANTIZATIONS, Blocks, QuantizationError, channel_int8_blocks, weight_blocks
+from modeling.quantized import (QUANTIZATIONS, Blocks, QuantizationError, channel_int8_blocks, q4_k_sub_blocks,
+                                servable_quantization, weight_blocks)
 from specserve.cli import _build_parser
 from specserve.stack import StackAddresses, StackConfig, worker_spec
 from specserve.up import UpRefused, up_config
-from tests.gguf_files import FAMILIES
+from tests.gguf_files import FAMILIES, q4_k_blocks
 
 KINDS = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
 # (out, in): every projection shape of the embedded model, then odd ones (a partial panel, one block, a few).
@@ -91,13 +92,44 @@ def test_rows_of_packed_blocks_are_gguf_dequantized_rows(ops: ModuleType, format
     assert torch.equal(linear.rows(linear.pack_blocks(blocks), ids), weight[ids])
 
 
+def random_q4_k(out_features: int, in_features: int, seed: int) -> tuple[Blocks, torch.Tensor]:
+    """Random Q4_K super-blocks (random d and dmin too) in the kernel's layout, and gguf's dequantization of them."""
+    generator = np.random.default_rng(seed)
+    rows = q4_k_blocks(generator, out_features, in_features).reshape(out_features, -1, 144)
+    scales = (generator.uniform(1e-4, 4e-3, size=(*rows.shape[:2], 2))).astype(np.float16)  # d, dmin
+    rows[..., :4] = scales.view(np.uint8).reshape(*rows.shape[:2], 4)
+    rows = rows.reshape(out_features, -1)
+    weight = torch.from_numpy(dequantize(rows, GGMLQuantizationType.Q4_K).copy())
+    return Blocks("q4_k", q4_k_sub_blocks(rows), in_features), weight
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 1536), (576, 256), (5, 256), (33, 512)])
+def test_q4_k_sub_blocks_compute_the_dense_weights_gguf_dequantizes_on_every_path(
+        ops: ModuleType, out_features: int, in_features: int) -> None:
+    blocks, weight = random_q4_k(out_features, in_features, seed=out_features)
+    rows = torch.randn(11, in_features) * torch.rand(11, 1) * 3
+    for path in ops.linear_paths():
+        linear = PackedLinear(ops, path)
+        packed = linear.pack_blocks(blocks)
+        assert torch.equal(linear.rows(packed, torch.arange(out_features)), weight)  # widened exactly as gguf does
+        assert torch.equal(linear(rows, packed), linear(rows, linear.pack(weight))), path
+        assert torch.equal(linear(rows.bfloat16(), packed), linear(rows.bfloat16().float(), linear.pack(weight)).bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q4_k_kernel_is_batch_invariant(ops: ModuleType, dtype: torch.dtype) -> None:
+    for path in ops.linear_paths():
+        linear = PackedLinear(ops, path)
+        assert linear_rows_problem(linear, block_probe(linear, "q4_k"), [576, 1536], dtype, torch.device("cpu")) is None
+
+
 def test_refused_block_shapes(ops: ModuleType) -> None:
     blocks, _ = random_blocks("q4_1", 16, 64, seed=1)
     linear = PackedLinear(ops)
     packed = linear.pack_blocks(blocks)
     with pytest.raises(RuntimeError, match="x must be"):
         linear(torch.randn(2, 32), packed)
-    with pytest.raises(RuntimeError, match="no block format q5_0"):
+    with pytest.raises(RuntimeError, match="no block format q5_0 .the kernel's: q4_1, q8_0, q4_k"):
         ops.linear_blocks(torch.randn(2, 64), packed, 16, None, "q5_0")
 
 
@@ -189,13 +221,15 @@ def test_embedded_model_q4_1_greedy_equals_its_float32_folder(ops: ModuleType, d
 
 def test_quantization_a_model_cannot_take_is_refused_naming_the_choices(
         tmp_path: Path, tiny_llama_folder: Path, q8_0_folder: Path) -> None:
-    with pytest.raises(QuantizationError, match="not one of the choices: none, q4_1, q8_0, int8"):
+    with pytest.raises(QuantizationError, match="not one of the choices: none, q4_1, q8_0, q4_k, int8"):
         weight_blocks(tiny_llama_folder, "q4_0")
     with pytest.raises(QuantizationError, match="holds no model.gguf .*the choice for it is none"):
         weight_blocks(tiny_llama_folder, "q4_1")
     mixed = convert_gguf(FAMILIES["llama"]().write(tmp_path / "mixed.gguf"), tmp_path / "mixed")
-    with pytest.raises(QuantizationError, match="projections of .* are .*Q4_K.*Q8_0: the choices for it are none$"):
+    with pytest.raises(QuantizationError, match="projections of .* are .*Q4_K.*Q8_0: the choices for it are none, q4_k, "
+                                                 "q8_0$"):
         weight_blocks(mixed, "q4_1")
+    assert servable_quantization(mixed) == "none"  # `up`'s auto takes blocks only where every projection has them
     with pytest.raises(QuantizationError, match="serves a model's own Q4_1 blocks.*the choices for it are none, q8_0$"):
         weight_blocks(q8_0_folder, "q4_1")
     assert weight_blocks(mixed, "none") is None
@@ -203,6 +237,18 @@ def test_quantization_a_model_cannot_take_is_refused_naming_the_choices(
         ModelEngine(mixed, ModelConfig.from_folder(mixed), device="cpu", dtype="float32", num_pages=8, max_len=32,
                     quantization="q4_1").load()
     assert QUANTIZATIONS[0] == "none"
+
+
+def test_a_file_of_mixed_types_serves_its_q4_k_and_q8_0_tensors_from_their_blocks(ops: ModuleType, tmp_path: Path) -> None:
+    """A file as llama.cpp's mixed quantizations write them: the tensors of a type the kernel reads come from their
+    blocks (here the Q4_K down projections and the Q8_0 head), the rest dense, and float32 logits are the folder's."""
+    mixed = convert_gguf(FAMILIES["llama"]().write(tmp_path / "mixed.gguf"), tmp_path / "mixed")
+    dense, served = engine(mixed, "float32", "none"), engine(mixed, "float32", "q4_k")
+    assert served.ops.endswith("2 weights from q4_k blocks, 1 weights from q8_0 blocks)"), served.ops
+    assert served.self_check() is None
+    tokens, logits = greedy(served, [3, 14, 15, 92, 65], 12)
+    dense_tokens, dense_logits = greedy(dense, [3, 14, 15, 92, 65], 12)
+    assert tokens == dense_tokens and torch.equal(logits, dense_logits)
 
 
 # ---------------------------------------------------------------- per-channel int8, for any model
@@ -287,7 +333,7 @@ def test_up_refuses_a_quantization_before_anything_starts(
         tiny_llama_folder: Path, q8_0_folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         _build_parser().parse_args(["up", "--quantization", "q3_k"])
-    assert "invalid choice: 'q3_k' (choose from 'auto', 'none', 'q4_1', 'q8_0', 'int8')" in capsys.readouterr().err
+    assert "invalid choice: 'q3_k' (choose from 'auto', 'none', 'q4_1', 'q8_0', 'q4_k', 'int8')" in capsys.readouterr().err
     with pytest.raises(UpRefused, match="--quantization q4_1 serves a model's own GGUF blocks.*choice for it is none"):
         up_stack("--model", str(tiny_llama_folder), "--quantization", "q4_1")
     assert up_stack("--model", str(tiny_llama_folder)).quantization == "none"  # auto: it has no blocks
@@ -306,7 +352,7 @@ def test_worker_and_draft_refuse_what_their_model_cannot_take(tiny_llama_folder:
         add(parser)
         return parser.parse_args([*argv, "--insecure-loopback"])
 
-    with pytest.raises(ValueError, match="not one of the choices: none, q4_1, q8_0, int8"):
+    with pytest.raises(ValueError, match="not one of the choices: none, q4_1, q8_0, q4_k, int8"):
         worker_config(parse(worker_arguments, "--model", str(q4_1_folder), "--quantization", "int4"))
     with pytest.raises(ValueError, match="holds no model.gguf"):
         worker_config(parse(worker_arguments, "--model", str(tiny_llama_folder), "--quantization", "q4_1"))
