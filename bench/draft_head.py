@@ -110,7 +110,7 @@ def cycle(target: Path, draft: Path, dtype: str, ks: list[int], lookup_k: int, n
     def decode(prompt: list[int], proposer: Proposer | None, k: int) -> tuple[list[int], float, int, int]:
         """-> (tokens, seconds after the prefill, verify steps, accepted draft tokens)."""
         head.forget("r")
-        (out,), (rows,) = runner.execute([SeqWork("r", pages, 0, prompt, True, GREEDY)], return_features=True)
+        (out,), (rows,), _ = runner.execute([SeqWork("r", pages, 0, prompt, True, GREEDY)], return_features=True)
         tokens, features = prompt + out.token_ids, from_rows(rows.rows)
         stable, seconds, verifies, accepted = 0, 0.0, 0, 0
         while len(tokens) < len(prompt) + output_len:
@@ -122,7 +122,7 @@ def cycle(target: Path, draft: Path, dtype: str, ks: list[int], lookup_k: int, n
                 drafted, parents = proposal.token_ids, proposal.parents
             work = SeqWork("r", pages, len(tokens) - 1, [tokens[-1]] + drafted, True, GREEDY, num_draft_tokens=len(drafted),
                            draft_parents=parents)
-            (out,), step_rows = runner.execute([work], return_features=proposer is not None)  # plain steps need none
+            (out,), step_rows, _ = runner.execute([work], return_features=proposer is not None)  # plain steps need none
             seconds += time.perf_counter() - started
             verifies += bool(drafted)
             accepted += out.num_accepted_draft

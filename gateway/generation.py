@@ -83,8 +83,9 @@ class Generation:
                 case messages.TokenDelta():
                     speculation = SpecUsage(message.num_draft_tokens, message.num_accepted_draft_tokens,
                                             message.num_verify_steps)
-                    chunk = output.add(message.token_ids, message.finish_reason, speculation, message.num_cached_tokens)
-                    if chunk.text or chunk.token_ids or chunk.finish_reason is not None:
+                    chunk = output.add(message.token_ids, message.finish_reason, speculation, message.num_cached_tokens,
+                                       logprobs=message.logprobs, prompt_logprobs=message.prompt_logprobs)
+                    if chunk.text or chunk.token_ids or chunk.finish_reason is not None or chunk.prompt_logprobs:
                         return chunk
                 case _:
                     assert_never(message)
@@ -101,6 +102,8 @@ class Generation:
             seed_given=submit.seed_given,
             num_stop_strings=len(submission.stop_strings),
             ignore_eos=submission.ignore_eos,
+            logprobs=submission.logprobs,
+            prompt_logprobs=submission.prompt_logprobs,
         )
 
 

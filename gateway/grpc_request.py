@@ -23,6 +23,13 @@ GRPC_FIELDS = FieldNames(
     stop_strings="params.stop",
     stop_string="params.stop[{index}]",
     stop_token_id="params.stop_token_ids[{index}]",
+    logprobs="params.logprobs",
+    prompt_logprobs="params.prompt_logprobs",
+    presence_penalty="params.presence_penalty",
+    frequency_penalty="params.frequency_penalty",
+    repetition_penalty="params.repetition_penalty",
+    logit_bias="params.logit_bias",
+    min_tokens="params.min_tokens",
 )
 
 
@@ -51,6 +58,13 @@ def client_request_of(request: pb.GenerateRequest) -> ClientRequest:
         stop_strings=tuple(params.stop),
         stop_token_ids=tuple(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs if params.HasField("logprobs") else None,
+        prompt_logprobs=params.prompt_logprobs if params.HasField("prompt_logprobs") else None,
+        presence_penalty=params.presence_penalty if params.HasField("presence_penalty") else None,
+        frequency_penalty=params.frequency_penalty if params.HasField("frequency_penalty") else None,
+        repetition_penalty=params.repetition_penalty if params.HasField("repetition_penalty") else None,
+        logit_bias=tuple(sorted(params.logit_bias.items())),
+        min_tokens=params.min_tokens if params.HasField("min_tokens") else None,
     )
 
 

@@ -18,7 +18,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -28,9 +28,10 @@ from gateway.errors import RequestFailed
 from gateway.generation import Generation
 from gateway.health import SERVING, HealthReporter
 from gateway.http_body import BodyLimits, json_body
-from gateway.openai_request import ApiError, chat_prompt, client_request_of, completion_prompt
+from gateway.openai_logprobs import CompletionLogprobs, Scored, TokenTexts, chat_logprobs
+from gateway.openai_request import ApiError, chat_prompt, client_request_of, completion_prompts
 from gateway.output import Chunk
-from gateway.request import Prompt, Submission
+from gateway.request import Prompt, Submission, TextPrompt, TokenPrompt
 from gateway.validation import validate
 
 
@@ -41,6 +42,7 @@ class HttpApi:
         self._limits = limits
         self._reporter = reporter
         self._model_name = model_name
+        self._texts = TokenTexts(generation.tokenizer)
         self._created = int(time.time())
         self.draining = False  # after the first SIGTERM: new generation requests get 503
         self._num_generating = 0  # generation requests in flight
@@ -110,34 +112,41 @@ class HttpApi:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await json_body(request, self._limits)
-        return await self._run(request, body, completion_prompt(body), chat=False)
+        return await self._run(request, body, completion_prompts(body), chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await json_body(request, self._limits)
-        return await self._run(request, body, chat_prompt(body), chat=True)
+        return await self._run(request, body, [chat_prompt(body)], chat=True)
 
-    async def _run(self, request: web.Request, body: dict[str, Any], prompt: Prompt, *, chat: bool) -> web.StreamResponse:
+    async def _run(self, request: web.Request, body: dict[str, Any], prompts: list[Prompt], *,
+                   chat: bool) -> web.StreamResponse:
         if self.draining:
             raise ApiError(503, "the server is shutting down")
         self._num_generating += 1
         self._idle.clear()
         try:
-            return await self._generate(request, body, prompt, chat=chat)
+            return await self._generate(request, body, prompts, chat=chat)
         finally:
             self._num_generating -= 1
             if not self._num_generating:
                 self._idle.set()
 
-    async def _generate(self, request: web.Request, body: dict[str, Any], prompt: Prompt, *,
+    async def _generate(self, request: web.Request, body: dict[str, Any], prompts: list[Prompt], *,
                         chat: bool) -> web.StreamResponse:
+        """Every prompt's request checked before any starts; each is a choice of the answer, in order."""
         model = body.get("model")
         if model is not None and model != self._model_name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self._model_name!r}", "model",
                            "model_not_found")
-        client_request, fields = client_request_of(body, prompt, chat=chat)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        submission = validate(client_request, fields=fields, request_id=request_id,
-                              vocab_size=self._generation.tokenizer.vocab_size)
+        choices: list[_Choice] = []
+        for index, prompt in enumerate(prompts):
+            client_request, fields = client_request_of(body, prompt, chat=chat)
+            submission = validate(client_request, fields=fields,
+                                  request_id=request_id if len(prompts) == 1 else f"{request_id}-{index}",
+                                  vocab_size=self._generation.tokenizer.vocab_size)
+            choices.append(_Choice(index, submission, client_request.logprobs is not None, self._texts,
+                                   echo=self._echo_text(prompt) if not chat and body.get("echo") is True else None))
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, "stream must be a boolean", "stream")
@@ -146,46 +155,125 @@ class HttpApi:
             raise ApiError(400, "stream_options must be an object", "stream_options")
         shape = _Shape(request_id, self._model_name, chat)
         if stream:
-            return await self._stream(request, submission, shape, bool(options.get("include_usage", False)))
-        return await self._whole(submission, shape)
+            return await self._stream(request, choices, shape, bool(options.get("include_usage", False)))
+        return await self._whole(choices, shape)
 
-    async def _whole(self, submission: Submission, shape: _Shape) -> web.Response:
-        text: list[str] = []
-        last: Chunk | None = None
-        async with contextlib.aclosing(self._generation.chunks(submission, "http")) as chunks:
-            async for chunk in chunks:
-                text.append(chunk.text)
-                last = chunk
-        assert last is not None  # the generation always ends with a finishing chunk
-        return web.json_response(shape.whole("".join(text), last))
+    def _echo_text(self, prompt: Prompt) -> str:
+        match prompt:
+            case TextPrompt(text=text):
+                return text
+            case TokenPrompt(token_ids=token_ids):
+                return self._generation.tokenizer.decode(token_ids)
+            case _:
+                raise ApiError(400, "echo is for /v1/completions", "echo")
 
-    async def _stream(self, request: web.Request, submission: Submission, shape: _Shape, include_usage: bool) -> web.StreamResponse:
-        chunks = self._generation.chunks(submission, "http")
-        async with contextlib.aclosing(chunks):
-            # Pull the first chunk before answering 200, so an early failure (bad prompt, queue full, no worker)
+    async def _whole(self, choices: list[_Choice], shape: _Shape) -> web.Response:
+        async def collect(choice: _Choice) -> None:
+            async with contextlib.aclosing(self._generation.chunks(choice.submission, "http")) as chunks:
+                async for chunk in chunks:
+                    choice.take(chunk)
+
+        await _all([collect(choice) for choice in choices])
+        return web.json_response(shape.whole(choices))
+
+    async def _stream(self, request: web.Request, choices: list[_Choice], shape: _Shape,
+                      include_usage: bool) -> web.StreamResponse:
+        events: asyncio.Queue[tuple[_Choice, Chunk | RequestFailed]] = asyncio.Queue()
+
+        async def pump(choice: _Choice) -> None:
+            try:
+                async with contextlib.aclosing(self._generation.chunks(choice.submission, "http")) as chunks:
+                    async for chunk in chunks:
+                        await events.put((choice, chunk))
+            except RequestFailed as failure:
+                await events.put((choice, failure))
+
+        tasks = [asyncio.create_task(pump(choice)) for choice in choices]
+        try:
+            # The first event comes before the answer's 200, so an early failure (bad prompt, queue full, no worker)
             # is still an ordinary error response.
-            first = await anext(chunks)
+            choice, first = await events.get()
+            if isinstance(first, RequestFailed):
+                raise first
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await response.prepare(request)
             try:
                 if shape.chat:
-                    await _send_event(response, shape.delta_event({"role": "assistant", "content": ""}, None))
-                chunk = first
+                    for each in choices:
+                        await _send_event(response, shape.delta_event(each.index, {"role": "assistant", "content": ""},
+                                                                      None, None))
+                event: Chunk | RequestFailed = first
+                unfinished = len(choices)
                 while True:
-                    await _send_event(response, shape.stream_event(chunk))
-                    if chunk.finish_reason is not None:
-                        break
-                    chunk = await anext(chunks)
+                    if isinstance(event, RequestFailed):
+                        raise event
+                    for payload in shape.stream_events(choice, event):
+                        await _send_event(response, payload)
+                    if event.finish_reason is not None:
+                        unfinished -= 1
+                        if not unfinished:
+                            break
+                    choice, event = await events.get()
                 if include_usage:
-                    await _send_event(response, shape.usage_event(chunk))
+                    await _send_event(response, shape.usage_event(choices))
                 await response.write(b"data: [DONE]\n\n")
             except RequestFailed as failure:  # after the 200: report it in the stream, as OpenAI does
                 await _send_event(response, {"error": {"message": failure.message, "code": failure.status.name}})
             except ConnectionResetError:
-                self._log.info("request.client_gone", request_id=shape.request_id)  # aclosing aborts the request
+                self._log.info("request.client_gone", request_id=shape.request_id)  # the requests are aborted below
                 raise
+        finally:
+            await _cancel(tasks)
         await response.write_eof()
         return response
+
+
+async def _all(coroutines: list[Coroutine[Any, Any, None]]) -> None:
+    """Run them together; the first to fail cancels the others (aborting their requests) and its error is raised."""
+    tasks = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        await _cancel(tasks)
+
+
+async def _cancel(tasks: Sequence[asyncio.Future[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Choice:
+    """One choice of an answer: its request, and what it has given so far."""
+
+    def __init__(self, index: int, submission: Submission, logprobs: bool, texts: TokenTexts, *,
+                 echo: str | None) -> None:
+        self.index = index
+        self.submission = submission
+        self.logprobs = logprobs  # the client asked for the completion's log-probabilities
+        self.echo = echo  # the prompt's text, when the answer starts with it
+        self.texts = texts
+        self.completion_logprobs = CompletionLogprobs(texts)
+        self.text: list[str] = []
+        self.scored: list[Scored] = []  # prompt (when echoed with log-probabilities), then completion tokens
+        self.prompt_scored: list[Scored] = []  # echoed prompt tokens not yet streamed
+        self.echoed = echo is None  # the echo has been streamed (or there is none)
+        self.last: Chunk | None = None
+
+    def take(self, chunk: Chunk) -> None:
+        """A whole answer's chunk."""
+        self.text.append(chunk.text)
+        if chunk.prompt_logprobs and self.logprobs:
+            self.scored.extend(chunk.prompt_logprobs)
+        if chunk.logprobs is not None:
+            self.scored.extend(zip(chunk.token_ids, chunk.logprobs))
+        if chunk.finish_reason is not None:
+            self.last = chunk
+
+    def logprobs_object(self, entries: Sequence[Scored], chat: bool) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        return chat_logprobs(entries, self.texts) if chat else self.completion_logprobs.add(entries)
 
 
 class _Shape:
@@ -198,37 +286,76 @@ class _Shape:
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, last: Chunk) -> dict[str, Any]:
-        if self.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                      "finish_reason": last.finish_reason, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": last.finish_reason, "logprobs": None}
-        return {**self._envelope("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": _usage(last)}
+    def whole(self, choices: list[_Choice]) -> dict[str, Any]:
+        answers: list[dict[str, Any]] = []
+        for choice in choices:
+            assert choice.last is not None  # every generation ends with a finishing chunk
+            text = "".join(choice.text)
+            if choice.echo is not None:
+                if not choice.logprobs:
+                    choice.completion_logprobs.skip(choice.echo)
+                text = choice.echo + text
+            logprobs = choice.logprobs_object(choice.scored, self.chat)
+            if self.chat:
+                answers.append({"index": choice.index, "message": {"role": "assistant", "content": text},
+                                "finish_reason": choice.last.finish_reason, "logprobs": logprobs})
+            else:
+                answers.append({"index": choice.index, "text": text, "finish_reason": choice.last.finish_reason,
+                                "logprobs": logprobs})
+        return {**self._envelope("chat.completion" if self.chat else "text_completion"), "choices": answers,
+                "usage": _usage(choices)}
 
-    def delta_event(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+    def delta_event(self, index: int, delta: dict[str, Any], finish_reason: str | None,
+                    logprobs: dict[str, Any] | None) -> dict[str, Any]:
         return {**self._envelope("chat.completion.chunk"),
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+                "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]}
 
-    def stream_event(self, chunk: Chunk) -> dict[str, Any]:
+    def stream_events(self, choice: _Choice, chunk: Chunk) -> list[dict[str, Any]]:
+        """The events one chunk of a choice makes: none while an echoed prompt's log-probabilities still come in, then
+        the echo, then the chunk's text."""
+        if chunk.finish_reason is not None:
+            choice.last = chunk
+        events: list[dict[str, Any]] = []
+        if not choice.echoed:
+            if chunk.prompt_logprobs:
+                choice.prompt_scored.extend(chunk.prompt_logprobs)
+            if not chunk.token_ids and chunk.finish_reason is None and not chunk.text:
+                return events  # more of the prompt's log-probabilities to come
+            assert choice.echo is not None
+            if not choice.logprobs:
+                choice.completion_logprobs.skip(choice.echo)
+            events.append(self._text_event(choice, choice.echo, None, choice.logprobs_object(choice.prompt_scored, False)))
+            choice.echoed = True
+        if not chunk.text and not chunk.token_ids and chunk.finish_reason is None:
+            return events
+        entries = list(zip(chunk.token_ids, chunk.logprobs)) if chunk.logprobs is not None else []
+        logprobs = choice.logprobs_object(entries, self.chat)
         if self.chat:
-            return self.delta_event({"content": chunk.text} if chunk.text else {}, chunk.finish_reason)
+            events.append(self.delta_event(choice.index, {"content": chunk.text} if chunk.text else {},
+                                           chunk.finish_reason, logprobs))
+        else:
+            events.append(self._text_event(choice, chunk.text, chunk.finish_reason, logprobs))
+        return events
+
+    def _text_event(self, choice: _Choice, text: str, finish_reason: str | None,
+                    logprobs: dict[str, Any] | None) -> dict[str, Any]:
         return {**self._envelope("text_completion"),
-                "choices": [{"index": 0, "text": chunk.text, "finish_reason": chunk.finish_reason, "logprobs": None}]}
+                "choices": [{"index": choice.index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}]}
 
-    def usage_event(self, last: Chunk) -> dict[str, Any]:
+    def usage_event(self, choices: list[_Choice]) -> dict[str, Any]:
         return {**self._envelope("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": _usage(last)}
+                "usage": _usage(choices)}
 
 
-def _usage(last: Chunk) -> dict[str, Any]:
-    return {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": last.num_completion_tokens,
-            "total_tokens": last.num_prompt_tokens + last.num_completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": last.num_cached_tokens},
-            "speculation": {"draft_tokens": last.speculation.num_draft_tokens,
-                            "accepted_draft_tokens": last.speculation.num_accepted_draft_tokens,
-                            "verify_steps": last.speculation.num_verify_steps}}
+def _usage(choices: list[_Choice]) -> dict[str, Any]:
+    lasts = [choice.last for choice in choices if choice.last is not None]
+    prompt = sum(last.num_prompt_tokens for last in lasts)
+    completion = sum(last.num_completion_tokens for last in lasts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(last.num_cached_tokens for last in lasts)},
+            "speculation": {"draft_tokens": sum(last.speculation.num_draft_tokens for last in lasts),
+                            "accepted_draft_tokens": sum(last.speculation.num_accepted_draft_tokens for last in lasts),
+                            "verify_steps": sum(last.speculation.num_verify_steps for last in lasts)}}
 
 
 def error_response(error: ApiError) -> web.Response:

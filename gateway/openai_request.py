@@ -30,10 +30,9 @@ ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 408: "inval
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # OpenAI (and vLLM) parameters this server does not implement, with the values that ask for nothing: any other value
 # is refused, never silently ignored (it would change the output the client expects).
-UNSUPPORTED: dict[str, tuple[object, ...]] = {
-    "echo": (False,), "suffix": ("",), "best_of": (1,), "presence_penalty": (0,), "frequency_penalty": (0,),
-    "repetition_penalty": (1,), "logit_bias": ({},), "min_tokens": (0,), "top_logprobs": (0,),
-}
+UNSUPPORTED: dict[str, tuple[object, ...]] = {"suffix": ("",), "best_of": (1,)}
+MAX_LOGIT_BIAS_KEY_CHARS = 12  # a token id as a JSON key
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is a request of its own, a choice of the answer)
 _INT32_MAX = 2**31 - 1  # max_tokens and top_k: what the gRPC API's int32 fields hold
 
 # A token prompt's errors name `prompt`, not one of its items; chat requests may name max_completion_tokens instead.
@@ -52,6 +51,13 @@ OPENAI_FIELDS = FieldNames(
     stop_strings="stop",
     stop_string="stop[{index}]",
     stop_token_id="stop_token_ids[{index}]",
+    logprobs="logprobs",
+    prompt_logprobs="logprobs",
+    presence_penalty="presence_penalty",
+    frequency_penalty="frequency_penalty",
+    repetition_penalty="repetition_penalty",
+    logit_bias="logit_bias",
+    min_tokens="min_tokens",
 )
 
 
@@ -72,16 +78,24 @@ class ApiError(Exception):
         return cls(HTTP_STATUS.get(failure.status, 500), failure.message, param)
 
 
-def completion_prompt(body: dict[str, Any]) -> Prompt:
-    """/v1/completions' `prompt`: one string (or a list holding one) or a list of token ids."""
+def completion_prompts(body: dict[str, Any]) -> list[Prompt]:
+    """/v1/completions' `prompt`: a string or a list of token ids, or a list of either (a choice for each, in order)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return TextPrompt(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return TokenPrompt(tuple(prompt))
-    raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", "prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and _is_token_ids(prompt)):
+        return [_one_prompt(prompt)]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise ApiError(400, f"prompt holds {len(prompt)} prompts, at most {MAX_PROMPTS} are served at once", "prompt")
+        return [_one_prompt(p) for p in prompt]
+    raise ApiError(400, "prompt must be a string or a list of token ids, or a list of those", "prompt")
+
+
+def _is_token_ids(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _one_prompt(prompt: str | list[int]) -> Prompt:
+    return TextPrompt(prompt) if isinstance(prompt, str) else TokenPrompt(tuple(prompt))
 
 
 def chat_prompt(body: dict[str, Any]) -> ChatPrompt:
@@ -119,8 +133,12 @@ def client_request_of(body: dict[str, Any], prompt: Prompt, *, chat: bool) -> tu
     stop_strings = _stop_strings(body.get("stop"))
     if body.get("n", 1) != 1:
         raise ApiError(400, "only n=1 is supported", "n")
-    if body.get("logprobs") is not None and body.get("logprobs") is not False:  # 0 still asks for logprobs
-        raise ApiError(400, "logprobs are not supported", "logprobs")
+    logprobs = _chat_logprobs(body) if chat else _int_param("logprobs", None if body.get("logprobs") is False
+                                                             else body.get("logprobs"))
+    echo = not chat and _bool_param("echo", body.get("echo"))
+    # An echoed prompt comes with its log-probabilities when they are asked; max_tokens 0 then scores it alone.
+    scores_only = checked_max_tokens is not None and checked_max_tokens <= 0
+    prompt_logprobs = logprobs if echo and logprobs is not None else 0 if echo and scores_only else None
     request = ClientRequest(
         prompt=prompt,
         max_tokens=checked_max_tokens,
@@ -130,8 +148,49 @@ def client_request_of(body: dict[str, Any], prompt: Prompt, *, chat: bool) -> tu
         seed=checked_seed,
         stop_strings=stop_strings,
         ignore_eos=body.get("ignore_eos") is True,  # an extension, as in vLLM
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        presence_penalty=_float_param("presence_penalty", body.get("presence_penalty")),
+        frequency_penalty=_float_param("frequency_penalty", body.get("frequency_penalty")),
+        repetition_penalty=_float_param("repetition_penalty", body.get("repetition_penalty")),  # an extension, as in vLLM
+        logit_bias=_logit_bias(body.get("logit_bias")),
+        min_tokens=_int_param("min_tokens", body.get("min_tokens"), at_most=_INT32_MAX),  # an extension, as in vLLM
     )
-    return request, dataclasses.replace(OPENAI_FIELDS, max_tokens=max_tokens_as)
+    return request, dataclasses.replace(OPENAI_FIELDS, max_tokens=max_tokens_as,
+                                        logprobs="top_logprobs" if chat else "logprobs")
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """OpenAI's map of token ids (as strings: JSON keys) to biases."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise ApiError(400, "logit_bias must be an object of token ids to numbers", "logit_bias")
+    entries = []
+    for key, bias in value.items():
+        name = f"logit_bias[{key}]"
+        if len(key) > MAX_LOGIT_BIAS_KEY_CHARS or not key.lstrip("-").isdigit():
+            raise ApiError(400, f"{name}: the key must be a token id", "logit_bias")
+        checked = _float_param(name, bias)
+        if checked is None:
+            raise ApiError(400, f"{name} must be a number", name)
+        entries.append((int(key), checked))
+    return tuple(entries)
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat asks with `logprobs: true`, and for alternatives with `top_logprobs` (which needs it)."""
+    wanted = _bool_param("logprobs", body.get("logprobs"))
+    top = _int_param("top_logprobs", body.get("top_logprobs"))
+    if top is not None and not wanted:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _bool_param(name: str, value: object) -> bool:
+    if value is not None and not isinstance(value, bool):
+        raise ApiError(400, f"{name} must be a boolean", name)
+    return value is True
 
 
 def _max_tokens_field(body: dict[str, Any], *, chat: bool) -> tuple[str, object]:

@@ -20,6 +20,10 @@ class Chunk:
     num_completion_tokens: int  # tokens sent in all chunks so far, these included
     speculation: SpecUsage  # the request's speculation so far, as the scheduler last reported it
     num_cached_tokens: int = 0  # prompt tokens the prefix cache held, as the scheduler last reported it
+    logprobs: list[messages.TokenLogprob] | None = None  # when asked: one per token id
+    # When asked: the next prompt tokens with their log-probabilities; the first chunk's starts with the prompt's
+    # first token, which has none.
+    prompt_logprobs: list[tuple[int, messages.TokenLogprob | None]] | None = None
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,8 @@ class RequestOutput:
         self._detokenizer = IncrementalDetokenizer(decoder, prompt_token_ids)
         self._matcher = StopStringMatcher(stop_strings)
         self._num_prompt_tokens = len(prompt_token_ids)
+        self._prompt_token_ids = prompt_token_ids
+        self._num_prompt_scored = 1  # the first prompt token has no log-probability
         self._num_completion_tokens = 0
         self._finish_reason: messages.FinishReason | None = None
         self._speculation = SpecUsage()
@@ -51,8 +57,11 @@ class RequestOutput:
         return self._finish_reason
 
     def add(self, token_ids: Sequence[int], finish_reason: messages.FinishReason | None,
-            speculation: SpecUsage | None = None, num_cached_tokens: int | None = None) -> Chunk:
-        """The chunk for one delta; finish_reason is the scheduler's (None: more deltas follow)."""
+            speculation: SpecUsage | None = None, num_cached_tokens: int | None = None, *,
+            logprobs: Sequence[messages.TokenLogprob] | None = None,
+            prompt_logprobs: Sequence[messages.TokenLogprob] | None = None) -> Chunk:
+        """The chunk for one delta; finish_reason is the scheduler's (None: more deltas follow). `logprobs` go with
+        token_ids (cut where they are); `prompt_logprobs` pass through."""
         if self._finish_reason is not None:
             raise RuntimeError(f"RequestOutput.add after the output finished ({self._finish_reason})")
         if speculation is not None:
@@ -70,12 +79,21 @@ class RequestOutput:
             text_parts.append(self._feed(self._detokenizer.flush()))
             if self._matcher.matched is None:
                 text_parts.append(self._matcher.flush())
-        return self._chunk("".join(text_parts), sent_ids, finish_reason)
+        scored: list[tuple[int, messages.TokenLogprob | None]] | None = None
+        if prompt_logprobs:
+            first = self._num_prompt_scored
+            scored = [(self._prompt_token_ids[0], None)] if first == 1 else []
+            scored += zip(self._prompt_token_ids[first : first + len(prompt_logprobs)], prompt_logprobs, strict=True)
+            self._num_prompt_scored += len(prompt_logprobs)
+        return self._chunk("".join(text_parts), sent_ids, finish_reason,
+                           None if logprobs is None else list(logprobs[: len(sent_ids)]), scored)
 
     def _feed(self, text: str) -> str:
         return self._matcher.feed(text).text if text else ""
 
-    def _chunk(self, text: str, token_ids: list[int], finish_reason: messages.FinishReason | None) -> Chunk:
+    def _chunk(self, text: str, token_ids: list[int], finish_reason: messages.FinishReason | None,
+               logprobs: list[messages.TokenLogprob] | None,
+               prompt_logprobs: list[tuple[int, messages.TokenLogprob | None]] | None) -> Chunk:
         self._num_completion_tokens += len(token_ids)
         if self._matcher.matched is not None:
             finish_reason = "stop"
@@ -89,4 +107,6 @@ class RequestOutput:
             num_completion_tokens=self._num_completion_tokens,
             speculation=self._speculation,
             num_cached_tokens=self._num_cached_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )

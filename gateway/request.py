@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import msgspec
+
 from modeling.tokenizer import ChatMessage
 from proto import messages
 
@@ -45,6 +47,16 @@ class ClientRequest:
     stop_strings: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # eos not included
     ignore_eos: bool = False
+    # Log-probabilities with this many alternatives: of each completion token, and of the prompt's tokens (with them
+    # asked, max_tokens may be 0). None: none.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # Penalties (modeling/penalties.py); None: none.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    min_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -60,15 +72,25 @@ class Submission:
     stop_strings: tuple[str, ...]
     stop_token_ids: tuple[int, ...]  # the client's own, eos not included
     ignore_eos: bool
+    logprobs: int | None = None  # alternatives with each completion token's log-probability; None: none
+    prompt_logprobs: int | None = None  # alternatives with each prompt token's; None: none
 
     def to_submit_request(self, prompt_token_ids: list[int], eos_token_ids: Sequence[int]) -> messages.SubmitRequest:
-        """The scheduler's message: eos ids stop the request unless ignore_eos, then the client's stop ids."""
+        """The scheduler's message: eos ids stop the request unless ignore_eos, then the client's stop ids (which
+        min_tokens holds back)."""
         stop_ids = [] if self.ignore_eos else list(eos_token_ids)
+        stop_token_ids = list(dict.fromkeys([*stop_ids, *self.stop_token_ids]))
+        sampling = self.sampling
+        if sampling.penalties is not None and sampling.penalties.min_tokens:
+            sampling = msgspec.structs.replace(
+                sampling, penalties=msgspec.structs.replace(sampling.penalties, stop_token_ids=stop_token_ids))
         return messages.SubmitRequest(
             request_id=self.request_id,
             prompt_token_ids=prompt_token_ids,
             max_tokens=self.max_tokens,
-            sampling=self.sampling,
-            stop_token_ids=list(dict.fromkeys([*stop_ids, *self.stop_token_ids])),
+            sampling=sampling,
+            stop_token_ids=stop_token_ids,
             seed_given=self.seed_given,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
         )

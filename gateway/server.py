@@ -108,6 +108,10 @@ async def write_chunk(context: grpc.aio.ServicerContext, chunk: Chunk, request_i
 
 def to_response(chunk: Chunk, request_id: str) -> pb.GenerateResponse:
     response = pb.GenerateResponse(text=chunk.text, token_ids=chunk.token_ids, request_id=request_id)
+    if chunk.logprobs is not None:
+        response.logprobs.extend(to_token_logprob(t, entry) for t, entry in zip(chunk.token_ids, chunk.logprobs))
+    if chunk.prompt_logprobs:
+        response.prompt_logprobs.extend(to_token_logprob(t, entry) for t, entry in chunk.prompt_logprobs if entry)
     if chunk.finish_reason is not None:
         response.finish_reason = FINISH_REASONS[chunk.finish_reason]
         response.usage.prompt_tokens = chunk.num_prompt_tokens
@@ -117,6 +121,11 @@ def to_response(chunk: Chunk, request_id: str) -> pb.GenerateResponse:
         response.usage.verify_steps = chunk.speculation.num_verify_steps
         response.usage.cached_tokens = chunk.num_cached_tokens
     return response
+
+
+def to_token_logprob(token_id: int, entry: messages.TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=token_id, logprob=entry.logprob,
+                           top_logprobs=[pb.TopLogprob(token_id=top.token_id, logprob=top.logprob) for top in entry.top])
 
 
 def to_server_info(reply: messages.InfoReply) -> pb.ServerInfoResponse:

@@ -42,6 +42,13 @@ class FieldNames:
     stop_strings: str  # the list as a whole
     stop_string: str  # "{index}"
     stop_token_id: str  # "{index}"
+    logprobs: str
+    prompt_logprobs: str
+    presence_penalty: str
+    frequency_penalty: str
+    repetition_penalty: str
+    logit_bias: str  # the map as a whole; one entry is named "<logit_bias>[<token id>]"
+    min_tokens: str
 
     def of_prompt(self, prompt: Prompt) -> str:
         match prompt:
@@ -71,13 +78,21 @@ def validate(request: ClientRequest, *, fields: FieldNames, request_id: str, voc
         request_id=request_id,
         prompt=request.prompt,
         prompt_field=fields.of_prompt(request.prompt),
-        max_tokens=max_tokens_of(request.max_tokens, fields),
-        sampling=sampling_of(request, fields),
+        max_tokens=max_tokens_of(request.max_tokens, fields, scoring=request.prompt_logprobs is not None),
+        sampling=sampling_of(request, fields, vocab_size),
         seed_given=request.seed is not None,
         stop_strings=stop_strings_of(request.stop_strings, fields),
         stop_token_ids=token_ids_in_vocab(fields.stop_token_id, request.stop_token_ids, vocab_size),
         ignore_eos=request.ignore_eos,
+        logprobs=logprobs_of(request.logprobs, fields.logprobs),
+        prompt_logprobs=logprobs_of(request.prompt_logprobs, fields.prompt_logprobs),
     )
+
+
+def logprobs_of(count: int | None, field: str) -> int | None:
+    if count is not None and not 0 <= count <= messages.MAX_TOP_LOGPROBS:
+        raise InvalidArgument(field, f"must be 0 to {messages.MAX_TOP_LOGPROBS}, got {count}")
+    return count
 
 
 def check_prompt(prompt: Prompt, fields: FieldNames, vocab_size: int) -> None:
@@ -112,13 +127,15 @@ def token_ids_in_vocab(field: str, token_ids: Sequence[int], vocab_size: int) ->
     return tuple(token_ids)
 
 
-def max_tokens_of(max_tokens: int | None, fields: FieldNames) -> int | None:
-    if max_tokens is not None and max_tokens < 1:
-        raise InvalidArgument(fields.max_tokens, f"must be at least 1, got {max_tokens}")
+def max_tokens_of(max_tokens: int | None, fields: FieldNames, *, scoring: bool = False) -> int | None:
+    """At least 1; 0 too when the prompt's log-probabilities are asked for (it is scored, nothing is generated)."""
+    least = 0 if scoring else 1
+    if max_tokens is not None and max_tokens < least:
+        raise InvalidArgument(fields.max_tokens, f"must be at least {least}, got {max_tokens}")
     return max_tokens
 
 
-def sampling_of(request: ClientRequest, fields: FieldNames) -> messages.SamplingParams:
+def sampling_of(request: ClientRequest, fields: FieldNames, vocab_size: int) -> messages.SamplingParams:
     defaults = messages.SamplingParams()
     temperature = defaults.temperature if request.temperature is None else request.temperature
     top_p = defaults.top_p if request.top_p is None else request.top_p
@@ -132,7 +149,40 @@ def sampling_of(request: ClientRequest, fields: FieldNames) -> messages.Sampling
         raise InvalidArgument(fields.top_k, f"must be >= 0 (0 = no top-k cut), got {top_k}")
     if seed < 0:
         raise InvalidArgument(fields.seed, f"must be >= 0, got {seed}")
-    return messages.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    return messages.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                   penalties=penalties_of(request, fields, vocab_size))
+
+
+def penalties_of(request: ClientRequest, fields: FieldNames, vocab_size: int) -> messages.Penalties | None:
+    """The request's penalties, None when it asks for none (the logits as the model gives them)."""
+    presence = _penalty(request.presence_penalty, fields.presence_penalty)
+    frequency = _penalty(request.frequency_penalty, fields.frequency_penalty)
+    repetition = 1.0 if request.repetition_penalty is None else request.repetition_penalty
+    if not (math.isfinite(repetition) and 0.0 < repetition <= messages.MAX_REPETITION_PENALTY):
+        raise InvalidArgument(fields.repetition_penalty,
+                              f"must be in (0, {messages.MAX_REPETITION_PENALTY:g}], got {repetition}")
+    if len(request.logit_bias) > messages.MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidArgument(fields.logit_bias, f"at most {messages.MAX_LOGIT_BIAS_ENTRIES} entries, got {len(request.logit_bias)}")
+    for token, bias in request.logit_bias:
+        if not 0 <= token < vocab_size:
+            raise InvalidArgument(f"{fields.logit_bias}[{token}]", f"token id {token} is outside the vocabulary [0, {vocab_size})")
+        if not (math.isfinite(bias) and -messages.MAX_LOGIT_BIAS <= bias <= messages.MAX_LOGIT_BIAS):
+            raise InvalidArgument(f"{fields.logit_bias}[{token}]", f"must be in [-{messages.MAX_LOGIT_BIAS:g}, {messages.MAX_LOGIT_BIAS:g}], got {bias}")
+    min_tokens = request.min_tokens or 0
+    if min_tokens < 0:
+        raise InvalidArgument(fields.min_tokens, f"must be >= 0, got {min_tokens}")
+    if request.max_tokens is not None and min_tokens > request.max_tokens:
+        raise InvalidArgument(fields.min_tokens, f"must be at most max_tokens ({request.max_tokens}), got {min_tokens}")
+    penalties = messages.Penalties(presence=presence, frequency=frequency, repetition=repetition,
+                                   logit_bias=dict(request.logit_bias), min_tokens=min_tokens)
+    return None if penalties == messages.Penalties() else penalties
+
+
+def _penalty(value: float | None, field: str) -> float:
+    limit = messages.MAX_PENALTY
+    if value is not None and not (math.isfinite(value) and -limit <= value <= limit):
+        raise InvalidArgument(field, f"must be in [-{limit:g}, {limit:g}], got {value}")
+    return 0.0 if value is None else value
 
 
 def stop_strings_of(stop_strings: Sequence[str], fields: FieldNames) -> tuple[str, ...]:

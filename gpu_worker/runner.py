@@ -11,10 +11,12 @@ from modeling.engine import ModelEngine
 from modeling.features import to_rows
 from modeling.batch import PageError
 from modeling.kv_cache import pages_for
+from modeling.logprobs import token_logprobs
+from modeling.penalties import penalize_rows
 from modeling.proposals import drafts_problem
 from modeling.rejection import verify, verify_tree_greedy, verify_tree_sampled
-from modeling.trees import leading_nodes, parents_or_chain
-from proto.messages import SeqFeatures, SeqOutput, SeqWork
+from modeling.trees import branch_to, leading_nodes, parents_or_chain
+from proto.messages import MAX_TOP_LOGPROBS, PromptLogprobs, SeqFeatures, SeqOutput, SeqWork
 
 
 _WARM_UP_ROWS = 32  # sequences in the warm-up's decode and verify steps at most (more only lengthen the start)
@@ -73,28 +75,36 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ serving
 
-    def execute(self, seqs: list[SeqWork], return_features: bool = False) -> tuple[list[SeqOutput], list[SeqFeatures]]:
+    def execute(self, seqs: list[SeqWork], return_features: bool = False
+                ) -> tuple[list[SeqOutput], list[SeqFeatures], list[PromptLogprobs]]:
         """Run one step; raises PageError, before touching any state, if it is inconsistent.
 
         A sampling sequence with k draft tokens gets k+1 rows of logits (after its last
         accepted token and after each draft token); the accepted drafts and one more token
-        come back. The keys and values of rejected drafts stay in pages past the tokens that
-        stand (the scheduler releases or overwrites them). With `return_features`, so do the
-        final hidden states of the step's tokens that stand.
+        come back, with their log-probabilities when asked. A sequence that asks for prompt
+        log-probabilities gets a row after each of its tokens, and those of the tokens that
+        follow come back. The keys and values of rejected drafts stay in pages past the
+        tokens that stand (the scheduler releases or overwrites them). With
+        `return_features`, so do the final hidden states of the step's tokens that stand.
         """
         self._check(seqs)
-        spans = [SeqSpan(tuple(w.pages), w.start_position, w.token_ids, w.num_draft_tokens + 1 if w.sample else 0,
+        spans = [SeqSpan(tuple(w.pages), w.start_position, w.token_ids, _num_logit_rows(w),
                          None if w.draft_parents is None else tuple(w.draft_parents)) for w in seqs]
-        logits, hidden = self._engine.forward_with_features(spans)  # logits [M, V]: the sampling rows, in step order
+        logits, hidden = self._engine.forward_with_features(spans)  # logits [M, V]: the rows asked for, in step order
+        logits = self._penalized(seqs, logits)
         best = torch.argmax(logits, dim=-1).tolist()  # one batched argmax serves every greedy sequence
         outputs: list[SeqOutput] = []
         features: list[SeqFeatures] = []
+        prompt_logprobs: list[PromptLogprobs] = []
         row = 0
         token_row = 0  # the sequence's first row in `hidden`
         for w in seqs:
             num_drafts = w.num_draft_tokens
             num_standing = len(w.token_ids) - num_drafts
             branch: list[int] | None = None  # a tree's accepted nodes, when they are not its first ones
+            if w.prompt_logprobs >= 0:
+                prompt_logprobs.append(self._prompt_logprobs(w, logits[row : row + num_standing]))
+                row += _num_logit_rows(w) - (num_drafts + 1 if w.sample else 0)
             if w.sample:
                 drafts = w.token_ids[num_standing:]
                 rows = slice(row, row + num_drafts + 1)
@@ -108,7 +118,11 @@ class ModelRunner:
                     verdict = verify(logits[rows], drafts, w.draft_dists, w.sampling, w.start_position + num_standing)
                     accepted = list(range(verdict.num_accepted))
                 row += num_drafts + 1
-                outputs.append(SeqOutput(w.request_id, verdict.token_ids, accepted))
+                logprobs = None
+                if w.logprobs >= 0:  # token j was drawn at row 0, or after node accepted[j - 1]
+                    token_rows = [rows.start] + [rows.start + 1 + node for node in accepted]
+                    logprobs = token_logprobs(logits[token_rows], verdict.token_ids, w.logprobs, w.sampling.temperature)
+                outputs.append(SeqOutput(w.request_id, verdict.token_ids, accepted, logprobs))
                 if leading_nodes(accepted) < len(accepted):  # the branch's keys and values go where it stands
                     branch = accepted
                     first = w.start_position + num_standing
@@ -122,7 +136,41 @@ class ModelRunner:
                     kept = hidden[[token_row + i for i in range(given)] + [token_row + given + node for node in branch]]
                 features.append(SeqFeatures(w.request_id, to_rows(kept, w.start_position)))
             token_row += len(w.token_ids)
-        return outputs, features
+        return outputs, features, prompt_logprobs
+
+    def _penalized(self, seqs: list[SeqWork], logits: torch.Tensor) -> torch.Tensor:
+        """The logits with each sampling row of a sequence with penalties changed after its own prefix: the tokens
+        that stand, then its draft branch (modeling/penalties.py). In float32 when any is (a widening: exact)."""
+        if not any(w.sample and w.sampling.penalties is not None for w in seqs):
+            return logits
+        with torch.inference_mode():  # the logits are an inference tensor: changed in place only in this mode
+            return self._penalize(seqs, logits.float())
+
+    def _penalize(self, seqs: list[SeqWork], logits: torch.Tensor) -> torch.Tensor:
+        row = 0
+        for w in seqs:
+            num_rows = _num_logit_rows(w)
+            penalties = w.sampling.penalties
+            if w.sample and penalties is not None:
+                assert w.history is not None  # _check
+                num_standing = len(w.token_ids) - w.num_draft_tokens
+                standing = [*w.history, *w.token_ids[:num_standing]]
+                drafts = w.token_ids[num_standing:]
+                parents = parents_or_chain(w.draft_parents, len(drafts))
+                prefixes = [standing] + [standing + [drafts[n] for n in branch_to(parents, node)]
+                                         for node in range(len(drafts))]
+                first = row + num_rows - len(prefixes)
+                penalize_rows(logits[first : row + num_rows], prefixes, w.num_prompt_tokens, penalties)
+            row += num_rows
+        return logits
+
+    def _prompt_logprobs(self, w: SeqWork, logits: torch.Tensor) -> PromptLogprobs:
+        """The log-probabilities of the chunk's tokens after its first, then of after_token_id, from the rows after
+        each of its standing tokens (`logits`)."""
+        num_standing = len(w.token_ids) - w.num_draft_tokens
+        following = list(w.token_ids[1:num_standing]) + ([w.after_token_id] if w.after_token_id >= 0 else [])
+        entries = token_logprobs(logits[: len(following)], following, w.prompt_logprobs)
+        return PromptLogprobs(w.request_id, w.start_position + 1, entries)
 
     def _check(self, seqs: list[SeqWork]) -> None:
         vocab = self._model_config.vocab_size
@@ -148,10 +196,35 @@ class ModelRunner:
                 if written.setdefault(page, w.request_id) != w.request_id:
                     raise PageError(f"page {page} is written by requests {written[page]} and {w.request_id} in one step")
             self._check_drafts(w)
+            self._check_logprobs(w)
+            self._check_penalties(w)
         for w in seqs:  # a page one sequence writes is read by no other
             for page in w.pages[: w.start_position // size]:
                 if written.get(page, w.request_id) != w.request_id:
                     raise PageError(f"page {page} is written by request {written[page]} while request {w.request_id} reads it")
+
+    def _check_penalties(self, w: SeqWork) -> None:
+        if not w.sample or w.sampling.penalties is None:
+            return
+        vocab = self._model_config.vocab_size
+        penalties = w.sampling.penalties
+        num_standing = len(w.token_ids) - w.num_draft_tokens
+        if (w.history is None or len(w.history) != w.start_position
+                or not 0 <= w.num_prompt_tokens <= w.start_position + num_standing):
+            raise PageError(f"request {w.request_id}: penalties need the {w.start_position} tokens before the step and "
+                            f"where its prompt ends", request_id=w.request_id)
+        ids = [*w.history, *penalties.logit_bias, *penalties.stop_token_ids]
+        if any(not 0 <= t < vocab for t in ids):
+            raise PageError(f"request {w.request_id}: a token id of its penalties is outside the vocabulary 0..{vocab - 1}",
+                            request_id=w.request_id)
+
+    def _check_logprobs(self, w: SeqWork) -> None:
+        if not -1 <= w.logprobs <= MAX_TOP_LOGPROBS or not -1 <= w.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise PageError(f"request {w.request_id}: logprobs {w.logprobs} and prompt_logprobs {w.prompt_logprobs} "
+                            f"must be -1 (none) to {MAX_TOP_LOGPROBS}", request_id=w.request_id)
+        if w.after_token_id >= 0 and (w.prompt_logprobs < 0 or w.after_token_id >= self._model_config.vocab_size):
+            raise PageError(f"request {w.request_id}: after_token_id {w.after_token_id} without prompt_logprobs, or "
+                            f"outside the vocabulary", request_id=w.request_id)
 
     def _check_drafts(self, w: SeqWork) -> None:
         k = w.num_draft_tokens
@@ -163,3 +236,12 @@ class ModelRunner:
         drafts = w.token_ids[len(w.token_ids) - k:]
         if problem := drafts_problem(drafts, w.draft_parents, w.draft_dists, self._model_config.vocab_size):
             raise PageError(f"request {w.request_id}: {problem}")
+
+
+def _num_logit_rows(w: SeqWork) -> int:
+    """Rows of logits a sequence needs: after each standing token for prompt log-probabilities, then k + 1 to sample."""
+    num_sampling = w.num_draft_tokens + 1 if w.sample else 0
+    if w.prompt_logprobs < 0:
+        return num_sampling
+    num_standing = len(w.token_ids) - w.num_draft_tokens
+    return num_standing + num_sampling - (1 if w.sample else 0)  # the last standing token's row is also sampling's first

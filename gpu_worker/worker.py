@@ -89,11 +89,13 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
         started = time.perf_counter()
         outputs: list[m.SeqOutput] = []
         features: list[m.SeqFeatures] = []
+        prompt_logprobs: list[m.PromptLogprobs] = []
 
         def execute() -> None:
-            done, rows = runner.execute(step.seqs, step.return_features)
+            done, rows, scored = runner.execute(step.seqs, step.return_features)
             outputs.extend(done)
             features.extend(rows)
+            prompt_logprobs.extend(scored)
 
         try:
             self.run_step(execute)
@@ -107,7 +109,7 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
                 self.log.info("seq.started", request_id=work.request_id, num_pages=len(work.pages), step_id=step.step_id)
         self.send(m.StepResult(
             worker_id=self.process_id, incarnation=self.incarnation, step_id=step.step_id,
-            outputs=outputs, duration_ms=duration_ms, features=features,
+            outputs=outputs, duration_ms=duration_ms, features=features, prompt_logprobs=prompt_logprobs,
         ))
         self.log.debug("step.done", step_id=step.step_id, num_seqs=len(step.seqs), duration_ms=round(duration_ms, 2),
                        request_ids=[w.request_id for w in step.seqs])

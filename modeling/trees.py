@@ -48,6 +48,15 @@ def follow(parents: Sequence[int], token_ids: Sequence[int], branch_tokens: Sequ
     return path
 
 
+def branch_to(parents: Sequence[int], node: int) -> list[int]:
+    """The nodes from the root down to `node`, itself included."""
+    branch: list[int] = []
+    while node >= 0:
+        branch.append(node)
+        node = parents[node]
+    return branch[::-1]
+
+
 def leading_nodes(branch: Sequence[int]) -> int:
     """How many of a branch's nodes are the tree's first nodes in order (0, 1, 2, ...): the part of it that a holder
     of the tree's tokens in node order already holds in place."""

@@ -21,14 +21,36 @@ from proto.lifecycle import State
 # 2: target features for draft heads; 3: token trees; 4: a READY report may lower max_draft_tokens;
 # 5: lifecycle states typed, a step output names the draft nodes it accepted;
 # 6: a paged KV cache (a step names each sequence's pages; cached prompt tokens in usage);
-# 9: a READY report names the kernels its model runs on (a receiver refuses fields it does not know).
-PROTOCOL_VERSION = 9
+# 9: a READY report names the kernels its model runs on (a receiver refuses fields it does not know);
+# 10: log-probabilities of sampled and prompt tokens.
+PROTOCOL_VERSION = 10
+
+# The most alternatives a log-probability may list with the token it is for (OpenAI's top_logprobs limit).
+MAX_TOP_LOGPROBS = 20
 
 Role = Literal["target", "draft"]
 
 # A temperature below this is greedy: dividing logits by it overflows float32 (a softmax of
 # infinities is NaN), and its draws are the argmax anyway.
 GREEDY_BELOW = 1e-5
+
+
+MAX_PENALTY = 2.0  # presence and frequency penalties, either sign (OpenAI's range)
+MAX_REPETITION_PENALTY = 100.0
+MAX_LOGIT_BIAS = 100.0  # either sign (OpenAI's range)
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
+
+class Penalties(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What changes a request's logits before it samples (modeling/penalties.py), in this order: stop tokens held back
+    until min_tokens, logit_bias added, then repetition, frequency and presence penalties."""
+
+    presence: float = 0.0  # subtracted from the logit of every token the completion holds, in -2 .. 2
+    frequency: float = 0.0  # subtracted once for each time the completion holds the token, in -2 .. 2
+    repetition: float = 1.0  # a logit of a token the prompt or completion holds: divided by it if positive, else times
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit, in -100 .. 100
+    min_tokens: int = 0  # completion tokens before any of stop_token_ids may be generated
+    stop_token_ids: list[int] = []  # the request's stop tokens (eos unless ignored), held back by min_tokens
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -38,11 +60,27 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     top_k: int = 0  # 0 = no top-k cut
     seed: int = 0  # always set: the scheduler draws one when the client gave none
+    penalties: Penalties | None = None  # None: the logits as the model gives them
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+
+class TopLogprob(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One token's log-probability where it stands, and the likeliest tokens there (likeliest first).
+
+    The distribution is the target model's after temperature (a greedy request's, and a
+    prompt's: the model's own), before any top-k or top-p cut.
+    """
+
+    logprob: float
+    top: list[TopLogprob]
 
 
 # ---------------------------------------------------------------- gateway -> scheduler
@@ -55,6 +93,9 @@ class SubmitRequest(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fi
     sampling: SamplingParams
     stop_token_ids: list[int]  # finish (reason "stop") when one is generated; eos is here unless ignore_eos
     seed_given: bool = True  # False: the scheduler replaces sampling.seed with a random one
+    # Log-probabilities: None asks for none; n >= 0 asks for each token's with its n likeliest alternatives.
+    logprobs: int | None = None  # of every completion token
+    prompt_logprobs: int | None = None  # of every prompt token but the first; max_tokens may then be 0
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True, forbid_unknown_fields=True):
@@ -96,6 +137,9 @@ class TokenDelta(msgspec.Struct, tag="tokens", frozen=True, forbid_unknown_field
     num_accepted_draft_tokens: int = 0
     num_verify_steps: int = 0  # target steps that verified at least one draft token
     num_cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
+    logprobs: list[TokenLogprob] | None = None  # when asked: one per token id
+    # When asked: the next prompt tokens' (the first delta with any starts at the prompt's second token).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class TokenDeltas(msgspec.Struct, tag="token_deltas", frozen=True, forbid_unknown_fields=True):
@@ -206,6 +250,14 @@ class SeqWork(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The draft tokens as a token tree (point masses, no draft_dists): each one's parent among
     # them, always an earlier one, or -1 for the token before them. None: one chain.
     draft_parents: list[int] | None = None
+    logprobs: int = -1  # >= 0: the new tokens' log-probabilities come back, with this many alternatives
+    # >= 0: so do those of the tokens after each of token_ids but the drafts (the last: after_token_id).
+    prompt_logprobs: int = -1
+    after_token_id: int = -1  # the prompt token after this chunk, when prompt_logprobs asks for its log-probability
+    # With sampling.penalties, when it samples: the sequence's tokens before start_position (prompt, then completion),
+    # and how many are the prompt's; the worker keeps no tokens, and penalties count them.
+    history: list[int] | None = None
+    num_prompt_tokens: int = 0
 
 
 class StepRequest(msgspec.Struct, tag="step", frozen=True, forbid_unknown_fields=True):
@@ -352,10 +404,19 @@ class SeqOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     token_ids: list[int]  # new tokens in order: accepted drafts, then one sampled token
     # The draft nodes accepted, root to leaf: indices into the proposal (a chain's first ones).
     accepted_nodes: list[int] = []
+    logprobs: list[TokenLogprob] | None = None  # when asked: one per token id
 
     @property
     def num_accepted_draft(self) -> int:
         return len(self.accepted_nodes)
+
+
+class PromptLogprobs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The log-probabilities of a chunk's tokens after its first (then of after_token_id), as its SeqWork asked."""
+
+    request_id: str
+    first_position: int  # the position of the token the first entry is for
+    entries: list[TokenLogprob]
 
 
 class SeqFeatures(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -370,6 +431,7 @@ class StepResult(msgspec.Struct, tag="step_result", frozen=True, forbid_unknown_
     outputs: list[SeqOutput]  # one per SeqWork with sample=True, in request order
     duration_ms: float
     features: list[SeqFeatures] = []  # when asked (return_features): one per SeqWork, in request order
+    prompt_logprobs: list[PromptLogprobs] = []  # one per SeqWork that asked, in request order
 
 
 class StepRefused(msgspec.Struct, tag="step_refused", frozen=True, forbid_unknown_fields=True):

@@ -82,6 +82,7 @@ class StepSeq:
     draft_token_ids: list[int]  # the proposal it verifies; empty without one
     draft_generation: int = 0  # the request's DraftView generation when the proposal was made
     draft_parents: list[int] | None = None  # the proposal's token tree (modeling.trees); None: a chain
+    prompt_scores: int | None = None  # prompt log-probabilities the step returns for it; None: none asked for
 
 
 @dataclass

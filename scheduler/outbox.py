@@ -37,15 +37,18 @@ class Outbox:
         self.flush_deltas(identity)
         self._messages.append(Outgoing(False, identity, message))
 
-    def emit(self, request: Request, token_ids: list[int], finish_reason: m.FinishReason | None) -> None:
-        """New tokens (or the finish) of a request, for its gateway, sent with the others at the end of the event."""
-        if not token_ids and finish_reason is None:
+    def emit(self, request: Request, token_ids: list[int], finish_reason: m.FinishReason | None, *,
+             logprobs: list[m.TokenLogprob] | None = None, prompt_logprobs: list[m.TokenLogprob] | None = None) -> None:
+        """New tokens (or the finish, or prompt log-probabilities) of a request, for its gateway, sent with the others
+        at the end of the event."""
+        if not token_ids and finish_reason is None and not prompt_logprobs:
             return
         self._pending_deltas.setdefault(request.gateway, []).append(m.TokenDelta(
             request_id=request.request_id, token_ids=token_ids, finish_reason=finish_reason,
             num_prompt_tokens=len(request.prompt_token_ids), num_completion_tokens=len(request.output_token_ids),
             num_draft_tokens=request.num_draft_tokens, num_accepted_draft_tokens=request.num_accepted_draft_tokens,
             num_verify_steps=request.num_verify_steps, num_cached_tokens=request.num_cached_tokens,
+            logprobs=logprobs if token_ids else None, prompt_logprobs=prompt_logprobs,
         ))
 
     def flush_deltas(self, only: bytes | None = None) -> None:

@@ -64,12 +64,33 @@ def sampling_problem(sampling: m.SamplingParams) -> str:
         return f"top_k {sampling.top_k} is negative"
     if not 0 <= sampling.seed < 1 << 64:
         return f"seed {sampling.seed} is outside 0 .. 2^64 - 1"
+    return penalties_problem(sampling.penalties) if sampling.penalties is not None else ""
+
+
+def penalties_problem(penalties: m.Penalties) -> str:
+    """Why these penalties cannot be served ("" when they can); token ids are checked with the prompt's."""
+    for name, value in (("presence_penalty", penalties.presence), ("frequency_penalty", penalties.frequency)):
+        if not (math.isfinite(value) and -m.MAX_PENALTY <= value <= m.MAX_PENALTY):
+            return f"{name} {value} is outside -{m.MAX_PENALTY} .. {m.MAX_PENALTY}"
+    if not (math.isfinite(penalties.repetition) and 0.0 < penalties.repetition <= m.MAX_REPETITION_PENALTY):
+        return f"repetition_penalty {penalties.repetition} is outside (0, {m.MAX_REPETITION_PENALTY}]"
+    if len(penalties.logit_bias) > m.MAX_LOGIT_BIAS_ENTRIES:
+        return f"logit_bias has {len(penalties.logit_bias)} entries, at most {m.MAX_LOGIT_BIAS_ENTRIES}"
+    for token, bias in penalties.logit_bias.items():
+        if not (math.isfinite(bias) and -m.MAX_LOGIT_BIAS <= bias <= m.MAX_LOGIT_BIAS):
+            return f"logit_bias of token {token} is {bias}, outside -{m.MAX_LOGIT_BIAS} .. {m.MAX_LOGIT_BIAS}"
+    if penalties.min_tokens < 0:
+        return f"min_tokens {penalties.min_tokens} is negative"
+    if len(penalties.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        return f"the penalties' stop_token_ids has more than {MAX_STOP_TOKEN_IDS} ids"
     return ""
 
 
 def token_problem(submit: m.SubmitRequest | Request, vocab_size: int) -> str:
     """A prompt or stop token id outside the vocabulary of `vocab_size` ids (any negative one when it is not known)."""
-    for field_name, ids in (("prompt_token_ids", list(submit.prompt_token_ids)), ("stop_token_ids", list(submit.stop_token_ids))):
+    penalties = submit.sampling.penalties or m.Penalties()
+    for field_name, ids in (("prompt_token_ids", list(submit.prompt_token_ids)), ("stop_token_ids", list(submit.stop_token_ids)),
+                            ("logit_bias", list(penalties.logit_bias)), ("min_tokens' stop_token_ids", penalties.stop_token_ids)):
         if ids and (min(ids) < 0 or (vocab_size and max(ids) >= vocab_size)):
             bad = next(i for i in ids if i < 0 or (vocab_size and i >= vocab_size))
             return f"{field_name} holds {bad}, outside the vocabulary of {vocab_size or 'the model'} ids"
@@ -108,6 +129,15 @@ class Request:
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
     num_verify_steps: int = 0
+    # Log-probabilities asked for (-1: none; n: with n alternatives), and the next prompt position whose is still owed.
+    num_logprobs: int = -1
+    num_prompt_logprobs: int = -1
+    prompt_logprobs_done: int = 1  # the first prompt token has none
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Prompt log-probabilities are owed: its prompt is computed, not taken from the prefix cache."""
+        return self.num_prompt_logprobs >= 0 and self.prompt_logprobs_done < len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -190,8 +220,12 @@ class RequestTable:
             raise RequestRejected("INVALID_ARGUMENT", f"stop_token_ids has more than {MAX_STOP_TOKEN_IDS} ids")
         if num_prompt == 0:
             raise RequestRejected("INVALID_ARGUMENT", "prompt_token_ids is empty")
-        if submit.max_tokens is not None and submit.max_tokens < 1:
-            raise RequestRejected("INVALID_ARGUMENT", f"max_tokens must be at least 1, got {submit.max_tokens}")
+        for name, count in (("logprobs", submit.logprobs), ("prompt_logprobs", submit.prompt_logprobs)):
+            if count is not None and not 0 <= count <= m.MAX_TOP_LOGPROBS:
+                raise RequestRejected("INVALID_ARGUMENT", f"{name} must be 0 to {m.MAX_TOP_LOGPROBS}, got {count}")
+        least = 0 if submit.prompt_logprobs is not None else 1  # scoring a prompt alone generates nothing
+        if submit.max_tokens is not None and submit.max_tokens < least:
+            raise RequestRejected("INVALID_ARGUMENT", f"max_tokens must be at least {least}, got {submit.max_tokens}")
         max_tokens = submit.max_tokens if submit.max_tokens is not None else limit - num_prompt
         if num_prompt + max(max_tokens, 1) > limit:
             raise RequestRejected(
@@ -206,7 +240,8 @@ class RequestTable:
         request = Request(
             request_id=submit.request_id, gateway=gateway, prompt_token_ids=list(submit.prompt_token_ids),
             max_tokens=max_tokens, sampling=sampling, stop_token_ids=frozenset(submit.stop_token_ids),
-            waiting_since_s=now_s,
+            waiting_since_s=now_s, num_logprobs=-1 if submit.logprobs is None else submit.logprobs,
+            num_prompt_logprobs=-1 if submit.prompt_logprobs is None else submit.prompt_logprobs,
         )
         self._by_id[request.request_id] = request
         self._waiting.append(request)

@@ -30,7 +30,7 @@ from scheduler.outbox import Outbox
 from scheduler.placement import choose_worker, too_long_problem
 from scheduler.requests import FINISH_REASONS, Request, RequestStatus, RequestTable
 from scheduler.speculation.link import DraftLink, DraftWork, PendingProposal, draft_work
-from scheduler.speculation.verification import record_verification, step_result_problem
+from scheduler.speculation.verification import logprobs_problem, record_verification, step_result_problem
 from scheduler.workers import WorkerRecord, WorkerRegistry
 
 log = get_logger()
@@ -58,8 +58,10 @@ class StepCycle:
                 self.finish(request, RequestStatus.FAILED, notify=False, reason=problem)
                 self._outbox.to_gateway(request.gateway, m.RequestError(request.request_id, "INVALID_ARGUMENT", problem))
                 continue
-            # A feature-reading draft needs every position's target features: a cache hit would leave them out.
-            placed = choose_worker(request, targets, self._config.max_num_seqs, share_prefix=not self._drafts.features_wanted)
+            # A feature-reading draft needs every position's target features, and prompt log-probabilities every prompt
+            # position's logits: a cache hit would leave them out.
+            share_prefix = not self._drafts.features_wanted and not request.scores_prompt
+            placed = choose_worker(request, targets, self._config.max_num_seqs, share_prefix=share_prefix)
             if placed is None:
                 return
             self._requests.start(request, placed.worker.worker_id, placed.num_cached_tokens)
@@ -123,12 +125,21 @@ class StepCycle:
         for item, (drafts, dists, parents) in work:
             r = item.request
             start = r.num_computed_tokens
+            end = start + item.num_tokens
+            scores = r.scores_prompt and start < len(r.prompt_token_ids)
             seqs.append(m.SeqWork(
                 request_id=r.request_id, pages=pages.block_table(r.request_id), start_position=start,
-                token_ids=r.token_slice(start, start + item.num_tokens) + drafts, sample=item.completes, sampling=r.sampling,
+                token_ids=r.token_slice(start, end) + drafts, sample=item.completes, sampling=r.sampling,
                 num_draft_tokens=len(drafts), draft_dists=dists, draft_parents=parents,
+                logprobs=r.num_logprobs if item.completes else -1, prompt_logprobs=r.num_prompt_logprobs if scores else -1,
+                after_token_id=r.prompt_token_ids[end] if scores and end < len(r.prompt_token_ids) else -1,
+                # Penalties count the tokens before the step; the worker holds none.
+                history=r.token_slice(0, start) if r.sampling.penalties is not None and item.completes else None,
+                num_prompt_tokens=len(r.prompt_token_ids) if r.sampling.penalties is not None else 0,
             ))
-            step_seqs.append(StepSeq(r, item.num_tokens, item.completes, drafts, r.draft.generation, parents))
+            # A prompt chunk's scores: each token's after the first, then the next chunk's first.
+            prompt_scores = item.num_tokens - 1 + (end < len(r.prompt_token_ids)) if scores else None
+            step_seqs.append(StepSeq(r, item.num_tokens, item.completes, drafts, r.draft.generation, parents, prompt_scores))
         worker.in_flight = InFlightStep(self._next_step_id, now_s, step_seqs)
         self._outbox.to_worker(worker.identity, m.StepRequest(self._next_step_id, worker.incarnation, seqs,
                                                               return_features=self._drafts.features_wanted))
@@ -182,7 +193,8 @@ class StepCycle:
         if step is None or step.step_id != result.step_id:
             return None
         outputs = {o.request_id: o for o in result.outputs}
-        if problem := step_result_problem(step.seqs, outputs):
+        scored = {entry.request_id: entry for entry in result.prompt_logprobs}
+        if problem := step_result_problem(step.seqs, outputs) or logprobs_problem(step.seqs, outputs, scored):
             return f"step {step.step_id}: {problem}"
         worker.in_flight = None
         pages = worker.pages
@@ -202,15 +214,29 @@ class StepCycle:
             if request.num_computed_tokens // pages.page_size > computed_before // pages.page_size:
                 standing = request.token_ids + (output.token_ids if output is not None else [])
                 pages.register(request.request_id, standing[: request.num_computed_tokens])
+            if request.request_id in scored:
+                self._emit_prompt_logprobs(request, scored[request.request_id])
             if output is not None:
                 record_verification(request, seq, output, self._drafts.counters)
-                self._append_tokens(request, output.token_ids)
+                if request.max_tokens == 0:  # the prompt was scored, nothing is generated
+                    self.finish(request, RequestStatus.FINISHED_LENGTH, notify=True)
+                else:
+                    self._append_tokens(request, output.token_ids, output.logprobs)
         self._drafts.store_features(worker, result.features, partial(protocol_error, worker, "bad_features"))
         self.place_waiting()
         self.dispatch(now_s)
         return ""
 
-    def _append_tokens(self, request: Request, token_ids: list[int]) -> None:
+    def _emit_prompt_logprobs(self, request: Request, scored: m.PromptLogprobs) -> None:
+        """The entries for prompt positions still owed (a recomputed prompt's others were sent before)."""
+        first = max(request.prompt_logprobs_done - scored.first_position, 0)
+        last = len(request.prompt_token_ids) - scored.first_position
+        entries = scored.entries[first:last]
+        if entries:
+            request.prompt_logprobs_done = scored.first_position + first + len(entries)
+            self._outbox.emit(request, [], None, prompt_logprobs=entries)
+
+    def _append_tokens(self, request: Request, token_ids: list[int], logprobs: list[m.TokenLogprob] | None) -> None:
         emitted: list[int] = []
         status = None
         for token in token_ids:
@@ -219,7 +245,7 @@ class StepCycle:
             status = request.finish_status_after_append(self._config.max_model_len)
             if status is not None:
                 break
-        self._outbox.emit(request, emitted, None)
+        self._outbox.emit(request, emitted, None, logprobs=None if logprobs is None else logprobs[: len(emitted)])
         if status is not None:
             self.finish(request, status, notify=True)
 

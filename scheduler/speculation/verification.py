@@ -36,6 +36,29 @@ def step_result_problem(seqs: Sequence[StepSeq], outputs: Mapping[str, m.SeqOutp
     return ""
 
 
+def logprobs_problem(seqs: Sequence[StepSeq], outputs: Mapping[str, m.SeqOutput],
+                     scored: Mapping[str, m.PromptLogprobs]) -> str:
+    """Why a step result's log-probabilities cannot be what the step asked ("" when they can): one per new token where
+    the request asked, none where it did not, and a prompt chunk's where its SeqWork asked."""
+    for seq in seqs:
+        request = seq.request
+        output = outputs.get(request.request_id) if seq.samples else None
+        if output is not None and (output.logprobs is not None) != (request.num_logprobs >= 0):
+            return f"{request.request_id}: log-probabilities {'missing' if output.logprobs is None else 'not asked for'}"
+        if output is not None and output.logprobs is not None and (
+                len(output.logprobs) != len(output.token_ids)
+                or any(len(entry.top) > request.num_logprobs for entry in output.logprobs)):
+            return f"{request.request_id}: {len(output.logprobs)} log-probabilities for {len(output.token_ids)} tokens"
+        entry = scored.get(request.request_id)
+        if (entry is None) != (seq.prompt_scores is None):
+            return f"{request.request_id}: prompt log-probabilities {'missing' if entry is None else 'not asked for'}"
+        if entry is not None and len(entry.entries) != seq.prompt_scores:
+            return f"{request.request_id}: {len(entry.entries)} prompt log-probabilities, {seq.prompt_scores} asked for"
+    if unknown := set(scored) - {seq.request.request_id for seq in seqs}:
+        return f"prompt log-probabilities for {sorted(unknown)}, not in the step"
+    return ""
+
+
 def record_verification(request: Request, seq: StepSeq, output: m.SeqOutput, counters: SpecCounters) -> None:
     """A checked step result's speculation: the request's and the server's counts, and what the draft holds now."""
     num_drafts, num_accepted = len(seq.draft_token_ids), output.num_accepted_draft

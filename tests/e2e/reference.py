@@ -1,4 +1,5 @@
-"""Greedy continuations from Hugging Face transformers on the same weights, with each step's top-2 logit margin."""
+"""Hugging Face transformers on the same weights: greedy continuations with each step's top-2 logit margin, and
+log-probabilities."""
 
 from __future__ import annotations
 
@@ -35,3 +36,9 @@ class ReferenceModel:
             top2 = torch.topk(logits[0].float(), 2).values
             margins.append(float(top2[0] - top2[1]))
         return Reference(tokens, margins)
+
+    def log_softmax(self, token_ids: list[int]) -> torch.Tensor:
+        """`[len(token_ids), V]`: the log-probabilities of the next token after each of token_ids, in float32."""
+        with torch.inference_mode():
+            logits = self._model(torch.tensor([token_ids])).logits[0].float()
+        return torch.log_softmax(logits, dim=-1)

@@ -106,6 +106,7 @@ class GenerateResult:
     completion_tokens: int
     num_chunks: int
     cached_tokens: int = 0
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # when asked: (logprob, [(token, logprob)])
 
 
 def collect(stream: Iterator[pb.GenerateResponse]) -> GenerateResult:
@@ -113,14 +114,16 @@ def collect(stream: Iterator[pb.GenerateResponse]) -> GenerateResult:
     text: list[str] = []
     last: pb.GenerateResponse | None = None
     num_chunks = 0
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = []
     for chunk in stream:
         token_ids.extend(chunk.token_ids)
+        logprobs.extend((e.logprob, [(t.token_id, t.logprob) for t in e.top_logprobs]) for e in chunk.logprobs)
         text.append(chunk.text)
         last = chunk
         num_chunks += 1
     assert last is not None, "the stream ended without a chunk"
     return GenerateResult(token_ids, "".join(text), last.finish_reason, last.usage.prompt_tokens,
-                          last.usage.completion_tokens, num_chunks, last.usage.cached_tokens)
+                          last.usage.completion_tokens, num_chunks, last.usage.cached_tokens, logprobs or None)
 
 
 def running_stack(config: StackConfig, log_dir: Path) -> AbstractContextManager[Stack]:

@@ -111,8 +111,8 @@ CHAT = [{"role": "user", "content": "hi"}]
     ({"prompt": "x", "n": 2}, "n"),
     ({"prompt": 5}, "prompt"),
     ({"prompt": "x", "stop": [1]}, "stop"),
-    ({"prompt": "x", "logprobs": 3}, "logprobs"),
-    ({"prompt": "x", "logprobs": 0}, "logprobs"),  # still asks for the sampled token's logprob
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "logprobs": "all"}, "logprobs"),
     # Numbers past what the fields hold: a 400 naming the field, never a 500.
     ({"prompt": "x", "max_tokens": 2**31}, "max_tokens"),
     ({"prompt": "x", "top_k": 2**40}, "top_k"),
@@ -120,12 +120,13 @@ CHAT = [{"role": "user", "content": "hi"}]
     ({"prompt": [1, 2**40]}, "prompt"),
     ({"prompt": [1, 49152]}, "prompt"),  # outside the vocabulary: named as the client's field
     # What this server does not do is refused, never silently ignored.
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "echo": "yes"}, "echo"),
     ({"prompt": "x", "suffix": "end"}, "suffix"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-    ({"prompt": "x", "frequency_penalty": -1}, "frequency_penalty"),
-    ({"prompt": "x", "logit_bias": {"42": 5}}, "logit_bias"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": "x", "logit_bias": {"42": 500}}, "logit_bias[42]"),
+    ({"prompt": "x", "logit_bias": {"49152": 1}}, "logit_bias[49152]"),
     ({"messages": [{"role": "", "content": "hi"}]}, "messages[0].role"),
     ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": CHAT, "max_tokens": 0}, "max_tokens"),
@@ -237,3 +238,28 @@ def _wait(condition, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
     while not condition():
         assert time.monotonic() < deadline
         time.sleep(0.1)
+
+
+def test_penalties_logit_bias_and_min_tokens_reach_the_model(fp32_stack: Stack, default_model_dir: Path) -> None:
+    from modeling.tokenizer import Tokenizer
+
+    api = client(fp32_stack)
+    (forced_id,) = Tokenizer.load(default_model_dir).encode_raw(" banana")
+    forced = api.completions.create(model=MODEL, prompt="My favourite fruit is", max_tokens=3, temperature=0,
+                                    logit_bias={str(forced_id): 100})
+    assert forced.choices[0].text == " banana" * 3
+    over_grpc = fp32_stack.generate(pb.GenerateRequest(prompt="My favourite fruit is", params=pb.SamplingParams(
+        max_tokens=3, logit_bias={forced_id: 100.0})))
+    assert over_grpc.token_ids == [forced_id] * 3
+    # A short answer ends at end-of-sequence; min_tokens holds it back.
+    messages: list[Any] = [{"role": "user", "content": "What is the capital of France?"}]
+    short = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0)
+    assert short.choices[0].finish_reason == "stop" and short.usage is not None and short.usage.completion_tokens < 64
+    held = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0,
+                                       extra_body={"min_tokens": 64})
+    assert held.choices[0].finish_reason == "length" and held.usage is not None and held.usage.completion_tokens == 64
+    repeated = "the cat " * 8
+    plain = api.completions.create(model=MODEL, prompt=repeated, max_tokens=8, temperature=0)
+    penalized = api.completions.create(model=MODEL, prompt=repeated, max_tokens=8, temperature=0, presence_penalty=2,
+                                       frequency_penalty=2, extra_body={"repetition_penalty": 1.5})
+    assert "the cat" in plain.choices[0].text and penalized.choices[0].text != plain.choices[0].text

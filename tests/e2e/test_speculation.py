@@ -1,4 +1,5 @@
-"""Speculative decoding through the whole stack: greedy output is the output without speculation, whatever proposes.
+"""Speculative decoding through the whole stack: greedy output is the output without speculation, whatever proposes,
+and so are its log-probabilities.
 
 One float32 target worker and a draft service whose proposer changes between runs (the
 service is stopped and a new one started, so speculation also stops and resumes):
@@ -110,10 +111,12 @@ def switch_draft(stack: Stack, proposer: str | None) -> None:
 def test_greedy_is_lossless_with_every_proposer(spec_stack: Stack, default_model_dir: Path, truncated_draft: Path,
                                                 tmp_path: Path) -> None:
     ids = prompt_ids(Tokenizer.load(default_model_dir))
-    requests = [request(p) for p in ids]
+    requests = [request(p, logprobs=2) for p in ids]
     switch_draft(spec_stack, None)
-    baseline = [r.token_ids for r in run_staggered(spec_stack, requests)]
+    plain = run_staggered(spec_stack, requests)
+    baseline = [r.token_ids for r in plain]
     assert all(len(tokens) == NUM_TOKENS for tokens in baseline)
+    assert all(r.logprobs is not None and len(r.logprobs) == NUM_TOKENS for r in plain)
     replay = tmp_path / "replay.json"
     replay.write_text(json.dumps([p + out for p, out in zip(ids, baseline)]))
 
@@ -123,6 +126,8 @@ def test_greedy_is_lossless_with_every_proposer(spec_stack: Stack, default_model
         results = run_staggered(spec_stack, requests)
         for index, (result, expected) in enumerate(zip(results, baseline)):
             assert result.token_ids == expected, f"{proposer}: prompt {index} differs from greedy without speculation"
+            # Bit for bit: a verified token's log-probability is its target's at that position.
+            assert result.logprobs == plain[index].logprobs, f"{proposer}: prompt {index}'s log-probabilities differ"
         info = spec_stack.wait_idle()  # the target's and the draft's KV are empty again
         assert sorted(p.role for p in info.processes if p.state == "READY") == ["draft", "target"]
         after = info.speculation
@@ -183,13 +188,40 @@ def test_seeded_sampling_with_speculation_is_reproducible(spec_stack: Stack, def
                                                           proposer: str) -> None:
     switch_draft(spec_stack, "ngram" if proposer == "ngram" else f"model:{truncated_draft}")
     ids = prompt_ids(Tokenizer.load(default_model_dir))
-    sampled = request(ids[1], temperature=0.8, top_p=0.95, seed=1234, max_tokens=32)
+    sampled = request(ids[1], temperature=0.8, top_p=0.95, seed=1234, max_tokens=32, logprobs=1)
     first, second = spec_stack.generate(sampled), spec_stack.generate(sampled)
-    assert first.token_ids == second.token_ids
+    assert first.token_ids == second.token_ids and first.logprobs == second.logprobs
     assert len(first.token_ids) == 32
     if proposer == "ngram":  # point-mass drafts are verified by the target's own draws: plain sampling's very tokens
         switch_draft(spec_stack, None)
-        assert spec_stack.generate(sampled).token_ids == first.token_ids
+        plain = spec_stack.generate(sampled)
+        assert plain.token_ids == first.token_ids
+        assert plain.logprobs == first.logprobs  # the target's, after temperature, with or without speculation
+
+
+def test_penalized_and_biased_output_is_the_same_with_and_without_speculation(spec_stack: Stack, default_model_dir: Path,
+                                                                            truncated_draft: Path) -> None:
+    """Every verify row is penalized after its own branch, as the decode step it stands for would be."""
+    ids = prompt_ids(Tokenizer.load(default_model_dir))
+    penalties = {"presence_penalty": 0.4, "frequency_penalty": 0.6, "repetition_penalty": 1.2,
+                 "logit_bias": {13: 2.0, 28: -5.0}, "min_tokens": 8, "logprobs": 1}
+    requests = [request(p, **penalties) for p in ids[:4]]
+    requests += [request(p, temperature=0.8, top_p=0.95, seed=21 + i, **penalties) for i, p in enumerate(ids[4:6])]
+    switch_draft(spec_stack, None)
+    plain = run_staggered(spec_stack, requests)
+    unpenalized = [spec_stack.generate(request(p)).token_ids for p in ids[:4]]
+    assert [r.token_ids for r in plain[:4]] != unpenalized  # the penalties change what the model says
+    for proposer in ("ngram", f"model:{truncated_draft}"):
+        switch_draft(spec_stack, proposer)
+        before = spec_stack.info().speculation
+        results = run_staggered(spec_stack, requests)
+        assert spec_stack.info().speculation.num_verify_steps > before.num_verify_steps, proposer
+        for index, (result, expected) in enumerate(zip(results, plain)):
+            if index >= 4 and proposer.startswith("model"):  # a sampled draft's q changes which tokens are drawn
+                assert len(result.token_ids) == NUM_TOKENS
+                continue
+            assert result.token_ids == expected.token_ids, f"{proposer}: request {index} differs"
+            assert result.logprobs == expected.logprobs, f"{proposer}: request {index}'s log-probabilities differ"
 
 
 def test_usage_reports_the_requests_speculation(spec_stack: Stack, default_model_dir: Path) -> None:

@@ -42,6 +42,11 @@ def fake_features(start: int, count: int) -> m.FeatureRows:
     return m.FeatureRows(start, count, FEATURE_WIDTH, "float32", struct.pack(f"<{len(values)}f", *values))
 
 
+def fake_logprob(position: int, token: int, num_top: int) -> m.TokenLogprob:
+    """A log-probability that says where it was computed: -position/100 for `token`, alternatives after it."""
+    return m.TokenLogprob(-position / 100, [m.TopLogprob(token + i, -position / 100 - i) for i in range(num_top)])
+
+
 def feature_positions(rows: m.FeatureRows) -> list[int]:
     values = struct.unpack(f"<{rows.num_rows * rows.width}f", rows.data)
     return [int(v) for v in values[:: rows.width]]
@@ -105,10 +110,13 @@ class Sim:
         stop_token_ids: Sequence[int] = (EOS,),
         sampling: m.SamplingParams | None = None,
         seed_given: bool = True,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> list[Outgoing]:
         submit = m.SubmitRequest(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), max_tokens=max_tokens,
             sampling=sampling or m.SamplingParams(), stop_token_ids=list(stop_token_ids), seed_given=seed_given,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         )
         self.core.on_gateway_message(GATEWAY, submit, self.now_s)
         return self.collect()
@@ -234,8 +242,13 @@ class FakeWorker:
         tokens = tokens or {}
         outputs = []
         features = []
+        scored = []
         for seq in step.seqs:
             num_standing = len(seq.token_ids) - seq.num_draft_tokens
+            if seq.prompt_logprobs >= 0:  # like the real worker: each standing token's after the first, then the next
+                following = list(seq.token_ids[1:num_standing]) + ([seq.after_token_id] if seq.after_token_id >= 0 else [])
+                scored.append(m.PromptLogprobs(seq.request_id, seq.start_position + 1, [
+                    fake_logprob(seq.start_position + 1 + i, token, seq.prompt_logprobs) for i, token in enumerate(following)]))
             if seq.sample:
                 truth = list(tokens.get(seq.request_id, [])) or [DEFAULT_TOKEN]
                 drafts = seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens:] if seq.num_draft_tokens else []
@@ -247,7 +260,10 @@ class FakeWorker:
                         break
                     nodes.append(node)
                 accepted = len(nodes)
-                outputs.append(m.SeqOutput(seq.request_id, truth[:accepted + 1], nodes))
+                first = seq.start_position + num_standing
+                logprobs = None if seq.logprobs < 0 else [
+                    fake_logprob(first + i, token, seq.logprobs) for i, token in enumerate(truth[:accepted + 1])]
+                outputs.append(m.SeqOutput(seq.request_id, truth[:accepted + 1], nodes, logprobs))
                 first = seq.start_position + num_standing
                 for i, token in enumerate(truth[:accepted]):  # the accepted branch's keys and values, where they stand
                     self._write(seq, first + i, token)
@@ -258,7 +274,7 @@ class FakeWorker:
             if step.return_features:  # like the real worker: every position of the step that stands
                 features.append(m.SeqFeatures(seq.request_id, fake_features(seq.start_position, num_standing)))
         return self.send(m.StepResult(self.worker_id, self.incarnation, step.step_id, outputs, duration_ms=3.0,
-                                      features=features))
+                                      features=features, prompt_logprobs=scored))
 
     def run(self, scripts: Mapping[str, Sequence[int]] | None = None, max_steps: int = 200,
             draft: FakeDraft | None = None) -> int:

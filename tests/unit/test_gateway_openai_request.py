@@ -10,7 +10,7 @@ import pytest
 from gateway.app import load_tokenizer
 from gateway.errors import InvalidArgument, StartupError
 from gateway.generation import prompt_token_ids_of
-from gateway.openai_request import ApiError, chat_prompt, client_request_of, completion_prompt
+from gateway.openai_request import MAX_PROMPTS, ApiError, chat_prompt, client_request_of, completion_prompts
 from gateway.request import Submission, TextPrompt, TokenPrompt
 from gateway.validation import validate
 from modeling.tokenizer import Tokenizer
@@ -23,7 +23,7 @@ CHAT = [{"role": "user", "content": "hi"}]
 def submission(body: dict[str, Any]) -> Submission:
     """As the HTTP API does it: the prompt, then the parameters, then `validate` with the body's names."""
     chat = "messages" in body
-    prompt = chat_prompt(body) if chat else completion_prompt(body)
+    (prompt,) = [chat_prompt(body)] if chat else completion_prompts(body)
     request, fields = client_request_of(body, prompt, chat=chat)
     return validate(request, fields=fields, request_id="cmpl-1", vocab_size=VOCAB_SIZE)
 
@@ -40,6 +40,19 @@ BAD_VALUES = [
     ("messages[1].role", {"messages": [*CHAT, {"role": "", "content": "a"}]}, "messages[1].role: must not be empty"),
     ("max_completion_tokens", {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens: must be at least 1, got 0"),
     ("max_tokens", {"messages": CHAT, "max_tokens": 0}, "max_tokens: must be at least 1, got 0"),
+    ("max_tokens", {"prompt": "x", "logprobs": 1, "max_tokens": 0}, "max_tokens: must be at least 1, got 0"),
+    ("max_tokens", {"prompt": "x", "echo": True, "max_tokens": -1}, "max_tokens: must be at least 0, got -1"),
+    ("logprobs", {"prompt": "x", "logprobs": 21}, "logprobs: must be 0 to 20, got 21"),
+    ("logprobs", {"prompt": "x", "logprobs": -1, "echo": True}, "logprobs: must be 0 to 20, got -1"),
+    ("top_logprobs", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs: must be 0 to 20, got 21"),
+    ("presence_penalty", {"prompt": "x", "presence_penalty": 3}, "presence_penalty: must be in [-2, 2], got 3.0"),
+    ("frequency_penalty", {"prompt": "x", "frequency_penalty": -2.5}, "frequency_penalty: must be in [-2, 2], got -2.5"),
+    ("repetition_penalty", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty: must be in (0, 100], got 0.0"),
+    (f"logit_bias[{VOCAB_SIZE}]", {"prompt": "x", "logit_bias": {str(VOCAB_SIZE): 1}},
+     f"logit_bias[{VOCAB_SIZE}]: token id {VOCAB_SIZE} is outside the vocabulary [0, {VOCAB_SIZE})"),
+    ("logit_bias[5]", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias[5]: must be in [-100, 100], got 101.0"),
+    ("min_tokens", {"prompt": "x", "max_tokens": 3, "min_tokens": 5}, "min_tokens: must be at most max_tokens (3), got 5"),
+    ("min_tokens", {"prompt": "x", "min_tokens": -1}, "min_tokens: must be >= 0, got -1"),
 ]
 
 
@@ -65,9 +78,18 @@ BAD_TYPES = [
     ("seed", {"prompt": "x", "seed": 1.5}),
     ("stop", {"prompt": "x", "stop": [1]}),
     ("n", {"prompt": "x", "n": 2}),
-    ("logprobs", {"prompt": "x", "logprobs": 0}),
-    ("echo", {"prompt": "x", "echo": True}),
-    ("logit_bias", {"prompt": "x", "logit_bias": {"42": 5}}),
+    ("logprobs", {"prompt": "x", "logprobs": "yes"}),
+    ("logprobs", {"messages": CHAT, "logprobs": 1}),
+    ("top_logprobs", {"messages": CHAT, "top_logprobs": 2}),
+    ("echo", {"prompt": "x", "echo": 1}),
+    ("prompt", {"prompt": ["x", 5]}),
+    ("prompt", {"prompt": ["x"] * (MAX_PROMPTS + 1)}),
+    ("logit_bias", {"prompt": "x", "logit_bias": [5]}),
+    ("logit_bias", {"prompt": "x", "logit_bias": {"the": 5}}),
+    ("logit_bias[5]", {"prompt": "x", "logit_bias": {"5": "high"}}),
+    ("logit_bias[5]", {"prompt": "x", "logit_bias": {"5": None}}),
+    ("min_tokens", {"prompt": "x", "min_tokens": 1.5}),
+    ("best_of", {"prompt": "x", "best_of": 2}),
 ]
 
 
@@ -96,6 +118,40 @@ def test_openai_defaults_and_vllm_extensions() -> None:
     chat = submission({"messages": CHAT, "max_completion_tokens": None, "max_tokens": 3, "seed": None})
     assert chat.max_tokens == 3 and not chat.seed_given and chat.prompt_field == "messages"
     assert submission({"messages": CHAT}).max_tokens is None
+
+
+def test_logprobs_and_echo_ask_for_completion_and_prompt_log_probabilities() -> None:
+    plain = submission({"prompt": "x", "logprobs": 0})
+    assert (plain.logprobs, plain.prompt_logprobs, plain.max_tokens) == (0, None, 16)
+    scored = submission({"prompt": "x", "logprobs": 2, "echo": True, "max_tokens": 0})
+    assert (scored.logprobs, scored.prompt_logprobs, scored.max_tokens) == (2, 2, 0)
+    echoed = submission({"prompt": "x", "echo": True, "max_tokens": 0})  # an echo alone: the prompt, nothing scored
+    assert (echoed.logprobs, echoed.prompt_logprobs) == (None, 0)
+    assert submission({"prompt": "x", "logprobs": False, "echo": False}).logprobs is None
+    chat = submission({"messages": CHAT, "logprobs": True, "top_logprobs": 3})
+    assert (chat.logprobs, chat.prompt_logprobs) == (3, None)
+    assert submission({"messages": CHAT, "logprobs": True}).logprobs == 0
+    assert submission({"messages": CHAT, "logprobs": False}).logprobs is None
+    submit = scored.to_submit_request([5, 6], (2,))
+    assert (submit.logprobs, submit.prompt_logprobs, submit.max_tokens) == (2, 2, 0)
+
+
+def test_penalties_are_passed_on_and_none_asked_is_none() -> None:
+    asked = submission({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
+                        "logit_bias": {"5": -100, "7": 3.5}, "min_tokens": 2, "ignore_eos": False})
+    assert asked.sampling.penalties == messages.Penalties(presence=0.5, frequency=-1.0, repetition=1.2,
+                                                          logit_bias={5: -100.0, 7: 3.5}, min_tokens=2)
+    submit = asked.to_submit_request([1, 2], (2,))
+    assert submit.sampling.penalties is not None and submit.sampling.penalties.stop_token_ids == [2]  # held back
+    for harmless in ({}, {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1, "logit_bias": {},
+                          "min_tokens": 0}):
+        assert submission({"prompt": "x", **harmless}).sampling.penalties is None
+
+
+def test_a_list_of_prompts_is_one_choice_each_in_order() -> None:
+    assert completion_prompts({"prompt": ["a", [3, 4], "b"]}) == [TextPrompt("a"), TokenPrompt((3, 4)), TextPrompt("b")]
+    assert completion_prompts({"prompt": [[7]]}) == [TokenPrompt((7,))]
+    assert completion_prompts({"prompt": [7, 8]}) == [TokenPrompt((7, 8))]
 
 
 def test_a_chat_template_error_names_messages(tmp_path: Path, default_model_dir: Path) -> None:

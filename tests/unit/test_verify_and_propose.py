@@ -48,22 +48,22 @@ def runner(folder: Path, num_slots: int = 4) -> ModelRunner:
 
 
 def plain_greedy(r: ModelRunner, slot: int, prompt: list[int], n: int, params: SamplingParams = GREEDY) -> list[int]:
-    (out,), _ = r.execute([SeqWork("p", pages(slot), 0, prompt, True, params)])
+    (out,), _, _ = r.execute([SeqWork("p", pages(slot), 0, prompt, True, params)])
     tokens = list(out.token_ids)
     while len(tokens) < n:
-        (out,), _ = r.execute([SeqWork("p", pages(slot), len(prompt) + len(tokens) - 1, [tokens[-1]], True, params)])
+        (out,), _, _ = r.execute([SeqWork("p", pages(slot), len(prompt) + len(tokens) - 1, [tokens[-1]], True, params)])
         tokens += out.token_ids
     return tokens
 
 
 def speculative(r: ModelRunner, slot: int, prompt: list[int], n: int, propose, params: SamplingParams = GREEDY) -> tuple[list[int], int]:
     """Decode with drafts from propose(sequence) -> list of tokens; returns (tokens, num_accepted)."""
-    (out,), _ = r.execute([SeqWork("s", pages(slot), 0, prompt, True, params)])
+    (out,), _, _ = r.execute([SeqWork("s", pages(slot), 0, prompt, True, params)])
     tokens = list(out.token_ids)
     num_accepted = 0
     while len(tokens) < n:
         drafts = propose(prompt + tokens)[: n - len(tokens) - 1]
-        (out,), _ = r.execute([SeqWork("s", pages(slot), len(prompt) + len(tokens) - 1, [tokens[-1], *drafts], True, params,
+        (out,), _, _ = r.execute([SeqWork("s", pages(slot), len(prompt) + len(tokens) - 1, [tokens[-1], *drafts], True, params,
                                     num_draft_tokens=len(drafts))])
         assert out.token_ids[: out.num_accepted_draft] == drafts[: out.num_accepted_draft]
         assert len(out.token_ids) == out.num_accepted_draft + 1
@@ -92,7 +92,7 @@ def test_a_mixed_step_verifies_each_sequence_on_its_own_rows(tiny_llama_folder: 
     reference_other = plain_greedy(r, 0, other, 2)
     r.execute([SeqWork("a", pages(0), 0, PROMPT, True, GREEDY)])
     r.execute([SeqWork("b", pages(1), 0, other, True, GREEDY)])
-    outputs, _ = r.execute([
+    outputs, _, _ = r.execute([
         SeqWork("b", pages(1), len(other), [reference_other[0]], True, GREEDY),  # plain decode
         SeqWork("a", pages(0), len(PROMPT), [reference[0], *reference[1:4]], True, GREEDY, num_draft_tokens=3),
         SeqWork("c", pages(2), 0, [1, 2, 3], False, GREEDY),  # a prefill chunk
@@ -245,22 +245,22 @@ def test_a_step_returns_the_features_of_the_tokens_that_stand(tiny_llama_folder:
 
     r = runner(tiny_llama_folder)
     reference = plain_greedy(r, 0, PROMPT, 6)
-    _, prefill = r.execute([SeqWork("a", pages(1), 0, PROMPT, True, GREEDY)], return_features=True)
+    _, prefill, _ = r.execute([SeqWork("a", pages(1), 0, PROMPT, True, GREEDY)], return_features=True)
     (rows,) = prefill
     assert (rows.request_id, rows.rows.start_position, rows.rows.num_rows, rows.rows.width) == ("a", 0, len(PROMPT), 64)
     wrong = (reference[2] + 1) % 97
-    outputs, verify = r.execute([SeqWork("a", pages(1), len(PROMPT), [reference[0], reference[1], wrong, reference[3]], True,
+    outputs, verify, _ = r.execute([SeqWork("a", pages(1), len(PROMPT), [reference[0], reference[1], wrong, reference[3]], True,
                                          GREEDY, num_draft_tokens=3)], return_features=True)
     assert outputs[0].num_accepted_draft == 1
     (rows,) = verify
     assert (rows.rows.start_position, rows.rows.num_rows) == (len(PROMPT), 2)  # the last token and one accepted draft
     # The same features as one prefill of the whole sequence computes (float32: equal up to summation order).
-    _, (whole,) = runner(tiny_llama_folder).execute([SeqWork("z", pages(0), 0, PROMPT + reference[:2], True, GREEDY)],
+    _, (whole,), _ = runner(tiny_llama_folder).execute([SeqWork("z", pages(0), 0, PROMPT + reference[:2], True, GREEDY)],
                                                     return_features=True)
     expected = from_rows(whole.rows)
     got = torch.cat((from_rows(prefill[0].rows), from_rows(rows.rows)))
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-    _, nothing = r.execute([SeqWork("a", pages(1), len(PROMPT) + 2, [reference[2]], True, GREEDY)])
+    _, nothing, _ = r.execute([SeqWork("a", pages(1), len(PROMPT) + 2, [reference[2]], True, GREEDY)])
     assert nothing == []  # not asked for
 
 
@@ -284,7 +284,7 @@ def test_greedy_tree_verification_equals_plain_greedy_and_moves_the_accepted_bra
     later step still gives plain greedy's tokens."""
     r = runner(tiny_llama_folder)
     reference = plain_greedy(r, 0, PROMPT, 24)
-    (out,), _ = r.execute([SeqWork("t", pages(1), 0, PROMPT, True, GREEDY)])
+    (out,), _, _ = r.execute([SeqWork("t", pages(1), 0, PROMPT, True, GREEDY)])
     tokens = list(out.token_ids)
     accepted = 0
     for cycle in range(6):
@@ -292,13 +292,13 @@ def test_greedy_tree_verification_equals_plain_greedy_and_moves_the_accepted_bra
         if cycle % 2:
             truth[-1] = (truth[-1] + 1) % 97  # the last guess of the branch wrong: a shorter accepted branch
         drafts, parents = _tree_around(truth, 3 + cycle)
-        (out,), _ = r.execute([SeqWork("t", pages(1), len(PROMPT) + len(tokens) - 1, [tokens[-1], *drafts], True, GREEDY,
+        (out,), _, _ = r.execute([SeqWork("t", pages(1), len(PROMPT) + len(tokens) - 1, [tokens[-1], *drafts], True, GREEDY,
                                        num_draft_tokens=len(drafts), draft_parents=parents)])
         assert out.num_accepted_draft == (2 if cycle % 2 else 3)
         accepted += out.num_accepted_draft
         tokens += out.token_ids
     while len(tokens) < len(reference):
-        (out,), _ = r.execute([SeqWork("t", pages(1), len(PROMPT) + len(tokens) - 1, [tokens[-1]], True, GREEDY)])
+        (out,), _, _ = r.execute([SeqWork("t", pages(1), len(PROMPT) + len(tokens) - 1, [tokens[-1]], True, GREEDY)])
         tokens += out.token_ids
     assert tokens[: len(reference)] == reference
     assert accepted == 15
@@ -311,11 +311,11 @@ def test_a_tree_returns_the_features_of_its_accepted_branch(tiny_llama_folder: P
     reference = plain_greedy(r, 0, PROMPT, 6)
     r.execute([SeqWork("a", pages(1), 0, PROMPT, True, GREEDY)])
     drafts, parents = _tree_around(reference[1:3], 5)
-    outputs, (rows,) = r.execute([SeqWork("a", pages(1), len(PROMPT), [reference[0], *drafts], True, GREEDY,
+    outputs, (rows,), _ = r.execute([SeqWork("a", pages(1), len(PROMPT), [reference[0], *drafts], True, GREEDY,
                                           num_draft_tokens=len(drafts), draft_parents=parents)], return_features=True)
     assert outputs[0].token_ids == reference[1:4] and outputs[0].num_accepted_draft == 2
     assert (rows.rows.start_position, rows.rows.num_rows) == (len(PROMPT), 3)  # the last token and the branch's two
-    _, (whole,) = runner(tiny_llama_folder).execute([SeqWork("z", pages(0), 0, PROMPT + reference[:3], True, GREEDY)],
+    _, (whole,), _ = runner(tiny_llama_folder).execute([SeqWork("z", pages(0), 0, PROMPT + reference[:3], True, GREEDY)],
                                                     return_features=True)
     torch.testing.assert_close(from_rows(rows.rows), from_rows(whole.rows)[len(PROMPT):], atol=1e-4, rtol=1e-4)
 
@@ -325,7 +325,7 @@ def test_sampled_tree_verification_gives_plain_samplings_tokens(tiny_llama_folde
     r = runner(tiny_llama_folder)
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=99)
     reference = plain_greedy(r, 0, PROMPT, 24, params)  # (plain sampling, despite the helper's name)
-    (out,), _ = r.execute([SeqWork("s", pages(1), 0, PROMPT, True, params)])
+    (out,), _, _ = r.execute([SeqWork("s", pages(1), 0, PROMPT, True, params)])
     tokens = list(out.token_ids)
     accepted = 0
     for cycle in range(8):
@@ -335,12 +335,12 @@ def test_sampled_tree_verification_gives_plain_samplings_tokens(tiny_llama_folde
         drafts, parents = _tree_around(truth, 3 + cycle)
         if cycle % 3 == 2:
             drafts, parents = truth[:2] + [(truth[2] + 1) % 97], None  # a chain whose last guess is wrong
-        (out,), _ = r.execute([SeqWork("s", pages(1), len(PROMPT) + len(tokens) - 1, [tokens[-1], *drafts], True, params,
+        (out,), _, _ = r.execute([SeqWork("s", pages(1), len(PROMPT) + len(tokens) - 1, [tokens[-1], *drafts], True, params,
                                        num_draft_tokens=len(drafts), draft_parents=parents)])
         accepted += out.num_accepted_draft
         tokens += out.token_ids
     while len(tokens) < len(reference):
-        (out,), _ = r.execute([SeqWork("s", pages(1), len(PROMPT) + len(tokens) - 1, [tokens[-1]], True, params)])
+        (out,), _, _ = r.execute([SeqWork("s", pages(1), len(PROMPT) + len(tokens) - 1, [tokens[-1]], True, params)])
         tokens += out.token_ids
     assert tokens[: len(reference)] == reference
     assert accepted >= 8  # the branches that hold the truth were followed
