@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from common.logs import get_logger
@@ -29,7 +31,7 @@ from gateway.generation import Generation
 from gateway.health import SERVING, HealthReporter
 from gateway.http_body import BodyLimits, json_body
 from gateway.openai_logprobs import CompletionLogprobs, Scored, TokenTexts, chat_logprobs
-from gateway.openai_request import ApiError, chat_prompt, client_request_of, completion_prompts
+from gateway.openai_request import ApiError, chat_prompt, choice_counts, client_request_of, completion_prompts
 from gateway.output import Chunk
 from gateway.request import Prompt, Submission, TextPrompt, TokenPrompt
 from gateway.validation import validate
@@ -133,30 +135,42 @@ class HttpApi:
 
     async def _generate(self, request: web.Request, body: dict[str, Any], prompts: list[Prompt], *,
                         chat: bool) -> web.StreamResponse:
-        """Every prompt's request checked before any starts; each is a choice of the answer, in order."""
+        """Every request checked before any starts: `best_of` (else `n`) of each prompt, each a choice of the answer."""
         model = body.get("model")
         if model is not None and model != self._model_name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self._model_name!r}", "model",
                            "model_not_found")
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        choices: list[_Choice] = []
-        for index, prompt in enumerate(prompts):
-            client_request, fields = client_request_of(body, prompt, chat=chat)
-            submission = validate(client_request, fields=fields,
-                                  request_id=request_id if len(prompts) == 1 else f"{request_id}-{index}",
-                                  vocab_size=self._generation.tokenizer.vocab_size)
-            choices.append(_Choice(index, submission, client_request.logprobs is not None, self._texts,
-                                   echo=self._echo_text(prompt) if not chat and body.get("echo") is True else None))
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, "stream must be a boolean", "stream")
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
             raise ApiError(400, "stream_options must be an object", "stream_options")
+        counts = choice_counts(body, chat=chat, stream=stream, num_prompts=len(prompts))
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        choices: list[_Choice] = []
+        for prompt_index, prompt in enumerate(prompts):
+            client_request, fields = client_request_of(body, prompt, chat=chat)
+            shown = client_request.logprobs is not None
+            if counts.ranks and not shown:  # the best are chosen by their log-probabilities
+                client_request = dataclasses.replace(client_request, logprobs=0)
+            submission = validate(client_request, fields=fields, request_id=request_id,
+                                  vocab_size=self._generation.tokenizer.vocab_size)
+            echo = self._echo_text(prompt) if not chat and body.get("echo") is True else None
+            lead: _Choice | None = None
+            for copy in range(counts.best_of):
+                ordinal = len(choices)
+                one_request = len(prompts) == 1 and counts.best_of == 1
+                choice = _Choice(prompt_index * counts.n + copy, prompt_index,
+                                 sibling(submission, copy, request_id if one_request else f"{request_id}-{ordinal}",
+                                         scores_prompt=lead is None or client_request.max_tokens == 0),
+                                 shown, self._texts, echo=echo, lead=lead)
+                lead = lead or choice
+                choices.append(choice)
         shape = _Shape(request_id, self._model_name, chat)
         if stream:
             return await self._stream(request, choices, shape, bool(options.get("include_usage", False)))
-        return await self._whole(choices, shape)
+        return await self._whole(choices, shape, counts.n)
 
     def _echo_text(self, prompt: Prompt) -> str:
         match prompt:
@@ -167,26 +181,37 @@ class HttpApi:
             case _:
                 raise ApiError(400, "echo is for /v1/completions", "echo")
 
-    async def _whole(self, choices: list[_Choice], shape: _Shape) -> web.Response:
+    async def _whole(self, choices: list[_Choice], shape: _Shape, n: int) -> web.Response:
         async def collect(choice: _Choice) -> None:
-            async with contextlib.aclosing(self._generation.chunks(choice.submission, "http")) as chunks:
-                async for chunk in chunks:
-                    choice.take(chunk)
+            await choice.wait_for_lead()
+            try:
+                async with contextlib.aclosing(self._generation.chunks(choice.submission, "http")) as chunks:
+                    async for chunk in chunks:
+                        if chunk.token_ids or chunk.finish_reason is not None:
+                            choice.prompt_computed.set()
+                        choice.take(chunk)
+            finally:
+                choice.prompt_computed.set()
 
         await _all([collect(choice) for choice in choices])
-        return web.json_response(shape.whole(choices))
+        return web.json_response(shape.whole(best_choices(choices, n), choices))
 
     async def _stream(self, request: web.Request, choices: list[_Choice], shape: _Shape,
                       include_usage: bool) -> web.StreamResponse:
         events: asyncio.Queue[tuple[_Choice, Chunk | RequestFailed]] = asyncio.Queue()
 
         async def pump(choice: _Choice) -> None:
+            await choice.wait_for_lead()
             try:
                 async with contextlib.aclosing(self._generation.chunks(choice.submission, "http")) as chunks:
                     async for chunk in chunks:
+                        if chunk.token_ids or chunk.finish_reason is not None:
+                            choice.prompt_computed.set()
                         await events.put((choice, chunk))
             except RequestFailed as failure:
                 await events.put((choice, failure))
+            finally:
+                choice.prompt_computed.set()
 
         tasks = [asyncio.create_task(pump(choice)) for choice in choices]
         try:
@@ -243,30 +268,79 @@ async def _cancel(tasks: Sequence[asyncio.Future[None]]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-class _Choice:
-    """One choice of an answer: its request, and what it has given so far."""
+def sibling(submission: Submission, copy: int, request_id: str, *, scores_prompt: bool) -> Submission:
+    """Copy `copy` of a prompt's request: its own seed stream when the client gave a seed (copy 0 keeps it), and its
+    prompt scored only when `scores_prompt` (the other copies echo the first one's)."""
+    sampling = submission.sampling
+    if copy and submission.seed_given:
+        sampling = msgspec.structs.replace(sampling, seed=(sampling.seed + copy * _SEED_STRIDE) % 2**63)
+    return dataclasses.replace(submission, request_id=request_id, sampling=sampling,
+                               prompt_logprobs=submission.prompt_logprobs if scores_prompt else None)
 
-    def __init__(self, index: int, submission: Submission, logprobs: bool, texts: TokenTexts, *,
-                 echo: str | None) -> None:
+
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # between the seeds of a prompt's copies
+
+
+def best_choices(choices: list[_Choice], n: int) -> list[_Choice]:
+    """Of each prompt's copies, the n with the highest log-probability per token (OpenAI's best_of), best first;
+    all of them, in order, when there are only n."""
+    chosen: list[_Choice] = []
+    for prompt_index in sorted({choice.prompt_index for choice in choices}):
+        copies = [choice for choice in choices if choice.prompt_index == prompt_index]
+        if len(copies) > n:
+            copies = sorted(copies, key=lambda choice: -choice.mean_logprob)[:n]
+            for rank, choice in enumerate(copies):
+                choice.index = prompt_index * n + rank
+        chosen += copies
+    return chosen
+
+
+class _Choice:
+    """One choice of an answer: its request, and what it has given so far.
+
+    A prompt's copies (n or best_of of them) start once its first copy's prompt is computed
+    (`lead`), so that they read its pages from the prefix cache instead of computing it
+    again; an echoed prompt's log-probabilities are the first copy's.
+    """
+
+    def __init__(self, index: int, prompt_index: int, submission: Submission, logprobs: bool, texts: TokenTexts, *,
+                 echo: str | None, lead: _Choice | None) -> None:
         self.index = index
+        self.prompt_index = prompt_index
         self.submission = submission
         self.logprobs = logprobs  # the client asked for the completion's log-probabilities
         self.echo = echo  # the prompt's text, when the answer starts with it
         self.texts = texts
+        self.lead = lead
+        self.prompt_computed = asyncio.Event()  # set once its first token (or its end) came
         self.completion_logprobs = CompletionLogprobs(texts)
         self.text: list[str] = []
-        self.scored: list[Scored] = []  # prompt (when echoed with log-probabilities), then completion tokens
-        self.prompt_scored: list[Scored] = []  # echoed prompt tokens not yet streamed
+        self.prompt_scored: list[Scored] = []  # the prompt's log-probabilities as they came
+        self.completion_scored: list[Scored] = []
         self.echoed = echo is None  # the echo has been streamed (or there is none)
         self.last: Chunk | None = None
+
+    async def wait_for_lead(self) -> None:
+        if self.lead is not None:
+            await self.lead.prompt_computed.wait()
+
+    @property
+    def echoed_scores(self) -> list[Scored]:
+        """The echoed prompt's log-probabilities: its own, or its first copy's."""
+        return self.prompt_scored if self.prompt_scored or self.lead is None else self.lead.prompt_scored
+
+    @property
+    def mean_logprob(self) -> float:
+        values = [entry.logprob for _, entry in self.completion_scored if entry is not None]
+        return sum(values) / len(values) if values else 0.0
 
     def take(self, chunk: Chunk) -> None:
         """A whole answer's chunk."""
         self.text.append(chunk.text)
-        if chunk.prompt_logprobs and self.logprobs:
-            self.scored.extend(chunk.prompt_logprobs)
+        if chunk.prompt_logprobs:
+            self.prompt_scored.extend(chunk.prompt_logprobs)
         if chunk.logprobs is not None:
-            self.scored.extend(zip(chunk.token_ids, chunk.logprobs))
+            self.completion_scored.extend(zip(chunk.token_ids, chunk.logprobs))
         if chunk.finish_reason is not None:
             self.last = chunk
 
@@ -286,16 +360,20 @@ class _Shape:
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, choices: list[_Choice]) -> dict[str, Any]:
+    def whole(self, chosen: list[_Choice], every: list[_Choice]) -> dict[str, Any]:
+        """The answer of the chosen choices, in index order; usage counts every one that ran."""
         answers: list[dict[str, Any]] = []
-        for choice in choices:
+        for choice in sorted(chosen, key=lambda c: c.index):
             assert choice.last is not None  # every generation ends with a finishing chunk
             text = "".join(choice.text)
+            entries = choice.completion_scored
             if choice.echo is not None:
-                if not choice.logprobs:
+                if choice.logprobs:
+                    entries = choice.echoed_scores + entries
+                else:
                     choice.completion_logprobs.skip(choice.echo)
                 text = choice.echo + text
-            logprobs = choice.logprobs_object(choice.scored, self.chat)
+            logprobs = choice.logprobs_object(entries, self.chat)
             if self.chat:
                 answers.append({"index": choice.index, "message": {"role": "assistant", "content": text},
                                 "finish_reason": choice.last.finish_reason, "logprobs": logprobs})
@@ -303,7 +381,7 @@ class _Shape:
                 answers.append({"index": choice.index, "text": text, "finish_reason": choice.last.finish_reason,
                                 "logprobs": logprobs})
         return {**self._envelope("chat.completion" if self.chat else "text_completion"), "choices": answers,
-                "usage": _usage(choices)}
+                "usage": _usage(every)}
 
     def delta_event(self, index: int, delta: dict[str, Any], finish_reason: str | None,
                     logprobs: dict[str, Any] | None) -> dict[str, Any]:
@@ -316,15 +394,15 @@ class _Shape:
         if chunk.finish_reason is not None:
             choice.last = chunk
         events: list[dict[str, Any]] = []
+        if chunk.prompt_logprobs:
+            choice.prompt_scored.extend(chunk.prompt_logprobs)
         if not choice.echoed:
-            if chunk.prompt_logprobs:
-                choice.prompt_scored.extend(chunk.prompt_logprobs)
             if not chunk.token_ids and chunk.finish_reason is None and not chunk.text:
                 return events  # more of the prompt's log-probabilities to come
             assert choice.echo is not None
             if not choice.logprobs:
                 choice.completion_logprobs.skip(choice.echo)
-            events.append(self._text_event(choice, choice.echo, None, choice.logprobs_object(choice.prompt_scored, False)))
+            events.append(self._text_event(choice, choice.echo, None, choice.logprobs_object(choice.echoed_scores, False)))
             choice.echoed = True
         if not chunk.text and not chunk.token_ids and chunk.finish_reason is None:
             return events
@@ -348,8 +426,9 @@ class _Shape:
 
 
 def _usage(choices: list[_Choice]) -> dict[str, Any]:
+    """Each prompt counted once, however many copies ran; every completion token generated."""
     lasts = [choice.last for choice in choices if choice.last is not None]
-    prompt = sum(last.num_prompt_tokens for last in lasts)
+    prompt = sum(choice.last.num_prompt_tokens for choice in choices if choice.lead is None and choice.last is not None)
     completion = sum(last.num_completion_tokens for last in lasts)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(last.num_cached_tokens for last in lasts)},

@@ -8,6 +8,7 @@ gRPC, with OPENAI_FIELDS, so every error names the body's own field.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -30,7 +31,8 @@ ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 408: "inval
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # OpenAI (and vLLM) parameters this server does not implement, with the values that ask for nothing: any other value
 # is refused, never silently ignored (it would change the output the client expects).
-UNSUPPORTED: dict[str, tuple[object, ...]] = {"suffix": ("",), "best_of": (1,)}
+UNSUPPORTED: dict[str, tuple[object, ...]] = {"suffix": ("",)}
+MAX_CHOICES = 64  # requests one answer runs: prompts times best_of (or n)
 MAX_LOGIT_BIAS_KEY_CHARS = 12  # a token id as a JSON key
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is a request of its own, a choice of the answer)
 _INT32_MAX = 2**31 - 1  # max_tokens and top_k: what the gRPC API's int32 fields hold
@@ -131,8 +133,6 @@ def client_request_of(body: dict[str, Any], prompt: Prompt, *, chat: bool) -> tu
     checked_top_k = _int_param("top_k", None if top_k == -1 else top_k, at_most=_INT32_MAX)  # -1: no cut, as in vLLM
     checked_seed = _int_param("seed", seed % 2**63 if isinstance(seed, int) and not isinstance(seed, bool) else seed)
     stop_strings = _stop_strings(body.get("stop"))
-    if body.get("n", 1) != 1:
-        raise ApiError(400, "only n=1 is supported", "n")
     logprobs = _chat_logprobs(body) if chat else _int_param("logprobs", None if body.get("logprobs") is False
                                                              else body.get("logprobs"))
     echo = not chat and _bool_param("echo", body.get("echo"))
@@ -158,6 +158,37 @@ def client_request_of(body: dict[str, Any], prompt: Prompt, *, chat: bool) -> tu
     )
     return request, dataclasses.replace(OPENAI_FIELDS, max_tokens=max_tokens_as,
                                         logprobs="top_logprobs" if chat else "logprobs")
+
+
+@dataclass(frozen=True)
+class ChoiceCounts:
+    n: int  # choices per prompt in the answer
+    best_of: int  # requests run per prompt, the n best returned
+
+    @property
+    def ranks(self) -> bool:
+        return self.best_of > self.n
+
+
+def choice_counts(body: dict[str, Any], *, chat: bool, stream: bool, num_prompts: int) -> ChoiceCounts:
+    """`n` choices of each prompt, the best of `best_of` (completions only; not streamed, since the best are known only
+    at the end)."""
+    asked = _int_param("n", body.get("n"))
+    n = 1 if asked is None else asked
+    best_of = _int_param("best_of", body.get("best_of"))
+    if n < 1:
+        raise ApiError(400, f"n must be at least 1, got {n}", "n")
+    if best_of is not None and chat:
+        raise ApiError(400, "best_of is for /v1/completions", "best_of")
+    best_of = n if best_of is None else best_of
+    if best_of < n:
+        raise ApiError(400, f"best_of ({best_of}) must be at least n ({n})", "best_of")
+    if best_of > n and stream:
+        raise ApiError(400, "best_of greater than n cannot be streamed", "best_of")
+    if num_prompts * best_of > MAX_CHOICES:
+        raise ApiError(400, f"{num_prompts} prompts times {best_of} choices each is more than the {MAX_CHOICES} "
+                            "this server runs for one request", "best_of" if best_of > n else "n")
+    return ChoiceCounts(n, best_of)
 
 
 def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:

@@ -108,7 +108,9 @@ CHAT = [{"role": "user", "content": "hi"}]
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 2, "best_of": 1}, "best_of"),
+    ({"prompt": "x", "best_of": 2, "stream": True}, "best_of"),
     ({"prompt": 5}, "prompt"),
     ({"prompt": "x", "stop": [1]}, "stop"),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
@@ -122,7 +124,6 @@ CHAT = [{"role": "user", "content": "hi"}]
     # What this server does not do is refused, never silently ignored.
     ({"prompt": "x", "echo": "yes"}, "echo"),
     ({"prompt": "x", "suffix": "end"}, "suffix"),
-    ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
     ({"prompt": "x", "logit_bias": {"42": 500}}, "logit_bias[42]"),

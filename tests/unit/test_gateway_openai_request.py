@@ -10,7 +10,8 @@ import pytest
 from gateway.app import load_tokenizer
 from gateway.errors import InvalidArgument, StartupError
 from gateway.generation import prompt_token_ids_of
-from gateway.openai_request import MAX_PROMPTS, ApiError, chat_prompt, client_request_of, completion_prompts
+from gateway.openai_request import (MAX_CHOICES, MAX_PROMPTS, ApiError, ChoiceCounts, chat_prompt, choice_counts,
+                                     client_request_of, completion_prompts)
 from gateway.request import Submission, TextPrompt, TokenPrompt
 from gateway.validation import validate
 from modeling.tokenizer import Tokenizer
@@ -77,7 +78,6 @@ BAD_TYPES = [
     ("temperature", {"prompt": "x", "temperature": True}),
     ("seed", {"prompt": "x", "seed": 1.5}),
     ("stop", {"prompt": "x", "stop": [1]}),
-    ("n", {"prompt": "x", "n": 2}),
     ("logprobs", {"prompt": "x", "logprobs": "yes"}),
     ("logprobs", {"messages": CHAT, "logprobs": 1}),
     ("top_logprobs", {"messages": CHAT, "top_logprobs": 2}),
@@ -89,7 +89,6 @@ BAD_TYPES = [
     ("logit_bias[5]", {"prompt": "x", "logit_bias": {"5": "high"}}),
     ("logit_bias[5]", {"prompt": "x", "logit_bias": {"5": None}}),
     ("min_tokens", {"prompt": "x", "min_tokens": 1.5}),
-    ("best_of", {"prompt": "x", "best_of": 2}),
 ]
 
 
@@ -146,6 +145,19 @@ def test_penalties_are_passed_on_and_none_asked_is_none() -> None:
     for harmless in ({}, {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1, "logit_bias": {},
                           "min_tokens": 0}):
         assert submission({"prompt": "x", **harmless}).sampling.penalties is None
+
+
+def test_n_and_best_of_count_the_choices_and_refuse_what_cannot_be_served() -> None:
+    assert choice_counts({}, chat=False, stream=False, num_prompts=1) == ChoiceCounts(1, 1)
+    assert choice_counts({"n": 3, "best_of": 5}, chat=False, stream=False, num_prompts=2) == ChoiceCounts(3, 5)
+    assert choice_counts({"n": 4}, chat=True, stream=True, num_prompts=1) == ChoiceCounts(4, 4)
+    for body, chat, stream, num_prompts, param in (
+            ({"n": 0}, False, False, 1, "n"), ({"n": "2"}, False, False, 1, "n"), ({"n": 2, "best_of": 1}, False, False, 1, "best_of"),
+            ({"best_of": 2}, True, False, 1, "best_of"), ({"n": 1, "best_of": 2}, False, True, 1, "best_of"),
+            ({"n": MAX_CHOICES}, False, False, 2, "n"), ({"best_of": MAX_CHOICES + 1}, False, False, 1, "best_of")):
+        with pytest.raises(ApiError) as caught:
+            choice_counts(body, chat=chat, stream=stream, num_prompts=num_prompts)
+        assert (caught.value.status, caught.value.param) == (400, param), body
 
 
 def test_a_list_of_prompts_is_one_choice_each_in_order() -> None:

@@ -1,0 +1,64 @@
+"""`n` and `best_of` through a real stack with the official `openai` client.
+
+A prompt's copies share its computed pages (they start once the first copy's prompt is
+computed, and read it from the prefix cache); each copy has its own seed stream, so a
+seeded request is reproducible; best_of returns the copies with the highest
+log-probability per token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.e2e.stack import Stack
+from tests.e2e.test_http_api import MODEL, client
+
+# Long enough for full KV pages (16 positions) that the copies can share.
+PROMPT = ("Here is a short story about a lighthouse keeper who lives alone on a rocky island far from the coast, "
+          "and one stormy night")
+
+
+def test_n_seeded_choices_are_reproducible_share_the_prompt_and_stream_the_same(fp32_stack: Stack) -> None:
+    api = client(fp32_stack)
+    asked: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "temperature": 0.9, "seed": 7, "n": 3,
+                             "extra_body": {"ignore_eos": True}}
+    first = api.completions.create(**asked)
+    again = api.completions.create(**asked)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    texts = [c.text for c in first.choices]
+    assert texts == [c.text for c in again.choices]
+    assert len(set(texts)) > 1  # their own seed streams
+    usage = first.usage
+    assert usage is not None and usage.completion_tokens == 30
+    num_prompt = usage.prompt_tokens
+    single = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+    assert single.usage is not None and single.usage.prompt_tokens == num_prompt  # counted once
+    details = usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens is not None
+    assert details.cached_tokens >= 2 * ((num_prompt - 1) // 16 * 16)  # the copies read the first one's pages
+    streamed = list(api.completions.create(**asked, stream=True))
+    for index, text in enumerate(texts):
+        assert "".join(e.choices[0].text for e in streamed if e.choices and e.choices[0].index == index) == text
+    # n = 1 with the same seed is the first copy.
+    assert api.completions.create(**{**asked, "n": 1}).choices[0].text == texts[0]
+
+
+def test_best_of_returns_the_copies_with_the_highest_logprob_per_token(fp32_stack: Stack) -> None:
+    api = client(fp32_stack)
+    asked: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "seed": 11,
+                             "extra_body": {"ignore_eos": True}}
+    every = api.completions.create(**asked, n=4, logprobs=0).choices
+    means = [sum(c.logprobs.token_logprobs) / 8 for c in every]  # type: ignore[union-attr, arg-type]
+    ranked = [every[i].text for i in sorted(range(4), key=lambda i: -means[i])]
+    best = api.completions.create(**asked, n=2, best_of=4)
+    assert [c.text for c in best.choices] == ranked[:2] and [c.index for c in best.choices] == [0, 1]
+    assert all(c.logprobs is None for c in best.choices)  # used to rank, not asked for
+    assert best.usage is not None and best.usage.completion_tokens == 32  # every copy ran
+
+
+def test_chat_n_greedy_choices_are_equal(fp32_stack: Stack) -> None:
+    api = client(fp32_stack)
+    answer = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}],
+                                         max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in answer.choices] == [0, 1]
+    assert answer.choices[0].message.content == answer.choices[1].message.content
