@@ -302,6 +302,8 @@ class RequestStream:
         self._spec_now = (0, 0, 0)
         self._num_cached_tokens = 0  # of the prompt the client sent: the first scheduler's word
         self._num_resumptions = 0
+        self._num_prompt_scored = 0  # prompt log-probabilities passed on
+        self._num_prompt_scored_in_run = 0  # of those, the ones the current scheduler run sent (or sent again)
         self._log = get_logger(component="request_stream")
 
     @property
@@ -319,6 +321,12 @@ class RequestStream:
         match message:
             case messages.TokenDelta():
                 self._received.extend(message.token_ids)
+                if message.prompt_logprobs:  # a request resumed before its first token is scored again from the start
+                    entries = message.prompt_logprobs
+                    new = entries[max(0, self._num_prompt_scored - self._num_prompt_scored_in_run):]
+                    self._num_prompt_scored_in_run += len(entries)
+                    self._num_prompt_scored += len(new)
+                    message = msgspec.structs.replace(message, prompt_logprobs=new or None)
                 before = self._spec_before
                 self._spec_now = (before[0] + message.num_draft_tokens, before[1] + message.num_accepted_draft_tokens,
                                   before[2] + message.num_verify_steps)
@@ -350,9 +358,13 @@ class RequestStream:
         # A control character no client id may hold (they must be printable): never another request's id.
         self.scheduler_id = f"{self.request_id}\x1eresumed-{self._num_resumptions}"
         self._spec_before = self._spec_now
+        self._num_prompt_scored_in_run = 0
         max_tokens = None if submitted.max_tokens is None else submitted.max_tokens - len(self._received)
-        submit = msgspec.structs.replace(submitted, request_id=self.scheduler_id,
-                                         prompt_token_ids=submitted.prompt_token_ids + self._received, max_tokens=max_tokens)
+        # Once a token came, the prompt's log-probabilities have all come; those received before are not sent twice.
+        submit = msgspec.structs.replace(
+            submitted, request_id=self.scheduler_id, prompt_token_ids=submitted.prompt_token_ids + self._received,
+            max_tokens=max_tokens, resumed_tokens=submitted.resumed_tokens + len(self._received),
+            prompt_logprobs=None if self._received else submitted.prompt_logprobs)
         self._log.info("request.resumed", request_id=self.request_id, num_tokens_received=len(self._received))
         return abort, submit
 

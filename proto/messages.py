@@ -96,6 +96,9 @@ class SubmitRequest(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fi
     # Log-probabilities: None asks for none; n >= 0 asks for each token's with its n likeliest alternatives.
     logprobs: int | None = None  # of every completion token
     prompt_logprobs: int | None = None  # of every prompt token but the first; max_tokens may then be 0
+    # A request resumed on a new scheduler: the last resumed_tokens of prompt_token_ids are completion tokens it had
+    # already streamed (penalties count them as the completion's).
+    resumed_tokens: int = 0
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True, forbid_unknown_fields=True):

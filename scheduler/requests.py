@@ -133,6 +133,12 @@ class Request:
     num_logprobs: int = -1
     num_prompt_logprobs: int = -1
     prompt_logprobs_done: int = 1  # the first prompt token has none
+    num_resumed_tokens: int = 0  # completion tokens at the end of prompt_token_ids (a request resumed from another)
+
+    @property
+    def num_own_prompt_tokens(self) -> int:
+        """The prompt as the client sent it, without the completion tokens a resumed request carries in it."""
+        return len(self.prompt_token_ids) - self.num_resumed_tokens
 
     @property
     def scores_prompt(self) -> bool:
@@ -220,6 +226,9 @@ class RequestTable:
             raise RequestRejected("INVALID_ARGUMENT", f"stop_token_ids has more than {MAX_STOP_TOKEN_IDS} ids")
         if num_prompt == 0:
             raise RequestRejected("INVALID_ARGUMENT", "prompt_token_ids is empty")
+        if not 0 <= submit.resumed_tokens < num_prompt:
+            raise RequestRejected("INVALID_ARGUMENT", f"resumed_tokens {submit.resumed_tokens} is not less than the "
+                                                      f"{num_prompt} tokens of prompt_token_ids")
         for name, count in (("logprobs", submit.logprobs), ("prompt_logprobs", submit.prompt_logprobs)):
             if count is not None and not 0 <= count <= m.MAX_TOP_LOGPROBS:
                 raise RequestRejected("INVALID_ARGUMENT", f"{name} must be 0 to {m.MAX_TOP_LOGPROBS}, got {count}")
@@ -242,6 +251,7 @@ class RequestTable:
             max_tokens=max_tokens, sampling=sampling, stop_token_ids=frozenset(submit.stop_token_ids),
             waiting_since_s=now_s, num_logprobs=-1 if submit.logprobs is None else submit.logprobs,
             num_prompt_logprobs=-1 if submit.prompt_logprobs is None else submit.prompt_logprobs,
+            num_resumed_tokens=submit.resumed_tokens,
         )
         self._by_id[request.request_id] = request
         self._waiting.append(request)

@@ -135,7 +135,7 @@ class StepCycle:
                 after_token_id=r.prompt_token_ids[end] if scores and end < len(r.prompt_token_ids) else -1,
                 # Penalties count the tokens before the step; the worker holds none.
                 history=r.token_slice(0, start) if r.sampling.penalties is not None and item.completes else None,
-                num_prompt_tokens=len(r.prompt_token_ids) if r.sampling.penalties is not None else 0,
+                num_prompt_tokens=r.num_own_prompt_tokens if r.sampling.penalties is not None else 0,
             ))
             # A prompt chunk's scores: each token's after the first, then the next chunk's first.
             prompt_scores = item.num_tokens - 1 + (end < len(r.prompt_token_ids)) if scores else None

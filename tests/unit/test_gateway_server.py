@@ -459,6 +459,7 @@ def test_a_request_in_flight_goes_on_from_its_tokens_when_the_scheduler_comes_ba
                 received = [t for r in before for t in r.token_ids]
                 assert resumed.request_id == "r1\x1eresumed-1" and resumed.max_tokens == 100 - len(received)
                 assert resumed.prompt_token_ids == tokenizer.encode("count") + received
+                assert resumed.resumed_tokens == len(received)  # penalties count them as the completion's
                 assert h.scheduler.aborts == {"r1": "scheduler_reconnected"}  # in case the old one still ran it
                 responses = [*before, *after]
                 assert "".join(r.text for r in responses) == "".join(f" {n}" for n in range(1, 31))  # each token once
@@ -467,6 +468,33 @@ def test_a_request_in_flight_goes_on_from_its_tokens_when_the_scheduler_comes_ba
                 assert responses[-1].usage.completion_tokens == len(counted)
             finally:
                 restarted.cancel()
+
+    run(scenario())
+
+
+def test_a_resumed_request_passes_on_each_prompt_logprob_once(run: Any) -> None:
+    from gateway.scheduler_client import RequestStream
+
+    def scored(*positions: int) -> list[m.TokenLogprob]:
+        return [m.TokenLogprob(-p / 10, []) for p in positions]
+
+    class Sent:
+        async def send(self, message: object) -> None:
+            pass
+
+    async def scenario() -> None:
+        stream = RequestStream(Sent(), "r")  # type: ignore[arg-type]
+        await stream.submit(m.SubmitRequest("r", [1, 2, 3, 4, 5, 6], 2, m.SamplingParams(), [], prompt_logprobs=0))
+        stream.deliver(m.TokenDelta("r", [], None, 6, 0, prompt_logprobs=scored(1, 2, 3)))
+        abort, resumed = stream.resumption()  # type: ignore[misc]
+        assert resumed.prompt_logprobs == 0 and resumed.resumed_tokens == 0  # no token yet: scored again
+        stream.deliver(m.TokenDelta(resumed.request_id, [], None, 6, 0, prompt_logprobs=scored(1, 2)))
+        stream.deliver(m.TokenDelta(resumed.request_id, [9], None, 6, 1, prompt_logprobs=scored(3, 4, 5)))
+        _, again = stream.resumption()  # type: ignore[misc]
+        assert again.prompt_logprobs is None and again.resumed_tokens == 1 and again.prompt_token_ids[-1] == 9
+        passed = [await stream.next() for _ in range(3)]
+        got = [entry.logprob for delta in passed for entry in delta.prompt_logprobs or []]  # type: ignore[union-attr]
+        assert got == [-0.1, -0.2, -0.3, -0.4, -0.5]
 
     run(scenario())
 
