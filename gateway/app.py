@@ -24,6 +24,7 @@ from gateway.http_body import BodyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.scheduler_client import SchedulerClient
 from gateway.server import SpecServeServicer, add_servicer
+from gateway.structured_request import GrammarCompiler
 from modeling.tokenizer import Tokenizer, TokenizerLoadError
 from proto import specserve_pb2 as pb
 
@@ -87,7 +88,7 @@ class Gateway:
                 reporter = HealthReporter(
                     health.aio.HealthServicer(), scheduler, poll_interval_s=self._config.health_poll_interval_s
                 )
-                generation = Generation(tokenizer, scheduler, GatewayMetrics())
+                generation = Generation(tokenizer, scheduler, GatewayMetrics(), GrammarCompiler(tokenizer))
                 add_services(server, SpecServeServicer(generation), reporter.servicer)
                 port = self._bind(server)
                 await reporter.start()

@@ -19,13 +19,16 @@ from gateway.metrics import GatewayMetrics
 from gateway.output import Chunk, RequestOutput, SpecUsage
 from gateway.request import ChatPrompt, Submission, TextPrompt, TokenPrompt
 from gateway.scheduler_client import RequestStream, SchedulerClient
+from gateway.structured_request import GrammarCompiler
 from modeling.tokenizer import ChatMessage, ChatTemplateError, Tokenizer
 from proto import messages
 
 
 class Generation:
-    def __init__(self, tokenizer: Tokenizer, scheduler: SchedulerClient, metrics: GatewayMetrics) -> None:
+    def __init__(self, tokenizer: Tokenizer, scheduler: SchedulerClient, metrics: GatewayMetrics,
+                 grammars: GrammarCompiler | None = None) -> None:
         self.tokenizer = tokenizer
+        self.grammars = grammars  # None: structured output is refused
         self.scheduler = scheduler
         self.metrics = metrics
         self._log = get_logger(component="generation")

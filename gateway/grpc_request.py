@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 from gateway.errors import InvalidArgument
 from gateway.request import ChatPrompt, ClientRequest, Prompt, Submission, TextPrompt, TokenPrompt
-from gateway.validation import FieldNames, checked_request_id, validate
+from gateway.validation import FieldNames, Grammars, checked_request_id, validate
+from modeling.structured import StructuredSpec
 from modeling.tokenizer import ChatMessage
 from proto import specserve_pb2 as pb
 
@@ -40,9 +43,11 @@ def request_id_of(request: pb.GenerateRequest, generated_id: str) -> str:
     return checked_request_id(request.request_id, field="request_id")
 
 
-def submission_of(request: pb.GenerateRequest, *, request_id: str, vocab_size: int) -> Submission:
+def submission_of(request: pb.GenerateRequest, *, request_id: str, vocab_size: int,
+                  grammars: Grammars | None = None) -> Submission:
     """Every field of the request checked; raises InvalidArgument naming the first bad one as the message does."""
-    return validate(client_request_of(request), fields=GRPC_FIELDS, request_id=request_id, vocab_size=vocab_size)
+    return validate(client_request_of(request), fields=GRPC_FIELDS, request_id=request_id, vocab_size=vocab_size,
+                    grammars=grammars)
 
 
 def client_request_of(request: pb.GenerateRequest) -> ClientRequest:
@@ -65,7 +70,33 @@ def client_request_of(request: pb.GenerateRequest) -> ClientRequest:
         repetition_penalty=params.repetition_penalty if params.HasField("repetition_penalty") else None,
         logit_bias=tuple(sorted(params.logit_bias.items())),
         min_tokens=params.min_tokens if params.HasField("min_tokens") else None,
+        structured=structured_of(params),
     )
+
+
+def structured_of(params: pb.SamplingParams) -> tuple[str, StructuredSpec] | None:
+    if not params.HasField("structured_output"):
+        return None
+    output = params.structured_output
+    kind = output.WhichOneof("kind")
+    field = f"params.structured_output.{kind}"
+    match kind:
+        case None:
+            raise InvalidArgument("params.structured_output", "set one of json_object, json_schema, regex, choice, grammar")
+        case "json_object":
+            return (field, StructuredSpec("json_object")) if output.json_object else None
+        case "json_schema":
+            try:
+                schema = json.loads(output.json_schema)
+            except ValueError as error:
+                raise InvalidArgument(field, f"is not JSON: {error}") from error
+            return field, StructuredSpec("json_schema", json.dumps(schema, sort_keys=True))
+        case "choice":
+            if not output.choice.choices or not all(output.choice.choices):
+                raise InvalidArgument(field, "must hold at least one choice, none empty")
+            return field, StructuredSpec("choice", json.dumps(list(output.choice.choices)))
+        case _:
+            return field, StructuredSpec("regex" if kind == "regex" else "grammar", getattr(output, kind))
 
 
 def prompt_of(request: pb.GenerateRequest) -> Prompt:

@@ -155,7 +155,7 @@ class HttpApi:
             if counts.ranks and not shown:  # the best are chosen by their log-probabilities
                 client_request = dataclasses.replace(client_request, logprobs=0)
             submission = validate(client_request, fields=fields, request_id=request_id,
-                                  vocab_size=self._generation.tokenizer.vocab_size)
+                                  vocab_size=self._generation.tokenizer.vocab_size, grammars=self._generation.grammars)
             echo = self._echo_text(prompt) if not chat and body.get("echo") is True else None
             lead: _Choice | None = None
             for copy in range(counts.best_of):

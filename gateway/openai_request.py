@@ -15,6 +15,7 @@ import grpc
 
 from gateway.errors import InvalidArgument, RequestFailed
 from gateway.request import ChatPrompt, ClientRequest, Prompt, TextPrompt, TokenPrompt
+from gateway.structured_request import Asked, SpecError, openai_structured
 from gateway.validation import FieldNames
 from modeling.tokenizer import ChatMessage
 
@@ -155,6 +156,7 @@ def client_request_of(body: dict[str, Any], prompt: Prompt, *, chat: bool) -> tu
         repetition_penalty=_float_param("repetition_penalty", body.get("repetition_penalty")),  # an extension, as in vLLM
         logit_bias=_logit_bias(body.get("logit_bias")),
         min_tokens=_int_param("min_tokens", body.get("min_tokens"), at_most=_INT32_MAX),  # an extension, as in vLLM
+        structured=_structured(body),
     )
     return request, dataclasses.replace(OPENAI_FIELDS, max_tokens=max_tokens_as,
                                         logprobs="top_logprobs" if chat else "logprobs")
@@ -189,6 +191,13 @@ def choice_counts(body: dict[str, Any], *, chat: bool, stream: bool, num_prompts
         raise ApiError(400, f"{num_prompts} prompts times {best_of} choices each is more than the {MAX_CHOICES} "
                             "this server runs for one request", "best_of" if best_of > n else "n")
     return ChoiceCounts(n, best_of)
+
+
+def _structured(body: dict[str, Any]) -> Asked | None:
+    try:
+        return openai_structured(body)
+    except SpecError as error:
+        raise ApiError(400, f"{error.field}: {error}", error.field) from error
 
 
 def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from modeling.structured import StructuredSpec
 from modeling.tokenizer import ChatMessage
 from proto import messages
 
@@ -57,6 +58,7 @@ class ClientRequest:
     repetition_penalty: float | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     min_tokens: int | None = None
+    structured: tuple[str, StructuredSpec] | None = None  # what the output must follow, and the field that asked
 
 
 @dataclass(frozen=True)
@@ -74,11 +76,13 @@ class Submission:
     ignore_eos: bool
     logprobs: int | None = None  # alternatives with each completion token's log-probability; None: none
     prompt_logprobs: int | None = None  # alternatives with each prompt token's; None: none
+    grammar: str | None = None  # the grammar the completion follows (checked); None: any text
 
     def to_submit_request(self, prompt_token_ids: list[int], eos_token_ids: Sequence[int]) -> messages.SubmitRequest:
         """The scheduler's message: eos ids stop the request unless ignore_eos, then the client's stop ids (which
         min_tokens holds back)."""
-        stop_ids = [] if self.ignore_eos else list(eos_token_ids)
+        # A grammar says when end-of-sequence may come: then it ends the output, ignore_eos or not.
+        stop_ids = [] if self.ignore_eos and self.grammar is None else list(eos_token_ids)
         stop_token_ids = list(dict.fromkeys([*stop_ids, *self.stop_token_ids]))
         sampling = self.sampling
         if sampling.penalties is not None and sampling.penalties.min_tokens:
@@ -93,4 +97,5 @@ class Submission:
             seed_given=self.seed_given,
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
+            grammar=self.grammar,
         )

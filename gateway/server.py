@@ -68,7 +68,8 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
             raise  # not reached: abort raises
 
     async def _generate(self, request: pb.GenerateRequest, request_id: str, context: grpc.aio.ServicerContext) -> None:
-        submission = submission_of(request, request_id=request_id, vocab_size=self._generation.tokenizer.vocab_size)
+        submission = submission_of(request, request_id=request_id, vocab_size=self._generation.tokenizer.vocab_size,
+                                   grammars=self._generation.grammars)
         async with contextlib.aclosing(self._generation.chunks(submission, "grpc")) as chunks:
             async for chunk in chunks:
                 await write_chunk(context, chunk, request_id)

@@ -9,10 +9,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import assert_never
+from typing import Protocol, assert_never
 
 from gateway.errors import InvalidArgument
 from gateway.request import ChatPrompt, ClientRequest, Prompt, Submission, TextPrompt, TokenPrompt
+from modeling.structured import StructuredSpec
 from modeling.tokenizer import ChatMessage
 from proto import messages
 
@@ -71,8 +72,14 @@ def checked_request_id(request_id: str, *, field: str) -> str:
     return request_id
 
 
-def validate(request: ClientRequest, *, fields: FieldNames, request_id: str, vocab_size: int) -> Submission:
-    """Every field of the request checked; raises InvalidArgument for the first bad one."""
+class Grammars(Protocol):
+    def grammar(self, asked: tuple[str, StructuredSpec]) -> str: ...
+
+
+def validate(request: ClientRequest, *, fields: FieldNames, request_id: str, vocab_size: int,
+             grammars: Grammars | None = None) -> Submission:
+    """Every field of the request checked; raises InvalidArgument for the first bad one. A structured-output ask
+    is compiled by `grammars` (gateway/structured_request.py)."""
     check_prompt(request.prompt, fields, vocab_size)
     return Submission(
         request_id=request_id,
@@ -86,7 +93,16 @@ def validate(request: ClientRequest, *, fields: FieldNames, request_id: str, voc
         ignore_eos=request.ignore_eos,
         logprobs=logprobs_of(request.logprobs, fields.logprobs),
         prompt_logprobs=logprobs_of(request.prompt_logprobs, fields.prompt_logprobs),
+        grammar=grammar_of(request.structured, grammars),
     )
+
+
+def grammar_of(structured: tuple[str, StructuredSpec] | None, grammars: Grammars | None) -> str | None:
+    if structured is None:
+        return None
+    if grammars is None:
+        raise InvalidArgument(structured[0], "structured output is not served here")
+    return grammars.grammar(structured)
 
 
 def logprobs_of(count: int | None, field: str) -> int | None:

@@ -13,13 +13,17 @@ from modeling.batch import PageError
 from modeling.kv_cache import pages_for
 from modeling.logprobs import token_logprobs
 from modeling.penalties import penalize_rows
+from modeling.structured import grammar_tokenizer
+from modeling.tokenizer import Tokenizer
+from gpu_worker.grammars import GrammarFailure, GrammarMasks
 from modeling.proposals import drafts_problem
 from modeling.rejection import verify, verify_tree_greedy, verify_tree_sampled
 from modeling.trees import branch_to, leading_nodes, parents_or_chain
-from proto.messages import MAX_TOP_LOGPROBS, PromptLogprobs, SeqFeatures, SeqOutput, SeqWork
+from proto.messages import MAX_TOP_LOGPROBS, Penalties, PromptLogprobs, SeqFeatures, SeqOutput, SeqWork
 
 
 _WARM_UP_ROWS = 32  # sequences in the warm-up's decode and verify steps at most (more only lengthen the start)
+_GRAMMARS_PER_SEQ = 4  # grammar matchers kept per sequence the worker may run (a cache: more are rebuilt)
 
 
 class ModelRunner:
@@ -38,6 +42,8 @@ class ModelRunner:
         self._engine = ModelEngine(config.model, model_config, device=config.process.device, dtype=config.process.dtype,
                                    num_pages=num_pages, max_len=config.max_model_len, page_size=config.page_size,
                                    quantization=config.quantization)
+        self._grammars = GrammarMasks(self._grammar_tokenizer, model_config.vocab_size,
+                                      _GRAMMARS_PER_SEQ * config.max_num_seqs)
 
     # ------------------------------------------------------------------ phases
 
@@ -75,6 +81,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ serving
 
+    def _grammar_tokenizer(self):  # type: ignore[no-untyped-def]
+        tokenizer = Tokenizer.load(self._config.model)
+        return grammar_tokenizer(tokenizer.backend_json(), self._model_config.vocab_size, tokenizer.eos_token_ids)
+
     def execute(self, seqs: list[SeqWork], return_features: bool = False
                 ) -> tuple[list[SeqOutput], list[SeqFeatures], list[PromptLogprobs]]:
         """Run one step; raises PageError, before touching any state, if it is inconsistent.
@@ -88,10 +98,11 @@ class ModelRunner:
         `return_features`, so do the final hidden states of the step's tokens that stand.
         """
         self._check(seqs)
+        masks = self._grammar_masks(seqs)
         spans = [SeqSpan(tuple(w.pages), w.start_position, w.token_ids, _num_logit_rows(w),
                          None if w.draft_parents is None else tuple(w.draft_parents)) for w in seqs]
         logits, hidden = self._engine.forward_with_features(spans)  # logits [M, V]: the rows asked for, in step order
-        logits = self._penalized(seqs, logits)
+        logits = self._constrained(seqs, logits, masks)
         best = torch.argmax(logits, dim=-1).tolist()  # one batched argmax serves every greedy sequence
         outputs: list[SeqOutput] = []
         features: list[SeqFeatures] = []
@@ -122,7 +133,8 @@ class ModelRunner:
                 if w.logprobs >= 0:  # token j was drawn at row 0, or after node accepted[j - 1]
                     token_rows = [rows.start] + [rows.start + 1 + node for node in accepted]
                     logprobs = token_logprobs(logits[token_rows], verdict.token_ids, w.logprobs, w.sampling.temperature)
-                outputs.append(SeqOutput(w.request_id, verdict.token_ids, accepted, logprobs))
+                forced, complete = self._after_grammar(w, verdict.token_ids)
+                outputs.append(SeqOutput(w.request_id, verdict.token_ids, accepted, logprobs, forced, complete))
                 if leading_nodes(accepted) < len(accepted):  # the branch's keys and values go where it stands
                     branch = accepted
                     first = w.start_position + num_standing
@@ -138,18 +150,44 @@ class ModelRunner:
             token_row += len(w.token_ids)
         return outputs, features, prompt_logprobs
 
-    def _penalized(self, seqs: list[SeqWork], logits: torch.Tensor) -> torch.Tensor:
-        """The logits with each sampling row of a sequence with penalties changed after its own prefix: the tokens
-        that stand, then its draft branch (modeling/penalties.py). In float32 when any is (a widening: exact)."""
-        if not any(w.sample and w.sampling.penalties is not None for w in seqs):
+    def _grammar_masks(self, seqs: list[SeqWork]) -> dict[str, list[torch.Tensor | None]]:
+        """Each grammar-following sequence's sampling-row masks (gpu_worker/grammars.py), before anything is written."""
+        masks: dict[str, list[torch.Tensor | None]] = {}
+        for w in seqs:
+            if w.sample and w.grammar is not None:
+                try:
+                    masks[w.request_id] = self._grammars.row_masks(w)
+                except GrammarFailure as error:
+                    raise PageError(f"request {w.request_id}: {error}", request_id=w.request_id) from error
+        return masks
+
+    def _after_grammar(self, w: SeqWork, token_ids: list[int]) -> tuple[list[int], bool]:
+        if w.grammar is None:
+            return [], False
+        try:
+            return self._grammars.after_step(w.request_id, token_ids)
+        except GrammarFailure as error:
+            raise PageError(f"request {w.request_id}: {error}", request_id=w.request_id) from error
+
+    def _constrained(self, seqs: list[SeqWork], logits: torch.Tensor,
+                     masks: dict[str, list[torch.Tensor | None]]) -> torch.Tensor:
+        """The logits with each sampling row of a sequence with penalties or a grammar changed after its own prefix:
+        the tokens that stand, then its draft branch (modeling/penalties.py, then the grammar's mask). In float32 when
+        any is (a widening: exact)."""
+        if not masks and not any(w.sample and w.sampling.penalties is not None for w in seqs):
             return logits
         with torch.inference_mode():  # the logits are an inference tensor: changed in place only in this mode
-            return self._penalize(seqs, logits.float())
+            return self._constrain(seqs, logits.float(), masks)
 
-    def _penalize(self, seqs: list[SeqWork], logits: torch.Tensor) -> torch.Tensor:
+    def _constrain(self, seqs: list[SeqWork], logits: torch.Tensor,
+                   masks: dict[str, list[torch.Tensor | None]]) -> torch.Tensor:
         row = 0
         for w in seqs:
             num_rows = _num_logit_rows(w)
+            first = row + num_rows - (w.num_draft_tokens + 1 if w.sample else 0)
+            for offset, mask in enumerate(masks.get(w.request_id, [])):
+                if mask is not None:
+                    logits[first + offset].masked_fill_(~mask, float("-inf"))
             penalties = w.sampling.penalties
             if w.sample and penalties is not None:
                 assert w.history is not None  # _check
@@ -159,7 +197,6 @@ class ModelRunner:
                 parents = parents_or_chain(w.draft_parents, len(drafts))
                 prefixes = [standing] + [standing + [drafts[n] for n in branch_to(parents, node)]
                                          for node in range(len(drafts))]
-                first = row + num_rows - len(prefixes)
                 penalize_rows(logits[first : row + num_rows], prefixes, w.num_prompt_tokens, penalties)
             row += num_rows
         return logits
@@ -204,15 +241,15 @@ class ModelRunner:
                     raise PageError(f"page {page} is written by request {written[page]} while request {w.request_id} reads it")
 
     def _check_penalties(self, w: SeqWork) -> None:
-        if not w.sample or w.sampling.penalties is None:
+        if not w.sample or (w.sampling.penalties is None and w.grammar is None):
             return
         vocab = self._model_config.vocab_size
-        penalties = w.sampling.penalties
+        penalties = w.sampling.penalties or Penalties()
         num_standing = len(w.token_ids) - w.num_draft_tokens
         if (w.history is None or len(w.history) != w.start_position
                 or not 0 <= w.num_prompt_tokens <= w.start_position + num_standing):
-            raise PageError(f"request {w.request_id}: penalties need the {w.start_position} tokens before the step and "
-                            f"where its prompt ends", request_id=w.request_id)
+            raise PageError(f"request {w.request_id}: penalties and grammars need the {w.start_position} tokens before "
+                            f"the step and where its prompt ends", request_id=w.request_id)
         ids = [*w.history, *penalties.logit_bias, *penalties.stop_token_ids]
         if any(not 0 <= t < vocab for t in ids):
             raise PageError(f"request {w.request_id}: a token id of its penalties is outside the vocabulary 0..{vocab - 1}",

@@ -116,6 +116,11 @@ class Tokenizer:
         text: str = self._backend.decode(list(token_ids), skip_special_tokens=True)
         return text
 
+    def backend_json(self) -> str:
+        """The whole tokenizer as tokenizers' JSON (what a grammar engine reads to map tokens to bytes)."""
+        text: str = self._backend.to_str()
+        return text
+
     def token_text(self, token_id: int) -> str:
         """One token as text, a special token too (as log-probabilities name tokens); part of a character is U+FFFD."""
         text: str = self._backend.decode([token_id], skip_special_tokens=False)

@@ -97,8 +97,10 @@ class SubmitRequest(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fi
     logprobs: int | None = None  # of every completion token
     prompt_logprobs: int | None = None  # of every prompt token but the first; max_tokens may then be 0
     # A request resumed on a new scheduler: the last resumed_tokens of prompt_token_ids are completion tokens it had
-    # already streamed (penalties count them as the completion's).
+    # already streamed (penalties and the grammar count them as the completion's).
     resumed_tokens: int = 0
+    # The grammar its completion follows (llguidance's text, modeling/structured.py); None: any text.
+    grammar: str | None = None
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True, forbid_unknown_fields=True):
@@ -257,10 +259,11 @@ class SeqWork(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # >= 0: so do those of the tokens after each of token_ids but the drafts (the last: after_token_id).
     prompt_logprobs: int = -1
     after_token_id: int = -1  # the prompt token after this chunk, when prompt_logprobs asks for its log-probability
-    # With sampling.penalties, when it samples: the sequence's tokens before start_position (prompt, then completion),
-    # and how many are the prompt's; the worker keeps no tokens, and penalties count them.
+    # With sampling.penalties or a grammar, when it samples: the sequence's tokens before start_position (prompt, then
+    # completion), and how many are the prompt's; the worker keeps no tokens, and both read them.
     history: list[int] | None = None
     num_prompt_tokens: int = 0
+    grammar: str | None = None  # when it samples: the grammar its completion follows (every row is masked by it)
 
 
 class StepRequest(msgspec.Struct, tag="step", frozen=True, forbid_unknown_fields=True):
@@ -408,6 +411,10 @@ class SeqOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The draft nodes accepted, root to leaf: indices into the proposal (a chain's first ones).
     accepted_nodes: list[int] = []
     logprobs: list[TokenLogprob] | None = None  # when asked: one per token id
+    # With a grammar: the tokens it forces after these (the next step's draft tokens), and whether it is complete
+    # (it allowed nothing more, and end-of-sequence came).
+    forced_token_ids: list[int] = []
+    grammar_complete: bool = False
 
     @property
     def num_accepted_draft(self) -> int:

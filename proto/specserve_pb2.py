@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15proto/specserve.proto\x12\x0cspecserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x87\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x05\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\x05H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0f \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x10 \x01(\x01H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x11 \x01(\x01H\t\x88\x01\x01\x12?\n\nlogit_bias\x18\x12 \x03(\x0b\x32+.specserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x13 \x01(\x05H\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokens\"\xdb\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1a.specserve.v1.ChatMessagesH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.specserve.v1.TokenIdsH\x00\x12,\n\x06params\x18\n \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x17\n\nrequest_id\x18\x0b \x01(\tH\x01\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_request_id\"\x9b\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x04 \x01(\r\x12\x14\n\x0cverify_steps\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"a\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12.\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x18.specserve.v1.TopLogprob\"\x81\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.specserve.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.specserve.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\"\x13\n\x11ServerInfoRequest\"\x8f\x03\n\x07Process\x12\x12\n\nprocess_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\x03\x12\x17\n\x0fheartbeat_age_s\x18\x05 \x01(\x01\x12\x13\n\x0bnum_running\x18\x08 \x01(\x03\x12\x0f\n\x07\x66\x61ilure\x18\t \x01(\t\x12\x14\n\x0cnum_kv_pages\x18\n \x01(\x03\x12\x14\n\x0ckv_page_size\x18\x0b \x01(\x03\x12\x19\n\x11num_used_kv_pages\x18\x0c \x01(\x03\x12\x1b\n\x13num_cached_kv_pages\x18\r \x01(\x03\x12#\n\x1bprefix_cache_queried_tokens\x18\x0e \x01(\x03\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x0f \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x10 \x01(\x03\x12\x0f\n\x07kernels\x18\x11 \x01(\tJ\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08R\x11num_used_kv_slotsR\x0cnum_kv_slots\"\xbb\x01\n\x0bSpeculation\x12\x18\n\x10num_draft_tokens\x18\x01 \x01(\x03\x12!\n\x19num_accepted_draft_tokens\x18\x02 \x01(\x03\x12\x18\n\x10num_verify_steps\x18\x03 \x01(\x03\x12\x1e\n\x16num_plain_decode_steps\x18\x04 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x01\"\xc3\x01\n\x12ServerInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x03\x12\x13\n\x0bnum_running\x18\x04 \x01(\x03\x12(\n\tprocesses\x18\x05 \x03(\x0b\x32\x15.specserve.v1.Process\x12.\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x19.specserve.v1.Speculation*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xac\x01\n\tSpecServe\x12K\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse0\x01\x12R\n\rGetServerInfo\x12\x1f.specserve.v1.ServerInfoRequest\x1a .specserve.v1.ServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15proto/specserve.proto\x12\x0cspecserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc2\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x05\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\x05H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0f \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x10 \x01(\x01H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x11 \x01(\x01H\t\x88\x01\x01\x12?\n\nlogit_bias\x18\x12 \x03(\x0b\x32+.specserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x13 \x01(\x05H\n\x88\x01\x01\x12\x39\n\x11structured_output\x18\x14 \x01(\x0b\x32\x1e.specserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokens\"\x95\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x15.specserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xdb\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1a.specserve.v1.ChatMessagesH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.specserve.v1.TokenIdsH\x00\x12,\n\x06params\x18\n \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x17\n\nrequest_id\x18\x0b \x01(\tH\x01\x88\x01\x01\x42\x07\n\x05inputB\r\n\x0b_request_id\"\x9b\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x04 \x01(\r\x12\x14\n\x0cverify_steps\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"a\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12.\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x18.specserve.v1.TopLogprob\"\x81\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.specserve.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.specserve.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\"\x13\n\x11ServerInfoRequest\"\x8f\x03\n\x07Process\x12\x12\n\nprocess_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\x03\x12\x17\n\x0fheartbeat_age_s\x18\x05 \x01(\x01\x12\x13\n\x0bnum_running\x18\x08 \x01(\x03\x12\x0f\n\x07\x66\x61ilure\x18\t \x01(\t\x12\x14\n\x0cnum_kv_pages\x18\n \x01(\x03\x12\x14\n\x0ckv_page_size\x18\x0b \x01(\x03\x12\x19\n\x11num_used_kv_pages\x18\x0c \x01(\x03\x12\x1b\n\x13num_cached_kv_pages\x18\r \x01(\x03\x12#\n\x1bprefix_cache_queried_tokens\x18\x0e \x01(\x03\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x0f \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x10 \x01(\x03\x12\x0f\n\x07kernels\x18\x11 \x01(\tJ\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08R\x11num_used_kv_slotsR\x0cnum_kv_slots\"\xbb\x01\n\x0bSpeculation\x12\x18\n\x10num_draft_tokens\x18\x01 \x01(\x03\x12!\n\x19num_accepted_draft_tokens\x18\x02 \x01(\x03\x12\x18\n\x10num_verify_steps\x18\x03 \x01(\x03\x12\x1e\n\x16num_plain_decode_steps\x18\x04 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x01\"\xc3\x01\n\x12ServerInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x03\x12\x13\n\x0bnum_running\x18\x04 \x01(\x03\x12(\n\tprocesses\x18\x05 \x03(\x0b\x32\x15.specserve.v1.Process\x12.\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x19.specserve.v1.Speculation*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xac\x01\n\tSpecServe\x12K\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse0\x01\x12R\n\rGetServerInfo\x12\x1f.specserve.v1.ServerInfoRequest\x1a .specserve.v1.ServerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2420
-  _globals['_FINISHREASON']._serialized_end=2540
+  _globals['_FINISHREASON']._serialized_start=2659
+  _globals['_FINISHREASON']._serialized_end=2779
   _globals['_CHATMESSAGE']._serialized_start=39
   _globals['_CHATMESSAGE']._serialized_end=83
   _globals['_CHATMESSAGES']._serialized_start=85
@@ -42,27 +42,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=146
   _globals['_TOKENIDS']._serialized_end=169
   _globals['_SAMPLINGPARAMS']._serialized_start=172
-  _globals['_SAMPLINGPARAMS']._serialized_end=819
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=597
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=645
-  _globals['_GENERATEREQUEST']._serialized_start=822
-  _globals['_GENERATEREQUEST']._serialized_end=1041
-  _globals['_USAGE']._serialized_start=1044
-  _globals['_USAGE']._serialized_end=1199
-  _globals['_TOPLOGPROB']._serialized_start=1201
-  _globals['_TOPLOGPROB']._serialized_end=1248
-  _globals['_TOKENLOGPROB']._serialized_start=1250
-  _globals['_TOKENLOGPROB']._serialized_end=1347
-  _globals['_GENERATERESPONSE']._serialized_start=1350
-  _globals['_GENERATERESPONSE']._serialized_end=1607
-  _globals['_SERVERINFOREQUEST']._serialized_start=1609
-  _globals['_SERVERINFOREQUEST']._serialized_end=1628
-  _globals['_PROCESS']._serialized_start=1631
-  _globals['_PROCESS']._serialized_end=2030
-  _globals['_SPECULATION']._serialized_start=2033
-  _globals['_SPECULATION']._serialized_end=2220
-  _globals['_SERVERINFORESPONSE']._serialized_start=2223
-  _globals['_SERVERINFORESPONSE']._serialized_end=2418
-  _globals['_SPECSERVE']._serialized_start=2543
-  _globals['_SPECSERVE']._serialized_end=2715
+  _globals['_SAMPLINGPARAMS']._serialized_end=878
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=656
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=704
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=881
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1030
+  _globals['_CHOICES']._serialized_start=1032
+  _globals['_CHOICES']._serialized_end=1058
+  _globals['_GENERATEREQUEST']._serialized_start=1061
+  _globals['_GENERATEREQUEST']._serialized_end=1280
+  _globals['_USAGE']._serialized_start=1283
+  _globals['_USAGE']._serialized_end=1438
+  _globals['_TOPLOGPROB']._serialized_start=1440
+  _globals['_TOPLOGPROB']._serialized_end=1487
+  _globals['_TOKENLOGPROB']._serialized_start=1489
+  _globals['_TOKENLOGPROB']._serialized_end=1586
+  _globals['_GENERATERESPONSE']._serialized_start=1589
+  _globals['_GENERATERESPONSE']._serialized_end=1846
+  _globals['_SERVERINFOREQUEST']._serialized_start=1848
+  _globals['_SERVERINFOREQUEST']._serialized_end=1867
+  _globals['_PROCESS']._serialized_start=1870
+  _globals['_PROCESS']._serialized_end=2269
+  _globals['_SPECULATION']._serialized_start=2272
+  _globals['_SPECULATION']._serialized_end=2459
+  _globals['_SERVERINFORESPONSE']._serialized_start=2462
+  _globals['_SERVERINFORESPONSE']._serialized_end=2657
+  _globals['_SPECSERVE']._serialized_start=2782
+  _globals['_SPECSERVE']._serialized_end=2954
 # @@protoc_insertion_point(module_scope)

@@ -52,6 +52,7 @@ class IllegalRequestMove(RuntimeError):
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
+MAX_GRAMMAR_CHARS = 1 << 20
 
 
 def sampling_problem(sampling: m.SamplingParams) -> str:
@@ -134,6 +135,8 @@ class Request:
     num_prompt_logprobs: int = -1
     prompt_logprobs_done: int = 1  # the first prompt token has none
     num_resumed_tokens: int = 0  # completion tokens at the end of prompt_token_ids (a request resumed from another)
+    grammar: str | None = None  # what its completion follows (the worker masks every row by it)
+    forced_token_ids: list[int] = field(default_factory=list)  # what its grammar forces next: the next step's drafts
 
     @property
     def num_own_prompt_tokens(self) -> int:
@@ -222,6 +225,8 @@ class RequestTable:
             raise RequestRejected("INVALID_ARGUMENT", f"request_id {submit.request_id!r} is already in use")
         if problem := sampling_problem(submit.sampling) or token_problem(submit, vocab_size):
             raise RequestRejected("INVALID_ARGUMENT", problem)
+        if submit.grammar is not None and not 0 < len(submit.grammar) <= MAX_GRAMMAR_CHARS:
+            raise RequestRejected("INVALID_ARGUMENT", f"grammar must have 1 to {MAX_GRAMMAR_CHARS} characters")
         if len(submit.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise RequestRejected("INVALID_ARGUMENT", f"stop_token_ids has more than {MAX_STOP_TOKEN_IDS} ids")
         if num_prompt == 0:
@@ -251,7 +256,7 @@ class RequestTable:
             max_tokens=max_tokens, sampling=sampling, stop_token_ids=frozenset(submit.stop_token_ids),
             waiting_since_s=now_s, num_logprobs=-1 if submit.logprobs is None else submit.logprobs,
             num_prompt_logprobs=-1 if submit.prompt_logprobs is None else submit.prompt_logprobs,
-            num_resumed_tokens=submit.resumed_tokens,
+            num_resumed_tokens=submit.resumed_tokens, grammar=submit.grammar,
         )
         self._by_id[request.request_id] = request
         self._waiting.append(request)

@@ -19,6 +19,7 @@ cache.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 
 from common.logs import get_logger
@@ -78,13 +79,30 @@ class StepCycle:
             elif worker.is_target and worker.runs_steps and not worker.is_busy and worker.requests:
                 draft = self._drafts.current(self._workers, self._requests)
                 plan = plan_step(self._step_candidates(worker), self._limits,
-                                 partial(self._drafts.draft_tokens, draft, worker))
+                                 partial(self._proposed_tokens, draft, worker))
                 if plan is None:
                     continue
                 if draft is not None and plan.waits_for_proposals:
                     self._outbox.to_worker(draft.identity, self._drafts.propose(draft, worker, plan, now_s))
                 else:
                     self._send(worker, plan, {}, now_s)
+
+    def _proposed_tokens(self, draft: WorkerRecord | None, worker: WorkerRecord,
+                         seqs: Sequence[ScheduledSeq]) -> dict[str, int]:
+        """k per request the draft service is asked for: none for a request whose grammar forces its next tokens
+        (those are its drafts, `_forced_drafts`)."""
+        return self._drafts.draft_tokens(draft, worker, [item for item in seqs if not self._forced_drafts(worker, item)])
+
+    def _forced_drafts(self, worker: WorkerRecord, item: ScheduledSeq) -> list[int]:
+        """The tokens a decoding request's grammar forces next, as many as the step may verify (`--num-speculative-tokens`
+        at most; 0 turns these off too): certain to be accepted (the grammar allows nothing else), whatever the batch
+        size."""
+        r = item.request
+        if not r.forced_token_ids or not item.completes or item.num_tokens != 1:
+            return []
+        k = min(self._config.num_speculative_tokens, worker.max_draft_tokens, r.max_tokens - len(r.output_token_ids) - 1,
+                self._config.max_model_len - r.num_tokens - 1)
+        return r.forced_token_ids[: max(k, 0)]
 
     def _step_candidates(self, worker: WorkerRecord) -> list[Request]:
         """The requests the next step is planned from: a suspect (a request that was in flight when a worker was lost)
@@ -125,21 +143,25 @@ class StepCycle:
         for item, (drafts, dists, parents) in work:
             r = item.request
             start = r.num_computed_tokens
+            # Forced drafts were not the draft service's: what it holds stays as it was.
+            generation = -1 if drafts and self._forced_drafts(worker, item) else r.draft.generation
             end = start + item.num_tokens
             scores = r.scores_prompt and start < len(r.prompt_token_ids)
+            reads_history = r.sampling.penalties is not None or r.grammar is not None
             seqs.append(m.SeqWork(
                 request_id=r.request_id, pages=pages.block_table(r.request_id), start_position=start,
                 token_ids=r.token_slice(start, end) + drafts, sample=item.completes, sampling=r.sampling,
                 num_draft_tokens=len(drafts), draft_dists=dists, draft_parents=parents,
                 logprobs=r.num_logprobs if item.completes else -1, prompt_logprobs=r.num_prompt_logprobs if scores else -1,
                 after_token_id=r.prompt_token_ids[end] if scores and end < len(r.prompt_token_ids) else -1,
-                # Penalties count the tokens before the step; the worker holds none.
-                history=r.token_slice(0, start) if r.sampling.penalties is not None and item.completes else None,
-                num_prompt_tokens=r.num_own_prompt_tokens if r.sampling.penalties is not None else 0,
+                # Penalties and grammars read the tokens before the step; the worker holds none.
+                history=r.token_slice(0, start) if reads_history and item.completes else None,
+                num_prompt_tokens=r.num_own_prompt_tokens if reads_history else 0,
+                grammar=r.grammar if item.completes else None,
             ))
             # A prompt chunk's scores: each token's after the first, then the next chunk's first.
             prompt_scores = item.num_tokens - 1 + (end < len(r.prompt_token_ids)) if scores else None
-            step_seqs.append(StepSeq(r, item.num_tokens, item.completes, drafts, r.draft.generation, parents, prompt_scores))
+            step_seqs.append(StepSeq(r, item.num_tokens, item.completes, drafts, generation, parents, prompt_scores))
         worker.in_flight = InFlightStep(self._next_step_id, now_s, step_seqs)
         self._outbox.to_worker(worker.identity, m.StepRequest(self._next_step_id, worker.incarnation, seqs,
                                                               return_features=self._drafts.features_wanted))
@@ -161,6 +183,8 @@ class StepCycle:
             if r.request_id in preempted:
                 continue
             drafts = draft_work(r, proposals.get(r.request_id))
+            if forced := self._forced_drafts(worker, item):
+                drafts = (forced, None, None)
             need = r.num_computed_tokens + item.num_tokens
             if drafts[0] and not pages.grow(r.request_id, need + len(drafts[0])):
                 drafts = ([], None, None)  # verified never: the draft service drops it with the next request
@@ -218,10 +242,13 @@ class StepCycle:
                 self._emit_prompt_logprobs(request, scored[request.request_id])
             if output is not None:
                 record_verification(request, seq, output, self._drafts.counters)
+                request.forced_token_ids = output.forced_token_ids
                 if request.max_tokens == 0:  # the prompt was scored, nothing is generated
                     self.finish(request, RequestStatus.FINISHED_LENGTH, notify=True)
                 else:
                     self._append_tokens(request, output.token_ids, output.logprobs)
+                    if output.grammar_complete and self._requests.get(request.request_id) is request:
+                        self.finish(request, RequestStatus.FINISHED_STOPPED, notify=True)  # nothing else may follow
         self._drafts.store_features(worker, result.features, partial(protocol_error, worker, "bad_features"))
         self.place_waiting()
         self.dispatch(now_s)

@@ -199,14 +199,21 @@ def test_seeded_sampling_with_speculation_is_reproducible(spec_stack: Stack, def
         assert plain.logprobs == first.logprobs  # the target's, after temperature, with or without speculation
 
 
-def test_penalized_and_biased_output_is_the_same_with_and_without_speculation(spec_stack: Stack, default_model_dir: Path,
+def test_penalized_biased_and_structured_output_is_the_same_with_and_without_speculation(spec_stack: Stack, default_model_dir: Path,
                                                                             truncated_draft: Path) -> None:
-    """Every verify row is penalized after its own branch, as the decode step it stands for would be."""
+    """Every verify row is penalized and masked by the grammar after its own branch, as the decode step it stands for
+    would be."""
     ids = prompt_ids(Tokenizer.load(default_model_dir))
     penalties = {"presence_penalty": 0.4, "frequency_penalty": 0.6, "repetition_penalty": 1.2,
                  "logit_bias": {13: 2.0, 28: -5.0}, "min_tokens": 8, "logprobs": 1}
     requests = [request(p, **penalties) for p in ids[:4]]
     requests += [request(p, temperature=0.8, top_p=0.95, seed=21 + i, **penalties) for i, p in enumerate(ids[4:6])]
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                "colours": {"type": "array", "maxItems": 3, "items": {"type": "string",
+                                                                                                       "maxLength": 8}}},
+              "required": ["name", "colours"]}
+    structured = pb.StructuredOutput(json_schema=json.dumps(schema))
+    requests.insert(4, request(ids[2], structured_output=structured, logprobs=1))  # greedy, in a grammar
     switch_draft(spec_stack, None)
     plain = run_staggered(spec_stack, requests)
     unpenalized = [spec_stack.generate(request(p)).token_ids for p in ids[:4]]
@@ -217,7 +224,7 @@ def test_penalized_and_biased_output_is_the_same_with_and_without_speculation(sp
         results = run_staggered(spec_stack, requests)
         assert spec_stack.info().speculation.num_verify_steps > before.num_verify_steps, proposer
         for index, (result, expected) in enumerate(zip(results, plain)):
-            if index >= 4 and proposer.startswith("model"):  # a sampled draft's q changes which tokens are drawn
+            if index >= 5 and proposer.startswith("model"):  # a sampled draft's q changes which tokens are drawn
                 assert len(result.token_ids) == NUM_TOKENS
                 continue
             assert result.token_ids == expected.token_ids, f"{proposer}: request {index} differs"
