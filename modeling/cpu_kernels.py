@@ -32,7 +32,8 @@ from modeling.quantized import BLOCK_FORMATS, Blocks, ChannelInt8, GgufBlocks, b
 _IN_PLACE_BLOCK_ELEMENTS = 1 << 20  # the scratch of in-place packing: a few MiB
 # The path probe: a weight shaped like the model's MLP projections, capped at a few MiB, on the
 # row counts of a batch-1 decode step and of a batched one (the kernel's two kinds of tile).
-_PROBE_MAX_OUT, _PROBE_MAX_DEPTH, _PROBE_ROWS, _PROBE_REPEATS = 1024, 2048, (1, 16), 5
+_PROBE_MAX_OUT, _PROBE_MAX_DEPTH, _PROBE_ROWS, _PROBE_REPEATS = 1024, 2048, (1, 16), 7
+SWITCH_MARGIN = 0.8  # another path is chosen over the first only when it takes at most this share of its time
 
 
 def attach_native_ops(model: LlamaModel, dtype: torch.dtype, device: torch.device,
@@ -83,7 +84,11 @@ class PathTimings:
 
     @property
     def fastest(self) -> str:
-        return min(self.seconds, key=lambda path: self.seconds[path])
+        """The fastest path; the first (the widest instruction set) unless another takes at most SWITCH_MARGIN of its
+        time: a probe on a busy machine is noisy, and a narrower path is rarely faster."""
+        first = next(iter(self.seconds))
+        best = min(self.seconds, key=lambda path: self.seconds[path])
+        return best if self.seconds[best] <= SWITCH_MARGIN * self.seconds[first] else first
 
     def __str__(self) -> str:  # e.g. "measured: avx2 0.41 ms, portable 3.2 ms; oneDNN 0.39 ms"
         timings = ", ".join(f"{path} {_milliseconds(value)}" for path, value in self.seconds.items())
@@ -102,27 +107,38 @@ def measure_linear_paths(ops: ModuleType, config: ModelConfig, dtype: torch.dtyp
     generator = torch.Generator().manual_seed(0)
     weight = (torch.randn(out, depth, generator=generator) * 0.05).to(dtype)
     rows = [torch.randn(count, depth, generator=generator).to(dtype) for count in _PROBE_ROWS]
-    seconds: dict[str, float] = {}
+    runs: dict[str, list[Callable[[], object]]] = {}
     dense = weight
     for path in ops.linear_paths():
         linear = PackedLinear(ops, path)
         packed = block_probe(linear, block_format)(weight) if block_format is not None else linear.pack(weight)
         if block_format is not None:
             dense = linear.rows(packed, torch.arange(out)).to(dtype)  # the weight as the blocks widen it
-        seconds[path] = sum(_best_seconds(functools.partial(linear, x, packed)) for x in rows)
-    return PathTimings(seconds, sum(_best_seconds(functools.partial(F.linear, x, dense)) for x in rows))
+        runs[path] = [functools.partial(linear, x, packed) for x in rows]
+    runs[_ONEDNN] = [functools.partial(F.linear, x, dense) for x in rows]
+    seconds = _best_seconds(runs)
+    return PathTimings({path: value for path, value in seconds.items() if path != _ONEDNN}, seconds[_ONEDNN])
 
 
-def _best_seconds(run: Callable[[], object]) -> float:
-    """The fastest of a few runs of `run` after a first one (shared machines are noisy: the best run is the kernel's)."""
+_ONEDNN = "oneDNN"
+
+
+def _best_seconds(runs: dict[str, list[Callable[[], object]]]) -> dict[str, float]:
+    """Each name's runs timed in turns with the others' (round after round, so that a busy spell of the machine, say
+    another process loading, slows all of them alike), each the fastest of its rounds after a first untimed one;
+    summed per name."""
+    best = {name: [math.inf] * len(calls) for name, calls in runs.items()}
     with torch.inference_mode():
-        run()
-        best = math.inf
+        for calls in runs.values():
+            for call in calls:
+                call()
         for _ in range(_PROBE_REPEATS):
-            start = time.perf_counter()
-            run()
-            best = min(best, time.perf_counter() - start)
-    return best
+            for name, calls in runs.items():
+                for index, call in enumerate(calls):
+                    start = time.perf_counter()
+                    call()
+                    best[name][index] = min(best[name][index], time.perf_counter() - start)
+    return {name: sum(values) for name, values in best.items()}
 
 
 def _milliseconds(seconds: float) -> str:

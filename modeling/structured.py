@@ -3,12 +3,13 @@
 A client asks for JSON (any object, or one matching a JSON schema), a regular expression,
 one of a few strings, or a Lark grammar. Each becomes llguidance's grammar text, checked
 against the model's tokenizer when the request arrives. We chose llguidance over
-outlines-core and xgrammar: a schema compiles in about 2 ms where outlines-core builds a
-whole automaton per schema (0.6-1 s here, and none for recursive schemas); its per-token
-mask costs ~0.1 ms on this CPU (outlines-core's ~0.06 ms, once compiled); it rolls back
-consumed tokens, which rejected draft tokens need; it says which tokens the grammar
-forces next (proposed as draft tokens); and it needs neither torch nor transformers, where
-xgrammar needs both and triton (bench/grammar_mask.py, docs/benchmarks.md).
+outlines-core and xgrammar (bench/grammar_mask.py, docs/benchmarks.md): a schema compiles
+in under 2 ms, where outlines-core builds a whole automaton per schema (0.3-1.2 s here,
+for every new schema a client sends); its mask costs 0.08-0.24 ms per token on average
+(outlines-core's 0.02-0.1 ms, once compiled), under 1% of a decode step; it rolls back
+consumed tokens, which rejected draft tokens need; it says which tokens the grammar forces
+next (proposed as draft tokens); and it needs neither torch nor transformers, where
+xgrammar needs both and triton.
 
 JSON is generated compactly (no whitespace between tokens), so the grammar forces every
 key and separator and those tokens cost no step of their own.
