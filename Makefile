@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml
 	# build (elsewhere, add --index-url https://download.pytorch.org/whl/cpu for a CPU-only machine).
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
+	# SGLang's frontend language, for the test that runs a program of it against the stack: the package alone
+	# (its own requirements are its server's: pinned torch and transformers), and the two its frontend imports.
+	$(PY) -m pip install --quiet --no-deps sglang==0.5.9
+	$(PY) -m pip install --quiet pybase64 ipython
 	$(PY) -m modeling.model_store > /dev/null
 	# A real compose parser for the compose-file test (Debian's docker-compose; no engine needed).
 	command -v docker-compose > /dev/null || { apt-get update -qq && apt-get install -y -qq docker-compose > /dev/null; }

@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events
 ending with `data: [DONE]`, or one JSON body), GET /v1/models, GET /health (the gateway is
-alive), GET /ready (200 only while a target worker is READY), GET /metrics (Prometheus).
+alive), GET /ready (200 only while a target worker is READY), GET /metrics (Prometheus),
+and SGLang's native routes (gateway/sglang_api.py).
 
 A request body becomes a ClientRequest (openai_request.py) checked by the same `validate`
 as gRPC's, so both APIs accept and refuse the same things; errors come back in OpenAI's
@@ -34,6 +35,7 @@ from gateway.openai_logprobs import CompletionLogprobs, Scored, TokenTexts, chat
 from gateway.openai_request import ApiError, chat_prompt, choice_counts, client_request_of, completion_prompts
 from gateway.output import Chunk
 from gateway.request import Prompt, Submission, TextPrompt, TokenPrompt
+from gateway.sglang_api import SglangApi
 from gateway.validation import validate
 
 
@@ -45,6 +47,7 @@ class HttpApi:
         self._reporter = reporter
         self._model_name = model_name
         self._texts = TokenTexts(generation.tokenizer)
+        self._sglang = SglangApi(generation, model_name, limits)
         self._created = int(time.time())
         self.draining = False  # after the first SIGTERM: new generation requests get 503
         self._num_generating = 0  # generation requests in flight
@@ -70,6 +73,7 @@ class HttpApi:
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics)
+        self._sglang.add_routes(app, self._counted)
         return app
 
     @web.middleware
@@ -122,12 +126,17 @@ class HttpApi:
 
     async def _run(self, request: web.Request, body: dict[str, Any], prompts: list[Prompt], *,
                    chat: bool) -> web.StreamResponse:
+        return await self._counted(self._generate(request, body, prompts, chat=chat))
+
+    async def _counted(self, generation: Coroutine[Any, Any, web.StreamResponse]) -> web.StreamResponse:
+        """A generation request: refused while draining, else counted in flight until it ends."""
         if self.draining:
+            generation.close()
             raise ApiError(503, "the server is shutting down")
         self._num_generating += 1
         self._idle.clear()
         try:
-            return await self._generate(request, body, prompts, chat=chat)
+            return await generation
         finally:
             self._num_generating -= 1
             if not self._num_generating:

@@ -122,8 +122,9 @@ class SchedulerClient:
         except TimeoutError as error:
             raise SchedulerUnavailable(self._silence_message()) from error
 
-    async def query_info(self) -> messages.InfoReply:
-        """The scheduler's InfoReply; raises SchedulerUnavailable when none comes within reply_timeout_s.
+    async def query_info(self, *, flush_prefix_cache: bool = False) -> messages.InfoReply:
+        """The scheduler's InfoReply (after it forgot the prefix cache's unheld pages, with `flush_prefix_cache`);
+        raises SchedulerUnavailable when none comes within reply_timeout_s.
 
         Nothing is sent while disconnected, so queries do not pile up for a scheduler that is down.
         """
@@ -133,7 +134,8 @@ class SchedulerClient:
         try:
             async with asyncio.timeout(self.reply_timeout_s):
                 await self._connected.wait()
-                await self._require_socket().send(self._codec_out.encode(messages.InfoQuery(query_id=query_id)))
+                query = messages.InfoQuery(query_id=query_id, flush_prefix_cache=flush_prefix_cache)
+                await self._require_socket().send(self._codec_out.encode(query))
                 return await future
         except TimeoutError as error:
             raise SchedulerUnavailable(self._silence_message()) from error

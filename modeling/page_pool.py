@@ -107,6 +107,15 @@ class PagePool:
             prefix_id = self._pages[page].prefix_id
         return pages
 
+    def flush(self) -> int:
+        """Forget every cached page nobody holds (they become free); returns how many. Pages sequences hold stay."""
+        flushed = list(self._cached)
+        for page in flushed:
+            self._forget(page)
+            self._free.append(page)
+        self._cached.clear()
+        return len(flushed)
+
     # ------------------------------------------------------------------ sequences
 
     def admit(self, seq_id: str, token_ids: Sequence[int], *, keep_free: int = 0, share: bool = True) -> int | None:

@@ -112,6 +112,8 @@ class AbortRequest(msgspec.Struct, tag="abort", frozen=True, forbid_unknown_fiel
 
 class InfoQuery(msgspec.Struct, tag="info_query", frozen=True, forbid_unknown_fields=True):
     query_id: int
+    # First forget every prefix-cache page no request holds, on every target (what the reply then shows).
+    flush_prefix_cache: bool = False
 
 
 class GatewayHello(msgspec.Struct, tag="gateway_hello", frozen=True, forbid_unknown_fields=True):

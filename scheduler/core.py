@@ -91,6 +91,9 @@ class SchedulerCore:
                     self._steps.place_waiting()  # its pages may be what a waiting request needs
                     self._steps.dispatch(now_s)
             case m.InfoQuery():
+                if message.flush_prefix_cache:
+                    flushed = sum(w.pages.flush() for w in self._workers if w.pages is not None)
+                    log.info("prefix_cache.flushed", num_pages=flushed)
                 self.outbox.to_gateway(identity, self.info(message.query_id, now_s))
             case _:
                 assert_never(message)
