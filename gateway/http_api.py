@@ -23,11 +23,11 @@ import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
-import msgspec
 from aiohttp import web
 
 from common.logs import get_logger
 from gateway.errors import RequestFailed
+from gateway.choices import Copy, sibling
 from gateway.generation import Generation
 from gateway.health import SERVING, HealthReporter
 from gateway.http_body import BodyLimits, json_body
@@ -192,15 +192,9 @@ class HttpApi:
 
     async def _whole(self, choices: list[_Choice], shape: _Shape, n: int) -> web.Response:
         async def collect(choice: _Choice) -> None:
-            await choice.wait_for_lead()
-            try:
-                async with contextlib.aclosing(self._generation.chunks(choice.submission, "http")) as chunks:
-                    async for chunk in chunks:
-                        if chunk.token_ids or chunk.finish_reason is not None:
-                            choice.prompt_computed.set()
-                        choice.take(chunk)
-            finally:
-                choice.prompt_computed.set()
+            async with contextlib.aclosing(choice.copy.chunks(self._generation, "http")) as chunks:
+                async for chunk in chunks:
+                    choice.take(chunk)
 
         await _all([collect(choice) for choice in choices])
         return web.json_response(shape.whole(best_choices(choices, n), choices))
@@ -210,17 +204,12 @@ class HttpApi:
         events: asyncio.Queue[tuple[_Choice, Chunk | RequestFailed]] = asyncio.Queue()
 
         async def pump(choice: _Choice) -> None:
-            await choice.wait_for_lead()
             try:
-                async with contextlib.aclosing(self._generation.chunks(choice.submission, "http")) as chunks:
+                async with contextlib.aclosing(choice.copy.chunks(self._generation, "http")) as chunks:
                     async for chunk in chunks:
-                        if chunk.token_ids or chunk.finish_reason is not None:
-                            choice.prompt_computed.set()
                         await events.put((choice, chunk))
             except RequestFailed as failure:
                 await events.put((choice, failure))
-            finally:
-                choice.prompt_computed.set()
 
         tasks = [asyncio.create_task(pump(choice)) for choice in choices]
         try:
@@ -277,19 +266,6 @@ async def _cancel(tasks: Sequence[asyncio.Future[None]]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def sibling(submission: Submission, copy: int, request_id: str, *, scores_prompt: bool) -> Submission:
-    """Copy `copy` of a prompt's request: its own seed stream when the client gave a seed (copy 0 keeps it), and its
-    prompt scored only when `scores_prompt` (the other copies echo the first one's)."""
-    sampling = submission.sampling
-    if copy and submission.seed_given:
-        sampling = msgspec.structs.replace(sampling, seed=(sampling.seed + copy * _SEED_STRIDE) % 2**63)
-    return dataclasses.replace(submission, request_id=request_id, sampling=sampling,
-                               prompt_logprobs=submission.prompt_logprobs if scores_prompt else None)
-
-
-_SEED_STRIDE = 0x9E3779B97F4A7C15  # between the seeds of a prompt's copies
-
-
 def best_choices(choices: list[_Choice], n: int) -> list[_Choice]:
     """Of each prompt's copies, the n with the highest log-probability per token (OpenAI's best_of), best first;
     all of them, in order, when there are only n."""
@@ -307,9 +283,8 @@ def best_choices(choices: list[_Choice], n: int) -> list[_Choice]:
 class _Choice:
     """One choice of an answer: its request, and what it has given so far.
 
-    A prompt's copies (n or best_of of them) start once its first copy's prompt is computed
-    (`lead`), so that they read its pages from the prefix cache instead of computing it
-    again; an echoed prompt's log-probabilities are the first copy's.
+    A prompt's copies (n or best_of of them, gateway/choices.py) start once its first copy's
+    prompt is computed (`lead`); an echoed prompt's log-probabilities are the first copy's.
     """
 
     def __init__(self, index: int, prompt_index: int, submission: Submission, logprobs: bool, texts: TokenTexts, *,
@@ -321,17 +296,13 @@ class _Choice:
         self.echo = echo  # the prompt's text, when the answer starts with it
         self.texts = texts
         self.lead = lead
-        self.prompt_computed = asyncio.Event()  # set once its first token (or its end) came
+        self.copy: Copy = Copy(submission, lead.copy if lead is not None else None)
         self.completion_logprobs = CompletionLogprobs(texts)
         self.text: list[str] = []
         self.prompt_scored: list[Scored] = []  # the prompt's log-probabilities as they came
         self.completion_scored: list[Scored] = []
         self.echoed = echo is None  # the echo has been streamed (or there is none)
         self.last: Chunk | None = None
-
-    async def wait_for_lead(self) -> None:
-        if self.lead is not None:
-            await self.lead.prompt_computed.wait()
 
     @property
     def echoed_scores(self) -> list[Scored]:

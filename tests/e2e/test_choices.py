@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import grpc
+import pytest
+
+from proto import specserve_pb2 as pb
 from tests.e2e.stack import Stack
 from tests.e2e.test_http_api import MODEL, client
 
@@ -62,3 +66,17 @@ def test_chat_n_greedy_choices_are_equal(fp32_stack: Stack) -> None:
                                          max_tokens=6, temperature=0, n=2)
     assert [c.index for c in answer.choices] == [0, 1]
     assert answer.choices[0].message.content == answer.choices[1].message.content
+
+
+def test_grpc_n_streams_every_choice_by_its_index_as_http_gives_them(fp32_stack: Stack) -> None:
+    params = pb.SamplingParams(max_tokens=6, temperature=0.9, seed=7, ignore_eos=True)
+    responses = list(fp32_stack.stub.Generate(pb.GenerateRequest(prompt=PROMPT, params=params, n=3), timeout=120))
+    texts = {index: "".join(r.text for r in responses if r.choice_index == index) for index in range(3)}
+    finals = [r for r in responses if r.finish_reason != pb.FINISH_REASON_UNSPECIFIED]
+    assert sorted(r.choice_index for r in finals) == [0, 1, 2] and all(r.usage.completion_tokens == 6 for r in finals)
+    http = client(fp32_stack).completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0.9, seed=7, n=3,
+                                                 extra_body={"ignore_eos": True})
+    assert [texts[c.index] for c in http.choices] == [c.text for c in http.choices]
+    with pytest.raises(grpc.RpcError) as caught:
+        list(fp32_stack.stub.Generate(pb.GenerateRequest(prompt=PROMPT, n=0), timeout=30))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n:" in (caught.value.details() or "")
