@@ -68,6 +68,7 @@ def test_every_json_schema_answer_validates_and_speculation_changes_no_token(fp3
                                                                             plain_stack: Stack) -> None:
     speculating, plain = client(fp32_stack), client(plain_stack)
     before = fp32_stack.info().speculation
+    answers_by_name: dict[str, str] = {}
     for name, schema in SCHEMAS.items():
         for extra in ({"temperature": 0}, {"temperature": 0.8, "seed": 5}):
             answers = [api.chat.completions.create(**schema_request(name, **extra)) for api in (speculating, plain)]
@@ -76,6 +77,11 @@ def test_every_json_schema_answer_validates_and_speculation_changes_no_token(fp3
                 assert choice.finish_reason == "stop", (name, extra, choice.message.content)
                 jsonschema.validate(json.loads(choice.message.content or ""), schema)
             assert answers[0].choices[0].message.content == answers[1].choices[0].message.content, (name, extra)
+            if extra["temperature"] == 0:
+                answers_by_name[name] = answers[0].choices[0].message.content or ""
+    streamed = list(speculating.chat.completions.create(**schema_request("order", temperature=0), stream=True))
+    text = "".join(event.choices[0].delta.content or "" for event in streamed if event.choices)
+    assert text == answers_by_name["order"] and streamed[-1].choices[0].finish_reason == "stop"
     after = fp32_stack.info().speculation
     accepted = after.num_accepted_draft_tokens - before.num_accepted_draft_tokens
     proposed = after.num_draft_tokens - before.num_draft_tokens
