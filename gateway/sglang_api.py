@@ -49,10 +49,10 @@ SGLANG_FIELDS = FieldNames(
     logit_bias="sampling_params.logit_bias", min_tokens="sampling_params.min_new_tokens",
 )
 # Sampling parameters SGLang's frontend sends that change nothing here (special tokens are always left out of text).
-_IGNORED = frozenset({"skip_special_tokens", "spaces_between_special_tokens", "n", "no_stop_trim"})
+_IGNORED = frozenset({"skip_special_tokens", "spaces_between_special_tokens"})
 _KNOWN = frozenset({"max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p",
                     "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos",
-                    "regex", "json_schema", "ebnf", "sampling_seed", "logit_bias"}) | _IGNORED
+                    "regex", "json_schema", "ebnf", "sampling_seed", "n", "no_stop_trim"}) | _IGNORED
 
 
 class SglangApi:
@@ -236,7 +236,7 @@ def _client_request(params: dict[str, Any], prompt: Prompt, *, logprobs: int | N
     for key, value in params.items():
         if key not in _KNOWN:
             raise ApiError(400, f"sampling_params.{key} is not supported by this server", f"sampling_params.{key}")
-    for key, harmless in (("min_p", 0), ("stop_regex", None), ("ebnf", None), ("n", 1)):
+    for key, harmless in (("min_p", 0), ("stop_regex", None), ("ebnf", None), ("n", 1), ("no_stop_trim", False)):
         if params.get(key) not in (harmless, None, [], ()):
             raise ApiError(400, f"sampling_params.{key} is not supported by this server (only {harmless!r})",
                            f"sampling_params.{key}")

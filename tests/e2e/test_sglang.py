@@ -116,6 +116,8 @@ def test_flush_cache_forgets_the_pages_no_request_holds(fp32_stack: Stack) -> No
     ({"sampling_params": {"max_new_tokens": 2}}, "text"),
     ({"text": "x", "sampling_params": {"min_p": 0.1}}, "sampling_params.min_p"),
     ({"text": "x", "sampling_params": {"wibble": 1}}, "sampling_params.wibble"),
+    ({"text": "x", "sampling_params": {"logit_bias": {"5": 1.0}}}, "sampling_params.logit_bias"),
+    ({"text": "x", "sampling_params": {"no_stop_trim": True}}, "sampling_params.no_stop_trim"),
     ({"text": "x", "sampling_params": {"regex": "("}}, "sampling_params.regex"),
     ({"text": "x", "return_logprob": True, "top_logprobs_num": 50}, "top_logprobs_num"),
     ({"text": "x", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
