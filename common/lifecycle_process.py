@@ -117,6 +117,8 @@ class LifecycleProcess(abc.ABC, Generic[T]):
 
     def run(self) -> int:
         self._install_signal_handlers()
+        if self._status_file is not None:  # at once: whatever an earlier process left there is replaced
+            write_status_file(self._status_file, self._lifecycle.state)
         try:
             if not self._start():
                 self._close()

@@ -7,10 +7,6 @@ import os
 import sys
 from pathlib import Path
 
-from common import logs
-from specserve.stack import is_serving
-from specserve.up import UpRefused, add_up_arguments, resolve_model, run_up, up_config
-
 SERVICE_MODULES = {"scheduler": "scheduler", "worker": "gpu_worker", "draft": "draft_service", "gateway": "gateway"}
 
 
@@ -20,6 +16,11 @@ def main(argv: list[str] | None = None) -> int:
         # `specserve worker ARGS` is `python -m gpu_worker ARGS`: one process, nothing in between.
         module = SERVICE_MODULES[argv[0]]
         os.execv(sys.executable, [sys.executable, "-m", module, *argv[1:]])
+    if argv and argv[0] == "healthcheck":
+        # Run every few seconds in each container: parsed alone, without the imports the other commands need.
+        health = argparse.ArgumentParser(prog="specserve healthcheck")
+        _add_healthcheck_arguments(health)
+        return _run_healthcheck(health.parse_args(argv[1:]))
     parser = _build_parser()
     args = parser.parse_args(argv)
     result: int = args.run(args)
@@ -28,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _build_parser() -> argparse.ArgumentParser:
     from specserve.client import add_generate_arguments, run_generate
+    from specserve.up import add_up_arguments
 
     parser = argparse.ArgumentParser(prog="specserve", description="LLM serving with speculative decoding")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -49,14 +51,19 @@ def _build_parser() -> argparse.ArgumentParser:
     keys.add_argument("folder", type=Path)
     keys.set_defaults(run=_run_keys)
     health = commands.add_parser("healthcheck", help="exit 0 when a service is ready (for container health checks)")
-    target = health.add_mutually_exclusive_group(required=True)
-    target.add_argument("--grpc", metavar="HOST:PORT", help="a gateway: its gRPC health is SERVING")
-    target.add_argument("--status-file", type=Path,
-                        help="a worker or the draft service: its status file says READY; the scheduler: LISTENING")
-    health.set_defaults(run=_run_healthcheck)
+    _add_healthcheck_arguments(health)
     for name, module in SERVICE_MODULES.items():
         commands.add_parser(name, help=f"run one {name} process (`python -m {module} --help`)", add_help=False)
     return parser
+
+
+def _add_healthcheck_arguments(parser: argparse.ArgumentParser) -> None:
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--grpc", metavar="HOST:PORT", help="a gateway: its gRPC health is SERVING")
+    target.add_argument("--status-file", type=Path,
+                        help="a worker or the draft service: its status file says READY, written by a process that is "
+                             "still alive; the scheduler: LISTENING")
+    parser.set_defaults(run=_run_healthcheck)
 
 
 def _add_distill_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +85,8 @@ def _run_distill(args: argparse.Namespace) -> int:
 
 
 def _run_prepare_model(args: argparse.Namespace) -> int:
+    from specserve.up import UpRefused, resolve_model
+
     try:
         print(resolve_model(args.model))
     except UpRefused as refused:
@@ -102,8 +111,10 @@ def _run_healthcheck(args: argparse.Namespace) -> int:
 
     if args.status_file is not None:
         state = read_status_file(args.status_file)
-        print(state or "no status yet")
+        print(state or "no status from a live process")
         return 0 if state in HEALTHY else 1
+    from specserve.stack import is_serving
+
     host, _, port = args.grpc.rpartition(":")
     serving = is_serving(host, int(port))
     print("SERVING" if serving else "NOT_SERVING")
@@ -111,6 +122,9 @@ def _run_healthcheck(args: argparse.Namespace) -> int:
 
 
 def _run_up(args: argparse.Namespace) -> int:
+    from common import logs
+    from specserve.up import UpRefused, run_up, up_config
+
     logs.configure("supervisor", json_logs=args.log_json or None)
     try:
         config = up_config(args)
