@@ -345,12 +345,16 @@ def process_main(argv: list[str] | None, *, prog: str, description: str,
                  add_arguments: Callable[[argparse.ArgumentParser], None],
                  build: Callable[[argparse.Namespace], LifecycleProcess[Any]]) -> int:
     """`python -m <service>`: parse and check the arguments (a bad one is a usage error), configure logs, run."""
-    from common import logs
+    from common import logs, slots
 
     parser = argparse.ArgumentParser(prog=prog, description=description)
     add_arguments(parser)
     parser.add_argument("--log-json", action="store_true")
     args = parser.parse_args(argv)
+    try:
+        slots.apply(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     logs.configure(prog, json_logs=args.log_json or None)
     try:
         process = build(args)

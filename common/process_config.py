@@ -29,7 +29,11 @@ class ProcessConfig:
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, default_worker_id: str, dtypes: Sequence[str]) -> None:
-    parser.add_argument("--worker-id", default=default_worker_id)
+    parser.add_argument("--worker-id", default=default_worker_id,
+                        help="its id at the scheduler; with {slot} in it, see --slot-dir")
+    parser.add_argument("--slot-dir", type=Path, default=None,
+                        help="a folder shared by copies of this process: each takes the lowest free slot number for "
+                             "{slot} in --worker-id (and --device cuda:{slot}: its own GPU only)")
     parser.add_argument("--scheduler-address", default="tcp://127.0.0.1:5556")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=dtypes, default="bfloat16")
