@@ -53,7 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ngram-min", type=int, default=2)
     parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--num-seqs", type=int, default=64)
+    parser.add_argument("--num-seqs", type=int, default=64,
+                        help="sequences a draft model holds at once, for each target worker (see --num-targets)")
+    parser.add_argument("--num-targets", type=int, default=1,
+                        help="the target workers it drafts for: it holds --num-seqs times this many sequences")
     parser.add_argument("--draft-top-k", type=int, default=32)
     parser.add_argument("--quantization", default="none", help="for a draft model (--proposer model:PATH): "
                         + QUANTIZATION_HELP)
@@ -63,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def from_arguments(args: argparse.Namespace) -> DraftConfig:
     """Raises ValueError naming the setting."""
     if problem := below_problem(args, ("max_draft_tokens", "head_draft_tokens", "ngram_min", "max_model_len", "num_seqs",
-                                       "draft_top_k"), 1):
+                                       "num_targets", "draft_top_k"), 1):
         raise ValueError(problem)
     process = process_config.from_arguments(args)
     if args.ngram_max < args.ngram_min:
@@ -81,6 +84,7 @@ def from_arguments(args: argparse.Namespace) -> DraftConfig:
     return DraftConfig(
         process=process, proposer=proposer, target_model=args.target_model,
         max_draft_tokens=args.max_draft_tokens, head_draft_tokens=args.head_draft_tokens, token_trees=args.token_trees,
-        ngram_min=args.ngram_min, ngram_max=args.ngram_max, max_model_len=args.max_model_len, num_seqs=args.num_seqs,
+        ngram_min=args.ngram_min, ngram_max=args.ngram_max, max_model_len=args.max_model_len,
+        num_seqs=args.num_seqs * args.num_targets,
         draft_top_k=args.draft_top_k, quantization=args.quantization,
     )

@@ -9,9 +9,11 @@ from pathlib import Path
 from common.arguments import below_problem, not_positive_problem
 from common import process_config
 from common.process_config import ProcessConfig
-from modeling.engine import DTYPES
+from modeling.engine import DTYPES, default_dtype
 from modeling.kv_cache import DEFAULT_PAGE_SIZE
-from modeling.quantized import QUANTIZATION_HELP, QuantizationError, weight_blocks
+from modeling.quantized import QUANTIZATION_HELP, QuantizationError, servable_quantization, weight_blocks
+
+AUTO = "auto"  # --dtype, --quantization: what `specserve up` would choose for the model on this device
 
 KV_MEMORY_HELP = (
     "GiB of memory for the KV cache (keys and values of every page). Default: a quarter of the memory available when "
@@ -41,12 +43,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one step at most")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-draft-tokens", type=int, default=8)
-    parser.add_argument("--quantization", default="none", help=QUANTIZATION_HELP)
-    process_config.add_arguments(parser, default_worker_id="worker-0", dtypes=DTYPES)
+    parser.add_argument("--quantization", default="none",
+                        help=f"{QUANTIZATION_HELP}; {AUTO}: the model's own GGUF blocks on CPU where its projections "
+                             "are all in a format the kernel reads, else none (what `specserve up` chooses)")
+    process_config.add_arguments(parser, default_worker_id="worker-0", dtypes=(*DTYPES, AUTO))
+
+
+def _chosen(args: argparse.Namespace) -> argparse.Namespace:
+    """args with --dtype auto and --quantization auto decided as `specserve up` decides them for this device."""
+    dtype = default_dtype(args.device) if args.dtype == AUTO else args.dtype
+    quantization = args.quantization
+    if quantization == AUTO:
+        quantization = servable_quantization(args.model) if args.device == "cpu" else "none"
+    return argparse.Namespace(**{**vars(args), "dtype": dtype, "quantization": quantization})
 
 
 def from_arguments(args: argparse.Namespace) -> WorkerConfig:
     """Raises ValueError naming the setting (a quantization the model cannot take among them)."""
+    args = _chosen(args)
     try:
         weight_blocks(args.model, args.quantization)
     except QuantizationError as exc:

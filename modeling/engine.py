@@ -22,6 +22,13 @@ from modeling.quantized import weight_blocks
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+def default_dtype(device: str) -> str:
+    """bfloat16 where the hardware computes it natively (GPUs, CPUs with AVX512-BF16 or AMX), else float32."""
+    if device.startswith("cuda"):
+        return "bfloat16"
+    return "bfloat16" if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
 _SELF_CHECK_LEN = 12  # positions of the self-check's prompt
 
 

@@ -352,15 +352,6 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def default_dtype(device: str) -> str:
-    """bfloat16 where the hardware computes it natively (GPUs, CPUs with AVX512-BF16 or AMX), else float32."""
-    import torch
-
-    if device.startswith("cuda"):
-        return "bfloat16"
-    return "bfloat16" if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
-
-
 # ---------------------------------------------------------------- running
 
 
@@ -409,3 +400,10 @@ def _supervise(config: UpConfig, stack: StackConfig) -> int:
         return 1
     supervisor.stop(grace_s=30.0)
     return 0
+
+
+def default_dtype(device: str) -> str:
+    """modeling.engine.default_dtype, imported when asked (the CLI starts without torch)."""
+    from modeling.engine import default_dtype as for_device
+
+    return for_device(device)
