@@ -297,3 +297,59 @@ def test_a_build_lock_left_by_a_killed_process_does_not_block_loading(ops) -> No
         assert not stale.exists()
     finally:
         native._load.cache_clear()
+
+
+def test_a_build_in_the_cache_loads_without_a_compiler(ops, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """What a container image does: kernels built in its build stage, loaded where no compiler is installed."""
+    from modeling import native
+
+    monkeypatch.setattr(native, "_compiler_version", lambda: "")
+    native._load.cache_clear()
+    try:
+        loaded = native.native_ops()
+        x = torch.randn(3, 64)
+        weight = torch.rand(64)
+        assert torch.equal(loaded.rms_norm(x, weight, 1e-5), ops.rms_norm(x, weight, 1e-5))
+    finally:
+        native._load.cache_clear()
+
+
+def test_a_build_is_reused_only_whole_and_by_its_own_compiler(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from modeling.native import _reusable
+
+    library, stamp = tmp_path / "k.so", tmp_path / "compiler.txt"
+    assert not _reusable(library, stamp, "g++ 12")
+    library.write_bytes(b"")
+    assert not _reusable(library, stamp, "g++ 12")  # no stamp: a build cut short
+    stamp.write_text("g++ 12")
+    assert _reusable(library, stamp, "g++ 12") and _reusable(library, stamp, "")
+    assert not _reusable(library, stamp, "g++ 13")  # made again by the compiler at hand
+
+
+def test_an_x86_level_is_checked_against_the_cpu_and_names_the_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    from modeling import native
+
+    v3 = " ".join(sorted(native.ARCH_LEVELS["x86-64-v3"]))
+    monkeypatch.setattr(native, "_cpu_flags", lambda: f"flags : {v3}")
+    native._build_name.cache_clear()
+    try:
+        monkeypatch.setenv(native.ARCH_ENV, "x86-64-v3")
+        assert native.kernel_arch() == "x86-64-v3"
+        level_name = native._build_name()
+        native._build_name.cache_clear()
+        monkeypatch.setattr(native, "_cpu_flags", lambda: f"flags : {v3} avx512f")  # another CPU of that level
+        assert native._build_name() == level_name
+        native._build_name.cache_clear()
+        monkeypatch.setenv(native.ARCH_ENV, "native")
+        assert native._build_name() != level_name
+        monkeypatch.setenv(native.ARCH_ENV, "x86-64-v4")
+        with pytest.raises(native.KernelUnavailable, match="this CPU lacks avx512bw, avx512cd, avx512dq, avx512vl"):
+            native.kernel_arch()
+        monkeypatch.setenv(native.ARCH_ENV, "skylake")
+        with pytest.raises(native.KernelUnavailable, match="the choices are native, x86-64-v2, x86-64-v3, x86-64-v4"):
+            native.kernel_arch()
+        native._load.cache_clear()
+        assert isinstance(native._load(), native.KernelUnavailable)  # the model runs on torch ops, saying why
+    finally:
+        native._build_name.cache_clear()
+        native._load.cache_clear()
