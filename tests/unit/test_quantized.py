@@ -359,6 +359,14 @@ def test_worker_and_draft_refuse_what_their_model_cannot_take(tiny_llama_folder:
     assert worker_config(parse(worker_arguments, "--model", str(q4_1_folder), "--quantization", "q4_1")).quantization == "q4_1"
     assert worker_config(parse(worker_arguments, "--model", str(tiny_llama_folder),
                                "--quantization", "int8")).quantization == "int8"
+    # auto: what `specserve up` chooses on the worker's device (the compose file's workers)
+    from modeling.engine import default_dtype
+
+    auto = ("--dtype", "auto", "--quantization", "auto")
+    chosen = worker_config(parse(worker_arguments, "--model", str(q4_1_folder), *auto))
+    assert (chosen.quantization, chosen.process.dtype) == ("q4_1", default_dtype("cpu"))
+    assert worker_config(parse(worker_arguments, "--model", str(tiny_llama_folder), *auto)).quantization == "none"
+    assert worker_config(parse(worker_arguments, "--model", str(q4_1_folder), *auto, "--device", "cuda:0")).quantization == "none"
     with pytest.raises(ValueError, match="is for a draft model"):
         draft_config(parse(draft_arguments, "--proposer", "ngram", "--quantization", "q4_1"))
     assert draft_config(parse(draft_arguments, "--proposer", f"model:{q4_1_folder}",
