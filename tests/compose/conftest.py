@@ -33,7 +33,7 @@ PROJECT = "specserve-test"
 LABEL = f"com.docker.compose.project={PROJECT}"
 
 
-def _log(message: str) -> None:
+def progress(message: str) -> None:
     """A progress line on the terminal (pytest -s not needed): how long each part took is part of the result."""
     print(f"[compose {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
@@ -121,7 +121,7 @@ def engine() -> Iterator[dict[str, str]]:
            "DOCKER_BUILDKIT": "0", "COMPOSE_DOCKER_CLI_BUILD": "0"}
     started = time.monotonic()
     _run([str(ROOT / "docker" / "engine.sh"), "start"], env, 120)
-    _log(f"engine up in {time.monotonic() - started:.1f} s")
+    progress(f"engine up in {time.monotonic() - started:.1f} s")
     try:
         yield env
     finally:
@@ -158,7 +158,7 @@ def compose(engine: dict[str, str], tmp_path_factory: pytest.TempPathFactory) ->
     stack.compose("build", timeout_s=1800)
     stack.timings["project image"] = time.monotonic() - started
     size = int(stack.docker("image", "inspect", "-f", "{{.Size}}", "specserve:latest").stdout)
-    _log(f"base image {stack.timings['base image']:.0f} s, project image {stack.timings['project image']:.0f} s, "
+    progress(f"base image {stack.timings['base image']:.0f} s, project image {stack.timings['project image']:.0f} s, "
          f"{size / 1e9:.2f} GB")
     try:
         yield stack

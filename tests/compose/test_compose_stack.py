@@ -24,7 +24,7 @@ from openai import OpenAI
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 from specserve.stack import free_port, is_serving
-from tests.compose.conftest import ROOT, Compose, _log
+from tests.compose.conftest import ROOT, Compose, progress
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 CHATS = ("What is the capital of France? Answer in one sentence.",
@@ -90,7 +90,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Outputs:
             assert up.poll() is None, f"specserve up exited {up.returncode}: {Path(log.name).read_text()[-3000:]}"
             assert time.monotonic() - started < 600, "specserve up did not serve within 600 s"
             time.sleep(1)
-        _log(f"specserve up serving in {time.monotonic() - started:.0f} s")
+        progress(f"specserve up serving in {time.monotonic() - started:.0f} s")
         return _outputs(grpc_port, http_port)
     finally:
         up.send_signal(signal.SIGINT)
@@ -105,7 +105,7 @@ def stack(reference: Outputs, compose: Compose) -> Iterator[Compose]:
     compose.compose("up", "-d", timeout_s=900)
     compose.wait_ready(timeout_s=900)
     compose.timings["up to ready"] = time.monotonic() - started
-    _log(f"stack ready in {compose.timings['up to ready']:.0f} s")
+    progress(f"stack ready in {compose.timings['up to ready']:.0f} s")
     yield compose
 
 
@@ -169,14 +169,17 @@ def test_a_worker_crash_mid_stream_restarts_it_and_every_request_completes(stack
     streams.wait_under_way()
     pid = stack.inspect(worker)["State"]["Pid"]
     os.kill(pid, signal.SIGKILL)
-    _log(f"killed the worker's process {pid} with {[len(t) for t in streams.received.values()]} tokens received")
+    progress(f"killed the worker's process {pid} with {[len(t) for t in streams.received.values()]} tokens received")
 
     deadline = time.monotonic() + 120
     while not (stack.inspect(worker)["RestartCount"] > restarts_before and stack.inspect(worker)["State"]["Running"]):
         assert time.monotonic() < deadline, "the worker container was not restarted within 120 s"
         time.sleep(0.2)
-    # Restarted, not yet READY: the file the killed process left says READY, and counts for nothing.
+    # Restarted, not yet READY: the file says READY (left by the killed process) or STARTING (the new one has
+    # replaced it); either way the health check fails until the new process says READY itself.
+    status = stack.docker("exec", worker, "cat", "/tmp/specserve.status").stdout.splitlines()[0]
     check = stack.docker("exec", worker, "specserve", "healthcheck", "--status-file", "/tmp/specserve.status", check=False)
+    progress(f"restarted: the status file says {status}, the health check {check.stdout.strip()!r}")
     assert check.returncode == 1 and "READY" not in check.stdout, check.stdout
 
     assert streams.finish() == reference.long
@@ -194,7 +197,7 @@ def test_docker_kill_mid_stream_loses_no_request_once_the_worker_is_started_agai
     streams = Streams(stack, "docker-kill")
     streams.wait_under_way()
     stack.docker("kill", worker)
-    _log(f"docker kill of the worker with {[len(t) for t in streams.received.values()]} tokens received")
+    progress(f"docker kill of the worker with {[len(t) for t in streams.received.values()]} tokens received")
     time.sleep(5)
     assert not stack.inspect(worker)["State"]["Running"]
     assert all(len(tokens) < LONG_TOKENS for tokens in streams.received.values())  # waiting, not failed
@@ -220,7 +223,7 @@ def test_one_request_is_logged_by_the_gateway_the_scheduler_and_the_worker(stack
     for service in ("gateway", "scheduler", "worker"):
         events = [line["event"] for line in _json_lines(stack.logs(service)) if line.get("request_id") == request_id]
         assert events, f"no JSON log line of {request_id} in the {service} container's logs"
-        _log(f"{service}: {events}")
+        progress(f"{service}: {events}")
 
 
 def test_down_leaves_no_container_network_or_process(stack: Compose) -> None:
