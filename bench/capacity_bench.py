@@ -33,7 +33,7 @@ from modeling.kv_cache import DEFAULT_PAGE_SIZE, page_bytes, pages_for_slots
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 from specserve.stack import StackError, free_port
-from specserve.up import default_dtype
+from modeling.engine import default_dtype
 
 
 async def watch(stub: pb_grpc.SpecServeStub, peak: list[int], stop: asyncio.Event) -> None:

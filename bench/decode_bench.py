@@ -88,7 +88,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from specserve.up import UpRefused, default_dtype, resolve_model
+    from modeling.engine import default_dtype
+    from specserve.up import UpRefused, resolve_model
 
     try:
         args.folder = resolve_model(args.model)  # converted once into the cache when it is a name or a GGUF file

@@ -171,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         args.model = default_model_dir()
     if args.dtype is None:
-        from specserve.up import default_dtype
+        from modeling.engine import default_dtype
 
         args.dtype = default_dtype("cpu")
     work_dir = Path(tempfile.mkdtemp(prefix="specserve-prefix-bench-"))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import itertools
 import os
 from pathlib import Path
 from typing import IO
@@ -24,16 +23,17 @@ _held: list[IO[str]] = []  # the open lock files: a slot is held as long as its 
 def claim(folder: Path) -> int:
     """The lowest slot in `folder` that no live process holds, now held by this one."""
     folder.mkdir(parents=True, exist_ok=True)
-    for slot in itertools.count():
+    slot = 0
+    while True:
         lock = open(folder / f"{slot}.lock", "w")
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock.close()
+            slot += 1
             continue
         _held.append(lock)
         return slot
-    raise AssertionError("unreachable")
 
 
 def apply(args: argparse.Namespace) -> None:

@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 
 import msgspec
 
+from gateway.errors import RequestFailed
 from gateway.generation import Generation
 from gateway.output import Chunk
 from gateway.request import Submission
@@ -54,3 +55,35 @@ class Copy:
                     yield chunk
         finally:
             self.prompt_computed.set()
+
+
+async def interleaved(copies: Sequence[Copy], generation: Generation, api: str) -> AsyncGenerator[tuple[int, Chunk], None]:
+    """Every copy's chunks as they come, each with its copy's index, until every copy has ended. The first failure is
+    raised; leaving early (a failure, a client gone) cancels the copies still running, which aborts their requests."""
+    events: asyncio.Queue[tuple[int, Chunk | RequestFailed | None]] = asyncio.Queue()
+
+    async def pump(index: int, copy: Copy) -> None:
+        try:
+            async with contextlib.aclosing(copy.chunks(generation, api)) as chunks:
+                async for chunk in chunks:
+                    await events.put((index, chunk))
+        except RequestFailed as failure:
+            await events.put((index, failure))
+            return
+        await events.put((index, None))
+
+    tasks = [asyncio.create_task(pump(index, copy)) for index, copy in enumerate(copies)]
+    try:
+        running = len(copies)
+        while running:
+            index, event = await events.get()
+            if event is None:
+                running -= 1
+            elif isinstance(event, RequestFailed):
+                raise event
+            else:
+                yield index, event
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

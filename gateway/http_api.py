@@ -27,7 +27,7 @@ from aiohttp import web
 
 from common.logs import get_logger
 from gateway.errors import RequestFailed
-from gateway.choices import Copy, sibling
+from gateway.choices import Copy, interleaved, sibling
 from gateway.generation import Generation
 from gateway.health import SERVING, HealthReporter
 from gateway.http_body import BodyLimits, json_body
@@ -201,23 +201,11 @@ class HttpApi:
 
     async def _stream(self, request: web.Request, choices: list[_Choice], shape: _Shape,
                       include_usage: bool) -> web.StreamResponse:
-        events: asyncio.Queue[tuple[_Choice, Chunk | RequestFailed]] = asyncio.Queue()
-
-        async def pump(choice: _Choice) -> None:
-            try:
-                async with contextlib.aclosing(choice.copy.chunks(self._generation, "http")) as chunks:
-                    async for chunk in chunks:
-                        await events.put((choice, chunk))
-            except RequestFailed as failure:
-                await events.put((choice, failure))
-
-        tasks = [asyncio.create_task(pump(choice)) for choice in choices]
+        events = interleaved([choice.copy for choice in choices], self._generation, "http")
         try:
-            # The first event comes before the answer's 200, so an early failure (bad prompt, queue full, no worker)
+            # The first chunk comes before the answer's 200, so an early failure (bad prompt, queue full, no worker)
             # is still an ordinary error response.
-            choice, first = await events.get()
-            if isinstance(first, RequestFailed):
-                raise first
+            index, first = await anext(events)
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await response.prepare(request)
             try:
@@ -225,18 +213,11 @@ class HttpApi:
                     for each in choices:
                         await _send_event(response, shape.delta_event(each.index, {"role": "assistant", "content": ""},
                                                                       None, None))
-                event: Chunk | RequestFailed = first
-                unfinished = len(choices)
-                while True:
-                    if isinstance(event, RequestFailed):
-                        raise event
-                    for payload in shape.stream_events(choice, event):
+                for payload in shape.stream_events(choices[index], first):
+                    await _send_event(response, payload)
+                async for index, chunk in events:
+                    for payload in shape.stream_events(choices[index], chunk):
                         await _send_event(response, payload)
-                    if event.finish_reason is not None:
-                        unfinished -= 1
-                        if not unfinished:
-                            break
-                    choice, event = await events.get()
                 if include_usage:
                     await _send_event(response, shape.usage_event(choices))
                 await response.write(b"data: [DONE]\n\n")
@@ -246,7 +227,7 @@ class HttpApi:
                 self._log.info("request.client_gone", request_id=shape.request_id)  # the requests are aborted below
                 raise
         finally:
-            await _cancel(tasks)
+            await events.aclose()
         await response.write_eof()
         return response
 

@@ -15,7 +15,7 @@ import structlog
 from google.protobuf.message import DecodeError, Message
 
 from common.logs import get_logger
-from gateway.choices import Copy, sibling
+from gateway.choices import Copy, interleaved, sibling
 from gateway.errors import InvalidArgument, RequestFailed
 from gateway.generation import Generation
 from gateway.grpc_request import request_id_of, submission_of
@@ -85,38 +85,11 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
             scores = not copies or submission.max_tokens == 0
             copies.append(Copy(sibling(submission, index, f"{request_id}-{index}", scores_prompt=scores),
                                copies[0] if copies else None))
-        await self._write_choices(context, copies, request_id)
-
-    async def _write_choices(self, context: grpc.aio.ServicerContext, copies: list[Copy], request_id: str) -> None:
-        """Each copy's chunks as they come, named by their choice; the first failure ends the stream (and the rest)."""
-        events: asyncio.Queue[tuple[int, Chunk | RequestFailed | None]] = asyncio.Queue()
-
-        async def pump(index: int, copy: Copy) -> None:
-            try:
-                async with contextlib.aclosing(copy.chunks(self._generation, "grpc")) as chunks:
-                    async for chunk in chunks:
-                        await events.put((index, chunk))
-            except RequestFailed as failure:
-                await events.put((index, failure))
-            await events.put((index, None))
-
-        tasks = [asyncio.create_task(pump(index, copy)) for index, copy in enumerate(copies)]
-        try:
-            running = len(copies)
-            while running:
-                index, event = await events.get()
-                if event is None:
-                    running -= 1
-                elif isinstance(event, RequestFailed):
-                    raise event
-                else:
-                    response = to_response(event, request_id)
-                    response.choice_index = index
-                    await context.write(response)
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        async with contextlib.aclosing(interleaved(copies, self._generation, "grpc")) as chunks:
+            async for index, chunk in chunks:
+                response = to_response(chunk, request_id)
+                response.choice_index = index
+                await context.write(response)
 
 
 def add_servicer(server: grpc.aio.Server, servicer: SpecServeServicer) -> None:

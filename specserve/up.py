@@ -183,6 +183,8 @@ def _draft_problem(draft: DraftSpec, model: Path) -> str:
 
 def up_config(args: argparse.Namespace) -> UpConfig:
     """`up`'s flags with every default decided; raises UpRefused for what cannot work. `args` is left as it is."""
+    from modeling.engine import default_dtype  # here: the CLI starts without torch
+
     if problem := _numbers_problem(args) or _keys_problem(args):
         raise UpRefused(problem)
     model = resolve_model(args.model)
@@ -401,9 +403,3 @@ def _supervise(config: UpConfig, stack: StackConfig) -> int:
     supervisor.stop(grace_s=30.0)
     return 0
 
-
-def default_dtype(device: str) -> str:
-    """modeling.engine.default_dtype, imported when asked (the CLI starts without torch)."""
-    from modeling.engine import default_dtype as for_device
-
-    return for_device(device)
