@@ -44,7 +44,7 @@ ARCH_LEVELS: dict[str, frozenset[str]] = {
 }
 _SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("attention.cpp", "elementwise.cpp", "linear.cpp", "module.cpp")
-_HEADERS = ("ops.h", "linear_tiles.h")
+_HEADERS = ("ops.h", "linear_tiles.h", "linear_blocks.h")
 
 
 class KernelUnavailable(RuntimeError):

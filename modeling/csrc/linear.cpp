@@ -17,23 +17,32 @@
 // output each), regrouped by modeling/cpu_kernels.py into panels of blocks: for panel p and
 // block b, the kPanel outputs' float16 scales (d, then m for Q4_1) followed by their quants
 // for each of the block's 32 k, [k][kPanel] (Q8_0: one int8 each; Q4_1: 8 bytes, byte j
-// holding output j in its low nibble and output j + 8 in its high one). Q4_K's sub-blocks of
+// holding output j in its low nibble and output j + 8 in its high one, the bytes of k = 2i and
+// 2i + 1 interleaved: byte j of each of the two, then byte j + 1 of each, ...). Q4_K's sub-blocks of
 // 32 take Q4_1's layout with float32 scales: d * sc and -(dmin * m), products gguf rounds to
-// float32 (modeling/quantized.py computes them as it regroups). They are widened as they are
-// loaded, in registers, to the float32 values gguf's dequantization gives, d * q + m with
-// each operation rounded (Q8_0: q * d), so a row's sums are those of the dense float32
-// weights, bit for bit; no dequantized copy of a weight is ever held in memory.
+// float32 (modeling/quantized.py computes them as it regroups). The weights stay in their
+// blocks: no dequantized copy is ever held in memory. Each row's inputs are rounded to 16
+// bits per block of 32 k (QuantizedRows: int16 quants and a float32 scale, |error| at most
+// half a step of the block's largest |x| / 32767), each block's products are summed as exact
+// integers (two quants by two inputs per instruction), and the blocks' sums are scaled and
+// chained in float32 in block order (csrc/linear_blocks.h). A row's result is a function of
+// that row alone, as above; it differs from the float32 sums over gguf's dequantized weights
+// by the inputs' rounding, at most a 65534th of each block's largest |x| times the weights'
+// absolute sum, and by float32's own.
 //
-// One build holds the tiles for every instruction set (AVX512F, AVX2 with FMA, and plain
-// C++), each compiled for its own set; which one runs is chosen when the module loads, by
-// asking the CPU (`linear_paths`), and a caller may name another the CPU has. All of them
-// give the same bits: a fused multiply-add rounds once, whatever computes it.
+// One build holds the tiles for every instruction set (AVX512F and AVX2 with FMA for float32
+// and bfloat16 weights, AVX2 for blocks, and plain C++ for both), each compiled for its own
+// set; which one runs is chosen when the module loads, by asking the CPU (`linear_paths`), and
+// a caller may name another the CPU has (the AVX512F path reads blocks with the AVX2 tiles).
+// All of them give the same bits: a fused multiply-add rounds once, whatever computes it, and
+// integer sums are exact.
 #include "ops.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -106,13 +115,51 @@ struct LinearCall {
   }
 };
 
+// A block format's rows as the block tiles read them: each block of 32 k of a row rounded to int16
+// quants of one float32 scale, x ~ scale * quant, the largest |x| of the block becoming 32767.
+struct QuantizedRows {
+  const int16_t* quants;  // [num_rows, depth]
+  const float* scales;    // [num_rows, depth / 32]
+  const int32_t* sums;    // [num_rows, depth / 32]: the sum of each block's quants
+  int64_t depth;
+};
+
+// Rounds rows x [num_rows, depth] into quants, scales and sums (shaped as QuantizedRows says), each block
+// by itself: the same bits whatever the other rows. A block with an infinite or NaN input keeps that as its
+// scale and zero quants, so its outputs come out NaN, as float32 sums would.
+void quantize_rows(const float* x, int64_t num_rows, int64_t depth, int16_t* quants, float* scales, int32_t* sums) {
+  const int64_t blocks = depth / kQuantBlock;
+  at::parallel_for(0, num_rows * blocks, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t at = begin; at < end; ++at) {
+      const float* in = x + at * kQuantBlock;  // rows are contiguous: block `at` of all the rows' blocks
+      int16_t* out = quants + at * kQuantBlock;
+      float largest = 0.0f;
+      for (int64_t i = 0; i < kQuantBlock; ++i) largest = std::max(largest, std::fabs(in[i]));
+      for (int64_t i = 0; i < kQuantBlock; ++i) largest = std::isnan(in[i]) ? in[i] : largest;
+      int32_t total = 0;
+      if (std::isfinite(largest) && largest > 0.0f) {
+        const double step = 32767.0 / static_cast<double>(largest);  // double: a subnormal largest does not overflow
+        for (int64_t i = 0; i < kQuantBlock; ++i) {
+          const double quant = std::nearbyint(static_cast<double>(in[i]) * step);
+          out[i] = static_cast<int16_t>(std::min(32767.0, std::max(-32767.0, quant)));
+          total += out[i];
+        }
+        scales[at] = static_cast<float>(static_cast<double>(largest) / 32767.0);
+      } else {
+        std::fill(out, out + kQuantBlock, int16_t{0});
+        scales[at] = largest;  // 0, infinity or NaN
+      }
+      sums[at] = total;
+    }
+  });
+}
+
 #ifdef SPECSERVE_X86
 #pragma GCC push_options
 #pragma GCC target("avx512f")
 namespace avx512f {
 constexpr int kLanes = 16;
 constexpr int kAccumulators = 24;  // of 32 vector registers
-constexpr int kBlockTilePanels = 4;  // panels of a tile widening GGUF blocks
 using Vec = __m512;
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
@@ -123,43 +170,6 @@ inline Vec vload(const c10::BFloat16* p) {
 }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-inline Vec vload_half(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-template <int kScaleBytes>
-inline Vec vload_scales(const uint8_t* p) {
-  if constexpr (kScaleBytes == 2) return vload_half(p);
-  return vload(reinterpret_cast<const float*>(p));
-}
-template <int kScaleBytes>  // 2: Q4_1's float16 scales; 4: Q4_K's sub-blocks, float32
-struct Q4Block {
-  static constexpr int64_t kBytes = q4_bytes(kScaleBytes);
-  const uint8_t* q;
-  Vec d, m;
-  Q4Block() = default;
-  explicit Q4Block(const uint8_t* block)
-      : q(block + 2 * kScaleBytes * kPanel),
-        d(vload_scales<kScaleBytes>(block)),
-        m(vload_scales<kScaleBytes>(block + kScaleBytes * kPanel)) {}
-  void load(int64_t i, Vec* w) const {
-    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i * (kPanel / 2)));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i low = _mm_and_si128(bytes, mask), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    const Vec quants = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(low, high)));
-    w[0] = _mm512_add_ps(_mm512_mul_ps(d, quants), m);
-  }
-};
-using Q4_1Block = Q4Block<2>;
-using Q4_KBlock = Q4Block<4>;
-struct Q8_0Block {
-  static constexpr int64_t kBytes = kQ8_0Bytes;
-  const uint8_t* q;
-  Vec d;
-  Q8_0Block() = default;
-  explicit Q8_0Block(const uint8_t* block) : q(block + 2 * kPanel), d(vload_half(block)) {}
-  void load(int64_t i, Vec* w) const {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i * kPanel));
-    w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), d);
-  }
-};
 #include "linear_tiles.h"
 }  // namespace avx512f
 #pragma GCC pop_options
@@ -169,7 +179,6 @@ struct Q8_0Block {
 namespace avx2 {
 constexpr int kLanes = 8;
 constexpr int kAccumulators = 12;  // of 16 vector registers
-constexpr int kBlockTilePanels = 2;
 using Vec = __m256;
 inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
@@ -186,42 +195,62 @@ inline Vec vload_scales(const uint8_t* p) {
   if constexpr (kScaleBytes == 2) return vload_half(p);
   return vload(reinterpret_cast<const float*>(p));
 }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+using IVec = __m256i;
+using WVec = __m256i;
+using XPair = __m256i;
+inline IVec ivzero() { return _mm256_setzero_si256(); }
+inline IVec imadd(IVec sums, WVec w, XPair x) { return _mm256_add_epi32(sums, _mm256_madd_epi16(w, x)); }
+inline Vec vcvt(IVec v) { return _mm256_cvtepi32_ps(v); }
+// Two inputs of a row, as the pairs' tiles take them: x[k] and x[k + 1] in each 32-bit lane.
+inline XPair inputs_of_pair(const int16_t* p) {
+  int32_t both;
+  std::memcpy(&both, p, sizeof(both));
+  return _mm256_set1_epi32(both);
+}
 template <int kScaleBytes>  // 2: Q4_1's float16 scales; 4: Q4_K's sub-blocks, float32
-struct Q4Block {
+struct Q4Pairs {
   static constexpr int64_t kBytes = q4_bytes(kScaleBytes);
+  // A step is a pair of k (16 bytes), widened to outputs 0-7 (the low nibbles) and 8-15 (the high ones).
+  static constexpr int kStepK = 2, kVecs = 2;
   const uint8_t* q;
   Vec d[2], m[2];
-  Q4Block() = default;
-  explicit Q4Block(const uint8_t* block)
+  Q4Pairs() = default;
+  explicit Q4Pairs(const uint8_t* block)
       : q(block + 2 * kScaleBytes * kPanel),
         d{vload_scales<kScaleBytes>(block), vload_scales<kScaleBytes>(block + kScaleBytes * kLanes)},
         m{vload_scales<kScaleBytes>(block + kScaleBytes * kPanel),
           vload_scales<kScaleBytes>(block + kScaleBytes * (kPanel + kLanes))} {}
-  void load(int64_t i, Vec* w) const {
-    // The 8 bytes widened once to 8 lanes of 32 bits: output j's quant is the low nibble of lane j,
-    // output j + 8's the rest of it (one widening shuffle for both halves, not one each).
-    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i * (kPanel / 2))));
-    const __m256i low = _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F)), high = _mm256_srli_epi32(bytes, 4);
-    w[0] = _mm256_add_ps(_mm256_mul_ps(d[0], _mm256_cvtepi32_ps(low)), m[0]);
-    w[1] = _mm256_add_ps(_mm256_mul_ps(d[1], _mm256_cvtepi32_ps(high)), m[1]);
+  void load(int64_t step, WVec* w) const {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + step * kPanel));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
+    w[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
   }
+  static XPair inputs(const int16_t* p) { return inputs_of_pair(p); }
+  static void fold(const IVec* sums, IVec* out) { out[0] = sums[0], out[1] = sums[1]; }
 };
-using Q4_1Block = Q4Block<2>;
-using Q4_KBlock = Q4Block<4>;
-struct Q8_0Block {
+using Q4_1Pairs = Q4Pairs<2>;
+using Q4_KPairs = Q4Pairs<4>;
+struct Q8_0Pairs {
   static constexpr int64_t kBytes = kQ8_0Bytes;
   const uint8_t* q;
-  Vec d[2];
-  Q8_0Block() = default;
-  explicit Q8_0Block(const uint8_t* block) : q(block + 2 * kPanel), d{vload_half(block), vload_half(block + 2 * kLanes)} {}
-  void load(int64_t i, Vec* w) const {
-    const uint8_t* at = q + i * kPanel;  // each half of the 16 widened straight from memory
-    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at)))), d[0]);
-    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at + 8)))),
-                         d[1]);
+  Vec d[2], m[2];
+  Q8_0Pairs() = default;
+  explicit Q8_0Pairs(const uint8_t* block)
+      : q(block + 2 * kPanel), d{vload_half(block), vload_half(block + 2 * kLanes)}, m{vzero(), vzero()} {}
+  static constexpr int kStepK = 2, kVecs = 2;  // a pair of k: outputs 0-7 and 8-15
+  void load(int64_t step, WVec* w) const {
+    const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 2 * step * kPanel));
+    const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (2 * step + 1) * kPanel));
+    w[0] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(first, second));
+    w[1] = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(first, second));
   }
+  static XPair inputs(const int16_t* p) { return inputs_of_pair(p); }
+  static void fold(const IVec* sums, IVec* out) { out[0] = sums[0], out[1] = sums[1]; }
 };
 #include "linear_tiles.h"
+#include "linear_blocks.h"
 }  // namespace avx2
 #pragma GCC pop_options
 #endif
@@ -230,7 +259,6 @@ struct Q8_0Block {
 namespace portable {
 constexpr int kLanes = 8;
 constexpr int kAccumulators = 12;
-constexpr int kBlockTilePanels = 2;
 struct Vec {
   float v[kLanes];
 };
@@ -269,43 +297,74 @@ inline Vec vload_scales(const uint8_t* p) {
   if constexpr (kScaleBytes == 2) return vload_half(p);
   return vload(reinterpret_cast<const float*>(p));  // memcpy: any alignment
 }
+inline Vec vmul(Vec a, Vec b) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] = a.v[i] * b.v[i];
+  return a;
+}
+struct IVec {
+  int32_t v[kLanes];
+};
+struct WVec {
+  int16_t v[2 * kLanes];  // lanes 2j and 2j + 1: output j's quants at the pair's two k
+};
+struct XPair {
+  int32_t first, second;
+};
+inline IVec ivzero() { return IVec{}; }
+inline IVec imadd(IVec sums, const WVec& w, XPair x) {
+  for (int j = 0; j < kLanes; ++j) sums.v[j] += w.v[2 * j] * x.first + w.v[2 * j + 1] * x.second;
+  return sums;
+}
+inline Vec vcvt(IVec v) {
+  Vec out;
+  for (int i = 0; i < kLanes; ++i) out.v[i] = static_cast<float>(v.v[i]);
+  return out;
+}
 template <int kScaleBytes>  // 2: Q4_1's float16 scales; 4: Q4_K's sub-blocks, float32
-struct Q4Block {
+struct Q4Pairs {
   static constexpr int64_t kBytes = q4_bytes(kScaleBytes);
   const uint8_t* q;
   Vec d[2], m[2];
-  Q4Block() = default;
-  explicit Q4Block(const uint8_t* block)
+  Q4Pairs() = default;
+  explicit Q4Pairs(const uint8_t* block)
       : q(block + 2 * kScaleBytes * kPanel),
         d{vload_scales<kScaleBytes>(block), vload_scales<kScaleBytes>(block + kScaleBytes * kLanes)},
         m{vload_scales<kScaleBytes>(block + kScaleBytes * kPanel),
           vload_scales<kScaleBytes>(block + kScaleBytes * (kPanel + kLanes))} {}
-  void load(int64_t i, Vec* w) const {
-    for (int l = 0; l < kLanes; ++l) {
-      const uint8_t byte = q[i * (kPanel / 2) + l];
-      const float low = d[0].v[l] * static_cast<float>(byte & 0x0F);
-      const float high = d[1].v[l] * static_cast<float>(byte >> 4);
-      w[0].v[l] = low + m[0].v[l];
-      w[1].v[l] = high + m[1].v[l];
+  static constexpr int kStepK = 2, kVecs = 2;  // a pair of k: outputs 0-7 and 8-15
+  void load(int64_t step, WVec* w) const {
+    for (int j = 0; j < kLanes; ++j) {
+      const uint8_t first = q[step * kPanel + 2 * j], second = q[step * kPanel + 2 * j + 1];
+      w[0].v[2 * j] = first & 0x0F;
+      w[0].v[2 * j + 1] = second & 0x0F;
+      w[1].v[2 * j] = first >> 4;
+      w[1].v[2 * j + 1] = second >> 4;
     }
   }
+  static XPair inputs(const int16_t* p) { return {p[0], p[1]}; }
+  static void fold(const IVec* sums, IVec* out) { out[0] = sums[0], out[1] = sums[1]; }
 };
-using Q4_1Block = Q4Block<2>;
-using Q4_KBlock = Q4Block<4>;
-struct Q8_0Block {
+using Q4_1Pairs = Q4Pairs<2>;
+using Q4_KPairs = Q4Pairs<4>;
+struct Q8_0Pairs {
   static constexpr int64_t kBytes = kQ8_0Bytes;
   const uint8_t* q;
-  Vec d[2];
-  Q8_0Block() = default;
-  explicit Q8_0Block(const uint8_t* block) : q(block + 2 * kPanel), d{vload_half(block), vload_half(block + 2 * kLanes)} {}
-  void load(int64_t i, Vec* w) const {
+  Vec d[2], m[2];
+  Q8_0Pairs() = default;
+  explicit Q8_0Pairs(const uint8_t* block)
+      : q(block + 2 * kPanel), d{vload_half(block), vload_half(block + 2 * kLanes)}, m{vzero(), vzero()} {}
+  static constexpr int kStepK = 2, kVecs = 2;
+  void load(int64_t step, WVec* w) const {
     for (int l = 0; l < kPanel; ++l) {
-      const float quant = static_cast<float>(static_cast<int8_t>(q[i * kPanel + l]));
-      w[l / kLanes].v[l % kLanes] = quant * d[l / kLanes].v[l % kLanes];
+      w[l / kLanes].v[2 * (l % kLanes)] = static_cast<int8_t>(q[2 * step * kPanel + l]);
+      w[l / kLanes].v[2 * (l % kLanes) + 1] = static_cast<int8_t>(q[(2 * step + 1) * kPanel + l]);
     }
   }
+  static XPair inputs(const int16_t* p) { return {p[0], p[1]}; }
+  static void fold(const IVec* sums, IVec* out) { out[0] = sums[0], out[1] = sums[1]; }
 };
 #include "linear_tiles.h"
+#include "linear_blocks.h"
 }  // namespace portable
 
 // The instruction sets this CPU has, fastest first.
@@ -322,13 +381,19 @@ std::vector<std::string> available_paths() {
   return paths;
 }
 
+bool is_block_format(WeightFormat format) { return format != WeightFormat::kFloat32 && format != WeightFormat::kBFloat16; }
+
+// `x`: the rows quantized, for a block format; null for float32 and bfloat16 weights.
 template <typename T>
-void run_on(const std::string& path, const LinearCall<T>& call, WeightFormat format, const void* packed) {
+void run_on(const std::string& path, const LinearCall<T>& call, WeightFormat format, const QuantizedRows* x,
+            const void* packed) {
 #ifdef SPECSERVE_X86
-  if (path == "avx512f") return avx512f::run_format<T>(call, format, packed);
-  if (path == "avx2") return avx2::run_format<T>(call, format, packed);
+  if (x != nullptr && path != "portable") return avx2::run_block_format<T>(call, format, *x, packed);
+  if (path == "avx512f") return avx512f::run_dense<T>(call, format, packed);
+  if (path == "avx2") return avx2::run_dense<T>(call, format, packed);
 #endif
-  return portable::run_format<T>(call, format, packed);
+  if (x != nullptr) return portable::run_block_format<T>(call, format, *x, packed);
+  return portable::run_dense<T>(call, format, packed);
 }
 
 }  // namespace
@@ -364,13 +429,24 @@ at::Tensor linear_any(const at::Tensor& x, WeightFormat format, const void* pack
   // The rows as contiguous float32 (bfloat16 widens exactly).
   const at::Tensor rows = x.to(at::kFloat).contiguous();
   const float* xf = rows.data_ptr<float>();
+  // For blocks, the rows rounded to 16-bit quants (see QuantizedRows).
+  at::Tensor quants, scales, sums;
+  QuantizedRows quantized{};
+  if (is_block_format(format)) {
+    quants = at::empty({num_rows, depth}, rows.options().dtype(at::kShort));
+    scales = at::empty({num_rows, depth / kQuantBlock}, rows.options());
+    sums = at::empty({num_rows, depth / kQuantBlock}, rows.options().dtype(at::kInt));
+    quantize_rows(xf, num_rows, depth, quants.data_ptr<int16_t>(), scales.data_ptr<float>(), sums.data_ptr<int32_t>());
+    quantized = {quants.data_ptr<int16_t>(), scales.data_ptr<float>(), sums.data_ptr<int32_t>(), depth};
+  }
+  const QuantizedRows* blocks = is_block_format(format) ? &quantized : nullptr;
   if (x.scalar_type() == at::kFloat) {
     run_on<float>(chosen, {xf, num_rows, depth, num_out, bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>()},
-                  format, packed);
+                  format, blocks, packed);
   } else if (x.scalar_type() == at::kBFloat16) {
     run_on<c10::BFloat16>(chosen, {xf, num_rows, depth, num_out, bias ? bias->data_ptr<c10::BFloat16>() : nullptr,
                                    y.data_ptr<c10::BFloat16>()},
-                          format, packed);
+                          format, blocks, packed);
   } else {
     TORCH_CHECK(false, "the linear kernel supports float32 and bfloat16 rows, not ", x.scalar_type());
   }

@@ -1,7 +1,6 @@
-// The tiles of csrc/linear.cpp for one instruction set, included once per set inside a
-// namespace that first defines: Vec, kLanes, kAccumulators (vector registers the tile
-// may hold as sums), vzero, vbroadcast, vload (float32 and bfloat16), vfma, and the
-// weight readers Q4_1Block, Q8_0Block and Q4_KBlock.
+// The float32 and bfloat16 tiles of csrc/linear.cpp for one instruction set, included once per
+// set inside a namespace that first defines: Vec, kLanes, kAccumulators (vector registers the
+// tile may hold as sums), vzero, vbroadcast, vload (float32 and bfloat16), vfma.
 //
 // Every output element is one chain vfma(x[m, k], w[k, n], sum) over k = 0 .. K-1 from
 // zero; tiles differ only in how many rows and panels they keep in registers.
@@ -11,17 +10,13 @@ constexpr int kMaxRows = kAccumulators / kVecs;  // rows of a one-panel tile
 constexpr int kMaxPanels = 8;
 
 // Packed panels of plain float32 or bfloat16 weights: [panels, K, kPanel].
-// `origin` is the k of the data's first row: a scratch of widened blocks (see run) holds a depth block only.
 template <typename W>
 struct DensePanels {
   static constexpr int64_t kBlock = kDepthBlock;  // any k in one block: a tile never crosses one
   // Rows of few rows take tiles of half the rows, each streaming two or more panels, for float32 only (see run).
   static constexpr bool kSplitFewRows = std::is_same_v<W, float>;
-  static constexpr bool kWidened = false;  // loaded as they are
-  static constexpr int kTilePanels = kMaxPanels;
   const W* data;
   int64_t depth;  // k per panel
-  int64_t origin = 0;
 
   struct Block {
     const W* at;  // the panel's weights from the block's first k
@@ -30,41 +25,7 @@ struct DensePanels {
       for (int j = 0; j < kVecs; ++j) w[j] = vload(at + i * kPanel + j * kLanes);
     }
   };
-  Block block(int64_t panel, int64_t k) const { return {data + panel * depth * kPanel + (k - origin) * kPanel}; }
-};
-
-// Packed panels of GGUF blocks (csrc/linear.cpp): [panels, K / 32, kBlockBytes], each block's
-// weights widened to float32 as they are loaded, exactly as gguf's dequantization computes them.
-template <typename Reader>
-struct BlockPanels {
-  static constexpr int64_t kBlock = kQuantBlock;
-  static constexpr bool kSplitFewRows = false;  // every pass over a panel widens it again
-  static constexpr bool kWidened = true;
-  // Widening takes registers of its own (the scales, the weights of each k): fewer panels per tile.
-  static constexpr int kTilePanels = kBlockTilePanels;
-  const uint8_t* data;
-  int64_t depth;
-
-  using Block = Reader;
-  Block block(int64_t panel, int64_t k) const {
-    return Block(data + (panel * (depth / kQuantBlock) + k / kQuantBlock) * Reader::kBytes);
-  }
-
-  // Panels first .. first + count - 1 over k in [begin, end), widened into `out` ([count, end - begin, kPanel]).
-  void widen(int64_t first, int count, int64_t begin, int64_t end, float* out) const {
-    const int64_t span = end - begin;
-    for (int p = 0; p < count; ++p) {
-      for (int64_t start = begin; start < end; start += kBlock) {
-        const Block weights = block(first + p, start);
-        for (int64_t i = 0; i < kBlock; ++i) {
-          Vec w[kVecs];
-          weights.load(i, w);
-#pragma GCC unroll 4
-          for (int j = 0; j < kVecs; ++j) vstore(out + (p * span + start - begin + i) * kPanel + j * kLanes, w[j]);
-        }
-      }
-    }
-  }
+  Block block(int64_t panel, int64_t k) const { return {data + panel * depth * kPanel + k * kPanel}; }
 };
 
 // kRows rows of x by kPanels consecutive panels from `first`, sums over k in [begin, end) added to
@@ -129,21 +90,17 @@ void run(const LinearCall<T>& call, const Panels& panels) {
   // float32 weights and few rows: at most half the rows a one-panel tile could hold, so that every tile streams
   // two or more panels. One tile of all the rows would stream one panel, and a core cannot read one stream of
   // weights at the memory's pace; the rows past the tile read the block of panels again from cache. Not for
-  // bfloat16 or GGUF blocks, whose every pass widens the weights again, nor for steps of many rows, which are
-  // compute bound (measured: docs/benchmarks.md, the roofline).
+  // bfloat16, whose every pass widens the weights again, nor for steps of many rows, which are compute bound
+  // (measured: docs/benchmarks.md, the roofline).
   const bool split = Panels::kSplitFewRows && call.num_rows <= kMaxRows;
-  // GGUF blocks and more rows than one tile takes: each depth block of a group's panels is widened once, into a
-  // scratch that stays in cache, and the rows' tiles read it there, rather than each tile widening it again.
-  const bool widen_once = Panels::kWidened && call.num_rows > kMaxRows;
   const int rows_per_tile = static_cast<int>(std::min<int64_t>(call.num_rows, split ? std::max(1, kMaxRows / 2) : kMaxRows));
-  const int group = widen_once ? panels_for(rows_per_tile) : std::min(Panels::kTilePanels, panels_for(rows_per_tile));
+  const int group = panels_for(rows_per_tile);
   const int64_t num_groups = (num_panels + group - 1) / group;
   // Each thread takes the next group of panels as it finishes one, rather than a fixed share: on a
   // machine where another process holds a core for a while, the other threads do the rest.
   std::atomic<int64_t> next_group{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_groups), 1, [&](int64_t, int64_t) {
     std::vector<float> out(static_cast<size_t>(call.num_rows) * group * kPanel);  // [rows, width]
-    std::vector<float> widened(widen_once ? static_cast<size_t>(group) * kDepthBlock * kPanel : 0);
     for (int64_t g; (g = next_group.fetch_add(1, std::memory_order_relaxed)) < num_groups;) {
       const int64_t first_panel = g * group;
       const int count = static_cast<int>(std::min<int64_t>(group, num_panels - first_panel));
@@ -151,18 +108,6 @@ void run(const LinearCall<T>& call, const Panels& panels) {
       // K in blocks, each over every row: the block of the panels stays in the nearest cache while the rows pass.
       for (int64_t begin = 0; begin < call.depth; begin += kDepthBlock) {
         const int64_t end = std::min(call.depth, begin + kDepthBlock);
-        if constexpr (Panels::kWidened) {
-          if (widen_once) {
-            panels.widen(first_panel, count, begin, end, widened.data());
-            const DensePanels<float> block{widened.data(), end - begin, begin};
-            for (int64_t row = 0; row < call.num_rows; row += rows_per_tile) {
-              const int rows = static_cast<int>(std::min<int64_t>(rows_per_tile, call.num_rows - row));
-              tile_any<DensePanels<float>>(rows, count, call.x + row * call.depth, call.depth, block, 0, begin, end,
-                                           out.data() + row * width);
-            }
-            continue;
-          }
-        }
         for (int64_t row = 0; row < call.num_rows; row += rows_per_tile) {
           const int rows = static_cast<int>(std::min<int64_t>(rows_per_tile, call.num_rows - row));
           tile_any<Panels>(rows, count, call.x + row * call.depth, call.depth, panels, first_panel, begin, end,
@@ -175,17 +120,9 @@ void run(const LinearCall<T>& call, const Panels& panels) {
 }
 
 template <typename T>
-void run_format(const LinearCall<T>& call, WeightFormat format, const void* packed) {
-  switch (format) {
-    case WeightFormat::kFloat32:
-      return run(call, DensePanels<float>{static_cast<const float*>(packed), call.depth});
-    case WeightFormat::kBFloat16:
-      return run(call, DensePanels<c10::BFloat16>{static_cast<const c10::BFloat16*>(packed), call.depth});
-    case WeightFormat::kQ4_1:
-      return run(call, BlockPanels<Q4_1Block>{static_cast<const uint8_t*>(packed), call.depth});
-    case WeightFormat::kQ8_0:
-      return run(call, BlockPanels<Q8_0Block>{static_cast<const uint8_t*>(packed), call.depth});
-    case WeightFormat::kQ4_K:
-      return run(call, BlockPanels<Q4_KBlock>{static_cast<const uint8_t*>(packed), call.depth});
+void run_dense(const LinearCall<T>& call, WeightFormat format, const void* packed) {
+  if (format == WeightFormat::kBFloat16) {
+    return run(call, DensePanels<c10::BFloat16>{static_cast<const c10::BFloat16*>(packed), call.depth});
   }
+  return run(call, DensePanels<float>{static_cast<const float*>(packed), call.depth});
 }

@@ -49,30 +49,56 @@ def random_blocks(format_name: str, out_features: int, in_features: int, seed: i
     return Blocks(format_name, rows, in_features), torch.from_numpy(dequantize(rows, KINDS[format_name]).copy())
 
 
+def assert_within_the_inputs_rounding(served: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
+                                      bias: torch.Tensor | None = None) -> None:
+    """`served` is rows @ weight.T (+ bias) but for the kernel's rounding of each block of 32 inputs to 16 bits:
+    off by at most half a step (the block's largest |x| / 32767) times the weights' absolute sum, doubled here to
+    cover float32's own rounding, plus float32's rounding of the sums (csrc/linear.cpp)."""
+    exact = rows.double() @ weight.double().T + (0 if bias is None else bias.double())
+    largest = rows.abs().double().view(rows.shape[0], -1, 32).amax(-1).repeat_interleave(32, dim=1)
+    bound = largest @ weight.abs().double().T / 32767 + 1e-6 * (rows.abs().double() @ weight.abs().double().T) + 1e-6
+    error = (served.double() - exact).abs()
+    assert (error <= bound).all(), float((error / bound).max())
+
+
 @pytest.mark.parametrize("format_name", sorted(KINDS))
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
-def test_blocks_equal_the_dense_weights_gguf_dequantizes_on_every_path(
+def test_blocks_compute_the_dense_weights_gguf_dequantizes_within_the_inputs_rounding_on_every_path(
         ops: ModuleType, format_name: str, out_features: int, in_features: int) -> None:
     blocks, weight = random_blocks(format_name, out_features, in_features, seed=out_features + in_features)
     rows = torch.randn(13, in_features) * torch.rand(13, 1) * 3
+    rows[0] = 0  # a row of zeros: zero scales
+    rows[1, :32] *= 1e-38  # a block of subnormals and tiny numbers
     bias = torch.randn(out_features)
-    reference = rows @ weight.T + bias
-    for path in ops.linear_paths():
-        linear = PackedLinear(ops, path)
-        served = linear(rows, linear.pack_blocks(blocks), bias)
-        # The same chains of fused multiply-adds as the dense kernel on the dequantized weight: the same bits.
-        assert torch.equal(served, linear(rows, linear.pack(weight), bias)), path
-        torch.testing.assert_close(served, reference, rtol=1e-4, atol=1e-4)
+    served = {path: PackedLinear(ops, path) for path in ops.linear_paths()}
+    results = {path: linear(rows, linear.pack_blocks(blocks), bias) for path, linear in served.items()}
+    for path, result in results.items():
+        # Integer sums, then the same float32 operations in the same order on every path: the same bits.
+        assert torch.equal(result, results["portable"]), path
+        assert_within_the_inputs_rounding(result, rows, weight, bias)
+    assert torch.equal(results["portable"][0], bias)
 
 
 @pytest.mark.parametrize("format_name", sorted(KINDS))
-def test_bfloat16_rows_sum_in_float32_over_the_exact_weights(ops: ModuleType, format_name: str) -> None:
+def test_a_block_of_infinite_or_nan_inputs_gives_nan(ops: ModuleType, format_name: str) -> None:
+    blocks, _ = random_blocks(format_name, 20, 64, seed=4)
+    rows = torch.randn(3, 64)
+    rows[0, 5], rows[1, 40] = float("inf"), float("nan")
+    for path in ops.linear_paths():
+        linear = PackedLinear(ops, path)
+        served = linear(rows, linear.pack_blocks(blocks))
+        assert served[:2].isnan().all() and served[2].isfinite().all(), path
+
+
+@pytest.mark.parametrize("format_name", sorted(KINDS))
+def test_bfloat16_rows_are_computed_as_their_float32_values(ops: ModuleType, format_name: str) -> None:
     blocks, weight = random_blocks(format_name, 100, 576, seed=3)
     rows = torch.randn(7, 576).to(torch.bfloat16)
     linear = PackedLinear(ops)
-    served = linear(rows, linear.pack_blocks(blocks))
+    packed = linear.pack_blocks(blocks)
+    served = linear(rows, packed)
     assert served.dtype == torch.bfloat16
-    assert torch.equal(served, linear(rows.float(), linear.pack(weight)).to(torch.bfloat16))
+    assert torch.equal(served, linear(rows.float(), packed).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -112,8 +138,11 @@ def test_q4_k_sub_blocks_compute_the_dense_weights_gguf_dequantizes_on_every_pat
         linear = PackedLinear(ops, path)
         packed = linear.pack_blocks(blocks)
         assert torch.equal(linear.rows(packed, torch.arange(out_features)), weight)  # widened exactly as gguf does
-        assert torch.equal(linear(rows, packed), linear(rows, linear.pack(weight))), path
-        assert torch.equal(linear(rows.bfloat16(), packed), linear(rows.bfloat16().float(), linear.pack(weight)).bfloat16())
+        served = linear(rows, packed)
+        portable = PackedLinear(ops, "portable")
+        assert torch.equal(served, portable(rows, portable.pack_blocks(blocks))), path
+        assert_within_the_inputs_rounding(served, rows, weight)
+        assert torch.equal(linear(rows.bfloat16(), packed), linear(rows.bfloat16().float(), packed).bfloat16())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -199,24 +228,46 @@ def test_tiny_model_served_from_its_blocks_computes_its_folder_weights(
     assert served.self_check() is None
     tokens, logits = greedy(served, [3, 14, 15, 92, 65], 12)
     dense_tokens, dense_logits = greedy(dense, [3, 14, 15, 92, 65], 12)
-    if dtype == "float32":  # the folder holds gguf's dequantization, which the kernel computes exactly
-        assert torch.equal(logits, dense_logits)
-    assert tokens == dense_tokens or dtype == "bfloat16"  # bfloat16's dense weights are rounded; the blocks' are not
+    if dtype == "float32":  # the folder holds gguf's dequantization; the kernel rounds only the inputs, to 16 bits
+        assert_logits_close(logits, dense_logits)
+        assert tokens == dense_tokens
+    assert not torch.equal(logits, dense_logits)  # it did serve the blocks
+
+
+# Logits of a model served from its blocks against its float32 folder's, as a share of their largest |z|: the
+# inputs' 16-bit rounding (a 65534th of a block's largest |x| at most), carried through every layer.
+BLOCK_LOGIT_TOLERANCE = 2e-3
+
+
+def assert_logits_close(logits: torch.Tensor, reference: torch.Tensor) -> None:
+    gap, largest = float((logits - reference).abs().max()), float(reference.abs().max())
+    assert gap <= BLOCK_LOGIT_TOLERANCE * largest, (gap, largest)
+
+
+# Prompts of the kinds users send, none of them used to tune the kernel.
+HELD_OUT_PROMPTS = ("The capital of France is", "def fibonacci(n):\n", "Write a haiku about autumn rain.",
+                    "Q: What is the boiling point of water at sea level?\nA:", "Once upon a time, in a quiet harbour town,",
+                    "SELECT name, COUNT(*) FROM orders")
+FP32_MARGIN = 1e-3  # as the parity tests': a top-2 margin under it is a near-tie that any rounding may flip
 
 
 def test_embedded_model_q4_1_greedy_equals_its_float32_folder(ops: ModuleType, default_model_dir: Path) -> None:
-    """The embedded model's own Q4_1 blocks at float32 give its converted folder's logits bit for bit (so every
-    greedy token, whatever the top-2 margin), on prompts of the kind users send."""
+    """The embedded model's own Q4_1 blocks at float32 against its converted folder (gguf's dequantization of them,
+    float32): the same greedy tokens except where the folder's top-2 logit margin is below 1e-3, and the logits
+    within the stated tolerance up to there."""
     dense, served = engine(default_model_dir, "float32", "none"), engine(default_model_dir, "float32", "q4_1")
     from modeling.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.load(default_model_dir)
-    for text in ("The capital of France is", "def fibonacci(n):\n", "Write a haiku about autumn rain."):
+    for text in HELD_OUT_PROMPTS:
         prompt = tokenizer.encode(text)
-        tokens, logits = greedy(served, prompt, 16)
-        dense_tokens, dense_logits = greedy(dense, prompt, 16)
-        assert tokens == dense_tokens
-        assert torch.equal(logits, dense_logits)
+        tokens, logits = greedy(served, prompt, 24)
+        dense_tokens, dense_logits = greedy(dense, prompt, 24)
+        agree = next((i for i, (a, b) in enumerate(zip(tokens, dense_tokens)) if a != b), len(tokens))
+        if agree < len(tokens):
+            top2 = dense_logits[agree].topk(2).values  # row i: the logits token i was chosen from
+            assert float(top2[0] - top2[1]) < FP32_MARGIN, (text, agree)
+        assert_logits_close(logits[: agree + 1], dense_logits[: agree + 1])
 
 
 def test_quantization_a_model_cannot_take_is_refused_naming_the_choices(
@@ -248,7 +299,8 @@ def test_a_file_of_mixed_types_serves_its_q4_k_and_q8_0_tensors_from_their_block
     assert served.self_check() is None
     tokens, logits = greedy(served, [3, 14, 15, 92, 65], 12)
     dense_tokens, dense_logits = greedy(dense, [3, 14, 15, 92, 65], 12)
-    assert tokens == dense_tokens and torch.equal(logits, dense_logits)
+    assert tokens == dense_tokens
+    assert_logits_close(logits, dense_logits)
 
 
 # ---------------------------------------------------------------- per-channel int8, for any model
@@ -275,8 +327,8 @@ def test_int8_blocks_are_one_scale_per_channel_within_half_a_step(ops: ModuleTyp
         widened = linear.rows(packed, torch.arange(out_features))
         # Off by at most half a step of the channel's scale (and by rounding to float16 nothing more).
         assert ((widened - weight).abs() <= torch.from_numpy(scales[:, :1]) / 2).all()
-        # The kernel sums over exactly those weights: the dense kernel's bits on them.
-        assert torch.equal(linear(rows, packed), linear(rows, linear.pack(widened))), path
+        # The kernel sums over exactly those weights, but for its rounding of the inputs.
+        assert_within_the_inputs_rounding(linear(rows, packed), rows, widened)
 
 
 def test_int8_refuses_weights_it_cannot_hold() -> None:

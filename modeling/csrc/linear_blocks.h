@@ -1,0 +1,187 @@
+// The block tiles of csrc/linear.cpp for one instruction set, included once per set inside a
+// namespace that first defines: Vec (kLanes = kPanel / 2 float32 lanes), vbroadcast, vload,
+// vstore, vfma, vmul; IVec (kLanes int32 sums), WVec (widened int16 quants), XPair (a row's
+// inputs as imadd takes them), ivzero, imadd (sums += adjacent quants times their inputs, in
+// pairs), vcvt (int32 to float32, rounded to nearest); and the block readers Q4_1Pairs,
+// Q4_KPairs and Q8_0Pairs. A reader widens a block's quants a step of kStepK k at a time into
+// kVecs vectors (`load`), gives a row's inputs for a step (`inputs`), folds a panel's kVecs
+// sums into its outputs' (`fold`: two vectors, outputs 0-7 and 8-15), and holds the block's
+// scales d[2] and m[2].
+//
+// For row r, output n and block b (32 k), with the row's quantized inputs (QuantizedRows), the
+// block's sum is an integer, exact in any order:
+//   s = sum over the block's k of q[n, k] * xq[r, k]
+// and the output is one chain over b = 0, 1, ... from zero:
+//   y = fma(fma(d[n, b], float(s), m[n, b] * float(xsum[r, b])), xscale[r, b], y)
+// (Q8_0: m = 0). The operations are the same in every set, so every set gives the same bits, and
+// a row's bits do not depend on the other rows of its step.
+
+constexpr int kBlockMaxPanels = 3;
+
+// Rows of a tile: their sums (kVecs per row and panel) in 12 of the 16 vector registers.
+template <typename Reader>
+constexpr int block_max_rows() { return std::max(1, 12 / Reader::kVecs); }
+
+// Panels a tile of `rows` rows holds: a row's sums in at most 8 registers, the rest for the widened weights.
+template <typename Reader>
+int block_panels_for(int rows) { return std::max(1, std::min(kBlockMaxPanels, 8 / (rows * Reader::kVecs))); }
+
+// A panel's blocks as they are in memory, each widened as a tile reads it.
+template <typename Reader>
+struct PackedBlocks {
+  using Block = Reader;
+  const uint8_t* data;
+  int64_t blocks;  // per panel
+  Reader block(int64_t panel, int64_t b) const { return Reader(data + (panel * blocks + b) * Reader::kBytes); }
+};
+
+// A block already widened into a scratch (`WidenedBlocks`): its steps' vectors and the reader's scales.
+template <typename Reader>
+struct Widened {
+  static constexpr int kStepK = Reader::kStepK, kVecs = Reader::kVecs;
+  const WVec* w;
+  Vec d[2], m[2];
+  void load(int64_t step, WVec* out) const {
+#pragma GCC unroll 4
+    for (int j = 0; j < kVecs; ++j) out[j] = w[step * kVecs + j];
+  }
+  static XPair inputs(const int16_t* p) { return Reader::inputs(p); }
+  static void fold(const IVec* sums, IVec* out) { Reader::fold(sums, out); }
+};
+
+// A group of panels widened once, for the tiles of many rows to read rather than each widening them again:
+// [panel - first][block][step][kVecs].
+template <typename Reader>
+struct WidenedBlocks {
+  using Block = Widened<Reader>;
+  static constexpr int64_t kBlockVecs = kQuantBlock / Reader::kStepK * Reader::kVecs;
+  PackedBlocks<Reader> packed;
+  int64_t first;
+  WVec* scratch;
+  void widen(int count) const {
+    for (int64_t p = 0; p < count; ++p) {
+      for (int64_t b = 0; b < packed.blocks; ++b) {
+        const Reader reader = packed.block(first + p, b);
+        WVec* out = scratch + (p * packed.blocks + b) * kBlockVecs;
+        for (int64_t step = 0; step < kQuantBlock / Reader::kStepK; ++step) reader.load(step, out + step * Reader::kVecs);
+      }
+    }
+  }
+  Block block(int64_t panel, int64_t b) const {
+    const Reader reader = packed.block(panel, b);
+    return {scratch + ((panel - first) * packed.blocks + b) * kBlockVecs, {reader.d[0], reader.d[1]},
+            {reader.m[0], reader.m[1]}};
+  }
+};
+
+// kRows rows from `row` by kPanels panels from `first`: every block's sums added to `out`
+// ([kRows, width] float32 from the tile's first column), which holds zeros to begin with.
+template <typename Source, int kRows, int kPanels>
+void block_tile(const QuantizedRows& x, int64_t row, const Source& source, int64_t first, float* out, int64_t width) {
+  using Block = typename Source::Block;
+  constexpr int kHalves = kPanel / kLanes;
+  constexpr int kRowSums = kPanels * Block::kVecs;
+  const int64_t blocks = x.depth / kQuantBlock;
+  for (int64_t b = 0; b < blocks; ++b) {
+    Block readers[kPanels];
+#pragma GCC unroll 4
+    for (int p = 0; p < kPanels; ++p) readers[p] = source.block(first + p, b);
+    IVec sums[kRows * kRowSums];
+#pragma GCC unroll 32
+    for (int i = 0; i < kRows * kRowSums; ++i) sums[i] = ivzero();
+    const int16_t* quants = x.quants + row * x.depth + b * kQuantBlock;
+    for (int64_t step = 0; step < kQuantBlock / Block::kStepK; ++step) {
+      WVec w[kRowSums];
+#pragma GCC unroll 4
+      for (int p = 0; p < kPanels; ++p) readers[p].load(step, w + p * Block::kVecs);
+#pragma GCC unroll 8
+      for (int r = 0; r < kRows; ++r) {
+        const XPair inputs = Block::inputs(quants + r * x.depth + step * Block::kStepK);
+#pragma GCC unroll 12
+        for (int j = 0; j < kRowSums; ++j) sums[r * kRowSums + j] = imadd(sums[r * kRowSums + j], w[j], inputs);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t at = (row + r) * blocks + b;
+      const float total = static_cast<float>(x.sums[at]);
+      const Vec scale = vbroadcast(x.scales + at), xsum = vbroadcast(&total);
+#pragma GCC unroll 4
+      for (int p = 0; p < kPanels; ++p) {
+        IVec folded[kHalves];
+        Block::fold(sums + r * kRowSums + p * Block::kVecs, folded);
+#pragma GCC unroll 2
+        for (int h = 0; h < kHalves; ++h) {
+          const Vec block = vfma(readers[p].d[h], vcvt(folded[h]), vmul(readers[p].m[h], xsum));
+          float* sum = out + r * width + p * kPanel + h * kLanes;
+          vstore(sum, vfma(block, scale, vload(sum)));
+        }
+      }
+    }
+  }
+}
+
+template <typename Source, int kPanels, int kRows = 1>
+void block_tile_rows(int rows, const QuantizedRows& x, int64_t row, const Source& source, int64_t first, float* out,
+                     int64_t width) {
+  if constexpr (kRows <= block_max_rows<typename Source::Block>()) {
+    if (rows == kRows) return block_tile<Source, kRows, kPanels>(x, row, source, first, out, width);
+    return block_tile_rows<Source, kPanels, kRows + 1>(rows, x, row, source, first, out, width);
+  }
+}
+
+template <typename Source, int kPanels = 1>
+void block_tile_any(int rows, int num_panels, const QuantizedRows& x, int64_t row, const Source& source, int64_t first,
+                    float* out, int64_t width) {
+  if constexpr (kPanels <= kBlockMaxPanels) {
+    if (num_panels == kPanels) return block_tile_rows<Source, kPanels>(rows, x, row, source, first, out, width);
+    return block_tile_any<Source, kPanels + 1>(rows, num_panels, x, row, source, first, out, width);
+  }
+}
+
+template <typename T, typename Reader>
+void run_blocks(const LinearCall<T>& call, const QuantizedRows& x, const uint8_t* data) {
+  const int64_t num_panels = (call.num_out + kPanel - 1) / kPanel;
+  const PackedBlocks<Reader> packed{data, x.depth / kQuantBlock};
+  const int rows_per_tile = static_cast<int>(std::min<int64_t>(call.num_rows, block_max_rows<Reader>()));
+  // More rows than a tile takes: each group of panels is widened once, into a scratch that stays in cache.
+  const bool widen_once = call.num_rows > rows_per_tile;
+  const int group = block_panels_for<Reader>(rows_per_tile);
+  const int64_t num_groups = (num_panels + group - 1) / group;
+  std::atomic<int64_t> next_group{0};  // taken as threads finish, as in `run`
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_groups), 1, [&](int64_t, int64_t) {
+    std::vector<float> out(static_cast<size_t>(call.num_rows) * group * kPanel);  // [rows, width]
+    std::vector<WVec> scratch(widen_once ? group * packed.blocks * WidenedBlocks<Reader>::kBlockVecs : 0);
+    for (int64_t g; (g = next_group.fetch_add(1, std::memory_order_relaxed)) < num_groups;) {
+      const int64_t first_panel = g * group;
+      const int count = static_cast<int>(std::min<int64_t>(group, num_panels - first_panel));
+      const int64_t width = static_cast<int64_t>(count) * kPanel;
+      std::fill(out.begin(), out.begin() + call.num_rows * width, 0.0f);
+      const WidenedBlocks<Reader> widened{packed, first_panel, scratch.data()};
+      if (widen_once) widened.widen(count);
+      for (int64_t row = 0; row < call.num_rows; row += rows_per_tile) {
+        const int rows = static_cast<int>(std::min<int64_t>(rows_per_tile, call.num_rows - row));
+        float* at = out.data() + row * width;
+        if (widen_once) {
+          block_tile_any(rows, count, x, row, widened, first_panel, at, width);
+        } else {
+          block_tile_any(rows, count, x, row, packed, first_panel, at, width);
+        }
+      }
+      call.store(out.data(), first_panel * kPanel, width);
+    }
+  });
+}
+
+template <typename T>
+void run_block_format(const LinearCall<T>& call, WeightFormat format, const QuantizedRows& x, const void* packed) {
+  const auto* data = static_cast<const uint8_t*>(packed);
+  switch (format) {
+    case WeightFormat::kQ4_1:
+      return run_blocks<T, Q4_1Pairs>(call, x, data);
+    case WeightFormat::kQ4_K:
+      return run_blocks<T, Q4_KPairs>(call, x, data);
+    default:
+      return run_blocks<T, Q8_0Pairs>(call, x, data);
+  }
+}
