@@ -43,6 +43,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <limits>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -129,29 +130,42 @@ struct QuantizedRows {
 // scale and zero quants, so its outputs come out NaN, as float32 sums would.
 void quantize_rows(const float* x, int64_t num_rows, int64_t depth, int16_t* quants, float* scales, int32_t* sums) {
   const int64_t blocks = depth / kQuantBlock;
-  at::parallel_for(0, num_rows * blocks, 64, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_rows * blocks, 256, [&](int64_t begin, int64_t end) {
     for (int64_t at = begin; at < end; ++at) {
       const float* in = x + at * kQuantBlock;  // rows are contiguous: block `at` of all the rows' blocks
       int16_t* out = quants + at * kQuantBlock;
       float largest = 0.0f;
-      for (int64_t i = 0; i < kQuantBlock; ++i) largest = std::max(largest, std::fabs(in[i]));
-      for (int64_t i = 0; i < kQuantBlock; ++i) largest = std::isnan(in[i]) ? in[i] : largest;
+      bool nan = false;
+      for (int64_t i = 0; i < kQuantBlock; ++i) {
+        largest = std::max(largest, std::fabs(in[i]));
+        nan = nan || std::isnan(in[i]);
+      }
+      const float step = 32767.0f / largest;
       int32_t total = 0;
-      if (std::isfinite(largest) && largest > 0.0f) {
-        const double step = 32767.0 / static_cast<double>(largest);  // double: a subnormal largest does not overflow
+      if (nan || !std::isfinite(largest) || largest == 0.0f || !std::isfinite(step)) {
+        // NaN, infinity or zero: zero quants and that as the scale. A largest so small (subnormal) that its step
+        // overflows float32 rounds to zero too: at most 2^-126 of the weights' sum.
+        std::fill(out, out + kQuantBlock, int16_t{0});
+        scales[at] = nan ? std::numeric_limits<float>::quiet_NaN() : std::isfinite(largest) ? 0.0f : largest;
+      } else {
         for (int64_t i = 0; i < kQuantBlock; ++i) {
-          const double quant = std::nearbyint(static_cast<double>(in[i]) * step);
-          out[i] = static_cast<int16_t>(std::min(32767.0, std::max(-32767.0, quant)));
+          const float quant = std::nearbyint(in[i] * step);  // |quant| <= 32767.5 rounds within int16
+          out[i] = static_cast<int16_t>(std::min(32767.0f, std::max(-32767.0f, quant)));
           total += out[i];
         }
-        scales[at] = static_cast<float>(static_cast<double>(largest) / 32767.0);
-      } else {
-        std::fill(out, out + kQuantBlock, int16_t{0});
-        scales[at] = largest;  // 0, infinity or NaN
+        scales[at] = largest / 32767.0f;
       }
       sums[at] = total;
     }
   });
+}
+
+// A buffer of this thread's, kept for its next call: no allocation per call (a decode step makes hundreds).
+template <typename T>
+T* thread_scratch(size_t count) {
+  static thread_local std::vector<T> buffer;
+  if (buffer.size() < count) buffer.resize(count);
+  return buffer.data();
 }
 
 #ifdef SPECSERVE_X86
@@ -430,14 +444,16 @@ at::Tensor linear_any(const at::Tensor& x, WeightFormat format, const void* pack
   const at::Tensor rows = x.to(at::kFloat).contiguous();
   const float* xf = rows.data_ptr<float>();
   // For blocks, the rows rounded to 16-bit quants (see QuantizedRows).
-  at::Tensor quants, scales, sums;
   QuantizedRows quantized{};
   if (is_block_format(format)) {
-    quants = at::empty({num_rows, depth}, rows.options().dtype(at::kShort));
-    scales = at::empty({num_rows, depth / kQuantBlock}, rows.options());
-    sums = at::empty({num_rows, depth / kQuantBlock}, rows.options().dtype(at::kInt));
-    quantize_rows(xf, num_rows, depth, quants.data_ptr<int16_t>(), scales.data_ptr<float>(), sums.data_ptr<int32_t>());
-    quantized = {quants.data_ptr<int16_t>(), scales.data_ptr<float>(), sums.data_ptr<int32_t>(), depth};
+    const int64_t blocks = num_rows * (depth / kQuantBlock);
+    // One scratch: the quants, then the scales and the sums (4 bytes each, so all stay aligned).
+    auto* scratch = thread_scratch<int32_t>(static_cast<size_t>((num_rows * depth + 1) / 2 + 2 * blocks));
+    auto* quants = reinterpret_cast<int16_t*>(scratch);
+    auto* scales = reinterpret_cast<float*>(scratch + (num_rows * depth + 1) / 2);
+    int32_t* sums = scratch + (num_rows * depth + 1) / 2 + blocks;
+    quantize_rows(xf, num_rows, depth, quants, scales, sums);
+    quantized = {quants, scales, sums, depth};
   }
   const QuantizedRows* blocks = is_block_format(format) ? &quantized : nullptr;
   if (x.scalar_type() == at::kFloat) {

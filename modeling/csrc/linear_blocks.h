@@ -150,25 +150,25 @@ void run_blocks(const LinearCall<T>& call, const QuantizedRows& x, const uint8_t
   const int64_t num_groups = (num_panels + group - 1) / group;
   std::atomic<int64_t> next_group{0};  // taken as threads finish, as in `run`
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_groups), 1, [&](int64_t, int64_t) {
-    std::vector<float> out(static_cast<size_t>(call.num_rows) * group * kPanel);  // [rows, width]
-    std::vector<WVec> scratch(widen_once ? group * packed.blocks * WidenedBlocks<Reader>::kBlockVecs : 0);
+    float* out = thread_scratch<float>(static_cast<size_t>(call.num_rows) * group * kPanel);  // [rows, width]
+    WVec* scratch = widen_once ? thread_scratch<WVec>(group * packed.blocks * WidenedBlocks<Reader>::kBlockVecs) : nullptr;
     for (int64_t g; (g = next_group.fetch_add(1, std::memory_order_relaxed)) < num_groups;) {
       const int64_t first_panel = g * group;
       const int count = static_cast<int>(std::min<int64_t>(group, num_panels - first_panel));
       const int64_t width = static_cast<int64_t>(count) * kPanel;
-      std::fill(out.begin(), out.begin() + call.num_rows * width, 0.0f);
-      const WidenedBlocks<Reader> widened{packed, first_panel, scratch.data()};
+      std::fill(out, out + call.num_rows * width, 0.0f);
+      const WidenedBlocks<Reader> widened{packed, first_panel, scratch};
       if (widen_once) widened.widen(count);
       for (int64_t row = 0; row < call.num_rows; row += rows_per_tile) {
         const int rows = static_cast<int>(std::min<int64_t>(rows_per_tile, call.num_rows - row));
-        float* at = out.data() + row * width;
+        float* at = out + row * width;
         if (widen_once) {
           block_tile_any(rows, count, x, row, widened, first_panel, at, width);
         } else {
           block_tile_any(rows, count, x, row, packed, first_panel, at, width);
         }
       }
-      call.store(out.data(), first_panel * kPanel, width);
+      call.store(out, first_panel * kPanel, width);
     }
   });
 }
