@@ -44,6 +44,9 @@ ARCH_LEVELS: dict[str, frozenset[str]] = {
 }
 _SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("attention.cpp", "elementwise.cpp", "linear.cpp", "module.cpp")
+# No contraction of a * b + c into one FMA: the fused ops round as torch's do. No traps assumed: loops with
+# conditional float operations vectorize (the values are IEEE's either way).
+_CFLAGS = ("-fopenmp", "-ffp-contract=off", "-fno-trapping-math")
 _HEADERS = ("ops.h", "linear_tiles.h", "linear_blocks.h")
 
 
@@ -92,7 +95,8 @@ def _build_name() -> str:
     # checkouts sharing one folder would rebuild it for each other at every start.
     # Not the compiler: a build is loaded where there is none (`compiler.txt` in its folder names it).
     arch = kernel_arch()
-    for part in (str(_SOURCE_DIR), torch.__version__, _cpu_flags() if arch == "native" else arch, sys.version):
+    for part in (str(_SOURCE_DIR), torch.__version__, _cpu_flags() if arch == "native" else arch, sys.version,
+                 *_CFLAGS):
         digest.update(part.encode())
     return f"specserve_native_{digest.hexdigest()[:16]}"
 
@@ -147,8 +151,7 @@ def _load() -> ModuleType | KernelUnavailable:
             module: ModuleType = load(
                 name=name,
                 sources=[str(_SOURCE_DIR / source) for source in _SOURCES],
-                # No contraction of a * b + c into one FMA: the fused ops round as torch's do.
-                extra_cflags=["-O3", f"-march={arch}", "-fopenmp", "-ffp-contract=off"],
+                extra_cflags=["-O3", f"-march={arch}", *_CFLAGS],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),
                 verbose=False,

@@ -100,7 +100,7 @@ void run(const LinearCall<T>& call, const Panels& panels) {
   // machine where another process holds a core for a while, the other threads do the rest.
   std::atomic<int64_t> next_group{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_groups), 1, [&](int64_t, int64_t) {
-    std::vector<float> out(static_cast<size_t>(call.num_rows) * group * kPanel);  // [rows, width]
+    float* out = thread_scratch<float>(static_cast<size_t>(call.num_rows) * group * kPanel);  // [rows, width]
     for (int64_t g; (g = next_group.fetch_add(1, std::memory_order_relaxed)) < num_groups;) {
       const int64_t first_panel = g * group;
       const int count = static_cast<int>(std::min<int64_t>(group, num_panels - first_panel));
@@ -111,10 +111,10 @@ void run(const LinearCall<T>& call, const Panels& panels) {
         for (int64_t row = 0; row < call.num_rows; row += rows_per_tile) {
           const int rows = static_cast<int>(std::min<int64_t>(rows_per_tile, call.num_rows - row));
           tile_any<Panels>(rows, count, call.x + row * call.depth, call.depth, panels, first_panel, begin, end,
-                           out.data() + row * width);
+                           out + row * width);
         }
       }
-      call.store(out.data(), first_panel * kPanel, width);
+      call.store(out, first_panel * kPanel, width);
     }
   });
 }

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -53,7 +54,7 @@ inline float round_to(float x) {
 // -ffast-math, so the rounding trick below is kept as written.
 #pragma omp declare simd
 inline float exp_float(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  x = std::min(std::max(x, -87.0f), 88.0f);  // min and max, not branches: the loops around it vectorize
   // Nearest integer to x / ln 2 (adding and taking away 1.5 x 2^23 rounds a float to an integer).
   const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   float r = x - n * 0.693359375f;
