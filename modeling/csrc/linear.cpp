@@ -225,8 +225,7 @@ inline XPair inputs_of_pair(const int16_t* p) {
 template <int kScaleBytes>  // 2: Q4_1's float16 scales; 4: Q4_K's sub-blocks, float32
 struct Q4Pairs {
   static constexpr int64_t kBytes = q4_bytes(kScaleBytes);
-  // A step is a pair of k (16 bytes), widened to outputs 0-7 (the low nibbles) and 8-15 (the high ones).
-  static constexpr int kStepK = 2, kVecs = 2;
+  // A step (a pair of k, 16 bytes) is widened to outputs 0-7 (the low nibbles) and 8-15 (the high ones).
   const uint8_t* q;
   Vec d[2], m[2];
   Q4Pairs() = default;
@@ -241,8 +240,6 @@ struct Q4Pairs {
     w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
     w[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
   }
-  static XPair inputs(const int16_t* p) { return inputs_of_pair(p); }
-  static void fold(const IVec* sums, IVec* out) { out[0] = sums[0], out[1] = sums[1]; }
 };
 using Q4_1Pairs = Q4Pairs<2>;
 using Q4_KPairs = Q4Pairs<4>;
@@ -253,15 +250,12 @@ struct Q8_0Pairs {
   Q8_0Pairs() = default;
   explicit Q8_0Pairs(const uint8_t* block)
       : q(block + 2 * kPanel), d{vload_half(block), vload_half(block + 2 * kLanes)}, m{vzero(), vzero()} {}
-  static constexpr int kStepK = 2, kVecs = 2;  // a pair of k: outputs 0-7 and 8-15
   void load(int64_t step, WVec* w) const {
     const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 2 * step * kPanel));
     const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (2 * step + 1) * kPanel));
     w[0] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(first, second));
     w[1] = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(first, second));
   }
-  static XPair inputs(const int16_t* p) { return inputs_of_pair(p); }
-  static void fold(const IVec* sums, IVec* out) { out[0] = sums[0], out[1] = sums[1]; }
 };
 #include "linear_tiles.h"
 #include "linear_blocks.h"
@@ -324,6 +318,7 @@ struct WVec {
 struct XPair {
   int32_t first, second;
 };
+inline XPair inputs_of_pair(const int16_t* p) { return {p[0], p[1]}; }
 inline IVec ivzero() { return IVec{}; }
 inline IVec imadd(IVec sums, const WVec& w, XPair x) {
   for (int j = 0; j < kLanes; ++j) sums.v[j] += w.v[2 * j] * x.first + w.v[2 * j + 1] * x.second;
@@ -345,7 +340,6 @@ struct Q4Pairs {
         d{vload_scales<kScaleBytes>(block), vload_scales<kScaleBytes>(block + kScaleBytes * kLanes)},
         m{vload_scales<kScaleBytes>(block + kScaleBytes * kPanel),
           vload_scales<kScaleBytes>(block + kScaleBytes * (kPanel + kLanes))} {}
-  static constexpr int kStepK = 2, kVecs = 2;  // a pair of k: outputs 0-7 and 8-15
   void load(int64_t step, WVec* w) const {
     for (int j = 0; j < kLanes; ++j) {
       const uint8_t first = q[step * kPanel + 2 * j], second = q[step * kPanel + 2 * j + 1];
@@ -355,8 +349,6 @@ struct Q4Pairs {
       w[1].v[2 * j + 1] = second >> 4;
     }
   }
-  static XPair inputs(const int16_t* p) { return {p[0], p[1]}; }
-  static void fold(const IVec* sums, IVec* out) { out[0] = sums[0], out[1] = sums[1]; }
 };
 using Q4_1Pairs = Q4Pairs<2>;
 using Q4_KPairs = Q4Pairs<4>;
@@ -367,15 +359,12 @@ struct Q8_0Pairs {
   Q8_0Pairs() = default;
   explicit Q8_0Pairs(const uint8_t* block)
       : q(block + 2 * kPanel), d{vload_half(block), vload_half(block + 2 * kLanes)}, m{vzero(), vzero()} {}
-  static constexpr int kStepK = 2, kVecs = 2;
   void load(int64_t step, WVec* w) const {
     for (int l = 0; l < kPanel; ++l) {
       w[l / kLanes].v[2 * (l % kLanes)] = static_cast<int8_t>(q[2 * step * kPanel + l]);
       w[l / kLanes].v[2 * (l % kLanes) + 1] = static_cast<int8_t>(q[(2 * step + 1) * kPanel + l]);
     }
   }
-  static XPair inputs(const int16_t* p) { return {p[0], p[1]}; }
-  static void fold(const IVec* sums, IVec* out) { out[0] = sums[0], out[1] = sums[1]; }
 };
 #include "linear_tiles.h"
 #include "linear_blocks.h"

@@ -2,11 +2,10 @@
 // namespace that first defines: Vec (kLanes = kPanel / 2 float32 lanes), vbroadcast, vload,
 // vstore, vfma, vmul; IVec (kLanes int32 sums), WVec (widened int16 quants), XPair (a row's
 // inputs as imadd takes them), ivzero, imadd (sums += adjacent quants times their inputs, in
-// pairs), vcvt (int32 to float32, rounded to nearest); and the block readers Q4_1Pairs,
-// Q4_KPairs and Q8_0Pairs. A reader widens a block's quants a step of kStepK k at a time into
-// kVecs vectors (`load`), gives a row's inputs for a step (`inputs`), folds a panel's kVecs
-// sums into its outputs' (`fold`: two vectors, outputs 0-7 and 8-15), and holds the block's
-// scales d[2] and m[2].
+// pairs), vcvt (int32 to float32, rounded to nearest), inputs_of_pair (a row's two inputs at k
+// and k + 1); and the block readers Q4_1Pairs, Q4_KPairs and Q8_0Pairs. A reader widens a
+// block's quants a pair of k at a time into two vectors, outputs 0-7 and 8-15 (`load`), and
+// holds the block's scales d[2] and m[2], for the same halves.
 //
 // For row r, output n and block b (32 k), with the row's quantized inputs (QuantizedRows), the
 // block's sum is an integer, exact in any order:
@@ -17,14 +16,14 @@
 // a row's bits do not depend on the other rows of its step.
 
 constexpr int kBlockMaxPanels = 3;
+constexpr int kPairSteps = kQuantBlock / 2;  // a block's steps, a pair of k each
+static_assert(kVecs == 2, "a step's two widened vectors are a panel's two halves (kVecs of linear_tiles.h)");
 
 // Rows of a tile: their sums (kVecs per row and panel) in 12 of the 16 vector registers.
-template <typename Reader>
-constexpr int block_max_rows() { return std::max(1, 12 / Reader::kVecs); }
+constexpr int kBlockMaxRows = 12 / kVecs;
 
 // Panels a tile of `rows` rows holds: a row's sums in at most 8 registers, the rest for the widened weights.
-template <typename Reader>
-int block_panels_for(int rows) { return std::max(1, std::min(kBlockMaxPanels, 8 / (rows * Reader::kVecs))); }
+inline int block_panels_for(int rows) { return std::max(1, std::min(kBlockMaxPanels, 8 / (rows * kVecs))); }
 
 // A panel's blocks as they are in memory, each widened as a tile reads it.
 template <typename Reader>
@@ -36,25 +35,18 @@ struct PackedBlocks {
 };
 
 // A block already widened into a scratch (`WidenedBlocks`): its steps' vectors and the reader's scales.
-template <typename Reader>
 struct Widened {
-  static constexpr int kStepK = Reader::kStepK, kVecs = Reader::kVecs;
   const WVec* w;
   Vec d[2], m[2];
-  void load(int64_t step, WVec* out) const {
-#pragma GCC unroll 4
-    for (int j = 0; j < kVecs; ++j) out[j] = w[step * kVecs + j];
-  }
-  static XPair inputs(const int16_t* p) { return Reader::inputs(p); }
-  static void fold(const IVec* sums, IVec* out) { Reader::fold(sums, out); }
+  void load(int64_t step, WVec* out) const { out[0] = w[step * kVecs], out[1] = w[step * kVecs + 1]; }
 };
 
 // A group of panels widened once, for the tiles of many rows to read rather than each widening them again:
-// [panel - first][block][step][kVecs].
+// [panel - first][block][step][half].
 template <typename Reader>
 struct WidenedBlocks {
-  using Block = Widened<Reader>;
-  static constexpr int64_t kBlockVecs = kQuantBlock / Reader::kStepK * Reader::kVecs;
+  using Block = Widened;
+  static constexpr int64_t kBlockVecs = kPairSteps * kVecs;
   PackedBlocks<Reader> packed;
   int64_t first;
   WVec* scratch;
@@ -63,7 +55,7 @@ struct WidenedBlocks {
       for (int64_t b = 0; b < packed.blocks; ++b) {
         const Reader reader = packed.block(first + p, b);
         WVec* out = scratch + (p * packed.blocks + b) * kBlockVecs;
-        for (int64_t step = 0; step < kQuantBlock / Reader::kStepK; ++step) reader.load(step, out + step * Reader::kVecs);
+        for (int64_t step = 0; step < kPairSteps; ++step) reader.load(step, out + step * kVecs);
       }
     }
   }
@@ -79,8 +71,7 @@ struct WidenedBlocks {
 template <typename Source, int kRows, int kPanels>
 void block_tile(const QuantizedRows& x, int64_t row, const Source& source, int64_t first, float* out, int64_t width) {
   using Block = typename Source::Block;
-  constexpr int kHalves = kPanel / kLanes;
-  constexpr int kRowSums = kPanels * Block::kVecs;
+  constexpr int kRowSums = kPanels * kVecs;
   const int64_t blocks = x.depth / kQuantBlock;
   for (int64_t b = 0; b < blocks; ++b) {
     Block readers[kPanels];
@@ -90,13 +81,13 @@ void block_tile(const QuantizedRows& x, int64_t row, const Source& source, int64
 #pragma GCC unroll 32
     for (int i = 0; i < kRows * kRowSums; ++i) sums[i] = ivzero();
     const int16_t* quants = x.quants + row * x.depth + b * kQuantBlock;
-    for (int64_t step = 0; step < kQuantBlock / Block::kStepK; ++step) {
+    for (int64_t step = 0; step < kPairSteps; ++step) {
       WVec w[kRowSums];
 #pragma GCC unroll 4
-      for (int p = 0; p < kPanels; ++p) readers[p].load(step, w + p * Block::kVecs);
+      for (int p = 0; p < kPanels; ++p) readers[p].load(step, w + p * kVecs);
 #pragma GCC unroll 8
       for (int r = 0; r < kRows; ++r) {
-        const XPair inputs = Block::inputs(quants + r * x.depth + step * Block::kStepK);
+        const XPair inputs = inputs_of_pair(quants + r * x.depth + 2 * step);
 #pragma GCC unroll 12
         for (int j = 0; j < kRowSums; ++j) sums[r * kRowSums + j] = imadd(sums[r * kRowSums + j], w[j], inputs);
       }
@@ -108,11 +99,9 @@ void block_tile(const QuantizedRows& x, int64_t row, const Source& source, int64
       const Vec scale = vbroadcast(x.scales + at), xsum = vbroadcast(&total);
 #pragma GCC unroll 4
       for (int p = 0; p < kPanels; ++p) {
-        IVec folded[kHalves];
-        Block::fold(sums + r * kRowSums + p * Block::kVecs, folded);
 #pragma GCC unroll 2
-        for (int h = 0; h < kHalves; ++h) {
-          const Vec block = vfma(readers[p].d[h], vcvt(folded[h]), vmul(readers[p].m[h], xsum));
+        for (int h = 0; h < kVecs; ++h) {
+          const Vec block = vfma(readers[p].d[h], vcvt(sums[r * kRowSums + p * kVecs + h]), vmul(readers[p].m[h], xsum));
           float* sum = out + r * width + p * kPanel + h * kLanes;
           vstore(sum, vfma(block, scale, vload(sum)));
         }
@@ -124,7 +113,7 @@ void block_tile(const QuantizedRows& x, int64_t row, const Source& source, int64
 template <typename Source, int kPanels, int kRows = 1>
 void block_tile_rows(int rows, const QuantizedRows& x, int64_t row, const Source& source, int64_t first, float* out,
                      int64_t width) {
-  if constexpr (kRows <= block_max_rows<typename Source::Block>()) {
+  if constexpr (kRows <= kBlockMaxRows) {
     if (rows == kRows) return block_tile<Source, kRows, kPanels>(x, row, source, first, out, width);
     return block_tile_rows<Source, kPanels, kRows + 1>(rows, x, row, source, first, out, width);
   }
@@ -143,10 +132,10 @@ template <typename T, typename Reader>
 void run_blocks(const LinearCall<T>& call, const QuantizedRows& x, const uint8_t* data) {
   const int64_t num_panels = (call.num_out + kPanel - 1) / kPanel;
   const PackedBlocks<Reader> packed{data, x.depth / kQuantBlock};
-  const int rows_per_tile = static_cast<int>(std::min<int64_t>(call.num_rows, block_max_rows<Reader>()));
+  const int rows_per_tile = static_cast<int>(std::min<int64_t>(call.num_rows, kBlockMaxRows));
   // More rows than a tile takes: each group of panels is widened once, into a scratch that stays in cache.
   const bool widen_once = call.num_rows > rows_per_tile;
-  const int group = block_panels_for<Reader>(rows_per_tile);
+  const int group = block_panels_for(rows_per_tile);
   const int64_t num_groups = (num_panels + group - 1) / group;
   std::atomic<int64_t> next_group{0};  // taken as threads finish, as in `run`
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_groups), 1, [&](int64_t, int64_t) {
