@@ -22,6 +22,10 @@
 #include <immintrin.h>
 #define SPECSERVE_AVX512_BF16 1
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SPECSERVE_AVX2 1
+#endif
 
 namespace {
 
@@ -316,6 +320,117 @@ void attend_rows_avx512_64(const AttendCall<T>& call, double scale) {
 }
 #endif
 
+#ifdef SPECSERVE_AVX2
+// The path for head_dim 64 and 128 on CPUs with AVX2 and FMA (kGroup query heads per kv
+// head): scores 8 positions at a time, each a chain of FMAs over the head dimension in 8
+// lanes, the 8 positions' lanes then summed in one transposing tree; the softmax as the
+// generic path's; then the weighted sum of values, a tile of heads and dimensions held in
+// registers over every position. The same order for every row, tree rows included.
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// r[j] = sum of a[j]'s 8 lanes, for j = 0..7.
+inline __m256 sum_lanes_8(const __m256* a) {
+  const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+  // Low 128 bits: the low halves' sums of a[0..3] (of a[4..7]); high 128 bits: the high halves'.
+  const __m256 low = _mm256_hadd_ps(h01, h23), high = _mm256_hadd_ps(h45, h67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+}
+
+template <typename T, int64_t kDim, int64_t kGroup>
+void attend_rows_avx2(const AttendCall<T>& call, double scale) {
+  constexpr int64_t kChunks = kDim / 8;
+  // The values' tile: kGroup heads by kTile vectors of 8 dimensions, its sums, a value row and
+  // a weight in the 16 vector registers.
+  constexpr int64_t kFits = 15 / (kGroup + 1);
+  constexpr int64_t kTile = kFits >= 4 ? 4 : (kFits >= 2 ? 2 : 1);
+  static_assert(kChunks % kTile == 0, "the values' tiles cover the head dimension");
+  const float softmax_scale = static_cast<float>(scale);
+  const int64_t padded_len = (call.max_len + 7) / 8 * 8;
+
+  at::parallel_for(0, call.num_tasks(), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(kGroup * padded_len);
+    std::vector<int64_t> offset(call.max_len);  // the task's l-th key and value row, from the cache's start
+    alignas(32) float query[kGroup][kDim];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t kv_head = call.kv_head(task), length = call.length(task);
+      call.key_offsets(task, length, offset.data());
+      for (int64_t g = 0; g < kGroup; ++g) {
+        const T* src = call.query(task, kv_head * kGroup + g);
+        for (int64_t d = 0; d < kDim; ++d) query[g][d] = to_float(src[d]) * softmax_scale;
+      }
+      // Scores, 8 positions at a time (a last block's missing positions score 0 and are never read).
+      for (int64_t l0 = 0; l0 < length; l0 += 8) {
+        const int64_t count = length - l0 < 8 ? length - l0 : 8;
+        const T* k[8];
+        for (int64_t j = 0; j < 8; ++j) k[j] = call.keys + offset[j < count ? l0 + j : l0];
+          for (int64_t g = 0; g < kGroup; ++g) {
+          __m256 a[8];
+              for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+              for (int64_t c = 0; c < kChunks; ++c) {
+            const __m256 q = _mm256_load_ps(query[g] + 8 * c);
+                  for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(load8(k[j] + 8 * c), q, a[j]);
+          }
+          _mm256_storeu_ps(scores.data() + g * padded_len + l0, sum_lanes_8(a));
+        }
+      }
+      for (int64_t g = 0; g < kGroup; ++g) {
+        float* sg = scores.data() + g * padded_len;
+        float top = sg[0];
+        for (int64_t l = 1; l < length; ++l) top = sg[l] > top ? sg[l] : top;
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t l = 0; l < length; ++l) {
+          sg[l] = exp_float(sg[l] - top);
+          total += sg[l];
+        }
+        const float inverse = 1.0f / total;
+#pragma omp simd
+        for (int64_t l = 0; l < length; ++l) sg[l] *= inverse;
+      }
+      for (int64_t c0 = 0; c0 < kChunks; c0 += kTile) {
+        __m256 acc[kGroup][kTile];
+          for (int64_t g = 0; g < kGroup; ++g) {
+              for (int64_t c = 0; c < kTile; ++c) acc[g][c] = _mm256_setzero_ps();
+        }
+        for (int64_t l = 0; l < length; ++l) {
+          const T* v = call.values + offset[l] + 8 * c0;
+          __m256 row[kTile];
+              for (int64_t c = 0; c < kTile; ++c) row[c] = load8(v + 8 * c);
+              for (int64_t g = 0; g < kGroup; ++g) {
+            const __m256 p = _mm256_broadcast_ss(scores.data() + g * padded_len + l);
+                  for (int64_t c = 0; c < kTile; ++c) acc[g][c] = _mm256_fmadd_ps(p, row[c], acc[g][c]);
+          }
+        }
+          for (int64_t g = 0; g < kGroup; ++g) {
+          T* dst = call.output(task, kv_head * kGroup + g) + 8 * c0;
+          alignas(32) float sums[8 * kTile];
+              for (int64_t c = 0; c < kTile; ++c) _mm256_store_ps(sums + 8 * c, acc[g][c]);
+          for (int64_t d = 0; d < 8 * kTile; ++d) dst[d] = from_float<T>(sums[d]);
+        }
+      }
+    }
+  });
+}
+
+template <typename T, int64_t kDim, int64_t kGroup = 1>
+bool attend_avx2_group(const AttendCall<T>& call, double scale, int64_t group) {
+  if constexpr (kGroup <= 8) {
+    if (group == kGroup) {
+      attend_rows_avx2<T, kDim, kGroup>(call, scale);
+      return true;
+    }
+    return attend_avx2_group<T, kDim, kGroup + 1>(call, scale, group);
+  }
+  return false;
+}
+#endif
+
 template <typename T>
 void attend_dispatch(const AttendCall<T>& call, double scale) {
   const int64_t dim = call.dim, group = call.num_heads / call.num_kv_heads;
@@ -324,6 +439,10 @@ void attend_dispatch(const AttendCall<T>& call, double scale) {
   if (dim == 64 && group == 4) return attend_rows_avx512_64<T, 4>(call, scale);
   if (dim == 64 && group == 2) return attend_rows_avx512_64<T, 2>(call, scale);
   if (dim == 64 && group == 1) return attend_rows_avx512_64<T, 1>(call, scale);
+#endif
+#ifdef SPECSERVE_AVX2
+  if (dim == 64 && attend_avx2_group<T, 64>(call, scale, group)) return;
+  if (dim == 128 && attend_avx2_group<T, 128>(call, scale, group)) return;
 #endif
   if (dim == 64 && group == 3) {
     attend_rows<T, 64, 3>(call, scale);

@@ -64,9 +64,9 @@ def _attend(ops, q, keys, values, seqs, positions, page_size: int = 16, seed: in
     return ops.attend(q, paged_keys, paged_values, tables, torch.as_tensor(seqs), torch.as_tensor(positions), q.shape[2] ** -0.5)
 
 
-# (heads, kv heads, head_dim): the default model's shape (the AVX512-BF16 path where the
+# (heads, kv heads, head_dim): the default model's shape (the AVX512-BF16 or AVX2 path where the
 # CPU has it), other group sizes, and a head_dim only the generic path serves.
-SHAPES = [(9, 3, 64), (8, 2, 64), (4, 4, 64), (8, 2, 16), (6, 3, 32)]
+SHAPES = [(9, 3, 64), (8, 2, 64), (4, 4, 64), (14, 2, 64), (16, 2, 128), (8, 8, 128), (8, 2, 16), (6, 3, 32)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
