@@ -71,8 +71,10 @@ def attach_native_ops(model: LlamaModel, dtype: torch.dtype, device: torch.devic
             model.embed_from(functools.partial(_embedding_rows, linear, model.lm_head, dtype))
     model.linear = linear
     model.native = ops
+    fused = model.fuse_layers(linear.projection, linear.path)
     served = ", ".join(f"{count} weights from {name} blocks" for name, count in sorted(formats.items()))
-    return f"native (linear kernel: {linear.path}, {measured}{'; ' + served if served else ''})"
+    layers = "layers in one call" if fused else "layers op by op"
+    return f"native (linear kernel: {linear.path}, {measured}; {layers}{'; ' + served if served else ''})"
 
 
 @dataclass(frozen=True)
@@ -265,6 +267,10 @@ class PackedLinear:
             return self._out_features[packed.data_ptr()]
         except KeyError as exc:
             raise ValueError("the native linear kernel takes only weights packed by PackedLinear.pack") from exc
+
+    def projection(self, packed: torch.Tensor) -> tuple[int, str]:
+        """A packed weight's outputs and GGUF block format ("" for a dense weight), as the native layers take it."""
+        return self.out_features(packed), self._formats.get(packed.data_ptr(), "") if packed.dtype == torch.uint8 else ""
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if weight.dtype == torch.uint8:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from pathlib import Path
 from types import ModuleType
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -110,7 +110,11 @@ class LlamaModel(torch.nn.Module):
         self._layer_rope = [self._ropes.index(rope) for rope in ropes]
         self._rope_tables: list[tuple[torch.Tensor, torch.Tensor]] = []  # per distinct RoPE: [max_len, head_dim] each
         self._windows = [config.layer_window(layer) for layer in range(config.num_layers)]
+        self._window_widths: list[int | None] = list(dict.fromkeys(self._windows))  # each distinct one
         self._embedding_rows: Callable[[torch.Tensor], torch.Tensor] | None = None  # see embed_from
+        # The layers as one native call (csrc/layers.cpp: the same ops in the same order, the
+        # same bits), set by `fuse_layers`; None runs them one op at a time from here.
+        self.fused_layers: Any | None = None
 
     # ------------------------------------------------------------------ building
 
@@ -135,6 +139,34 @@ class LlamaModel(torch.nn.Module):
     def plan(self, spans: list[SeqSpan], page_size: int) -> StepBatch:
         """The step's packed batch, its attention planned for this model's kernels; raises PageError on a short block table."""
         return build_step_batch(spans, self.embed_tokens.device, page_size, rows_in_kernel=self.native is not None)
+
+    def fuse_layers(self, projection: Callable[[torch.Tensor], tuple[int, str]], path: str) -> bool:
+        """Run the layers as one call of the native kernels from now on, if they run this architecture (not Gemma's
+        sandwich norms, query and key norms or GELU), and say whether they do. `projection(weight)`: a packed weight's
+        outputs and block format ("" for a dense one); `path`: the linear kernel's instruction set."""
+        cfg = self.config
+        if self.native is None or cfg.gemma or cfg.qk_norm or cfg.hidden_act == "gelu_pytorch_tanh":
+            return False
+        packed: list[torch.Tensor] = []
+        num_out: list[int] = []
+        formats: list[str] = []
+        biases: list[torch.Tensor | None] = []
+        norms: list[torch.Tensor] = []
+        for index, layer in enumerate(self.layers):
+            for weight, bias in ((layer.qkv_proj, layer.qkv_bias), (layer.o_proj, layer.o_bias),
+                                 (layer.gate_up_proj, layer.gate_up_bias), (layer.down_proj, layer.down_bias)):
+                outputs, block_format = projection(weight)
+                packed.append(weight)
+                num_out.append(outputs)
+                formats.append(block_format)
+                biases.append(bias)
+            following = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.norm
+            norms += [layer.post_attention_norm, following]
+        windows = [self._window_widths.index(width) for width in self._windows]
+        self.fused_layers = self.native.DecoderStack(packed, num_out, biases, formats, norms, self._layer_rope, windows,
+                                                     cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attention_scale,
+                                                     cfg.rms_norm_eps, path)
+        return True
 
     def embed_from(self, rows: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Read embeddings through `rows` (ids -> `[N, hidden]`) and free the table: a tied LM head, packed for the
@@ -161,6 +193,11 @@ class LlamaModel(torch.nn.Module):
         # [N, hidden], this pass's own copy: the native norms add to it in place
         x = self.embed(batch.token_ids) if inputs is None else inputs.clone(memory_format=torch.contiguous_format)
         h = self._norm(x, self.layers[0].input_norm)
+        if self.fused_layers is not None:
+            firsts = [windows.of(width).firsts for width in self._window_widths]
+            return self.fused_layers.forward(x, h, cache.keys, cache.values, [cos for cos, _ in rotations],  # type: ignore[no-any-return]
+                                             [sin for _, sin in rotations], firsts, batch.store_pages, batch.store_offsets,
+                                             batch.tables, batch.row_tables, batch.attended_to, batch.extra)
         for index, layer in enumerate(self.layers):
             cos, sin = rotations[self._layer_rope[index]]
             attended = self._attention(index, layer, h, cos, sin, batch, windows.of(self._windows[index]), cache)

@@ -43,7 +43,7 @@ ARCH_LEVELS: dict[str, frozenset[str]] = {
     "x86-64-v4": _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
 }
 _SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("attention.cpp", "elementwise.cpp", "linear.cpp", "module.cpp")
+_SOURCES = ("attention.cpp", "elementwise.cpp", "layers.cpp", "linear.cpp", "module.cpp")
 # No contraction of a * b + c into one FMA: the fused ops round as torch's do. No traps assumed: loops with
 # conditional float operations vectorize (the values are IEEE's either way).
 _CFLAGS = ("-fopenmp", "-ffp-contract=off", "-fno-trapping-math")

@@ -21,4 +21,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_panel_width", &linear_panel_width, "outputs per column panel of a packed weight");
   m.def("linear_paths", &linear_paths, "the linear kernel's instruction sets this CPU has, fastest (the default) first");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of each [gate | up] row");
+  bind_decoder_stack(m);
 }

@@ -92,3 +92,4 @@ at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& packed, int64_t 
 int64_t linear_block_bytes(const std::string& format);
 int64_t linear_panel_width();
 std::vector<std::string> linear_paths();
+void bind_decoder_stack(pybind11::module& m);

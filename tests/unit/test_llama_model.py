@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -167,12 +169,13 @@ def test_native_ops_give_the_logits_of_torch_ops(tiny_folder: Path, dtype: torch
     torch.testing.assert_close(outputs[1], outputs[0], **tolerance)
 
 
-def _random_model(dtype: torch.dtype, max_len: int, num_layers: int = 2) -> LlamaModel:
+def _random_model(dtype: torch.dtype, max_len: int, num_layers: int = 2, **changes: Any) -> LlamaModel:
     """The default model's head shape (head_dim 64, 3 query heads per kv head: the kernels' vectorised path), random
-    weights, on the native kernels."""
+    weights, on the native kernels; `changes` to the config."""
     config = ModelConfig(vocab_size=300, hidden_size=192, intermediate_size=512, num_layers=num_layers, num_heads=3,
                          num_kv_heads=1, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=max_len,
                          tie_word_embeddings=True, attention_bias=False)
+    config = dataclasses.replace(config, **changes)
     torch.manual_seed(0)
     model = LlamaModel(config)
     with torch.no_grad():
@@ -327,3 +330,39 @@ def test_the_model_fingerprint_does_not_depend_on_how_the_files_spell_the_model(
     (respelled / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {name: shard for shard, members in shards.items() for name in members}}))
     assert model_fingerprint(respelled) == model_fingerprint(tiny_llama_folder)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("changes", [
+    {},
+    # Qwen2's biases, Mistral-style sliding layers with a RoPE of their own, every projection with a bias
+    {"attention_bias": True, "o_bias": True, "mlp_bias": True, "sliding_layers": (True, False, True), "sliding_window": 7,
+     "local_rope_theta": 500.0},
+], ids=["llama", "biases-and-windows"])
+def test_the_layers_in_one_native_call_give_the_bits_of_the_op_by_op_loop(dtype: torch.dtype, changes: dict[str, Any]) -> None:
+    """The native decoder stack (csrc/layers.cpp) runs the ops of the Python loop in its order: every row, prefill,
+    decode, verify and tree rows alike, and the cache it leaves are bit for bit the loop's."""
+    model = _random_model(dtype, 256, num_layers=3, **changes)
+    assert model.fused_layers is not None
+    fused = model.fused_layers
+    prompt = [(11 * i) % 300 for i in range(40)]
+    nodes = [(37 * i + 11) % 300 for i in range(len(TREE_PARENTS))]
+    steps = [
+        [SeqSpan(S(1), 0, prompt, 1), SeqSpan(S(2), 0, [8] * 20, 20)],  # prefill, one with every row's logits
+        [SeqSpan(S(1), 40, [5], 1), SeqSpan(S(2), 20, [6, 7, 9], 3)],  # decode and verify
+        [SeqSpan(S(1), 41, [3, *nodes], len(nodes) + 1, TREE_PARENTS), SeqSpan(S(2), 23, [4], 1)],  # a token tree
+    ]
+    results = []
+    for layers in (fused, None):
+        model.fused_layers = layers
+        cache = _kv(model.config, 4, dtype)
+        results.append(([_step(model, cache, spans) for spans in steps], cache))
+    (fused_logits, fused_cache), (loop_logits, loop_cache) = results
+    for index, (ours, theirs) in enumerate(zip(fused_logits, loop_logits)):
+        assert torch.equal(ours, theirs), f"step {index} differs"
+    assert torch.equal(fused_cache.keys, loop_cache.keys) and torch.equal(fused_cache.values, loop_cache.values)
+
+
+def test_architectures_the_native_stack_does_not_run_keep_the_op_by_op_loop() -> None:
+    assert _random_model(torch.float32, 64, qk_norm=True).fused_layers is None
+    assert _random_model(torch.float32, 64, hidden_act="gelu_pytorch_tanh").fused_layers is None
