@@ -226,15 +226,15 @@ template <int kScaleBytes>  // 2: Q4_1's float16 scales; 4: Q4_K's sub-blocks, f
 struct Q4Pairs {
   static constexpr int64_t kBytes = q4_bytes(kScaleBytes);
   // A step (a pair of k, 16 bytes) is widened to outputs 0-7 (the low nibbles) and 8-15 (the high ones).
-  const uint8_t* q;
-  Vec d[2], m[2];
+  const uint8_t* block;
   Q4Pairs() = default;
-  explicit Q4Pairs(const uint8_t* block)
-      : q(block + 2 * kScaleBytes * kPanel),
-        d{vload_scales<kScaleBytes>(block), vload_scales<kScaleBytes>(block + kScaleBytes * kLanes)},
-        m{vload_scales<kScaleBytes>(block + kScaleBytes * kPanel),
-          vload_scales<kScaleBytes>(block + kScaleBytes * (kPanel + kLanes))} {}
+  explicit Q4Pairs(const uint8_t* at) : block(at) {}
+  // The scales of outputs 0-7 (h = 0) or 8-15: read once the block's sums are done, not held in
+  // registers through them (the tiles' sums need every register).
+  Vec d(int h) const { return vload_scales<kScaleBytes>(block + kScaleBytes * kLanes * h); }
+  Vec m(int h) const { return vload_scales<kScaleBytes>(block + kScaleBytes * (kPanel + kLanes * h)); }
   void load(int64_t step, WVec* w) const {
+    const uint8_t* q = block + 2 * kScaleBytes * kPanel;
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + step * kPanel));
     const __m128i mask = _mm_set1_epi8(0x0F);
     w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
@@ -245,12 +245,13 @@ using Q4_1Pairs = Q4Pairs<2>;
 using Q4_KPairs = Q4Pairs<4>;
 struct Q8_0Pairs {
   static constexpr int64_t kBytes = kQ8_0Bytes;
-  const uint8_t* q;
-  Vec d[2], m[2];
+  const uint8_t* block;
   Q8_0Pairs() = default;
-  explicit Q8_0Pairs(const uint8_t* block)
-      : q(block + 2 * kPanel), d{vload_half(block), vload_half(block + 2 * kLanes)}, m{vzero(), vzero()} {}
+  explicit Q8_0Pairs(const uint8_t* at) : block(at) {}
+  Vec d(int h) const { return vload_half(block + 2 * kLanes * h); }
+  static Vec m(int) { return vzero(); }
   void load(int64_t step, WVec* w) const {
+    const uint8_t* q = block + 2 * kPanel;
     const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 2 * step * kPanel));
     const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (2 * step + 1) * kPanel));
     w[0] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(first, second));
@@ -332,15 +333,13 @@ inline Vec vcvt(IVec v) {
 template <int kScaleBytes>  // 2: Q4_1's float16 scales; 4: Q4_K's sub-blocks, float32
 struct Q4Pairs {
   static constexpr int64_t kBytes = q4_bytes(kScaleBytes);
-  const uint8_t* q;
-  Vec d[2], m[2];
+  const uint8_t* block;
   Q4Pairs() = default;
-  explicit Q4Pairs(const uint8_t* block)
-      : q(block + 2 * kScaleBytes * kPanel),
-        d{vload_scales<kScaleBytes>(block), vload_scales<kScaleBytes>(block + kScaleBytes * kLanes)},
-        m{vload_scales<kScaleBytes>(block + kScaleBytes * kPanel),
-          vload_scales<kScaleBytes>(block + kScaleBytes * (kPanel + kLanes))} {}
+  explicit Q4Pairs(const uint8_t* at) : block(at) {}
+  Vec d(int h) const { return vload_scales<kScaleBytes>(block + kScaleBytes * kLanes * h); }
+  Vec m(int h) const { return vload_scales<kScaleBytes>(block + kScaleBytes * (kPanel + kLanes * h)); }
   void load(int64_t step, WVec* w) const {
+    const uint8_t* q = block + 2 * kScaleBytes * kPanel;
     for (int j = 0; j < kLanes; ++j) {
       const uint8_t first = q[step * kPanel + 2 * j], second = q[step * kPanel + 2 * j + 1];
       w[0].v[2 * j] = first & 0x0F;
@@ -354,12 +353,13 @@ using Q4_1Pairs = Q4Pairs<2>;
 using Q4_KPairs = Q4Pairs<4>;
 struct Q8_0Pairs {
   static constexpr int64_t kBytes = kQ8_0Bytes;
-  const uint8_t* q;
-  Vec d[2], m[2];
+  const uint8_t* block;
   Q8_0Pairs() = default;
-  explicit Q8_0Pairs(const uint8_t* block)
-      : q(block + 2 * kPanel), d{vload_half(block), vload_half(block + 2 * kLanes)}, m{vzero(), vzero()} {}
+  explicit Q8_0Pairs(const uint8_t* at) : block(at) {}
+  Vec d(int h) const { return vload_half(block + 2 * kLanes * h); }
+  static Vec m(int) { return vzero(); }
   void load(int64_t step, WVec* w) const {
+    const uint8_t* q = block + 2 * kPanel;
     for (int l = 0; l < kPanel; ++l) {
       w[l / kLanes].v[2 * (l % kLanes)] = static_cast<int8_t>(q[2 * step * kPanel + l]);
       w[l / kLanes].v[2 * (l % kLanes) + 1] = static_cast<int8_t>(q[(2 * step + 1) * kPanel + l]);
