@@ -102,6 +102,21 @@ struct AttendCall {
   T* output(int64_t task, int64_t head) const { return out + (row(task) * num_heads + head) * dim; }
 };
 
+// The softmax of a row's `length` scores, in place, in float32.
+inline void softmax_(float* scores, int64_t length) {
+  float top = scores[0];
+  for (int64_t l = 1; l < length; ++l) top = scores[l] > top ? scores[l] : top;
+  float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t l = 0; l < length; ++l) {
+    scores[l] = exp_float(scores[l] - top);
+    total += scores[l];
+  }
+  const float inverse = 1.0f / total;
+#pragma omp simd
+  for (int64_t l = 0; l < length; ++l) scores[l] *= inverse;
+}
+
 // kDim and kGroup, when not 0, fix head_dim and the query heads per kv head at compile
 // time, so the per-position loops unroll into a few vector instructions. Every row, with
 // extra positions or not, reads its keys through one list of offsets (its pages', through
@@ -141,20 +156,7 @@ void attend_rows(const AttendCall<T>& call, double scale) {
           sf[g * max_len + l] = s;
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = sf + g * max_len;
-        float top = sg[0];
-        for (int64_t l = 1; l < length; ++l) top = sg[l] > top ? sg[l] : top;
-        float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t l = 0; l < length; ++l) {
-          sg[l] = exp_float(sg[l] - top);
-          total += sg[l];
-        }
-        const float inverse = 1.0f / total;
-#pragma omp simd
-        for (int64_t l = 0; l < length; ++l) sg[l] *= inverse;
-      }
+      for (int64_t g = 0; g < group; ++g) softmax_(sf + g * max_len, length);
       for (int64_t i = 0; i < group * dim; ++i) af[i] = 0.0f;
       for (int64_t l = 0; l < length; ++l) {
         const T* v = v_rows + offset[l];
@@ -369,48 +371,35 @@ void attend_rows_avx2(const AttendCall<T>& call, double scale) {
         const int64_t count = length - l0 < 8 ? length - l0 : 8;
         const T* k[8];
         for (int64_t j = 0; j < 8; ++j) k[j] = call.keys + offset[j < count ? l0 + j : l0];
-          for (int64_t g = 0; g < kGroup; ++g) {
+        for (int64_t g = 0; g < kGroup; ++g) {
           __m256 a[8];
-              for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
-              for (int64_t c = 0; c < kChunks; ++c) {
+          for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+          for (int64_t c = 0; c < kChunks; ++c) {
             const __m256 q = _mm256_load_ps(query[g] + 8 * c);
-                  for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(load8(k[j] + 8 * c), q, a[j]);
+            for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(load8(k[j] + 8 * c), q, a[j]);
           }
           _mm256_storeu_ps(scores.data() + g * padded_len + l0, sum_lanes_8(a));
         }
       }
-      for (int64_t g = 0; g < kGroup; ++g) {
-        float* sg = scores.data() + g * padded_len;
-        float top = sg[0];
-        for (int64_t l = 1; l < length; ++l) top = sg[l] > top ? sg[l] : top;
-        float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t l = 0; l < length; ++l) {
-          sg[l] = exp_float(sg[l] - top);
-          total += sg[l];
-        }
-        const float inverse = 1.0f / total;
-#pragma omp simd
-        for (int64_t l = 0; l < length; ++l) sg[l] *= inverse;
-      }
+      for (int64_t g = 0; g < kGroup; ++g) softmax_(scores.data() + g * padded_len, length);
       for (int64_t c0 = 0; c0 < kChunks; c0 += kTile) {
         __m256 acc[kGroup][kTile];
-          for (int64_t g = 0; g < kGroup; ++g) {
-              for (int64_t c = 0; c < kTile; ++c) acc[g][c] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < kGroup; ++g) {
+          for (int64_t c = 0; c < kTile; ++c) acc[g][c] = _mm256_setzero_ps();
         }
         for (int64_t l = 0; l < length; ++l) {
           const T* v = call.values + offset[l] + 8 * c0;
           __m256 row[kTile];
-              for (int64_t c = 0; c < kTile; ++c) row[c] = load8(v + 8 * c);
-              for (int64_t g = 0; g < kGroup; ++g) {
+          for (int64_t c = 0; c < kTile; ++c) row[c] = load8(v + 8 * c);
+          for (int64_t g = 0; g < kGroup; ++g) {
             const __m256 p = _mm256_broadcast_ss(scores.data() + g * padded_len + l);
-                  for (int64_t c = 0; c < kTile; ++c) acc[g][c] = _mm256_fmadd_ps(p, row[c], acc[g][c]);
+            for (int64_t c = 0; c < kTile; ++c) acc[g][c] = _mm256_fmadd_ps(p, row[c], acc[g][c]);
           }
         }
-          for (int64_t g = 0; g < kGroup; ++g) {
+        for (int64_t g = 0; g < kGroup; ++g) {
           T* dst = call.output(task, kv_head * kGroup + g) + 8 * c0;
           alignas(32) float sums[8 * kTile];
-              for (int64_t c = 0; c < kTile; ++c) _mm256_store_ps(sums + 8 * c, acc[g][c]);
+          for (int64_t c = 0; c < kTile; ++c) _mm256_store_ps(sums + 8 * c, acc[g][c]);
           for (int64_t d = 0; d < 8 * kTile; ++d) dst[d] = from_float<T>(sums[d]);
         }
       }
