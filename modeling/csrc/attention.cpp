@@ -86,14 +86,16 @@ struct AttendCall {
   // Every attended key's offset, in order, into `offset` (at least length(task) long): the row's run
   // page by page, then its extra positions one by one.
   void key_offsets(int64_t task, int64_t length, int64_t* offset) const {
-    const int64_t r = row(task);
+    // Locals, not members: the stores into `offset` could alias them and make the loop reload each.
+    const int64_t r = row(task), size = page_size, row_size = dim, head = kv_head(task), heads = num_kv_heads;
     const int64_t* table = tables + table_of[r] * table_width;
     const int64_t begin = first(r), end = position_of[r] + 1;
     for (int64_t start = begin; start < end;) {
-      const int64_t page_end = (start / page_size + 1) * page_size;
+      const int64_t page_end = (start / size + 1) * size;
       const int64_t stop = page_end < end ? page_end : end;
-      const int64_t base = (table[start / page_size] * num_kv_heads + kv_head(task)) * page_size * dim;
-      for (int64_t p = start; p < stop; ++p) offset[p - begin] = base + (p % page_size) * dim;
+      const int64_t base = ((table[start / size] * heads + head) * size + start % size) * row_size;
+      int64_t* out = offset + (start - begin);
+      for (int64_t p = 0; p < stop - start; ++p) out[p] = base + p * row_size;
       start = stop;
     }
     for (int64_t l = end - begin; l < length; ++l) offset[l] = key_offset(task, l);
@@ -104,8 +106,16 @@ struct AttendCall {
 
 // The softmax of a row's `length` scores, in place, in float32.
 inline void softmax_(float* scores, int64_t length) {
-  float top = scores[0];
-  for (int64_t l = 1; l < length; ++l) top = scores[l] > top ? scores[l] : top;
+  // The largest score, in 8 lanes then across them (the same value in any order).
+  float lanes[8];
+  for (int64_t i = 0; i < 8; ++i) lanes[i] = scores[0];
+  int64_t l = 0;
+  for (; l + 8 <= length; l += 8) {
+    for (int64_t i = 0; i < 8; ++i) lanes[i] = scores[l + i] > lanes[i] ? scores[l + i] : lanes[i];
+  }
+  for (; l < length; ++l) lanes[0] = scores[l] > lanes[0] ? scores[l] : lanes[0];
+  float top = lanes[0];
+  for (int64_t i = 1; i < 8; ++i) top = lanes[i] > top ? lanes[i] : top;
   float total = 0.0f;
 #pragma omp simd reduction(+ : total)
   for (int64_t l = 0; l < length; ++l) {
@@ -326,8 +336,13 @@ void attend_rows_avx512_64(const AttendCall<T>& call, double scale) {
 // The path for head_dim 64 and 128 on CPUs with AVX2 and FMA (kGroup query heads per kv
 // head): scores 8 positions at a time, each a chain of FMAs over the head dimension in 8
 // lanes, the 8 positions' lanes then summed in one transposing tree; the softmax as the
-// generic path's; then the weighted sum of values, a tile of heads and dimensions held in
-// registers over every position. The same order for every row, tree rows included.
+// generic path's; then the weighted sum of values, 8 positions at a time, in tiles of heads and
+// dimensions held in registers. The same order for every row, tree rows included.
+//
+// The cache is read from memory, a task's pages at a few KiB each: too short a run for the
+// hardware's prefetcher to reach full speed. So each block of keys asks for its values (read
+// once the softmax is done), and each block of values for the next task's keys: two
+// streams in flight where the loops alone would have one.
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {
@@ -344,24 +359,64 @@ inline __m256 sum_lanes_8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
 }
 
+// The weighted sums of positions [l0, stop) of the values for dimensions 8 * c0 .. 8 * (c0 + kTile) - 1 of
+// kGroup heads, added to sums[g * stride + d] (zero for l0 = 0): each sum one chain over the positions in order.
+template <typename T, int64_t kGroup, int64_t kTile>
+inline void sum_values(const T* values, const int64_t* offset, const float* weights, int64_t weights_stride, int64_t l0,
+                       int64_t stop, int64_t c0, float* sums, int64_t stride) {
+  __m256 acc[kGroup][kTile];
+  for (int64_t g = 0; g < kGroup; ++g) {
+    for (int64_t c = 0; c < kTile; ++c) {
+      acc[g][c] = l0 == 0 ? _mm256_setzero_ps() : _mm256_load_ps(sums + g * stride + 8 * (c0 + c));
+    }
+  }
+  for (int64_t l = l0; l < stop; ++l) {
+    const T* v = values + offset[l] + 8 * c0;
+    __m256 row[kTile];
+    for (int64_t c = 0; c < kTile; ++c) row[c] = load8(v + 8 * c);
+    for (int64_t g = 0; g < kGroup; ++g) {
+      const __m256 p = _mm256_broadcast_ss(weights + g * weights_stride + l);
+      for (int64_t c = 0; c < kTile; ++c) acc[g][c] = _mm256_fmadd_ps(p, row[c], acc[g][c]);
+    }
+  }
+  for (int64_t g = 0; g < kGroup; ++g) {
+    for (int64_t c = 0; c < kTile; ++c) _mm256_store_ps(sums + g * stride + 8 * (c0 + c), acc[g][c]);
+  }
+}
+
+// Asks for a cache row's lines to be brought into the second-level cache.
+template <typename T, int64_t kDim>
+inline void prefetch_row(const T* row) {
+  for (int64_t line = 0; line < kDim * static_cast<int64_t>(sizeof(T)); line += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(row) + line, _MM_HINT_T1);
+  }
+}
+
 template <typename T, int64_t kDim, int64_t kGroup>
 void attend_rows_avx2(const AttendCall<T>& call, double scale) {
   constexpr int64_t kChunks = kDim / 8;
   // The values' tile: kGroup heads by kTile vectors of 8 dimensions, its sums, a value row and
   // a weight in the 16 vector registers.
+  // The values' tiles: kGroup heads by kTile vectors of 8 dimensions (the last tile what is left),
+  // their sums, the value row's vectors and a weight in the 16 vector registers.
   constexpr int64_t kFits = 15 / (kGroup + 1);
-  constexpr int64_t kTile = kFits >= 4 ? 4 : (kFits >= 2 ? 2 : 1);
-  static_assert(kChunks % kTile == 0, "the values' tiles cover the head dimension");
+  constexpr int64_t kTile = kFits < kChunks ? kFits : kChunks;
   const float softmax_scale = static_cast<float>(scale);
   const int64_t padded_len = (call.max_len + 7) / 8 * 8;
 
   at::parallel_for(0, call.num_tasks(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(kGroup * padded_len);
-    std::vector<int64_t> offset(call.max_len);  // the task's l-th key and value row, from the cache's start
+    // The task's l-th key and value row, from the cache's start; and the next task's, computed a task ahead
+    // so that its keys can be asked for while this task's values are summed.
+    std::vector<int64_t> offset(call.max_len), next_offset(call.max_len);
+    int64_t next_length = call.length(begin);
+    call.key_offsets(begin, next_length, next_offset.data());
     alignas(32) float query[kGroup][kDim];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t kv_head = call.kv_head(task), length = call.length(task);
-      call.key_offsets(task, length, offset.data());
+      const int64_t kv_head = call.kv_head(task), length = next_length;
+      offset.swap(next_offset);
+      next_length = task + 1 < end ? call.length(task + 1) : 0;
+      if (next_length > 0) call.key_offsets(task + 1, next_length, next_offset.data());
       for (int64_t g = 0; g < kGroup; ++g) {
         const T* src = call.query(task, kv_head * kGroup + g);
         for (int64_t d = 0; d < kDim; ++d) query[g][d] = to_float(src[d]) * softmax_scale;
@@ -371,6 +426,7 @@ void attend_rows_avx2(const AttendCall<T>& call, double scale) {
         const int64_t count = length - l0 < 8 ? length - l0 : 8;
         const T* k[8];
         for (int64_t j = 0; j < 8; ++j) k[j] = call.keys + offset[j < count ? l0 + j : l0];
+        for (int64_t j = 0; j < count; ++j) prefetch_row<T, kDim>(call.values + offset[l0 + j]);
         for (int64_t g = 0; g < kGroup; ++g) {
           __m256 a[8];
           for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
@@ -382,26 +438,29 @@ void attend_rows_avx2(const AttendCall<T>& call, double scale) {
         }
       }
       for (int64_t g = 0; g < kGroup; ++g) softmax_(scores.data() + g * padded_len, length);
-      for (int64_t c0 = 0; c0 < kChunks; c0 += kTile) {
-        __m256 acc[kGroup][kTile];
-        for (int64_t g = 0; g < kGroup; ++g) {
-          for (int64_t c = 0; c < kTile; ++c) acc[g][c] = _mm256_setzero_ps();
+      // The values a block of positions at a time, every tile of the block before the next block, the
+      // tiles' sums kept in `sums` between blocks (storing a float32 and loading it back is exact, so
+      // each sum is still one chain over the positions in order): each value row is read from memory
+      // once, while the block's sums are computed, rather than in the first of kChunks / kTile passes.
+      constexpr int64_t kBlock = 8;
+      const T* values = call.values;
+      const float* weights = scores.data();
+      const int64_t* offset_of = offset.data();
+      alignas(32) float sums[kGroup][kDim];
+      for (int64_t l0 = 0; l0 < length; l0 += kBlock) {
+        const int64_t stop = length - l0 < kBlock ? length : l0 + kBlock;
+        for (int64_t l = l0; l < stop && l < next_length; ++l) prefetch_row<T, kDim>(call.keys + next_offset[l]);
+        for (int64_t c0 = 0; c0 + kTile <= kChunks; c0 += kTile) {
+          sum_values<T, kGroup, kTile>(values, offset_of, weights, padded_len, l0, stop, c0, &sums[0][0], kDim);
         }
-        for (int64_t l = 0; l < length; ++l) {
-          const T* v = call.values + offset[l] + 8 * c0;
-          __m256 row[kTile];
-          for (int64_t c = 0; c < kTile; ++c) row[c] = load8(v + 8 * c);
-          for (int64_t g = 0; g < kGroup; ++g) {
-            const __m256 p = _mm256_broadcast_ss(scores.data() + g * padded_len + l);
-            for (int64_t c = 0; c < kTile; ++c) acc[g][c] = _mm256_fmadd_ps(p, row[c], acc[g][c]);
-          }
+        if constexpr (kChunks % kTile != 0) {
+          sum_values<T, kGroup, kChunks % kTile>(values, offset_of, weights, padded_len, l0, stop,
+                                                 kChunks - kChunks % kTile, &sums[0][0], kDim);
         }
-        for (int64_t g = 0; g < kGroup; ++g) {
-          T* dst = call.output(task, kv_head * kGroup + g) + 8 * c0;
-          alignas(32) float sums[8 * kTile];
-          for (int64_t c = 0; c < kTile; ++c) _mm256_store_ps(sums + 8 * c, acc[g][c]);
-          for (int64_t d = 0; d < 8 * kTile; ++d) dst[d] = from_float<T>(sums[d]);
-        }
+      }
+      for (int64_t g = 0; g < kGroup; ++g) {
+        T* dst = call.output(task, kv_head * kGroup + g);
+        for (int64_t d = 0; d < kDim; ++d) dst[d] = from_float<T>(sums[g][d]);
       }
     }
   });
