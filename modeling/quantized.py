@@ -325,9 +325,11 @@ def block_panels(blocks: Blocks, panel: int) -> torch.Tensor:
     """GGUF block rows -> the kernel's panels: uint8 `[ceil(N / panel), K / 32, bytes]` (csrc/linear.cpp).
 
     For panel p and block b: the panel's outputs' float16 scales d (then m for Q4_1), then for each
-    of the block's 32 inputs the outputs' quants (Q8_0: one int8 each; Q4_1: `panel / 2` bytes,
-    byte j holding output j in its low nibble and output j + panel / 2 in its high one, the bytes
-    of inputs 2i and 2i + 1 interleaved: byte j of each of the two, then byte j + 1 of each, ...).
+    of the block's 32 inputs the outputs' quants (Q8_0: one int8 each). Q4_1 (and Q4_K) take
+    `panel / 2` bytes an input, byte j holding output j in its low nibble and output j + panel / 2
+    in its high one, in groups of 4 inputs 4u .. 4u + 3: for j = 0, 1, ..., the bytes j of inputs
+    4u and 4u + 1 in turn, each followed by that of the input 2 further on. So each 16-bit word
+    holds 4 quants that a shift and a mask take out into the 16-bit lane they are multiplied in.
     Rows past N (the last panel's padding) are zero blocks: zero weights.
     """
     num_out = blocks.rows.shape[0]
@@ -346,8 +348,8 @@ def block_panels(blocks: Blocks, panel: int) -> torch.Tensor:
         values = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).transpose(0, 1, 3, 2)  # [P, blocks, 32, panel]
         half = panel // 2
         quants = values[..., :half] | (values[..., half:] << 4)  # [P, blocks, 32, half]
-        # Inputs in pairs: for k = 2i and 2i + 1, byte j of each in turn, then byte j + 1 of each.
-        quants = quants.reshape(num_panels, num_blocks, QUANT_BLOCK // 2, 2, half).transpose(0, 1, 2, 4, 3)
+        # Inputs in fours: for k = 4u + t (t = 0, 1), byte j of k, then byte j of k + 2; then byte j + 1 of each.
+        quants = quants.reshape(num_panels, num_blocks, QUANT_BLOCK // 4, 2, 2, half).transpose(0, 1, 2, 5, 4, 3)
     out = np.concatenate([scales.reshape(num_panels, num_blocks, -1), quants.reshape(num_panels, num_blocks, -1)],
                          axis=-1)
     return torch.from_numpy(np.ascontiguousarray(out))
@@ -371,8 +373,8 @@ def panel_rows(packed: torch.Tensor, format_name: str, panel: int, ids: torch.Te
         return (picked.float() * d.unsqueeze(-1)).reshape(n, -1)
     m = per_lane(chosen[..., width * panel : 2 * width * panel].contiguous().view(scale_type)).float()
     half = panel // 2
-    nibbles = (chosen[..., 2 * width * panel :].reshape(n, num_blocks, QUANT_BLOCK // 2, half, 2).transpose(3, 4)
-               .reshape(n, num_blocks, QUANT_BLOCK, half))
+    nibbles = (chosen[..., 2 * width * panel :].reshape(n, num_blocks, QUANT_BLOCK // 4, half, 2, 2)
+               .permute(0, 1, 2, 5, 4, 3).reshape(n, num_blocks, QUANT_BLOCK, half))
     byte = nibbles.gather(3, (lane % half).unsqueeze(-1).expand(n, num_blocks, QUANT_BLOCK, 1)).squeeze(3)
     quants = torch.where((lane >= half).view(-1, 1, 1), byte >> 4, byte & 0x0F)
     return (d.unsqueeze(-1) * quants.float() + m.unsqueeze(-1)).reshape(n, -1)

@@ -17,8 +17,10 @@
 // output each), regrouped by modeling/cpu_kernels.py into panels of blocks: for panel p and
 // block b, the kPanel outputs' float16 scales (d, then m for Q4_1) followed by their quants
 // for each of the block's 32 k, [k][kPanel] (Q8_0: one int8 each; Q4_1: 8 bytes, byte j
-// holding output j in its low nibble and output j + 8 in its high one, the bytes of k = 2i and
-// 2i + 1 interleaved: byte j of each of the two, then byte j + 1 of each, ...). Q4_K's sub-blocks of
+// holding output j in its low nibble and output j + 8 in its high one, in fours of k: for
+// k = 4u + t, t = 0 or 1, byte j of k then byte j of k + 2, for j = 0, 1, ...; so 16-bit word 2j + t
+// holds the quants of outputs j and j + 8 at k and k + 2, four nibbles that shifts and masks
+// widen in place, no shuffle across the vector's halves). Q4_K's sub-blocks of
 // 32 take Q4_1's layout with float32 scales: d * sc and -(dmin * m), products gguf rounds to
 // float32 (modeling/quantized.py computes them as it regroups). The weights stay in their
 // blocks: no dequantized copy is ever held in memory. Each row's inputs are rounded to 16
@@ -225,7 +227,9 @@ inline XPair inputs_of_pair(const int16_t* p) {
 template <int kScaleBytes>  // 2: Q4_1's float16 scales; 4: Q4_K's sub-blocks, float32
 struct Q4Pairs {
   static constexpr int64_t kBytes = q4_bytes(kScaleBytes);
-  // A step (a pair of k, 16 bytes) is widened to outputs 0-7 (the low nibbles) and 8-15 (the high ones).
+  // Four k (32 bytes, 16 words of 4 nibbles) are widened to 4 vectors of 16-bit lanes: the pair
+  // k = 4u, 4u + 1 for outputs 0-7 (bits 0-3 of each word) and 8-15 (bits 4-7), then the pair
+  // 4u + 2, 4u + 3 (bits 8-11 and 12-15).
   const uint8_t* block;
   Q4Pairs() = default;
   explicit Q4Pairs(const uint8_t* at) : block(at) {}
@@ -233,12 +237,14 @@ struct Q4Pairs {
   // registers through them (the tiles' sums need every register).
   Vec d(int h) const { return vload_scales<kScaleBytes>(block + kScaleBytes * kLanes * h); }
   Vec m(int h) const { return vload_scales<kScaleBytes>(block + kScaleBytes * (kPanel + kLanes * h)); }
-  void load(int64_t step, WVec* w) const {
+  void load(int64_t quad, WVec* w) const {
     const uint8_t* q = block + 2 * kScaleBytes * kPanel;
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + step * kPanel));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
-    w[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+    const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 2 * quad * kPanel));
+    const __m256i mask = _mm256_set1_epi16(0x0F);
+    w[0] = _mm256_and_si256(words, mask);
+    w[1] = _mm256_and_si256(_mm256_srli_epi16(words, 4), mask);
+    w[2] = _mm256_and_si256(_mm256_srli_epi16(words, 8), mask);
+    w[3] = _mm256_srli_epi16(words, 12);
   }
 };
 using Q4_1Pairs = Q4Pairs<2>;
@@ -250,12 +256,16 @@ struct Q8_0Pairs {
   explicit Q8_0Pairs(const uint8_t* at) : block(at) {}
   Vec d(int h) const { return vload_half(block + 2 * kLanes * h); }
   static Vec m(int) { return vzero(); }
-  void load(int64_t step, WVec* w) const {
+  // The pairs of k 4u, 4u + 1 and 4u + 2, 4u + 3, each as outputs 0-7 and 8-15.
+  void load(int64_t quad, WVec* w) const {
     const uint8_t* q = block + 2 * kPanel;
-    const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 2 * step * kPanel));
-    const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (2 * step + 1) * kPanel));
-    w[0] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(first, second));
-    w[1] = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(first, second));
+    for (int64_t pair = 0; pair < 2; ++pair) {
+      const int64_t step = 2 * quad + pair;
+      const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 2 * step * kPanel));
+      const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (2 * step + 1) * kPanel));
+      w[2 * pair] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(first, second));
+      w[2 * pair + 1] = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(first, second));
+    }
   }
 };
 #include "linear_tiles.h"
@@ -338,14 +348,11 @@ struct Q4Pairs {
   explicit Q4Pairs(const uint8_t* at) : block(at) {}
   Vec d(int h) const { return vload_scales<kScaleBytes>(block + kScaleBytes * kLanes * h); }
   Vec m(int h) const { return vload_scales<kScaleBytes>(block + kScaleBytes * (kPanel + kLanes * h)); }
-  void load(int64_t step, WVec* w) const {
-    const uint8_t* q = block + 2 * kScaleBytes * kPanel;
-    for (int j = 0; j < kLanes; ++j) {
-      const uint8_t first = q[step * kPanel + 2 * j], second = q[step * kPanel + 2 * j + 1];
-      w[0].v[2 * j] = first & 0x0F;
-      w[0].v[2 * j + 1] = second & 0x0F;
-      w[1].v[2 * j] = first >> 4;
-      w[1].v[2 * j + 1] = second >> 4;
+  void load(int64_t quad, WVec* w) const {
+    const uint8_t* q = block + 2 * kScaleBytes * kPanel + 2 * quad * kPanel;
+    for (int i = 0; i < 2 * kLanes; ++i) {  // word i: outputs i / 2 and i / 2 + 8 at k = 4 quad + i % 2 and that + 2
+      const int word = q[2 * i] | q[2 * i + 1] << 8;
+      for (int v = 0; v < 4; ++v) w[v].v[i] = static_cast<int16_t>((word >> (4 * v)) & 0x0F);
     }
   }
 };
@@ -358,11 +365,14 @@ struct Q8_0Pairs {
   explicit Q8_0Pairs(const uint8_t* at) : block(at) {}
   Vec d(int h) const { return vload_half(block + 2 * kLanes * h); }
   static Vec m(int) { return vzero(); }
-  void load(int64_t step, WVec* w) const {
+  void load(int64_t quad, WVec* w) const {
     const uint8_t* q = block + 2 * kPanel;
-    for (int l = 0; l < kPanel; ++l) {
-      w[l / kLanes].v[2 * (l % kLanes)] = static_cast<int8_t>(q[2 * step * kPanel + l]);
-      w[l / kLanes].v[2 * (l % kLanes) + 1] = static_cast<int8_t>(q[(2 * step + 1) * kPanel + l]);
+    for (int64_t pair = 0; pair < 2; ++pair) {
+      const int64_t step = 2 * quad + pair;
+      for (int l = 0; l < kPanel; ++l) {
+        w[2 * pair + l / kLanes].v[2 * (l % kLanes)] = static_cast<int8_t>(q[2 * step * kPanel + l]);
+        w[2 * pair + l / kLanes].v[2 * (l % kLanes) + 1] = static_cast<int8_t>(q[(2 * step + 1) * kPanel + l]);
+      }
     }
   }
 };

@@ -4,8 +4,9 @@
 // inputs as imadd takes them), ivzero, imadd (sums += adjacent quants times their inputs, in
 // pairs), vcvt (int32 to float32, rounded to nearest), inputs_of_pair (a row's two inputs at k
 // and k + 1); and the block readers Q4_1Pairs, Q4_KPairs and Q8_0Pairs. A reader widens a
-// block's quants a pair of k at a time into two vectors, outputs 0-7 and 8-15 (`load`), and
-// reads the block's scales d(h) and m(h) for the same halves, h = 0 or 1.
+// block's quants four k at a time (`load`): for the pair k = 4u, 4u + 1 two vectors, outputs 0-7
+// and 8-15, then two for the pair 4u + 2, 4u + 3; and it reads the block's scales d(h) and m(h)
+// for the same halves, h = 0 or 1.
 //
 // For row r, output n and block b (32 k), with the row's quantized inputs (QuantizedRows), the
 // block's sum is an integer, exact in any order:
@@ -17,6 +18,8 @@
 
 constexpr int kBlockMaxPanels = 3;
 constexpr int kPairSteps = kQuantBlock / 2;  // a block's steps, a pair of k each
+constexpr int kQuads = kQuantBlock / 4;      // a block's loads, two steps each
+constexpr int kQuadVecs = 2 * kVecs;         // the vectors of a load
 static_assert(kVecs == 2, "a step's two widened vectors are a panel's two halves (kVecs of linear_tiles.h)");
 
 // Rows of a tile: their sums (kVecs per row and panel) in 8 of the 16 vector registers. With 12,
@@ -41,7 +44,9 @@ template <typename Reader>
 struct Widened {
   const WVec* w;
   Reader reader;
-  void load(int64_t step, WVec* out) const { out[0] = w[step * kVecs], out[1] = w[step * kVecs + 1]; }
+  void load(int64_t quad, WVec* out) const {
+    for (int i = 0; i < kQuadVecs; ++i) out[i] = w[quad * kQuadVecs + i];
+  }
   Vec d(int h) const { return reader.d(h); }
   Vec m(int h) const { return reader.m(h); }
 };
@@ -60,7 +65,7 @@ struct WidenedBlocks {
       for (int64_t b = 0; b < packed.blocks; ++b) {
         const Reader reader = packed.block(first + p, b);
         WVec* out = scratch + (p * packed.blocks + b) * kBlockVecs;
-        for (int64_t step = 0; step < kPairSteps; ++step) reader.load(step, out + step * kVecs);
+        for (int64_t quad = 0; quad < kQuads; ++quad) reader.load(quad, out + quad * kQuadVecs);
       }
     }
   }
@@ -84,15 +89,24 @@ void block_tile(const QuantizedRows& x, int64_t row, const Source& source, int64
 #pragma GCC unroll 32
     for (int i = 0; i < kRows * kRowSums; ++i) sums[i] = ivzero();
     const int16_t* quants = x.quants + row * x.depth + b * kQuantBlock;
-    for (int64_t step = 0; step < kPairSteps; ++step) {
-      WVec w[kRowSums];
+    for (int64_t quad = 0; quad < kQuads; ++quad) {
+      // A panel at a time: its four vectors are used up before the next panel's are read.
 #pragma GCC unroll 4
-      for (int p = 0; p < kPanels; ++p) readers[p].load(step, w + p * kVecs);
+      for (int p = 0; p < kPanels; ++p) {
+        WVec w[kQuadVecs];
+        readers[p].load(quad, w);
+#pragma GCC unroll 2
+        for (int t = 0; t < 2; ++t) {
 #pragma GCC unroll 8
-      for (int r = 0; r < kRows; ++r) {
-        const XPair inputs = inputs_of_pair(quants + r * x.depth + 2 * step);
-#pragma GCC unroll 12
-        for (int j = 0; j < kRowSums; ++j) sums[r * kRowSums + j] = imadd(sums[r * kRowSums + j], w[j], inputs);
+          for (int r = 0; r < kRows; ++r) {
+            const XPair inputs = inputs_of_pair(quants + r * x.depth + 4 * quad + 2 * t);
+#pragma GCC unroll 2
+            for (int h = 0; h < kVecs; ++h) {
+              IVec& sum = sums[r * kRowSums + p * kVecs + h];
+              sum = imadd(sum, w[t * kVecs + h], inputs);
+            }
+          }
+        }
       }
     }
 #pragma GCC unroll 8
