@@ -5,7 +5,12 @@ its linears had to be batch invariant); for bfloat16, oneDNN's packed kernel whe
 CPU takes it, else torch's plain `F.linear`. Best of `--repeats` timings, threads as
 torch has them (`--threads` sets them).
 
+With `--blocks FORMAT` the native kernel reads GGUF blocks of that format instead (the
+weights quantized by gguf's own quantizer), and the library runs on the dequantized
+weights in float32; `--shapes` picks some of the shapes by index.
+
     python -m bench.linear_kernel --rows 1 4 16 64 256
+    python -m bench.linear_kernel --blocks q4_1 --dtype float32 --shapes 2 --threads 1 --rows 1 4 16 64 128
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from modeling.cpu_kernels import PackedLinear
+from modeling.cpu_kernels import PackedLinear, block_probe
 from modeling.native import native_ops
+from modeling.quantized import panel_rows
 
 # qkv, o, gate_up, down and the LM head of SmolLM2-135M: (out_features, in_features).
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
@@ -50,6 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--blocks", choices=["q4_1", "q8_0", "q4_k"], help="time the kernel on GGUF blocks of this format")
+    parser.add_argument("--shapes", type=int, nargs="+", help="indices into the shapes (qkv, o, gate_up, down, head)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -59,11 +67,17 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"kernel path {linear.path} (this CPU has {list(ops.linear_paths())}), torch {torch.__version__}")
     print("| dtype | weight | rows | native ms | library | library ms | native / library | native GFLOP/s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    shapes = [SHAPES[i] for i in args.shapes] if args.shapes else SHAPES
     for dtype in (getattr(torch, name) for name in args.dtype):
-        for num_out, depth in SHAPES:
+        for num_out, depth in shapes:
             weight = (torch.randn(num_out, depth) * 0.05).to(dtype)
-            packed = linear.pack(weight)
-            name, library = library_linear(weight)
+            if args.blocks:
+                packed = block_probe(linear, args.blocks)(weight)
+                dequantized = panel_rows(packed, args.blocks, ops.linear_panel_width(), torch.arange(num_out))
+                name, library = library_linear(dequantized.to(dtype))
+            else:
+                packed = linear.pack(weight)
+                name, library = library_linear(weight)
             for rows in args.rows:
                 x = torch.randn(rows, depth).to(dtype)
                 ours = best_ms(lambda: linear(x, packed), args.repeats)
