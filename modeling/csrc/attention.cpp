@@ -395,8 +395,6 @@ inline void prefetch_row(const T* row) {
 template <typename T, int64_t kDim, int64_t kGroup>
 void attend_rows_avx2(const AttendCall<T>& call, double scale) {
   constexpr int64_t kChunks = kDim / 8;
-  // The values' tile: kGroup heads by kTile vectors of 8 dimensions, its sums, a value row and
-  // a weight in the 16 vector registers.
   // The values' tiles: kGroup heads by kTile vectors of 8 dimensions (the last tile what is left),
   // their sums, the value row's vectors and a weight in the 16 vector registers.
   constexpr int64_t kFits = 15 / (kGroup + 1);

@@ -17,9 +17,8 @@
 // a row's bits do not depend on the other rows of its step.
 
 constexpr int kBlockMaxPanels = 3;
-constexpr int kPairSteps = kQuantBlock / 2;  // a block's steps, a pair of k each
-constexpr int kQuads = kQuantBlock / 4;      // a block's loads, two steps each
-constexpr int kQuadVecs = 2 * kVecs;         // the vectors of a load
+constexpr int kQuads = kQuantBlock / 4;  // a block's loads, two steps (pairs of k) each
+constexpr int kQuadVecs = 2 * kVecs;     // the vectors of a load
 static_assert(kVecs == 2, "a step's two widened vectors are a panel's two halves (kVecs of linear_tiles.h)");
 
 // Rows of a tile: their sums (kVecs per row and panel) in 8 of the 16 vector registers. With 12,
@@ -56,7 +55,7 @@ struct Widened {
 template <typename Reader>
 struct WidenedBlocks {
   using Block = Widened<Reader>;
-  static constexpr int64_t kBlockVecs = kPairSteps * kVecs;
+  static constexpr int64_t kBlockVecs = kQuads * kQuadVecs;
   PackedBlocks<Reader> packed;
   int64_t first;
   WVec* scratch;
