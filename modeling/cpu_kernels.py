@@ -51,6 +51,7 @@ def attach_native_ops(model: LlamaModel, dtype: torch.dtype, device: torch.devic
     block_format = blocks.format_of(projection_parts(0)["gate_up_proj"]) if blocks is not None else None
     measured = measure_linear_paths(ops, model.config, dtype, block_format)
     linear = PackedLinear(ops, measured.fastest)
+    linear.measured = measured
     formats: dict[str, int] = {}
 
     def pack(weight: torch.Tensor, parts: list[str]) -> torch.nn.Parameter:
@@ -203,6 +204,7 @@ class PackedLinear:
         self._panel = int(ops.linear_panel_width())
         self._out_features: dict[int, int] = {}  # packed weight's data pointer -> its rows before packing
         self._formats: dict[int, str] = {}  # packed GGUF blocks' data pointer -> their block format
+        self.measured: PathTimings | None = None  # the probe that chose `path`, where one did
 
     def pack(self, weight: torch.Tensor, *, in_place: bool = False) -> torch.nn.Parameter:
         """`[N, K]` -> `[ceil(N / P), K, P]`: column panels of P outputs, the last padded with zero rows of W.
