@@ -111,7 +111,7 @@ void bind_decoder_stack(pybind11::module& m) {
            pybind11::arg("norms"), pybind11::arg("ropes"), pybind11::arg("windows"), pybind11::arg("num_heads"),
            pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("scale"), pybind11::arg("eps"),
            pybind11::arg("path"))
-      .def("forward", &DecoderStack::forward, pybind11::arg("x"), pybind11::arg("h"), pybind11::arg("keys"),
+      .def("forward", &DecoderStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>(), pybind11::arg("x"), pybind11::arg("h"), pybind11::arg("keys"),
            pybind11::arg("values"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("firsts"),
            pybind11::arg("store_pages"), pybind11::arg("store_offsets"), pybind11::arg("tables"), pybind11::arg("rows"),
            pybind11::arg("positions"), pybind11::arg("extra") = pybind11::none());

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -366,3 +368,43 @@ def test_the_layers_in_one_native_call_give_the_bits_of_the_op_by_op_loop(dtype:
 def test_architectures_the_native_stack_does_not_run_keep_the_op_by_op_loop() -> None:
     assert _random_model(torch.float32, 64, qk_norm=True).fused_layers is None
     assert _random_model(torch.float32, 64, hidden_act="gelu_pytorch_tanh").fused_layers is None
+
+
+class _Timed:
+    """A decoder stack whose calls' start and end times are kept."""
+
+    def __init__(self, stack: Any) -> None:
+        self.stack, self.calls = stack, []
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.monotonic()
+        try:
+            return self.stack.forward(*args, **kwargs)
+        finally:
+            self.calls.append((start, time.monotonic()))
+
+
+def test_a_long_native_step_lets_other_threads_run() -> None:
+    """A worker's heartbeats come from a thread of its own (common/lifecycle_process.py): the kernels release the
+    GIL, so a long step on a loaded machine does not silence them and get the worker declared dead."""
+    model = _random_model(torch.float32, 1024, num_layers=4, hidden_size=768, intermediate_size=2048, num_heads=12,
+                          num_kv_heads=4)
+    model.fused_layers = _Timed(model.fused_layers)
+    ticks: list[float] = []
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.002)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        _step(model, _kv(model.config, 2, torch.float32), [SeqSpan(S(0), 0, [i % 299 + 1 for i in range(900)], 900)])
+    finally:
+        done.set()
+        ticker.join()
+    [(start, end)] = model.fused_layers.calls
+    during = [t for t in ticks if start < t < end]
+    assert end - start > 0.05 and len(during) >= 5, (end - start, len(during))
