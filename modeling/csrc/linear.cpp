@@ -33,9 +33,10 @@
 // absolute sum, and by float32's own.
 //
 // One build holds the tiles for every instruction set (AVX512F and AVX2 with FMA for float32
-// and bfloat16 weights, AVX2 for blocks, and plain C++ for both), each compiled for its own
-// set; which one runs is chosen when the module loads, by asking the CPU (`linear_paths`), and
-// a caller may name another the CPU has (the AVX512F path reads blocks with the AVX2 tiles).
+// and bfloat16 weights, AVX512 VNNI and AVX2 for blocks, and plain C++ for both), each compiled
+// for its own set; the paths a CPU has are found when the module loads, by asking it
+// (`linear_paths`), and a caller names one (the AVX512VNNI path reads float32 and bfloat16 with
+// the AVX512F tiles, the AVX512F path reads blocks with the AVX2 tiles).
 // All of them give the same bits: a fused multiply-add rounds once, whatever computes it, and
 // integer sums are exact.
 #include "ops.h"
@@ -269,8 +270,87 @@ struct Q8_0Pairs {
   }
 };
 #include "linear_tiles.h"
+constexpr int kBlockSums = 8;  // of 16 vector registers
 #include "linear_blocks.h"
 }  // namespace avx2
+#pragma GCC pop_options
+
+// Blocks on CPUs with AVX512 VNNI: a panel's 16 outputs in one vector of each kind, and each pair of
+// quants times its inputs added to the sums in one instruction (vpdpwssd: the same exact integers
+// as pmaddwd then paddd). Float32 and bfloat16 weights take the AVX512F tiles.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vnni,avx2,fma,f16c")
+namespace avx512vnni {
+constexpr int kLanes = 16;
+constexpr int kVecs = kPanel / kLanes;
+constexpr int kBlockSums = 8;  // of 32 vector registers
+using Vec = __m512;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vload_half(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+template <int kScaleBytes>
+inline Vec vload_scales(const uint8_t* p) {
+  if constexpr (kScaleBytes == 2) return vload_half(p);
+  return vload(reinterpret_cast<const float*>(p));
+}
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+using IVec = __m512i;
+using WVec = __m512i;
+using XPair = __m512i;
+inline IVec ivzero() { return _mm512_setzero_si512(); }
+inline IVec imadd(IVec sums, WVec w, XPair x) { return _mm512_dpwssd_epi32(sums, w, x); }
+inline Vec vcvt(IVec v) { return _mm512_cvtepi32_ps(v); }
+inline XPair inputs_of_pair(const int16_t* p) {
+  int32_t both;
+  std::memcpy(&both, p, sizeof(both));
+  return _mm512_set1_epi32(both);
+}
+template <int kScaleBytes>
+struct Q4Pairs {
+  static constexpr int64_t kBytes = q4_bytes(kScaleBytes);
+  // Four k (32 bytes, 16 words of 4 nibbles) are widened to 2 vectors of 16-bit lanes, each the
+  // 32 bytes twice: the pair k = 4u, 4u + 1 (bits 0-3 of each word, outputs 0-7, in the low half;
+  // bits 4-7, outputs 8-15, in the high half), then the pair 4u + 2, 4u + 3 (bits 8-11 and 12-15).
+  const uint8_t* block;
+  Q4Pairs() = default;
+  explicit Q4Pairs(const uint8_t* at) : block(at) {}
+  Vec d(int) const { return vload_scales<kScaleBytes>(block); }
+  Vec m(int) const { return vload_scales<kScaleBytes>(block + kScaleBytes * kPanel); }
+  void load(int64_t quad, WVec* w) const {
+    const uint8_t* q = block + 2 * kScaleBytes * kPanel;
+    const __m512i words = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 2 * quad * kPanel)));
+    const __m512i mask = _mm512_set1_epi16(0x0F);
+    constexpr long long k4 = 0x0004000400040004LL, k8 = 0x0008000800080008LL, k12 = 0x000C000C000C000CLL;
+    // Each 16-bit lane's shift: high half first (outputs 8-15), then the low half.
+    w[0] = _mm512_and_si512(_mm512_srlv_epi16(words, _mm512_set_epi64(k4, k4, k4, k4, 0, 0, 0, 0)), mask);
+    w[1] = _mm512_and_si512(_mm512_srlv_epi16(words, _mm512_set_epi64(k12, k12, k12, k12, k8, k8, k8, k8)), mask);
+  }
+};
+using Q4_1Pairs = Q4Pairs<2>;
+using Q4_KPairs = Q4Pairs<4>;
+struct Q8_0Pairs {
+  static constexpr int64_t kBytes = kQ8_0Bytes;
+  const uint8_t* block;
+  Q8_0Pairs() = default;
+  explicit Q8_0Pairs(const uint8_t* at) : block(at) {}
+  Vec d(int) const { return vload_half(block); }
+  static Vec m(int) { return vzero(); }
+  // The pairs of k 4u, 4u + 1 and 4u + 2, 4u + 3, each for the 16 outputs.
+  void load(int64_t quad, WVec* w) const {
+    const uint8_t* q = block + 2 * kPanel;
+    for (int64_t pair = 0; pair < 2; ++pair) {
+      const int64_t step = 2 * quad + pair;
+      const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 2 * step * kPanel));
+      const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (2 * step + 1) * kPanel));
+      w[pair] = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(first, second), _mm_unpacklo_epi8(first, second)));
+    }
+  }
+};
+#include "linear_blocks.h"
+}  // namespace avx512vnni
 #pragma GCC pop_options
 #endif
 
@@ -377,6 +457,7 @@ struct Q8_0Pairs {
   }
 };
 #include "linear_tiles.h"
+constexpr int kBlockSums = 8;
 #include "linear_blocks.h"
 }  // namespace portable
 
@@ -385,6 +466,9 @@ std::vector<std::string> available_paths() {
   std::vector<std::string> paths;
 #ifdef SPECSERVE_X86
   __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni")) {
+    paths.emplace_back("avx512vnni");
+  }
   if (__builtin_cpu_supports("avx512f")) paths.emplace_back("avx512f");
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
     paths.emplace_back("avx2");
@@ -401,8 +485,9 @@ template <typename T>
 void run_on(const std::string& path, const LinearCall<T>& call, WeightFormat format, const QuantizedRows* x,
             const void* packed) {
 #ifdef SPECSERVE_X86
+  if (x != nullptr && path == "avx512vnni") return avx512vnni::run_block_format<T>(call, format, *x, packed);
   if (x != nullptr && path != "portable") return avx2::run_block_format<T>(call, format, *x, packed);
-  if (path == "avx512f") return avx512f::run_dense<T>(call, format, packed);
+  if (path == "avx512f" || path == "avx512vnni") return avx512f::run_dense<T>(call, format, packed);
   if (path == "avx2") return avx2::run_dense<T>(call, format, packed);
 #endif
   if (x != nullptr) return portable::run_block_format<T>(call, format, *x, packed);

@@ -1,12 +1,13 @@
 // The block tiles of csrc/linear.cpp for one instruction set, included once per set inside a
-// namespace that first defines: Vec (kLanes = kPanel / 2 float32 lanes), vbroadcast, vload,
+// namespace that first defines: Vec (kLanes float32 lanes, kVecs = kPanel / kLanes of them a
+// panel), kBlockSums (the vector registers a tile may hold as sums), vbroadcast, vload,
 // vstore, vfma, vmul; IVec (kLanes int32 sums), WVec (widened int16 quants), XPair (a row's
 // inputs as imadd takes them), ivzero, imadd (sums += adjacent quants times their inputs, in
 // pairs), vcvt (int32 to float32, rounded to nearest), inputs_of_pair (a row's two inputs at k
 // and k + 1); and the block readers Q4_1Pairs, Q4_KPairs and Q8_0Pairs. A reader widens a
-// block's quants four k at a time (`load`): for the pair k = 4u, 4u + 1 two vectors, outputs 0-7
-// and 8-15, then two for the pair 4u + 2, 4u + 3; and it reads the block's scales d(h) and m(h)
-// for the same halves, h = 0 or 1.
+// block's quants four k at a time (`load`): for the pair k = 4u, 4u + 1 kVecs vectors (AVX2:
+// outputs 0-7 and 8-15), then kVecs for the pair 4u + 2, 4u + 3; and it reads the block's scales
+// d(h) and m(h) for the same parts, h < kVecs.
 //
 // For row r, output n and block b (32 k), with the row's quantized inputs (QuantizedRows), the
 // block's sum is an integer, exact in any order:
@@ -19,15 +20,16 @@
 constexpr int kBlockMaxPanels = 3;
 constexpr int kQuads = kQuantBlock / 4;  // a block's loads, two steps (pairs of k) each
 constexpr int kQuadVecs = 2 * kVecs;     // the vectors of a load
-static_assert(kVecs == 2, "a step's two widened vectors are a panel's two halves (kVecs of linear_tiles.h)");
+static_assert(kVecs * kLanes == kPanel, "a step's widened vectors are a panel's kVecs parts");
 
-// Rows of a tile: their sums (kVecs per row and panel) in 8 of the 16 vector registers. With 12,
-// the compiler hoists the rows' input broadcasts above the sums and spills half of them to the
-// stack: 4 rows of a panel run 30% faster than 6 (machine D).
-constexpr int kBlockMaxRows = 8 / kVecs;
+// Rows of a tile: their sums (kVecs per row and panel) in kBlockSums vector registers, the rest
+// left to the rows' input broadcasts, which the compiler hoists above the sums, and the weights.
+// With more, it spills: on AVX2, 4 rows of a panel (8 of 16 registers) run 30% faster than 6
+// (machine D); on AVX512, 8 sums of 32 run 16 and 64 rows 1.5-2x faster than 16 sums (machine E).
+constexpr int kBlockMaxRows = kBlockSums / kVecs;
 
-// Panels a tile of `rows` rows holds: a row's sums in at most 8 registers, the rest for the widened weights.
-inline int block_panels_for(int rows) { return std::max(1, std::min(kBlockMaxPanels, 8 / (rows * kVecs))); }
+// Panels a tile of `rows` rows holds: its sums in at most kBlockSums registers, the rest for the widened weights.
+inline int block_panels_for(int rows) { return std::max(1, std::min(kBlockMaxPanels, kBlockSums / (rows * kVecs))); }
 
 // A panel's blocks as they are in memory, each widened as a tile reads it.
 template <typename Reader>

@@ -21,7 +21,7 @@ from modeling.llama import LlamaModel
 from modeling.invariance import linear_rows_problem
 from modeling.native import SWITCH_ENV, native_ops
 
-ALL_PATHS = ("avx512f", "avx2", "portable")
+ALL_PATHS = ("avx512vnni", "avx512f", "avx2", "portable")
 # The default model's weights (qkv, o, gate_up, down, LM head) and odd ones: widths that
 # are not a multiple of any vector, a single output, a single input.
 MODEL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
