@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from modeling.cpu_kernels import SWITCH_MARGIN
 from proto import specserve_pb2 as pb
 from tests.e2e.stack import Stack, collect
 
@@ -149,4 +150,12 @@ def test_workers_run_on_the_native_kernels_and_say_so(fp32_stack: Stack, bf16_st
             said = re.search(r"ops='?native \(linear kernel: (\w+), measured: ([^;]+); oneDNN", log.read_text())
             assert said, f"{log.name} does not run on the native kernels"
             measured = {path: float(ms) for path, ms in re.findall(r"(\w+) ([\d.e+-]+) ms", said.group(2))}
-            assert said.group(1) in measured and measured[said.group(1)] == min(measured.values()), said.group(0)
+            chosen, first, fastest = said.group(1), next(iter(measured)), min(measured.values())
+            # The probe keeps the first (widest) path unless another takes at most SWITCH_MARGIN of its time; the
+            # log rounds the times to two digits, so the rule is checked with that much slack.
+            slack = 1.1
+            assert chosen in measured, said.group(0)
+            if chosen == first:
+                assert fastest * slack >= SWITCH_MARGIN * measured[first], said.group(0)
+            else:
+                assert measured[chosen] <= min(SWITCH_MARGIN * measured[first], fastest) * slack, said.group(0)
