@@ -18,10 +18,6 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define SPECSERVE_AVX512_BF16 1
-#endif
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define SPECSERVE_AVX2 1
@@ -187,151 +183,6 @@ void attend_rows(const AttendCall<T>& call, double scale) {
   });
 }
 
-#ifdef SPECSERVE_AVX512_BF16
-// The path for head_dim 64 on CPUs with AVX512-BF16 (kGroup query heads per kv head):
-// scores 16 positions at a time (bf16 dot-product instructions, or float32 FMAs), then
-// summed across lanes in one transposing tree; softmax and the weighted sum of values in
-// float32. Written in intrinsics, it sums in the same order for every row, tree rows included.
-
-// r[j] = sum of a[j]'s 16 lanes, for j = 0..15.
-inline __m512 sum_lanes_16(const __m512* a) {
-  __m512 t[8], u[4];
-  for (int i = 0; i < 8; ++i) {
-    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
-  }
-  for (int i = 0; i < 4; ++i) {
-    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88), _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
-  }
-  const __m512 w0 = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
-  const __m512 w1 = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
-  const __m512 z = _mm512_add_ps(_mm512_unpacklo_ps(w0, w1), _mm512_unpackhi_ps(w0, w1));
-  // z holds a[m], a[8+m], a[4+m], a[12+m] in its m-th 128-bit lane; put them in order.
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(order, z);
-}
-
-inline __m512 exp_nonpositive_16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-template <typename T, int64_t kGroup>
-void attend_rows_avx512_64(const AttendCall<T>& call, double scale) {
-  constexpr int64_t dim = 64;
-  constexpr bool kBf16 = std::is_same_v<T, c10::BFloat16>;
-  const __m512 softmax_scale = _mm512_set1_ps(static_cast<float>(scale));
-  const int64_t padded_len = (call.max_len + 15) / 16 * 16;
-
-  at::parallel_for(0, call.num_tasks(), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(kGroup * padded_len);
-    std::vector<int64_t> offset(call.max_len);  // the task's l-th key and value row, from the cache's start
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t kv_head = call.kv_head(task), length = call.length(task);
-      const T* k_rows = call.keys;
-      const T* v_rows = call.values;
-      call.key_offsets(task, length, offset.data());
-      __m512bh query_pairs[kGroup][2];  // bf16: pairs for the dot-product instruction
-      __m512 query[kGroup][4];          // float32
-      for (int64_t g = 0; g < kGroup; ++g) {
-        const T* src = call.query(task, kv_head * kGroup + g);
-        if constexpr (kBf16) {
-          query_pairs[g][0] = (__m512bh)_mm512_loadu_si512(src);
-          query_pairs[g][1] = (__m512bh)_mm512_loadu_si512(src + 32);
-        } else {
-          for (int c = 0; c < 4; ++c) query[g][c] = _mm512_loadu_ps(src + 16 * c);
-        }
-      }
-      // Scores, 16 positions at a time (the last block's missing positions score 0 and are cut below).
-      __m512 top[kGroup];
-      for (int64_t g = 0; g < kGroup; ++g) top[g] = _mm512_set1_ps(-INFINITY);
-      for (int64_t l0 = 0; l0 < length; l0 += 16) {
-        const int64_t count = length - l0 < 16 ? length - l0 : 16;
-        const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1u);
-        // The values are read right after the scores, and the next keys soon: ask for them now.
-        constexpr int64_t kLinesPerRow = dim * sizeof(T) / 64;
-        for (int64_t j = 0; j < count; ++j) {
-          for (int64_t line = 0; line < kLinesPerRow; ++line) {
-            _mm_prefetch(reinterpret_cast<const char*>(v_rows + offset[l0 + j]) + 64 * line, _MM_HINT_T0);
-            if (l0 + 32 + j < length) {
-              _mm_prefetch(reinterpret_cast<const char*>(k_rows + offset[l0 + 32 + j]) + 64 * line, _MM_HINT_T0);
-            }
-          }
-        }
-        for (int64_t g = 0; g < kGroup; ++g) {
-          __m512 a[16];
-          for (int64_t j = 0; j < 16; ++j) {
-            a[j] = _mm512_setzero_ps();
-            if (j < count) {
-              const T* k = k_rows + offset[l0 + j];
-              if constexpr (kBf16) {
-                a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_loadu_si512(k), query_pairs[g][0]);
-                a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_loadu_si512(k + 32), query_pairs[g][1]);
-              } else {
-                for (int c = 0; c < 4; ++c) a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(k + 16 * c), query[g][c], a[j]);
-              }
-            }
-          }
-          const __m512 s = _mm512_mul_ps(sum_lanes_16(a), softmax_scale);
-          _mm512_storeu_ps(scores.data() + g * padded_len + l0, s);
-          top[g] = _mm512_mask_max_ps(top[g], valid, top[g], s);
-        }
-      }
-      // Softmax, then the weighted sum of values; the 1/total scaling comes last.
-      float inverse[kGroup];
-      for (int64_t g = 0; g < kGroup; ++g) {
-        const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(top[g]));
-        __m512 total = _mm512_setzero_ps();
-        float* sg = scores.data() + g * padded_len;
-        for (int64_t l0 = 0; l0 < length; l0 += 16) {
-          const int64_t count = length - l0 < 16 ? length - l0 : 16;
-          const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1u);
-          const __m512 e = _mm512_maskz_mov_ps(valid, exp_nonpositive_16(_mm512_sub_ps(_mm512_loadu_ps(sg + l0), row_max)));
-          _mm512_storeu_ps(sg + l0, e);
-          total = _mm512_add_ps(total, e);
-        }
-        inverse[g] = 1.0f / _mm512_reduce_add_ps(total);
-      }
-      __m512 acc[kGroup][4];
-      for (int64_t g = 0; g < kGroup; ++g) {
-        for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
-      }
-      for (int64_t l = 0; l < length; ++l) {
-        const T* v = v_rows + offset[l];
-        __m512 vf[4];
-        for (int c = 0; c < 4; ++c) {
-          if constexpr (kBf16) {
-            const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * c)));
-            vf[c] = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-          } else {
-            vf[c] = _mm512_loadu_ps(v + 16 * c);
-          }
-        }
-        for (int64_t g = 0; g < kGroup; ++g) {
-          const __m512 p = _mm512_set1_ps(scores[g * padded_len + l]);
-          for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(p, vf[c], acc[g][c]);
-        }
-      }
-      for (int64_t g = 0; g < kGroup; ++g) {
-        T* dst = call.output(task, kv_head * kGroup + g);
-        alignas(64) float row[dim];
-        for (int c = 0; c < 4; ++c) _mm512_store_ps(row + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inverse[g])));
-        for (int64_t d = 0; d < dim; ++d) dst[d] = from_float<T>(row[d]);
-      }
-    }
-  });
-}
-#endif
-
 #ifdef SPECSERVE_AVX2
 // The path for head_dim 64 and 128 on CPUs with AVX2 and FMA (kGroup query heads per kv
 // head): scores 8 positions at a time, each a chain of FMAs over the head dimension in 8
@@ -480,12 +331,6 @@ bool attend_avx2_group(const AttendCall<T>& call, double scale, int64_t group) {
 template <typename T>
 void attend_dispatch(const AttendCall<T>& call, double scale) {
   const int64_t dim = call.dim, group = call.num_heads / call.num_kv_heads;
-#ifdef SPECSERVE_AVX512_BF16
-  if (dim == 64 && group == 3) return attend_rows_avx512_64<T, 3>(call, scale);
-  if (dim == 64 && group == 4) return attend_rows_avx512_64<T, 4>(call, scale);
-  if (dim == 64 && group == 2) return attend_rows_avx512_64<T, 2>(call, scale);
-  if (dim == 64 && group == 1) return attend_rows_avx512_64<T, 1>(call, scale);
-#endif
 #ifdef SPECSERVE_AVX2
   if (dim == 64 && attend_avx2_group<T, 64>(call, scale, group)) return;
   if (dim == 128 && attend_avx2_group<T, 128>(call, scale, group)) return;
