@@ -7,10 +7,12 @@ torch has them (`--threads` sets them).
 
 With `--blocks FORMAT` the native kernel reads GGUF blocks of that format instead (the
 weights quantized by gguf's own quantizer), and the library runs on the dequantized
-weights in float32; `--shapes` picks some of the shapes by index.
+weights in float32; `--shapes` picks some of the shapes by index. `--path` names one of the
+kernel's instruction-set paths this CPU has (default: the widest).
 
     python -m bench.linear_kernel --rows 1 4 16 64 256
     python -m bench.linear_kernel --blocks q4_1 --dtype float32 --shapes 2 --threads 1 --rows 1 4 16 64 128
+    python -m bench.linear_kernel --blocks q4_1 --dtype float32 --threads 1 --rows 1 4 16 64 --path avx2
 """
 
 from __future__ import annotations
@@ -58,11 +60,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
     parser.add_argument("--blocks", choices=["q4_1", "q8_0", "q4_k"], help="time the kernel on GGUF blocks of this format")
     parser.add_argument("--shapes", type=int, nargs="+", help="indices into the shapes (qkv, o, gate_up, down, head)")
+    parser.add_argument("--path", help="the kernel's instruction-set path (default: the widest this CPU has)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     ops = native_ops()
-    linear = PackedLinear(ops)
+    if args.path is not None and args.path not in ops.linear_paths():
+        parser.error(f"--path {args.path}: this CPU's paths are {', '.join(ops.linear_paths())}")
+    linear = PackedLinear(ops, args.path)
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
           f"kernel path {linear.path} (this CPU has {list(ops.linear_paths())}), torch {torch.__version__}")
     print("| dtype | weight | rows | native ms | library | library ms | native / library | native GFLOP/s |")
