@@ -50,8 +50,7 @@ def attach_native_ops(model: LlamaModel, dtype: torch.dtype, device: torch.devic
     ops = native_ops()
     block_format = blocks.format_of(projection_parts(0)["gate_up_proj"]) if blocks is not None else None
     measured = measure_linear_paths(ops, model.config, dtype, block_format)
-    linear = PackedLinear(ops, measured.fastest)
-    linear.measured = measured
+    linear = PackedLinear(ops, measured.fastest, measured)
     formats: dict[str, int] = {}
 
     def pack(weight: torch.Tensor, parts: list[str]) -> torch.nn.Parameter:
@@ -192,10 +191,10 @@ class PackedLinear:
     """y = x @ W^T (+ b) by the native kernel, on weights packed by `pack` (and only those).
 
     `path` names the kernel's instruction set (one of `ops.linear_paths()`); by default the
-    fastest this CPU has, as the kernel found when it loaded.
+    fastest this CPU has, as the kernel found when it loaded; `measured`, the probe that chose it.
     """
 
-    def __init__(self, ops: ModuleType, path: str | None = None) -> None:
+    def __init__(self, ops: ModuleType, path: str | None = None, measured: PathTimings | None = None) -> None:
         paths = list(ops.linear_paths())
         if path is not None and path not in paths:
             raise ValueError(f"linear kernel path {path!r} is not one of this CPU's {paths}")
@@ -204,7 +203,7 @@ class PackedLinear:
         self._panel = int(ops.linear_panel_width())
         self._out_features: dict[int, int] = {}  # packed weight's data pointer -> its rows before packing
         self._formats: dict[int, str] = {}  # packed GGUF blocks' data pointer -> their block format
-        self.measured: PathTimings | None = None  # the probe that chose `path`, where one did
+        self.measured = measured  # the probe that chose `path`, where one did
 
     def pack(self, weight: torch.Tensor, *, in_place: bool = False) -> torch.nn.Parameter:
         """`[N, K]` -> `[ceil(N / P), K, P]`: column panels of P outputs, the last padded with zero rows of W.
