@@ -32,7 +32,7 @@ from modeling.config import ModelConfig
 from modeling.kv_cache import DEFAULT_PAGE_SIZE, page_bytes, pages_for_slots
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
-from specserve.stack import StackError, free_port
+from specserve.stack import StackError, free_ports
 from modeling.engine import default_dtype
 
 
@@ -78,8 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     dtype = args.dtype or default_dtype("cpu")
     memory = pages_for_slots(args.slots, args.slot_len) * page_bytes(ModelConfig.from_folder(model), DEFAULT_PAGE_SIZE,
                                                                       getattr(torch, dtype))
-    flags = ["--model", str(model), "--dtype", dtype, "--draft", "none", "--port", str(free_port()), "--http-port",
-             str(free_port()), "--kv-cache-memory", f"{memory / 2**30:.6f}", "--max-num-seqs", str(args.num_requests)]
+    grpc_port, http_port = free_ports(2)
+    flags = ["--model", str(model), "--dtype", dtype, "--draft", "none", "--port", str(grpc_port), "--http-port",
+             str(http_port), "--kv-cache-memory", f"{memory / 2**30:.6f}", "--max-num-seqs", str(args.num_requests)]
     workload = Workload(args.input_len, args.output_len, args.num_requests, None, 3600.0)
     try:
         with running_up(flags) as stack:

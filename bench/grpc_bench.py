@@ -30,7 +30,7 @@ from bench.prompts import PromptWindows
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 from proto.lifecycle import State
-from specserve.stack import StackError, free_port
+from specserve.stack import StackError, free_ports
 from modeling.quantization import QUANTIZATIONS
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -387,7 +387,8 @@ def up_flags(args: argparse.Namespace) -> list[str]:
                 "--spec-disable-batch-threshold": args.spec_disable_batch_threshold,
                 "--spec-draft-token-budget": args.spec_draft_token_budget}
     given = [part for flag, value in optional.items() if value is not None for part in (flag, str(value))]
-    return ["--host", "127.0.0.1", "--port", str(args.port or free_port()), "--http-port", str(free_port()),
+    grpc_port, http_port = free_ports(2, taken=[args.port] if args.port else [])
+    return ["--host", "127.0.0.1", "--port", str(args.port or grpc_port), "--http-port", str(http_port),
             "--ready-timeout-s", str(args.ready_timeout_s), *given, *(["--no-token-trees"] if args.no_token_trees else []),
             *(["--no-prefix-cache"] if args.no_prefix_cache else []),
             *(["--insecure-loopback"] if args.insecure_loopback else [])]

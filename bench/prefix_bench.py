@@ -31,7 +31,7 @@ if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.local_stack import running_up
-from specserve.stack import StackError, free_port
+from specserve.stack import StackError, free_port, free_ports
 
 SERVED_NAME = "SmolLM2-135M-Instruct"
 SERVERS = ("specserve", "specserve-no-prefix-cache", "vllm")
@@ -86,8 +86,8 @@ def _hit_share(base_url: str) -> float:
 
 @contextmanager
 def specserve_server(model: Path | str, dtype: str, prefix_cache: bool, num_workers: int) -> Iterator[str]:
-    http_port = free_port()
-    flags = ["--model", str(model), "--dtype", dtype, "--draft", "none", "--port", str(free_port()),
+    grpc_port, http_port = free_ports(2)
+    flags = ["--model", str(model), "--dtype", dtype, "--draft", "none", "--port", str(grpc_port),
              "--http-port", str(http_port), "--num-workers", str(num_workers), *([] if prefix_cache else ["--no-prefix-cache"])]
     print(f"starting: specserve up {shlex.join(flags)}", file=sys.stderr, flush=True)
     with running_up(flags) as stack:

@@ -39,7 +39,7 @@ from bench.local_stack import running_up
 from bench.spec_prompts import WORKLOADS
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
-from specserve.stack import free_port
+from specserve.stack import free_ports
 
 
 @dataclass(frozen=True)
@@ -219,7 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for round_index in range(args.rounds):
         for config in configs:
             draft, *rest = shlex.split(config)
-            flags = ["--host", "127.0.0.1", "--port", str(free_port()), "--http-port", str(free_port()),
+            grpc_port, http_port = free_ports(2)
+            flags = ["--host", "127.0.0.1", "--port", str(grpc_port), "--http-port", str(http_port),
                      *(["--dtype", args.dtype] if args.dtype else []), "--draft", draft, *rest]
             print(f"round {round_index + 1}/{args.rounds}, starting: specserve up {shlex.join(flags)}", file=sys.stderr,
                   flush=True)

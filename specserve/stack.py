@@ -9,11 +9,12 @@ process writing to a log file of its own, a fault injected into one when asked.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,14 +28,47 @@ from specserve.supervisor import ServiceSpec
 DRAFT_ID = "draft-0"
 _POLL_S = 0.2
 _LOG_TAIL_CHARS = 4000
+_LOW_PORT = 20000  # free_ports draws from here up to the ephemeral range
+
+
+def free_ports(count: int, *, taken: Collection[int] = ()) -> list[int]:
+    """`count` different TCP ports on 127.0.0.1 that nothing listens on now, none of them in `taken`.
+
+    Each is held bound until all are found, so no two are the same. They are drawn from below the
+    kernel's ephemeral range where it has one: the ports it hands to connecting sockets (a worker
+    dialing the scheduler) and to binds to port 0 then cannot take one before its server binds it.
+    """
+    low = _ephemeral_low()
+    draws = random.Random()
+    held: list[socket.socket] = []
+    try:
+        while len(held) < count:
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", draws.randrange(_LOW_PORT, low) if low > _LOW_PORT else 0))
+            except OSError:
+                s.close()
+                continue
+            if s.getsockname()[1] in taken:
+                s.close()
+                continue
+            held.append(s)
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A TCP port on 127.0.0.1 that nothing listens on now (see free_ports)."""
+    return free_ports(1)[0]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 @dataclass(frozen=True)
@@ -94,8 +128,10 @@ class StackAddresses:
 
     @classmethod
     def pick(cls, config: StackConfig) -> StackAddresses:
-        return cls(host=config.host, grpc_port=config.grpc_port or free_port(), http_port=config.http_port or free_port(),
-                   gateway_address=f"tcp://127.0.0.1:{free_port()}", worker_address=f"tcp://127.0.0.1:{free_port()}")
+        given = [port for port in (config.grpc_port, config.http_port) if port]
+        grpc_port, http_port, gateway_port, worker_port = free_ports(4, taken=given)
+        return cls(host=config.host, grpc_port=config.grpc_port or grpc_port, http_port=config.http_port or http_port,
+                   gateway_address=f"tcp://127.0.0.1:{gateway_port}", worker_address=f"tcp://127.0.0.1:{worker_port}")
 
 
 # ---------------------------------------------------------------- command lines

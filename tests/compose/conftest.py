@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specserve.stack import free_port
+from specserve.stack import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_DIR = Path(os.environ.get("SPECSERVE_DOCKER_DIR", "/var/tmp/specserve-docker"))
@@ -144,10 +144,11 @@ def on_host_network(env: dict[str, str], folder: Path) -> Path:
 @pytest.fixture(scope="session")
 def compose(engine: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Compose]:
     """The image built (base image, then the project's) and the compose project's settings; taken down after."""
+    gateway_port, worker_port, grpc_port, http_port = free_ports(4)
     env = {**engine, "SPECSERVE_BASE_IMAGE": BASE_IMAGE, "SPECSERVE_BIND": "127.0.0.1",
-           "SPECSERVE_SCHEDULER": "127.0.0.1", "SPECSERVE_SCHEDULER_GATEWAY_PORT": str(free_port()),
-           "SPECSERVE_SCHEDULER_WORKER_PORT": str(free_port()), "SPECSERVE_GRPC_PORT": str(free_port()),
-           "SPECSERVE_HTTP_PORT": str(free_port()), "COMPOSE_PROFILES": "cpu"}
+           "SPECSERVE_SCHEDULER": "127.0.0.1", "SPECSERVE_SCHEDULER_GATEWAY_PORT": str(gateway_port),
+           "SPECSERVE_SCHEDULER_WORKER_PORT": str(worker_port), "SPECSERVE_GRPC_PORT": str(grpc_port),
+           "SPECSERVE_HTTP_PORT": str(http_port), "COMPOSE_PROFILES": "cpu"}
     stack = Compose(env, on_host_network(env, tmp_path_factory.mktemp("compose")), int(env["SPECSERVE_GRPC_PORT"]),
                     int(env["SPECSERVE_HTTP_PORT"]))
     stack.compose("down", "-v", "--remove-orphans", timeout_s=180)  # whatever an interrupted run left

@@ -23,7 +23,7 @@ from openai import OpenAI
 
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
-from specserve.stack import free_port, is_serving
+from specserve.stack import free_ports, is_serving
 from tests.compose.conftest import ROOT, Compose, progress
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -80,7 +80,7 @@ def _outputs(grpc_port: int, http_port: int) -> Outputs:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Outputs:
     """The same requests answered by `specserve up` on this machine, with its defaults (run first, alone)."""
-    grpc_port, http_port = free_port(), free_port()
+    grpc_port, http_port = free_ports(2)
     log = (tmp_path_factory.mktemp("up") / "up.log").open("w")
     up = subprocess.Popen([sys.executable, "-m", "specserve.cli", "up", "--port", str(grpc_port), "--http-port",
                            str(http_port)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)

@@ -14,7 +14,7 @@ import grpc
 
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
-from specserve.stack import free_port
+from specserve.stack import free_port, free_ports
 
 SPECSERVE = [sys.executable, "-m", "specserve.cli"]
 
@@ -51,9 +51,9 @@ def _alive(pid: int) -> bool:
 
 
 def test_up_generate_and_ctrl_c(default_model_dir: Path) -> None:
-    port = free_port()
+    port, http_port = free_ports(2)
     up = subprocess.Popen([*SPECSERVE, "up", "--model", str(default_model_dir), "--dtype", "float32", "--port", str(port),
-                           "--http-port", str(free_port()),
+                           "--http-port", str(http_port),
                            "--max-num-seqs", "4", "--kv-cache-memory", "0.25", "--num-workers", "2"],
                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from specserve.stack import free_port
+from specserve.stack import free_ports
 from tests.gguf_files import FAMILIES
 
 
 def _up(model: Path, cache: Path) -> subprocess.CompletedProcess[str]:
+    grpc_port, http_port = free_ports(2)
     return subprocess.run([sys.executable, "-m", "specserve.cli", "up", "--model", str(model), "--device", "cpu",
-                           "--port", str(free_port()), "--http-port", str(free_port())],
+                           "--port", str(grpc_port), "--http-port", str(http_port)],
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "SPECSERVE_CACHE_DIR": str(cache)})
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from proto import specserve_pb2 as pb
-from specserve.stack import StackConfig, free_port
+from specserve.stack import StackConfig, free_ports
 from tests.e2e.stack import running_stack
 
 transformers = pytest.importorskip("transformers")
@@ -114,8 +114,9 @@ def test_a_rope_scaling_it_does_not_implement_is_refused_before_anything_starts(
                                  "original_max_position_embeddings": 1024, "short_factor": [1.0] * 8,
                                  "long_factor": [2.0] * 8}
     (folder / "config.json").write_text(json.dumps(config))
-    done = subprocess.run([sys.executable, "-m", "specserve.cli", "up", "--model", str(folder), "--port", str(free_port()),
-                           "--http-port", str(free_port())],
+    grpc_port, http_port = free_ports(2)
+    done = subprocess.run([sys.executable, "-m", "specserve.cli", "up", "--model", str(folder), "--port", str(grpc_port),
+                           "--http-port", str(http_port)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "rope_parameters.rope_type 'longrope' is not supported" in done.stderr, done.stderr
@@ -145,8 +146,9 @@ def test_a_broken_model_folder_is_refused_before_anything_starts(how: str, tmp_p
                                       num_attention_heads=4, num_key_value_heads=2)
     transformers.LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="100KB")
     named = _broken(folder, how)
-    done = subprocess.run([sys.executable, "-m", "specserve.cli", "up", "--model", str(folder), "--port", str(free_port()),
-                           "--http-port", str(free_port())], capture_output=True, text=True, timeout=120)
+    grpc_port, http_port = free_ports(2)
+    done = subprocess.run([sys.executable, "-m", "specserve.cli", "up", "--model", str(folder), "--port", str(grpc_port),
+                           "--http-port", str(http_port)], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert named in done.stderr, done.stderr
     assert "READY" not in done.stdout + done.stderr
