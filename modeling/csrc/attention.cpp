@@ -186,7 +186,8 @@ void attend_rows(const AttendCall<T>& call, double scale) {
 #ifdef SPECSERVE_AVX2
 // The path for head_dim 64 and 128 on CPUs with AVX2 and FMA (kGroup query heads per kv
 // head): scores 8 positions at a time, each a chain of FMAs over the head dimension in 8
-// lanes, the 8 positions' lanes then summed in one transposing tree; the softmax as the
+// lanes, the 8 positions' lanes then summed in one transposing tree (each key vector widened
+// once for up to 3 heads, 4 positions a pass, in the same order); the softmax as the
 // generic path's; then the weighted sum of values, 8 positions at a time, in tiles of heads and
 // dimensions held in registers. The same order for every row, tree rows included.
 //
@@ -208,6 +209,51 @@ inline __m256 sum_lanes_8(const __m256* a) {
   // Low 128 bits: the low halves' sums of a[0..3] (of a[4..7]); high 128 bits: the high halves'.
   const __m256 low = _mm256_hadd_ps(h01, h23), high = _mm256_hadd_ps(h45, h67);
   return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+}
+
+// r[j] = sum of a[j]'s 8 lanes, for j = 0..3, in sum_lanes_8's order.
+inline __m128 sum_lanes_4(const __m256* a) {
+  const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
+}
+
+// The scores of kGroup heads at the 8 positions from k[0], kPositions positions at a time: each key
+// vector is widened once for all kGroup heads. Each score is the chain of FMAs over the head dimension
+// in 8 lanes, then its lanes' tree, whatever kPositions is.
+template <typename T, int64_t kDim, int64_t kGroup, int64_t kPositions>
+inline void score_block(const T* const* k, const float (*query)[kDim], float* scores, int64_t stride) {
+  static_assert(kPositions == 4 || kPositions == 8, "4 or 8 positions a pass");
+  for (int64_t first = 0; first < 8; first += kPositions) {
+    __m256 a[kGroup][kPositions];
+    for (int64_t g = 0; g < kGroup; ++g) {
+      for (int64_t j = 0; j < kPositions; ++j) a[g][j] = _mm256_setzero_ps();
+    }
+    for (int64_t c = 0; c < kDim / 8; ++c) {
+      for (int64_t j = 0; j < kPositions; ++j) {
+        const __m256 key = load8(k[first + j] + 8 * c);
+        for (int64_t g = 0; g < kGroup; ++g) a[g][j] = _mm256_fmadd_ps(key, _mm256_load_ps(query[g] + 8 * c), a[g][j]);
+      }
+    }
+    for (int64_t g = 0; g < kGroup; ++g) {
+      if constexpr (kPositions == 8) {
+        _mm256_storeu_ps(scores + g * stride, sum_lanes_8(a[g]));
+      } else {
+        _mm_storeu_ps(scores + g * stride + first, sum_lanes_4(a[g]));
+      }
+    }
+  }
+}
+
+// The scores of all kGroup heads at the 8 positions from k[0]: up to 3 heads a pass by 4 positions (12 sums
+// and a key vector of the 16 registers), a head left alone by 8.
+template <typename T, int64_t kDim, int64_t kGroup, int64_t kFirst = 0>
+inline void score_heads(const T* const* k, const float (*query)[kDim], float* scores, int64_t stride) {
+  constexpr int64_t kLeft = kGroup - kFirst;
+  if constexpr (kLeft > 0) {
+    constexpr int64_t kHeads = kLeft < 3 ? kLeft : 3;
+    score_block<T, kDim, kHeads, kHeads == 1 ? 8 : 4>(k, query + kFirst, scores + kFirst * stride, stride);
+    score_heads<T, kDim, kGroup, kFirst + kHeads>(k, query, scores, stride);
+  }
 }
 
 // The weighted sums of positions [l0, stop) of the values for dimensions 8 * c0 .. 8 * (c0 + kTile) - 1 of
@@ -276,15 +322,7 @@ void attend_rows_avx2(const AttendCall<T>& call, double scale) {
         const T* k[8];
         for (int64_t j = 0; j < 8; ++j) k[j] = call.keys + offset[j < count ? l0 + j : l0];
         for (int64_t j = 0; j < count; ++j) prefetch_row<T, kDim>(call.values + offset[l0 + j]);
-        for (int64_t g = 0; g < kGroup; ++g) {
-          __m256 a[8];
-          for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
-          for (int64_t c = 0; c < kChunks; ++c) {
-            const __m256 q = _mm256_load_ps(query[g] + 8 * c);
-            for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(load8(k[j] + 8 * c), q, a[j]);
-          }
-          _mm256_storeu_ps(scores.data() + g * padded_len + l0, sum_lanes_8(a));
-        }
+        score_heads<T, kDim, kGroup>(k, query, scores.data() + l0, padded_len);
       }
       for (int64_t g = 0; g < kGroup; ++g) softmax_(scores.data() + g * padded_len, length);
       // The values a block of positions at a time, every tile of the block before the next block, the
