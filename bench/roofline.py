@@ -91,13 +91,22 @@ def step_cost(config: ModelConfig, batch: int, context: int, itemsize: int, weig
     return StepCost(bytes=weights + kv_bytes, flops=2 * batch * params + attention_flops)
 
 
-def decode_step_ms(engine: ModelEngine, batch: int, context: int, repeats: int) -> float:
-    """The median time of a step in which `batch` sequences of `context` positions each take one new token."""
+def filled_tables(engine: ModelEngine, batch: int, context: int, repeats: int) -> list[tuple[int, ...]]:
+    """The block tables of `batch` sequences whose first `context` positions are now in the cache."""
     pages_each = pages_for(context + repeats + 2, engine.page_size)
     tables = [tuple(range(i * pages_each, (i + 1) * pages_each)) for i in range(batch)]
     prompt = [(7 * p) % 1000 + 100 for p in range(context)]
-    for table in tables:  # fill the caches
+    for table in tables:
         engine.forward([SeqSpan(table, 0, prompt, 1)])
+    return tables
+
+
+def decode_step_ms(engine: ModelEngine, batch: int, context: int, repeats: int,
+                   tables: list[tuple[int, ...]] | None = None) -> float:
+    """The median time of a step in which `batch` sequences of `context` positions each take one new token (the
+    sequences of `tables`, filled by `filled_tables`, or filled here); `repeats` + 1 steps run, the first untimed."""
+    if tables is None:
+        tables = filled_tables(engine, batch, context, repeats)
     times = []
     for step in range(repeats + 1):
         spans = [SeqSpan(table, context + step, [42], 1) for table in tables]

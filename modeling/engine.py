@@ -86,6 +86,13 @@ class ModelEngine:
         model.eval()
         self._model = model
 
+    @property
+    def model(self) -> LlamaModel:
+        """The loaded model (load() comes first)."""
+        if self._model is None:
+            raise RuntimeError("the engine is not built: load() comes first")
+        return self._model
+
     def linear_weight_bytes(self) -> int:
         """Bytes of the weights the model's matmuls read (projections and LM head), as they are held."""
         if self._model is None:
