@@ -116,6 +116,26 @@ def decode_step_ms(engine: ModelEngine, batch: int, context: int, repeats: int,
     return statistics.median(times[1:]) * 1e3
 
 
+def decode_engine(folder: Path, config: ModelConfig, dtype: str, quantization: str, batches: Sequence[int], context: int,
+                  repeats: int) -> ModelEngine:
+    """The model on the CPU, built and with a cache for the sequences decode_step_ms runs at the largest batch."""
+    length = context + repeats + 2
+    engine = ModelEngine(folder, config, device="cpu", dtype=dtype, max_len=length, quantization=quantization,
+                         num_pages=max(batches) * pages_for(length, 16) + 8)
+    engine.load()
+    engine.allocate()
+    return engine
+
+
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and the decode steps to run: --model, --batch, --context, --repeats, --threads."""
+    parser.add_argument("--model", default=None, help="what `specserve up --model` takes (default: the embedded default)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--context", type=int, default=160, help="cached positions of each sequence")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=None)
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -141,13 +161,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m bench.roofline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="what `specserve up --model` takes (default: the embedded default)")
+    add_step_arguments(parser)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), nargs="+", default=["float32"])
     parser.add_argument("--quantization", choices=QUANTIZATIONS, nargs="+", default=["none"])
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
-    parser.add_argument("--context", type=int, default=160, help="cached positions of each sequence")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -162,11 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtype = getattr(torch, dtype_name)
         bounds = measure_bounds(dtype, max(3, args.repeats // 4))
         for quantization in args.quantization:
-            engine = ModelEngine(folder, config, device="cpu", dtype=dtype_name,
-                                 max_len=args.context + args.repeats + 2, quantization=quantization,
-                                 num_pages=max(args.batch) * pages_for(args.context + args.repeats + 2, 16) + 8)
-            engine.load()
-            engine.allocate()
+            engine = decode_engine(folder, config, dtype_name, quantization, args.batch, args.context, args.repeats)
             weights = "dense" if quantization == "none" else quantization
             for batch in args.batch:
                 cost = step_cost(config, batch, args.context, dtype.itemsize, engine.linear_weight_bytes())

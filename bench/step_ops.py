@@ -27,10 +27,9 @@ if not __package__:
 
 import torch
 
-from bench.roofline import QUANTIZATIONS, cpu_flags, cpu_name, decode_step_ms, filled_tables
+from bench.roofline import (QUANTIZATIONS, add_step_arguments, cpu_flags, cpu_name, decode_engine, decode_step_ms,
+                            filled_tables)
 from modeling.config import ModelConfig
-from modeling.engine import ModelEngine
-from modeling.kv_cache import pages_for
 
 
 class _TimedOps:
@@ -61,23 +60,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m bench.step_ops", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="what `specserve up --model` takes (default: the embedded default)")
+    add_step_arguments(parser)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default="q4_1")
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--context", type=int, default=160, help="cached positions of each sequence")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.set_defaults(batch=[1, 64])
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     folder = resolve_model(args.model)
-    config = ModelConfig.from_folder(folder)
-    length = args.context + args.repeats + 2
-    engine = ModelEngine(folder, config, device="cpu", dtype=args.dtype, max_len=length,
-                         quantization=args.quantization, num_pages=max(args.batch) * pages_for(length, 16) + 8)
-    engine.load()
-    engine.allocate()
+    engine = decode_engine(folder, ModelConfig.from_folder(folder), args.dtype, args.quantization, args.batch,
+                           args.context, args.repeats)
     model = engine.model
     if model.native is None:
         print(f"no native kernels here ({engine.ops}): nothing to time", file=sys.stderr)
