@@ -95,9 +95,8 @@ class ModelEngine:
 
     def linear_weight_bytes(self) -> int:
         """Bytes of the weights the model's matmuls read (projections and LM head), as they are held."""
-        if self._model is None:
-            raise RuntimeError("the engine is not built: load() comes first")
-        weights = [self._model.lm_head] + [getattr(layer, name) for layer in self._model.layers for name in PROJECTION_PARTS]
+        model = self.model
+        weights = [model.lm_head] + [getattr(layer, name) for layer in model.layers for name in PROJECTION_PARTS]
         return sum(weight.numel() * weight.element_size() for weight in weights)
 
     def allocate(self) -> None:
