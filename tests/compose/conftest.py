@@ -111,6 +111,22 @@ class Compose:
                 "networks": self.docker("network", "ls", "-q", "--filter", f"label={LABEL}").stdout.split()}
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:  # type: ignore[type-arg]
+    """Each phase's report kept on the test (`item.failed_phases`), for the fixture that prints the logs."""
+    outcome = yield
+    if outcome.get_result().failed:
+        item.failed_phases = [*getattr(item, "failed_phases", []), call.when]  # type: ignore[attr-defined]
+
+
+def print_logs_if_failed(request: pytest.FixtureRequest, stack: Compose) -> None:
+    """After a failed test, the end of every service's logs on the terminal: the stack is taken down with the run,
+    and what its processes said is the evidence."""
+    if getattr(request.node, "failed_phases", None):
+        for service in ("scheduler", "worker", "draft", "gateway"):
+            progress(f"{request.node.name} failed; the last of {service}'s logs:\n{stack.logs(service)[-6000:]}")
+
+
 @pytest.fixture(scope="session")
 def engine() -> Iterator[dict[str, str]]:
     """The environment for docker and docker-compose, aimed at an engine started for these tests (stopped after)."""
