@@ -7,6 +7,8 @@
 // keys, the cache store, attention (tree rows and sliding windows included), the output
 // projection, RMSNorm with the residual add, a SiLU-gated MLP; a model with anything else
 // (Gemma's sandwich norms, query and key norms, another activation) runs the Python loop.
+#include <torch/extension.h>  // the DecoderStack class binding
+
 #include "ops.h"
 
 namespace {
@@ -101,7 +103,7 @@ class DecoderStack {
 
 }  // namespace
 
-void bind_decoder_stack(pybind11::module& m) {
+void bind_decoder_stack(pybind11::module_& m) {
   pybind11::class_<DecoderStack>(m, "DecoderStack", "a decoder's layers, run in one call")
       .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<int64_t>&,
                           const std::vector<c10::optional<at::Tensor>>&, const std::vector<std::string>&,

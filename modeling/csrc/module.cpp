@@ -1,4 +1,6 @@
 // The Python module of the CPU kernels (built by modeling/native.py).
+#include <torch/extension.h>
+
 #include "ops.h"
 
 // The kernels run without the GIL, so that a worker's heartbeat thread goes on while a long step computes.
