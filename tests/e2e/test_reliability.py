@@ -77,7 +77,11 @@ def two_workers(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
 def test_a_process_failing_in_any_start_up_phase_never_gets_a_step(two_workers: Stack, phase: str, action: str) -> None:
     worker_id = f"faulty-{phase.lower()}-{action}"
     started = time.monotonic()
-    two_workers.start_worker(worker_id.removeprefix("worker-"), fault=f"worker-{worker_id}:{phase}:{action}")
+    # A hang before any real work (STARTING, LOADING) is ended by the worker's own watchdog, given a short deadline
+    # here; in ALLOCATING and WARMING the scheduler's deadline (10 s, the worker's own is 12) declares it FAILED.
+    own_deadline = ("--phase-timeout-s", "3") if action == "hang" and phase in ("STARTING", "LOADING") else ()
+    two_workers.start_worker(worker_id.removeprefix("worker-"), fault=f"worker-{worker_id}:{phase}:{action}",
+                             extra_args=own_deadline)
     process = two_workers.processes[f"worker-{worker_id}"]
     # The others keep serving while it fails.
     assert len(two_workers.generate(greedy([1, 2, 3, 4], 8)).token_ids) == 8
