@@ -6,7 +6,7 @@ STAMP := $(VENV)/.specserve-installed
 SERVE_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: setup native serve test unit lint bench model docker-wheels test-compose
+.PHONY: setup native serve test unit lint bench model docker-wheels docker-tools docker-image test-compose
 
 setup: $(STAMP)
 
@@ -47,10 +47,18 @@ test: native
 
 # docker-compose.yml for real, in a Docker engine of its own (docker/engine.sh, no bridge, host network only): a base
 # image from Debian's archive, the project's image built offline from docker/wheels, the stack up, tests/compose, down.
-test-compose: setup docker-wheels
+test-compose: setup docker-wheels docker-tools
+	SPECSERVE_COMPOSE_TESTS=1 $(PY) -m pytest -p no:cacheprovider -q -s tests/compose
+
+# The images test-compose runs, built ahead in its engine (its own build then finds them cached): CI builds them while
+# `make test` runs.
+docker-image: setup docker-wheels docker-tools
+	$(PY) -m tests.compose.images
+
+# Debian's Docker engine and compose, and debootstrap (the base image: no image registry is reachable here).
+docker-tools:
 	command -v dockerd > /dev/null || { apt-get update -qq && apt-get install -y -qq docker.io > /dev/null; }
 	command -v debootstrap > /dev/null || { apt-get update -qq && apt-get install -y -qq debootstrap > /dev/null; }
-	SPECSERVE_COMPOSE_TESTS=1 $(PY) -m pytest -p no:cacheprovider -q -s tests/compose
 
 # What the image build needs from PyPI, fetched here (where pip reaches it, and this machine's torch wheel lies) into
 # the build context, for a build with --build-arg PIP_OFFLINE=1; the folder's contents are never committed.

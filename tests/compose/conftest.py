@@ -4,45 +4,33 @@ Debian's archive and wheels fetched on this machine, the stack on the host netwo
 The engine (docker/engine.sh) runs with --bridge=none --iptables=false: containers have no network of their own. The
 stack is docker-compose.yml as compose resolves it (`docker-compose config`, with the addresses and ports chosen here)
 with every service moved onto the host's network, its published ports dropped (the host network publishes whatever
-a process listens on; compose refuses both at once) and its image built on the host network, offline, from the wheels
-`make docker-wheels` put in docker/wheels, on a base made by docker/base-image.sh (debootstrap: no image registry is
-reachable here). The engine is stopped at the end, whatever happened.
+a process listens on; compose refuses both at once) and its image built by tests/compose/images.py (unless built ahead,
+as CI does). The engine is stopped at the end, whatever happened.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
-import yaml
 
 from specserve.stack import free_ports
+from tests.compose.images import ENGINE, PROJECT, ROOT, build, engine_env, on_host_network, run
 
-ROOT = Path(__file__).resolve().parents[2]
-ENGINE_DIR = Path(os.environ.get("SPECSERVE_DOCKER_DIR", "/var/tmp/specserve-docker"))
-BASE_IMAGE = "specserve-base:bookworm"
-PROJECT = "specserve-test"
 LABEL = f"com.docker.compose.project={PROJECT}"
 
 
 def progress(message: str) -> None:
     """A progress line on the terminal (pytest -s not needed): how long each part took is part of the result."""
     print(f"[compose {time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def _run(command: list[str], env: dict[str, str], timeout_s: float, check: bool = True) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
-    if check and done.returncode != 0:
-        raise AssertionError(f"{' '.join(command)} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
-    return done
 
 
 @dataclass
@@ -56,10 +44,10 @@ class Compose:
     timings: dict[str, float] = field(default_factory=dict)
 
     def compose(self, *args: str, timeout_s: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return _run(["docker-compose", "-p", PROJECT, "-f", str(self.file), *args], self.env, timeout_s, check)
+        return run(["docker-compose", "-p", PROJECT, "-f", str(self.file), *args], self.env, timeout_s, check)
 
     def docker(self, *args: str, timeout_s: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return _run(["docker", *args], self.env, timeout_s, check)
+        return run(["docker", *args], self.env, timeout_s, check)
 
     def containers(self, service: str) -> list[str]:
         """The ids of the service's containers, running or not."""
@@ -112,8 +100,8 @@ class Compose:
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:  # type: ignore[type-arg]
-    """Each phase's report kept on the test (`item.failed_phases`), for the fixture that prints the logs."""
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Generator[None, Any, None]:  # type: ignore[type-arg]
+    """The phases (setup, call, teardown) a test failed in, kept on it (`item.failed_phases`) for print_logs_if_failed."""
     outcome = yield
     if outcome.get_result().failed:
         item.failed_phases = [*getattr(item, "failed_phases", []), call.when]  # type: ignore[attr-defined]
@@ -132,48 +120,28 @@ def engine() -> Iterator[dict[str, str]]:
     """The environment for docker and docker-compose, aimed at an engine started for these tests (stopped after)."""
     for tool in ("dockerd", "docker", "docker-compose"):
         assert shutil.which(tool), f"{tool} is needed: Debian's docker.io and docker-compose (`make test-compose` installs them)"
-    env = {**os.environ, "SPECSERVE_DOCKER_DIR": str(ENGINE_DIR), "DOCKER_HOST": f"unix://{ENGINE_DIR}/docker.sock",
-           # Compose v1 builds through the engine's API (the legacy builder); the CLI's own build needs BuildKit's buildx.
-           "DOCKER_BUILDKIT": "0", "COMPOSE_DOCKER_CLI_BUILD": "0"}
+    env = engine_env()
     started = time.monotonic()
-    _run([str(ROOT / "docker" / "engine.sh"), "start"], env, 120)
+    run([str(ENGINE), "start"], env, 120)
     progress(f"engine up in {time.monotonic() - started:.1f} s")
     try:
         yield env
     finally:
-        _run([str(ROOT / "docker" / "engine.sh"), "stop"], env, 120)
-
-
-def on_host_network(env: dict[str, str], folder: Path) -> Path:
-    """docker-compose.yml resolved with `env`, every service on the host's network; written into `folder`."""
-    resolved = yaml.safe_load(_run(["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config"], env, 60).stdout)
-    for service in resolved["services"].values():
-        service["network_mode"] = "host"
-        service.pop("ports", None)
-        service["build"]["network"] = "host"
-        service["build"]["args"]["PIP_OFFLINE"] = "1"
-    path = folder / "docker-compose.yml"
-    path.write_text(yaml.safe_dump(resolved, sort_keys=False))
-    return path
+        run([str(ENGINE), "stop"], env, 120)
 
 
 @pytest.fixture(scope="session")
 def compose(engine: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Compose]:
     """The image built (base image, then the project's) and the compose project's settings; taken down after."""
     gateway_port, worker_port, grpc_port, http_port = free_ports(4)
-    env = {**engine, "SPECSERVE_BASE_IMAGE": BASE_IMAGE, "SPECSERVE_BIND": "127.0.0.1",
+    env = {**engine, "SPECSERVE_BIND": "127.0.0.1",
            "SPECSERVE_SCHEDULER": "127.0.0.1", "SPECSERVE_SCHEDULER_GATEWAY_PORT": str(gateway_port),
            "SPECSERVE_SCHEDULER_WORKER_PORT": str(worker_port), "SPECSERVE_GRPC_PORT": str(grpc_port),
            "SPECSERVE_HTTP_PORT": str(http_port), "COMPOSE_PROFILES": "cpu"}
     stack = Compose(env, on_host_network(env, tmp_path_factory.mktemp("compose")), int(env["SPECSERVE_GRPC_PORT"]),
                     int(env["SPECSERVE_HTTP_PORT"]))
     stack.compose("down", "-v", "--remove-orphans", timeout_s=180)  # whatever an interrupted run left
-    started = time.monotonic()
-    _run([str(ROOT / "docker" / "base-image.sh"), BASE_IMAGE], env, 900)
-    stack.timings["base image"] = time.monotonic() - started
-    started = time.monotonic()
-    stack.compose("build", timeout_s=1800)
-    stack.timings["project image"] = time.monotonic() - started
+    stack.timings.update(build(env, stack.file))
     size = int(stack.docker("image", "inspect", "-f", "{{.Size}}", "specserve:latest").stdout)
     progress(f"base image {stack.timings['base image']:.0f} s, project image {stack.timings['project image']:.0f} s, "
          f"{size / 1e9:.2f} GB")
