@@ -8,6 +8,7 @@ bound: there, two correct implementations may round differently.
 
 from __future__ import annotations
 
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -53,10 +54,15 @@ def _requests() -> list[pb.GenerateRequest]:
     return [r for pair in zip(chats, raws) for r in pair]
 
 
-def _prompt_ids(model_dir: Path, request: pb.GenerateRequest) -> list[int]:
+@functools.cache
+def _hf_tokenizer(model_dir: Path):  # type: ignore[no-untyped-def]
     import transformers
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    return transformers.AutoTokenizer.from_pretrained(model_dir)
+
+
+def _prompt_ids(model_dir: Path, request: pb.GenerateRequest) -> list[int]:
+    tokenizer = _hf_tokenizer(model_dir)
     if request.WhichOneof("input") == "chat":
         messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
