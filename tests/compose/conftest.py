@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from specserve.stack import free_ports
-from tests.compose.images import ENGINE, PROJECT, ROOT, build, engine_env, on_host_network, run
+from tests.compose.images import PROJECT, ROOT, build, on_host_network, run, running_engine
 
 LABEL = f"com.docker.compose.project={PROJECT}"
 
@@ -101,16 +101,16 @@ class Compose:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Generator[None, Any, None]:  # type: ignore[type-arg]
-    """The phases (setup, call, teardown) a test failed in, kept on it (`item.failed_phases`) for print_logs_if_failed."""
+    """A test that failed in any phase so far is marked (`item.compose_failed`) for print_logs_if_failed."""
     outcome = yield
     if outcome.get_result().failed:
-        item.failed_phases = [*getattr(item, "failed_phases", []), call.when]  # type: ignore[attr-defined]
+        item.compose_failed = True  # type: ignore[attr-defined]
 
 
 def print_logs_if_failed(request: pytest.FixtureRequest, stack: Compose) -> None:
     """After a failed test, the end of every service's logs on the terminal: the stack is taken down with the run,
     and what its processes said is the evidence."""
-    if getattr(request.node, "failed_phases", None):
+    if getattr(request.node, "compose_failed", False):
         for service in ("scheduler", "worker", "draft", "gateway"):
             progress(f"{request.node.name} failed; the last of {service}'s logs:\n{stack.logs(service)[-6000:]}")
 
@@ -120,14 +120,10 @@ def engine() -> Iterator[dict[str, str]]:
     """The environment for docker and docker-compose, aimed at an engine started for these tests (stopped after)."""
     for tool in ("dockerd", "docker", "docker-compose"):
         assert shutil.which(tool), f"{tool} is needed: Debian's docker.io and docker-compose (`make test-compose` installs them)"
-    env = engine_env()
     started = time.monotonic()
-    run([str(ENGINE), "start"], env, 120)
-    progress(f"engine up in {time.monotonic() - started:.1f} s")
-    try:
+    with running_engine() as env:
+        progress(f"engine up in {time.monotonic() - started:.1f} s")
         yield env
-    finally:
-        run([str(ENGINE), "stop"], env, 120)
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -37,6 +39,18 @@ def engine_env() -> dict[str, str]:
     return {**os.environ, "SPECSERVE_DOCKER_DIR": str(ENGINE_DIR), "DOCKER_HOST": f"unix://{ENGINE_DIR}/docker.sock",
             # Compose v1 builds through the engine's API (the legacy builder); the CLI's own build needs BuildKit's buildx.
             "DOCKER_BUILDKIT": "0", "COMPOSE_DOCKER_CLI_BUILD": "0", "SPECSERVE_BASE_IMAGE": BASE_IMAGE}
+
+
+@contextmanager
+def running_engine() -> Iterator[dict[str, str]]:
+    """The tests' engine started (docker/engine.sh; a no-op when it runs already) and stopped after, whatever happened;
+    yields engine_env()."""
+    env = engine_env()
+    run([str(ENGINE), "start"], env, 120)
+    try:
+        yield env
+    finally:
+        run([str(ENGINE), "stop"], env, 120)
 
 
 def on_host_network(env: dict[str, str], folder: Path) -> Path:
@@ -65,13 +79,8 @@ def build(env: dict[str, str], compose_file: Path) -> dict[str, float]:
 
 
 def main() -> int:
-    env = engine_env()
-    run([str(ENGINE), "start"], env, 120)
-    try:
-        with tempfile.TemporaryDirectory() as folder:
-            timings = build(env, on_host_network(env, Path(folder)))
-    finally:
-        run([str(ENGINE), "stop"], env, 120)
+    with running_engine() as env, tempfile.TemporaryDirectory() as folder:
+        timings = build(env, on_host_network(env, Path(folder)))
     print(", ".join(f"{name} {seconds:.0f} s" for name, seconds in timings.items()), flush=True)
     return 0
 
