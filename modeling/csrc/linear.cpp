@@ -105,6 +105,7 @@ struct LinearCall {
   int64_t num_out;
   const T* bias;  // [num_out] or null
   T* y;           // [num_rows, num_out]
+  const c10::BFloat16* x16 = nullptr;  // the same rows as contiguous bfloat16, for bfloat16 rows and weights
 
   // Rows of sums `sums` ([num_rows, width], from column `first`) plus the bias, rounded to T.
   void store(const float* sums, int64_t first, int64_t width) const {
@@ -352,6 +353,103 @@ struct Q8_0Pairs {
 #include "linear_blocks.h"
 }  // namespace avx512vnni
 #pragma GCC pop_options
+
+// bfloat16 rows times bfloat16 weights on CPUs with AVX512-BF16: a pair of k of 16 outputs in one
+// vdpbf16ps, which adds the pair's two products (exact in float32) to the sums one after the
+// other, the second k first, each rounded to nearest: the chain linear_tiles.h defines for
+// bfloat16 weights, at the FMA tiles' bits (inputs and sums that are subnormal, which it flushes
+// to zero, aside) and twice their multiply-adds an instruction. Float32 weights take the AVX512F
+// tiles, blocks the AVX512 VNNI ones.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vnni,avx512bf16,avx2,fma,f16c")
+namespace avx512bf16 {
+constexpr int kLanes = 16;
+constexpr int kAccumulators = 24;  // of 32 vector registers
+using Vec = __m512;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vload(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+#include "linear_tiles.h"
+
+// Packed bfloat16 panels ([panels, K, kPanel], as DensePanels) read by dot-product tiles, with the call's rows
+// as they read them: `pairs` [K / 2, rows], each x[r, 2j] and x[r, 2j + 1] in one 32-bit word (a tile's rows
+// at a pair of k side by side, so that every row's broadcast is an offset from one address).
+struct DotPanels {
+  static constexpr int64_t kBlock = kDepthBlock;
+  static constexpr bool kSplitFewRows = true;  // and many rows too: `run` splits any call's rows for these tiles
+  static constexpr bool kPairs = true;
+  static constexpr bool kDot = true;
+  const c10::BFloat16* data;
+  int64_t depth;
+  const int32_t* pairs;
+  int64_t num_rows;
+
+  // Rows k and k + 1 of a panel (32 contiguous bfloat16) as the 16 outputs' pairs: lane j holds output j's
+  // weight at k in its low half, at k + 1 in its high half, as vdpbf16ps pairs them.
+  static __m512bh weight_pairs(const c10::BFloat16* at) {
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return (__m512bh)_mm512_permutexvar_epi16(order, _mm512_loadu_si512(at));
+  }
+
+  template <int kRows, int kPanels>
+  void tile(const float* x, int64_t x_stride, int64_t row, int64_t first, int64_t begin, int64_t end,
+            float* out) const {
+    constexpr int kSums = kRows * kPanels;
+    __m512 acc[kSums];
+#pragma GCC unroll 32
+    for (int i = 0; i < kSums; ++i) acc[i] = begin == 0 ? vzero() : vload(out + i * kLanes);
+    const c10::BFloat16* panel = data + first * depth * kPanel;
+    const int64_t pairs_end = begin + (end - begin) / 2 * 2;
+    for (int64_t k = begin; k < pairs_end; k += 2) {
+      __m512bh w[kPanels];
+#pragma GCC unroll 8
+      for (int p = 0; p < kPanels; ++p) w[p] = weight_pairs(panel + (p * depth + k) * kPanel);
+      const int32_t* inputs = pairs + k / 2 * num_rows + row;
+#pragma GCC unroll 32
+      for (int r = 0; r < kRows; ++r) {
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(inputs[r]);
+#pragma GCC unroll 8
+        for (int p = 0; p < kPanels; ++p) acc[r * kPanels + p] = _mm512_dpbf16_ps(acc[r * kPanels + p], w[p], a);
+      }
+    }
+    if (pairs_end < end) {  // an odd K's last k, alone
+#pragma GCC unroll 8
+      for (int p = 0; p < kPanels; ++p) {
+        const Vec w = vload(panel + (p * depth + pairs_end) * kPanel);
+#pragma GCC unroll 32
+        for (int r = 0; r < kRows; ++r) {
+          acc[r * kPanels + p] = vfma(vbroadcast(x + (row + r) * x_stride + pairs_end), w, acc[r * kPanels + p]);
+        }
+      }
+    }
+#pragma GCC unroll 32
+    for (int i = 0; i < kSums; ++i) vstore(out + i * kLanes, acc[i]);
+  }
+};
+
+template <typename T>
+void run_dense_dot(const LinearCall<T>& call, WeightFormat format, const void* packed) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (format == WeightFormat::kBFloat16 && call.x16 != nullptr) {
+      const int64_t num_pairs = call.depth / 2;
+      auto* pairs = thread_scratch<int32_t>(static_cast<size_t>(num_pairs * call.num_rows));
+      for (int64_t r = 0; r < call.num_rows; ++r) {
+        for (int64_t j = 0; j < num_pairs; ++j) std::memcpy(pairs + j * call.num_rows + r, call.x16 + r * call.depth + 2 * j, 4);
+      }
+      return run(call, DotPanels{static_cast<const c10::BFloat16*>(packed), call.depth, pairs, call.num_rows});
+    }
+  }
+  return run_dense<T>(call, format, packed);
+}
+}  // namespace avx512bf16
+#pragma GCC pop_options
 #endif
 
 // Any CPU: the same chains in plain C++ (std::fma rounds once, as the vector FMAs do).
@@ -467,6 +565,7 @@ std::vector<std::string> available_paths() {
 #ifdef SPECSERVE_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni")) {
+    if (__builtin_cpu_supports("avx512bf16")) paths.emplace_back("avx512bf16");
     paths.emplace_back("avx512vnni");
   }
   if (__builtin_cpu_supports("avx512f")) paths.emplace_back("avx512f");
@@ -485,9 +584,11 @@ template <typename T>
 void run_on(const std::string& path, const LinearCall<T>& call, WeightFormat format, const QuantizedRows* x,
             const void* packed) {
 #ifdef SPECSERVE_X86
-  if (x != nullptr && path == "avx512vnni") return avx512vnni::run_block_format<T>(call, format, *x, packed);
+  const bool vnni = path == "avx512vnni" || path == "avx512bf16";
+  if (x != nullptr && vnni) return avx512vnni::run_block_format<T>(call, format, *x, packed);
+  if (path == "avx512bf16") return avx512bf16::run_dense_dot<T>(call, format, packed);
   if (x != nullptr && path != "portable") return avx2::run_block_format<T>(call, format, *x, packed);
-  if (path == "avx512f" || path == "avx512vnni") return avx512f::run_dense<T>(call, format, packed);
+  if (path == "avx512f" || vnni) return avx512f::run_dense<T>(call, format, packed);
   if (path == "avx2") return avx2::run_dense<T>(call, format, packed);
 #endif
   if (x != nullptr) return portable::run_block_format<T>(call, format, *x, packed);
@@ -544,8 +645,9 @@ at::Tensor linear_any(const at::Tensor& x, WeightFormat format, const void* pack
     run_on<float>(chosen, {xf, num_rows, depth, num_out, bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>()},
                   format, blocks, packed);
   } else if (x.scalar_type() == at::kBFloat16) {
+    const at::Tensor rows16 = x.contiguous();
     run_on<c10::BFloat16>(chosen, {xf, num_rows, depth, num_out, bias ? bias->data_ptr<c10::BFloat16>() : nullptr,
-                                   y.data_ptr<c10::BFloat16>()},
+                                   y.data_ptr<c10::BFloat16>(), rows16.data_ptr<c10::BFloat16>()},
                           format, blocks, packed);
   } else {
     TORCH_CHECK(false, "the linear kernel supports float32 and bfloat16 rows, not ", x.scalar_type());

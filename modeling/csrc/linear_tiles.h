@@ -2,8 +2,12 @@
 // set inside a namespace that first defines: Vec, kLanes, kAccumulators (vector registers the
 // tile may hold as sums), vzero, vbroadcast, vload (float32 and bfloat16), vfma.
 //
-// Every output element is one chain vfma(x[m, k], w[k, n], sum) over k = 0 .. K-1 from
-// zero; tiles differ only in how many rows and panels they keep in registers.
+// Every output element is one chain vfma(x[m, k], w[k, n], sum) from zero, over k = 0 .. K-1
+// for float32 weights and, for bfloat16 weights, over the pairs of k in order, the second of
+// each pair first: k = 1, 0, 3, 2, ... (a last k of an odd K alone). That is the order an
+// AVX512-BF16 dot product (vdpbf16ps) adds a pair's two exact products in, each rounded, so
+// the dot-product tiles (a Panels type with kDot) give these bits too. Tiles differ only in how
+// many rows and panels they keep in registers.
 
 constexpr int kVecs = kPanel / kLanes;  // vectors per panel
 constexpr int kMaxRows = kAccumulators / kVecs;  // rows of a one-panel tile
@@ -15,6 +19,8 @@ struct DensePanels {
   static constexpr int64_t kBlock = kDepthBlock;  // any k in one block: a tile never crosses one
   // Rows of few rows take tiles of half the rows, each streaming two or more panels, for float32 only (see run).
   static constexpr bool kSplitFewRows = std::is_same_v<W, float>;
+  static constexpr bool kPairs = std::is_same_v<W, c10::BFloat16>;  // k in pairs, the second first
+  static constexpr bool kDot = false;
   const W* data;
   int64_t depth;  // k per panel
 
@@ -31,10 +37,10 @@ struct DensePanels {
 // kRows rows of x by kPanels consecutive panels from `first`, sums over k in [begin, end) added to
 // `out` ([kRows, kPanels * kPanel], float32), which holds the chains' values after k = begin - 1
 // (zero for begin = 0). Storing and reloading a float32 sum is exact, so splitting K this
-// way keeps each chain as it is. `begin` is a multiple of the panels' block.
+// way keeps each chain as it is. `begin` is a multiple of the panels' block (an even k).
 template <typename Panels, int kRows, int kPanels>
-void tile(const float* x, int64_t x_stride, const Panels& panels, int64_t first, int64_t begin, int64_t end,
-          float* out) {
+void fma_tile(const float* x, int64_t x_stride, const Panels& panels, int64_t first, int64_t begin, int64_t end,
+              float* out) {
   constexpr int kSums = kRows * kPanels * kVecs;  // sum i: row i / (kPanels * kVecs), vector i % (kPanels * kVecs)
   constexpr int kRowVecs = kPanels * kVecs;
   Vec acc[kSums];
@@ -45,7 +51,7 @@ void tile(const float* x, int64_t x_stride, const Panels& panels, int64_t first,
 #pragma GCC unroll 8
     for (int p = 0; p < kPanels; ++p) blocks[p] = panels.block(first + p, start);
     const int64_t count = std::min(Panels::kBlock, end - start);
-    for (int64_t i = 0; i < count; ++i) {
+    const auto step = [&](int64_t i) __attribute__((always_inline)) {
       const int64_t k = start + i;
       Vec w[kRowVecs];
 #pragma GCC unroll 8
@@ -56,27 +62,48 @@ void tile(const float* x, int64_t x_stride, const Panels& panels, int64_t first,
 #pragma GCC unroll 32
         for (int j = 0; j < kRowVecs; ++j) acc[r * kRowVecs + j] = vfma(a, w[j], acc[r * kRowVecs + j]);
       }
+    };
+    if constexpr (Panels::kPairs) {
+      for (int64_t i = 0; i + 1 < count; i += 2) {
+        step(i + 1);
+        step(i);
+      }
+      if (count % 2 != 0) step(count - 1);
+    } else {
+      for (int64_t i = 0; i < count; ++i) step(i);
     }
   }
 #pragma GCC unroll 32
   for (int i = 0; i < kSums; ++i) vstore(out + i * kLanes, acc[i]);
 }
 
+// The same for the rows from `row` of the call's rows x, on the panels' own tiles where they have them (kDot:
+// panels that hold the rows as those tiles read them).
+template <typename Panels, int kRows, int kPanels>
+void tile(const float* x, int64_t x_stride, int64_t row, const Panels& panels, int64_t first, int64_t begin,
+          int64_t end, float* out) {
+  if constexpr (Panels::kDot) {
+    return panels.template tile<kRows, kPanels>(x, x_stride, row, first, begin, end, out);
+  } else {
+    fma_tile<Panels, kRows, kPanels>(x + row * x_stride, x_stride, panels, first, begin, end, out);
+  }
+}
+
 template <typename Panels, int kPanels, int kRows = 1>
-void tile_rows(int rows, const float* x, int64_t x_stride, const Panels& panels, int64_t first, int64_t begin,
-               int64_t end, float* out) {
+void tile_rows(int rows, const float* x, int64_t x_stride, int64_t row, const Panels& panels, int64_t first,
+               int64_t begin, int64_t end, float* out) {
   if constexpr (kRows <= kMaxRows && kRows * kPanels * kVecs <= kAccumulators) {
-    if (rows == kRows) return tile<Panels, kRows, kPanels>(x, x_stride, panels, first, begin, end, out);
-    return tile_rows<Panels, kPanels, kRows + 1>(rows, x, x_stride, panels, first, begin, end, out);
+    if (rows == kRows) return tile<Panels, kRows, kPanels>(x, x_stride, row, panels, first, begin, end, out);
+    return tile_rows<Panels, kPanels, kRows + 1>(rows, x, x_stride, row, panels, first, begin, end, out);
   }
 }
 
 template <typename Panels, int kPanels = 1>
-void tile_any(int rows, int num_panels, const float* x, int64_t x_stride, const Panels& panels, int64_t first,
-              int64_t begin, int64_t end, float* out) {
+void tile_any(int rows, int num_panels, const float* x, int64_t x_stride, int64_t row, const Panels& panels,
+              int64_t first, int64_t begin, int64_t end, float* out) {
   if constexpr (kPanels <= kMaxPanels) {
-    if (num_panels == kPanels) return tile_rows<Panels, kPanels>(rows, x, x_stride, panels, first, begin, end, out);
-    return tile_any<Panels, kPanels + 1>(rows, num_panels, x, x_stride, panels, first, begin, end, out);
+    if (num_panels == kPanels) return tile_rows<Panels, kPanels>(rows, x, x_stride, row, panels, first, begin, end, out);
+    return tile_any<Panels, kPanels + 1>(rows, num_panels, x, x_stride, row, panels, first, begin, end, out);
   }
 }
 
@@ -91,8 +118,9 @@ void run(const LinearCall<T>& call, const Panels& panels) {
   // two or more panels. One tile of all the rows would stream one panel, and a core cannot read one stream of
   // weights at the memory's pace; the rows past the tile read the block of panels again from cache. Not for
   // bfloat16, whose every pass widens the weights again, nor for steps of many rows, which are compute bound
-  // (measured: docs/benchmarks.md, the roofline).
-  const bool split = Panels::kSplitFewRows && call.num_rows <= kMaxRows;
+  // (measured: docs/benchmarks.md, the roofline). The dot-product tiles take half the rows at any count: a tile
+  // of two panels broadcasts each row's inputs once for both (64 rows: 1.3x faster than one panel of 24 rows).
+  const bool split = Panels::kDot || (Panels::kSplitFewRows && call.num_rows <= kMaxRows);
   const int rows_per_tile = static_cast<int>(std::min<int64_t>(call.num_rows, split ? std::max(1, kMaxRows / 2) : kMaxRows));
   const int group = panels_for(rows_per_tile);
   const int64_t num_groups = (num_panels + group - 1) / group;
@@ -110,8 +138,7 @@ void run(const LinearCall<T>& call, const Panels& panels) {
         const int64_t end = std::min(call.depth, begin + kDepthBlock);
         for (int64_t row = 0; row < call.num_rows; row += rows_per_tile) {
           const int rows = static_cast<int>(std::min<int64_t>(rows_per_tile, call.num_rows - row));
-          tile_any<Panels>(rows, count, call.x + row * call.depth, call.depth, panels, first_panel, begin, end,
-                           out + row * width);
+          tile_any<Panels>(rows, count, call.x, call.depth, row, panels, first_panel, begin, end, out + row * width);
         }
       }
       call.store(out, first_panel * kPanel, width);

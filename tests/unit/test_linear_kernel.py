@@ -21,7 +21,7 @@ from modeling.llama import LlamaModel
 from modeling.invariance import linear_rows_problem
 from modeling.native import SWITCH_ENV, native_ops
 
-ALL_PATHS = ("avx512vnni", "avx512f", "avx2", "portable")
+ALL_PATHS = ("avx512bf16", "avx512vnni", "avx512f", "avx2", "portable")
 # The default model's weights (qkv, o, gate_up, down, LM head) and odd ones: widths that
 # are not a multiple of any vector, a single output, a single input.
 MODEL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
@@ -89,13 +89,44 @@ def test_products_match_torch(ops, path: str, dtype: torch.dtype, shape: tuple[i
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_path_gives_the_same_bits(ops, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
-    """A fused multiply-add rounds once whoever computes it, so the paths agree exactly (and a worker's output does
-    not depend on which one its CPU picked)."""
-    weight, bias, rows = _operands((75, 130), 11, dtype, seed=2)
+@pytest.mark.parametrize(("shape", "num_rows"), [((75, 130), 11), ((33, 77), 30), ((960, 576), 64), ((49, 601), 5)])
+def test_every_path_gives_the_same_bits(ops, dtype: torch.dtype, shape: tuple[int, int], num_rows: int) -> None:  # type: ignore[no-untyped-def]
+    """A fused multiply-add rounds once whoever computes it, and so does each of a bfloat16 dot product's two adds,
+    so the paths agree exactly (and a worker's output does not depend on which one its CPU picked): odd depths
+    (a last k without its pair) and depths past one block of k (256) included."""
+    weight, bias, rows = _operands(shape, num_rows, dtype, seed=2)
     outputs = {path: (linear := PackedLinear(ops, path))(rows, linear.pack(weight), bias) for path in ops.linear_paths()}
     first = next(iter(outputs.values()))
     assert all(torch.equal(first, out) for out in outputs.values()), list(outputs)
+
+
+def _chain(rows: torch.Tensor, weight: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """Each output as one float32 chain of fused multiply-adds over k in `order`, from zero: a bfloat16 product is
+    exact in float32 and the float64 sum of it and a float32 sum is exact here, so rounding that sum once to float32
+    is what one fused multiply-add gives."""
+    x, w = rows.double(), weight.double()
+    acc = torch.zeros(rows.shape[0], weight.shape[0], dtype=torch.float32)
+    for k in order:
+        acc = (acc.double() + x[:, k : k + 1] * w[:, k]).float()
+    return acc
+
+
+@pytest.mark.parametrize("path", ALL_PATHS)
+@pytest.mark.parametrize("depth", [130, 77])
+def test_bfloat16_weights_sum_each_pair_of_k_second_first(ops, path: str, depth: int) -> None:  # type: ignore[no-untyped-def]
+    """The chain linear_tiles.h defines for bfloat16 weights: k = 1, 0, 3, 2, ..., an odd depth's last k alone (the
+    order an AVX512-BF16 dot product adds a pair in), not k = 0, 1, 2, ...; the sums rounded once to bfloat16."""
+    linear = _linear(ops, path)
+    weight, _, rows = _operands((37, depth), 6, torch.bfloat16, seed=3)
+    ours = linear(rows, linear.pack(weight))
+    pairs = [k for j in range(0, depth - 1, 2) for k in (j + 1, j)] + ([depth - 1] if depth % 2 else [])
+    assert torch.equal(ours, _chain(rows, weight, pairs).to(torch.bfloat16))
+    # Products 1, 0, 0.75 of 1's float32 step, -1: k in order gives one step (1 + 0.75 step rounds up), k = 1, 0, 3, 2
+    # gives 0.75 step. Both are bfloat16 values, so the output tells the orders apart.
+    pad = [0.0] * (depth - 4)
+    one_weight = torch.tensor([[1.0, 1.0, 2.0**-24, 1.0, *pad]], dtype=torch.bfloat16)
+    one_row = torch.tensor([[1.0, 0.0, 1.5, -1.0, *pad]], dtype=torch.bfloat16)
+    assert linear(one_row, linear.pack(one_weight)).item() == 1.5 * 2.0**-24 != 2.0**-23
 
 
 def test_the_default_path_is_the_fastest_this_cpu_has(ops) -> None:  # type: ignore[no-untyped-def]
