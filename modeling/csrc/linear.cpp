@@ -100,7 +100,7 @@ inline float half_to_float(uint16_t h) {
 // One call's operands: x as contiguous float32 rows and the output (the weight is the panels' business).
 template <typename T>
 struct LinearCall {
-  const float* x;  // [num_rows, depth]
+  const float* x;  // [num_rows, depth]; null for the dot-product tiles, which read x16 alone (an even depth)
   int64_t num_rows, depth;
   int64_t num_out;
   const T* bias;  // [num_out] or null
@@ -440,9 +440,14 @@ void run_dense_dot(const LinearCall<T>& call, WeightFormat format, const void* p
     if (format == WeightFormat::kBFloat16 && call.x16 != nullptr) {
       const int64_t num_pairs = call.depth / 2;
       auto* pairs = thread_scratch<int32_t>(static_cast<size_t>(num_pairs * call.num_rows));
-      for (int64_t r = 0; r < call.num_rows; ++r) {
-        for (int64_t j = 0; j < num_pairs; ++j) std::memcpy(pairs + j * call.num_rows + r, call.x16 + r * call.depth + 2 * j, 4);
-      }
+      // 32 rows at a time: their cache lines stay in the nearest cache while every pair is read from them.
+      at::parallel_for(0, call.num_rows, 32, [&](int64_t begin, int64_t end) {
+        for (int64_t j = 0; j < num_pairs; ++j) {
+          for (int64_t r = begin; r < end; ++r) {
+            std::memcpy(pairs + j * call.num_rows + r, call.x16 + r * call.depth + 2 * j, sizeof(int32_t));
+          }
+        }
+      });
       return run(call, DotPanels{static_cast<const c10::BFloat16*>(packed), call.depth, pairs, call.num_rows});
     }
   }
@@ -625,9 +630,11 @@ at::Tensor linear_any(const at::Tensor& x, WeightFormat format, const void* pack
   const int64_t num_rows = x.size(0), depth = x.size(1);
   at::Tensor y = at::empty({num_rows, num_out}, x.options());
   if (num_rows == 0) return y;
-  // The rows as contiguous float32 (bfloat16 widens exactly).
-  const at::Tensor rows = x.to(at::kFloat).contiguous();
-  const float* xf = rows.data_ptr<float>();
+  // The rows as contiguous float32 (bfloat16 widens exactly); the dot-product tiles read bfloat16 pairs alone.
+  const bool pairs_only = chosen == "avx512bf16" && format == WeightFormat::kBFloat16 &&
+                          x.scalar_type() == at::kBFloat16 && depth % 2 == 0;
+  const at::Tensor rows = pairs_only ? at::Tensor() : x.to(at::kFloat).contiguous();
+  const float* xf = pairs_only ? nullptr : rows.data_ptr<float>();
   // For blocks, the rows rounded to 16-bit quants (see QuantizedRows).
   QuantizedRows quantized{};
   if (is_block_format(format)) {
