@@ -363,18 +363,14 @@ struct Q8_0Pairs {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vnni,avx512bf16,avx2,fma,f16c")
 namespace avx512bf16 {
-constexpr int kLanes = 16;
-constexpr int kAccumulators = 24;  // of 32 vector registers
-using Vec = __m512;
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec vload(const c10::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+using avx512f::kAccumulators;  // the AVX512F vectors, for the tiles' driver and an odd K's last k
+using avx512f::kLanes;
+using avx512f::vbroadcast;
+using avx512f::Vec;
+using avx512f::vfma;
+using avx512f::vload;
+using avx512f::vstore;
+using avx512f::vzero;
 #include "linear_tiles.h"
 
 // Packed bfloat16 panels ([panels, K, kPanel], as DensePanels) read by dot-product tiles, with the call's rows
