@@ -17,9 +17,13 @@ constexpr int kMaxPanels = 8;
 template <typename W>
 struct DensePanels {
   static constexpr int64_t kBlock = kDepthBlock;  // any k in one block: a tile never crosses one
-  // Rows of few rows take tiles of half the rows, each streaming two or more panels, for float32 only (see run).
-  static constexpr bool kSplitFewRows = std::is_same_v<W, float>;
   static constexpr bool kPairs = std::is_same_v<W, c10::BFloat16>;  // k in pairs, the second first
+  // Whether a call's rows take tiles of half the rows a one-panel tile could hold, each streaming two or more
+  // panels: float32 weights and few rows. One tile of all the rows would stream one panel, and a core cannot
+  // read one stream of weights at the memory's pace; the rows past the tile read the block of panels again from
+  // cache. Not for bfloat16, whose every pass widens the weights again, nor for steps of many rows, which are
+  // compute bound (measured: docs/benchmarks.md, the roofline).
+  static constexpr bool split_rows(int64_t num_rows) { return std::is_same_v<W, float> && num_rows <= kMaxRows; }
   static constexpr bool kDot = false;
   const W* data;
   int64_t depth;  // k per panel
@@ -114,13 +118,7 @@ inline int panels_for(int rows) { return std::max(1, std::min(kMaxPanels, kAccum
 template <typename T, typename Panels>
 void run(const LinearCall<T>& call, const Panels& panels) {
   const int64_t num_panels = (call.num_out + kPanel - 1) / kPanel;
-  // float32 weights and few rows: at most half the rows a one-panel tile could hold, so that every tile streams
-  // two or more panels. One tile of all the rows would stream one panel, and a core cannot read one stream of
-  // weights at the memory's pace; the rows past the tile read the block of panels again from cache. Not for
-  // bfloat16, whose every pass widens the weights again, nor for steps of many rows, which are compute bound
-  // (measured: docs/benchmarks.md, the roofline). The dot-product tiles take half the rows at any count: a tile
-  // of two panels broadcasts each row's inputs once for both (64 rows: 1.3x faster than one panel of 24 rows).
-  const bool split = Panels::kDot || (Panels::kSplitFewRows && call.num_rows <= kMaxRows);
+  const bool split = Panels::split_rows(call.num_rows);
   const int rows_per_tile = static_cast<int>(std::min<int64_t>(call.num_rows, split ? std::max(1, kMaxRows / 2) : kMaxRows));
   const int group = panels_for(rows_per_tile);
   const int64_t num_groups = (num_panels + group - 1) / group;
