@@ -31,8 +31,11 @@ from modeling.quantized import BLOCK_FORMATS, Blocks, ChannelInt8, GgufBlocks, b
 
 _IN_PLACE_BLOCK_ELEMENTS = 1 << 20  # the scratch of in-place packing: a few MiB
 # The path probe: a weight shaped like the model's MLP projections, capped at a few MiB, on the
-# row counts of a batch-1 decode step and of a batched one (the kernel's two kinds of tile).
-_PROBE_MAX_OUT, _PROBE_MAX_DEPTH, _PROBE_ROWS, _PROBE_REPEATS = 1024, 2048, (1, 16), 7
+# row counts of a batch-1 decode step and of a batched one (the kernel's two kinds of tile);
+# at least _PROBE_ROUNDS[0] rounds, more up to _PROBE_ROUNDS[1] while the probe has taken less
+# than _PROBE_SECONDS.
+_PROBE_MAX_OUT, _PROBE_MAX_DEPTH, _PROBE_ROWS = 1024, 2048, (1, 16)
+_PROBE_ROUNDS, _PROBE_SECONDS = (7, 40), 0.5
 SWITCH_MARGIN = 0.8  # another path is chosen over the first only when it takes at most this share of its time
 
 
@@ -128,18 +131,34 @@ _ONEDNN = "oneDNN"
 def _best_seconds(runs: dict[str, list[Callable[[], object]]]) -> dict[str, float]:
     """Each name's runs timed in turns with the others' (round after round, so that a busy spell of the machine, say
     another process loading, slows all of them alike), each the fastest of its rounds after a first untimed one;
-    summed per name."""
+    summed per name.
+
+    On one thread: a call on two must wait for both, so while another process keeps a core busy
+    (a draft model or a second worker loading beside this one) nearly every call waits out a
+    time slice of the scheduler, and the probe measures the slices, not the paths (it chose a
+    path with half the speed that way). One thread's calls are mostly left alone, and the
+    fastest of many rounds is the path's own time; the paths' ranking does not depend on the
+    threads, since each thread runs the same tiles on its share of the outputs.
+    """
     best = {name: [math.inf] * len(calls) for name, calls in runs.items()}
-    with torch.inference_mode():
-        for calls in runs.values():
-            for call in calls:
-                call()
-        for _ in range(_PROBE_REPEATS):
-            for name, calls in runs.items():
-                for index, call in enumerate(calls):
-                    start = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            for calls in runs.values():
+                for call in calls:
                     call()
-                    best[name][index] = min(best[name][index], time.perf_counter() - start)
+            began = time.perf_counter()
+            for round_ in range(_PROBE_ROUNDS[1]):
+                if round_ >= _PROBE_ROUNDS[0] and time.perf_counter() - began > _PROBE_SECONDS:
+                    break
+                for name, calls in runs.items():
+                    for index, call in enumerate(calls):
+                        start = time.perf_counter()
+                        call()
+                        best[name][index] = min(best[name][index], time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
     return {name: sum(values) for name, values in best.items()}
 
 
