@@ -430,20 +430,66 @@ struct DotPanels {
   }
 };
 
+// v[i] (row i) to v[i] = column i, for 16 x 16 32-bit words: pairs of rows interleaved by word, then by two
+// words, then the 128-bit lanes gathered, so that lane L of column c holds rows 4L..4L + 3.
+inline void transpose_words(__m512i v[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);  // lane L: row 2i and 2i + 1 at columns 4L, 4L + 1
+    t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);  // ... at 4L + 2, 4L + 3
+  }
+  __m512i u[16];  // u[4i + c], lane L: rows 4i..4i + 3 at column 4L + c
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i low_front = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);   // lanes 0, 1 of rows 0-3 and 4-7
+    const __m512i low_back = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);    // lanes 2, 3
+    const __m512i high_front = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);  // of rows 8-11 and 12-15
+    const __m512i high_back = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    v[c] = _mm512_shuffle_i32x4(low_front, high_front, 0x88);
+    v[4 + c] = _mm512_shuffle_i32x4(low_front, high_front, 0xDD);
+    v[8 + c] = _mm512_shuffle_i32x4(low_back, high_back, 0x88);
+    v[12 + c] = _mm512_shuffle_i32x4(low_back, high_back, 0xDD);
+  }
+}
+
+// Rows [begin, end) of the call's bfloat16 rows into `pairs` as DotPanels reads them ([K / 2, rows], x[r, 2j] and
+// x[r, 2j + 1] in word j * rows + r): 16 rows by 16 pairs a transpose of vectors, the edges word by word.
+template <typename T>
+void pair_rows(const LinearCall<T>& call, int64_t begin, int64_t end, int32_t* pairs) {
+  const int64_t num_pairs = call.depth / 2, num_rows = call.num_rows;
+  const auto* x = reinterpret_cast<const char*>(call.x16);
+  const auto word = [&](int64_t r, int64_t j) { return x + (r * call.depth + 2 * j) * sizeof(c10::BFloat16); };
+  const auto copy = [&](int64_t r, int64_t j) { std::memcpy(pairs + j * num_rows + r, word(r, j), sizeof(int32_t)); };
+  int64_t r = begin;
+  for (; r + 16 <= end; r += 16) {
+    int64_t j = 0;
+    for (; j + 16 <= num_pairs; j += 16) {
+      __m512i v[16];
+      for (int i = 0; i < 16; ++i) v[i] = _mm512_loadu_si512(word(r + i, j));
+      transpose_words(v);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(pairs + (j + i) * num_rows + r, v[i]);
+    }
+    for (; j < num_pairs; ++j) {
+      for (int i = 0; i < 16; ++i) copy(r + i, j);
+    }
+  }
+  for (; r < end; ++r) {
+    for (int64_t j = 0; j < num_pairs; ++j) copy(r, j);
+  }
+}
+
 template <typename T>
 void run_dense_dot(const LinearCall<T>& call, WeightFormat format, const void* packed) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (format == WeightFormat::kBFloat16 && call.x16 != nullptr) {
-      const int64_t num_pairs = call.depth / 2;
-      auto* pairs = thread_scratch<int32_t>(static_cast<size_t>(num_pairs * call.num_rows));
+      auto* pairs = thread_scratch<int32_t>(static_cast<size_t>(call.depth / 2 * call.num_rows));
       // 32 rows at a time: their cache lines stay in the nearest cache while every pair is read from them.
-      at::parallel_for(0, call.num_rows, 32, [&](int64_t begin, int64_t end) {
-        for (int64_t j = 0; j < num_pairs; ++j) {
-          for (int64_t r = begin; r < end; ++r) {
-            std::memcpy(pairs + j * call.num_rows + r, call.x16 + r * call.depth + 2 * j, sizeof(int32_t));
-          }
-        }
-      });
+      at::parallel_for(0, call.num_rows, 32, [&](int64_t begin, int64_t end) { pair_rows(call, begin, end, pairs); });
       return run(call, DotPanels{static_cast<const c10::BFloat16*>(packed), call.depth, pairs, call.num_rows});
     }
   }
