@@ -252,6 +252,21 @@ def test_fused_silu_mul_matches_torch(ops, dtype: torch.dtype) -> None:  # type:
     _close_to_torch(ops.silu_mul(gate_up), F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_silu_mul_gives_an_element_the_same_bits_wherever_it_stands(ops, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    """Vector lanes (16 at a time on AVX512) and the scalar tail of a row compute alike: rolling a row's elements moves
+    them between the two, and moves the outputs with them, bit for bit (specials and extremes included)."""
+    generator = torch.Generator().manual_seed(9)
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, -1e-40, 90.0, -90.0, 3e38])
+    gate = torch.cat([special, torch.randn(37 - len(special), generator=generator) * 8])
+    up = torch.randn(37, generator=generator)
+    rows = [torch.cat([gate.roll(shift), up.roll(shift)]) for shift in (0, 5, 21)]
+    out = ops.silu_mul(torch.stack(rows).to(dtype))
+    for index, shift in enumerate((5, 21), start=1):
+        assert torch.equal(out[index].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           out[0].roll(shift).view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
 def test_elementwise_ops_refuse_bad_shapes(ops) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(RuntimeError, match="weight must be"):
         ops.rms_norm(torch.ones(2, 8), torch.ones(7), 1e-5)
