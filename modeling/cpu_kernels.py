@@ -32,10 +32,10 @@ from modeling.quantized import BLOCK_FORMATS, Blocks, ChannelInt8, GgufBlocks, b
 _IN_PLACE_BLOCK_ELEMENTS = 1 << 20  # the scratch of in-place packing: a few MiB
 # The path probe: a weight shaped like the model's MLP projections, capped at a few MiB, on the
 # row counts of a batch-1 decode step and of a batched one (the kernel's two kinds of tile);
-# at least _PROBE_ROUNDS[0] rounds, more up to _PROBE_ROUNDS[1] while the probe has taken less
+# at least _PROBE_MIN_ROUNDS rounds, more up to _PROBE_MAX_ROUNDS while the probe has taken less
 # than _PROBE_SECONDS.
 _PROBE_MAX_OUT, _PROBE_MAX_DEPTH, _PROBE_ROWS = 1024, 2048, (1, 16)
-_PROBE_ROUNDS, _PROBE_SECONDS = (7, 40), 0.5
+_PROBE_MIN_ROUNDS, _PROBE_MAX_ROUNDS, _PROBE_SECONDS = 7, 40, 0.5
 SWITCH_MARGIN = 0.8  # another path is chosen over the first only when it takes at most this share of its time
 
 
@@ -149,8 +149,8 @@ def _best_seconds(runs: dict[str, list[Callable[[], object]]]) -> dict[str, floa
                 for call in calls:
                     call()
             began = time.perf_counter()
-            for round_ in range(_PROBE_ROUNDS[1]):
-                if round_ >= _PROBE_ROUNDS[0] and time.perf_counter() - began > _PROBE_SECONDS:
+            for round_ in range(_PROBE_MAX_ROUNDS):
+                if round_ >= _PROBE_MIN_ROUNDS and time.perf_counter() - began > _PROBE_SECONDS:
                     break
                 for name, calls in runs.items():
                     for index, call in enumerate(calls):

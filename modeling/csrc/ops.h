@@ -60,23 +60,32 @@ inline float round_to(float x) {
   return to_float(from_float<T>(x));
 }
 
-// exp(x) in a form the compiler vectorizes: Cephes' range reduction and degree-6
-// polynomial, within 2 ulp of expf over [-87, 88] (clamped outside it). Built without
-// -ffast-math, so the rounding trick below is kept as written.
-#pragma omp declare simd
-inline float exp_float(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);  // min and max, not branches: the loops around it vectorize
-  // Nearest integer to x / ln 2 (adding and taking away 1.5 x 2^23 rounds a float to an integer).
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  float r = x - n * 0.693359375f;
+// Cephes' range reduction and degree-6 polynomial for exp(x), x already clamped to [-87, 88], on a
+// float or on a vector of floats (GCC's vector operators, a float operand broadcast): returns
+// p ~ exp(x - n ln 2), with n, the nearest integer to x / ln 2, in `n`. Each operation rounds by
+// itself (ISO C++ builds do not fuse a multiply and an add), so both give the same bits.
+template <typename V>
+inline V exp_reduced(V x, V& n) {
+  // Adding and taking away 1.5 x 2^23 rounds a float to an integer. Built without -ffast-math, so kept as written.
+  n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  V r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  return p * r * r + r + 1.0f;
+}
+
+// exp(x) in a form the compiler vectorizes: exp_reduced times 2^n, within 2 ulp of expf over
+// [-87, 88] (clamped outside it).
+#pragma omp declare simd
+inline float exp_float(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);  // min and max, not branches: the loops around it vectorize
+  float n;
+  const float p = exp_reduced(x, n);
   const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));

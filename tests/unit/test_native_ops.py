@@ -262,9 +262,9 @@ def test_fused_silu_mul_gives_an_element_the_same_bits_wherever_it_stands(ops, d
     up = torch.randn(37, generator=generator)
     rows = [torch.cat([gate.roll(shift), up.roll(shift)]) for shift in (0, 5, 21)]
     out = ops.silu_mul(torch.stack(rows).to(dtype))
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
     for index, shift in enumerate((5, 21), start=1):
-        assert torch.equal(out[index].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                           out[0].roll(shift).view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+        assert torch.equal(out[index].view(bits), out[0].roll(shift).view(bits))
 
 
 def test_elementwise_ops_refuse_bad_shapes(ops) -> None:  # type: ignore[no-untyped-def]
