@@ -27,7 +27,7 @@ from gguf.quants import quantize
 from modeling.config import ModelConfig
 from modeling.llama import LlamaModel, head_parts, projection_parts
 from modeling.native import KernelUnavailable, native_ops
-from modeling.quantized import BLOCK_FORMATS, Blocks, ChannelInt8, GgufBlocks, block_panels, panel_rows, q4_1_as_q4_k
+from modeling.quantized import BLOCK_FORMATS, Blocks, ChannelInt8, GgufBlocks, block_panels, q4_1_as_q4_k
 
 _IN_PLACE_BLOCK_ELEMENTS = 1 << 20  # the scratch of in-place packing: a few MiB
 # The path probe: a weight shaped like the model's MLP projections, capped at a few MiB, on the
@@ -276,10 +276,12 @@ class PackedLinear:
     def rows(self, packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight `packed` was packed from: `[len(ids), K]` (an embedding lookup on a tied head).
 
-        Rows of GGUF blocks come widened to float32, as the kernel widens them."""
+        Rows of GGUF blocks come widened to float32, as gguf dequantizes them (`block_rows`, which computes
+        what `modeling.quantized.panel_rows` does, in one native call)."""
         panel = self._panel
         if packed.dtype == torch.uint8:
-            return panel_rows(packed, self._formats[packed.data_ptr()], panel, ids)
+            rows: torch.Tensor = self._ops.block_rows(packed, ids, self._formats[packed.data_ptr()])
+            return rows
         return packed[ids // panel, :, ids % panel]
 
     def out_features(self, packed: torch.Tensor) -> int:

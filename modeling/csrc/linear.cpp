@@ -758,3 +758,61 @@ at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& packed, int64_t 
               " does not fit the packed blocks");
   return linear_any(x, block_format(format), packed.data_ptr(), num_out, bias, path);
 }
+
+// Rows `ids` ([n], int64) of a weight packed as blocks by modeling/cpu_kernels.py -> [n, K] float32, each
+// value as gguf dequantizes it: d * q for Q8_0, d * q + m for Q4_1 and Q4_K (two roundings, no fused
+// multiply-add), as modeling.quantized.panel_rows computes them. An embedding lookup on a tied LM head.
+at::Tensor block_rows(const at::Tensor& packed, const at::Tensor& ids, const std::string& format) {
+  const WeightFormat kind = block_format(format);
+  const int64_t bytes = linear_block_bytes(format);
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 3 &&
+                  packed.size(2) == bytes && packed.is_contiguous(),
+              "the blocks must be a contiguous uint8 CPU tensor [panels, in_features / ", kQuantBlock, ", ", bytes, "]");
+  TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 1, "ids must be a 1-d int64 CPU tensor");
+  const at::Tensor rows = ids.contiguous();
+  const int64_t num_ids = rows.numel(), num_blocks = packed.size(1), num_panels = packed.size(0);
+  const int64_t* id_of = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < num_ids; ++i) {
+    TORCH_CHECK(id_of[i] >= 0 && id_of[i] < num_panels * kPanel, "row ", id_of[i], " is outside the weight's ",
+                num_panels * kPanel, " packed rows");
+  }
+  at::Tensor out = at::empty({num_ids, num_blocks * kQuantBlock}, at::kFloat);
+  const uint8_t* data = packed.data_ptr<uint8_t>();
+  float* values = out.data_ptr<float>();
+  const int scale_bytes = kind == WeightFormat::kQ4_K ? 4 : 2;
+  const auto scale = [&](const uint8_t* at) {
+    if (scale_bytes == 4) {
+      float value;
+      std::memcpy(&value, at, sizeof(value));
+      return value;
+    }
+    uint16_t half;
+    std::memcpy(&half, at, sizeof(half));
+    return half_to_float(half);
+  };
+  at::parallel_for(0, num_ids, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t lane = id_of[i] % kPanel;
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const uint8_t* block = data + ((id_of[i] / kPanel) * num_blocks + b) * bytes;
+        float* row = values + i * num_blocks * kQuantBlock + b * kQuantBlock;
+        const float d = scale(block + scale_bytes * lane);
+        if (kind == WeightFormat::kQ8_0) {
+          const uint8_t* quants = block + 2 * kPanel;
+          for (int64_t k = 0; k < kQuantBlock; ++k) row[k] = static_cast<float>(static_cast<int8_t>(quants[k * kPanel + lane])) * d;
+          continue;
+        }
+        const float m = scale(block + scale_bytes * (kPanel + lane));
+        // Quad u's 32 bytes: byte 4j + 2t + s holds k = 4u + t + 2s of outputs j (low nibble) and j + 8 (high).
+        const uint8_t* quants = block + 2 * scale_bytes * kPanel;
+        const int64_t j = lane % (kPanel / 2), shift = lane < kPanel / 2 ? 0 : 4;
+        for (int64_t k = 0; k < kQuantBlock; ++k) {
+          const int64_t quad = k / 4, t = k % 2, s = (k % 4) / 2;
+          const int quant = (quants[quad * 2 * kPanel + 4 * j + 2 * t + s] >> shift) & 0x0F;
+          row[k] = d * static_cast<float>(quant) + m;
+        }
+      }
+    }
+  });
+  return out;
+}

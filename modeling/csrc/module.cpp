@@ -23,6 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W^T (+ b) on GGUF blocks packed into panels, widened in registers, each row computed as it would be alone",
         py::arg("x"), py::arg("packed"), py::arg("num_out"), py::arg("bias"), py::arg("format"), py::arg("path") = "");
   m.def("linear_block_bytes", &linear_block_bytes, "bytes of one panel's block of 32 inputs in a block format");
+  m.def("block_rows", &block_rows, kWithoutGil, "rows of a weight packed as GGUF blocks in panels, widened to float32",
+        py::arg("packed"), py::arg("ids"), py::arg("format"));
   m.def("linear_panel_width", &linear_panel_width, "outputs per column panel of a packed weight");
   m.def("linear_paths", &linear_paths, "the linear kernel's instruction sets this CPU has, fastest (the default) first");
   m.def("silu_mul", &silu_mul, kWithoutGil, "silu(gate) * up of each [gate | up] row");

@@ -110,6 +110,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t num_out
 at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& packed, int64_t num_out,
                          const c10::optional<at::Tensor>& bias, const std::string& format, const std::string& path);
 int64_t linear_block_bytes(const std::string& format);
+at::Tensor block_rows(const at::Tensor& packed, const at::Tensor& ids, const std::string& format);
 int64_t linear_panel_width();
 std::vector<std::string> linear_paths();
 void bind_decoder_stack(pybind11::module_& m);

@@ -21,7 +21,7 @@ from modeling.engine import ModelEngine
 from modeling.gguf_convert import convert_gguf
 from modeling.invariance import linear_rows_problem
 from modeling.native import KernelUnavailable, native_ops
-from modeling.quantized import (QUANTIZATIONS, Blocks, QuantizationError, channel_int8_blocks, q4_k_sub_blocks,
+from modeling.quantized import (QUANTIZATIONS, Blocks, QuantizationError, channel_int8_blocks, panel_rows, q4_k_sub_blocks,
                                 servable_quantization, weight_blocks)
 from specserve.cli import _build_parser
 from specserve.stack import StackAddresses, StackConfig, worker_spec
@@ -116,6 +116,18 @@ def test_rows_of_packed_blocks_are_gguf_dequantized_rows(ops: ModuleType, format
     linear = PackedLinear(ops)
     ids = torch.tensor([0, 36, 7, 8, 15, 16, 31, 7])
     assert torch.equal(linear.rows(linear.pack_blocks(blocks), ids), weight[ids])
+
+
+@pytest.mark.parametrize("format_name", sorted(KINDS))
+def test_native_block_rows_are_the_reference_rows(ops: ModuleType, format_name: str) -> None:
+    blocks, _ = random_blocks(format_name, 45, 160, seed=9)
+    packed = PackedLinear(ops).pack_blocks(blocks)
+    ids = torch.tensor([44, 0, 15, 16, 8, 7, 31, 32, 44, 3])
+    panel = ops.linear_panel_width()
+    assert torch.equal(ops.block_rows(packed, ids, format_name), panel_rows(packed, format_name, panel, ids))
+    assert ops.block_rows(packed, torch.tensor([], dtype=torch.long), format_name).shape == (0, 160)
+    with pytest.raises(RuntimeError, match="outside the weight's 48 packed rows"):
+        ops.block_rows(packed, torch.tensor([48]), format_name)
 
 
 def random_q4_k(out_features: int, in_features: int, seed: int) -> tuple[Blocks, torch.Tensor]:
