@@ -759,6 +759,37 @@ at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return linear_any(x, block_format(format), packed.data_ptr(), num_out, bias, path);
 }
 
+namespace {
+
+// Rows `ids` of a weight packed as blocks, each widened by the portable path's own block reader:
+// quant (output L, k = 4u + 2p + t) is lane 2 (L % kLanes) + t of the reader's vector 2p + L / kLanes of load u.
+// `offset`: add m (Q4_1, Q4_K); Q8_0's values are q * d alone, as gguf computes them.
+template <typename Reader>
+void widen_rows(const uint8_t* data, int64_t num_blocks, const int64_t* ids, int64_t num_ids, bool offset,
+                float* values) {
+  using portable::kLanes;
+  at::parallel_for(0, num_ids, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t half = ids[i] % kPanel / kLanes, lane = ids[i] % kLanes;
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const Reader reader(data + ((ids[i] / kPanel) * num_blocks + b) * Reader::kBytes);
+        const float d = reader.d(half).v[lane], m = reader.m(half).v[lane];
+        float* row = values + (i * num_blocks + b) * kQuantBlock;
+        for (int64_t quad = 0; quad < kQuantBlock / 4; ++quad) {
+          portable::WVec w[4];
+          reader.load(quad, w);
+          for (int64_t k = 0; k < 4; ++k) {
+            const auto quant = static_cast<float>(w[2 * (k / 2) + half].v[2 * lane + k % 2]);
+            row[4 * quad + k] = offset ? d * quant + m : quant * d;
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
 // Rows `ids` ([n], int64) of a weight packed as blocks by modeling/cpu_kernels.py -> [n, K] float32, each
 // value as gguf dequantizes it: d * q for Q8_0, d * q + m for Q4_1 and Q4_K (two roundings, no fused
 // multiply-add), as modeling.quantized.panel_rows computes them. An embedding lookup on a tied LM head.
@@ -779,40 +810,15 @@ at::Tensor block_rows(const at::Tensor& packed, const at::Tensor& ids, const std
   at::Tensor out = at::empty({num_ids, num_blocks * kQuantBlock}, at::kFloat);
   const uint8_t* data = packed.data_ptr<uint8_t>();
   float* values = out.data_ptr<float>();
-  const int scale_bytes = kind == WeightFormat::kQ4_K ? 4 : 2;
-  const auto scale = [&](const uint8_t* at) {
-    if (scale_bytes == 4) {
-      float value;
-      std::memcpy(&value, at, sizeof(value));
-      return value;
-    }
-    uint16_t half;
-    std::memcpy(&half, at, sizeof(half));
-    return half_to_float(half);
-  };
-  at::parallel_for(0, num_ids, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t lane = id_of[i] % kPanel;
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const uint8_t* block = data + ((id_of[i] / kPanel) * num_blocks + b) * bytes;
-        float* row = values + i * num_blocks * kQuantBlock + b * kQuantBlock;
-        const float d = scale(block + scale_bytes * lane);
-        if (kind == WeightFormat::kQ8_0) {
-          const uint8_t* quants = block + 2 * kPanel;
-          for (int64_t k = 0; k < kQuantBlock; ++k) row[k] = static_cast<float>(static_cast<int8_t>(quants[k * kPanel + lane])) * d;
-          continue;
-        }
-        const float m = scale(block + scale_bytes * (kPanel + lane));
-        // Quad u's 32 bytes: byte 4j + 2t + s holds k = 4u + t + 2s of outputs j (low nibble) and j + 8 (high).
-        const uint8_t* quants = block + 2 * scale_bytes * kPanel;
-        const int64_t j = lane % (kPanel / 2), shift = lane < kPanel / 2 ? 0 : 4;
-        for (int64_t k = 0; k < kQuantBlock; ++k) {
-          const int64_t quad = k / 4, t = k % 2, s = (k % 4) / 2;
-          const int quant = (quants[quad * 2 * kPanel + 4 * j + 2 * t + s] >> shift) & 0x0F;
-          row[k] = d * static_cast<float>(quant) + m;
-        }
-      }
-    }
-  });
+  switch (kind) {
+    case WeightFormat::kQ4_1:
+      widen_rows<portable::Q4_1Pairs>(data, num_blocks, id_of, num_ids, true, values);
+      break;
+    case WeightFormat::kQ4_K:
+      widen_rows<portable::Q4_KPairs>(data, num_blocks, id_of, num_ids, true, values);
+      break;
+    default:
+      widen_rows<portable::Q8_0Pairs>(data, num_blocks, id_of, num_ids, false, values);
+  }
   return out;
 }
