@@ -172,6 +172,24 @@ T* thread_scratch(size_t count) {
   return buffer.data();
 }
 
+// work(i) for i = 0 .. count - 1 on the call's threads: each thread takes the items of its own contiguous share
+// in order, then helps with the others' shares from where they stand. A thread reading one stream of weights in
+// order reads it at about twice the pace of pieces taken in turn with another thread (machine E), and on a machine
+// where another process holds a core for a while, the other threads still do the rest.
+template <typename Work>
+void for_each_share(int64_t count, const Work& work) {
+  const int64_t shares = std::min<int64_t>(at::get_num_threads(), count);
+  if (shares <= 0) return;
+  std::vector<std::atomic<int64_t>> next(static_cast<size_t>(shares));
+  for (int64_t s = 0; s < shares; ++s) next[s].store(s * count / shares, std::memory_order_relaxed);
+  at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t) {
+    for (int64_t i = 0; i < shares; ++i) {
+      const int64_t s = (begin + i) % shares, end = (s + 1) * count / shares;
+      for (int64_t item; (item = next[s].fetch_add(1, std::memory_order_relaxed)) < end;) work(item);
+    }
+  });
+}
+
 #ifdef SPECSERVE_X86
 #pragma GCC push_options
 #pragma GCC target("avx512f")
@@ -219,6 +237,7 @@ using WVec = __m256i;
 using XPair = __m256i;
 inline IVec ivzero() { return _mm256_setzero_si256(); }
 inline IVec imadd(IVec sums, WVec w, XPair x) { return _mm256_add_epi32(sums, _mm256_madd_epi16(w, x)); }
+inline IVec iadd(IVec a, IVec b) { return _mm256_add_epi32(a, b); }
 inline Vec vcvt(IVec v) { return _mm256_cvtepi32_ps(v); }
 // Two inputs of a row, as the pairs' tiles take them: x[k] and x[k + 1] in each 32-bit lane.
 inline XPair inputs_of_pair(const int16_t* p) {
@@ -303,6 +322,7 @@ using WVec = __m512i;
 using XPair = __m512i;
 inline IVec ivzero() { return _mm512_setzero_si512(); }
 inline IVec imadd(IVec sums, WVec w, XPair x) { return _mm512_dpwssd_epi32(sums, w, x); }
+inline IVec iadd(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
 inline Vec vcvt(IVec v) { return _mm512_cvtepi32_ps(v); }
 inline XPair inputs_of_pair(const int16_t* p) {
   int32_t both;
@@ -559,6 +579,10 @@ inline IVec ivzero() { return IVec{}; }
 inline IVec imadd(IVec sums, const WVec& w, XPair x) {
   for (int j = 0; j < kLanes; ++j) sums.v[j] += w.v[2 * j] * x.first + w.v[2 * j + 1] * x.second;
   return sums;
+}
+inline IVec iadd(IVec a, const IVec& b) {
+  for (int j = 0; j < kLanes; ++j) a.v[j] += b.v[j];
+  return a;
 }
 inline Vec vcvt(IVec v) {
   Vec out;

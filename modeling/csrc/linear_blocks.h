@@ -17,7 +17,6 @@
 // (Q8_0: m = 0). The operations are the same in every set, so every set gives the same bits, and
 // a row's bits do not depend on the other rows of its step.
 
-constexpr int kBlockMaxPanels = 3;
 constexpr int kQuads = kQuantBlock / 4;  // a block's loads, two steps (pairs of k) each
 constexpr int kQuadVecs = 2 * kVecs;     // the vectors of a load
 static_assert(kVecs * kLanes == kPanel, "a step's widened vectors are a panel's kVecs parts");
@@ -27,9 +26,6 @@ static_assert(kVecs * kLanes == kPanel, "a step's widened vectors are a panel's 
 // With more, it spills: on AVX2, 4 rows of a panel (8 of 16 registers) run 30% faster than 6
 // (machine D); on AVX512, 8 sums of 32 run 16 and 64 rows 1.5-2x faster than 16 sums (machine E).
 constexpr int kBlockMaxRows = kBlockSums / kVecs;
-
-// Panels a tile of `rows` rows holds: its sums in at most kBlockSums registers, the rest for the widened weights.
-inline int block_panels_for(int rows) { return std::max(1, std::min(kBlockMaxPanels, kBlockSums / (rows * kVecs))); }
 
 // A panel's blocks as they are in memory, each widened as a tile reads it.
 template <typename Reader>
@@ -52,97 +48,90 @@ struct Widened {
   Vec m(int h) const { return reader.m(h); }
 };
 
-// A group of panels widened once, for the tiles of many rows to read rather than each widening them again:
-// [panel - first][block][step][half].
+// One panel widened once, for the tiles of many rows to read rather than each widening it again:
+// [block][step][half].
 template <typename Reader>
 struct WidenedBlocks {
   using Block = Widened<Reader>;
   static constexpr int64_t kBlockVecs = kQuads * kQuadVecs;
   PackedBlocks<Reader> packed;
-  int64_t first;
+  int64_t panel;
   WVec* scratch;
-  void widen(int count) const {
-    for (int64_t p = 0; p < count; ++p) {
-      for (int64_t b = 0; b < packed.blocks; ++b) {
-        const Reader reader = packed.block(first + p, b);
-        WVec* out = scratch + (p * packed.blocks + b) * kBlockVecs;
-        for (int64_t quad = 0; quad < kQuads; ++quad) reader.load(quad, out + quad * kQuadVecs);
-      }
+  void widen() const {
+    for (int64_t b = 0; b < packed.blocks; ++b) {
+      const Reader reader = packed.block(panel, b);
+      for (int64_t quad = 0; quad < kQuads; ++quad) reader.load(quad, scratch + b * kBlockVecs + quad * kQuadVecs);
     }
   }
-  Block block(int64_t panel, int64_t b) const {
-    return {scratch + ((panel - first) * packed.blocks + b) * kBlockVecs, packed.block(panel, b)};
-  }
+  Block block(int64_t, int64_t b) const { return {scratch + b * kBlockVecs, packed.block(panel, b)}; }
 };
 
-// kRows rows from `row` by kPanels panels from `first`: every block's sums added to `out`
-// ([kRows, width] float32 from the tile's first column), which holds zeros to begin with.
-template <typename Source, int kRows, int kPanels>
-void block_tile(const QuantizedRows& x, int64_t row, const Source& source, int64_t first, float* out, int64_t width) {
+// Independent chains a tile of kRows rows keeps for each sum (1, 2 or 4: the pairs of a block's k taken in
+// turn), as many as kBlockSums registers hold: one row's sixteen multiply-adds a block would otherwise wait on
+// each other. Integer sums are exact, so the chains add up to the same bits in any order.
+template <int kRows>
+constexpr int block_chains() {
+  const int room = kBlockSums / (kRows * kVecs);
+  return room >= 4 ? 4 : room >= 2 ? 2 : 1;
+}
+
+// kRows rows from `row` by the panel `panel`: every block's sums added to `out` ([kRows, kPanel] float32), which
+// holds zeros to begin with. One panel a tile: its blocks are one stream in memory, which a core reads at about
+// twice the pace of three streams side by side (machine E).
+template <typename Source, int kRows>
+void block_tile(const QuantizedRows& x, int64_t row, const Source& source, int64_t panel, float* out) {
   using Block = typename Source::Block;
-  constexpr int kRowSums = kPanels * kVecs;
+  constexpr int kChains = block_chains<kRows>();
   const int64_t blocks = x.depth / kQuantBlock;
   for (int64_t b = 0; b < blocks; ++b) {
-    Block readers[kPanels];
+    const Block reader = source.block(panel, b);
+    IVec sums[kChains][kRows * kVecs];
 #pragma GCC unroll 4
-    for (int p = 0; p < kPanels; ++p) readers[p] = source.block(first + p, b);
-    IVec sums[kRows * kRowSums];
+    for (int c = 0; c < kChains; ++c) {
 #pragma GCC unroll 32
-    for (int i = 0; i < kRows * kRowSums; ++i) sums[i] = ivzero();
+      for (int i = 0; i < kRows * kVecs; ++i) sums[c][i] = ivzero();
+    }
     const int16_t* quants = x.quants + row * x.depth + b * kQuantBlock;
-    for (int64_t quad = 0; quad < kQuads; ++quad) {
-      // A panel at a time: its four vectors are used up before the next panel's are read.
-#pragma GCC unroll 4
-      for (int p = 0; p < kPanels; ++p) {
-        WVec w[kQuadVecs];
-        readers[p].load(quad, w);
-#pragma GCC unroll 2
-        for (int t = 0; t < 2; ++t) {
 #pragma GCC unroll 8
-          for (int r = 0; r < kRows; ++r) {
-            const XPair inputs = inputs_of_pair(quants + r * x.depth + 4 * quad + 2 * t);
+    for (int quad = 0; quad < kQuads; ++quad) {
+      WVec w[kQuadVecs];
+      reader.load(quad, w);
 #pragma GCC unroll 2
-            for (int h = 0; h < kVecs; ++h) {
-              IVec& sum = sums[r * kRowSums + p * kVecs + h];
-              sum = imadd(sum, w[t * kVecs + h], inputs);
-            }
-          }
+      for (int t = 0; t < 2; ++t) {
+        IVec* chain = sums[(2 * quad + t) % kChains];
+#pragma GCC unroll 8
+        for (int r = 0; r < kRows; ++r) {
+          const XPair inputs = inputs_of_pair(quants + r * x.depth + 4 * quad + 2 * t);
+#pragma GCC unroll 2
+          for (int h = 0; h < kVecs; ++h) chain[r * kVecs + h] = imadd(chain[r * kVecs + h], w[t * kVecs + h], inputs);
         }
       }
+    }
+#pragma GCC unroll 4
+    for (int c = 1; c < kChains; ++c) {
+#pragma GCC unroll 32
+      for (int i = 0; i < kRows * kVecs; ++i) sums[0][i] = iadd(sums[0][i], sums[c][i]);
     }
 #pragma GCC unroll 8
     for (int r = 0; r < kRows; ++r) {
       const int64_t at = (row + r) * blocks + b;
       const float total = static_cast<float>(x.sums[at]);
       const Vec scale = vbroadcast(x.scales + at), xsum = vbroadcast(&total);
-#pragma GCC unroll 4
-      for (int p = 0; p < kPanels; ++p) {
 #pragma GCC unroll 2
-        for (int h = 0; h < kVecs; ++h) {
-          const Vec block = vfma(readers[p].d(h), vcvt(sums[r * kRowSums + p * kVecs + h]), vmul(readers[p].m(h), xsum));
-          float* sum = out + r * width + p * kPanel + h * kLanes;
-          vstore(sum, vfma(block, scale, vload(sum)));
-        }
+      for (int h = 0; h < kVecs; ++h) {
+        const Vec block = vfma(reader.d(h), vcvt(sums[0][r * kVecs + h]), vmul(reader.m(h), xsum));
+        float* sum = out + r * kPanel + h * kLanes;
+        vstore(sum, vfma(block, scale, vload(sum)));
       }
     }
   }
 }
 
-template <typename Source, int kPanels, int kRows = 1>
-void block_tile_rows(int rows, const QuantizedRows& x, int64_t row, const Source& source, int64_t first, float* out,
-                     int64_t width) {
+template <typename Source, int kRows = 1>
+void block_tile_rows(int rows, const QuantizedRows& x, int64_t row, const Source& source, int64_t panel, float* out) {
   if constexpr (kRows <= kBlockMaxRows) {
-    if (rows == kRows) return block_tile<Source, kRows, kPanels>(x, row, source, first, out, width);
-    return block_tile_rows<Source, kPanels, kRows + 1>(rows, x, row, source, first, out, width);
-  }
-}
-
-template <typename Source, int kPanels = 1>
-void block_tile_any(int rows, int num_panels, const QuantizedRows& x, int64_t row, const Source& source, int64_t first,
-                    float* out, int64_t width) {
-  if constexpr (kPanels <= kBlockMaxPanels) {
-    if (num_panels == kPanels) return block_tile_rows<Source, kPanels>(rows, x, row, source, first, out, width);
-    return block_tile_any<Source, kPanels + 1>(rows, num_panels, x, row, source, first, out, width);
+    if (rows == kRows) return block_tile<Source, kRows>(x, row, source, panel, out);
+    return block_tile_rows<Source, kRows + 1>(rows, x, row, source, panel, out);
   }
 }
 
@@ -151,32 +140,24 @@ void run_blocks(const LinearCall<T>& call, const QuantizedRows& x, const uint8_t
   const int64_t num_panels = (call.num_out + kPanel - 1) / kPanel;
   const PackedBlocks<Reader> packed{data, x.depth / kQuantBlock};
   const int rows_per_tile = static_cast<int>(std::min<int64_t>(call.num_rows, kBlockMaxRows));
-  // More rows than a tile takes: each group of panels is widened once, into a scratch that stays in cache.
+  // More rows than a tile takes: each panel is widened once, into a scratch that stays in cache.
   const bool widen_once = call.num_rows > rows_per_tile;
-  const int group = block_panels_for(rows_per_tile);
-  const int64_t num_groups = (num_panels + group - 1) / group;
-  std::atomic<int64_t> next_group{0};  // taken as threads finish, as in `run`
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_groups), 1, [&](int64_t, int64_t) {
-    float* out = thread_scratch<float>(static_cast<size_t>(call.num_rows) * group * kPanel);  // [rows, width]
-    WVec* scratch = widen_once ? thread_scratch<WVec>(group * packed.blocks * WidenedBlocks<Reader>::kBlockVecs) : nullptr;
-    for (int64_t g; (g = next_group.fetch_add(1, std::memory_order_relaxed)) < num_groups;) {
-      const int64_t first_panel = g * group;
-      const int count = static_cast<int>(std::min<int64_t>(group, num_panels - first_panel));
-      const int64_t width = static_cast<int64_t>(count) * kPanel;
-      std::fill(out, out + call.num_rows * width, 0.0f);
-      const WidenedBlocks<Reader> widened{packed, first_panel, scratch};
-      if (widen_once) widened.widen(count);
-      for (int64_t row = 0; row < call.num_rows; row += rows_per_tile) {
-        const int rows = static_cast<int>(std::min<int64_t>(rows_per_tile, call.num_rows - row));
-        float* at = out + row * width;
-        if (widen_once) {
-          block_tile_any(rows, count, x, row, widened, first_panel, at, width);
-        } else {
-          block_tile_any(rows, count, x, row, packed, first_panel, at, width);
-        }
+  for_each_share(num_panels, [&](int64_t panel) {
+    float* out = thread_scratch<float>(static_cast<size_t>(call.num_rows) * kPanel);  // [rows, kPanel]
+    std::fill(out, out + call.num_rows * kPanel, 0.0f);
+    const WidenedBlocks<Reader> widened{
+        packed, panel, widen_once ? thread_scratch<WVec>(packed.blocks * WidenedBlocks<Reader>::kBlockVecs) : nullptr};
+    if (widen_once) widened.widen();
+    for (int64_t row = 0; row < call.num_rows; row += rows_per_tile) {
+      const int rows = static_cast<int>(std::min<int64_t>(rows_per_tile, call.num_rows - row));
+      float* at = out + row * kPanel;
+      if (widen_once) {
+        block_tile_rows(rows, x, row, widened, panel, at);
+      } else {
+        block_tile_rows(rows, x, row, packed, panel, at);
       }
-      call.store(out, first_panel * kPanel, width);
     }
+    call.store(out, panel * kPanel, kPanel);
   });
 }
 
