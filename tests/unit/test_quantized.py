@@ -16,10 +16,11 @@ from gguf.quants import dequantize, quantize
 
 from modeling.batch import SeqSpan
 from modeling.config import ModelConfig
-from modeling.cpu_kernels import PackedLinear, block_probe
+from modeling.cpu_kernels import HugePageRegion, PackedLinear, block_probe
 from modeling.engine import ModelEngine
 from modeling.gguf_convert import convert_gguf
 from modeling.invariance import linear_rows_problem
+from modeling.llama import PROJECTION_PARTS
 from modeling.native import KernelUnavailable, native_ops
 from modeling.quantized import (QUANTIZATIONS, Blocks, QuantizationError, channel_int8_blocks, panel_rows, q4_k_sub_blocks,
                                 servable_quantization, weight_blocks)
@@ -128,6 +129,39 @@ def test_native_block_rows_are_the_reference_rows(ops: ModuleType, format_name: 
     assert ops.block_rows(packed, torch.tensor([], dtype=torch.long), format_name).shape == (0, 160)
     with pytest.raises(RuntimeError, match="outside the weight's 48 packed rows"):
         ops.block_rows(packed, torch.tensor([48]), format_name)
+
+
+def test_blocks_moved_into_a_huge_page_region_compute_what_they_did(ops: ModuleType) -> None:
+    """Packed blocks copied into one region, each at a page boundary in the order given, stay known to the kernel
+    (outputs, format, embedding rows) and give the same bits; the memory they left is theirs no more."""
+    linear = PackedLinear(ops)
+    packed = [linear.pack_blocks(random_blocks(name, out, 160, seed=out)[0])
+              for name, out in (("q4_1", 45), ("q8_0", 1000), ("q4_1", 16))]
+    x = torch.randn(3, 160).to(torch.bfloat16)
+    ids = torch.tensor([3, 15])
+    before = [(linear(x, weight), linear.rows(weight, ids)) for weight in packed]
+    region = HugePageRegion(packed)
+    moved = [linear.move(weight, region) for weight in packed]
+    assert all(weight.data_ptr() % 4096 == 0 for weight in moved)
+    assert [b.data_ptr() - a.data_ptr() for a, b in zip(moved, moved[1:])] == [
+        -(-weight.numel() // 4096) * 4096 for weight in packed[:-1]]
+    for weight, (outputs, rows) in zip(moved, before):
+        assert torch.equal(linear(x, weight), outputs)
+        assert torch.equal(linear.rows(weight, ids), rows)
+    with pytest.raises(ValueError, match="packed by PackedLinear.pack"):
+        linear(x, packed[0])
+
+
+def test_a_model_served_from_blocks_holds_them_in_one_region_in_step_order(ops: ModuleType, q4_1_folder: Path) -> None:
+    engine = ModelEngine(q4_1_folder, ModelConfig.from_folder(q4_1_folder), device="cpu", dtype="bfloat16", max_len=32, num_pages=4,
+                         quantization="q4_1")
+    engine.load()
+    model = engine.model
+    weights = [getattr(layer, name) for layer in model.layers
+               for name in PROJECTION_PARTS]
+    weights = [weight for weight in weights if weight.dtype == torch.uint8]
+    assert weights and all(weight.data_ptr() % 4096 == 0 for weight in weights)
+    assert all(b.data_ptr() > a.data_ptr() for a, b in zip(weights, weights[1:]))
 
 
 def random_q4_k(out_features: int, in_features: int, seed: int) -> tuple[Blocks, torch.Tensor]:
