@@ -291,6 +291,7 @@ struct Q8_0Pairs {
 };
 #include "linear_tiles.h"
 constexpr int kBlockSums = 8;  // of 16 vector registers
+constexpr int kVectorRegisters = 16;
 #include "linear_blocks.h"
 }  // namespace avx2
 #pragma GCC pop_options
@@ -304,6 +305,7 @@ namespace avx512vnni {
 constexpr int kLanes = 16;
 constexpr int kVecs = kPanel / kLanes;
 constexpr int kBlockSums = 8;  // of 32 vector registers
+constexpr int kVectorRegisters = 32;
 using Vec = __m512;
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
@@ -627,6 +629,7 @@ struct Q8_0Pairs {
 };
 #include "linear_tiles.h"
 constexpr int kBlockSums = 8;
+constexpr int kVectorRegisters = 32;  // plain arrays: what a compiler keeps where is its own business
 #include "linear_blocks.h"
 }  // namespace portable
 

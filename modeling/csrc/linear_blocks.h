@@ -1,6 +1,7 @@
 // The block tiles of csrc/linear.cpp for one instruction set, included once per set inside a
 // namespace that first defines: Vec (kLanes float32 lanes, kVecs = kPanel / kLanes of them a
-// panel), kBlockSums (the vector registers a tile may hold as sums), vbroadcast, vload,
+// panel), kBlockSums (the vector registers a tile may hold as sums), kVectorRegisters (the
+// instruction set's vector registers), vbroadcast, vload,
 // vstore, vfma, vmul; IVec (kLanes int32 sums), WVec (widened int16 quants), XPair (a row's
 // inputs as imadd takes them), ivzero, imadd (sums += adjacent quants times their inputs, in
 // pairs), vcvt (int32 to float32, rounded to nearest), inputs_of_pair (a row's two inputs at k
@@ -82,6 +83,14 @@ template <typename Source, int kRows>
 void block_tile(const QuantizedRows& x, int64_t row, const Source& source, int64_t panel, float* out) {
   using Block = typename Source::Block;
   constexpr int kChains = block_chains<kRows>();
+  // The outputs' float32 chains held in registers through the blocks where they fit beside the sums (a load and a
+  // store a row and block fewer), else in `out`.
+  constexpr bool kHold = kRows * kVecs * (kChains + 1) + 4 <= kVectorRegisters;
+  Vec held[kHold ? kRows * kVecs : 1];
+  if constexpr (kHold) {
+#pragma GCC unroll 32
+    for (int i = 0; i < kRows * kVecs; ++i) held[i] = vload(out + i * kLanes);
+  }
   const int64_t blocks = x.depth / kQuantBlock;
   for (int64_t b = 0; b < blocks; ++b) {
     const Block reader = source.block(panel, b);
@@ -120,10 +129,18 @@ void block_tile(const QuantizedRows& x, int64_t row, const Source& source, int64
 #pragma GCC unroll 2
       for (int h = 0; h < kVecs; ++h) {
         const Vec block = vfma(reader.d(h), vcvt(sums[0][r * kVecs + h]), vmul(reader.m(h), xsum));
-        float* sum = out + r * kPanel + h * kLanes;
-        vstore(sum, vfma(block, scale, vload(sum)));
+        if constexpr (kHold) {
+          held[r * kVecs + h] = vfma(block, scale, held[r * kVecs + h]);
+        } else {
+          float* sum = out + r * kPanel + h * kLanes;
+          vstore(sum, vfma(block, scale, vload(sum)));
+        }
       }
     }
+  }
+  if constexpr (kHold) {
+#pragma GCC unroll 32
+    for (int i = 0; i < kRows * kVecs; ++i) vstore(out + i * kLanes, held[i]);
   }
 }
 
