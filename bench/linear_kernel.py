@@ -13,19 +13,27 @@ kernel's instruction-set paths this CPU has (default: the widest).
     python -m bench.linear_kernel --rows 1 4 16 64 256
     python -m bench.linear_kernel --blocks q4_1 --dtype float32 --shapes 2 --threads 1 --rows 1 4 16 64 128
     python -m bench.linear_kernel --blocks q4_1 --dtype float32 --threads 1 --rows 1 4 16 64 --path avx2
+
+`--layers L` times instead what a decode step's layers ask of the kernel: L layers' four projections, each its
+own weight (a 30-layer Q4_1 model's are 66 MB, far more than the caches hold), called in the model's order, as
+the worker holds them (blocks moved into one huge-page region); the median pass's milliseconds and the weights'
+bytes a second it reads them at. L = 1 or 2 is the same loop with the weights in cache.
+
+    python -m bench.linear_kernel --blocks q4_1 --dtype bfloat16 --rows 1 --layers 30 --repeats 30
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from modeling.cpu_kernels import PackedLinear, block_probe
+from modeling.cpu_kernels import HugePageRegion, PackedLinear, block_probe
 from modeling.native import native_ops
 from modeling.quantized import panel_rows
 
@@ -61,6 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--blocks", choices=["q4_1", "q8_0", "q4_k"], help="time the kernel on GGUF blocks of this format")
     parser.add_argument("--shapes", type=int, nargs="+", help="indices into the shapes (qkv, o, gate_up, down, head)")
     parser.add_argument("--path", help="the kernel's instruction-set path (default: the widest this CPU has)")
+    parser.add_argument("--layers", type=int, help="time a decode step's layers: this many layers' own weights in turn")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -70,6 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     linear = PackedLinear(ops, args.path)
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
           f"kernel path {linear.path} (this CPU has {list(ops.linear_paths())}), torch {torch.__version__}")
+    if args.layers:
+        return layer_passes(linear, args)
     print("| dtype | weight | rows | native ms | library | library ms | native / library | native GFLOP/s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     shapes = [SHAPES[i] for i in args.shapes] if args.shapes else SHAPES
@@ -89,6 +100,36 @@ def main(argv: Sequence[str] | None = None) -> int:
                 theirs = best_ms(lambda: library(x), args.repeats)
                 print(f"| {str(dtype).removeprefix('torch.')} | {num_out} x {depth} | {rows} | {ours:.3f} | {name} | "
                       f"{theirs:.3f} | {ours / theirs:.2f} | {2 * rows * num_out * depth / ours / 1e6:.0f} |", flush=True)
+    return 0
+
+
+def layer_passes(linear: PackedLinear, args: argparse.Namespace) -> int:
+    """`--layers`: the median of `--repeats` passes over the layers' projections, each row count and dtype."""
+    print("| dtype | weights | layers | rows | ms a pass | weights MB | GB/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (getattr(torch, name) for name in args.dtype):
+        weights = []
+        for _ in range(args.layers):
+            for num_out, depth in SHAPES[:4]:
+                weight = (torch.randn(num_out, depth, generator=generator) * 0.05).to(dtype)
+                weights.append(block_probe(linear, args.blocks)(weight) if args.blocks else linear.pack(weight))
+        if args.blocks:
+            region = HugePageRegion(weights)
+            weights = [linear.move(weight, region) for weight in weights]
+        nbytes = sum(weight.numel() * weight.element_size() for weight in weights)
+        for rows in args.rows:
+            inputs = {depth: torch.randn(rows, depth, generator=generator).to(dtype) for _, depth in SHAPES[:4]}
+            calls = [(weight, inputs[depth]) for weight, (_, depth) in zip(weights, SHAPES[:4] * args.layers)]
+            passes = []
+            for _ in range(args.repeats + 1):
+                started = time.perf_counter()
+                for weight, x in calls:
+                    linear(x, weight)
+                passes.append(time.perf_counter() - started)
+            ms = statistics.median(passes[1:]) * 1e3
+            print(f"| {str(dtype).removeprefix('torch.')} | {args.blocks or 'dense'} | {args.layers} | {rows} | {ms:.2f} | "
+                  f"{nbytes / 1e6:.1f} | {nbytes / ms / 1e6:.1f} |", flush=True)
     return 0
 
 
