@@ -21,6 +21,7 @@
 constexpr int kQuads = kQuantBlock / 4;  // a block's loads, two steps (pairs of k) each
 constexpr int kQuadVecs = 2 * kVecs;     // the vectors of a load
 static_assert(kVecs * kLanes == kPanel, "a step's widened vectors are a panel's kVecs parts");
+static_assert(kQuads % 2 == 0, "the tiles take a block's quads in pairs");
 
 // Rows of a tile: their sums (kVecs per row and panel) in kBlockSums vector registers, the rest
 // left to the rows' input broadcasts, which the compiler hoists above the sums, and the weights.
