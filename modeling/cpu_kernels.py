@@ -333,7 +333,7 @@ class HugePageRegion:
     _PAGE, _HUGE_PAGE = 4096, 2 << 20
 
     def __init__(self, weights: list[torch.Tensor]) -> None:
-        sizes = [-(-weight.numel() * weight.element_size() // self._PAGE) * self._PAGE for weight in weights]
+        sizes = [self._place_size(weight) for weight in weights]
         self._memory: torch.Tensor | None = None
         self._next = 0
         if not weights or any(weight.device.type != "cpu" for weight in weights) or not hasattr(mmap, "MADV_HUGEPAGE"):
@@ -354,8 +354,13 @@ class HugePageRegion:
         nbytes = weight.numel() * weight.element_size()
         place = self._memory[self._next : self._next + nbytes].view(weight.dtype).view(weight.shape)
         place.copy_(weight)
-        self._next += -(-nbytes // self._PAGE) * self._PAGE
+        self._next += self._place_size(weight)
         return place
+
+    @classmethod
+    def _place_size(cls, weight: torch.Tensor) -> int:
+        """The bytes `weight` takes in the region: its own, up to a whole number of pages."""
+        return -(-weight.numel() * weight.element_size() // cls._PAGE) * cls._PAGE
 
 
 def packed_for(model: LlamaModel, weight: torch.Tensor) -> torch.Tensor:

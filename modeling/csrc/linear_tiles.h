@@ -122,25 +122,22 @@ void run(const LinearCall<T>& call, const Panels& panels) {
   const int rows_per_tile = static_cast<int>(std::min<int64_t>(call.num_rows, split ? std::max(1, kMaxRows / 2) : kMaxRows));
   const int group = panels_for(rows_per_tile);
   const int64_t num_groups = (num_panels + group - 1) / group;
-  // Each thread takes the next group of panels as it finishes one, rather than a fixed share: on a
-  // machine where another process holds a core for a while, the other threads do the rest.
-  std::atomic<int64_t> next_group{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_groups), 1, [&](int64_t, int64_t) {
+  // Threads take groups of panels as for_each_share hands them out: on a machine where another process holds a
+  // core for a while, the other threads do the rest.
+  for_each_share(num_groups, [&](int64_t g) {
     float* out = thread_scratch<float>(static_cast<size_t>(call.num_rows) * group * kPanel);  // [rows, width]
-    for (int64_t g; (g = next_group.fetch_add(1, std::memory_order_relaxed)) < num_groups;) {
-      const int64_t first_panel = g * group;
-      const int count = static_cast<int>(std::min<int64_t>(group, num_panels - first_panel));
-      const int64_t width = static_cast<int64_t>(count) * kPanel;
-      // K in blocks, each over every row: the block of the panels stays in the nearest cache while the rows pass.
-      for (int64_t begin = 0; begin < call.depth; begin += kDepthBlock) {
-        const int64_t end = std::min(call.depth, begin + kDepthBlock);
-        for (int64_t row = 0; row < call.num_rows; row += rows_per_tile) {
-          const int rows = static_cast<int>(std::min<int64_t>(rows_per_tile, call.num_rows - row));
-          tile_any<Panels>(rows, count, call.x, call.depth, row, panels, first_panel, begin, end, out + row * width);
-        }
+    const int64_t first_panel = g * group;
+    const int count = static_cast<int>(std::min<int64_t>(group, num_panels - first_panel));
+    const int64_t width = static_cast<int64_t>(count) * kPanel;
+    // K in blocks, each over every row: the block of the panels stays in the nearest cache while the rows pass.
+    for (int64_t begin = 0; begin < call.depth; begin += kDepthBlock) {
+      const int64_t end = std::min(call.depth, begin + kDepthBlock);
+      for (int64_t row = 0; row < call.num_rows; row += rows_per_tile) {
+        const int rows = static_cast<int>(std::min<int64_t>(rows_per_tile, call.num_rows - row));
+        tile_any<Panels>(rows, count, call.x, call.depth, row, panels, first_panel, begin, end, out + row * width);
       }
-      call.store(out, first_panel * kPanel, width);
     }
+    call.store(out, first_panel * kPanel, width);
   });
 }
 
