@@ -108,13 +108,20 @@ struct LinearCall {
   const c10::BFloat16* x16 = nullptr;  // the same rows as contiguous bfloat16, for bfloat16 rows and weights
 
   // Rows of sums `sums` ([num_rows, width], from column `first`) plus the bias, rounded to T.
+  // Each row's loop is one with the bias and one without, so that the compiler vectorizes both (a
+  // conversion per element had cost 3% of a 64-row Q4_1 step, machine E).
   void store(const float* sums, int64_t first, int64_t width) const {
     const int64_t count = std::min(width, num_out - first);
     for (int64_t r = 0; r < num_rows; ++r) {
-      for (int64_t c = 0; c < count; ++c) {
-        float v = sums[r * width + c];
-        if (bias != nullptr) v = v + specserve::to_float(bias[first + c]);
-        y[r * num_out + first + c] = specserve::from_float<T>(v);
+      const float* in = sums + r * width;
+      T* out = y + r * num_out + first;
+      if (bias == nullptr) {
+#pragma omp simd
+        for (int64_t c = 0; c < count; ++c) out[c] = specserve::from_float<T>(in[c]);
+      } else {
+        const T* add = bias + first;
+#pragma omp simd
+        for (int64_t c = 0; c < count; ++c) out[c] = specserve::from_float<T>(in[c] + specserve::to_float(add[c]));
       }
     }
   }
