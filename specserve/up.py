@@ -59,8 +59,9 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                         help="q4_1, q8_0 or q4_k: serve the model's own Q4_1 (the embedded default's), Q8_0 or Q4_K "
                              "GGUF blocks, widened inside the CPU kernel; int8: any model's weights quantized as it loads, one "
                              "scale per output channel; none: its dense weights in --dtype; auto (default): the "
-                             "blocks on a CPU for a model whose projections all have them (faster at every batch size measured: "
-                             "docs/benchmarks.md), else none")
+                             "blocks on a CPU for a model whose projections all have them (faster at every batch size measured on CPUs "
+                             "without AVX512-BF16; with it, at 1-4 concurrent requests, while none is faster at 16 "
+                             "or more: docs/benchmarks.md), else none")
     parser.add_argument("--draft-quantization", choices=("auto", *QUANTIZATIONS), default="auto",
                         help="the same for a draft model (--draft model:PATH)")
     parser.add_argument("--num-workers", type=int, default=1, help="data-parallel target worker processes")

@@ -38,36 +38,6 @@ struct PackedBlocks {
   Reader block(int64_t panel, int64_t b) const { return Reader(data + (panel * blocks + b) * Reader::kBytes); }
 };
 
-// A block already widened into a scratch (`WidenedBlocks`): its steps' vectors, and its scales as the reader reads them.
-template <typename Reader>
-struct Widened {
-  const WVec* w;
-  Reader reader;
-  void load(int64_t quad, WVec* out) const {
-    for (int i = 0; i < kQuadVecs; ++i) out[i] = w[quad * kQuadVecs + i];
-  }
-  Vec d(int h) const { return reader.d(h); }
-  Vec m(int h) const { return reader.m(h); }
-};
-
-// One panel widened once, for the tiles of many rows to read rather than each widening it again:
-// [block][step][half].
-template <typename Reader>
-struct WidenedBlocks {
-  using Block = Widened<Reader>;
-  static constexpr int64_t kBlockVecs = kQuads * kQuadVecs;
-  PackedBlocks<Reader> packed;
-  int64_t panel;
-  WVec* scratch;
-  void widen() const {
-    for (int64_t b = 0; b < packed.blocks; ++b) {
-      const Reader reader = packed.block(panel, b);
-      for (int64_t quad = 0; quad < kQuads; ++quad) reader.load(quad, scratch + b * kBlockVecs + quad * kQuadVecs);
-    }
-  }
-  Block block(int64_t, int64_t b) const { return {scratch + b * kBlockVecs, packed.block(panel, b)}; }
-};
-
 // Independent chains a tile of kRows rows keeps for each sum (1, 2 or 4: the pairs of a block's k taken in
 // turn), as many as kBlockSums registers hold: one row's sixteen multiply-adds a block would otherwise wait on
 // each other. Integer sums are exact, so the chains add up to the same bits in any order.
@@ -164,22 +134,15 @@ void run_blocks(const LinearCall<T>& call, const QuantizedRows& x, const uint8_t
   const int64_t num_panels = (call.num_out + kPanel - 1) / kPanel;
   const PackedBlocks<Reader> packed{data, x.depth / kQuantBlock};
   const int rows_per_tile = static_cast<int>(std::min<int64_t>(call.num_rows, kBlockMaxRows));
-  // More rows than a tile takes: each panel is widened once, into a scratch that stays in cache.
-  const bool widen_once = call.num_rows > rows_per_tile;
+  // Every tile widens the panel's quants as it reads them, however many rows the call has: widening a panel once
+  // into a scratch for all the row tiles to read was slower at every row count, 16-256 rows 0.87-0.97 of the time
+  // without it (both paths, machine E): the scratch (18-48 KB a panel) left the first-level cache.
   for_each_share(num_panels, [&](int64_t panel) {
     float* out = thread_scratch<float>(static_cast<size_t>(call.num_rows) * kPanel);  // [rows, kPanel]
     std::fill(out, out + call.num_rows * kPanel, 0.0f);
-    const WidenedBlocks<Reader> widened{
-        packed, panel, widen_once ? thread_scratch<WVec>(packed.blocks * WidenedBlocks<Reader>::kBlockVecs) : nullptr};
-    if (widen_once) widened.widen();
     for (int64_t row = 0; row < call.num_rows; row += rows_per_tile) {
       const int rows = static_cast<int>(std::min<int64_t>(rows_per_tile, call.num_rows - row));
-      float* at = out + row * kPanel;
-      if (widen_once) {
-        block_tile_rows(rows, x, row, widened, panel, at);
-      } else {
-        block_tile_rows(rows, x, row, packed, panel, at);
-      }
+      block_tile_rows(rows, x, row, packed, panel, out + row * kPanel);
     }
     call.store(out, panel * kPanel, kPanel);
   });
