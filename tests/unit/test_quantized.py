@@ -80,6 +80,24 @@ def test_blocks_compute_the_dense_weights_gguf_dequantizes_within_the_inputs_rou
     assert torch.equal(results["portable"][0], bias)
 
 
+def test_every_path_rounds_the_inputs_to_the_nearest_quant_ties_to_even(ops: ModuleType) -> None:
+    # An identity weight in Q8_0 blocks (each diagonal 127 quants of d): output j is input j's quant times d * 127 and
+    # the block's scale, which is 1 where the block's largest |x| is 32767. Ties (k + 0.5) round to the even k on
+    # every path, whichever code rounds the inputs there (scalar, or AVX512 vectors).
+    identity = np.eye(32, dtype=np.float32)
+    rows = quantize(identity, KINDS["q8_0"])
+    blocks, weight = Blocks("q8_0", rows, 32), torch.from_numpy(dequantize(rows, KINDS["q8_0"]).copy())
+    ties = torch.tensor([32767.0, 0.5, 1.5, 2.5, 3.5, -0.5, -1.5, -2.5, -3.5, 100.5, 101.5, -32766.5, 7.25, 7.75, -7.25,
+                         -7.75, 16383.5, 16384.5, 0.0, -0.0, 1e-3, -1e-3, 0.4999, 0.5001, 2.0, -2.0, 9.5, 10.5, 11.5,
+                         -9.5, -10.5, -11.5])
+    expected = torch.round(ties)  # torch rounds half to even
+    for path in ops.linear_paths():
+        linear = PackedLinear(ops, path)
+        served = linear(ties.unsqueeze(0), linear.pack_blocks(blocks))[0]
+        quants = (served.double() / weight.diagonal().double()).round()
+        assert torch.equal(quants, expected.double()), (path, quants[quants != expected.double()])
+
+
 @pytest.mark.parametrize("format_name", sorted(KINDS))
 def test_a_block_of_infinite_or_nan_inputs_gives_nan(ops: ModuleType, format_name: str) -> None:
     blocks, _ = random_blocks(format_name, 20, 64, seed=4)
