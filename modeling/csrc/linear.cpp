@@ -694,6 +694,11 @@ void quantize_rows(const float* x, int64_t num_rows, int64_t depth, int16_t* qua
 bool is_block_format(WeightFormat format) { return format != WeightFormat::kFloat32 && format != WeightFormat::kBFloat16; }
 
 // `x`: the rows quantized, for a block format; null for float32 and bfloat16 weights.
+// The paths whose CPUs have AVX512F (each of them runs its float32 tiles and rounds block inputs in AVX512).
+bool is_avx512_path(const std::string& path) {
+  return path == "avx512f" || path == "avx512vnni" || path == "avx512bf16";
+}
+
 template <typename T>
 void run_on(const std::string& path, const LinearCall<T>& call, WeightFormat format, const QuantizedRows* x,
             const void* packed) {
@@ -702,7 +707,7 @@ void run_on(const std::string& path, const LinearCall<T>& call, WeightFormat for
   if (x != nullptr && vnni) return avx512vnni::run_block_format<T>(call, format, *x, packed);
   if (path == "avx512bf16") return avx512bf16::run_dense_dot<T>(call, format, packed);
   if (x != nullptr && path != "portable") return avx2::run_block_format<T>(call, format, *x, packed);
-  if (path == "avx512f" || vnni) return avx512f::run_dense<T>(call, format, packed);
+  if (is_avx512_path(path)) return avx512f::run_dense<T>(call, format, packed);
   if (path == "avx2") return avx2::run_dense<T>(call, format, packed);
 #endif
   if (x != nullptr) return portable::run_block_format<T>(call, format, *x, packed);
@@ -753,8 +758,7 @@ at::Tensor linear_any(const at::Tensor& x, WeightFormat format, const void* pack
     auto* quants = reinterpret_cast<int16_t*>(scratch);
     auto* scales = reinterpret_cast<float*>(scratch + (num_rows * depth + 1) / 2);
     int32_t* sums = scratch + (num_rows * depth + 1) / 2 + blocks;
-    const bool wide = chosen == "avx512f" || chosen == "avx512vnni" || chosen == "avx512bf16";
-    quantize_rows(xf, num_rows, depth, quants, scales, sums, wide);
+    quantize_rows(xf, num_rows, depth, quants, scales, sums, is_avx512_path(chosen));
     quantized = {quants, scales, sums, depth};
   }
   const QuantizedRows* blocks = is_block_format(format) ? &quantized : nullptr;

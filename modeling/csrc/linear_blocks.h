@@ -32,7 +32,6 @@ constexpr int kBlockMaxRows = kBlockSums / kVecs;
 // A panel's blocks as they are in memory, each widened as a tile reads it.
 template <typename Reader>
 struct PackedBlocks {
-  using Block = Reader;
   const uint8_t* data;
   int64_t blocks;  // per panel
   Reader block(int64_t panel, int64_t b) const { return Reader(data + (panel * blocks + b) * Reader::kBytes); }
@@ -50,9 +49,8 @@ constexpr int block_chains() {
 // kRows rows from `row` by the panel `panel`: every block's sums added to `out` ([kRows, kPanel] float32), which
 // holds zeros to begin with. One panel a tile: its blocks are one stream in memory, which a core reads at about
 // twice the pace of three streams side by side (machine E).
-template <typename Source, int kRows>
-void block_tile(const QuantizedRows& x, int64_t row, const Source& source, int64_t panel, float* out) {
-  using Block = typename Source::Block;
+template <typename Reader, int kRows>
+void block_tile(const QuantizedRows& x, int64_t row, const PackedBlocks<Reader>& source, int64_t panel, float* out) {
   constexpr int kChains = block_chains<kRows>();
   // The outputs' float32 chains held in registers through the blocks where they fit beside the sums (a load and a
   // store a row and block fewer), else in `out`.
@@ -64,7 +62,7 @@ void block_tile(const QuantizedRows& x, int64_t row, const Source& source, int64
   }
   const int64_t blocks = x.depth / kQuantBlock;
   for (int64_t b = 0; b < blocks; ++b) {
-    const Block reader = source.block(panel, b);
+    const Reader reader = source.block(panel, b);
     IVec sums[kChains][kRows * kVecs];
 #pragma GCC unroll 4
     for (int c = 0; c < kChains; ++c) {
@@ -121,11 +119,12 @@ void block_tile(const QuantizedRows& x, int64_t row, const Source& source, int64
   }
 }
 
-template <typename Source, int kRows = 1>
-void block_tile_rows(int rows, const QuantizedRows& x, int64_t row, const Source& source, int64_t panel, float* out) {
+template <typename Reader, int kRows = 1>
+void block_tile_rows(int rows, const QuantizedRows& x, int64_t row, const PackedBlocks<Reader>& source, int64_t panel,
+                     float* out) {
   if constexpr (kRows <= kBlockMaxRows) {
-    if (rows == kRows) return block_tile<Source, kRows>(x, row, source, panel, out);
-    return block_tile_rows<Source, kRows + 1>(rows, x, row, source, panel, out);
+    if (rows == kRows) return block_tile<Reader, kRows>(x, row, source, panel, out);
+    return block_tile_rows<Reader, kRows + 1>(rows, x, row, source, panel, out);
   }
 }
 
