@@ -315,6 +315,45 @@ struct Q8_0Pairs {
 constexpr int kBlockSums = 8;  // of 16 vector registers
 constexpr int kVectorRegisters = 16;
 #include "linear_blocks.h"
+
+// quantize_block in four vectors, as avx512f::quantize_block does it in two: the same operations, each rounding as
+// the scalar one does, so the same bits; false for a block the scalar code must take.
+inline bool quantize_block(const float* in, int16_t* out, float* scale, int32_t* sum) {
+  __m256 v[4];
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(in + i * kLanes);
+  const __m256 unordered = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(v[0], v[0], _CMP_UNORD_Q),
+                                                     _mm256_cmp_ps(v[1], v[1], _CMP_UNORD_Q)),
+                                        _mm256_or_ps(_mm256_cmp_ps(v[2], v[2], _CMP_UNORD_Q),
+                                                     _mm256_cmp_ps(v[3], v[3], _CMP_UNORD_Q)));
+  if (_mm256_movemask_ps(unordered) != 0) return false;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  top = _mm256_max_ps(top, _mm256_permute2f128_ps(top, top, 1));
+  top = _mm256_max_ps(top, _mm256_shuffle_ps(top, top, _MM_SHUFFLE(1, 0, 3, 2)));
+  top = _mm256_max_ps(top, _mm256_shuffle_ps(top, top, _MM_SHUFFLE(2, 3, 0, 1)));
+  const float largest = _mm256_cvtss_f32(top);
+  const float step = 32767.0f / largest;
+  if (!std::isfinite(largest) || largest == 0.0f || !std::isfinite(step)) return false;
+  const __m256 steps = _mm256_set1_ps(step), low = _mm256_set1_ps(-32767.0f), high = _mm256_set1_ps(32767.0f);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 nearest = _mm256_round_ps(_mm256_mul_ps(v[i], steps), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q[i] = _mm256_cvtps_epi32(_mm256_min_ps(high, _mm256_max_ps(low, nearest)));
+  }
+  // packs interleaves the two inputs' 128-bit halves: 64-bit lanes 0, 2, 1, 3 put them back in order.
+  for (int i = 0; i < 2; ++i) {
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * i], q[2 * i + 1]), _MM_SHUFFLE(3, 1, 2, 0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * i * kLanes), packed);
+  }
+  __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i half = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  half = _mm_add_epi32(half, _mm_shuffle_epi32(half, _MM_SHUFFLE(1, 0, 3, 2)));
+  half = _mm_add_epi32(half, _mm_shuffle_epi32(half, _MM_SHUFFLE(2, 3, 0, 1)));
+  *sum = _mm_cvtsi128_si32(half);
+  *scale = largest / 32767.0f;
+  return true;
+}
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -673,10 +712,13 @@ std::vector<std::string> available_paths() {
   return paths;
 }
 
+// The vectors a path rounds block inputs in (each the same bits as the scalar code).
+enum class Rounding { kScalar, kAvx2, kAvx512 };
+
 // Rounds rows x [num_rows, depth] into quants, scales and sums (shaped as QuantizedRows says), each block by
-// quantize_block; `wide`: in AVX512 vectors where a block allows (the same bits).
+// quantize_block, in the vectors of `rounding` where a block allows.
 void quantize_rows(const float* x, int64_t num_rows, int64_t depth, int16_t* quants, float* scales, int32_t* sums,
-                   bool wide) {
+                   Rounding rounding) {
   const int64_t blocks = depth / kQuantBlock;
   at::parallel_for(0, num_rows * blocks, 256, [&](int64_t begin, int64_t end) {
     for (int64_t at = begin; at < end; ++at) {
@@ -684,7 +726,8 @@ void quantize_rows(const float* x, int64_t num_rows, int64_t depth, int16_t* qua
       const float* in = x + at * kQuantBlock;
       int16_t* out = quants + at * kQuantBlock;
 #ifdef SPECSERVE_X86
-      if (wide && avx512f::quantize_block(in, out, scales + at, sums + at)) continue;
+      if (rounding == Rounding::kAvx512 && avx512f::quantize_block(in, out, scales + at, sums + at)) continue;
+      if (rounding == Rounding::kAvx2 && avx2::quantize_block(in, out, scales + at, sums + at)) continue;
 #endif
       quantize_block(in, out, scales + at, sums + at);
     }
@@ -758,7 +801,10 @@ at::Tensor linear_any(const at::Tensor& x, WeightFormat format, const void* pack
     auto* quants = reinterpret_cast<int16_t*>(scratch);
     auto* scales = reinterpret_cast<float*>(scratch + (num_rows * depth + 1) / 2);
     int32_t* sums = scratch + (num_rows * depth + 1) / 2 + blocks;
-    quantize_rows(xf, num_rows, depth, quants, scales, sums, is_avx512_path(chosen));
+    const Rounding rounding = is_avx512_path(chosen) ? Rounding::kAvx512
+                              : chosen == "avx2"      ? Rounding::kAvx2
+                                                      : Rounding::kScalar;
+    quantize_rows(xf, num_rows, depth, quants, scales, sums, rounding);
     quantized = {quants, scales, sums, depth};
   }
   const QuantizedRows* blocks = is_block_format(format) ? &quantized : nullptr;
