@@ -60,8 +60,8 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                              "GGUF blocks, widened inside the CPU kernel; int8: any model's weights quantized as it loads, one "
                              "scale per output channel; none: its dense weights in --dtype; auto (default): the "
                              "blocks on a CPU for a model whose projections all have them (faster at every batch size measured on CPUs "
-                             "without AVX512-BF16; with it, at 1-4 concurrent requests, while none is faster at 16 "
-                             "or more: docs/benchmarks.md), else none")
+                             "without AVX512-BF16; with it, at 1-4 concurrent requests, while none is as fast or faster at "
+                             "16 and faster at 64: docs/benchmarks.md), else none")
     parser.add_argument("--draft-quantization", choices=("auto", *QUANTIZATIONS), default="auto",
                         help="the same for a draft model (--draft model:PATH)")
     parser.add_argument("--num-workers", type=int, default=1, help="data-parallel target worker processes")
