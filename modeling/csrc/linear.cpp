@@ -736,12 +736,18 @@ void quantize_rows(const float* x, int64_t num_rows, int64_t depth, int16_t* qua
 
 bool is_block_format(WeightFormat format) { return format != WeightFormat::kFloat32 && format != WeightFormat::kBFloat16; }
 
-// `x`: the rows quantized, for a block format; null for float32 and bfloat16 weights.
 // The paths whose CPUs have AVX512F (each of them runs its float32 tiles and rounds block inputs in AVX512).
 bool is_avx512_path(const std::string& path) {
   return path == "avx512f" || path == "avx512vnni" || path == "avx512bf16";
 }
 
+// The vectors a path rounds block inputs in.
+Rounding rounding_of(const std::string& path) {
+  if (is_avx512_path(path)) return Rounding::kAvx512;
+  return path == "avx2" ? Rounding::kAvx2 : Rounding::kScalar;
+}
+
+// `x`: the rows quantized, for a block format; null for float32 and bfloat16 weights.
 template <typename T>
 void run_on(const std::string& path, const LinearCall<T>& call, WeightFormat format, const QuantizedRows* x,
             const void* packed) {
@@ -801,10 +807,7 @@ at::Tensor linear_any(const at::Tensor& x, WeightFormat format, const void* pack
     auto* quants = reinterpret_cast<int16_t*>(scratch);
     auto* scales = reinterpret_cast<float*>(scratch + (num_rows * depth + 1) / 2);
     int32_t* sums = scratch + (num_rows * depth + 1) / 2 + blocks;
-    const Rounding rounding = is_avx512_path(chosen) ? Rounding::kAvx512
-                              : chosen == "avx2"      ? Rounding::kAvx2
-                                                      : Rounding::kScalar;
-    quantize_rows(xf, num_rows, depth, quants, scales, sums, rounding);
+    quantize_rows(xf, num_rows, depth, quants, scales, sums, rounding_of(chosen));
     quantized = {quants, scales, sums, depth};
   }
   const QuantizedRows* blocks = is_block_format(format) ? &quantized : nullptr;

@@ -83,7 +83,7 @@ def test_blocks_compute_the_dense_weights_gguf_dequantizes_within_the_inputs_rou
 def test_every_path_rounds_the_inputs_to_the_nearest_quant_ties_to_even(ops: ModuleType) -> None:
     # An identity weight in Q8_0 blocks (each diagonal 127 quants of d): output j is input j's quant times d * 127 and
     # the block's scale, which is 1 where the block's largest |x| is 32767. Ties (k + 0.5) round to the even k on
-    # every path, whichever code rounds the inputs there (scalar, or AVX512 vectors).
+    # every path, whichever code rounds the inputs there (scalar, AVX2 or AVX512 vectors).
     identity = np.eye(32, dtype=np.float32)
     rows = quantize(identity, KINDS["q8_0"])
     blocks, weight = Blocks("q8_0", rows, 32), torch.from_numpy(dequantize(rows, KINDS["q8_0"]).copy())
