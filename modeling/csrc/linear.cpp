@@ -100,7 +100,8 @@ inline float half_to_float(uint16_t h) {
 // One call's operands: x as contiguous float32 rows and the output (the weight is the panels' business).
 template <typename T>
 struct LinearCall {
-  const float* x;  // [num_rows, depth]; null for the dot-product tiles, which read x16 alone (an even depth)
+  const float* x;  // [num_rows, depth]; null for the dot-product tiles, which read x16 alone (an even depth), and
+                   // for blocks, whose tiles read the rows' quants (QuantizedRows)
   int64_t num_rows, depth;
   int64_t num_out;
   const T* bias;  // [num_out] or null
@@ -717,15 +718,25 @@ std::vector<std::string> available_paths() {
 // The vectors a path rounds block inputs in (each the same bits as the scalar code).
 enum class Rounding { kScalar, kAvx2, kAvx512 };
 
-// Rounds rows x [num_rows, depth] into quants, scales and sums (shaped as QuantizedRows says), each block by
-// quantize_block, in the vectors of `rounding` where a block allows.
-void quantize_rows(const float* x, int64_t num_rows, int64_t depth, int16_t* quants, float* scales, int32_t* sums,
+// Rounds rows x [num_rows, depth] (float32 or bfloat16, contiguous) into quants, scales and sums (shaped as
+// QuantizedRows says), each block by quantize_block, in the vectors of `rounding` where a block allows. bfloat16
+// rows are widened a block at a time (exactly), not copied to float32 first: at one row that copy, a tensor op of
+// its own, cost more than the rounding.
+template <typename T>
+void quantize_rows(const T* x, int64_t num_rows, int64_t depth, int16_t* quants, float* scales, int32_t* sums,
                    Rounding rounding) {
   const int64_t blocks = depth / kQuantBlock;
   at::parallel_for(0, num_rows * blocks, 256, [&](int64_t begin, int64_t end) {
+    float widened[kQuantBlock];
     for (int64_t at = begin; at < end; ++at) {
       // Rows are contiguous: block `at` of all the rows' blocks.
-      const float* in = x + at * kQuantBlock;
+      const float* in = widened;
+      if constexpr (std::is_same_v<T, float>) {
+        in = x + at * kQuantBlock;
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < kQuantBlock; ++i) widened[i] = specserve::to_float(x[at * kQuantBlock + i]);
+      }
       int16_t* out = quants + at * kQuantBlock;
 #ifdef SPECSERVE_X86
       if (rounding == Rounding::kAvx512 && avx512f::quantize_block(in, out, scales + at, sums + at)) continue;
@@ -795,11 +806,16 @@ at::Tensor linear_any(const at::Tensor& x, WeightFormat format, const void* pack
   const int64_t num_rows = x.size(0), depth = x.size(1);
   at::Tensor y = at::empty({num_rows, num_out}, x.options());
   if (num_rows == 0) return y;
-  // The rows as contiguous float32 (bfloat16 widens exactly); the dot-product tiles read bfloat16 pairs alone.
+  // The rows as contiguous float32 (bfloat16 widens exactly) for the dense tiles; the dot-product tiles read
+  // bfloat16 pairs alone, the block tiles the rows' quants alone.
   const bool pairs_only = chosen == "avx512bf16" && format == WeightFormat::kBFloat16 &&
                           x.scalar_type() == at::kBFloat16 && depth % 2 == 0;
-  const at::Tensor rows = pairs_only ? at::Tensor() : x.to(at::kFloat).contiguous();
-  const float* xf = pairs_only ? nullptr : rows.data_ptr<float>();
+  const bool float_rows = !pairs_only && !is_block_format(format);
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "the linear kernel supports float32 and bfloat16 rows, not ", x.scalar_type());
+  const at::Tensor rows = float_rows ? x.to(at::kFloat).contiguous() : at::Tensor();
+  const float* xf = float_rows ? rows.data_ptr<float>() : nullptr;
+  const at::Tensor source = float_rows && x.scalar_type() == at::kFloat ? rows : x.contiguous();  // in their dtype
   // For blocks, the rows rounded to 16-bit quants (see QuantizedRows).
   QuantizedRows quantized{};
   if (is_block_format(format)) {
@@ -809,20 +825,21 @@ at::Tensor linear_any(const at::Tensor& x, WeightFormat format, const void* pack
     auto* quants = reinterpret_cast<int16_t*>(scratch);
     auto* scales = reinterpret_cast<float*>(scratch + (num_rows * depth + 1) / 2);
     int32_t* sums = scratch + (num_rows * depth + 1) / 2 + blocks;
-    quantize_rows(xf, num_rows, depth, quants, scales, sums, rounding_of(chosen));
+    if (source.scalar_type() == at::kFloat) {
+      quantize_rows(source.data_ptr<float>(), num_rows, depth, quants, scales, sums, rounding_of(chosen));
+    } else {
+      quantize_rows(source.data_ptr<c10::BFloat16>(), num_rows, depth, quants, scales, sums, rounding_of(chosen));
+    }
     quantized = {quants, scales, sums, depth};
   }
   const QuantizedRows* blocks = is_block_format(format) ? &quantized : nullptr;
   if (x.scalar_type() == at::kFloat) {
     run_on<float>(chosen, {xf, num_rows, depth, num_out, bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>()},
                   format, blocks, packed);
-  } else if (x.scalar_type() == at::kBFloat16) {
-    const at::Tensor rows16 = x.contiguous();
-    run_on<c10::BFloat16>(chosen, {xf, num_rows, depth, num_out, bias ? bias->data_ptr<c10::BFloat16>() : nullptr,
-                                   y.data_ptr<c10::BFloat16>(), rows16.data_ptr<c10::BFloat16>()},
-                          format, blocks, packed);
   } else {
-    TORCH_CHECK(false, "the linear kernel supports float32 and bfloat16 rows, not ", x.scalar_type());
+    run_on<c10::BFloat16>(chosen, {xf, num_rows, depth, num_out, bias ? bias->data_ptr<c10::BFloat16>() : nullptr,
+                                   y.data_ptr<c10::BFloat16>(), source.data_ptr<c10::BFloat16>()},
+                          format, blocks, packed);
   }
   return y;
 }
