@@ -16,7 +16,7 @@ kernel's instruction-set paths this CPU has (default: the widest).
 
 `--layers L` times instead what a decode step's layers ask of the kernel: L layers' four projections, each its
 own weight (a 30-layer Q4_1 model's are 66 MB, far more than the caches hold), called in the model's order, as
-the worker holds them (blocks moved into one huge-page region); the median pass's milliseconds and the weights'
+the worker holds them (in one region of huge pages); the median pass's milliseconds and the weights'
 bytes a second it reads them at. L = 1 or 2 is the same loop with the weights in cache.
 
     python -m bench.linear_kernel --blocks q4_1 --dtype bfloat16 --rows 1 --layers 30 --repeats 30
@@ -33,7 +33,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from modeling.cpu_kernels import HugePageRegion, PackedLinear, block_probe
+from modeling.cpu_kernels import PackedLinear, block_probe
+from modeling.huge_pages import HugePageRegion
 from modeling.native import native_ops
 from modeling.quantized import panel_rows
 
@@ -114,9 +115,8 @@ def layer_passes(linear: PackedLinear, args: argparse.Namespace) -> int:
             for num_out, depth in SHAPES[:4]:
                 weight = (torch.randn(num_out, depth, generator=generator) * 0.05).to(dtype)
                 weights.append(block_probe(linear, args.blocks)(weight) if args.blocks else linear.pack(weight))
-        if args.blocks:
-            region = HugePageRegion(weights)
-            weights = [linear.move(weight, region) for weight in weights]
+        region = HugePageRegion.holding(weights)
+        weights = [linear.move(weight, region) for weight in weights]
         nbytes = sum(weight.numel() * weight.element_size() for weight in weights)
         for rows in args.rows:
             inputs = {depth: torch.randn(rows, depth, generator=generator).to(dtype) for _, depth in SHAPES[:4]}

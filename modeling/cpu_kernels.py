@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import math
-import mmap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from modeling.config import ModelConfig
+from modeling.huge_pages import HugePageRegion
 from modeling.llama import LlamaModel, head_parts, projection_parts
 from modeling.native import KernelUnavailable, native_ops
 from modeling.quantized import BLOCK_FORMATS, Blocks, ChannelInt8, GgufBlocks, block_panels, q4_1_as_q4_k
@@ -60,10 +60,14 @@ def attach_native_ops(model: LlamaModel, dtype: torch.dtype, device: torch.devic
     def pack(weight: torch.Tensor, parts: list[str]) -> torch.nn.Parameter:
         found = blocks.blocks(parts, weight) if blocks is not None else None
         if found is None:
-            return linear.pack(weight, in_place=True)
-        name = found.format if blocks is None or blocks.from_file else f"{blocks.quantization} per-channel"
-        formats[name] = formats.get(name, 0) + 1
-        return linear.pack_blocks(found)
+            packed = linear.pack(weight, in_place=True)
+        else:
+            name = found.format if blocks is None or blocks.from_file else f"{blocks.quantization} per-channel"
+            formats[name] = formats.get(name, 0) + 1
+            packed = linear.pack_blocks(found)
+        if packed.data_ptr() != weight.data_ptr():  # a copy: the model's own memory for the weight is not read again
+            model.release_weight(weight)
+        return packed
 
     with torch.no_grad():
         owners: list[tuple[object, str]] = []
@@ -74,10 +78,11 @@ def attach_native_ops(model: LlamaModel, dtype: torch.dtype, device: torch.devic
         tied = model.lm_head is model.embed_tokens
         model.lm_head = pack(model.lm_head, head_parts(model.config))
         owners.append((model, "lm_head"))
-        # Weights in GGUF blocks, in the order a step reads them, into one region of huge pages. Not dense ones:
-        # packed in place, they hold no second copy, and a move would hold one of each while it is copied.
+        # Weights in GGUF blocks, in the order a step reads them, into one region of huge pages. Dense ones are
+        # packed in place, in the model's own region of huge pages (LlamaModel): a move would hold two copies of
+        # the one being copied.
         owners = [(owner, name) for owner, name in owners if getattr(owner, name).dtype == torch.uint8]
-        region = HugePageRegion([getattr(owner, name) for owner, name in owners])
+        region = HugePageRegion.holding([getattr(owner, name) for owner, name in owners])
         for owner, name in owners:  # each in turn, its old memory freed before the next is copied
             setattr(owner, name, linear.move(getattr(owner, name), region))
         if tied:  # one table for both: embeddings are read back out of the packed LM head
@@ -320,47 +325,6 @@ class PackedLinear:
             return blocks
         out: torch.Tensor = self._ops.linear(x, weight, self.out_features(weight), bias, self.path)
         return out
-
-
-class HugePageRegion:
-    """One region of memory for a model's packed weights, placed in the order a step reads them, that asks the
-    kernel for 2 MiB pages (transparent huge pages, `madvise`). A core reads a stream of weights from huge pages
-    about 10% faster than from 4 KiB ones (one TLB entry and no restart of the hardware prefetcher every 4 KiB;
-    measured: docs/benchmarks.md). Where the kernel has no such pages the region is plain memory, as fast as
-    before; where the weights are not all on the CPU, `take` leaves them where they are.
-    """
-
-    _PAGE, _HUGE_PAGE = 4096, 2 << 20
-
-    def __init__(self, weights: list[torch.Tensor]) -> None:
-        sizes = [self._place_size(weight) for weight in weights]
-        self._memory: torch.Tensor | None = None
-        self._next = 0
-        if not weights or any(weight.device.type != "cpu" for weight in weights) or not hasattr(mmap, "MADV_HUGEPAGE"):
-            return
-        region = mmap.mmap(-1, sum(sizes) + self._HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        memory = torch.frombuffer(region, dtype=torch.uint8)  # holds `region` as long as any weight in it lives
-        start = -memory.data_ptr() % self._HUGE_PAGE
-        try:
-            region.madvise(mmap.MADV_HUGEPAGE, start, sum(sizes))
-        except OSError:  # a kernel without transparent huge pages: plain pages, in the same order
-            pass
-        self._memory = memory[start:]
-
-    def take(self, weight: torch.Tensor) -> torch.Tensor:
-        """`weight` copied into the region's next place (page-aligned), or itself where the region is not."""
-        if self._memory is None:
-            return weight
-        nbytes = weight.numel() * weight.element_size()
-        place = self._memory[self._next : self._next + nbytes].view(weight.dtype).view(weight.shape)
-        place.copy_(weight)
-        self._next += self._place_size(weight)
-        return place
-
-    @classmethod
-    def _place_size(cls, weight: torch.Tensor) -> int:
-        """The bytes `weight` takes in the region: its own, up to a whole number of pages."""
-        return -(-weight.numel() * weight.element_size() // cls._PAGE) * cls._PAGE
 
 
 def packed_for(model: LlamaModel, weight: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from modeling.batch import AttentionGroup, SeqSpan, StepBatch, build_step_batch
 from modeling.config import ModelConfig
+from modeling.huge_pages import HugePageRegion
 from modeling.kv_cache import KVCache
 from modeling.rope import Rope
 from modeling.rope import rope_tables as rope_tables_of
@@ -39,13 +40,28 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device, fill: float | 
     return torch.nn.Parameter(data, requires_grad=False)
 
 
+def _weight(region: HugePageRegion, *shape: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Parameter:
+    """A frozen, uninitialised matmul weight in `region`'s next place (a plain tensor off the CPU)."""
+    return torch.nn.Parameter(region.empty(shape, dtype, device), requires_grad=False)
+
+
+def _weight_shapes(config: ModelConfig) -> list[tuple[int, int]]:
+    """The shapes of the matmul weights LlamaModel allocates, in the order it allocates them: the embeddings, each
+    layer's fused q|k|v, o, gate|up and down projections, and an untied LM head."""
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    hidden, inner = config.hidden_size, config.intermediate_size
+    layer = [(q_size + 2 * kv_size, hidden), (hidden, q_size), (2 * inner, hidden), (hidden, inner)]
+    head = [] if config.tie_word_embeddings else [(config.vocab_size, hidden)]
+    return [(config.vocab_size, hidden), *layer * config.num_layers, *head]
+
+
 def norm_dtype(config: ModelConfig, dtype: torch.dtype) -> torch.dtype:
     """Gemma applies its norms in float32 (x * (1 + w), rounded once), so its weights stay float32; others' are in dtype."""
     return torch.float32 if config.gemma else dtype
 
 
 class DecoderLayer(torch.nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, weights: HugePageRegion) -> None:
         super().__init__()
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
@@ -58,45 +74,53 @@ class DecoderLayer(torch.nn.Module):
         def bias(size: int, wanted: bool) -> torch.nn.Parameter | None:
             return param(size, fill=0.0) if wanted else None
 
+        def weight(*shape: int) -> torch.nn.Parameter:
+            return _weight(weights, *shape, dtype=dtype, device=device)
+
         def norm(size: int) -> torch.nn.Parameter:
             return _param(size, dtype=norm_dtype(config, dtype), device=device, fill=1.0)
 
         # Norm weights are held as the factor they apply (Gemma's stored w is applied as 1 + w).
         self.input_norm = norm(hidden)
-        self.qkv_proj = param(q_size + 2 * kv_size, hidden)
+        self.qkv_proj = weight(q_size + 2 * kv_size, hidden)
         self.qkv_bias = bias(q_size + 2 * kv_size, config.attention_bias)
         self.q_norm = norm(config.head_dim) if config.qk_norm else None
         self.k_norm = norm(config.head_dim) if config.qk_norm else None
-        self.o_proj = param(hidden, q_size)
+        self.o_proj = weight(hidden, q_size)
         self.o_bias = bias(hidden, config.o_bias)
         self.post_attention_norm = norm(hidden)
         # Gemma's sandwich: post_attention_norm normalises the attention's output, these two the MLP's input and output.
         self.pre_mlp_norm = norm(hidden) if config.gemma else None
         self.post_mlp_norm = norm(hidden) if config.gemma else None
-        self.gate_up_proj = param(2 * inner, hidden)
+        self.gate_up_proj = weight(2 * inner, hidden)
         self.gate_up_bias = bias(2 * inner, config.mlp_bias)
-        self.down_proj = param(hidden, inner)
+        self.down_proj = weight(hidden, inner)
         self.down_bias = bias(hidden, config.mlp_bias)
 
 
 class LlamaModel(torch.nn.Module):
     """Scores the new tokens of a step; `forward` returns the hidden states of `logit_rows`.
 
-    Parameters are allocated in `dtype` on `device` and the weights read straight into them.
+    Parameters are allocated in `dtype` on `device` and the weights read straight into them;
+    on the CPU the matmul weights (embeddings, projections, LM head) lie in one region of huge
+    pages (modeling/huge_pages.py), each at a page boundary.
     """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
         super().__init__()
         self.config = config
         device = torch.device(device)
-        self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        self._weights = HugePageRegion([rows * cols * itemsize for rows, cols in _weight_shapes(config)]
+                                       if device.type == "cpu" else [])
+        self.embed_tokens = _weight(self._weights, config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers: list[DecoderLayer] = torch.nn.ModuleList(  # type: ignore[assignment]
-            DecoderLayer(config, dtype, device) for _ in range(config.num_layers))
+            DecoderLayer(config, dtype, device, self._weights) for _ in range(config.num_layers))
         self.norm = _param(config.hidden_size, dtype=norm_dtype(config, dtype), device=device, fill=1.0)
         self.lm_head = (
             self.embed_tokens
             if config.tie_word_embeddings
-            else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+            else _weight(self._weights, config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         )
         # y = x @ W^T (+ b); a built model may swap in a faster kernel (see cpu_kernels.py).
         self.linear: Callable[..., torch.Tensor] = F.linear
@@ -172,7 +196,14 @@ class LlamaModel(torch.nn.Module):
         """Read embeddings through `rows` (ids -> `[N, hidden]`) and free the table: a tied LM head, packed for the
         native kernels, holds the same rows, so one copy of a large vocabulary's table is enough."""
         self._embedding_rows = rows
+        table = self.embed_tokens
         self.embed_tokens = torch.nn.Parameter(self.embed_tokens.new_empty(0, self.config.hidden_size), requires_grad=False)
+        if table.data_ptr() != self.lm_head.data_ptr():  # the head is another copy (blocks), not this table packed
+            self.release_weight(table)
+
+    def release_weight(self, weight: torch.Tensor) -> None:
+        """Free the memory of a matmul weight the model allocated and no longer reads (replaced by another copy)."""
+        self._weights.release(weight)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings of `token_ids` `[N]` -> `[N, hidden]` (scaled by sqrt(hidden) for Gemma)."""

@@ -16,7 +16,8 @@ from gguf.quants import dequantize, quantize
 
 from modeling.batch import SeqSpan
 from modeling.config import ModelConfig
-from modeling.cpu_kernels import HugePageRegion, PackedLinear, block_probe
+from modeling.cpu_kernels import PackedLinear, block_probe
+from modeling.huge_pages import HugePageRegion
 from modeling.engine import ModelEngine
 from modeling.gguf_convert import convert_gguf
 from modeling.invariance import linear_rows_problem
@@ -162,7 +163,7 @@ def test_blocks_moved_into_a_huge_page_region_compute_what_they_did(ops: ModuleT
     x = torch.randn(3, 160).to(torch.bfloat16)
     ids = torch.tensor([3, 15])
     before = [(linear(x, weight), linear.rows(weight, ids)) for weight in packed]
-    region = HugePageRegion(packed)
+    region = HugePageRegion.holding(packed)
     moved = [linear.move(weight, region) for weight in packed]
     assert all(weight.data_ptr() % 4096 == 0 for weight in moved)
     assert [b.data_ptr() - a.data_ptr() for a, b in zip(moved, moved[1:])] == [
