@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from modeling.config import ModelConfig
+from modeling.huge_pages import HugePageRegion
 
 # Positions per page, vLLM's default too: a page of one kv head (2-4 KiB) is read straight
 # through by the attention kernel, and a sequence wastes at most 15 positions. Against
@@ -20,12 +21,20 @@ DEFAULT_PAGE_SIZE = 16
 
 class KVCache:
     """Layout `[num_layers, num_pages, num_kv_heads, page_size, head_dim]`: one page of one
-    layer and kv head is `page_size` consecutive rows, read straight through by attention."""
+    layer and kv head is `page_size` consecutive rows, read straight through by attention.
+
+    On the CPU keys and values lie in huge pages (modeling/huge_pages.py): a step reads a few
+    KiB from each of thousands of pages scattered over the cache, and with 4 KiB pages nearly
+    every one is a TLB miss (attention over 30 layers at 1-64 rows took 0.86-0.90 of the time
+    in huge pages on machine E, docs/benchmarks.md).
+    """
 
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device) -> None:
         shape = (config.num_layers, num_pages, config.num_kv_heads, page_size, config.head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        memory = HugePageRegion([nbytes, nbytes] if torch.device(device).type == "cpu" else [])
+        self.keys = memory.empty(shape, dtype, torch.device(device)).zero_()
+        self.values = memory.empty(shape, dtype, torch.device(device)).zero_()
         self.num_pages = num_pages
         self.page_size = page_size
 

@@ -10,6 +10,7 @@ import torch
 from modeling.config import ModelConfig
 from modeling.cpu_kernels import attach_native_ops
 from modeling.huge_pages import HugePageRegion
+from modeling.kv_cache import KVCache
 from modeling.llama import PROJECTION_PARTS, LlamaModel
 from modeling.quantized import ChannelInt8
 
@@ -94,3 +95,16 @@ def test_a_cpu_models_matmul_weights_lie_in_one_region_and_blocks_give_it_back(t
     served = attach_native_ops(model, torch.bfloat16, torch.device("cpu"), ChannelInt8(tiny_llama_folder))
     assert served.endswith("13 weights from int8 per-channel blocks)"), served
     assert mapping_of(address)["Rss"] == 0
+
+
+def test_a_cpu_kv_cache_lies_in_huge_pages_zeroed(tiny_llama_folder: Path) -> None:
+    config = ModelConfig.from_folder(tiny_llama_folder)
+    cache = KVCache(config, num_pages=600, page_size=16, dtype=torch.bfloat16, device=torch.device("cpu"))
+    assert cache.keys.shape == cache.values.shape == (config.num_layers, 600, config.num_kv_heads, 16, config.head_dim)
+    assert cache.keys.data_ptr() % (2 << 20) == 0 and cache.values.data_ptr() % 4096 == 0
+    assert mapping_of(cache.keys.data_ptr()) == mapping_of(cache.values.data_ptr())
+    assert not cache.keys.any() and not cache.values.any()
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    flags = mapping_of(cache.keys.data_ptr())
+    if thp.is_file() and "[never]" not in thp.read_text() and "THPeligible" in flags:
+        assert flags["THPeligible"] == 1 and flags["hg"] == 1
