@@ -2,8 +2,10 @@
 
 Measured with the threads torch has (`--threads` sets them), in one sitting:
 
-- read bandwidth: the best of `--repeats` sums of a 1 GiB float32 tensor (far larger than
-  any cache), in GB/s;
+- read bandwidth: the best of a few sums of a 1 GiB float32 tensor (far larger than any
+  cache), in GB/s, measured again just before each row's steps: a shared host's bandwidth
+  drifts with its other tenants' load (28-61 GB/s within an hour on one machine), and a
+  step is held against what the memory gave in the same minute;
 - matmul peak: the best of `--repeats` 2048 x 2048 x 2048 matmuls in the serving dtype and
   in float32, whichever is faster (torch's library GEMM; the native kernels widen bfloat16
   to float32 and sum there, so on a CPU without bfloat16 arithmetic float32's peak is the
@@ -25,6 +27,7 @@ position, head and head dimension. The table gives each step as a multiple of it
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import statistics
 import time
@@ -63,16 +66,19 @@ class StepCost:
         return "memory" if self.bytes / (bounds.read_gb_s * 1e9) >= self.flops / (bounds.matmul_tflop_s * 1e12) else "compute"
 
 
-def measure_bounds(dtype: torch.dtype, repeats: int) -> Bounds:
-    data = torch.ones(GIB // 4, dtype=torch.float32)
-    read_s = best_ms(lambda: data.sum(), repeats) / 1e3
-    del data
+def read_gb_s(data: torch.Tensor, repeats: int) -> float:
+    """GB/s of the best of `repeats` sums of `data` (a tensor far larger than the caches)."""
+    return data.numel() * data.element_size() / (best_ms(lambda: data.sum(), repeats) / 1e3) / 1e9
+
+
+def measure_bounds(dtype: torch.dtype, repeats: int, data: torch.Tensor) -> Bounds:
+    read = read_gb_s(data, repeats)
     matmul_s = float("inf")
     for kind in {dtype, torch.float32}:
         a = torch.randn(_MATMUL_SIZE, _MATMUL_SIZE).to(kind)
         b = torch.randn(_MATMUL_SIZE, _MATMUL_SIZE).to(kind)
         matmul_s = min(matmul_s, best_ms(lambda: a @ b, repeats) / 1e3)  # noqa: B023 - timed before the next kind
-    return Bounds(read_gb_s=GIB / read_s / 1e9, matmul_tflop_s=2 * _MATMUL_SIZE**3 / matmul_s / 1e12)
+    return Bounds(read_gb_s=read, matmul_tflop_s=2 * _MATMUL_SIZE**3 / matmul_s / 1e12)
 
 
 def matmul_params(config: ModelConfig) -> int:
@@ -174,14 +180,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print("| dtype | weights | read GB/s | matmul TFLOP/s | B | step ms | bound ms | limited by | step / bound |")
     print("|---|---|---:|---:|---:|---:|---:|---|---:|")
+    probe = torch.ones(GIB // 4, dtype=torch.float32)
+    probe_repeats = max(3, args.repeats // 4)
     for dtype_name in args.dtype:
         dtype = getattr(torch, dtype_name)
-        bounds = measure_bounds(dtype, max(3, args.repeats // 4))
+        bounds = measure_bounds(dtype, probe_repeats, probe)
         for quantization in args.quantization:
             engine = decode_engine(folder, config, dtype_name, quantization, args.batch, args.context, args.repeats)
             weights = "dense" if quantization == "none" else quantization
             for batch in args.batch:
                 cost = step_cost(config, batch, args.context, dtype.itemsize, engine.linear_weight_bytes())
+                bounds = dataclasses.replace(bounds, read_gb_s=read_gb_s(probe, probe_repeats))
                 step_ms = decode_step_ms(engine, batch, args.context, args.repeats)
                 bound_ms = cost.bound_ms(bounds)
                 print(f"| {dtype_name} | {weights} | {bounds.read_gb_s:.1f} | {bounds.matmul_tflop_s:.2f} | {batch} | "
