@@ -22,8 +22,10 @@ class HugePageRegion:
 
     Memory is committed as places are written, not when the region is made, so a place never
     written (a weight served from another copy) costs nothing but address space. Where the
-    kernel has no huge pages the region is plain memory; where the tensors are not on the CPU
-    there is no region, and `empty` and `take` give ordinary tensors.
+    kernel has no huge pages the region is plain memory; where the tensors are not on the CPU,
+    or the kernel refuses that much address space at once (a large model's dense weights,
+    served from its GGUF blocks on a machine with less memory than they would take), there is
+    no region, and `empty` and `take` give ordinary tensors.
     """
 
     def __init__(self, sizes: Sequence[int]) -> None:
@@ -34,7 +36,10 @@ class HugePageRegion:
         total = sum(_place_size(size) for size in sizes)
         if not total or not hasattr(mmap, "MADV_HUGEPAGE"):
             return
-        region = mmap.mmap(-1, total + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            region = mmap.mmap(-1, total + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError:  # more address space at once than the kernel's overcommit allows: tensors one by one
+            return
         memory = torch.frombuffer(region, dtype=torch.uint8)  # holds `region` as long as any tensor in it lives
         self._start = -memory.data_ptr() % _HUGE_PAGE
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,18 @@ def test_a_cpu_kv_cache_lies_in_huge_pages_zeroed(tiny_llama_folder: Path) -> No
     flags = mapping_of(cache.keys.data_ptr())
     if thp.is_file() and "[never]" not in thp.read_text() and "THPeligible" in flags:
         assert flags["THPeligible"] == 1 and flags["hg"] == 1
+
+
+def test_a_region_the_kernel_refuses_gives_plain_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under heuristic overcommit one mapping larger than memory is refused, where tensors one by one (never all
+    written, like dense weights served from blocks) are not: the region then gives plain tensors."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    region = HugePageRegion([1 << 20])
+    tensor = region.empty((1 << 18,), torch.float32, torch.device("cpu"))
+    assert tensor.shape == (1 << 18,)
+    region.release(tensor)  # nothing to give back
+    assert int(tensor.fill_(1).sum()) == 1 << 18
