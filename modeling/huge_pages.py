@@ -3,7 +3,7 @@
 A core reads a stream of weights from huge pages faster than from 4 KiB ones: one TLB entry
 for 2 MiB, and the hardware prefetcher is not stopped at every 4 KiB boundary. Measured on an
 AMD EPYC (docs/benchmarks.md): GGUF blocks at one row 0.86-0.90 of the time, bfloat16 decode
-steps 0.89-0.95 at 1-16 rows. Transparent huge pages set to `madvise` (a common default) give
+steps 0.89-0.99 at 1-16 rows. Transparent huge pages set to `madvise` (a common default) give
 them only to memory that asks, so a model's weights are placed in one region that asks.
 """
 
