@@ -27,7 +27,6 @@ position, head and head dimension. The table gives each step as a multiple of it
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import platform
 import statistics
 import time
@@ -71,14 +70,14 @@ def read_gb_s(data: torch.Tensor, repeats: int) -> float:
     return data.numel() * data.element_size() / (best_ms(lambda: data.sum(), repeats) / 1e3) / 1e9
 
 
-def measure_bounds(dtype: torch.dtype, repeats: int, data: torch.Tensor) -> Bounds:
-    read = read_gb_s(data, repeats)
+def matmul_tflop_s(dtype: torch.dtype, repeats: int) -> float:
+    """The library GEMM's best pace in `dtype` or float32, whichever is faster (see the module's note)."""
     matmul_s = float("inf")
     for kind in {dtype, torch.float32}:
         a = torch.randn(_MATMUL_SIZE, _MATMUL_SIZE).to(kind)
         b = torch.randn(_MATMUL_SIZE, _MATMUL_SIZE).to(kind)
         matmul_s = min(matmul_s, best_ms(lambda: a @ b, repeats) / 1e3)  # noqa: B023 - timed before the next kind
-    return Bounds(read_gb_s=read, matmul_tflop_s=2 * _MATMUL_SIZE**3 / matmul_s / 1e12)
+    return 2 * _MATMUL_SIZE**3 / matmul_s / 1e12
 
 
 def matmul_params(config: ModelConfig) -> int:
@@ -184,13 +183,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     probe_repeats = max(3, args.repeats // 4)
     for dtype_name in args.dtype:
         dtype = getattr(torch, dtype_name)
-        bounds = measure_bounds(dtype, probe_repeats, probe)
+        peak = matmul_tflop_s(dtype, probe_repeats)
         for quantization in args.quantization:
             engine = decode_engine(folder, config, dtype_name, quantization, args.batch, args.context, args.repeats)
             weights = "dense" if quantization == "none" else quantization
             for batch in args.batch:
                 cost = step_cost(config, batch, args.context, dtype.itemsize, engine.linear_weight_bytes())
-                bounds = dataclasses.replace(bounds, read_gb_s=read_gb_s(probe, probe_repeats))
+                bounds = Bounds(read_gb_s=read_gb_s(probe, probe_repeats), matmul_tflop_s=peak)
                 step_ms = decode_step_ms(engine, batch, args.context, args.repeats)
                 bound_ms = cost.bound_ms(bounds)
                 print(f"| {dtype_name} | {weights} | {bounds.read_gb_s:.1f} | {bounds.matmul_tflop_s:.2f} | {batch} | "

@@ -9,6 +9,7 @@ them only to memory that asks, so a model's weights are placed in one region tha
 
 from __future__ import annotations
 
+import math
 import mmap
 from collections.abc import Sequence
 
@@ -28,13 +29,14 @@ class HugePageRegion:
     no region, and `empty` and `take` give ordinary tensors.
     """
 
-    def __init__(self, sizes: Sequence[int]) -> None:
-        """A region for tensors of `sizes` bytes (none for an empty list)."""
+    def __init__(self, sizes: Sequence[int], device: torch.device = torch.device("cpu")) -> None:
+        """A region for tensors of `sizes` bytes on `device` (none for an empty list or another device)."""
+        self._device = device
         self._map: mmap.mmap | None = None
         self._memory: torch.Tensor | None = None
         self._next = 0
         total = sum(_place_size(size) for size in sizes)
-        if not total or not hasattr(mmap, "MADV_HUGEPAGE"):
+        if not total or device.type != "cpu" or not hasattr(mmap, "MADV_HUGEPAGE"):
             return
         try:
             region = mmap.mmap(-1, total + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -52,23 +54,20 @@ class HugePageRegion:
     @classmethod
     def holding(cls, weights: Sequence[torch.Tensor]) -> HugePageRegion:
         """A region for copies of `weights` (`take`), or none where any of them is not on the CPU."""
-        if any(weight.device.type != "cpu" for weight in weights):
-            return cls([])
-        return cls([weight.numel() * weight.element_size() for weight in weights])
+        on_cpu = all(weight.device.type == "cpu" for weight in weights)
+        return cls([weight.numel() * weight.element_size() for weight in weights] if on_cpu else [])
 
-    def empty(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """An uninitialised tensor in the region's next place; a plain one off the CPU or where the region is full."""
-        count = 1
-        for size in shape:
-            count *= size
-        place = self._place(count * torch.tensor([], dtype=dtype).element_size()) if device.type == "cpu" else None
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor in the region's next place; a plain one on the region's device where it has no
+        place (off the CPU, or full)."""
+        place = self._place(math.prod(shape) * dtype.itemsize)
         if place is None:
-            return torch.empty(tuple(shape), dtype=dtype, device=device)
+            return torch.empty(tuple(shape), dtype=dtype, device=self._device)
         return place.view(dtype).view(tuple(shape))
 
     def take(self, weight: torch.Tensor) -> torch.Tensor:
         """`weight` copied into the region's next place, or itself where there is no place for it."""
-        place = self._place(weight.numel() * weight.element_size()) if weight.device.type == "cpu" else None
+        place = self._place(weight.numel() * weight.element_size())
         if place is None:
             return weight
         moved = place.view(weight.dtype).view(weight.shape)

@@ -8,6 +8,8 @@ cache itself is just memory, and every step names the pages it reads and writes.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from modeling.config import ModelConfig
@@ -31,10 +33,10 @@ class KVCache:
 
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device) -> None:
         shape = (config.num_layers, num_pages, config.num_kv_heads, page_size, config.head_dim)
-        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-        memory = HugePageRegion([nbytes, nbytes] if torch.device(device).type == "cpu" else [])
-        self.keys = memory.empty(shape, dtype, torch.device(device)).zero_()
-        self.values = memory.empty(shape, dtype, torch.device(device)).zero_()
+        nbytes = math.prod(shape) * dtype.itemsize
+        memory = HugePageRegion([nbytes, nbytes], torch.device(device))
+        self.keys = memory.empty(shape, dtype).zero_()
+        self.values = memory.empty(shape, dtype).zero_()
         self.num_pages = num_pages
         self.page_size = page_size
 

@@ -40,19 +40,25 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device, fill: float | 
     return torch.nn.Parameter(data, requires_grad=False)
 
 
-def _weight(region: HugePageRegion, *shape: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Parameter:
+def _weight(region: HugePageRegion, *shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
     """A frozen, uninitialised matmul weight in `region`'s next place (a plain tensor off the CPU)."""
-    return torch.nn.Parameter(region.empty(shape, dtype, device), requires_grad=False)
+    return torch.nn.Parameter(region.empty(shape, dtype), requires_grad=False)
+
+
+def _projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """A layer's fused projections (PROJECTION_PARTS' keys, in that order) -> their weights' [out, in] shapes."""
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    hidden, inner = config.hidden_size, config.intermediate_size
+    return {"qkv_proj": (q_size + 2 * kv_size, hidden), "o_proj": (hidden, q_size),
+            "gate_up_proj": (2 * inner, hidden), "down_proj": (hidden, inner)}
 
 
 def _weight_shapes(config: ModelConfig) -> list[tuple[int, int]]:
     """The shapes of the matmul weights LlamaModel allocates, in the order it allocates them: the embeddings, each
-    layer's fused q|k|v, o, gate|up and down projections, and an untied LM head."""
-    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    hidden, inner = config.hidden_size, config.intermediate_size
-    layer = [(q_size + 2 * kv_size, hidden), (hidden, q_size), (2 * inner, hidden), (hidden, inner)]
-    head = [] if config.tie_word_embeddings else [(config.vocab_size, hidden)]
-    return [(config.vocab_size, hidden), *layer * config.num_layers, *head]
+    layer's projections, and an untied LM head."""
+    head = [] if config.tie_word_embeddings else [(config.vocab_size, config.hidden_size)]
+    layer = list(_projection_shapes(config).values())
+    return [(config.vocab_size, config.hidden_size), *layer * config.num_layers, *head]
 
 
 def norm_dtype(config: ModelConfig, dtype: torch.dtype) -> torch.dtype:
@@ -74,27 +80,29 @@ class DecoderLayer(torch.nn.Module):
         def bias(size: int, wanted: bool) -> torch.nn.Parameter | None:
             return param(size, fill=0.0) if wanted else None
 
-        def weight(*shape: int) -> torch.nn.Parameter:
-            return _weight(weights, *shape, dtype=dtype, device=device)
+        shapes = _projection_shapes(config)
+
+        def weight(name: str) -> torch.nn.Parameter:
+            return _weight(weights, *shapes[name], dtype=dtype)
 
         def norm(size: int) -> torch.nn.Parameter:
             return _param(size, dtype=norm_dtype(config, dtype), device=device, fill=1.0)
 
         # Norm weights are held as the factor they apply (Gemma's stored w is applied as 1 + w).
         self.input_norm = norm(hidden)
-        self.qkv_proj = weight(q_size + 2 * kv_size, hidden)
+        self.qkv_proj = weight("qkv_proj")
         self.qkv_bias = bias(q_size + 2 * kv_size, config.attention_bias)
         self.q_norm = norm(config.head_dim) if config.qk_norm else None
         self.k_norm = norm(config.head_dim) if config.qk_norm else None
-        self.o_proj = weight(hidden, q_size)
+        self.o_proj = weight("o_proj")
         self.o_bias = bias(hidden, config.o_bias)
         self.post_attention_norm = norm(hidden)
         # Gemma's sandwich: post_attention_norm normalises the attention's output, these two the MLP's input and output.
         self.pre_mlp_norm = norm(hidden) if config.gemma else None
         self.post_mlp_norm = norm(hidden) if config.gemma else None
-        self.gate_up_proj = weight(2 * inner, hidden)
+        self.gate_up_proj = weight("gate_up_proj")
         self.gate_up_bias = bias(2 * inner, config.mlp_bias)
-        self.down_proj = weight(hidden, inner)
+        self.down_proj = weight("down_proj")
         self.down_bias = bias(hidden, config.mlp_bias)
 
 
@@ -110,17 +118,15 @@ class LlamaModel(torch.nn.Module):
         super().__init__()
         self.config = config
         device = torch.device(device)
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        self._weights = HugePageRegion([rows * cols * itemsize for rows, cols in _weight_shapes(config)]
-                                       if device.type == "cpu" else [])
-        self.embed_tokens = _weight(self._weights, config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self._weights = HugePageRegion([rows * cols * dtype.itemsize for rows, cols in _weight_shapes(config)], device)
+        self.embed_tokens = _weight(self._weights, config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers: list[DecoderLayer] = torch.nn.ModuleList(  # type: ignore[assignment]
             DecoderLayer(config, dtype, device, self._weights) for _ in range(config.num_layers))
         self.norm = _param(config.hidden_size, dtype=norm_dtype(config, dtype), device=device, fill=1.0)
         self.lm_head = (
             self.embed_tokens
             if config.tie_word_embeddings
-            else _weight(self._weights, config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+            else _weight(self._weights, config.vocab_size, config.hidden_size, dtype=dtype)
         )
         # y = x @ W^T (+ b); a built model may swap in a faster kernel (see cpu_kernels.py).
         self.linear: Callable[..., torch.Tensor] = F.linear

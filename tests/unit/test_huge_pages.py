@@ -40,9 +40,9 @@ def mapping_of(address: int) -> dict[str, int]:
 
 def test_places_are_whole_pages_in_the_order_asked_for_from_a_huge_page_boundary() -> None:
     region = HugePageRegion([5000, 3 * 4096, 4 << 20])
-    first = region.empty((1250,), torch.float32, torch.device("cpu"))
-    second = region.empty((3, 4096), torch.uint8, torch.device("cpu"))
-    third = region.empty((1 << 20, 2), torch.bfloat16, torch.device("cpu"))
+    first = region.empty((1250,), torch.float32)
+    second = region.empty((3, 4096), torch.uint8)
+    third = region.empty((1 << 20, 2), torch.bfloat16)
     assert first.data_ptr() % (2 << 20) == 0
     assert [second.data_ptr() - first.data_ptr(), third.data_ptr() - second.data_ptr()] == [2 * 4096, 3 * 4096]
     assert (first.shape, second.shape, third.shape) == ((1250,), (3, 4096), (1 << 20, 2))
@@ -54,11 +54,11 @@ def test_places_are_whole_pages_in_the_order_asked_for_from_a_huge_page_boundary
 
 def test_a_full_region_or_another_device_gives_plain_tensors() -> None:
     region = HugePageRegion([4096])
-    inside = region.empty((1024,), torch.float32, torch.device("cpu"))
-    beyond = region.empty((1024,), torch.float32, torch.device("cpu"))  # no place left
+    inside = region.empty((1024,), torch.float32)
+    beyond = region.empty((1024,), torch.float32)  # no place left
     assert beyond.data_ptr() != inside.data_ptr() + 4096 and beyond.shape == (1024,)
-    assert HugePageRegion([4096]).empty((4,), torch.float32, torch.device("meta")).device.type == "meta"
-    assert HugePageRegion([]).empty((4,), torch.float32, torch.device("cpu")).shape == (4,)
+    assert HugePageRegion([4096], torch.device("meta")).empty((4,), torch.float32).device.type == "meta"
+    assert HugePageRegion([]).empty((4,), torch.float32).shape == (4,)
     weight = torch.ones(8)
     assert HugePageRegion.holding([weight]).take(weight).data_ptr() != weight.data_ptr()
     assert HugePageRegion.holding([torch.ones(8, device="meta")]).take(weight) is weight
@@ -67,7 +67,7 @@ def test_a_full_region_or_another_device_gives_plain_tensors() -> None:
 def test_a_released_place_gives_its_memory_back_and_leaves_the_others() -> None:
     size = 4 << 20
     region = HugePageRegion([size, size])
-    kept, dropped = (region.empty((size,), torch.uint8, torch.device("cpu")) for _ in range(2))
+    kept, dropped = (region.empty((size,), torch.uint8) for _ in range(2))
     kept.fill_(7)
     dropped.fill_(9)
     before = mapping_of(kept.data_ptr())["Rss"]
@@ -120,7 +120,7 @@ def test_a_region_the_kernel_refuses_gives_plain_tensors(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(mmap, "mmap", refuse)
     region = HugePageRegion([1 << 20])
-    tensor = region.empty((1 << 18,), torch.float32, torch.device("cpu"))
+    tensor = region.empty((1 << 18,), torch.float32)
     assert tensor.shape == (1 << 18,)
     region.release(tensor)  # nothing to give back
     assert int(tensor.fill_(1).sum()) == 1 << 18
