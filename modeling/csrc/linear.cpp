@@ -32,13 +32,14 @@
 // by the inputs' rounding, at most a 65534th of each block's largest |x| times the weights'
 // absolute sum, and by float32's own.
 //
-// One build holds the tiles for every instruction set (AVX512F and AVX2 with FMA for float32
-// and bfloat16 weights, AVX512 VNNI and AVX2 for blocks, and plain C++ for both), each compiled
-// for its own set; the paths a CPU has are found when the module loads, by asking it
-// (`linear_paths`), and a caller names one (the AVX512VNNI path reads float32 and bfloat16 with
-// the AVX512F tiles, the AVX512F path reads blocks with the AVX2 tiles).
-// All of them give the same bits: a fused multiply-add rounds once, whatever computes it, and
-// integer sums are exact.
+// One build holds the tiles for every instruction set (AMX for bfloat16 weights, AVX512F and
+// AVX2 with FMA for float32 and bfloat16 weights, AVX512 VNNI and AVX2 for blocks, and plain C++
+// for both), each compiled for its own set; the paths a CPU has are found when the module loads,
+// by asking it (`linear_paths`), and a caller names one (the AVX512VNNI path reads float32 and
+// bfloat16 with the AVX512F tiles, the AVX512F path reads blocks with the AVX2 tiles).
+// All of them give the same bits (a fused multiply-add rounds once, whatever computes it, and
+// integer sums are exact) but one: AMX tiles sum bfloat16 weights in an order of their own (see
+// namespace amx), batch invariant all the same.
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -54,8 +55,13 @@
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define SPECSERVE_X86 1
+#endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -583,6 +589,175 @@ void run_dense_dot(const LinearCall<T>& call, WeightFormat format, const void* p
 }
 }  // namespace avx512bf16
 #pragma GCC pop_options
+
+// bfloat16 rows times bfloat16 weights on CPUs with AMX: tdpbf16ps multiplies a tile of up to 16 rows by 32 k
+// into a tile of those rows by a panel's 16 outputs. It adds the 32 products to each float32 sum in an order
+// and with roundings of its own: measured, neither vdpbf16ps's chain nor any other chain of single roundings,
+// so this path's bits are not the other paths' (they differ as two orders of a float32 sum differ). They are
+// the same for a row in any tile, though: a row's sums are computed from that row's inputs alone, chunk after
+// chunk of 32 k in order, whatever the other rows, so steps stay batch invariant on this path as on the
+// others, and a process keeps the one path it chose at start-up. Float32 weights take the AVX512F tiles,
+// blocks the AVX512 VNNI ones, as on the avx512bf16 path.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vnni,avx512bf16,avx2,fma,f16c,amx-tile,amx-bf16")
+namespace amx {
+constexpr int64_t kChunk = 32;  // k per tile product: 16 pairs
+constexpr int kTileRows = 16;
+constexpr int kGroup = 2;  // panels per work item, one weight tile each
+
+// Tile registers: sums 0 and 1 (the first row tile by the group's two panels), 2 and 3 (the second row tile),
+// rows 4 and 5, weights 6 and 7; every row 64 bytes (16 float32 sums, or 16 pairs of bfloat16).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t row_bytes[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Loaded for each work item, not once a thread: torch's own matmuls (oneDNN) load theirs on the same threads.
+void configure(int first_rows, int second_rows) {
+  TileConfig config;
+  const int rows[8] = {first_rows, first_rows, second_rows, second_rows, first_rows, second_rows, kChunk / 2,
+                       kChunk / 2};
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = static_cast<uint8_t>(std::max(1, rows[t]));
+    config.row_bytes[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// A packed panel ([K, kPanel] bfloat16) as weight tiles: [padded K / 2, kPanel, 2], word j of pair row i holding
+// output j's weights at k = 2i (low half) and 2i + 1 (high), zero past K (padded: a multiple of kChunk).
+void weight_tiles(const c10::BFloat16* panel, int64_t depth, int64_t padded, c10::BFloat16* out) {
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  int64_t k = 0;
+  for (; k + 2 <= depth; k += 2) {
+    _mm512_storeu_si512(out + k * kPanel, _mm512_permutexvar_epi16(order, _mm512_loadu_si512(panel + k * kPanel)));
+  }
+  if (k < depth) {  // an odd K's last k, beside a zero
+    const __m512i last = _mm512_maskz_loadu_epi16(0xFFFF, panel + k * kPanel);
+    _mm512_storeu_si512(out + k * kPanel, _mm512_permutexvar_epi16(order, last));
+    k += 2;
+  }
+  for (; k < padded; k += 2) _mm512_storeu_si512(out + k * kPanel, _mm512_setzero_si512());
+}
+
+// Sums of up to two row tiles (`first` and `second` rows from `rows`, `stride` bytes apart) by `count` panels, over
+// `padded` k, into `out` ([rows, width] float32). `weights(k, p)` gives panel p's weight tile for the chunk from k.
+template <typename Weights>
+void multiply(const c10::BFloat16* rows, int64_t stride, int first, int second, int count, int64_t padded,
+              const Weights& weights, float* out, int64_t width) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const c10::BFloat16* second_rows = rows + kTileRows * (stride / static_cast<int64_t>(sizeof(c10::BFloat16)));
+  for (int64_t k = 0; k < padded; k += kChunk) {
+    _tile_loadd(4, rows + k, stride);
+    _tile_loadd(6, weights(k, 0), 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (count > 1) {
+      _tile_loadd(7, weights(k, 1), 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (second > 0) {
+      _tile_loadd(5, second_rows + k, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if (count > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  const int64_t sum_stride = width * static_cast<int64_t>(sizeof(float));
+  _tile_stored(0, out, sum_stride);
+  if (count > 1) _tile_stored(1, out + kPanel, sum_stride);
+  if (second > 0) {
+    _tile_stored(2, out + kTileRows * width, sum_stride);
+    if (count > 1) _tile_stored(3, out + kTileRows * width + kPanel, sum_stride);
+  }
+}
+
+template <typename T>
+void run_dense_tiles(const LinearCall<T>& call, const c10::BFloat16* panels) {
+  const int64_t depth = call.depth, num_rows = call.num_rows;
+  const int64_t padded = (depth + kChunk - 1) / kChunk * kChunk;
+  // The rows as tiles read them: the call's own, or a copy with zeros past K when K is not a whole number of
+  // chunks (no model's shape; odd shapes in the tests).
+  std::vector<c10::BFloat16> padded_rows;
+  const c10::BFloat16* rows = call.x16;
+  if (padded != depth) {
+    padded_rows.assign(static_cast<size_t>(num_rows * padded), c10::BFloat16(0.0f));
+    for (int64_t r = 0; r < num_rows; ++r) std::copy_n(call.x16 + r * depth, depth, padded_rows.data() + r * padded);
+    rows = padded_rows.data();
+  }
+  const int64_t stride = padded * static_cast<int64_t>(sizeof(c10::BFloat16));
+  const int64_t num_panels = (call.num_out + kPanel - 1) / kPanel;
+  for_each_share((num_panels + kGroup - 1) / kGroup, [&](int64_t g) {
+    const int64_t first_panel = g * kGroup;
+    const int count = static_cast<int>(std::min<int64_t>(kGroup, num_panels - first_panel));
+    const int64_t width = count * kPanel;
+    const c10::BFloat16* panel = panels + first_panel * depth * kPanel;
+    float* out = thread_scratch<float>(static_cast<size_t>(num_rows * width));  // [rows, width]
+    if (num_rows <= 2 * kTileRows) {
+      // One pass over the rows: each chunk's weight tiles made just before they are read, from the nearest cache
+      // (at one row, 0.74 of the time of making all of K's first).
+      const int first = static_cast<int>(std::min<int64_t>(kTileRows, num_rows));
+      configure(first, static_cast<int>(num_rows - first));
+      alignas(64) c10::BFloat16 chunk[kGroup][kChunk * kPanel];
+      const auto weights = [&](int64_t k, int p) {
+        if (p == 0) {
+          for (int q = 0; q < count; ++q) {
+            weight_tiles(panel + (q * depth + k) * kPanel, std::min(kChunk, depth - k), kChunk, chunk[q]);
+          }
+        }
+        return chunk[p];
+      };
+      multiply(rows, stride, first, static_cast<int>(num_rows - first), count, padded, weights, out, width);
+    } else {
+      // Many rows: all of K's weight tiles first, read again by every pair of row tiles.
+      auto* tiles = thread_scratch<c10::BFloat16>(static_cast<size_t>(kGroup * padded * kPanel));
+      for (int p = 0; p < count; ++p) weight_tiles(panel + p * depth * kPanel, depth, padded, tiles + p * padded * kPanel);
+      const auto weights = [&](int64_t k, int p) { return tiles + (p * padded + k) * kPanel; };
+      int configured_first = -1, configured_second = -1;
+      for (int64_t row = 0; row < num_rows; row += 2 * kTileRows) {
+        const int first = static_cast<int>(std::min<int64_t>(kTileRows, num_rows - row));
+        const int second = static_cast<int>(std::clamp<int64_t>(num_rows - row - kTileRows, 0, kTileRows));
+        if (first != configured_first || second != configured_second) {
+          configure(first, second);
+          configured_first = first;
+          configured_second = second;
+        }
+        multiply(rows + row * padded, stride, first, second, count, padded, weights, out + row * width, width);
+      }
+    }
+    call.store(out, first_panel * kPanel, width);
+  });
+}
+
+template <typename T>
+void run_dense(const LinearCall<T>& call, WeightFormat format, const void* packed) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (format == WeightFormat::kBFloat16 && call.x16 != nullptr) {
+      return run_dense_tiles(call, static_cast<const c10::BFloat16*>(packed));
+    }
+  }
+  return avx512f::run_dense<T>(call, format, packed);
+}
+
+// Whether this CPU has AMX's bfloat16 tiles and the kernel lets this process use them (Linux grants a process
+// the tiles' state on request).
+bool usable() {
+#if defined(__linux__)
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  const bool bf16_tiles = (edx >> 22 & 1u) != 0, tiles = (edx >> 24 & 1u) != 0;
+  constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+  return bf16_tiles && tiles && syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+#else
+  return false;
+#endif
+}
+}  // namespace amx
+#pragma GCC pop_options
 #endif
 
 // Any CPU: the same chains in plain C++ (std::fma rounds once, as the vector FMAs do).
@@ -703,7 +878,10 @@ std::vector<std::string> available_paths() {
 #ifdef SPECSERVE_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni")) {
-    if (__builtin_cpu_supports("avx512bf16")) paths.emplace_back("avx512bf16");
+    if (__builtin_cpu_supports("avx512bf16")) {
+      if (amx::usable()) paths.emplace_back("amx");
+      paths.emplace_back("avx512bf16");
+    }
     paths.emplace_back("avx512vnni");
   }
   if (__builtin_cpu_supports("avx512f")) paths.emplace_back("avx512f");
@@ -751,7 +929,7 @@ bool is_block_format(WeightFormat format) { return format != WeightFormat::kFloa
 
 // The paths whose CPUs have AVX512F (each of them runs its float32 tiles and rounds block inputs in AVX512).
 bool is_avx512_path(const std::string& path) {
-  return path == "avx512f" || path == "avx512vnni" || path == "avx512bf16";
+  return path == "avx512f" || path == "avx512vnni" || path == "avx512bf16" || path == "amx";
 }
 
 // The vectors a path rounds block inputs in.
@@ -765,8 +943,9 @@ template <typename T>
 void run_on(const std::string& path, const LinearCall<T>& call, WeightFormat format, const QuantizedRows* x,
             const void* packed) {
 #ifdef SPECSERVE_X86
-  const bool vnni = path == "avx512vnni" || path == "avx512bf16";
+  const bool vnni = path == "avx512vnni" || path == "avx512bf16" || path == "amx";
   if (x != nullptr && vnni) return avx512vnni::run_block_format<T>(call, format, *x, packed);
+  if (path == "amx") return amx::run_dense<T>(call, format, packed);
   if (path == "avx512bf16") return avx512bf16::run_dense_dot<T>(call, format, packed);
   if (x != nullptr && path != "portable") return avx2::run_block_format<T>(call, format, *x, packed);
   if (is_avx512_path(path)) return avx512f::run_dense<T>(call, format, packed);
@@ -807,9 +986,9 @@ at::Tensor linear_any(const at::Tensor& x, WeightFormat format, const void* pack
   at::Tensor y = at::empty({num_rows, num_out}, x.options());
   if (num_rows == 0) return y;
   // The rows as contiguous float32 (bfloat16 widens exactly) for the dense tiles; the dot-product tiles read
-  // bfloat16 pairs alone, the block tiles the rows' quants alone.
-  const bool pairs_only = chosen == "avx512bf16" && format == WeightFormat::kBFloat16 &&
-                          x.scalar_type() == at::kBFloat16 && depth % 2 == 0;
+  // bfloat16 pairs alone (an even K), AMX tiles bfloat16 rows alone (any K), the block tiles the rows' quants alone.
+  const bool bfloat16_pairs = format == WeightFormat::kBFloat16 && x.scalar_type() == at::kBFloat16;
+  const bool pairs_only = bfloat16_pairs && (chosen == "amx" || (chosen == "avx512bf16" && depth % 2 == 0));
   const bool float_rows = !pairs_only && !is_block_format(format);
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "the linear kernel supports float32 and bfloat16 rows, not ", x.scalar_type());

@@ -21,7 +21,9 @@ from modeling.llama import LlamaModel
 from modeling.invariance import linear_rows_problem
 from modeling.native import SWITCH_ENV, native_ops
 
-ALL_PATHS = ("avx512bf16", "avx512vnni", "avx512f", "avx2", "portable")
+ALL_PATHS = ("amx", "avx512bf16", "avx512vnni", "avx512f", "avx2", "portable")
+# Paths whose bfloat16 weights are summed by AMX tiles, in an order and with roundings of the hardware's own.
+TILE_ORDER_PATHS = {"amx"}
 # The default model's weights (qkv, o, gate_up, down, LM head) and odd ones: widths that
 # are not a multiple of any vector, a single output, a single input.
 MODEL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
@@ -96,8 +98,13 @@ def test_every_path_gives_the_same_bits(ops, dtype: torch.dtype, shape: tuple[in
     (a last k without its pair) and depths past one block of k (256) included."""
     weight, bias, rows = _operands(shape, num_rows, dtype, seed=2)
     outputs = {path: (linear := PackedLinear(ops, path))(rows, linear.pack(weight), bias) for path in ops.linear_paths()}
+    # AMX sums bfloat16 weights in its own order: the others' bits within a bfloat16 step (its sums are checked
+    # against the exact ones by test_amx_sums_bfloat16_within_float32_rounding).
+    tiles = {path: outputs.pop(path) for path in TILE_ORDER_PATHS & set(outputs) if dtype == torch.bfloat16}
     first = next(iter(outputs.values()))
     assert all(torch.equal(first, out) for out in outputs.values()), list(outputs)
+    for out in tiles.values():
+        torch.testing.assert_close(out.double(), first.double(), rtol=2**-7, atol=1e-3)
 
 
 def _chain(rows: torch.Tensor, weight: torch.Tensor, order: list[int]) -> torch.Tensor:
@@ -116,6 +123,8 @@ def _chain(rows: torch.Tensor, weight: torch.Tensor, order: list[int]) -> torch.
 def test_bfloat16_weights_sum_each_pair_of_k_second_first(ops, path: str, depth: int) -> None:  # type: ignore[no-untyped-def]
     """The chain linear_tiles.h defines for bfloat16 weights: k = 1, 0, 3, 2, ..., an odd depth's last k alone (the
     order an AVX512-BF16 dot product adds a pair in), not k = 0, 1, 2, ...; the sums rounded once to bfloat16."""
+    if path in TILE_ORDER_PATHS:
+        pytest.skip(f"{path} sums in its tiles' own order (test_amx_sums_bfloat16_within_float32_rounding)")
     linear = _linear(ops, path)
     weight, _, rows = _operands((37, depth), 6, torch.bfloat16, seed=3)
     ours = linear(rows, linear.pack(weight))
@@ -127,6 +136,19 @@ def test_bfloat16_weights_sum_each_pair_of_k_second_first(ops, path: str, depth:
     one_weight = torch.tensor([[1.0, 1.0, 2.0**-24, 1.0, *pad]], dtype=torch.bfloat16)
     one_row = torch.tensor([[1.0, 0.0, 1.5, -1.0, *pad]], dtype=torch.bfloat16)
     assert linear(one_row, linear.pack(one_weight)).item() == 1.5 * 2.0**-24 != 2.0**-23
+
+
+@pytest.mark.parametrize("shape", [(37, 130), (53, 77), (960, 576), (576, 1536)])
+def test_amx_sums_bfloat16_within_float32_rounding(ops, shape: tuple[int, int]) -> None:  # type: ignore[no-untyped-def]
+    """AMX's tdpbf16ps adds 32 products at a time in an order and with roundings of its own (no chain of single
+    roundings gives its bits), so its outputs are held to the rounding a float32 sum of K products can have, at
+    most K float32 steps of the sum of |x * w|, plus the one rounding to bfloat16: half a bfloat16 step."""
+    linear = _linear(ops, "amx")
+    weight, bias, rows = _operands(shape, 40, torch.bfloat16, seed=4)
+    ours = linear(rows, linear.pack(weight), bias).double()
+    exact = F.linear(rows.double(), weight.double(), bias.double())
+    summed = rows.double().abs() @ weight.double().abs().T + bias.double().abs()
+    assert bool(((ours - exact).abs() <= summed * shape[1] * 2**-24 + exact.abs() * 2**-8 + 1e-30).all())
 
 
 def test_the_default_path_is_the_fastest_this_cpu_has(ops) -> None:  # type: ignore[no-untyped-def]
