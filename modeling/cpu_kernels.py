@@ -251,15 +251,36 @@ class PackedLinear:
         panel = self._panel
         full, rest = divmod(num_out, panel)
         if in_place and not rest and weight.is_contiguous():
-            return self._register(self._pack_in_place(weight.detach(), full, depth), num_out)
-        packed = torch.empty(full + bool(rest), depth, panel, dtype=weight.dtype, device=weight.device)
-        with torch.no_grad():
-            if full:
-                packed[:full].copy_(weight[: full * panel].view(full, panel, depth).transpose(1, 2))
-            if rest:
-                packed[full].zero_()
-                packed[full, :, :rest].copy_(weight[full * panel :].T)
+            packed = self._pack_in_place(weight.detach(), full, depth)
+        else:
+            packed = torch.empty(full + bool(rest), depth, panel, dtype=weight.dtype, device=weight.device)
+            with torch.no_grad():
+                if full:
+                    packed[:full].copy_(weight[: full * panel].view(full, panel, depth).transpose(1, 2))
+                if rest:
+                    packed[full].zero_()
+                    packed[full, :, :rest].copy_(weight[full * panel :].T)
+        if self._in_pairs(packed):
+            self._pair_in_place(packed)
         return self._register(packed, num_out)
+
+    def _in_pairs(self, packed: torch.Tensor) -> bool:
+        """Whether this path's tiles read `packed` (a dense packed weight) with each pair of k side by side: AMX
+        tiles, for bfloat16 weights. A panel's rows k and k + 1 ([2, P]) are then stored as [P, 2], each output's
+        two weights adjacent (an odd K's last k stays a plain row of P)."""
+        return self.path == "amx" and packed.dtype == torch.bfloat16
+
+    def _pair_in_place(self, packed: torch.Tensor) -> None:
+        num_panels, depth, panel = packed.shape
+        pairs = depth // 2
+        if pairs == 0:
+            return
+        block = max(1, _IN_PLACE_BLOCK_ELEMENTS // (panel * depth))
+        with torch.no_grad():
+            for start in range(0, num_panels, block):
+                rows = packed[start : start + block, : 2 * pairs]  # each panel's pairs: contiguous
+                staged = rows.reshape(-1, pairs, 2, panel).clone()
+                rows.view(-1, pairs, panel, 2).copy_(staged.transpose(2, 3))
 
     def pack_blocks(self, blocks: Blocks) -> torch.nn.Parameter:
         """GGUF blocks -> the kernel's panels of blocks (`modeling.quantized.block_panels`), read as they are."""
@@ -306,7 +327,13 @@ class PackedLinear:
         if packed.dtype == torch.uint8:
             rows: torch.Tensor = self._ops.block_rows(packed, ids, self._formats[packed.data_ptr()])
             return rows
-        return packed[ids // panel, :, ids % panel]
+        if not self._in_pairs(packed):
+            return packed[ids // panel, :, ids % panel]
+        num_panels, depth, _ = packed.shape
+        pairs = depth // 2
+        paired = packed[:, : 2 * pairs].view(num_panels, pairs, panel, 2)[ids // panel, :, ids % panel]
+        widened = paired.reshape(len(ids), 2 * pairs)
+        return torch.cat([widened, packed[ids // panel, depth - 1 :, ids % panel]], dim=1) if depth % 2 else widened
 
     def out_features(self, packed: torch.Tensor) -> int:
         try:

@@ -10,7 +10,8 @@
 // not depend on the step it is in (modeling/invariance.py checks it at start-up).
 //
 // The weight is packed once into column panels of kPanel outputs: [panels, K, kPanel], the
-// last panel padded with zero columns. Weights are float32 or bfloat16; bfloat16 is
+// last panel padded with zero columns (the AMX path's bfloat16 panels hold each pair of rows k,
+// k + 1 as [kPanel, 2], the layout its tiles read). Weights are float32 or bfloat16; bfloat16 is
 // widened to float32 as it is loaded (exactly), so both sum in float32.
 //
 // Or the weight is a GGUF file's own quantized blocks (Q4_1, Q8_0: 32 consecutive k of one
@@ -603,7 +604,8 @@ void run_dense_dot(const LinearCall<T>& call, WeightFormat format, const void* p
 namespace amx {
 constexpr int64_t kChunk = 32;  // k per tile product: 16 pairs
 constexpr int kTileRows = 16;
-constexpr int kGroup = 2;  // panels per work item, one weight tile each
+constexpr int kGroup = 2;  // panels multiplied together, one weight tile each
+constexpr int64_t kGroupsPerItem = 4;  // groups a work item takes at one tile of rows
 
 // Tile registers: sums 0 and 1 (the first row tile by the group's two panels), 2 and 3 (the second row tile),
 // rows 4 and 5, weights 6 and 7; every row 64 bytes (16 float32 sums, or 16 pairs of bfloat16).
@@ -626,39 +628,45 @@ void configure(int first_rows, int second_rows) {
   _tile_loadconfig(&config);
 }
 
-// A packed panel ([K, kPanel] bfloat16) as weight tiles: [padded K / 2, kPanel, 2], word j of pair row i holding
-// output j's weights at k = 2i (low half) and 2i + 1 (high), zero past K (padded: a multiple of kChunk).
-void weight_tiles(const c10::BFloat16* panel, int64_t depth, int64_t padded, c10::BFloat16* out) {
-  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  int64_t k = 0;
-  for (; k + 2 <= depth; k += 2) {
-    _mm512_storeu_si512(out + k * kPanel, _mm512_permutexvar_epi16(order, _mm512_loadu_si512(panel + k * kPanel)));
+// The weight tile of a panel's last chunk of k when K is not a whole number of chunks: its pairs as packed (the
+// AMX path packs bfloat16 panels in pairs: rows k and k + 1 stored as [kPanel, 2]), an odd K's last k beside a
+// zero, zeros past K.
+void last_weight_tile(const c10::BFloat16* panel, int64_t depth, int64_t from, c10::BFloat16* out) {
+  const int64_t paired = depth / 2 * 2;
+  std::fill(out, out + kChunk * kPanel, c10::BFloat16(0.0f));
+  std::copy(panel + from * kPanel, panel + paired * kPanel, out);
+  if (paired < depth) {
+    for (int j = 0; j < kPanel; ++j) out[(paired - from) * kPanel + 2 * j] = panel[paired * kPanel + j];
   }
-  if (k < depth) {  // an odd K's last k, beside a zero
-    const __m512i last = _mm512_maskz_loadu_epi16(0xFFFF, panel + k * kPanel);
-    _mm512_storeu_si512(out + k * kPanel, _mm512_permutexvar_epi16(order, last));
-    k += 2;
-  }
-  for (; k < padded; k += 2) _mm512_storeu_si512(out + k * kPanel, _mm512_setzero_si512());
 }
 
-// Sums of up to two row tiles (`first` and `second` rows from `rows`, `stride` bytes apart) by `count` panels, over
-// `padded` k, into `out` ([rows, width] float32). `weights(k, p)` gives panel p's weight tile for the chunk from k.
-template <typename Weights>
-void multiply(const c10::BFloat16* rows, int64_t stride, int first, int second, int count, int64_t padded,
-              const Weights& weights, float* out, int64_t width) {
+// Sums of up to two row tiles (`first` and `second` rows from `rows`, `stride` bytes apart) by `count` panels
+// (each `panel_size` elements after the last) over K, into `out` ([rows, width] float32). Full chunks'
+// weight tiles are read from the panels as packed, the last of a K that is not a whole number of chunks from
+// `last` (kChunk * kPanel elements a panel).
+void multiply(const c10::BFloat16* rows, int64_t stride, int first, int second, const c10::BFloat16* panels,
+              int64_t panel_size, int count, int64_t depth, const c10::BFloat16* last, float* out, int64_t width) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   const c10::BFloat16* second_rows = rows + kTileRows * (stride / static_cast<int64_t>(sizeof(c10::BFloat16)));
-  for (int64_t k = 0; k < padded; k += kChunk) {
+  for (int64_t k = 0; k < depth; k += kChunk) {
+    const bool whole = k + kChunk <= depth;
+    const c10::BFloat16* weights = whole ? panels + k * kPanel : last;
+    const int64_t next = whole ? panel_size : kChunk * kPanel;
+    if (k + 4 * kChunk < depth) {
+      for (int p = 0; p < count; ++p) {
+        const char* ahead = reinterpret_cast<const char*>(panels + p * panel_size + (k + 4 * kChunk) * kPanel);
+#pragma GCC unroll 16
+        for (int line = 0; line < 16; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+      }
+    }
     _tile_loadd(4, rows + k, stride);
-    _tile_loadd(6, weights(k, 0), 64);
+    _tile_loadd(6, weights, 64);
     _tile_dpbf16ps(0, 4, 6);
     if (count > 1) {
-      _tile_loadd(7, weights(k, 1), 64);
+      _tile_loadd(7, weights + next, 64);
       _tile_dpbf16ps(1, 4, 7);
     }
     if (second > 0) {
@@ -690,46 +698,34 @@ void run_dense_tiles(const LinearCall<T>& call, const c10::BFloat16* panels) {
     rows = padded_rows.data();
   }
   const int64_t stride = padded * static_cast<int64_t>(sizeof(c10::BFloat16));
-  const int64_t num_panels = (call.num_out + kPanel - 1) / kPanel;
-  for_each_share((num_panels + kGroup - 1) / kGroup, [&](int64_t g) {
+  const int64_t num_panels = (call.num_out + kPanel - 1) / kPanel, panel_size = depth * kPanel;
+  const int64_t num_groups = (num_panels + kGroup - 1) / kGroup;
+  const int64_t per_item = num_rows <= kTileRows ? kGroupsPerItem : 1;
+  for_each_share((num_groups + per_item - 1) / per_item, [&](int64_t item) {
+   int configured_first = -1, configured_second = -1;
+   for (int64_t g = item * per_item; g < std::min(num_groups, (item + 1) * per_item); ++g) {
     const int64_t first_panel = g * kGroup;
     const int count = static_cast<int>(std::min<int64_t>(kGroup, num_panels - first_panel));
     const int64_t width = count * kPanel;
-    const c10::BFloat16* panel = panels + first_panel * depth * kPanel;
+    const c10::BFloat16* group = panels + first_panel * panel_size;
     float* out = thread_scratch<float>(static_cast<size_t>(num_rows * width));  // [rows, width]
-    if (num_rows <= 2 * kTileRows) {
-      // One pass over the rows: each chunk's weight tiles made just before they are read, from the nearest cache
-      // (at one row, 0.74 of the time of making all of K's first).
-      const int first = static_cast<int>(std::min<int64_t>(kTileRows, num_rows));
-      configure(first, static_cast<int>(num_rows - first));
-      alignas(64) c10::BFloat16 chunk[kGroup][kChunk * kPanel];
-      const auto weights = [&](int64_t k, int p) {
-        if (p == 0) {
-          for (int q = 0; q < count; ++q) {
-            weight_tiles(panel + (q * depth + k) * kPanel, std::min(kChunk, depth - k), kChunk, chunk[q]);
-          }
-        }
-        return chunk[p];
-      };
-      multiply(rows, stride, first, static_cast<int>(num_rows - first), count, padded, weights, out, width);
-    } else {
-      // Many rows: all of K's weight tiles first, read again by every pair of row tiles.
-      auto* tiles = thread_scratch<c10::BFloat16>(static_cast<size_t>(kGroup * padded * kPanel));
-      for (int p = 0; p < count; ++p) weight_tiles(panel + p * depth * kPanel, depth, padded, tiles + p * padded * kPanel);
-      const auto weights = [&](int64_t k, int p) { return tiles + (p * padded + k) * kPanel; };
-      int configured_first = -1, configured_second = -1;
-      for (int64_t row = 0; row < num_rows; row += 2 * kTileRows) {
-        const int first = static_cast<int>(std::min<int64_t>(kTileRows, num_rows - row));
-        const int second = static_cast<int>(std::clamp<int64_t>(num_rows - row - kTileRows, 0, kTileRows));
-        if (first != configured_first || second != configured_second) {
-          configure(first, second);
-          configured_first = first;
-          configured_second = second;
-        }
-        multiply(rows + row * padded, stride, first, second, count, padded, weights, out + row * width, width);
+    alignas(64) c10::BFloat16 last[kGroup][kChunk * kPanel];
+    if (padded != depth) {
+      for (int p = 0; p < count; ++p) last_weight_tile(group + p * panel_size, depth, padded - kChunk, last[p]);
+    }
+    for (int64_t row = 0; row < num_rows; row += 2 * kTileRows) {
+      const int first = static_cast<int>(std::min<int64_t>(kTileRows, num_rows - row));
+      const int second = static_cast<int>(std::clamp<int64_t>(num_rows - row - kTileRows, 0, kTileRows));
+      if (first != configured_first || second != configured_second) {
+        configure(first, second);
+        configured_first = first;
+        configured_second = second;
       }
+      multiply(rows + row * padded, stride, first, second, group, panel_size, count, depth, last[0],
+               out + row * width, width);
     }
     call.store(out, first_panel * kPanel, width);
+   }
   });
 }
 

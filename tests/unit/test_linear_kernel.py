@@ -151,6 +151,20 @@ def test_amx_sums_bfloat16_within_float32_rounding(ops, shape: tuple[int, int]) 
     assert bool(((ours - exact).abs() <= summed * shape[1] * 2**-24 + exact.abs() * 2**-8 + 1e-30).all())
 
 
+@pytest.mark.parametrize("path", ALL_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(96, 576), (53, 77), (17, 1)])
+def test_rows_of_a_packed_weight_are_the_weight_rows(ops, path: str, dtype: torch.dtype, shape: tuple[int, int]) -> None:  # type: ignore[no-untyped-def]
+    """A tied LM head's embedding lookup reads rows back out of the packed head, in whatever layout the path packs
+    (AMX: bfloat16 pairs of k side by side), an odd depth's last k included; packing in place gives the same."""
+    linear = _linear(ops, path)
+    weight, _, _ = _operands(shape, 1, dtype, seed=5)
+    ids = torch.tensor([0, shape[0] - 1, shape[0] // 2, 0])
+    assert torch.equal(linear.rows(linear.pack(weight), ids), weight[ids])
+    in_place = linear.pack(weight.clone(), in_place=True)
+    assert torch.equal(in_place, linear.pack(weight)) and torch.equal(linear.rows(in_place, ids), weight[ids])
+
+
 def test_the_default_path_is_the_fastest_this_cpu_has(ops) -> None:  # type: ignore[no-untyped-def]
     paths = list(ops.linear_paths())
     assert paths[-1] == "portable" and set(paths) <= set(ALL_PATHS)
