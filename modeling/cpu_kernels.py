@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -38,6 +38,19 @@ _IN_PLACE_BLOCK_ELEMENTS = 1 << 20  # the scratch of in-place packing: a few MiB
 _PROBE_MAX_OUT, _PROBE_MAX_DEPTH, _PROBE_ROWS = 1024, 2048, (1, 16)
 _PROBE_MIN_ROUNDS, _PROBE_MAX_ROUNDS, _PROBE_SECONDS = 7, 40, 0.5
 SWITCH_MARGIN = 0.8  # another path is chosen over the first only when it takes at most this share of its time
+# Paths whose tiles sum bfloat16 weights in an order of their own (AMX's), not in the chain every other path gives.
+OWN_ORDER_PATHS = frozenset({"amx"})
+
+
+def same_bits(paths: Sequence[str], dtype: torch.dtype, block_format: str | None) -> tuple[str, ...]:
+    """The paths that give the first path's bits for weights of `dtype` (or in `block_format`): all of them, but
+    for bfloat16 weights AMX's tiles give bits of their own. A model runs on one of these, so that every process
+    on one CPU computes the same bits whatever its probe measured: a request moved to another worker, or a
+    runner built again, continues exactly as it would have."""
+    if dtype != torch.bfloat16 or block_format is not None:
+        return tuple(paths)
+    own = paths[0] in OWN_ORDER_PATHS
+    return tuple(path for path in paths if (path in OWN_ORDER_PATHS) == own)
 
 
 def attach_native_ops(model: LlamaModel, dtype: torch.dtype, device: torch.device,
@@ -101,13 +114,15 @@ class PathTimings:
 
     seconds: dict[str, float]
     onednn: float
+    choices: tuple[str, ...] = ()  # the paths a model may run on (`same_bits`); empty: every path timed
 
     @property
     def fastest(self) -> str:
-        """The fastest path; the first (the widest instruction set) unless another takes at most SWITCH_MARGIN of its
-        time: a probe on a busy machine is noisy, and a narrower path is rarely faster."""
-        first = next(iter(self.seconds))
-        best = min(self.seconds, key=lambda path: self.seconds[path])
+        """The fastest of the choices; the first (the widest instruction set) unless another takes at most
+        SWITCH_MARGIN of its time: a probe on a busy machine is noisy, and a narrower path is rarely faster."""
+        choices = self.choices or tuple(self.seconds)
+        first = choices[0]
+        best = min(choices, key=lambda path: self.seconds[path])
         return best if self.seconds[best] <= SWITCH_MARGIN * self.seconds[first] else first
 
     def __str__(self) -> str:  # e.g. "measured: avx2 0.41 ms, portable 3.2 ms; oneDNN 0.39 ms"
@@ -137,7 +152,8 @@ def measure_linear_paths(ops: ModuleType, config: ModelConfig, dtype: torch.dtyp
         runs[path] = [functools.partial(linear, x, packed) for x in rows]
     runs[_ONEDNN] = [functools.partial(F.linear, x, dense) for x in rows]
     seconds = _best_seconds(runs)
-    return PathTimings({path: value for path, value in seconds.items() if path != _ONEDNN}, seconds[_ONEDNN])
+    return PathTimings({path: value for path, value in seconds.items() if path != _ONEDNN}, seconds[_ONEDNN],
+                       same_bits(list(ops.linear_paths()), dtype, block_format))
 
 
 _ONEDNN = "oneDNN"

@@ -617,6 +617,9 @@ struct alignas(64) TileConfig {
 };
 
 // Loaded for each work item, not once a thread: torch's own matmuls (oneDNN) load theirs on the same threads.
+// The tile instructions are statements the compiler orders only among themselves: the barriers keep the
+// configuration's stores before the load and the load before the tiles' first use (without them GCC 12 moved a
+// configuration past tile loads, which then faulted).
 void configure(int first_rows, int second_rows) {
   TileConfig config;
   const int rows[8] = {first_rows, first_rows, second_rows, second_rows, first_rows, second_rows, kChunk / 2,
@@ -625,7 +628,9 @@ void configure(int first_rows, int second_rows) {
     config.rows[t] = static_cast<uint8_t>(std::max(1, rows[t]));
     config.row_bytes[t] = 64;
   }
+  asm volatile("" ::: "memory");
   _tile_loadconfig(&config);
+  asm volatile("" ::: "memory");
 }
 
 // The weight tile of a panel's last chunk of k when K is not a whole number of chunks: its pairs as packed (the

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from modeling.config import ModelConfig
-from modeling.cpu_kernels import SWITCH_MARGIN, PackedLinear, PathTimings, attach_native_ops, measure_linear_paths
+from modeling.cpu_kernels import (SWITCH_MARGIN, PackedLinear, PathTimings, attach_native_ops, measure_linear_paths,
+                                  same_bits)
 from modeling.llama import LlamaModel
 from modeling.invariance import linear_rows_problem
 from modeling.native import SWITCH_ENV, native_ops
@@ -181,7 +182,8 @@ def test_a_model_runs_on_the_path_measured_fastest(ops, tiny_llama_folder: Path,
     assert torch.get_num_threads() == threads  # the probe runs on one thread and gives the others back
     assert list(timings.seconds) == list(ops.linear_paths())  # every path this CPU has, each timed
     assert all(seconds > 0 for seconds in [*timings.seconds.values(), timings.onednn])
-    assert timings.fastest == chosen_by(timings.seconds)
+    assert timings.choices == same_bits(list(ops.linear_paths()), dtype, block_format)
+    assert timings.fastest == chosen_by(timings.seconds, timings.choices)
     said = str(timings)
     assert said.startswith("measured: ") and all(path in said for path in timings.seconds) and "; oneDNN " in said
     # A model says which path it runs on, and what the probe measured to choose it.
@@ -193,13 +195,26 @@ def test_a_model_runs_on_the_path_measured_fastest(ops, tiny_llama_folder: Path,
     # The line rounds the times to two digits, so the choice is checked on the probe's own seconds.
     probe = model.linear.measured
     assert probe is not None and str(probe) in ops_said and list(probe.seconds) == list(ops.linear_paths())
-    assert model.linear.path == chosen_by(probe.seconds), ops_said
+    assert model.linear.path == chosen_by(probe.seconds, probe.choices), ops_said
 
 
-def chosen_by(seconds: dict[str, float]) -> str:
-    """The first path (the widest instruction set) unless another takes at most SWITCH_MARGIN of its time."""
-    first, best = next(iter(seconds)), min(seconds, key=lambda path: seconds[path])
+def chosen_by(seconds: dict[str, float], choices: tuple[str, ...]) -> str:
+    """The first choice (the widest instruction set) unless another takes at most SWITCH_MARGIN of its time."""
+    first, best = choices[0], min(choices, key=lambda path: seconds[path])
     return best if seconds[best] <= SWITCH_MARGIN * seconds[first] else first
+
+
+def test_bfloat16_weights_run_on_a_path_with_the_first_paths_bits() -> None:
+    """AMX sums bfloat16 weights in its own order: on a CPU that has it, a bfloat16 model runs on it whatever the
+    probe says, so that every process there computes the same bits; the other paths share theirs."""
+    paths = ["amx", "avx512bf16", "avx2", "portable"]
+    assert same_bits(paths, torch.bfloat16, None) == ("amx",)
+    assert same_bits(paths, torch.float32, None) == tuple(paths)
+    assert same_bits(paths, torch.bfloat16, "q4_1") == tuple(paths)
+    assert same_bits(paths[1:], torch.bfloat16, None) == tuple(paths[1:])
+    timings = {"amx": 1.0, "avx512bf16": 0.5, "avx2": 0.6, "portable": 3.0}
+    assert PathTimings(timings, 1.0, ("amx",)).fastest == "amx"
+    assert PathTimings(timings, 1.0, tuple(paths)).fastest == "avx512bf16"
 
 
 def test_a_narrower_path_must_beat_the_first_clearly() -> None:
