@@ -166,6 +166,17 @@ def test_rows_of_a_packed_weight_are_the_weight_rows(ops, path: str, dtype: torc
     assert torch.equal(in_place, linear.pack(weight)) and torch.equal(linear.rows(in_place, ids), weight[ids])
 
 
+@pytest.mark.parametrize("shape", [(960, 576), (53, 77)])
+def test_amx_rows_of_a_prefill_are_the_rows_alone(ops, shape: tuple[int, int]) -> None:  # type: ignore[no-untyped-def]
+    """Past 256 rows the AMX tiles take the rows in blocks (a prefill's): every row still the row alone."""
+    linear = _linear(ops, "amx")
+    weight, bias, rows = _operands(shape, 600, torch.bfloat16, seed=6)
+    packed = linear.pack(weight)
+    together = linear(rows, packed, bias)
+    for start, count in ((0, 1), (255, 3), (511, 89)):
+        assert torch.equal(together[start : start + count], linear(rows[start : start + count], packed, bias))
+
+
 def test_the_default_path_is_the_fastest_this_cpu_has(ops) -> None:  # type: ignore[no-untyped-def]
     paths = list(ops.linear_paths())
     assert paths[-1] == "portable" and set(paths) <= set(ALL_PATHS)
