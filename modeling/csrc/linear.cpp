@@ -598,8 +598,9 @@ void run_dense_dot(const LinearCall<T>& call, WeightFormat format, const void* p
 // so this path's bits are not the other paths' (they differ as two orders of a float32 sum differ). They are
 // the same for a row in any tile, though: a row's sums are computed from that row's inputs alone, chunk after
 // chunk of 32 k in order, whatever the other rows, so steps stay batch invariant on this path as on the
-// others, and a process keeps the one path it chose at start-up. Float32 weights take the AVX512F tiles,
-// blocks the AVX512 VNNI ones, as on the avx512bf16 path.
+// others, and a bfloat16 model on a CPU with AMX always runs on this path (cpu_kernels.same_bits), so every
+// process there computes the same bits. Float32 weights take the AVX512F tiles, blocks the AVX512 VNNI ones, as
+// on the avx512bf16 path.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vnni,avx512bf16,avx2,fma,f16c,amx-tile,amx-bf16")
 namespace amx {
@@ -715,32 +716,32 @@ void run_dense_tiles(const LinearCall<T>& call, const c10::BFloat16* panels) {
   const int64_t row_block = std::min(num_rows, kRowBlock);
   const int64_t row_blocks = (num_rows + row_block - 1) / row_block;
   for_each_share(row_blocks * items, [&](int64_t index) {
-   const int64_t rows_begin = index / items * row_block, rows_end = std::min(num_rows, rows_begin + row_block);
-   const int64_t item = index % items;
-   int configured_first = -1, configured_second = -1;
-   for (int64_t g = item * per_item; g < std::min(num_groups, (item + 1) * per_item); ++g) {
-    const int64_t first_panel = g * kGroup;
-    const int count = static_cast<int>(std::min<int64_t>(kGroup, num_panels - first_panel));
-    const int64_t width = count * kPanel;
-    const c10::BFloat16* group = panels + first_panel * panel_size;
-    float* out = thread_scratch<float>(static_cast<size_t>((rows_end - rows_begin) * width));  // [rows, width]
-    alignas(64) c10::BFloat16 last[kGroup][kChunk * kPanel];
-    if (padded != depth) {
-      for (int p = 0; p < count; ++p) last_weight_tile(group + p * panel_size, depth, padded - kChunk, last[p]);
-    }
-    for (int64_t row = rows_begin; row < rows_end; row += 2 * kTileRows) {
-      const int first = static_cast<int>(std::min<int64_t>(kTileRows, rows_end - row));
-      const int second = static_cast<int>(std::clamp<int64_t>(rows_end - row - kTileRows, 0, kTileRows));
-      if (first != configured_first || second != configured_second) {
-        configure(first, second);
-        configured_first = first;
-        configured_second = second;
+    const int64_t rows_begin = index / items * row_block, rows_end = std::min(num_rows, rows_begin + row_block);
+    const int64_t item = index % items;
+    int configured_first = -1, configured_second = -1;
+    for (int64_t g = item * per_item; g < std::min(num_groups, (item + 1) * per_item); ++g) {
+      const int64_t first_panel = g * kGroup;
+      const int count = static_cast<int>(std::min<int64_t>(kGroup, num_panels - first_panel));
+      const int64_t width = count * kPanel;
+      const c10::BFloat16* group = panels + first_panel * panel_size;
+      float* out = thread_scratch<float>(static_cast<size_t>((rows_end - rows_begin) * width));  // [rows, width]
+      alignas(64) c10::BFloat16 last[kGroup][kChunk * kPanel];
+      if (padded != depth) {
+        for (int p = 0; p < count; ++p) last_weight_tile(group + p * panel_size, depth, padded - kChunk, last[p]);
       }
-      multiply(rows + row * padded, stride, first, second, group, panel_size, count, depth, last[0],
-               out + (row - rows_begin) * width, width);
+      for (int64_t row = rows_begin; row < rows_end; row += 2 * kTileRows) {
+        const int first = static_cast<int>(std::min<int64_t>(kTileRows, rows_end - row));
+        const int second = static_cast<int>(std::clamp<int64_t>(rows_end - row - kTileRows, 0, kTileRows));
+        if (first != configured_first || second != configured_second) {
+          configure(first, second);
+          configured_first = first;
+          configured_second = second;
+        }
+        multiply(rows + row * padded, stride, first, second, group, panel_size, count, depth, last[0],
+                 out + (row - rows_begin) * width, width);
+      }
+      call.store(out, first_panel * kPanel, width, rows_begin, rows_end);
     }
-    call.store(out, first_panel * kPanel, width, rows_begin, rows_end);
-   }
   });
 }
 
