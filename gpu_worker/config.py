@@ -11,7 +11,7 @@ from common import process_config
 from common.process_config import ProcessConfig
 from modeling.engine import DTYPES, default_dtype
 from modeling.kv_cache import DEFAULT_PAGE_SIZE
-from modeling.quantized import QUANTIZATION_HELP, QuantizationError, servable_quantization, weight_blocks
+from modeling.quantized import QUANTIZATION_HELP, QuantizationError, auto_quantization, weight_blocks
 
 AUTO = "auto"  # --dtype, --quantization: what `specserve up` would choose for the model on this device
 
@@ -45,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-draft-tokens", type=int, default=8)
     parser.add_argument("--quantization", default="none",
                         help=f"{QUANTIZATION_HELP}; {AUTO}: the model's own GGUF blocks on CPU where its projections "
-                             "are all in a format the kernel reads, else none (what `specserve up` chooses)")
+                             "are all in a format the kernel reads (not the embedded default in bfloat16 on a CPU "
+                             "with AMX), else none (what `specserve up` chooses)")
     process_config.add_arguments(parser, default_worker_id="worker-0", dtypes=(*DTYPES, AUTO))
 
 
@@ -54,7 +55,7 @@ def _chosen(args: argparse.Namespace) -> argparse.Namespace:
     dtype = default_dtype(args.device) if args.dtype == AUTO else args.dtype
     quantization = args.quantization
     if quantization == AUTO:
-        quantization = servable_quantization(args.model) if args.device == "cpu" else "none"
+        quantization = auto_quantization(args.model, args.device, dtype)
     return argparse.Namespace(**{**vars(args), "dtype": dtype, "quantization": quantization})
 
 

@@ -77,6 +77,34 @@ def servable_quantization(folder: Path) -> str:
     return "none"
 
 
+def auto_quantization(folder: Path, device: str, dtype: str) -> str:
+    """What `--quantization auto` serves the model in `folder` with, on `device` in `dtype`.
+
+    Off the CPU, "none". On a CPU, the model's own GGUF blocks where all its projections have
+    them (`servable_quantization`), but for the embedded default in bfloat16 on a CPU with AMX
+    tiles: there its dense weights on the kernel's AMX tiles serve 16 and 64 concurrent requests
+    1.5-2x as fast as its Q4_1 blocks, and one still faster than llama.cpp (docs/benchmarks.md,
+    machine F); the blocks are faster only at 1-4. Other models keep their blocks, whose dense
+    weights would take 3-4x the memory.
+    """
+    if device != "cpu":
+        return "none"
+    if dtype == "bfloat16" and cpu_has_amx_tiles() and _is_default_model(folder):
+        return "none"
+    return servable_quantization(folder)
+
+
+def cpu_has_amx_tiles() -> bool:
+    """Whether this CPU has AMX tiles that the OS lets processes use (torch asks the CPU and the OS)."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def _is_default_model(folder: Path) -> bool:
+    from modeling.model_store import default_model_dir
+
+    return folder.resolve() == default_model_dir().resolve()
+
+
 def weight_blocks(folder: Path, quantization: str) -> GgufBlocks | ChannelInt8 | None:
     """Where the blocks `quantization` serves the model in `folder` from come from (None for "none").
 

@@ -61,7 +61,8 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                              "scale per output channel; none: its dense weights in --dtype; auto (default): the "
                              "blocks on a CPU for a model whose projections all have them (faster at every batch size measured on CPUs "
                              "without AVX512-BF16; with it, at 1-4 concurrent requests, while none is as fast or faster at "
-                             "16 and faster at 64: docs/benchmarks.md), else none")
+                             "16 and faster at 64: docs/benchmarks.md), but none for the embedded model in bfloat16 on a "
+                             "CPU with AMX (1.5-2x as fast from 16 concurrent requests there), else none")
     parser.add_argument("--draft-quantization", choices=("auto", *QUANTIZATIONS), default="auto",
                         help="the same for a draft model (--draft model:PATH)")
     parser.add_argument("--num-workers", type=int, default=1, help="data-parallel target worker processes")
@@ -203,22 +204,22 @@ def up_config(args: argparse.Namespace) -> UpConfig:
     device = args.device or _default_device()
     if problem := _device_problem(device, args.num_workers):
         raise UpRefused(f"--device {device}: {problem}")
-    quantization = _quantization(args.quantization, "--quantization", model, device)
+    dtype = args.dtype or default_dtype(device)
+    quantization = _quantization(args.quantization, "--quantization", model, device, dtype)
     draft_model = proposer.path if proposer is not None and proposer.kind is DraftKind.MODEL else None
-    draft_quantization = (_quantization(args.draft_quantization, "--draft-quantization", draft_model, device)
+    draft_quantization = (_quantization(args.draft_quantization, "--draft-quantization", draft_model, device, dtype)
                           if draft_model is not None else "none")
-    config = stack_config(args, model=model, max_model_len=max_model_len, draft=proposer, device=device,
-                          dtype=args.dtype or default_dtype(device))
+    config = stack_config(args, model=model, max_model_len=max_model_len, draft=proposer, device=device, dtype=dtype)
     return UpConfig(stack=replace(config, quantization=quantization, draft_quantization=draft_quantization),
                     draft_name=draft.name, ready_timeout_s=args.ready_timeout_s)
 
 
-def _quantization(chosen: str, flag: str, model: Path, device: str) -> str:
+def _quantization(chosen: str, flag: str, model: Path, device: str, dtype: str) -> str:
     """The quantization `chosen` names for `model` ("auto" decided); raises UpRefused for one it cannot take."""
-    from modeling.quantized import QuantizationError, weight_blocks, servable_quantization
+    from modeling.quantized import QuantizationError, auto_quantization, weight_blocks
 
     if chosen == "auto":
-        return servable_quantization(model) if device == "cpu" else "none"
+        return auto_quantization(model, device, dtype)
     try:
         weight_blocks(model, chosen)
     except QuantizationError as exc:

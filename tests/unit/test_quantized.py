@@ -23,6 +23,7 @@ from modeling.gguf_convert import convert_gguf
 from modeling.invariance import linear_rows_problem
 from modeling.llama import PROJECTION_PARTS
 from modeling.native import KernelUnavailable, native_ops
+from modeling import quantized
 from modeling.quantized import (QUANTIZATIONS, Blocks, QuantizationError, channel_int8_blocks, panel_rows, q4_k_sub_blocks,
                                 servable_quantization, weight_blocks)
 from specserve.cli import _build_parser
@@ -442,12 +443,30 @@ def up_stack(*flags: str) -> StackConfig:
     return up_config(_build_parser().parse_args(["up", "--device", "cpu", *flags])).stack
 
 
-def test_up_serves_the_embedded_model_from_its_q4_1_blocks_by_default(default_model_dir: Path) -> None:
-    assert up_stack().quantization == "q4_1"
+def test_up_serves_the_embedded_model_from_its_q4_1_blocks_by_default(
+        default_model_dir: Path, q8_0_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(quantized, "cpu_has_amx_tiles", lambda: False)
+    assert up_stack("--dtype", "bfloat16").quantization == up_stack("--dtype", "float32").quantization == "q4_1"
     assert up_stack("--quantization", "none").quantization == "none"
-    stack = up_stack("--insecure-loopback")
+    stack = up_stack("--insecure-loopback", "--dtype", "bfloat16")
     argv = worker_spec(stack, StackAddresses.pick(stack), 0).argv
     assert argv[argv.index("--quantization") + 1] == "q4_1"
+    # On a CPU with AMX tiles the embedded model in bfloat16 serves its dense weights (faster from 16 concurrent
+    # requests there); in float32, and any other model, the blocks.
+    monkeypatch.setattr(quantized, "cpu_has_amx_tiles", lambda: True)
+    assert up_stack("--dtype", "bfloat16").quantization == "none"
+    assert up_stack("--dtype", "float32").quantization == "q4_1"
+    assert up_stack("--model", str(q8_0_folder), "--dtype", "bfloat16").quantization == "q8_0"
+    assert up_stack("--dtype", "bfloat16", "--quantization", "q4_1").quantization == "q4_1"
+    from gpu_worker.config import add_arguments, from_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    worker = parser.parse_args(["--model", str(default_model_dir), "--dtype", "bfloat16", "--quantization", "auto",
+                                "--insecure-loopback"])
+    assert from_arguments(worker).quantization == "none"  # a worker started alone decides as `up` does
+    monkeypatch.setattr(quantized, "cpu_has_amx_tiles", lambda: False)
+    assert from_arguments(worker).quantization == "q4_1"
 
 
 def test_up_refuses_a_quantization_before_anything_starts(
