@@ -111,7 +111,8 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
             worker_id=self.process_id, incarnation=self.incarnation, step_id=step.step_id,
             outputs=outputs, duration_ms=duration_ms, features=features, prompt_logprobs=prompt_logprobs,
         ))
-        self.log.debug("step.done", step_id=step.step_id, num_seqs=len(step.seqs), duration_ms=round(duration_ms, 2),
+        self.log.debug("step.done", step_id=step.step_id, num_seqs=len(step.seqs),
+                       num_tokens=sum(len(work.token_ids) for work in step.seqs), duration_ms=round(duration_ms, 2),
                        request_ids=[w.request_id for w in step.seqs])
 
     def _refuse(self, step: m.StepRequest, reason: str, request_id: str = "") -> None:
