@@ -105,7 +105,8 @@ def attach_native_ops(model: LlamaModel, dtype: torch.dtype, device: torch.devic
     fused = model.fuse_layers(linear.projection, linear.path)
     served = ", ".join(f"{count} weights from {name} blocks" for name, count in sorted(formats.items()))
     layers = "layers in one call" if fused else "layers op by op"
-    return f"native (linear kernel: {linear.path}, {measured}; {layers}{'; ' + served if served else ''})"
+    attention = f"attention: {ops.attention_paths()[0]}"  # the build's fastest; its SIMD paths give the same bits
+    return f"native (linear kernel: {linear.path}, {measured}; {attention}; {layers}{'; ' + served if served else ''})"
 
 
 @dataclass(frozen=True)

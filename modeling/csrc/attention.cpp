@@ -15,17 +15,22 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define SPECSERVE_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__)
+#define SPECSERVE_AVX512 1
+#endif
 #endif
 
 namespace {
 
 using specserve::exp_float;
+using specserve::for_each_share_with;
 using specserve::from_float;
 using specserve::to_float;
 
@@ -100,6 +105,33 @@ struct AttendCall {
   T* output(int64_t task, int64_t head) const { return out + (row(task) * num_heads + head) * dim; }
 };
 
+// A thread's key offsets: its task's, and those of the task it takes next, found a task ahead so that their
+// keys can be asked for while this task's values are summed.
+struct TaskOffsets {
+  std::vector<int64_t> offset, next_offset;
+  int64_t prepared = -1, next_length = 0;
+
+  explicit TaskOffsets(int64_t max_len) : offset(max_len), next_offset(max_len) {}
+
+  // Puts task's offsets in `offset` and returns its length; then `next`'s (-1: none) in `next_offset`, its length
+  // in next_length (0 for none). The next task may go to another thread: then the next call finds its own.
+  template <typename T>
+  int64_t start(const AttendCall<T>& call, int64_t task, int64_t next) {
+    int64_t length;
+    if (task == prepared) {
+      offset.swap(next_offset);
+      length = next_length;
+    } else {
+      length = call.length(task);
+      call.key_offsets(task, length, offset.data());
+    }
+    prepared = next;
+    next_length = next >= 0 ? call.length(next) : 0;
+    if (next_length > 0) call.key_offsets(next, next_length, next_offset.data());
+    return length;
+  }
+};
+
 // The softmax of a row's `length` scores, in place, in float32.
 inline void softmax_(float* scores, int64_t length) {
   // The largest score, in 8 lanes then across them (the same value in any order).
@@ -134,10 +166,10 @@ void attend_rows(const AttendCall<T>& call, double scale) {
   const int64_t max_len = call.max_len;
   const float softmax_scale = static_cast<float>(scale);
 
-  at::parallel_for(0, call.num_tasks(), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(group * dim), scores(group * max_len), acc(group * dim), row(dim);
-    std::vector<int64_t> offset(max_len);  // the task's l-th key and value row, from the cache's start
-    for (int64_t task = begin; task < end; ++task) {
+  for_each_share_with(call.num_tasks(), [&] {
+    return [&, query = std::vector<float>(group * dim), scores = std::vector<float>(group * max_len),
+            acc = std::vector<float>(group * dim), row = std::vector<float>(dim),
+            offset = std::vector<int64_t>(max_len)](int64_t task, int64_t) mutable {  // offset: the l-th key's
       const int64_t kv_head = call.kv_head(task), length = call.length(task);
       const T* k_rows = call.keys;
       const T* v_rows = call.values;
@@ -179,7 +211,7 @@ void attend_rows(const AttendCall<T>& call, double scale) {
         T* dst = call.output(task, kv_head * group + g);
         for (int64_t d = 0; d < dim; ++d) dst[d] = from_float<T>(af[g * dim + d]);
       }
-    }
+    };
   });
 }
 
@@ -289,29 +321,133 @@ inline void prefetch_row(const T* row) {
   }
 }
 
-template <typename T, int64_t kDim, int64_t kGroup>
-void attend_rows_avx2(const AttendCall<T>& call, double scale) {
-  constexpr int64_t kChunks = kDim / 8;
-  // The values' tiles: kGroup heads by kTile vectors of 8 dimensions (the last tile what is left),
-  // their sums, the value row's vectors and a weight in the 16 vector registers.
-  constexpr int64_t kFits = 15 / (kGroup + 1);
+// The AVX2 path's kernels: 8 lanes a vector.
+struct Avx2 {
+  static constexpr int64_t kLanes = 8;
+  static constexpr int64_t kRegisters = 16;
+
+  template <typename T, int64_t kDim, int64_t kGroup>
+  static void scores(const T* const* k, const float (*query)[kDim], float* out, int64_t stride) {
+    score_heads<T, kDim, kGroup>(k, query, out, stride);
+  }
+
+  template <typename T, int64_t kGroup, int64_t kTile>
+  static void values(const T* values, const int64_t* offset, const float* weights, int64_t weights_stride, int64_t l0,
+                     int64_t stop, int64_t c0, float* sums, int64_t stride) {
+    sum_values<T, kGroup, kTile>(values, offset, weights, weights_stride, l0, stop, c0, sums, stride);
+  }
+};
+
+#ifdef SPECSERVE_AVX512
+// The AVX512 path: the AVX2 path's sums, lane for lane, two positions' (scores) or 16 dimensions' (values) in each
+// 16-lane vector, so half the instructions for the same bits.
+
+// Dimensions 8 * c .. 8 * c + 7 of two keys in one vector: the first's in the low 8 lanes, the second's in the high.
+inline __m512 load8x2(const float* a, const float* b) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
+}
+inline __m512 load8x2(const c10::BFloat16* a, const c10::BFloat16* b) {
+  const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+                                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(both), 16));
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// score_block's scores for kHeads heads at 8 positions: position 2p's 8 lanes of a sum in the low half of a[g][p],
+// 2p + 1's in the high half, each lane the same chain of FMAs as there, then the same tree over the 8 lanes.
+template <typename T, int64_t kDim, int64_t kHeads>
+inline void score_block_avx512(const T* const* k, const float (*query)[kDim], float* scores, int64_t stride) {
+  __m512 a[kHeads][4];
+  for (int64_t g = 0; g < kHeads; ++g) {
+    for (int64_t p = 0; p < 4; ++p) a[g][p] = _mm512_setzero_ps();
+  }
+  for (int64_t c = 0; c < kDim / 8; ++c) {
+    __m512 q[kHeads];
+    for (int64_t g = 0; g < kHeads; ++g) q[g] = _mm512_broadcast_f32x8(_mm256_load_ps(query[g] + 8 * c));
+    for (int64_t p = 0; p < 4; ++p) {
+      const __m512 keys = load8x2(k[2 * p] + 8 * c, k[2 * p + 1] + 8 * c);
+      for (int64_t g = 0; g < kHeads; ++g) a[g][p] = _mm512_fmadd_ps(keys, q[g], a[g][p]);
+    }
+  }
+  for (int64_t g = 0; g < kHeads; ++g) {
+    __m256 lanes[8];
+    for (int64_t p = 0; p < 4; ++p) {
+      lanes[2 * p] = _mm512_castps512_ps256(a[g][p]);
+      lanes[2 * p + 1] = _mm512_extractf32x8_ps(a[g][p], 1);
+    }
+    _mm256_storeu_ps(scores + g * stride, sum_lanes_8(lanes));
+  }
+}
+
+// Up to 6 heads a pass (24 sums, their queries and a key vector of the 32 registers).
+template <typename T, int64_t kDim, int64_t kGroup, int64_t kFirst = 0>
+inline void score_heads_avx512(const T* const* k, const float (*query)[kDim], float* scores, int64_t stride) {
+  constexpr int64_t kLeft = kGroup - kFirst;
+  if constexpr (kLeft > 0) {
+    constexpr int64_t kHeads = kLeft < 6 ? kLeft : 6;
+    score_block_avx512<T, kDim, kHeads>(k, query + kFirst, scores + kFirst * stride, stride);
+    score_heads_avx512<T, kDim, kGroup, kFirst + kHeads>(k, query, scores, stride);
+  }
+}
+
+struct Avx512 {
+  static constexpr int64_t kLanes = 16;
+  static constexpr int64_t kRegisters = 32;
+
+  template <typename T, int64_t kDim, int64_t kGroup>
+  static void scores(const T* const* k, const float (*query)[kDim], float* out, int64_t stride) {
+    score_heads_avx512<T, kDim, kGroup>(k, query, out, stride);
+  }
+
+  // sum_values in 16 lanes: dimensions 16 * c0 .. 16 * (c0 + kTile) - 1, each still one chain over the positions.
+  template <typename T, int64_t kGroup, int64_t kTile>
+  static void values(const T* values, const int64_t* offset, const float* weights, int64_t weights_stride, int64_t l0,
+                     int64_t stop, int64_t c0, float* sums, int64_t stride) {
+    __m512 acc[kGroup][kTile];
+    for (int64_t g = 0; g < kGroup; ++g) {
+      for (int64_t c = 0; c < kTile; ++c) {
+        acc[g][c] = l0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(sums + g * stride + 16 * (c0 + c));
+      }
+    }
+    for (int64_t l = l0; l < stop; ++l) {
+      const T* v = values + offset[l] + 16 * c0;
+      __m512 row[kTile];
+      for (int64_t c = 0; c < kTile; ++c) row[c] = load16(v + 16 * c);
+      for (int64_t g = 0; g < kGroup; ++g) {
+        const __m512 p = _mm512_set1_ps(weights[g * weights_stride + l]);
+        for (int64_t c = 0; c < kTile; ++c) acc[g][c] = _mm512_fmadd_ps(p, row[c], acc[g][c]);
+      }
+    }
+    for (int64_t g = 0; g < kGroup; ++g) {
+      for (int64_t c = 0; c < kTile; ++c) _mm512_store_ps(sums + g * stride + 16 * (c0 + c), acc[g][c]);
+    }
+  }
+};
+#endif
+
+template <typename Isa, typename T, int64_t kDim, int64_t kGroup>
+void attend_rows_simd(const AttendCall<T>& call, double scale) {
+  constexpr int64_t kChunks = kDim / Isa::kLanes;
+  // The values' tiles: kGroup heads by kTile vectors of dimensions (the last tile what is left),
+  // their sums, the value row's vectors and a weight in the vector registers.
+  constexpr int64_t kFits = (Isa::kRegisters - 1) / (kGroup + 1);
   constexpr int64_t kTile = kFits < kChunks ? kFits : kChunks;
   const float softmax_scale = static_cast<float>(scale);
   const int64_t padded_len = (call.max_len + 7) / 8 * 8;
 
-  at::parallel_for(0, call.num_tasks(), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(kGroup * padded_len);
-    // The task's l-th key and value row, from the cache's start; and the next task's, computed a task ahead
-    // so that its keys can be asked for while this task's values are summed.
-    std::vector<int64_t> offset(call.max_len), next_offset(call.max_len);
-    int64_t next_length = call.length(begin);
-    call.key_offsets(begin, next_length, next_offset.data());
-    alignas(32) float query[kGroup][kDim];
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t kv_head = call.kv_head(task), length = next_length;
-      offset.swap(next_offset);
-      next_length = task + 1 < end ? call.length(task + 1) : 0;
-      if (next_length > 0) call.key_offsets(task + 1, next_length, next_offset.data());
+  for_each_share_with(call.num_tasks(), [&] {
+    return [&, scores = std::vector<float>(kGroup * padded_len), offsets = TaskOffsets(call.max_len)](
+               int64_t task, int64_t next) mutable {
+      // The task's l-th key and value row, from the cache's start; and the next task's.
+      const int64_t kv_head = call.kv_head(task), length = offsets.start(call, task, next);
+      const int64_t* offset = offsets.offset.data();
+      const int64_t* next_offset = offsets.next_offset.data();
+      const int64_t next_length = offsets.next_length;
+      alignas(64) float query[kGroup][kDim];
       for (int64_t g = 0; g < kGroup; ++g) {
         const T* src = call.query(task, kv_head * kGroup + g);
         for (int64_t d = 0; d < kDim; ++d) query[g][d] = to_float(src[d]) * softmax_scale;
@@ -322,7 +458,7 @@ void attend_rows_avx2(const AttendCall<T>& call, double scale) {
         const T* k[8];
         for (int64_t j = 0; j < 8; ++j) k[j] = call.keys + offset[j < count ? l0 + j : l0];
         for (int64_t j = 0; j < count; ++j) prefetch_row<T, kDim>(call.values + offset[l0 + j]);
-        score_heads<T, kDim, kGroup>(k, query, scores.data() + l0, padded_len);
+        Isa::template scores<T, kDim, kGroup>(k, query, scores.data() + l0, padded_len);
       }
       for (int64_t g = 0; g < kGroup; ++g) softmax_(scores.data() + g * padded_len, length);
       // The values a block of positions at a time, every tile of the block before the next block, the
@@ -332,46 +468,80 @@ void attend_rows_avx2(const AttendCall<T>& call, double scale) {
       constexpr int64_t kBlock = 8;
       const T* values = call.values;
       const float* weights = scores.data();
-      const int64_t* offset_of = offset.data();
-      alignas(32) float sums[kGroup][kDim];
+      alignas(64) float sums[kGroup][kDim];
       for (int64_t l0 = 0; l0 < length; l0 += kBlock) {
         const int64_t stop = length - l0 < kBlock ? length : l0 + kBlock;
         for (int64_t l = l0; l < stop && l < next_length; ++l) prefetch_row<T, kDim>(call.keys + next_offset[l]);
         for (int64_t c0 = 0; c0 + kTile <= kChunks; c0 += kTile) {
-          sum_values<T, kGroup, kTile>(values, offset_of, weights, padded_len, l0, stop, c0, &sums[0][0], kDim);
+          Isa::template values<T, kGroup, kTile>(values, offset, weights, padded_len, l0, stop, c0, &sums[0][0], kDim);
         }
         if constexpr (kChunks % kTile != 0) {
-          sum_values<T, kGroup, kChunks % kTile>(values, offset_of, weights, padded_len, l0, stop,
-                                                 kChunks - kChunks % kTile, &sums[0][0], kDim);
+          Isa::template values<T, kGroup, kChunks % kTile>(values, offset, weights, padded_len, l0, stop,
+                                                           kChunks - kChunks % kTile, &sums[0][0], kDim);
         }
       }
       for (int64_t g = 0; g < kGroup; ++g) {
         T* dst = call.output(task, kv_head * kGroup + g);
         for (int64_t d = 0; d < kDim; ++d) dst[d] = from_float<T>(sums[g][d]);
       }
-    }
+    };
   });
 }
 
-template <typename T, int64_t kDim, int64_t kGroup = 1>
-bool attend_avx2_group(const AttendCall<T>& call, double scale, int64_t group) {
+template <typename Isa, typename T, int64_t kDim, int64_t kGroup = 1>
+bool attend_simd_group(const AttendCall<T>& call, double scale, int64_t group) {
   if constexpr (kGroup <= 8) {
     if (group == kGroup) {
-      attend_rows_avx2<T, kDim, kGroup>(call, scale);
+      attend_rows_simd<Isa, T, kDim, kGroup>(call, scale);
       return true;
     }
-    return attend_avx2_group<T, kDim, kGroup + 1>(call, scale, group);
+    return attend_simd_group<Isa, T, kDim, kGroup + 1>(call, scale, group);
   }
   return false;
 }
+
+template <typename Isa, typename T>
+bool attend_simd(const AttendCall<T>& call, double scale) {
+  const int64_t group = call.num_heads / call.num_kv_heads;
+  return (call.dim == 64 && attend_simd_group<Isa, T, 64>(call, scale, group)) ||
+         (call.dim == 128 && attend_simd_group<Isa, T, 128>(call, scale, group));
+}
 #endif
 
-template <typename T>
-void attend_dispatch(const AttendCall<T>& call, double scale) {
-  const int64_t dim = call.dim, group = call.num_heads / call.num_kv_heads;
+// The paths this build has on this CPU, fastest first. "avx512" and "avx2" give the same bits (the same sums, lane for
+// lane); "generic" is the compiler's vectorization of plain loops, for any head_dim and any CPU.
+std::vector<std::string> paths_here() {
+  std::vector<std::string> paths;
+#ifdef SPECSERVE_AVX512
+  paths.emplace_back("avx512");
+#endif
 #ifdef SPECSERVE_AVX2
-  if (dim == 64 && attend_avx2_group<T, 64>(call, scale, group)) return;
-  if (dim == 128 && attend_avx2_group<T, 128>(call, scale, group)) return;
+  paths.emplace_back("avx2");
+#endif
+  paths.emplace_back("generic");
+  return paths;
+}
+
+// A path named by a caller: one of paths_here(), or "" for the first.
+std::string chosen_path(const std::string& path) {
+  const std::vector<std::string> paths = paths_here();
+  if (path.empty()) return paths.front();
+  std::string known;
+  for (const std::string& name : paths) {
+    if (name == path) return name;
+    known += (known.empty() ? "" : ", ") + name;
+  }
+  TORCH_CHECK(false, "attention path '", path, "' is not one of this build's: ", known);
+}
+
+template <typename T>
+void attend_dispatch(const AttendCall<T>& call, double scale, const std::string& path) {
+  const int64_t dim = call.dim, group = call.num_heads / call.num_kv_heads;
+#ifdef SPECSERVE_AVX512
+  if (path == "avx512" && attend_simd<Avx512>(call, scale)) return;
+#endif
+#ifdef SPECSERVE_AVX2
+  if ((path == "avx512" || path == "avx2") && attend_simd<Avx2>(call, scale)) return;
 #endif
   if (dim == 64 && group == 3) {
     attend_rows<T, 64, 3>(call, scale);
@@ -465,7 +635,9 @@ void check_extra(const at::Tensor& extra, const at::Tensor& positions, int64_t n
 
 at::Tensor attend_with(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tables,
                        const at::Tensor& rows, const at::Tensor& positions, double scale,
-                       const c10::optional<at::Tensor>& firsts, const c10::optional<at::Tensor>& extra) {
+                       const c10::optional<at::Tensor>& firsts, const c10::optional<at::Tensor>& extra,
+                       const std::string& path_name) {
+  const std::string path = chosen_path(path_name);
   check_cache(keys, values);
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1,
               "q must be a CPU tensor [rows, heads, head_dim] with head_dim contiguous");
@@ -477,10 +649,10 @@ at::Tensor attend_with(const at::Tensor& q, const at::Tensor& keys, const at::Te
   at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
   const c10::optional<at::Tensor> with_extra = extra && extra->numel() > 0 ? extra : c10::nullopt;
   if (q.scalar_type() == at::kFloat) {
-    attend_dispatch<float>(AttendCall<float>(q, keys, values, tables, rows, positions, firsts, with_extra, out), scale);
+    attend_dispatch<float>(AttendCall<float>(q, keys, values, tables, rows, positions, firsts, with_extra, out), scale, path);
   } else if (q.scalar_type() == at::kBFloat16) {
     attend_dispatch<c10::BFloat16>(AttendCall<c10::BFloat16>(q, keys, values, tables, rows, positions, firsts, with_extra, out),
-                                   scale);
+                                   scale, path);
   } else {
     TORCH_CHECK(false, "the attention kernel supports float32 and bfloat16, not ", q.scalar_type());
   }
@@ -494,8 +666,9 @@ at::Tensor attend_with(const at::Tensor& q, const at::Tensor& keys, const at::Te
 // sliding window's start otherwise) .. positions[n] of the sequence whose block table is
 // tables[rows[n]]. Returns [N, H * D] in q's dtype; scores, softmax and sums in float32.
 at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tables,
-                  const at::Tensor& rows, const at::Tensor& positions, double scale, const c10::optional<at::Tensor>& firsts) {
-  return attend_with(q, keys, values, tables, rows, positions, scale, firsts, c10::nullopt);
+                  const at::Tensor& rows, const at::Tensor& positions, double scale, const c10::optional<at::Tensor>& firsts,
+                  const std::string& path) {
+  return attend_with(q, keys, values, tables, rows, positions, scale, firsts, c10::nullopt, path);
 }
 
 // Like attend, and then row n attends the positions in extra [N, E] up to its first -1,
@@ -503,9 +676,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
 // then to its ancestors' and its own, which lie further on among other branches'.
 at::Tensor attend_tree(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tables,
                        const at::Tensor& rows, const at::Tensor& positions, const at::Tensor& extra, double scale,
-                       const c10::optional<at::Tensor>& firsts) {
-  return attend_with(q, keys, values, tables, rows, positions, scale, firsts, extra);
+                       const c10::optional<at::Tensor>& firsts, const std::string& path) {
+  return attend_with(q, keys, values, tables, rows, positions, scale, firsts, extra, path);
 }
+
+std::vector<std::string> attention_paths() { return paths_here(); }
 
 // Writes k, v [N, KVH, D] (rows and heads may be strided) at (pages[n], :, offsets[n]).
 void store(const at::Tensor& k, const at::Tensor& v, at::Tensor& keys, at::Tensor& values, const at::Tensor& pages,

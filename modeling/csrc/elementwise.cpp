@@ -21,6 +21,16 @@ using specserve::to_float;
 // Rows per parallel task: small steps (a decode of a few sequences) stay on one thread.
 constexpr int64_t kRowGrain = 8;
 
+// work(begin, end) for blocks of kRowGrain rows, shared among the threads as specserve::for_each_share shares
+// them (a thread held up by another process leaves its blocks to the others); each row is computed alone, so
+// which thread takes it changes no bits.
+template <typename Work>
+void for_each_row_block(int64_t rows, const Work& work) {
+  specserve::for_each_share((rows + kRowGrain - 1) / kRowGrain, [&](int64_t block) {
+    work(block * kRowGrain, std::min(rows, (block + 1) * kRowGrain));
+  });
+}
+
 void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " must be [rows, width] with contiguous rows");
@@ -58,7 +68,7 @@ void norm_rows(at::Tensor* x, const at::Tensor* delta, const at::Tensor& weight,
   const T* delta_data = delta ? delta->data_ptr<T>() : nullptr;
   const W* w = weight.data_ptr<W>();
   T* out_data = out.data_ptr<T>();
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+  for_each_row_block(rows, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       T* row = x_data + r * x_stride;
       if (delta_data) {
@@ -99,7 +109,7 @@ void rope_rows(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, in
   T* data = qkv.data_ptr<T>();
   const T* cos_data = cos.data_ptr<T>();
   const T* sin_data = sin.data_ptr<T>();
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+  for_each_row_block(rows, [&](int64_t begin, int64_t end) {
     std::vector<float> head(dim);
     for (int64_t r = begin; r < end; ++r) {
       const T* c = cos_data + r * dim;
@@ -167,7 +177,7 @@ void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2, stride = gate_up.stride(0);
   const T* in = gate_up.data_ptr<T>();
   T* out_data = out.data_ptr<T>();
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+  for_each_row_block(rows, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = in + r * stride;
       const T* up = gate + width;

@@ -67,6 +67,8 @@
 
 namespace {
 
+using specserve::for_each_share;
+
 constexpr int kPanel = 16;         // outputs per packed column panel
 constexpr int64_t kDepthBlock = 256;  // k per pass over the rows: a float32 panel's block is 16 KiB
 constexpr int64_t kQuantBlock = 32;   // k per GGUF block (Q4_1, Q8_0)
@@ -179,24 +181,6 @@ T* thread_scratch(size_t count) {
   static thread_local std::vector<T> buffer;
   if (buffer.size() < count) buffer.resize(count);
   return buffer.data();
-}
-
-// work(i) for i = 0 .. count - 1 on the call's threads: each thread takes the items of its own contiguous share
-// in order, then helps with the others' shares from where they stand. A thread reading one stream of weights in
-// order reads it at about twice the pace of pieces taken in turn with another thread (machine E), and on a machine
-// where another process holds a core for a while, the other threads still do the rest.
-template <typename Work>
-void for_each_share(int64_t count, const Work& work) {
-  const int64_t shares = std::min<int64_t>(at::get_num_threads(), count);
-  if (shares <= 0) return;
-  std::vector<std::atomic<int64_t>> next(static_cast<size_t>(shares));
-  for (int64_t s = 0; s < shares; ++s) next[s].store(s * count / shares, std::memory_order_relaxed);
-  at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t) {
-    for (int64_t i = 0; i < shares; ++i) {
-      const int64_t s = (begin + i) % shares, end = (s + 1) * count / shares;
-      for (int64_t item; (item = next[s].fetch_add(1, std::memory_order_relaxed)) < end;) work(item);
-    }
-  });
 }
 
 #ifdef SPECSERVE_X86

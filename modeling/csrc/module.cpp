@@ -9,10 +9,11 @@ const auto kWithoutGil = py::call_guard<py::gil_scoped_release>();
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, kWithoutGil, "attention of rows over the paged KV cache, read in place through block tables",
         py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("tables"), py::arg("rows"), py::arg("positions"),
-        py::arg("scale"), py::arg("firsts") = py::none());
+        py::arg("scale"), py::arg("firsts") = py::none(), py::arg("path") = "");
   m.def("attend_tree", &attend_tree, kWithoutGil, "attention of rows, token tree nodes among them, over the paged KV cache",
         py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("tables"), py::arg("rows"), py::arg("positions"),
-        py::arg("extra"), py::arg("scale"), py::arg("firsts") = py::none());
+        py::arg("extra"), py::arg("scale"), py::arg("firsts") = py::none(), py::arg("path") = "");
+  m.def("attention_paths", &attention_paths, "the attention kernel's paths in this build, fastest (the default) first");
   m.def("store", &store, kWithoutGil, "write rows' keys and values into pages of the KV cache");
   m.def("rms_norm", &rms_norm, kWithoutGil, "RMSNorm of each row");
   m.def("add_rms_norm_", &add_rms_norm_, kWithoutGil, "x += delta in place, then RMSNorm of each row of x");

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -92,13 +93,44 @@ inline float exp_float(float x) {
   return p * scale;
 }
 
+// work(i, next) for i = 0 .. count - 1 on the call's threads, one `work` made by make_work() for each thread
+// (its buffers, its state between items): each thread takes the items of its own contiguous share in order, then
+// helps with the others' shares from where they stand; `next` is the item after i in i's share (-1 past its end),
+// the one this thread takes next unless another takes it first. A thread reading one stream in order reads it at
+// about twice the pace of pieces taken in turn with another thread (machine E), and on a machine where another
+// process holds a core for a while, the other threads do the rest rather than wait for it.
+template <typename MakeWork>
+void for_each_share_with(int64_t count, const MakeWork& make_work) {
+  const int64_t shares = std::min<int64_t>(at::get_num_threads(), count);
+  if (shares <= 0) return;
+  std::vector<std::atomic<int64_t>> next(static_cast<size_t>(shares));
+  for (int64_t s = 0; s < shares; ++s) next[s].store(s * count / shares, std::memory_order_relaxed);
+  at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t) {
+    auto work = make_work();
+    for (int64_t i = 0; i < shares; ++i) {
+      const int64_t s = (begin + i) % shares, end = (s + 1) * count / shares;
+      for (int64_t item; (item = next[s].fetch_add(1, std::memory_order_relaxed)) < end;) {
+        work(item, item + 1 < end ? item + 1 : -1);
+      }
+    }
+  });
+}
+
+// work(i) for i = 0 .. count - 1, shared among the threads as for_each_share_with shares them.
+template <typename Work>
+void for_each_share(int64_t count, const Work& work) {
+  for_each_share_with(count, [&] { return [&](int64_t item, int64_t) { work(item); }; });
+}
+
 }  // namespace specserve
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tables,
-                  const at::Tensor& rows, const at::Tensor& positions, double scale, const c10::optional<at::Tensor>& firsts);
+                  const at::Tensor& rows, const at::Tensor& positions, double scale, const c10::optional<at::Tensor>& firsts,
+                  const std::string& path = "");
 at::Tensor attend_tree(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& tables,
                        const at::Tensor& rows, const at::Tensor& positions, const at::Tensor& extra, double scale,
-                       const c10::optional<at::Tensor>& firsts);
+                       const c10::optional<at::Tensor>& firsts, const std::string& path = "");
+std::vector<std::string> attention_paths();
 void store(const at::Tensor& k, const at::Tensor& v, at::Tensor& keys, at::Tensor& values, const at::Tensor& pages,
            const at::Tensor& offsets);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

@@ -207,6 +207,7 @@ def test_a_model_runs_on_the_path_measured_fastest(ops, tiny_llama_folder: Path,
     probe = model.linear.measured
     assert probe is not None and str(probe) in ops_said and list(probe.seconds) == list(ops.linear_paths())
     assert model.linear.path == chosen_by(probe.seconds, probe.choices), ops_said
+    assert f"; attention: {ops.attention_paths()[0]}; " in ops_said  # the build's fastest attention path
 
 
 def chosen_by(seconds: dict[str, float], choices: tuple[str, ...]) -> str:

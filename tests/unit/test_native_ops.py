@@ -57,14 +57,26 @@ def _paged(whole: torch.Tensor, page_size: int, seed: int, spare: int = 3) -> tu
     return pages, tables
 
 
-def _attend(ops, q, keys, values, seqs, positions, page_size: int = 16, seed: int = 0):  # type: ignore[no-untyped-def]
-    """The kernel over `keys`, `values` `[S, KVH, L, D]` moved into shuffled pages."""
+def _attend(ops, q, keys, values, seqs, positions, page_size: int = 16, seed: int = 0, path: str = ""):  # type: ignore[no-untyped-def]
+    """The kernel (on `path`, "" for the build's fastest) over `keys`, `values` `[S, KVH, L, D]` moved into shuffled pages."""
     paged_keys, tables = _paged(keys, page_size, seed)
     paged_values, _ = _paged(values, page_size, seed)
-    return ops.attend(q, paged_keys, paged_values, tables, torch.as_tensor(seqs), torch.as_tensor(positions), q.shape[2] ** -0.5)
+    return ops.attend(q, paged_keys, paged_values, tables, torch.as_tensor(seqs), torch.as_tensor(positions),
+                      q.shape[2] ** -0.5, path=path)
 
 
-# (heads, kv heads, head_dim): the default model's shape (the AVX512-BF16 or AVX2 path where the
+# The attention kernel's paths; a test of one this build lacks (no AVX512 or AVX2 on this CPU) is skipped.
+ATTENTION_PATHS = ["avx512", "avx2", "generic"]
+
+
+@pytest.fixture(params=ATTENTION_PATHS)
+def attention_path(ops, request: pytest.FixtureRequest) -> str:  # type: ignore[no-untyped-def]
+    if request.param not in ops.attention_paths():
+        pytest.skip(f"this build has no {request.param} attention path")
+    return str(request.param)
+
+
+# (heads, kv heads, head_dim): the default model's shape (the AVX512 and AVX2 paths where the
 # CPU has it), other group sizes, and a head_dim only the generic path serves.
 SHAPES = [(9, 3, 64), (8, 2, 64), (4, 4, 64), (14, 2, 64), (16, 2, 128), (8, 8, 128), (8, 2, 16), (6, 3, 32)]
 
@@ -72,14 +84,15 @@ SHAPES = [(9, 3, 64), (8, 2, 64), (4, 4, 64), (14, 2, 64), (16, 2, 128), (8, 8, 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "dim"), SHAPES)
 @pytest.mark.parametrize("page_size", [16, 5, 80])
-def test_attention_through_block_tables_matches_the_reference(ops, dtype: torch.dtype, num_heads: int,  # type: ignore[no-untyped-def]
-                                                             num_kv_heads: int, dim: int, page_size: int) -> None:
+def test_attention_through_block_tables_matches_the_reference(ops, attention_path: str, dtype: torch.dtype,  # type: ignore[no-untyped-def]
+                                                             num_heads: int, num_kv_heads: int, dim: int,
+                                                             page_size: int) -> None:
     keys, values = _cache(6, num_kv_heads, 80, dim, dtype, seed=1)
     # Lengths from 1 to past one 16-position block and across page boundaries, a verify-like run of one sequence.
     seqs = [4, 0, 2, 2, 2, 5, 1]
     positions = [0, 15, 30, 31, 32, 16, 79]
     q = torch.randn(len(seqs), num_heads, dim, generator=torch.Generator().manual_seed(2)).to(dtype)
-    out = _attend(ops, q, keys, values, seqs, positions, page_size)
+    out = _attend(ops, q, keys, values, seqs, positions, page_size, path=attention_path)
     assert out.shape == (len(seqs), num_heads * dim) and out.dtype == dtype
     tolerance = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
     torch.testing.assert_close(out.double(), _reference_attention(q, keys, values, seqs, positions), **tolerance)
@@ -87,17 +100,18 @@ def test_attention_through_block_tables_matches_the_reference(ops, dtype: torch.
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "dim"), SHAPES[:2])
-def test_each_row_is_computed_alone_wherever_its_pages_lie(ops, dtype: torch.dtype, num_heads: int, num_kv_heads: int,  # type: ignore[no-untyped-def]
-                                                          dim: int) -> None:
+def test_each_row_is_computed_alone_wherever_its_pages_lie(ops, attention_path: str, dtype: torch.dtype,  # type: ignore[no-untyped-def]
+                                                          num_heads: int, num_kv_heads: int, dim: int) -> None:
     """A row gives bit for bit the same output alone as among others, and whichever pages hold its keys: a verify
     row equals its decode step, and a prefix read from the prefix cache equals one computed in place."""
     keys, values = _cache(8, num_kv_heads, 208, dim, dtype, seed=3)
     seqs = torch.tensor([7, 1, 1, 1, 3, 0, 5, 2])
     positions = torch.tensor([190, 40, 41, 42, 3, 99, 17, 150])
     q = torch.randn(8, num_heads, dim, generator=torch.Generator().manual_seed(4)).to(dtype)
-    together = _attend(ops, q, keys, values, seqs, positions, seed=0)
+    together = _attend(ops, q, keys, values, seqs, positions, seed=0, path=attention_path)
     for n in range(8):
-        alone = _attend(ops, q[n : n + 1].clone(), keys, values, seqs[n : n + 1], positions[n : n + 1], seed=n + 1)
+        alone = _attend(ops, q[n : n + 1].clone(), keys, values, seqs[n : n + 1], positions[n : n + 1], seed=n + 1,
+                        path=attention_path)
         assert torch.equal(alone[0], together[n]), f"row {n} differs alone"
 
 
@@ -108,6 +122,34 @@ def test_attention_reads_strided_queries(ops) -> None:  # type: ignore[no-untype
     q = qkv[:, : 9 * 64].view(4, 9, 64)
     seqs, positions = [0, 1, 2, 1], [5, 39, 0, 20]
     assert torch.equal(_attend(ops, q, keys, values, seqs, positions), _attend(ops, q.contiguous(), keys, values, seqs, positions))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "dim"), [shape for shape in SHAPES if shape[2] in (64, 128)])
+def test_the_avx512_path_gives_the_avx2_paths_bits(ops, dtype: torch.dtype, num_heads: int, num_kv_heads: int,  # type: ignore[no-untyped-def]
+                                                   dim: int) -> None:
+    """The AVX512 path computes the AVX2 path's sums lane for lane, so a model's steps do not depend on which of
+    the two a CPU has; many rows of many lengths, more tasks than threads share out evenly."""
+    if not {"avx512", "avx2"} <= set(ops.attention_paths()):
+        pytest.skip("this build lacks the avx512 or the avx2 attention path")
+    keys, values = _cache(5, num_kv_heads, 208, dim, dtype, seed=11)
+    generator = torch.Generator().manual_seed(12)
+    seqs = torch.randint(0, 5, (41,), generator=generator)
+    positions = torch.randint(0, 208, (41,), generator=generator)
+    q = torch.randn(41, num_heads, dim, generator=generator).to(dtype)
+    wide = _attend(ops, q, keys, values, seqs, positions, page_size=16, path="avx512")
+    narrow = _attend(ops, q, keys, values, seqs, positions, page_size=16, path="avx2")
+    assert torch.equal(wide, narrow)
+
+
+def test_the_attention_paths_are_listed_fastest_first_and_an_unknown_one_is_refused(ops) -> None:  # type: ignore[no-untyped-def]
+    paths = ops.attention_paths()
+    assert paths[-1] == "generic" and paths == [path for path in ATTENTION_PATHS if path in paths]
+    keys, values = _cache(1, 2, 16, 64, torch.float32, seed=13)
+    q = torch.randn(1, 4, 64)
+    assert torch.equal(_attend(ops, q, keys, values, [0], [9]), _attend(ops, q, keys, values, [0], [9], path=paths[0]))
+    with pytest.raises(RuntimeError, match=f"attention path 'avx9' is not one of this build's: {', '.join(paths)}"):
+        _attend(ops, q, keys, values, [0], [9], path="avx9")
 
 
 def test_store_writes_each_row_at_its_page_and_offset(ops) -> None:  # type: ignore[no-untyped-def]
@@ -147,8 +189,8 @@ def test_attention_outside_the_block_tables_is_refused(ops, tables: list[list[in
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "dim"), SHAPES)
-def test_tree_rows_attend_to_their_run_then_their_extra_positions(ops, dtype: torch.dtype, num_heads: int,  # type: ignore[no-untyped-def]
-                                                                  num_kv_heads: int, dim: int) -> None:
+def test_tree_rows_attend_to_their_run_then_their_extra_positions(ops, attention_path: str, dtype: torch.dtype,  # type: ignore[no-untyped-def]
+                                                                  num_heads: int, num_kv_heads: int, dim: int) -> None:
     """Each row's keys are positions 0..its end and then its extra ones, in order (across pages): bit for bit the row
     of a cache where those keys lie one after another."""
     keys, values = _cache(3, num_kv_heads, 80, dim, dtype, seed=5)
@@ -158,14 +200,15 @@ def test_tree_rows_attend_to_their_run_then_their_extra_positions(ops, dtype: to
     ends = torch.tensor([30, 30, 30, 12, 40])
     extra = torch.tensor([[31, -1, -1], [32, 35, -1], [31, 33, 34], [-1, -1, -1], [41, 60, 79]])
     q = torch.randn(5, num_heads, dim, generator=torch.Generator().manual_seed(6)).to(dtype)
-    out = ops.attend_tree(q, paged_keys, paged_values, tables, seqs, ends, extra, dim**-0.5)
+    out = ops.attend_tree(q, paged_keys, paged_values, tables, seqs, ends, extra, dim**-0.5, path=attention_path)
     for n in range(5):
         chosen = list(range(int(ends[n]) + 1)) + [int(e) for e in extra[n] if e >= 0]
         packed_keys, packed_values = keys.clone(), values.clone()  # the row's keys moved to 0, 1, 2, ...
         seq = int(seqs[n])
         packed_keys[seq, :, : len(chosen)] = keys[seq, :, chosen]
         packed_values[seq, :, : len(chosen)] = values[seq, :, chosen]
-        plain = _attend(ops, q[n : n + 1].clone(), packed_keys, packed_values, seqs[n : n + 1], [len(chosen) - 1], seed=n)
+        plain = _attend(ops, q[n : n + 1].clone(), packed_keys, packed_values, seqs[n : n + 1], [len(chosen) - 1], seed=n,
+                        path=attention_path)
         assert torch.equal(out[n], plain[0]), f"row {n}"
 
 
