@@ -132,8 +132,43 @@ struct TaskOffsets {
   }
 };
 
-// The softmax of a row's `length` scores, in place, in float32.
+// The softmax of a row's `length` scores, in place, in float32. With AVX2 the order of every sum is written out
+// (the exponentials' total in 8 lanes, 8 positions at a time, then across the lanes, then the last few positions):
+// the same bits from an AVX2 or an AVX512 build, whichever width the compiler would have chosen.
 inline void softmax_(float* scores, int64_t length) {
+#ifdef SPECSERVE_AVX2
+  // The largest score, in 8 lanes then across them (the same value in any order; vmaxps(a, b) is a > b ? a : b).
+  __m256 largest = _mm256_set1_ps(scores[0]);
+  int64_t l = 0;
+  for (; l + 8 <= length; l += 8) largest = _mm256_max_ps(_mm256_loadu_ps(scores + l), largest);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, largest);
+  for (; l < length; ++l) lanes[0] = scores[l] > lanes[0] ? scores[l] : lanes[0];
+  float top = lanes[0];
+  for (int64_t i = 1; i < 8; ++i) top = lanes[i] > top ? lanes[i] : top;
+  __m256 sums = _mm256_setzero_ps();
+  l = 0;
+#ifdef SPECSERVE_AVX512
+  for (const __m512 shift = _mm512_set1_ps(top); l + 16 <= length; l += 16) {
+    const __m512 e = specserve::exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + l), shift));
+    _mm512_storeu_ps(scores + l, e);
+    sums = _mm256_add_ps(sums, _mm512_castps512_ps256(e));
+    sums = _mm256_add_ps(sums, _mm512_extractf32x8_ps(e, 1));
+  }
+#endif
+  for (const __m256 shift = _mm256_set1_ps(top); l + 8 <= length; l += 8) {
+    const __m256 e = specserve::exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + l), shift));
+    _mm256_storeu_ps(scores + l, e);
+    sums = _mm256_add_ps(sums, e);
+  }
+  float rest = 0.0f;
+  for (; l < length; ++l) {
+    scores[l] = exp_float(scores[l] - top);
+    rest += scores[l];
+  }
+  _mm256_store_ps(lanes, sums);
+  const float total = (((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))) + rest;
+#else
   // The largest score, in 8 lanes then across them (the same value in any order).
   float lanes[8];
   for (int64_t i = 0; i < 8; ++i) lanes[i] = scores[0];
@@ -150,6 +185,7 @@ inline void softmax_(float* scores, int64_t length) {
     scores[l] = exp_float(scores[l] - top);
     total += scores[l];
   }
+#endif
   const float inverse = 1.0f / total;
 #pragma omp simd
   for (int64_t l = 0; l < length; ++l) scores[l] *= inverse;

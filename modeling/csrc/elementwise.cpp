@@ -162,13 +162,7 @@ inline void store16(c10::BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits16(v)));
 }
 
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));  // NaN stays, as in exp_float
-  __m512 n;
-  const __m512 p = specserve::exp_reduced(x, n);
-  const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
-}
+using specserve::exp16;
 #endif
 
 // silu(gate) * up for each [gate | up] row: silu rounded, then the product rounded.

@@ -18,6 +18,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace pybind11 {
 class module_;
 }  // namespace pybind11
@@ -92,6 +96,28 @@ inline float exp_float(float x) {
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
+
+#if defined(__AVX2__)
+// exp_float of 8 floats, in its operations (exp_reduced, then 2^n from n's bits), so its bits.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));  // NaN stays, as in exp_float
+  __m256 n;
+  const __m256 p = exp_reduced(x, n);
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+#endif
+
+#if defined(__AVX512F__)
+// exp_float of 16 floats, in its operations, so its bits.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));  // NaN stays, as in exp_float
+  __m512 n;
+  const __m512 p = exp_reduced(x, n);
+  const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
+}
+#endif
 
 // work(i, next) for i = 0 .. count - 1 on the call's threads, one `work` made by make_work() for each thread
 // (its buffers, its state between items): each thread takes the items of its own contiguous share in order, then
