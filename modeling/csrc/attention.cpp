@@ -161,10 +161,13 @@ inline void softmax_(float* scores, int64_t length) {
     _mm256_storeu_ps(scores + l, e);
     sums = _mm256_add_ps(sums, e);
   }
-  float rest = 0.0f;
-  for (; l < length; ++l) {
-    scores[l] = exp_float(scores[l] - top);
-    rest += scores[l];
+  float rest = 0.0f;  // the last few positions' exponentials, in one vector, then added one by one
+  if (l < length) {
+    alignas(32) float tail[8] = {};
+    std::memcpy(tail, scores + l, static_cast<size_t>(length - l) * sizeof(float));
+    _mm256_store_ps(tail, specserve::exp8(_mm256_sub_ps(_mm256_load_ps(tail), _mm256_set1_ps(top))));
+    std::memcpy(scores + l, tail, static_cast<size_t>(length - l) * sizeof(float));
+    for (int64_t i = 0; i < length - l; ++i) rest += tail[i];
   }
   _mm256_store_ps(lanes, sums);
   const float total = (((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))) + rest;
