@@ -8,6 +8,10 @@ head_dim 64, pages of 16), and `--between-mb` of other memory is summed before e
 The figure is the attention time of one step (all layers), best and median of `--repeats`.
 
     python -m bench.attention_kernel --rows 1 16 64 --positions 200
+    python -m bench.attention_kernel --dtype bfloat16 --rows 64 --positions 192 --path avx512 avx2
+
+`--path` names the kernel's paths to time (`attention_paths()` lists a build's), each in turn
+at every row count; by default the build's fastest.
 
 To set it against an earlier revision, run the same file with that revision's modules first
 on the path (its kernels are built there):
@@ -30,8 +34,9 @@ from modeling.native import native_ops
 PAGE_SIZE = 16
 
 
-def step_ms(ops, rows: int, positions: int, args: argparse.Namespace) -> list[float]:
-    """Milliseconds of attention in each of `args.repeats` steps of `rows` rows at `positions` positions."""
+def step_ms(ops, rows: int, positions: int, args: argparse.Namespace, path: str) -> list[float]:
+    """Milliseconds of attention on `path` ("": the build's fastest) in each of `args.repeats` steps of `rows` rows
+    at `positions` positions."""
     pages_per_row = -(-positions // PAGE_SIZE)
     generator = torch.Generator().manual_seed(0)
     shape = (rows * pages_per_row, args.kv_heads, PAGE_SIZE, args.head_dim)
@@ -51,7 +56,10 @@ def step_ms(ops, rows: int, positions: int, args: argparse.Namespace) -> list[fl
         for layer, (keys, values) in enumerate(caches):
             between[layer * chunk : (layer + 1) * chunk].sum()
             start = time.perf_counter()
-            ops.attend(queries, keys, values, tables, row_tables, last, scale, None)
+            if path:
+                ops.attend(queries, keys, values, tables, row_tables, last, scale, None, path=path)
+            else:  # a revision whose kernel has one path per build
+                ops.attend(queries, keys, values, tables, row_tables, last, scale, None)
             total += time.perf_counter() - start
         return total * 1e3
 
@@ -72,22 +80,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--between-mb", type=int, default=80, help="memory summed between layers, in all (the weights)")
     parser.add_argument("--repeats", type=int, default=12)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as torch has them)")
+    parser.add_argument("--path", nargs="+", default=[""], help="the kernel's paths to time (default: the fastest)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     ops = native_ops()
     print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {args.dtype}, "
           f"{args.layers} layers of {args.heads} heads / {args.kv_heads} kv heads / head_dim {args.head_dim}")
-    print("| rows | positions | KV read per step, MB | step ms, best | median | GB/s at best |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("| path | rows | positions | KV read per step, MB | step ms, best | median | GB/s at best |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     element = torch.tensor([], dtype=getattr(torch, args.dtype)).element_size()
     for rows in args.rows:
         for positions in args.positions:
-            times = step_ms(ops, rows, positions, args)
-            megabytes = 2 * rows * positions * args.kv_heads * args.head_dim * element * args.layers / 1e6
-            best = min(times)
-            print(f"| {rows} | {positions} | {megabytes:.0f} | {best:.2f} | {statistics.median(times):.2f} | "
-                  f"{megabytes / best:.1f} |")
+            for path in args.path:
+                times = step_ms(ops, rows, positions, args, path)
+                megabytes = 2 * rows * positions * args.kv_heads * args.head_dim * element * args.layers / 1e6
+                best = min(times)
+                named = path or (ops.attention_paths()[0] if hasattr(ops, "attention_paths") else "the build's")
+                print(f"| {named} | {rows} | {positions} | {megabytes:.0f} | {best:.2f} | "
+                      f"{statistics.median(times):.2f} | {megabytes / best:.1f} |")
 
 
 if __name__ == "__main__":
