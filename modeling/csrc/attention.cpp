@@ -745,11 +745,16 @@ void store(const at::Tensor& k, const at::Tensor& v, at::Tensor& keys, at::Tenso
   char* keys_data = static_cast<char*>(keys.data_ptr());
   char* values_data = static_cast<char*>(values.data_ptr());
   const int64_t item = k.element_size();
-  for (int64_t row = 0; row < num_rows; ++row) {
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
-      const int64_t dst = ((page_of[row] * num_kv_heads + h) * page_size + offset_of[row]) * bytes;
-      std::memcpy(keys_data + dst, k_data + (row * k.stride(0) + h * k.stride(1)) * item, bytes);
-      std::memcpy(values_data + dst, v_data + (row * v.stride(0) + h * v.stride(1)) * item, bytes);
+  // Blocks of 16 rows shared among the threads (the writes miss the cache: 64 rows took 20-21 us a layer on one
+  // thread, 17-18 on two, machine F); a decode step of a few rows stays on the calling thread.
+  constexpr int64_t kRowsEach = 16;
+  specserve::for_each_share((num_rows + kRowsEach - 1) / kRowsEach, [&](int64_t block) {
+    for (int64_t row = block * kRowsEach; row < std::min(num_rows, (block + 1) * kRowsEach); ++row) {
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const int64_t dst = ((page_of[row] * num_kv_heads + h) * page_size + offset_of[row]) * bytes;
+        std::memcpy(keys_data + dst, k_data + (row * k.stride(0) + h * k.stride(1)) * item, bytes);
+        std::memcpy(values_data + dst, v_data + (row * v.stride(0) + h * v.stride(1)) * item, bytes);
+      }
     }
-  }
+  });
 }
