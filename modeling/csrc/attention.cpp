@@ -150,14 +150,14 @@ inline void softmax_(float* scores, int64_t length) {
   l = 0;
 #ifdef SPECSERVE_AVX512
   for (const __m512 shift = _mm512_set1_ps(top); l + 16 <= length; l += 16) {
-    const __m512 e = specserve::exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + l), shift));
+    const __m512 e = specserve::exp_lanes<specserve::Lanes16>(_mm512_sub_ps(_mm512_loadu_ps(scores + l), shift));
     _mm512_storeu_ps(scores + l, e);
     sums = _mm256_add_ps(sums, _mm512_castps512_ps256(e));
     sums = _mm256_add_ps(sums, _mm512_extractf32x8_ps(e, 1));
   }
 #endif
   for (const __m256 shift = _mm256_set1_ps(top); l + 8 <= length; l += 8) {
-    const __m256 e = specserve::exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + l), shift));
+    const __m256 e = specserve::exp_lanes<specserve::Lanes8>(_mm256_sub_ps(_mm256_loadu_ps(scores + l), shift));
     _mm256_storeu_ps(scores + l, e);
     sums = _mm256_add_ps(sums, e);
   }
@@ -165,7 +165,7 @@ inline void softmax_(float* scores, int64_t length) {
   if (l < length) {
     alignas(32) float tail[8] = {};
     std::memcpy(tail, scores + l, static_cast<size_t>(length - l) * sizeof(float));
-    _mm256_store_ps(tail, specserve::exp8(_mm256_sub_ps(_mm256_load_ps(tail), _mm256_set1_ps(top))));
+    _mm256_store_ps(tail, specserve::exp_lanes<specserve::Lanes8>(_mm256_sub_ps(_mm256_load_ps(tail), _mm256_set1_ps(top))));
     std::memcpy(scores + l, tail, static_cast<size_t>(length - l) * sizeof(float));
     for (int64_t i = 0; i < length - l; ++i) rest += tail[i];
   }
@@ -267,11 +267,7 @@ void attend_rows(const AttendCall<T>& call, double scale) {
 // once the softmax is done), and each block of values for the next task's keys: two
 // streams in flight where the loops alone would have one.
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
+using specserve::Lanes8;
 
 // r[j] = sum of a[j]'s 8 lanes, for j = 0..7.
 inline __m256 sum_lanes_8(const __m256* a) {
@@ -301,7 +297,7 @@ inline void score_block(const T* const* k, const float (*query)[kDim], float* sc
     }
     for (int64_t c = 0; c < kDim / 8; ++c) {
       for (int64_t j = 0; j < kPositions; ++j) {
-        const __m256 key = load8(k[first + j] + 8 * c);
+        const __m256 key = Lanes8::load(k[first + j] + 8 * c);
         for (int64_t g = 0; g < kGroup; ++g) a[g][j] = _mm256_fmadd_ps(key, _mm256_load_ps(query[g] + 8 * c), a[g][j]);
       }
     }
@@ -327,28 +323,30 @@ inline void score_heads(const T* const* k, const float (*query)[kDim], float* sc
   }
 }
 
-// The weighted sums of positions [l0, stop) of the values for dimensions 8 * c0 .. 8 * (c0 + kTile) - 1 of
-// kGroup heads, added to sums[g * stride + d] (zero for l0 = 0): each sum one chain over the positions in order.
-template <typename T, int64_t kGroup, int64_t kTile>
+// The weighted sums of positions [l0, stop) of the values for dimensions L::kLanes * c0 .. L::kLanes * (c0 +
+// kTile) - 1 of kGroup heads, added to sums[g * stride + d] (zero for l0 = 0): each sum one chain over the
+// positions in order, in 8 lanes a vector or 16 (Lanes8, Lanes16), so the same bits.
+template <typename L, typename T, int64_t kGroup, int64_t kTile>
 inline void sum_values(const T* values, const int64_t* offset, const float* weights, int64_t weights_stride, int64_t l0,
                        int64_t stop, int64_t c0, float* sums, int64_t stride) {
-  __m256 acc[kGroup][kTile];
+  constexpr int64_t kLanes = L::kLanes;
+  typename L::V acc[kGroup][kTile];
   for (int64_t g = 0; g < kGroup; ++g) {
     for (int64_t c = 0; c < kTile; ++c) {
-      acc[g][c] = l0 == 0 ? _mm256_setzero_ps() : _mm256_load_ps(sums + g * stride + 8 * (c0 + c));
+      acc[g][c] = l0 == 0 ? L::zero() : L::load_aligned(sums + g * stride + kLanes * (c0 + c));
     }
   }
   for (int64_t l = l0; l < stop; ++l) {
-    const T* v = values + offset[l] + 8 * c0;
-    __m256 row[kTile];
-    for (int64_t c = 0; c < kTile; ++c) row[c] = load8(v + 8 * c);
+    const T* v = values + offset[l] + kLanes * c0;
+    typename L::V row[kTile];
+    for (int64_t c = 0; c < kTile; ++c) row[c] = L::load(v + kLanes * c);
     for (int64_t g = 0; g < kGroup; ++g) {
-      const __m256 p = _mm256_broadcast_ss(weights + g * weights_stride + l);
-      for (int64_t c = 0; c < kTile; ++c) acc[g][c] = _mm256_fmadd_ps(p, row[c], acc[g][c]);
+      const typename L::V p = L::set1(weights[g * weights_stride + l]);
+      for (int64_t c = 0; c < kTile; ++c) acc[g][c] = L::fma(p, row[c], acc[g][c]);
     }
   }
   for (int64_t g = 0; g < kGroup; ++g) {
-    for (int64_t c = 0; c < kTile; ++c) _mm256_store_ps(sums + g * stride + 8 * (c0 + c), acc[g][c]);
+    for (int64_t c = 0; c < kTile; ++c) L::store_aligned(sums + g * stride + kLanes * (c0 + c), acc[g][c]);
   }
 }
 
@@ -362,18 +360,12 @@ inline void prefetch_row(const T* row) {
 
 // The AVX2 path's kernels: 8 lanes a vector.
 struct Avx2 {
-  static constexpr int64_t kLanes = 8;
+  using Lanes = Lanes8;
   static constexpr int64_t kRegisters = 16;
 
   template <typename T, int64_t kDim, int64_t kGroup>
   static void scores(const T* const* k, const float (*query)[kDim], float* out, int64_t stride) {
     score_heads<T, kDim, kGroup>(k, query, out, stride);
-  }
-
-  template <typename T, int64_t kGroup, int64_t kTile>
-  static void values(const T* values, const int64_t* offset, const float* weights, int64_t weights_stride, int64_t l0,
-                     int64_t stop, int64_t c0, float* sums, int64_t stride) {
-    sum_values<T, kGroup, kTile>(values, offset, weights, weights_stride, l0, stop, c0, sums, stride);
   }
 };
 
@@ -389,11 +381,6 @@ inline __m512 load8x2(const c10::BFloat16* a, const c10::BFloat16* b) {
   const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
                                                _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(both), 16));
-}
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
 // score_block's scores for kHeads heads at 8 positions: position 2p's 8 lanes of a sum in the low half of a[g][p],
@@ -434,43 +421,19 @@ inline void score_heads_avx512(const T* const* k, const float (*query)[kDim], fl
 }
 
 struct Avx512 {
-  static constexpr int64_t kLanes = 16;
+  using Lanes = specserve::Lanes16;
   static constexpr int64_t kRegisters = 32;
 
   template <typename T, int64_t kDim, int64_t kGroup>
   static void scores(const T* const* k, const float (*query)[kDim], float* out, int64_t stride) {
     score_heads_avx512<T, kDim, kGroup>(k, query, out, stride);
   }
-
-  // sum_values in 16 lanes: dimensions 16 * c0 .. 16 * (c0 + kTile) - 1, each still one chain over the positions.
-  template <typename T, int64_t kGroup, int64_t kTile>
-  static void values(const T* values, const int64_t* offset, const float* weights, int64_t weights_stride, int64_t l0,
-                     int64_t stop, int64_t c0, float* sums, int64_t stride) {
-    __m512 acc[kGroup][kTile];
-    for (int64_t g = 0; g < kGroup; ++g) {
-      for (int64_t c = 0; c < kTile; ++c) {
-        acc[g][c] = l0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(sums + g * stride + 16 * (c0 + c));
-      }
-    }
-    for (int64_t l = l0; l < stop; ++l) {
-      const T* v = values + offset[l] + 16 * c0;
-      __m512 row[kTile];
-      for (int64_t c = 0; c < kTile; ++c) row[c] = load16(v + 16 * c);
-      for (int64_t g = 0; g < kGroup; ++g) {
-        const __m512 p = _mm512_set1_ps(weights[g * weights_stride + l]);
-        for (int64_t c = 0; c < kTile; ++c) acc[g][c] = _mm512_fmadd_ps(p, row[c], acc[g][c]);
-      }
-    }
-    for (int64_t g = 0; g < kGroup; ++g) {
-      for (int64_t c = 0; c < kTile; ++c) _mm512_store_ps(sums + g * stride + 16 * (c0 + c), acc[g][c]);
-    }
-  }
 };
 #endif
 
 template <typename Isa, typename T, int64_t kDim, int64_t kGroup>
 void attend_rows_simd(const AttendCall<T>& call, double scale) {
-  constexpr int64_t kChunks = kDim / Isa::kLanes;
+  constexpr int64_t kChunks = kDim / Isa::Lanes::kLanes;
   // The values' tiles: kGroup heads by kTile vectors of dimensions (the last tile what is left),
   // their sums, the value row's vectors and a weight in the vector registers.
   constexpr int64_t kFits = (Isa::kRegisters - 1) / (kGroup + 1);
@@ -511,12 +474,13 @@ void attend_rows_simd(const AttendCall<T>& call, double scale) {
       for (int64_t l0 = 0; l0 < length; l0 += kBlock) {
         const int64_t stop = length - l0 < kBlock ? length : l0 + kBlock;
         for (int64_t l = l0; l < stop && l < next_length; ++l) prefetch_row<T, kDim>(call.keys + next_offset[l]);
+        using Lanes = typename Isa::Lanes;
         for (int64_t c0 = 0; c0 + kTile <= kChunks; c0 += kTile) {
-          Isa::template values<T, kGroup, kTile>(values, offset, weights, padded_len, l0, stop, c0, &sums[0][0], kDim);
+          sum_values<Lanes, T, kGroup, kTile>(values, offset, weights, padded_len, l0, stop, c0, &sums[0][0], kDim);
         }
         if constexpr (kChunks % kTile != 0) {
-          Isa::template values<T, kGroup, kChunks % kTile>(values, offset, weights, padded_len, l0, stop,
-                                                           kChunks - kChunks % kTile, &sums[0][0], kDim);
+          sum_values<Lanes, T, kGroup, kChunks % kTile>(values, offset, weights, padded_len, l0, stop,
+                                                        kChunks - kChunks % kTile, &sums[0][0], kDim);
         }
       }
       for (int64_t g = 0; g < kGroup; ++g) {

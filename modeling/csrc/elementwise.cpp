@@ -141,11 +141,8 @@ inline T silu_times(T gate, T up) {
 // The same for 16 elements, in the same operations as exp_float (its exp_reduced) and silu_times, so the bits
 // are silu_times' own. The compiler's vectorization of that
 // loop spilled and masked: 64 rows of the embedded model took 86 us on two threads, these 44 (machine E).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
+using specserve::Lanes16;
+
 // bfloat16 bits of 16 floats in 32-bit lanes: nearest, ties to even, NaN to 0x7FC0 (specserve::bf16_bits).
 inline __m512i bf16_bits16(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
@@ -162,7 +159,6 @@ inline void store16(c10::BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits16(v)));
 }
 
-using specserve::exp16;
 #endif
 
 // silu(gate) * up for each [gate | up] row: silu rounded, then the product rounded.
@@ -179,10 +175,10 @@ void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
       int64_t i = 0;
 #if defined(__AVX512F__)
       for (; i + 16 <= width; i += 16) {
-        const __m512 g = load16(gate + i);
-        const __m512 e = exp16(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN))));
+        const __m512 g = Lanes16::load(gate + i);
+        const __m512 e = specserve::exp_lanes<Lanes16>(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN))));
         const __m512 silu = round16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), o);
-        store16(o + i, _mm512_mul_ps(silu, load16(up + i)));
+        store16(o + i, _mm512_mul_ps(silu, Lanes16::load(up + i)));
       }
 #endif
       for (; i < width; ++i) o[i] = silu_times(gate[i], up[i]);

@@ -98,26 +98,61 @@ inline float exp_float(float x) {
 }
 
 #if defined(__AVX2__)
-// exp_float of 8 floats, in its operations (exp_reduced, then 2^n from n's bits), so its bits.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));  // NaN stays, as in exp_float
-  __m256 n;
-  const __m256 p = exp_reduced(x, n);
-  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
-}
+// A float vector's operations, for code written once for 8 lanes (AVX2) and 16 (AVX512); bfloat16 loads widen
+// exactly.
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int64_t kLanes = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V min(V a, V b) { return _mm256_min_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const c10::BFloat16* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static V load_aligned(const float* p) { return _mm256_load_ps(p); }
+  static void store_aligned(float* p, V v) { _mm256_store_ps(p, v); }
+  static V pow2(V n) {  // 2^n for whole n in range, from its bits
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
+  }
+};
 #endif
 
 #if defined(__AVX512F__)
-// exp_float of 16 floats, in its operations, so its bits.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));  // NaN stays, as in exp_float
-  __m512 n;
-  const __m512 p = exp_reduced(x, n);
-  const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
-}
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int64_t kLanes = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V min(V a, V b) { return _mm512_min_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const c10::BFloat16* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  static V load_aligned(const float* p) { return _mm512_load_ps(p); }
+  static void store_aligned(float* p, V v) { _mm512_store_ps(p, v); }
+  static V pow2(V n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
+  }
+};
 #endif
+
+// exp_float of each lane (Lanes8, Lanes16), in its operations (exp_reduced, then 2^n from n's bits), so its bits.
+template <typename L>
+inline typename L::V exp_lanes(typename L::V x) {
+  x = L::min(L::set1(88.0f), L::max(L::set1(-87.0f), x));  // NaN stays, as in exp_float
+  typename L::V n;
+  const typename L::V p = exp_reduced(x, n);
+  return L::mul(p, L::pow2(n));
+}
 
 // work(i, next) for i = 0 .. count - 1 on the call's threads, one `work` made by make_work() for each thread
 // (its buffers, its state between items): each thread takes the items of its own contiguous share in order, then
