@@ -471,6 +471,7 @@ void attend_rows_simd(const AttendCall<T>& call, double scale) {
       const T* values = call.values;
       const float* weights = scores.data();
       alignas(64) float sums[kGroup][kDim];
+      if (length == 0) std::fill(&sums[0][0], &sums[0][0] + kGroup * kDim, 0.0f);  // a run left empty: zeros
       for (int64_t l0 = 0; l0 < length; l0 += kBlock) {
         const int64_t stop = length - l0 < kBlock ? length : l0 + kBlock;
         for (int64_t l = l0; l < stop && l < next_length; ++l) prefetch_row<T, kDim>(call.keys + next_offset[l]);
@@ -513,21 +514,24 @@ bool attend_simd(const AttendCall<T>& call, double scale) {
 
 // The paths this build has on this CPU, fastest first. "avx512" and "avx2" give the same bits (the same sums, lane for
 // lane); "generic" is the compiler's vectorization of plain loops, for any head_dim and any CPU.
-std::vector<std::string> paths_here() {
-  std::vector<std::string> paths;
+const std::vector<std::string>& paths_here() {
+  static const std::vector<std::string> paths = [] {
+    std::vector<std::string> found;
 #ifdef SPECSERVE_AVX512
-  paths.emplace_back("avx512");
+    found.emplace_back("avx512");
 #endif
 #ifdef SPECSERVE_AVX2
-  paths.emplace_back("avx2");
+    found.emplace_back("avx2");
 #endif
-  paths.emplace_back("generic");
+    found.emplace_back("generic");
+    return found;
+  }();
   return paths;
 }
 
 // A path named by a caller: one of paths_here(), or "" for the first.
 std::string chosen_path(const std::string& path) {
-  const std::vector<std::string> paths = paths_here();
+  const std::vector<std::string>& paths = paths_here();
   if (path.empty()) return paths.front();
   std::string known;
   for (const std::string& name : paths) {
@@ -710,7 +714,8 @@ void store(const at::Tensor& k, const at::Tensor& v, at::Tensor& keys, at::Tenso
   char* values_data = static_cast<char*>(values.data_ptr());
   const int64_t item = k.element_size();
   // Blocks of 16 rows shared among the threads (the writes miss the cache: 64 rows took 20-21 us a layer on one
-  // thread, 17-18 on two, machine F); a decode step of a few rows stays on the calling thread.
+  // thread, 17-18 on two, machine F); a decode step of a few rows stays on the calling thread. A step's rows name
+  // distinct (page, offset) places (the worker checks that no two sequences write one page).
   constexpr int64_t kRowsEach = 16;
   specserve::for_each_share((num_rows + kRowsEach - 1) / kRowsEach, [&](int64_t block) {
     for (int64_t row = block * kRowsEach; row < std::min(num_rows, (block + 1) * kRowsEach); ++row) {

@@ -97,7 +97,7 @@ inline float exp_float(float x) {
   return p * scale;
 }
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) && defined(__FMA__)
 // A float vector's operations, for code written once for 8 lanes (AVX2) and 16 (AVX512); bfloat16 loads widen
 // exactly.
 struct Lanes8 {

@@ -78,7 +78,8 @@ def attention_path(ops, request: pytest.FixtureRequest) -> str:  # type: ignore[
 
 # (heads, kv heads, head_dim): the default model's shape (the AVX512 and AVX2 paths where the
 # CPU has it), other group sizes, and a head_dim only the generic path serves.
-SHAPES = [(9, 3, 64), (8, 2, 64), (4, 4, 64), (14, 2, 64), (16, 2, 128), (8, 8, 128), (8, 2, 16), (6, 3, 32)]
+SHAPES = [(9, 3, 64), (8, 2, 64), (4, 4, 64), (14, 2, 64), (12, 2, 64), (16, 2, 128), (8, 8, 128), (8, 2, 16),
+          (6, 3, 32)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -142,6 +143,22 @@ def test_the_avx512_path_gives_the_avx2_paths_bits(ops, dtype: torch.dtype, num_
     assert torch.equal(wide, narrow)
 
 
+def test_the_ops_line_names_the_attention_path_a_models_heads_take() -> None:
+    from types import SimpleNamespace
+
+    from modeling.cpu_kernels import attention_path
+
+    paths = ["avx512", "avx2", "generic"]
+    heads = lambda num_heads, num_kv_heads, head_dim: SimpleNamespace(  # noqa: E731
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    assert attention_path(paths, heads(9, 3, 64)) == "avx512"  # the embedded model
+    assert attention_path(paths, heads(32, 8, 128)) == "avx512"
+    assert attention_path(paths, heads(8, 1, 64)) == "avx512"
+    assert attention_path(paths, heads(16, 1, 64)) == "generic"  # more than 8 query heads a kv head
+    assert attention_path(paths, heads(8, 4, 256)) == "generic"  # Gemma's head_dim
+    assert attention_path(["generic"], heads(9, 3, 64)) == "generic"  # a build without vector paths
+
+
 def test_the_attention_paths_are_listed_fastest_first_and_an_unknown_one_is_refused(ops) -> None:  # type: ignore[no-untyped-def]
     paths = ops.attention_paths()
     assert paths[-1] == "generic" and paths == [path for path in ATTENTION_PATHS if path in paths]
@@ -161,6 +178,19 @@ def test_store_writes_each_row_at_its_page_and_offset(ops) -> None:  # type: ign
     expected_keys, expected_values = torch.zeros_like(keys), torch.zeros_like(values)
     expected_keys[pages, :, offsets] = k
     expected_values[pages, :, offsets] = v
+    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+
+
+def test_store_of_many_rows_writes_each_at_its_page_and_offset(ops) -> None:  # type: ignore[no-untyped-def]
+    """More rows than a thread's block (the threads share them out): every row lands at its own place."""
+    keys, values = torch.zeros(12, 3, 16, 64, dtype=torch.bfloat16), torch.zeros(12, 3, 16, 64, dtype=torch.bfloat16)
+    places = torch.randperm(12 * 16, generator=torch.Generator().manual_seed(14))[:70]
+    pages, offsets = places // 16, places % 16
+    kv = torch.randn(70, 6, 64).to(torch.bfloat16)
+    ops.store(kv[:, 0:3], kv[:, 3:6], keys, values, pages, offsets)
+    expected_keys, expected_values = torch.zeros_like(keys), torch.zeros_like(values)
+    expected_keys[pages, :, offsets] = kv[:, 0:3]
+    expected_values[pages, :, offsets] = kv[:, 3:6]
     assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
 
 
