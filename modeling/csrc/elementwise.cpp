@@ -16,7 +16,11 @@ namespace {
 using specserve::exp_float;
 using specserve::from_float;
 using specserve::round_to;
+using specserve::sum_of_squares;
 using specserve::to_float;
+#if defined(__AVX512F__)
+using specserve::Lanes16;
+#endif
 
 // Rows per parallel task: small steps (a decode of a few sequences) stay on one thread.
 constexpr int64_t kRowGrain = 8;
@@ -37,27 +41,44 @@ void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name, " must be float32 or bfloat16");
 }
 
-// out = weight * to_T(x * rsqrt(mean(x^2) + eps)), the statistics in float32 (as HF's LlamaRMSNorm).
-// A float32 weight for a bfloat16 x is Gemma's convention instead: the product taken in float32
-// and rounded once, to_T(x * rsqrt(...) * weight).
+// out = weight * to_T(x * rsqrt(mean(x^2) + eps)), the statistics in float32 (as HF's LlamaRMSNorm; the squares
+// summed in sum_of_squares' order). A float32 weight for a bfloat16 x is Gemma's convention instead: the product
+// taken in float32 and rounded once, to_T(x * rsqrt(...) * weight).
+template <typename T, typename W>
+inline float normed(float x, float inverse, W weight) {
+  if constexpr (std::is_same<W, float>::value && !std::is_same<T, float>::value) {
+    return x * inverse * weight;
+  } else {
+    return to_float(weight) * round_to<T>(x * inverse);
+  }
+}
+
 template <typename T, typename W>
 void norm_row(const T* x, const W* weight, T* out, int64_t width, float eps) {
-  float squares = 0.0f;
-#pragma omp simd reduction(+ : squares)
-  for (int64_t i = 0; i < width; ++i) {
-    const float v = to_float(x[i]);
-    squares += v * v;
-  }
-  const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(width) + eps);
-  if constexpr (std::is_same<W, float>::value && !std::is_same<T, float>::value) {
-#pragma omp simd
-    for (int64_t i = 0; i < width; ++i) out[i] = from_float<T>(to_float(x[i]) * inverse * weight[i]);
-  } else {
-#pragma omp simd
-    for (int64_t i = 0; i < width; ++i) {
-      out[i] = from_float<T>(to_float(weight[i]) * round_to<T>(to_float(x[i]) * inverse));
+  const float inverse = 1.0f / std::sqrt(sum_of_squares(x, width) / static_cast<float>(width) + eps);
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 scale = _mm512_set1_ps(inverse);
+  for (; i + 16 <= width; i += 16) {
+    const __m512 v = _mm512_mul_ps(Lanes16::load(x + i), scale);
+    if constexpr (std::is_same<W, float>::value && !std::is_same<T, float>::value) {
+      Lanes16::store(out + i, _mm512_mul_ps(v, Lanes16::load(weight + i)));
+    } else {
+      Lanes16::store(out + i, _mm512_mul_ps(Lanes16::load(weight + i), Lanes16::round(v, out)));
     }
   }
+#endif
+  for (; i < width; ++i) out[i] = from_float<T>(normed<T>(to_float(x[i]), inverse, weight[i]));
+}
+
+// row = to_T(row + delta), element by element.
+template <typename T>
+void add_row(T* row, const T* delta, int64_t width) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= width; i += 16) Lanes16::store(row + i, _mm512_add_ps(Lanes16::load(row + i), Lanes16::load(delta + i)));
+#endif
+  for (; i < width; ++i) row[i] = from_float<T>(to_float(row[i]) + to_float(delta[i]));
 }
 
 template <typename T, typename W>
@@ -71,11 +92,7 @@ void norm_rows(at::Tensor* x, const at::Tensor* delta, const at::Tensor& weight,
   for_each_row_block(rows, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       T* row = x_data + r * x_stride;
-      if (delta_data) {
-        const T* d = delta_data + r * delta_stride;
-#pragma omp simd
-        for (int64_t i = 0; i < width; ++i) row[i] = from_float<T>(to_float(row[i]) + to_float(d[i]));
-      }
+      if (delta_data) add_row(row, delta_data + r * delta_stride, width);
       norm_row(row, w, out_data + r * width, width, eps);
     }
   });
@@ -116,6 +133,21 @@ void rope_rows(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, in
       const T* s = sin_data + r * dim;
       for (int64_t h = 0; h < num_heads; ++h) {
         T* x = data + r * stride + h * dim;
+#if defined(__AVX512F__)
+        if (half % 16 == 0) {  // 16 dimensions of each half at a time, both read before either is written
+          for (int64_t i = 0; i < half; i += 16) {
+            const __m512 low = Lanes16::load(x + i), high = Lanes16::load(x + half + i);
+            const __m512 negated_high = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(high), _mm512_set1_epi32(INT32_MIN)));
+            const __m512 new_low = _mm512_add_ps(Lanes16::round(_mm512_mul_ps(low, Lanes16::load(c + i)), x),
+                                                 Lanes16::round(_mm512_mul_ps(negated_high, Lanes16::load(s + i)), x));
+            const __m512 new_high = _mm512_add_ps(Lanes16::round(_mm512_mul_ps(high, Lanes16::load(c + half + i)), x),
+                                                  Lanes16::round(_mm512_mul_ps(low, Lanes16::load(s + half + i)), x));
+            Lanes16::store(x + i, new_low);
+            Lanes16::store(x + half + i, new_high);
+          }
+          continue;
+        }
+#endif
         for (int64_t i = 0; i < dim; ++i) head[i] = to_float(x[i]);
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
@@ -137,30 +169,6 @@ inline T silu_times(T gate, T up) {
   return from_float<T>(round_to<T>(g / (1.0f + exp_float(-g))) * to_float(up));
 }
 
-#if defined(__AVX512F__)
-// The same for 16 elements, in the same operations as exp_float (its exp_reduced) and silu_times, so the bits
-// are silu_times' own. The compiler's vectorization of that
-// loop spilled and masked: 64 rows of the embedded model took 86 us on two threads, these 44 (machine E).
-using specserve::Lanes16;
-
-// bfloat16 bits of 16 floats in 32-bit lanes: nearest, ties to even, NaN to 0x7FC0 (specserve::bf16_bits).
-inline __m512i bf16_bits16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)),
-                                                _mm512_set1_epi32(0x7F800000));
-  return _mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7FC0));
-}
-inline __m512 round16(__m512 v, float*) { return v; }
-inline __m512 round16(__m512 v, c10::BFloat16*) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16)); }
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(c10::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits16(v)));
-}
-
-#endif
-
 // silu(gate) * up for each [gate | up] row: silu rounded, then the product rounded.
 template <typename T>
 void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
@@ -174,11 +182,14 @@ void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
       T* o = out_data + r * width;
       int64_t i = 0;
 #if defined(__AVX512F__)
+      // 16 elements at a time, in the operations of exp_float (its exp_reduced) and silu_times, so their bits. The
+      // compiler's vectorization of silu_times' loop spilled and masked: 64 rows of the embedded model took 86 us
+      // on two threads, this loop 44 (machine E).
       for (; i + 16 <= width; i += 16) {
         const __m512 g = Lanes16::load(gate + i);
         const __m512 e = specserve::exp_lanes<Lanes16>(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN))));
-        const __m512 silu = round16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), o);
-        store16(o + i, _mm512_mul_ps(silu, Lanes16::load(up + i)));
+        const __m512 silu = Lanes16::round(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), o);
+        Lanes16::store(o + i, _mm512_mul_ps(silu, Lanes16::load(up + i)));
       }
 #endif
       for (; i < width; ++i) o[i] = silu_times(gate[i], up[i]);

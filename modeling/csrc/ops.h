@@ -142,8 +142,76 @@ struct Lanes16 {
   static V pow2(V n) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
   }
+
+  // bf16_bits of each lane, in 32-bit lanes, in bf16_bits' operations.
+  static __m512i bf16_bits_wide(V v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                  _mm512_set1_epi32(0x7F800000));
+    return _mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7FC0));
+  }
+  // bf16_bits of each lane, packed. AVX512-BF16's conversion rounds a lane as bf16_bits does unless it is a NaN
+  // (its payload kept) or subnormal (made a zero); lanes like that, rare in a model's activations, are made
+  // again in bf16_bits' operations, so the bits are the same with the instruction or without it.
+  static __m256i bf16_bits(V v) {
+#if defined(__AVX512BF16__)
+    const __m256i fast = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+    constexpr int kNanOrSubnormal = 0x01 | 0x20 | 0x80;  // vfpclassps: quiet NaN, subnormal, signalling NaN
+    const __mmask16 odd = _mm512_fpclass_ps_mask(v, kNanOrSubnormal);
+    if (__builtin_expect(odd == 0, 1)) return fast;
+    return _mm256_mask_blend_epi16(odd, fast, _mm512_cvtepi32_epi16(bf16_bits_wide(v)));
+#else
+    return _mm512_cvtepi32_epi16(bf16_bits_wide(v));
+#endif
+  }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static void store(c10::BFloat16* p, V v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits(v)); }
+  // Each lane rounded to T and back, as round_to<T>.
+  static V round(V v, const float*) { return v; }
+  static V round(V v, const c10::BFloat16*) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(v)), 16));
+  }
 };
 #endif
+
+// The sum of x[i] * x[i] over a row, in an order written out: 8 sums, the i-th square added to sum i % 8 in
+// turn for the row's whole blocks of 8, then the 8 in a tree, then the last few squares one by one. Every build,
+// with AVX512 or without, adds them in that order, so gives the same bits.
+template <typename T>
+inline float sum_of_squares(const T* x, int64_t width) {
+  const int64_t blocks = width / 8 * 8;
+  int64_t i = 0;
+  float sums[8] = {};
+#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  __m256 lanes = _mm256_setzero_ps();
+  for (; i + 16 <= blocks; i += 16) {
+    const __m512 v = Lanes16::load(x + i);
+    const __m512 squares = _mm512_mul_ps(v, v);
+    lanes = _mm256_add_ps(lanes, _mm512_castps512_ps256(squares));
+    lanes = _mm256_add_ps(lanes, _mm512_extractf32x8_ps(squares, 1));
+  }
+  for (; i < blocks; i += 8) {
+    const __m256 v = Lanes8::load(x + i);
+    lanes = _mm256_add_ps(lanes, _mm256_mul_ps(v, v));
+  }
+  _mm256_storeu_ps(sums, lanes);
+#else
+  for (; i < blocks; i += 8) {
+    for (int64_t j = 0; j < 8; ++j) {
+      const float v = to_float(x[i + j]);
+      sums[j] = sums[j] + v * v;
+    }
+  }
+#endif
+  float total = ((sums[0] + sums[1]) + (sums[2] + sums[3])) + ((sums[4] + sums[5]) + (sums[6] + sums[7]));
+  for (; i < width; ++i) {
+    const float v = to_float(x[i]);
+    total = total + v * v;
+  }
+  return total;
+}
 
 // exp_float of each lane (Lanes8, Lanes16), in its operations (exp_reduced, then 2^n from n's bits), so its bits.
 template <typename L>

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -290,6 +291,36 @@ def test_fused_norms_match_torch(ops, dtype: torch.dtype, rows: int) -> None:  #
     _close_to_torch(normed, rms_norm(x + delta, weight, 1e-5))
 
 
+def _norm_in_the_written_order(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of float32 rows with the squares summed as the kernel sums them on every build: eight sums over the
+    row's whole blocks of 8, then those eight in a tree, then the last squares one by one. In numpy's float32, whose
+    every operation rounds once (torch divides by a number as a multiplication by its reciprocal)."""
+    f32 = np.float32
+    rows = []
+    width = x.shape[1]
+    blocks = width // 8 * 8
+    for row in x.numpy():
+        sums = np.zeros(8, dtype=f32)
+        for i in range(0, blocks, 8):
+            sums = sums + row[i : i + 8] * row[i : i + 8]
+        total = ((sums[0] + sums[1]) + (sums[2] + sums[3])) + ((sums[4] + sums[5]) + (sums[6] + sums[7]))
+        for i in range(blocks, width):
+            total = total + row[i] * row[i]
+        inverse = f32(1.0) / np.sqrt(total / f32(width) + f32(eps))
+        rows.append(weight.numpy() * (row * inverse))
+    return torch.from_numpy(np.stack(rows))
+
+
+@pytest.mark.parametrize("width", [576, 100, 24, 5])
+def test_the_norm_sums_its_squares_in_an_order_written_out(ops, width: int) -> None:  # type: ignore[no-untyped-def]
+    """The same bits on an AVX512 build (16 squares a vector) as on any other: the order is the kernel's, not the
+    compiler's."""
+    generator = torch.Generator().manual_seed(26)
+    x = torch.randn(32, width, generator=generator) * 3
+    weight = torch.rand(width, generator=generator)
+    assert torch.equal(ops.rms_norm(x, weight, 1e-5), _norm_in_the_written_order(x, weight, 1e-5))
+
+
 def test_a_float32_norm_weight_on_bfloat16_rows_rounds_once_as_gemma_does(ops) -> None:  # type: ignore[no-untyped-def]
     generator = torch.Generator().manual_seed(16)
     x = (torch.randn(5, 640, generator=generator) * 3).to(torch.bfloat16)
@@ -316,6 +347,28 @@ def test_fused_rope_matches_torch_and_leaves_values_alone(ops, dtype: torch.dtyp
     expected = apply_rope(qkv[:, : 12 * 64].view(5, 12, 64), cos.unsqueeze(1), sin.unsqueeze(1)).reshape(5, -1)
     assert torch.equal(rotated[:, : 12 * 64], expected)  # the same roundings in the same order
     assert torch.equal(rotated[:, 12 * 64 :], qkv[:, 12 * 64 :])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", [128, 48])
+def test_fused_rope_rounds_specials_as_torch_does(ops, dtype: torch.dtype, head_dim: int) -> None:  # type: ignore[no-untyped-def]
+    """Vector lanes (16 dimensions of each half at a time, for a half that many divide) and the scalar loop alike:
+    NaNs, infinities and subnormals round as torch's ops round them."""
+    generator = torch.Generator().manual_seed(27)
+    qkv = torch.randn(4, 3 * head_dim, generator=generator)
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-40, -1e-40, 0.0, -0.0, 3e38, 1e-38])
+    where = torch.randperm(qkv.numel(), generator=generator)[:60]
+    qkv.view(-1)[where] = special[torch.arange(60) % len(special)]
+    qkv = qkv.to(dtype)
+    angles = torch.rand(4, head_dim // 2, generator=generator) * 6
+    cos, sin = torch.cat((angles, angles), -1).cos().to(dtype), torch.cat((angles, angles), -1).sin().to(dtype)
+    cos[0, 1], sin[1, 2] = 1e-39, 1e-39  # a subnormal product
+    rotated = qkv.clone()
+    ops.rope_(rotated, cos, sin, 3, head_dim)
+    expected = apply_rope(qkv.view(4, 3, head_dim), cos.unsqueeze(1), sin.unsqueeze(1)).reshape(4, -1)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    same = rotated.view(bits) == expected.view(bits)
+    assert torch.all(same | (rotated.isnan() & expected.isnan()))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
