@@ -103,7 +103,7 @@ class ModelRunner:
                          None if w.draft_parents is None else tuple(w.draft_parents)) for w in seqs]
         logits, hidden = self._engine.forward_with_features(spans)  # logits [M, V]: the rows asked for, in step order
         logits = self._constrained(seqs, logits, masks)
-        best = torch.argmax(logits, dim=-1).tolist()  # one batched argmax serves every greedy sequence
+        best = self._engine.greedy_tokens(logits)  # one batched argmax serves every greedy sequence
         outputs: list[SeqOutput] = []
         features: list[SeqFeatures] = []
         prompt_logprobs: list[PromptLogprobs] = []

@@ -118,6 +118,10 @@ class ModelEngine:
             hidden = self._model(batch, self._cache)
             return self._model.logits(hidden[batch.logit_rows]), hidden
 
+    def greedy_tokens(self, logits: torch.Tensor) -> list[int]:
+        """The argmax of each row of `forward`'s logits (LlamaModel.greedy)."""
+        return self.model.greedy(logits).tolist()  # type: ignore[no-any-return]
+
     def move_positions(self, pages: tuple[int, ...], sources: list[int], first: int) -> None:
         """Copy a sequence's keys and values at positions `sources` (ascending) to first, first + 1, ...: a token
         tree's accepted branch, moved to where the sequence goes on (across pages as it may lie)."""

@@ -1,6 +1,7 @@
 """The model's CPU kernels (csrc/): attention of every row over the paged KV cache, read
 in place through block tables, and the fused elementwise parts of a layer (RMSNorm with the
-residual add, RoPE, SiLU-and-multiply). Built once per machine.
+residual add, RoPE, SiLU-and-multiply), and the greedy token of each row of logits. Built
+once per machine.
 
 They are compiled on first use into the specserve cache, by default with the machine's own
 instruction set (`-march=native`), under a name that hashes the source, the torch and Python
@@ -43,7 +44,7 @@ ARCH_LEVELS: dict[str, frozenset[str]] = {
     "x86-64-v4": _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
 }
 _SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("attention.cpp", "elementwise.cpp", "layers.cpp", "linear.cpp", "module.cpp")
+_SOURCES = ("argmax.cpp", "attention.cpp", "elementwise.cpp", "layers.cpp", "linear.cpp", "module.cpp")
 # No contraction of a * b + c into one FMA: the fused ops round as torch's do. No traps assumed: loops with
 # conditional float operations vectorize (the values are IEEE's either way).
 _CFLAGS = ("-fopenmp", "-ffp-contract=off", "-fno-trapping-math")

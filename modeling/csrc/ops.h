@@ -266,6 +266,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, double eps);
 void rope_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t head_dim);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor argmax_rows(const at::Tensor& logits);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t num_out, const c10::optional<at::Tensor>& bias,
                   const std::string& path);
 at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& packed, int64_t num_out,

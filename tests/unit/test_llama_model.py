@@ -80,6 +80,17 @@ def test_prefill_matches_reference(tiny_folder: Path, native: str) -> None:
 
 
 @ops_paths
+def test_greedy_tokens_are_the_logits_argmax(tiny_folder: Path, native: str) -> None:
+    """On the native kernel's argmax or torch's: the same token, the first of equal maxima."""
+    model, cache = _ours(tiny_folder, native=native)
+    logits = _step(model, cache, [SeqSpan(S(1), start=0, token_ids=[5, 17, 3, 88], num_logits=4)]).clone()
+    logits[1] = logits[1].round()  # ties
+    assert torch.equal(model.greedy(logits), torch.argmax(logits, dim=-1))
+    assert torch.equal(model.greedy(logits[:, 1:]), torch.argmax(logits[:, 1:], dim=-1))  # rows a stride apart
+    assert model.greedy(logits[:0]).shape == (0,)
+
+
+@ops_paths
 def test_ragged_chunked_and_decode_steps_match_reference(tiny_folder: Path, native: str) -> None:
     a = [3, 9, 27, 81, 50, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]  # long: attends alone
     b = [4, 8, 15, 16, 23, 42]

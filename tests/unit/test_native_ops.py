@@ -404,6 +404,37 @@ def test_elementwise_ops_refuse_bad_shapes(ops) -> None:  # type: ignore[no-unty
         ops.silu_mul(torch.ones(2, 8, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("width", [49152, 1000, 17, 16, 1])
+def test_argmax_rows_is_torchs_argmax(ops, width: int) -> None:  # type: ignore[no-untyped-def]
+    """The first of equal maxima, a NaN's index when a row has one, infinities and signed zeros as torch has them;
+    in the vector lanes and the last few columns alike."""
+    generator = torch.Generator().manual_seed(28)
+    logits = torch.randn(12, width, generator=generator)
+    logits[1] = logits[1].round()  # many ties
+    logits[2, width // 2] = float("nan")
+    logits[2, -1] = float("nan")
+    logits[3] = -float("inf")
+    logits[4, width - 1] = float("inf")
+    logits[5] = 0.0
+    logits[5, width // 3 :] = -0.0
+    logits[6, width // 4] = 1e9
+    logits[6, -1] = 1e9
+    logits[7] = float("nan")
+    logits[8, -1] = float("nan")
+    expected = torch.argmax(logits, dim=-1)
+    assert torch.equal(ops.argmax_rows(logits), expected)
+    assert torch.equal(ops.argmax_rows(logits[:, :width]), expected)
+    wide = torch.cat([logits, torch.zeros(12, 5)], dim=1)[:, :width]  # rows a stride apart that is not their width
+    assert torch.equal(ops.argmax_rows(wide), expected)
+    assert ops.argmax_rows(torch.empty(0, width)).shape == (0,)
+
+
+def test_argmax_rows_refuses_what_it_cannot_read(ops) -> None:  # type: ignore[no-untyped-def]
+    for bad in (torch.ones(2, 8, dtype=torch.float64), torch.ones(8), torch.ones(2, 0), torch.ones(8, 2).t()):
+        with pytest.raises(RuntimeError, match="logits must be"):
+            ops.argmax_rows(bad)
+
+
 def test_turned_off_the_model_runs_on_torch_ops_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     from modeling import native
     from modeling.config import ModelConfig
