@@ -106,17 +106,18 @@ class ModelEngine:
         """Write every span's tokens into its pages and return the logits it asks for: `[sum num_logits, V]`."""
         return self.forward_with_features(spans)[0]
 
-    def forward_with_features(self, spans: list[SeqSpan]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_with_features(self, spans: list[SeqSpan], widen_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Like forward, and also the final hidden state of every new token, in span order: `[sum len(token_ids), H]`.
 
-        These features are what an EAGLE-style draft head reads (modeling/eagle.py).
+        These features are what an EAGLE-style draft head reads (modeling/eagle.py). Without `widen_logits` the
+        logits come in the model's dtype (bfloat16 or float32), not widened to float32: enough for an argmax.
         """
         if self._model is None or self._cache is None:
             raise RuntimeError("the engine is not built: load() and allocate() come first")
         with torch.inference_mode():
             batch = self._model.plan(spans, self.page_size)
             hidden = self._model(batch, self._cache)
-            return self._model.logits(hidden[batch.logit_rows]), hidden
+            return self._model.logits(hidden[batch.logit_rows], widen_logits), hidden
 
     def greedy_tokens(self, logits: torch.Tensor) -> list[int]:
         """The argmax of each row of `forward`'s logits (LlamaModel.greedy)."""

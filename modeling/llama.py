@@ -274,14 +274,15 @@ class LlamaModel(torch.nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[M, hidden]` -> float32 logits `[M, vocab]`."""
-        return self.linear(hidden, self.lm_head).float()
+    def logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor:
+        """`[M, hidden]` -> logits `[M, vocab]`, in float32 (`widen`) or as the LM head computes them."""
+        logits = self.linear(hidden, self.lm_head)
+        return logits.float() if widen else logits
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:
-        """Each row's token by argmax `[M]` of float32 logits `[M, vocab]`: the first of equal maxima, a NaN's if the
-        row has one, as torch.argmax (whose reduction took as long as a 64-row step's LM head)."""
-        if self.native is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 \
+        """Each row's token by argmax `[M]` of logits `[M, vocab]`: the first of equal maxima, a NaN's if the row has
+        one, as torch.argmax (whose reduction took as long as a 64-row step's LM head)."""
+        if self.native is not None and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) \
                 and logits.dim() == 2 and logits.size(1) > 0 and logits.stride(1) == 1:
             return self.native.argmax_rows(logits)  # type: ignore[no-any-return]
         return torch.argmax(logits, dim=-1)

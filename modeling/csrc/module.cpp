@@ -29,6 +29,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_panel_width", &linear_panel_width, "outputs per column panel of a packed weight");
   m.def("linear_paths", &linear_paths, "the linear kernel's instruction sets this CPU has, fastest (the default) first");
   m.def("silu_mul", &silu_mul, kWithoutGil, "silu(gate) * up of each [gate | up] row");
-  m.def("argmax_rows", &argmax_rows, kWithoutGil, "the first index of each float32 row's largest value (a NaN's if any), as torch.argmax");
+  m.def("argmax_rows", &argmax_rows, kWithoutGil, "the first index of each float32 or bfloat16 row's largest value (a NaN's if any), as torch.argmax");
   bind_decoder_stack(m);
 }

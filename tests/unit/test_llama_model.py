@@ -88,6 +88,8 @@ def test_greedy_tokens_are_the_logits_argmax(tiny_folder: Path, native: str) -> 
     assert torch.equal(model.greedy(logits), torch.argmax(logits, dim=-1))
     assert torch.equal(model.greedy(logits[:, 1:]), torch.argmax(logits[:, 1:], dim=-1))  # rows a stride apart
     assert model.greedy(logits[:0]).shape == (0,)
+    narrow = logits.to(torch.bfloat16)  # unwidened logits (ModelEngine.forward_with_features(widen_logits=False))
+    assert torch.equal(model.greedy(narrow), torch.argmax(narrow.float(), dim=-1))
 
 
 @ops_paths

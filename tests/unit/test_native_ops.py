@@ -404,10 +404,11 @@ def test_elementwise_ops_refuse_bad_shapes(ops) -> None:  # type: ignore[no-unty
         ops.silu_mul(torch.ones(2, 8, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width", [49152, 1000, 17, 16, 1])
-def test_argmax_rows_is_torchs_argmax(ops, width: int) -> None:  # type: ignore[no-untyped-def]
+def test_argmax_rows_is_torchs_argmax(ops, width: int, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
     """The first of equal maxima, a NaN's index when a row has one, infinities and signed zeros as torch has them;
-    in the vector lanes and the last few columns alike."""
+    in the vector lanes and the last few columns alike; bfloat16 logits give their float32 widening's token."""
     generator = torch.Generator().manual_seed(28)
     logits = torch.randn(12, width, generator=generator)
     logits[1] = logits[1].round()  # many ties
@@ -421,12 +422,13 @@ def test_argmax_rows_is_torchs_argmax(ops, width: int) -> None:  # type: ignore[
     logits[6, -1] = 1e9
     logits[7] = float("nan")
     logits[8, -1] = float("nan")
-    expected = torch.argmax(logits, dim=-1)
+    logits = logits.to(dtype)
+    expected = torch.argmax(logits.float(), dim=-1)
     assert torch.equal(ops.argmax_rows(logits), expected)
     assert torch.equal(ops.argmax_rows(logits[:, :width]), expected)
-    wide = torch.cat([logits, torch.zeros(12, 5)], dim=1)[:, :width]  # rows a stride apart that is not their width
+    wide = torch.cat([logits, torch.zeros(12, 5, dtype=dtype)], dim=1)[:, :width]  # rows a stride apart that is not their width
     assert torch.equal(ops.argmax_rows(wide), expected)
-    assert ops.argmax_rows(torch.empty(0, width)).shape == (0,)
+    assert ops.argmax_rows(torch.empty(0, width, dtype=dtype)).shape == (0,)
 
 
 def test_argmax_rows_refuses_what_it_cannot_read(ops) -> None:  # type: ignore[no-untyped-def]
