@@ -105,16 +105,9 @@ def attach_native_ops(model: LlamaModel, dtype: torch.dtype, device: torch.devic
     fused = model.fuse_layers(linear.projection, linear.path)
     served = ", ".join(f"{count} weights from {name} blocks" for name, count in sorted(formats.items()))
     layers = "layers in one call" if fused else "layers op by op"
-    attention = f"attention: {attention_path(ops.attention_paths(), model.config)}"
+    config = model.config
+    attention = f"attention: {ops.attention_path_for(config.num_heads, config.num_kv_heads, config.head_dim)}"
     return f"native (linear kernel: {linear.path}, {measured}; {attention}; {layers}{'; ' + served if served else ''})"
-
-
-def attention_path(paths: Sequence[str], config: ModelConfig) -> str:
-    """The attention kernel's path for the model's heads: the build's fastest (`paths`, as `attention_paths()` lists
-    them) where its vector paths take the shape (head_dim 64 or 128, 1 to 8 query heads a kv head; they give the
-    same bits), else the generic loop."""
-    group = config.num_heads // config.num_kv_heads
-    return paths[0] if config.head_dim in (64, 128) and 1 <= group <= 8 else "generic"
 
 
 @dataclass(frozen=True)

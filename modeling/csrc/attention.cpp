@@ -254,6 +254,10 @@ void attend_rows(const AttendCall<T>& call, double scale) {
   });
 }
 
+// Whether the vector paths take heads of this shape: head_dim 64 or 128, 1 to 8 query heads a kv head (others
+// take the generic loops).
+bool vector_shape(int64_t dim, int64_t group) { return (dim == 64 || dim == 128) && group >= 1 && group <= 8; }
+
 #ifdef SPECSERVE_AVX2
 // The path for head_dim 64 and 128 on CPUs with AVX2 and FMA (kGroup query heads per kv
 // head): scores 8 positions at a time, each a chain of FMAs over the head dimension in 8
@@ -507,6 +511,7 @@ bool attend_simd_group(const AttendCall<T>& call, double scale, int64_t group) {
 template <typename Isa, typename T>
 bool attend_simd(const AttendCall<T>& call, double scale) {
   const int64_t group = call.num_heads / call.num_kv_heads;
+  if (!vector_shape(call.dim, group)) return false;
   return (call.dim == 64 && attend_simd_group<Isa, T, 64>(call, scale, group)) ||
          (call.dim == 128 && attend_simd_group<Isa, T, 128>(call, scale, group));
 }
@@ -688,6 +693,15 @@ at::Tensor attend_tree(const at::Tensor& q, const at::Tensor& keys, const at::Te
 }
 
 std::vector<std::string> attention_paths() { return paths_here(); }
+
+// The path `attend` takes for heads of this shape when asked for `path` ("" for the fastest): that path, or
+// "generic" where the vector paths do not take the shape.
+std::string attention_path_for(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const std::string& path) {
+  TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim > 0,
+              "heads must be whole groups of query heads a kv head, and head_dim positive");
+  const std::string chosen = chosen_path(path);
+  return vector_shape(head_dim, num_heads / num_kv_heads) ? chosen : "generic";
+}
 
 // Writes k, v [N, KVH, D] (rows and heads may be strided) at (pages[n], :, offsets[n]).
 void store(const at::Tensor& k, const at::Tensor& v, at::Tensor& keys, at::Tensor& values, const at::Tensor& pages,

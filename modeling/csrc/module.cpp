@@ -14,6 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("tables"), py::arg("rows"), py::arg("positions"),
         py::arg("extra"), py::arg("scale"), py::arg("firsts") = py::none(), py::arg("path") = "");
   m.def("attention_paths", &attention_paths, "the attention kernel's paths in this build, fastest (the default) first");
+  m.def("attention_path_for", &attention_path_for, "the path attend takes for heads of this shape: the one asked for, or generic",
+        py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("path") = "");
   m.def("store", &store, kWithoutGil, "write rows' keys and values into pages of the KV cache");
   m.def("rms_norm", &rms_norm, kWithoutGil, "RMSNorm of each row");
   m.def("add_rms_norm_", &add_rms_norm_, kWithoutGil, "x += delta in place, then RMSNorm of each row of x");

@@ -260,6 +260,7 @@ at::Tensor attend_tree(const at::Tensor& q, const at::Tensor& keys, const at::Te
                        const at::Tensor& rows, const at::Tensor& positions, const at::Tensor& extra, double scale,
                        const c10::optional<at::Tensor>& firsts, const std::string& path = "");
 std::vector<std::string> attention_paths();
+std::string attention_path_for(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const std::string& path = "");
 void store(const at::Tensor& k, const at::Tensor& v, at::Tensor& keys, at::Tensor& values, const at::Tensor& pages,
            const at::Tensor& offsets);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

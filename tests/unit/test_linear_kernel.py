@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from modeling.config import ModelConfig
-from modeling.cpu_kernels import (SWITCH_MARGIN, PackedLinear, PathTimings, attach_native_ops, attention_path,
+from modeling.cpu_kernels import (SWITCH_MARGIN, PackedLinear, PathTimings, attach_native_ops,
                                   measure_linear_paths, same_bits)
 from modeling.llama import LlamaModel
 from modeling.invariance import linear_rows_problem
@@ -207,7 +207,7 @@ def test_a_model_runs_on_the_path_measured_fastest(ops, tiny_llama_folder: Path,
     probe = model.linear.measured
     assert probe is not None and str(probe) in ops_said and list(probe.seconds) == list(ops.linear_paths())
     assert model.linear.path == chosen_by(probe.seconds, probe.choices), ops_said
-    assert f"; attention: {attention_path(ops.attention_paths(), config)}; " in ops_said
+    assert f"; attention: {ops.attention_path_for(config.num_heads, config.num_kv_heads, config.head_dim)}; " in ops_said
 
 
 def chosen_by(seconds: dict[str, float], choices: tuple[str, ...]) -> str:

@@ -144,20 +144,25 @@ def test_the_avx512_path_gives_the_avx2_paths_bits(ops, dtype: torch.dtype, num_
     assert torch.equal(wide, narrow)
 
 
-def test_the_ops_line_names_the_attention_path_a_models_heads_take() -> None:
-    from types import SimpleNamespace
-
-    from modeling.cpu_kernels import attention_path
-
-    paths = ["avx512", "avx2", "generic"]
-    heads = lambda num_heads, num_kv_heads, head_dim: SimpleNamespace(  # noqa: E731
-        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-    assert attention_path(paths, heads(9, 3, 64)) == "avx512"  # the embedded model
-    assert attention_path(paths, heads(32, 8, 128)) == "avx512"
-    assert attention_path(paths, heads(8, 1, 64)) == "avx512"
-    assert attention_path(paths, heads(16, 1, 64)) == "generic"  # more than 8 query heads a kv head
-    assert attention_path(paths, heads(8, 4, 256)) == "generic"  # Gemma's head_dim
-    assert attention_path(["generic"], heads(9, 3, 64)) == "generic"  # a build without vector paths
+def test_the_path_a_models_heads_take_is_the_kernels_own_choice(ops) -> None:  # type: ignore[no-untyped-def]
+    """What the ops line says (attention_path_for) is what attend runs: the path asked for where the vector paths take
+    the heads' shape, else the generic loops. The rule is the kernel's own, in one place."""
+    fastest = ops.attention_paths()[0]
+    assert ops.attention_path_for(9, 3, 64) == fastest  # the embedded model
+    assert ops.attention_path_for(32, 8, 128) == fastest
+    assert ops.attention_path_for(8, 1, 64) == fastest
+    assert ops.attention_path_for(16, 1, 64) == "generic"  # more than 8 query heads a kv head
+    assert ops.attention_path_for(8, 4, 256) == "generic"  # Gemma's head_dim
+    assert ops.attention_path_for(9, 3, 64, "generic") == "generic"
+    with pytest.raises(RuntimeError, match="whole groups"):
+        ops.attention_path_for(9, 2, 64)
+    # attend, asked for the fastest path, runs the one named: the generic loops for a shape the vector paths do not take.
+    for heads, kv_heads, dim in ((8, 1, 64), (16, 1, 64)):
+        keys, values = _cache(3, kv_heads, 48, dim, torch.float32, seed=29)
+        q = torch.randn(4, heads, dim, generator=torch.Generator().manual_seed(30))
+        out = _attend(ops, q, keys, values, [0, 1, 2, 0], [20, 37, 9, 44])
+        taken = _attend(ops, q, keys, values, [0, 1, 2, 0], [20, 37, 9, 44], path=ops.attention_path_for(heads, kv_heads, dim))
+        assert torch.equal(out, taken)
 
 
 def test_the_attention_paths_are_listed_fastest_first_and_an_unknown_one_is_refused(ops) -> None:  # type: ignore[no-untyped-def]
