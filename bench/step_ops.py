@@ -29,6 +29,7 @@ import torch
 
 from bench.roofline import (QUANTIZATIONS, add_step_arguments, cpu_flags, cpu_name, decode_engine, decode_step_ms,
                             filled_tables)
+from modeling.batch import SeqSpan
 from modeling.config import ModelConfig
 
 
@@ -92,7 +93,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             per_step = sum(taken) / steps * 1e3
             print(f"| {name} | {len(taken) / steps:.0f} | {per_step:.3f} | {per_step / step_ms:.0%} | "
                   f"{statistics.median(taken) * 1e6:.1f} |")
+        spans = [SeqSpan(table, args.context, [42], 1) for table in tables]
+        logits = engine.forward_with_features(spans, widen_logits=False)[0]
+        print(f"\nB = {batch}, the greedy tokens of the step's logits: {greedy_costs(model, logits, args.repeats)}")
     return 0
+
+
+def greedy_costs(model: Any, logits: torch.Tensor, repeats: int) -> str:
+    """Median ms of what the worker's greedy tokens take: widening the LM head's logits to float32, torch's argmax
+    over them, the native argmax over them, and the native argmax over the logits as the head gives them."""
+    widened = logits.float()
+    costs = {
+        "widening": lambda: logits.float(),
+        "torch.argmax": lambda: torch.argmax(widened, dim=-1),
+        "argmax_rows": lambda: model.native.argmax_rows(widened),
+        f"argmax_rows on {str(logits.dtype).removeprefix('torch.')}": lambda: model.native.argmax_rows(logits),
+    }
+    said = []
+    for name, call in costs.items():
+        taken = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            call()
+            taken.append(time.perf_counter() - started)
+        said.append(f"{name} {statistics.median(taken) * 1e3:.3f} ms")
+    return ", ".join(said)
 
 
 if __name__ == "__main__":
