@@ -170,7 +170,7 @@ inline void softmax_(float* scores, int64_t length) {
     for (int64_t i = 0; i < length - l; ++i) rest += tail[i];
   }
   _mm256_store_ps(lanes, sums);
-  const float total = (((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))) + rest;
+  const float total = specserve::sum_lane_tree(lanes) + rest;
 #else
   // The largest score, in 8 lanes then across them (the same value in any order).
   float lanes[8];

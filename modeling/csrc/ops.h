@@ -176,6 +176,12 @@ struct Lanes16 {
 };
 #endif
 
+// Eight lanes' sums added in one tree, ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)): the last step of every sum whose
+// order the kernels write out.
+inline float sum_lane_tree(const float* lanes) {
+  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
 // The sum of x[i] * x[i] over a row, in an order written out: 8 sums, the i-th square added to sum i % 8 in
 // turn for the row's whole blocks of 8, then the 8 in a tree, then the last few squares one by one. Every build,
 // with AVX512 or without, adds them in that order, so gives the same bits.
@@ -205,7 +211,7 @@ inline float sum_of_squares(const T* x, int64_t width) {
     }
   }
 #endif
-  float total = ((sums[0] + sums[1]) + (sums[2] + sums[3])) + ((sums[4] + sums[5]) + (sums[6] + sums[7]));
+  float total = sum_lane_tree(sums);
   for (; i < width; ++i) {
     const float v = to_float(x[i]);
     total = total + v * v;
