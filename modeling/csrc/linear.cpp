@@ -429,7 +429,255 @@ struct Q8_0Pairs {
   }
 };
 #include "linear_blocks.h"
+
+// Few rows by Q4 panels on vpdpbusd, bytes by bytes: a step's sixteen outputs by four k in one vector where the
+// 16-bit tiles above widen the same quants into two vectors of 16-bit lanes: three operations for two quads' 64
+// bytes where they take five for one quad's 32. The rows' int16 quants split exactly into bytes, q = 256 * high +
+// low (low unsigned, high signed): vpdpbusd multiplies unsigned bytes by signed ones, so the low bytes go first
+// against the quants (0-15 as signed bytes), and the quants first against the high bytes. A block's sum is the
+// same integer as the 16-bit tiles' (integer sums are exact in any order), so the outputs are the same bits, and a
+// row's bits do not depend on which tile took it. Each row adds seven operations a block to join its sums, so the
+// 16-bit tiles, which widen once for all their rows, take more rows than kByteRows: the model's Q4_1 steps (Q8_0
+// head) with byte tiles for up to 1, 2 or 4 rows, machine F: 2 rows 0.95 of the time on byte tiles, 3 rows 0.97,
+// 4 rows 1.02.
+constexpr int kByteRows = 3;
+
+// A row's inputs as the byte tile reads them: for each two quads u, u + 1 of the row, the low bytes of quad u's four
+// inputs in lanes 0-7 and of quad u + 1's in lanes 8-15, then the high bytes likewise; each quad's four in the
+// order a Q4 panel's bytes hold their quants (k = 4u, 4u + 2, 4u + 1, 4u + 3: a 32-bit lane of the panel's bytes is
+// words 2j and 2j + 1, bits 0-3 and 8-11 of each for output j, bits 4-7 and 12-15 for output j + 8).
+struct alignas(64) BytePattern {
+  uint8_t bytes[64];
+};
+
+void split_row(const int16_t* quants, int64_t depth, BytePattern* patterns) {
+  const __m128i order = _mm_setr_epi8(0, 4, 2, 6, 8, 12, 10, 14, 1, 5, 3, 7, 9, 13, 11, 15);
+  const __m512i low_lanes = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i high_lanes = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  for (int64_t k = 0; k < depth; k += 8, patterns += 2) {
+    // Eight inputs: low bytes of quad u, of quad u + 1, high bytes of quad u, of quad u + 1 (32 bits each).
+    const __m128i split = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(quants + k)), order);
+    const __m512i wide = _mm512_castsi128_si512(split);
+    _mm512_store_si512(patterns[0].bytes, _mm512_permutexvar_epi32(low_lanes, wide));
+    _mm512_store_si512(patterns[1].bytes, _mm512_permutexvar_epi32(high_lanes, wide));
+  }
+}
+
+// kRows rows from `row` by the panel: every block's sums added to `out` ([kRows, kPanel] float32, zeros to begin
+// with). `patterns`: the rows' split_row, depth / 4 of them a row.
+template <int kScaleBytes, int kRows>
+void q4_byte_tile(const QuantizedRows& x, const BytePattern* patterns, int64_t row,
+                  const PackedBlocks<Q4Pairs<kScaleBytes>>& source, int64_t panel, float* out) {
+  const __m512i nibbles = _mm512_set1_epi8(0x0F);
+  // Lanes 0-7 of each 32-bit sum hold outputs 0-7 (low nibbles) or 8-15 (high) over the even quads, lanes 8-15
+  // the same outputs over the odd quads: these pick the halves to add.
+  const __m512i first_halves = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i second_halves = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const int64_t blocks = x.depth / kQuantBlock, row_patterns = x.depth / 4;
+  Vec held[kRows];
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r) held[r] = vload(out + r * kPanel);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const Q4Pairs<kScaleBytes> reader = source.block(panel, b);
+    const uint8_t* q = reader.block + 2 * kScaleBytes * kPanel;
+    const BytePattern* pattern = patterns + row * row_patterns + b * kQuads;  // two a pair of quads
+    // Per row: low nibbles by low bytes, low by high, high by low, high by high.
+    __m512i sums[kRows][4];
+#pragma GCC unroll 16
+    for (int i = 0; i < kRows * 4; ++i) sums[i / 4][i % 4] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int pair = 0; pair < kQuads / 2; ++pair) {
+      const __m512i quads = _mm512_loadu_si512(q + 2 * pair * 2 * kPanel);
+      const __m512i low = _mm512_and_si512(quads, nibbles);
+      const __m512i high = _mm512_and_si512(_mm512_srli_epi16(quads, 4), nibbles);
+#pragma GCC unroll 4
+      for (int r = 0; r < kRows; ++r) {
+        const BytePattern* inputs = pattern + r * row_patterns + 2 * pair;
+        const __m512i inputs_low = _mm512_load_si512(inputs[0].bytes), inputs_high = _mm512_load_si512(inputs[1].bytes);
+        sums[r][0] = _mm512_dpbusd_epi32(sums[r][0], inputs_low, low);
+        sums[r][1] = _mm512_dpbusd_epi32(sums[r][1], low, inputs_high);
+        sums[r][2] = _mm512_dpbusd_epi32(sums[r][2], inputs_low, high);
+        sums[r][3] = _mm512_dpbusd_epi32(sums[r][3], high, inputs_high);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+      const __m512i low = _mm512_add_epi32(sums[r][0], _mm512_slli_epi32(sums[r][1], 8));
+      const __m512i high = _mm512_add_epi32(sums[r][2], _mm512_slli_epi32(sums[r][3], 8));
+      const IVec total_sums = _mm512_add_epi32(_mm512_permutex2var_epi32(low, first_halves, high),
+                                               _mm512_permutex2var_epi32(low, second_halves, high));
+      // The block's scale and minimum as block_tile applies them, so the same bits.
+      const int64_t at = (row + r) * blocks + b;
+      const float total = static_cast<float>(x.sums[at]);
+      const Vec scale = vbroadcast(x.scales + at), xsum = vbroadcast(&total);
+      const Vec block = vfma(reader.d(0), vcvt(total_sums), vmul(reader.m(0), xsum));
+      held[r] = vfma(block, scale, held[r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r) vstore(out + r * kPanel, held[r]);
+}
+
+template <int kScaleBytes, int kRows = 1>
+void q4_byte_tile_rows(int rows, const QuantizedRows& x, const BytePattern* patterns, int64_t row,
+                       const PackedBlocks<Q4Pairs<kScaleBytes>>& source, int64_t panel, float* out) {
+  if constexpr (kRows <= kByteRows) {
+    if (rows == kRows) return q4_byte_tile<kScaleBytes, kRows>(x, patterns, row, source, panel, out);
+    return q4_byte_tile_rows<kScaleBytes, kRows + 1>(rows, x, patterns, row, source, panel, out);
+  }
+}
+
+template <typename T, int kScaleBytes>
+void run_q4_bytes(const LinearCall<T>& call, const QuantizedRows& x, const uint8_t* data) {
+  const int64_t row_patterns = x.depth / 4;
+  auto* patterns = thread_scratch<BytePattern>(static_cast<size_t>(call.num_rows * row_patterns));
+  for (int64_t r = 0; r < call.num_rows; ++r) split_row(x.quants + r * x.depth, x.depth, patterns + r * row_patterns);
+  const PackedBlocks<Q4Pairs<kScaleBytes>> packed{data, x.depth / kQuantBlock};
+  for_each_share((call.num_out + kPanel - 1) / kPanel, [&](int64_t panel) {
+    alignas(64) float out[kByteRows * kPanel] = {};
+    q4_byte_tile_rows<kScaleBytes>(static_cast<int>(call.num_rows), x, patterns, 0, packed, panel, out);
+    call.store(out, panel * kPanel, kPanel);
+  });
+}
+
+// The block tiles, with up to kByteRows rows of Q4 panels on the byte tile.
+template <typename T>
+void run_blocks_on(const LinearCall<T>& call, WeightFormat format, const QuantizedRows& x, const void* packed) {
+  const auto* data = static_cast<const uint8_t*>(packed);
+  if (call.num_rows <= kByteRows && format == WeightFormat::kQ4_1) return run_q4_bytes<T, 2>(call, x, data);
+  if (call.num_rows <= kByteRows && format == WeightFormat::kQ4_K) return run_q4_bytes<T, 4>(call, x, data);
+  return run_block_format<T>(call, format, x, packed);
+}
 }  // namespace avx512vnni
+#pragma GCC pop_options
+
+// Q8_0 panels on vpdpbusd for up to kByteRows rows, on CPUs with AVX512 VBMI as well: vpermb turns a quad's 64 bytes
+// (four k by sixteen outputs) into the sixteen outputs' four k side by side, one instruction where the 16-bit tiles
+// take eight to widen the same quants. The rows' int16 quants split into bytes as on the Q4 byte tile (low
+// unsigned, high signed); vpdpbusd's unsigned operand must then be the quants for the high bytes, which are signed:
+// they go in shifted by 128 (q ^ 0x80), and 128 times the block's high bytes' sum comes off again. The same
+// integers, so the same bits as the 16-bit tiles.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vnni,avx512vbmi,avx2,fma,f16c")
+namespace avx512vbmi {
+using avx512vnni::kByteRows;
+using avx512vnni::Vec;
+
+bool usable() {
+  static const bool has = __builtin_cpu_supports("avx512vbmi");
+  return has;
+}
+
+// The rows' quants as the Q8_0 byte tile reads them: low bytes [rows, depth], high bytes [rows, depth], each
+// block's high bytes' sum [rows, depth / 32].
+struct SplitRows {
+  const uint8_t* low;
+  const int8_t* high;
+  const int32_t* high_sums;
+};
+
+SplitRows split_rows(const int16_t* quants, int64_t count, uint8_t* scratch) {
+  auto* low = scratch;
+  auto* high = reinterpret_cast<int8_t*>(scratch + count);
+  auto* sums = reinterpret_cast<int32_t*>(scratch + 2 * count);  // count is a whole number of blocks: aligned
+  for (int64_t b = 0; b < count / kQuantBlock; ++b) {
+    int32_t sum = 0;
+    for (int64_t k = b * kQuantBlock; k < (b + 1) * kQuantBlock; ++k) {
+      low[k] = static_cast<uint8_t>(quants[k] & 0xFF);
+      high[k] = static_cast<int8_t>(quants[k] >> 8);  // arithmetic: q = 256 * high + low
+      sum += high[k];
+    }
+    sums[b] = sum;
+  }
+  return {low, high, sums};
+}
+
+inline __m512i broadcast_four(const void* p) {
+  int32_t four;
+  std::memcpy(&four, p, sizeof(four));
+  return _mm512_set1_epi32(four);
+}
+
+template <int kRows>
+void q8_0_byte_tile(const QuantizedRows& x, const SplitRows& split, int64_t row,
+                    const avx512vnni::PackedBlocks<avx512vnni::Q8_0Pairs>& source, int64_t panel, float* out) {
+  alignas(64) uint8_t order[64];
+  for (int n = 0; n < kPanel; ++n) {
+    for (int i = 0; i < 4; ++i) order[4 * n + i] = static_cast<uint8_t>(kPanel * i + n);  // k i of output n
+  }
+  const __m512i transpose = _mm512_load_si512(order), shift = _mm512_set1_epi8(static_cast<char>(0x80));
+  // One row alone keeps two chains of each kind, the even quads' and the odd ones': one would wait on its own
+  // multiply-adds. More rows are chains enough.
+  constexpr int kChains = kRows == 1 ? 2 : 1;
+  const int64_t blocks = x.depth / kQuantBlock;
+  Vec held[kRows];
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r) held[r] = avx512vnni::vload(out + r * kPanel);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const avx512vnni::Q8_0Pairs reader = source.block(panel, b);
+    const uint8_t* q = reader.block + 2 * kPanel;
+    __m512i low[kRows][kChains], high[kRows][kChains];
+#pragma GCC unroll 8
+    for (int i = 0; i < kRows * kChains; ++i) {
+      low[i / kChains][i % kChains] = _mm512_setzero_si512();
+      high[i / kChains][i % kChains] = _mm512_setzero_si512();
+    }
+#pragma GCC unroll 8
+    for (int quad = 0; quad < kQuantBlock / 4; ++quad) {
+      const __m512i quants = _mm512_permutexvar_epi8(transpose, _mm512_loadu_si512(q + quad * 4 * kPanel));
+      const __m512i shifted = _mm512_xor_si512(quants, shift);
+#pragma GCC unroll 4
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t k = (row + r) * x.depth + b * kQuantBlock + 4 * quad;
+        const int c = quad % kChains;
+        low[r][c] = _mm512_dpbusd_epi32(low[r][c], broadcast_four(split.low + k), quants);
+        high[r][c] = _mm512_dpbusd_epi32(high[r][c], shifted, broadcast_four(split.high + k));
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t at = (row + r) * blocks + b;
+      __m512i low_sum = low[r][0], high_sum = high[r][0];
+      if constexpr (kChains == 2) {
+        low_sum = _mm512_add_epi32(low_sum, low[r][1]);
+        high_sum = _mm512_add_epi32(high_sum, high[r][1]);
+      }
+      high_sum = _mm512_sub_epi32(high_sum, _mm512_set1_epi32(128 * split.high_sums[at]));
+      const __m512i sums = _mm512_add_epi32(low_sum, _mm512_slli_epi32(high_sum, 8));
+      // The block's scale as block_tile applies it, so the same bits.
+      const float total = static_cast<float>(x.sums[at]);
+      const Vec scale = avx512vnni::vbroadcast(x.scales + at), xsum = avx512vnni::vbroadcast(&total);
+      const Vec block = avx512vnni::vfma(reader.d(0), avx512vnni::vcvt(sums), avx512vnni::vmul(reader.m(0), xsum));
+      held[r] = avx512vnni::vfma(block, scale, held[r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r) avx512vnni::vstore(out + r * kPanel, held[r]);
+}
+
+template <int kRows = 1>
+void q8_0_byte_tile_rows(int rows, const QuantizedRows& x, const SplitRows& split, int64_t row,
+                         const avx512vnni::PackedBlocks<avx512vnni::Q8_0Pairs>& source, int64_t panel, float* out) {
+  if constexpr (kRows <= kByteRows) {
+    if (rows == kRows) return q8_0_byte_tile<kRows>(x, split, row, source, panel, out);
+    return q8_0_byte_tile_rows<kRows + 1>(rows, x, split, row, source, panel, out);
+  }
+}
+
+template <typename T>
+void run_q8_0_bytes(const LinearCall<T>& call, const QuantizedRows& x, const uint8_t* data) {
+  const int64_t count = call.num_rows * x.depth;
+  // Bytes: the thread's int32 scratch holds the rows' quants (linear_any).
+  auto* scratch = thread_scratch<uint8_t>(static_cast<size_t>(2 * count + 4 * (count / kQuantBlock)));
+  const SplitRows split = split_rows(x.quants, count, scratch);
+  const avx512vnni::PackedBlocks<avx512vnni::Q8_0Pairs> packed{data, x.depth / kQuantBlock};
+  for_each_share((call.num_out + kPanel - 1) / kPanel, [&](int64_t panel) {
+    alignas(64) float out[kByteRows * kPanel] = {};
+    q8_0_byte_tile_rows(static_cast<int>(call.num_rows), x, split, 0, packed, panel, out);
+    call.store(out, panel * kPanel, kPanel);
+  });
+}
+}  // namespace avx512vbmi
 #pragma GCC pop_options
 
 // bfloat16 rows times bfloat16 weights on CPUs with AVX512-BF16: a pair of k of 16 outputs in one
@@ -940,7 +1188,10 @@ void run_on(const std::string& path, const LinearCall<T>& call, WeightFormat for
             const void* packed) {
 #ifdef SPECSERVE_X86
   const bool vnni = path == "avx512vnni" || path == "avx512bf16" || path == "amx";
-  if (x != nullptr && vnni) return avx512vnni::run_block_format<T>(call, format, *x, packed);
+  if (x != nullptr && vnni && call.num_rows <= avx512vnni::kByteRows && format == WeightFormat::kQ8_0 && avx512vbmi::usable()) {
+    return avx512vbmi::run_q8_0_bytes<T>(call, *x, static_cast<const uint8_t*>(packed));
+  }
+  if (x != nullptr && vnni) return avx512vnni::run_blocks_on<T>(call, format, *x, packed);
   if (path == "amx") return amx::run_dense<T>(call, format, packed);
   if (path == "avx512bf16") return avx512bf16::run_dense_dot<T>(call, format, packed);
   if (x != nullptr && path != "portable") return avx2::run_block_format<T>(call, format, *x, packed);

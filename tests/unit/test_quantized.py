@@ -82,6 +82,46 @@ def test_blocks_compute_the_dense_weights_gguf_dequantizes_within_the_inputs_rou
     assert torch.equal(results["portable"][0], bias)
 
 
+def single_rows(in_features: int, seed: int) -> torch.Tensor:
+    """Rows to serve one at a time: random; zeros; a block of tiny numbers; blocks whose quants are the integers
+    themselves (largest |x| 32767), with both ends of int16's range and every sign of its two bytes (the byte tiles
+    split each quant into a high and a low byte); an infinity; a NaN."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randn(6, in_features, generator=generator) * 3
+    rows[1] = 0
+    rows[2, :32] *= 1e-38
+    edges = torch.tensor([32767.0, -32767, 255, -256, -1, 1, 256, -255, 128, -128, 127, -129, 0, -32512, 32512, -2])
+    rows[3] = edges.repeat(in_features // len(edges) + 1)[:in_features]
+    rows[3, 16:32] = torch.randint(-32767, 32768, (16,), generator=generator).float()  # largest 32767 from [0:16]
+    rows[4, 3] = float("inf")
+    rows[5, -1] = float("nan")
+    return rows
+
+
+@pytest.mark.parametrize(("format_name", "out_features", "in_features"),
+                         [(name, *shape) for name in sorted(KINDS) for shape in SHAPES]
+                         + [("q4_k", 960, 1536), ("q4_k", 576, 256), ("q4_k", 5, 256), ("q4_k", 33, 512)])
+def test_a_few_rows_are_the_same_bits_on_every_path_as_in_a_batch(
+        ops: ModuleType, format_name: str, out_features: int, in_features: int) -> None:
+    # A few rows take tiles of their own on some paths (the byte tiles of AVX512 VNNI CPUs); each row alone or in
+    # a few must give the bits it gets in a larger batch, and those the portable path's.
+    if format_name == "q4_k":
+        blocks, _ = random_q4_k(out_features, in_features, seed=out_features)
+    else:
+        blocks, _ = random_blocks(format_name, out_features, in_features, seed=out_features + in_features)
+    rows = single_rows(in_features, seed=in_features)
+    portable = PackedLinear(ops, "portable")
+    batched = portable(rows, portable.pack_blocks(blocks))
+    for path in ops.linear_paths():
+        linear = PackedLinear(ops, path)
+        packed = linear.pack_blocks(blocks)
+        for count in (1, 2, 3, 4, 5):
+            for first in range(rows.shape[0] - count + 1):
+                served = linear(rows[first : first + count], packed)
+                expected = batched[first : first + count]
+                assert torch.equal(served.view(torch.int32), expected.view(torch.int32)), (path, count, first)  # NaNs too
+
+
 def test_every_path_rounds_the_inputs_to_the_nearest_quant_ties_to_even(ops: ModuleType) -> None:
     # An identity weight in Q8_0 blocks (each diagonal 127 quants of d): output j is input j's quant times d * 127 and
     # the block's scale, which is 1 where the block's largest |x| is 32767. Ties (k + 0.5) round to the even k on
