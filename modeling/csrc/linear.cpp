@@ -81,6 +81,19 @@ constexpr int64_t kQ4_1Bytes = q4_bytes(2);                        // 320: float
 constexpr int64_t kQ4_KBytes = q4_bytes(4);                        // 384: float32 d and m
 constexpr int64_t kQ8_0Bytes = 2 * kPanel + kQuantBlock * kPanel;  // 544
 
+// A block tile asks for the lines kBlocksAhead bytes past each block it reads: the rest of its panel, then the next
+// panels, which its thread takes next, and past a weight's end the next weight's first (the blocks lie in the order a
+// step reads them). The hardware's own prefetcher left a one-row Q4_1 step 1.25x as long on machine F (Intel);
+// 5 to 10 KB ahead gave the same there.
+constexpr int64_t kBlocksAhead = 8192;
+
+template <int64_t kBytes>
+inline void prefetch_block_ahead(const uint8_t* block) {
+  const char* ahead = reinterpret_cast<const char*>(block) + kBlocksAhead;
+#pragma GCC unroll 16
+  for (int64_t at = 0; at < kBytes; at += 64) __builtin_prefetch(ahead + at, 0, 3);  // the next block, the rest
+}
+
 // An IEEE float16 (a GGUF scale) as float32, exactly.
 inline float half_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
@@ -481,6 +494,7 @@ void q4_byte_tile(const QuantizedRows& x, const BytePattern* patterns, int64_t r
     const Q4Pairs<kScaleBytes> reader = source.block(panel, b);
     const uint8_t* q = reader.block + 2 * kScaleBytes * kPanel;
     const BytePattern* pattern = patterns + row * row_patterns + b * kQuads;  // two a pair of quads
+    prefetch_block_ahead<Q4Pairs<kScaleBytes>::kBytes>(reader.block);
     // Per row: low nibbles by low bytes, low by high, high by low, high by high.
     __m512i sums[kRows][4];
 #pragma GCC unroll 16
@@ -616,6 +630,7 @@ void q8_0_byte_tile(const QuantizedRows& x, const SplitRows& split, int64_t row,
   for (int64_t b = 0; b < blocks; ++b) {
     const avx512vnni::Q8_0Pairs reader = source.block(panel, b);
     const uint8_t* q = reader.block + 2 * kPanel;
+    prefetch_block_ahead<kQ8_0Bytes>(reader.block);
     __m512i low[kRows][kChains], high[kRows][kChains];
 #pragma GCC unroll 8
     for (int i = 0; i < kRows * kChains; ++i) {

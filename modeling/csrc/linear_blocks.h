@@ -63,6 +63,7 @@ void block_tile(const QuantizedRows& x, int64_t row, const PackedBlocks<Reader>&
   const int64_t blocks = x.depth / kQuantBlock;
   for (int64_t b = 0; b < blocks; ++b) {
     const Reader reader = source.block(panel, b);
+    prefetch_block_ahead<Reader::kBytes>(reader.block);
     IVec sums[kChains][kRows * kVecs];
 #pragma GCC unroll 4
     for (int c = 0; c < kChains; ++c) {
