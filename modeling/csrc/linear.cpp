@@ -69,6 +69,16 @@ namespace {
 
 using specserve::for_each_share;
 
+// tile.template operator()<rows>() for a `rows` of 1 to kMax known when compiled: the tiles hold their rows' sums in
+// registers, so each row count is a function of its own.
+template <int kMax, int kRows = 1, typename Tile>
+void with_rows(int rows, const Tile& tile) {
+  if constexpr (kRows <= kMax) {
+    if (rows == kRows) return tile.template operator()<kRows>();
+    return with_rows<kMax, kRows + 1>(rows, tile);
+  }
+}
+
 constexpr int kPanel = 16;         // outputs per packed column panel
 constexpr int64_t kDepthBlock = 256;  // k per pass over the rows: a float32 panel's block is 16 KiB
 constexpr int64_t kQuantBlock = 32;   // k per GGUF block (Q4_1, Q8_0)
@@ -476,11 +486,11 @@ void split_row(const int16_t* quants, int64_t depth, BytePattern* patterns) {
   }
 }
 
-// kRows rows from `row` by the panel: every block's sums added to `out` ([kRows, kPanel] float32, zeros to begin
+// The call's kRows rows by the panel: every block's sums added to `out` ([kRows, kPanel] float32, zeros to begin
 // with). `patterns`: the rows' split_row, depth / 4 of them a row.
 template <int kScaleBytes, int kRows>
-void q4_byte_tile(const QuantizedRows& x, const BytePattern* patterns, int64_t row,
-                  const PackedBlocks<Q4Pairs<kScaleBytes>>& source, int64_t panel, float* out) {
+void q4_byte_tile(const QuantizedRows& x, const BytePattern* patterns, const PackedBlocks<Q4Pairs<kScaleBytes>>& source,
+                  int64_t panel, float* out) {
   const __m512i nibbles = _mm512_set1_epi8(0x0F);
   // Lanes 0-7 of each 32-bit sum hold outputs 0-7 (low nibbles) or 8-15 (high) over the even quads, lanes 8-15
   // the same outputs over the odd quads: these pick the halves to add.
@@ -493,7 +503,7 @@ void q4_byte_tile(const QuantizedRows& x, const BytePattern* patterns, int64_t r
   for (int64_t b = 0; b < blocks; ++b) {
     const Q4Pairs<kScaleBytes> reader = source.block(panel, b);
     const uint8_t* q = reader.block + 2 * kScaleBytes * kPanel;
-    const BytePattern* pattern = patterns + row * row_patterns + b * kQuads;  // two a pair of quads
+    const BytePattern* pattern = patterns + b * kQuads;  // two a pair of quads
     prefetch_block_ahead<Q4Pairs<kScaleBytes>::kBytes>(reader.block);
     // Per row: low nibbles by low bytes, low by high, high by low, high by high.
     __m512i sums[kRows][4];
@@ -521,7 +531,7 @@ void q4_byte_tile(const QuantizedRows& x, const BytePattern* patterns, int64_t r
       const IVec total_sums = _mm512_add_epi32(_mm512_permutex2var_epi32(low, first_halves, high),
                                                _mm512_permutex2var_epi32(low, second_halves, high));
       // The block's scale and minimum as block_tile applies them, so the same bits.
-      const int64_t at = (row + r) * blocks + b;
+      const int64_t at = r * blocks + b;
       const float total = static_cast<float>(x.sums[at]);
       const Vec scale = vbroadcast(x.scales + at), xsum = vbroadcast(&total);
       const Vec block = vfma(reader.d(0), vcvt(total_sums), vmul(reader.m(0), xsum));
@@ -532,15 +542,6 @@ void q4_byte_tile(const QuantizedRows& x, const BytePattern* patterns, int64_t r
   for (int r = 0; r < kRows; ++r) vstore(out + r * kPanel, held[r]);
 }
 
-template <int kScaleBytes, int kRows = 1>
-void q4_byte_tile_rows(int rows, const QuantizedRows& x, const BytePattern* patterns, int64_t row,
-                       const PackedBlocks<Q4Pairs<kScaleBytes>>& source, int64_t panel, float* out) {
-  if constexpr (kRows <= kByteRows) {
-    if (rows == kRows) return q4_byte_tile<kScaleBytes, kRows>(x, patterns, row, source, panel, out);
-    return q4_byte_tile_rows<kScaleBytes, kRows + 1>(rows, x, patterns, row, source, panel, out);
-  }
-}
-
 template <typename T, int kScaleBytes>
 void run_q4_bytes(const LinearCall<T>& call, const QuantizedRows& x, const uint8_t* data) {
   const int64_t row_patterns = x.depth / 4;
@@ -549,7 +550,8 @@ void run_q4_bytes(const LinearCall<T>& call, const QuantizedRows& x, const uint8
   const PackedBlocks<Q4Pairs<kScaleBytes>> packed{data, x.depth / kQuantBlock};
   for_each_share((call.num_out + kPanel - 1) / kPanel, [&](int64_t panel) {
     alignas(64) float out[kByteRows * kPanel] = {};
-    q4_byte_tile_rows<kScaleBytes>(static_cast<int>(call.num_rows), x, patterns, 0, packed, panel, out);
+    with_rows<kByteRows>(static_cast<int>(call.num_rows),
+                         [&]<int kRows>() { q4_byte_tile<kScaleBytes, kRows>(x, patterns, packed, panel, out); });
     call.store(out, panel * kPanel, kPanel);
   });
 }
@@ -612,14 +614,23 @@ inline __m512i broadcast_four(const void* p) {
   return _mm512_set1_epi32(four);
 }
 
-template <int kRows>
-void q8_0_byte_tile(const QuantizedRows& x, const SplitRows& split, int64_t row,
-                    const avx512vnni::PackedBlocks<avx512vnni::Q8_0Pairs>& source, int64_t panel, float* out) {
-  alignas(64) uint8_t order[64];
+// vpermb's indices: byte 4n + i of a quad's vector is k i of output n, which the panel holds at byte 16i + n.
+struct alignas(64) Transpose {
+  uint8_t bytes[64];
+};
+constexpr Transpose kTranspose = [] {
+  Transpose order{};
   for (int n = 0; n < kPanel; ++n) {
-    for (int i = 0; i < 4; ++i) order[4 * n + i] = static_cast<uint8_t>(kPanel * i + n);  // k i of output n
+    for (int i = 0; i < 4; ++i) order.bytes[4 * n + i] = static_cast<uint8_t>(kPanel * i + n);
   }
-  const __m512i transpose = _mm512_load_si512(order), shift = _mm512_set1_epi8(static_cast<char>(0x80));
+  return order;
+}();
+
+// The call's kRows rows by the panel, as q4_byte_tile.
+template <int kRows>
+void q8_0_byte_tile(const QuantizedRows& x, const SplitRows& split,
+                    const avx512vnni::PackedBlocks<avx512vnni::Q8_0Pairs>& source, int64_t panel, float* out) {
+  const __m512i transpose = _mm512_load_si512(kTranspose.bytes), shift = _mm512_set1_epi8(static_cast<char>(0x80));
   // One row alone keeps two chains of each kind, the even quads' and the odd ones': one would wait on its own
   // multiply-adds. More rows are chains enough.
   constexpr int kChains = kRows == 1 ? 2 : 1;
@@ -643,7 +654,7 @@ void q8_0_byte_tile(const QuantizedRows& x, const SplitRows& split, int64_t row,
       const __m512i shifted = _mm512_xor_si512(quants, shift);
 #pragma GCC unroll 4
       for (int r = 0; r < kRows; ++r) {
-        const int64_t k = (row + r) * x.depth + b * kQuantBlock + 4 * quad;
+        const int64_t k = r * x.depth + b * kQuantBlock + 4 * quad;
         const int c = quad % kChains;
         low[r][c] = _mm512_dpbusd_epi32(low[r][c], broadcast_four(split.low + k), quants);
         high[r][c] = _mm512_dpbusd_epi32(high[r][c], shifted, broadcast_four(split.high + k));
@@ -651,7 +662,7 @@ void q8_0_byte_tile(const QuantizedRows& x, const SplitRows& split, int64_t row,
     }
 #pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r) {
-      const int64_t at = (row + r) * blocks + b;
+      const int64_t at = r * blocks + b;
       __m512i low_sum = low[r][0], high_sum = high[r][0];
       if constexpr (kChains == 2) {
         low_sum = _mm512_add_epi32(low_sum, low[r][1]);
@@ -670,15 +681,6 @@ void q8_0_byte_tile(const QuantizedRows& x, const SplitRows& split, int64_t row,
   for (int r = 0; r < kRows; ++r) avx512vnni::vstore(out + r * kPanel, held[r]);
 }
 
-template <int kRows = 1>
-void q8_0_byte_tile_rows(int rows, const QuantizedRows& x, const SplitRows& split, int64_t row,
-                         const avx512vnni::PackedBlocks<avx512vnni::Q8_0Pairs>& source, int64_t panel, float* out) {
-  if constexpr (kRows <= kByteRows) {
-    if (rows == kRows) return q8_0_byte_tile<kRows>(x, split, row, source, panel, out);
-    return q8_0_byte_tile_rows<kRows + 1>(rows, x, split, row, source, panel, out);
-  }
-}
-
 template <typename T>
 void run_q8_0_bytes(const LinearCall<T>& call, const QuantizedRows& x, const uint8_t* data) {
   const int64_t count = call.num_rows * x.depth;
@@ -688,7 +690,8 @@ void run_q8_0_bytes(const LinearCall<T>& call, const QuantizedRows& x, const uin
   const avx512vnni::PackedBlocks<avx512vnni::Q8_0Pairs> packed{data, x.depth / kQuantBlock};
   for_each_share((call.num_out + kPanel - 1) / kPanel, [&](int64_t panel) {
     alignas(64) float out[kByteRows * kPanel] = {};
-    q8_0_byte_tile_rows(static_cast<int>(call.num_rows), x, split, 0, packed, panel, out);
+    with_rows<kByteRows>(static_cast<int>(call.num_rows),
+                         [&]<int kRows>() { q8_0_byte_tile<kRows>(x, split, packed, panel, out); });
     call.store(out, panel * kPanel, kPanel);
   });
 }

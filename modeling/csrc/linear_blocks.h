@@ -120,15 +120,6 @@ void block_tile(const QuantizedRows& x, int64_t row, const PackedBlocks<Reader>&
   }
 }
 
-template <typename Reader, int kRows = 1>
-void block_tile_rows(int rows, const QuantizedRows& x, int64_t row, const PackedBlocks<Reader>& source, int64_t panel,
-                     float* out) {
-  if constexpr (kRows <= kBlockMaxRows) {
-    if (rows == kRows) return block_tile<Reader, kRows>(x, row, source, panel, out);
-    return block_tile_rows<Reader, kRows + 1>(rows, x, row, source, panel, out);
-  }
-}
-
 template <typename T, typename Reader>
 void run_blocks(const LinearCall<T>& call, const QuantizedRows& x, const uint8_t* data) {
   const int64_t num_panels = (call.num_out + kPanel - 1) / kPanel;
@@ -142,7 +133,8 @@ void run_blocks(const LinearCall<T>& call, const QuantizedRows& x, const uint8_t
     std::fill(out, out + call.num_rows * kPanel, 0.0f);
     for (int64_t row = 0; row < call.num_rows; row += rows_per_tile) {
       const int rows = static_cast<int>(std::min<int64_t>(rows_per_tile, call.num_rows - row));
-      block_tile_rows(rows, x, row, packed, panel, out + row * kPanel);
+      with_rows<kBlockMaxRows>(rows,
+                               [&]<int kRows>() { block_tile<Reader, kRows>(x, row, packed, panel, out + row * kPanel); });
     }
     call.store(out, panel * kPanel, kPanel);
   });
