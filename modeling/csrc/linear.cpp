@@ -226,9 +226,11 @@ inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 
 // quantize_block in two vectors, for a block of finite inputs that are not all zero (false for any other, which
 // the scalar code takes): the same operations, each rounding as the scalar one does, so the same bits. The scalar
-// loops cost about 2% of a one-row step, run by the calling thread alone.
-inline bool quantize_block(const float* in, int16_t* out, float* scale, int32_t* sum) {
-  const __m512 a = _mm512_loadu_ps(in), b = _mm512_loadu_ps(in + kLanes);
+// loops cost about 2% of a one-row step, run by the calling thread alone. bfloat16 inputs are widened in the
+// vectors (exactly): widened into a buffer and loaded back, each load waited for the stores it overlapped.
+template <typename T>
+inline bool quantize_block(const T* in, int16_t* out, float* scale, int32_t* sum) {
+  const __m512 a = vload(in), b = vload(in + kLanes);
   if ((_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q)) != 0) return false;
   const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
   const float step = 32767.0f / largest;
@@ -334,9 +336,10 @@ constexpr int kVectorRegisters = 16;
 
 // quantize_block in four vectors, as avx512f::quantize_block does it in two: the same operations, each rounding as
 // the scalar one does, so the same bits; false for a block the scalar code must take.
-inline bool quantize_block(const float* in, int16_t* out, float* scale, int32_t* sum) {
+template <typename T>
+inline bool quantize_block(const T* in, int16_t* out, float* scale, int32_t* sum) {
   __m256 v[4];
-  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(in + i * kLanes);
+  for (int i = 0; i < 4; ++i) v[i] = vload(in + i * kLanes);
   const __m256 unordered = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(v[0], v[0], _CMP_UNORD_Q),
                                                      _mm256_cmp_ps(v[1], v[1], _CMP_UNORD_Q)),
                                         _mm256_or_ps(_mm256_cmp_ps(v[2], v[2], _CMP_UNORD_Q),
@@ -465,29 +468,26 @@ struct Q8_0Pairs {
 // 4 rows 1.02.
 constexpr int kByteRows = 3;
 
-// A row's inputs as the byte tile reads them: for each two quads u, u + 1 of the row, the low bytes of quad u's four
-// inputs in lanes 0-7 and of quad u + 1's in lanes 8-15, then the high bytes likewise; each quad's four in the
-// order a Q4 panel's bytes hold their quants (k = 4u, 4u + 2, 4u + 1, 4u + 3: a 32-bit lane of the panel's bytes is
-// words 2j and 2j + 1, bits 0-3 and 8-11 of each for output j, bits 4-7 and 12-15 for output j + 8).
-struct alignas(64) BytePattern {
-  uint8_t bytes[64];
+// A row's inputs as the byte tile reads them: for each two quads u, u + 1 of the row, 16 bytes: the low bytes of quad
+// u's four inputs, of quad u + 1's, then the high bytes of each; each quad's four in the order a Q4 panel's bytes
+// hold their quants (k = 4u, 4u + 2, 4u + 1, 4u + 3: a 32-bit lane of the panel's bytes is words 2j and 2j + 1,
+// bits 0-3 and 8-11 of each for output j, bits 4-7 and 12-15 for output j + 8). The tile spreads them over its
+// lanes itself (a permute on a port its multiply-adds leave free): spread out here they were eight times the bytes,
+// written by the calling thread and read again by the others, a cost of its own at one row.
+struct alignas(16) BytePattern {
+  uint8_t bytes[16];
 };
 
 void split_row(const int16_t* quants, int64_t depth, BytePattern* patterns) {
   const __m128i order = _mm_setr_epi8(0, 4, 2, 6, 8, 12, 10, 14, 1, 5, 3, 7, 9, 13, 11, 15);
-  const __m512i low_lanes = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  const __m512i high_lanes = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-  for (int64_t k = 0; k < depth; k += 8, patterns += 2) {
-    // Eight inputs: low bytes of quad u, of quad u + 1, high bytes of quad u, of quad u + 1 (32 bits each).
-    const __m128i split = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(quants + k)), order);
-    const __m512i wide = _mm512_castsi128_si512(split);
-    _mm512_store_si512(patterns[0].bytes, _mm512_permutexvar_epi32(low_lanes, wide));
-    _mm512_store_si512(patterns[1].bytes, _mm512_permutexvar_epi32(high_lanes, wide));
+  for (int64_t k = 0; k < depth; k += 8, ++patterns) {
+    const __m128i eight = _mm_loadu_si128(reinterpret_cast<const __m128i*>(quants + k));
+    _mm_store_si128(reinterpret_cast<__m128i*>(patterns->bytes), _mm_shuffle_epi8(eight, order));
   }
 }
 
 // The call's kRows rows by the panel: every block's sums added to `out` ([kRows, kPanel] float32, zeros to begin
-// with). `patterns`: the rows' split_row, depth / 4 of them a row.
+// with). `patterns`: the rows' split_row, depth / 8 of them a row.
 template <int kScaleBytes, int kRows>
 void q4_byte_tile(const QuantizedRows& x, const BytePattern* patterns, const PackedBlocks<Q4Pairs<kScaleBytes>>& source,
                   int64_t panel, float* out) {
@@ -496,14 +496,17 @@ void q4_byte_tile(const QuantizedRows& x, const BytePattern* patterns, const Pac
   // the same outputs over the odd quads: these pick the halves to add.
   const __m512i first_halves = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
   const __m512i second_halves = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  const int64_t blocks = x.depth / kQuantBlock, row_patterns = x.depth / 4;
+  // Lanes 0-7 of a pattern's spread take its first 32 bits (quad u's low bytes), lanes 8-15 its second (quad u + 1's).
+  const __m512i low_lanes = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i high_lanes = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const int64_t blocks = x.depth / kQuantBlock, row_patterns = x.depth / 8;
   Vec held[kRows];
 #pragma GCC unroll 4
   for (int r = 0; r < kRows; ++r) held[r] = vload(out + r * kPanel);
   for (int64_t b = 0; b < blocks; ++b) {
     const Q4Pairs<kScaleBytes> reader = source.block(panel, b);
     const uint8_t* q = reader.block + 2 * kScaleBytes * kPanel;
-    const BytePattern* pattern = patterns + b * kQuads;  // two a pair of quads
+    const BytePattern* pattern = patterns + b * kQuads / 2;  // one a pair of quads
     prefetch_block_ahead<Q4Pairs<kScaleBytes>::kBytes>(reader.block);
     // Per row: low nibbles by low bytes, low by high, high by low, high by high.
     __m512i sums[kRows][4];
@@ -516,8 +519,10 @@ void q4_byte_tile(const QuantizedRows& x, const BytePattern* patterns, const Pac
       const __m512i high = _mm512_and_si512(_mm512_srli_epi16(quads, 4), nibbles);
 #pragma GCC unroll 4
       for (int r = 0; r < kRows; ++r) {
-        const BytePattern* inputs = pattern + r * row_patterns + 2 * pair;
-        const __m512i inputs_low = _mm512_load_si512(inputs[0].bytes), inputs_high = _mm512_load_si512(inputs[1].bytes);
+        const __m512i inputs = _mm512_castsi128_si512(
+            _mm_load_si128(reinterpret_cast<const __m128i*>(pattern[r * row_patterns + pair].bytes)));
+        const __m512i inputs_low = _mm512_permutexvar_epi32(low_lanes, inputs);
+        const __m512i inputs_high = _mm512_permutexvar_epi32(high_lanes, inputs);
         sums[r][0] = _mm512_dpbusd_epi32(sums[r][0], inputs_low, low);
         sums[r][1] = _mm512_dpbusd_epi32(sums[r][1], low, inputs_high);
         sums[r][2] = _mm512_dpbusd_epi32(sums[r][2], inputs_low, high);
@@ -544,7 +549,7 @@ void q4_byte_tile(const QuantizedRows& x, const BytePattern* patterns, const Pac
 
 template <typename T, int kScaleBytes>
 void run_q4_bytes(const LinearCall<T>& call, const QuantizedRows& x, const uint8_t* data) {
-  const int64_t row_patterns = x.depth / 4;
+  const int64_t row_patterns = x.depth / 8;
   auto* patterns = thread_scratch<BytePattern>(static_cast<size_t>(call.num_rows * row_patterns));
   for (int64_t r = 0; r < call.num_rows; ++r) split_row(x.quants + r * x.depth, x.depth, patterns + r * row_patterns);
   const PackedBlocks<Q4Pairs<kScaleBytes>> packed{data, x.depth / kQuantBlock};
@@ -1170,18 +1175,19 @@ void quantize_rows(const T* x, int64_t num_rows, int64_t depth, int16_t* quants,
     float widened[kQuantBlock];
     for (int64_t at = begin; at < end; ++at) {
       // Rows are contiguous: block `at` of all the rows' blocks.
-      const float* in = widened;
-      if constexpr (std::is_same_v<T, float>) {
-        in = x + at * kQuantBlock;
-      } else {
-#pragma omp simd
-        for (int64_t i = 0; i < kQuantBlock; ++i) widened[i] = specserve::to_float(x[at * kQuantBlock + i]);
-      }
+      const T* block = x + at * kQuantBlock;
       int16_t* out = quants + at * kQuantBlock;
 #ifdef SPECSERVE_X86
-      if (rounding == Rounding::kAvx512 && avx512f::quantize_block(in, out, scales + at, sums + at)) continue;
-      if (rounding == Rounding::kAvx2 && avx2::quantize_block(in, out, scales + at, sums + at)) continue;
+      if (rounding == Rounding::kAvx512 && avx512f::quantize_block(block, out, scales + at, sums + at)) continue;
+      if (rounding == Rounding::kAvx2 && avx2::quantize_block(block, out, scales + at, sums + at)) continue;
 #endif
+      const float* in = widened;
+      if constexpr (std::is_same_v<T, float>) {
+        in = block;
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < kQuantBlock; ++i) widened[i] = specserve::to_float(block[i]);
+      }
       quantize_block(in, out, scales + at, sums + at);
     }
   });
