@@ -601,14 +601,15 @@ SplitRows split_rows(const int16_t* quants, int64_t count, uint8_t* scratch) {
   auto* low = scratch;
   auto* high = reinterpret_cast<int8_t*>(scratch + count);
   auto* sums = reinterpret_cast<int32_t*>(scratch + 2 * count);  // count is a whole number of blocks: aligned
+  const __m512i ones = _mm512_set1_epi16(1);
   for (int64_t b = 0; b < count / kQuantBlock; ++b) {
-    int32_t sum = 0;
-    for (int64_t k = b * kQuantBlock; k < (b + 1) * kQuantBlock; ++k) {
-      low[k] = static_cast<uint8_t>(quants[k] & 0xFF);
-      high[k] = static_cast<int8_t>(quants[k] >> 8);  // arithmetic: q = 256 * high + low
-      sum += high[k];
-    }
-    sums[b] = sum;
+    // A block's 32 quants in one vector: the low bytes by truncation, the high ones by an arithmetic shift
+    // (q = 256 high + low), their sum in pairs, then across the lanes.
+    const __m512i block = _mm512_loadu_si512(quants + b * kQuantBlock);
+    const __m512i high_words = _mm512_srai_epi16(block, 8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(low + b * kQuantBlock), _mm512_cvtepi16_epi8(block));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(high + b * kQuantBlock), _mm512_cvtepi16_epi8(high_words));
+    sums[b] = _mm512_reduce_add_epi32(_mm512_madd_epi16(high_words, ones));
   }
   return {low, high, sums};
 }
