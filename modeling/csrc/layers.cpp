@@ -9,6 +9,9 @@
 // (Gemma's sandwich norms, query and key norms, another activation) runs the Python loop.
 #include <torch/extension.h>  // the DecoderStack class binding
 
+#include <memory>
+#include <mutex>
+
 #include "ops.h"
 
 namespace {
@@ -70,18 +73,23 @@ class DecoderStack {
                 "the cache must be [layers, pages, kv_heads, page_size, head_dim] for this stack's ",
                 layers_.size(), " layers");
     TORCH_CHECK(cos.size() == sin.size(), "one sin per cos");
-    const int64_t n = h.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    const int64_t n = h.size(0);
+    const std::shared_ptr<const CacheLayers> cache = cache_layers(keys, values);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       TORCH_CHECK(layer.rope < static_cast<int64_t>(cos.size()) && layer.window < static_cast<int64_t>(firsts.size()),
                   "layer ", i, ": its rope or window is not among those given");
       at::Tensor qkv = layer.qkv(h, path_);
       rope_(qkv, cos[layer.rope], sin[layer.rope], num_heads_ + num_kv_heads_, head_dim_);
-      const at::Tensor q = qkv.narrow(1, 0, q_size).view({n, num_heads_, head_dim_});
-      const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads_, head_dim_});
-      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, num_kv_heads_, head_dim_});
-      at::Tensor layer_keys = keys.select(0, static_cast<int64_t>(i));
-      at::Tensor layer_values = values.select(0, static_cast<int64_t>(i));
+      // q, k and v as views of qkv's rows, one op each (a narrow and a view cost twice that: views are a
+      // third of a one-row step's work outside the kernels).
+      const auto heads = [&](int64_t first, int64_t count) {
+        return qkv.as_strided({n, count, head_dim_}, {qkv.stride(0), head_dim_, 1}, qkv.storage_offset() + first * head_dim_);
+      };
+      const at::Tensor q = heads(0, num_heads_), k = heads(num_heads_, num_kv_heads_);
+      const at::Tensor v = heads(num_heads_ + num_kv_heads_, num_kv_heads_);
+      at::Tensor layer_keys = cache->keys[i];  // store writes through them
+      at::Tensor layer_values = cache->values[i];
       store(k, v, layer_keys, layer_values, store_pages, store_offsets);
       const c10::optional<at::Tensor>& first = firsts[layer.window];
       const at::Tensor attended =
@@ -95,7 +103,33 @@ class DecoderStack {
   }
 
  private:
+  // Each layer's view of the cache, made once for the cache a worker keeps (a select per layer and step cost as
+  // much as the cache store). Shared, so that a call holds its views while another call (another cache) replaces
+  // them.
+  struct CacheLayers {
+    at::Tensor keys_whole, values_whole;  // what the views were made of
+    std::vector<at::Tensor> keys, values;
+  };
+
+  std::shared_ptr<const CacheLayers> cache_layers(const at::Tensor& keys, const at::Tensor& values) const {
+    const auto same = [](const at::Tensor& a, const at::Tensor& b) {
+      return a.is_same(b) && a.sizes() == b.sizes() && a.strides() == b.strides() && a.data_ptr() == b.data_ptr();
+    };
+    std::lock_guard<std::mutex> lock(cache_mutex_);
+    if (!cache_ || !same(cache_->keys_whole, keys) || !same(cache_->values_whole, values)) {
+      auto made = std::make_shared<CacheLayers>(CacheLayers{keys, values, {}, {}});
+      for (int64_t i = 0; i < static_cast<int64_t>(layers_.size()); ++i) {
+        made->keys.push_back(keys.select(0, i));
+        made->values.push_back(values.select(0, i));
+      }
+      cache_ = std::move(made);
+    }
+    return cache_;
+  }
+
   std::vector<Layer> layers_;
+  mutable std::mutex cache_mutex_;
+  mutable std::shared_ptr<const CacheLayers> cache_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double scale_, eps_;
   std::string path_;

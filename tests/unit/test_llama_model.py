@@ -378,6 +378,27 @@ def test_the_layers_in_one_native_call_give_the_bits_of_the_op_by_op_loop(dtype:
     assert torch.equal(fused_cache.keys, loop_cache.keys) and torch.equal(fused_cache.values, loop_cache.values)
 
 
+def test_one_native_stack_serves_caches_in_turn_as_each_alone() -> None:
+    """The stack keeps each layer's views of the cache it was last given: steps on two caches in turn read and write
+    the cache each names, as the op-by-op loop does on each alone."""
+    model = _random_model(torch.bfloat16, 256, num_layers=3)
+    fused = model.fused_layers
+    assert fused is not None
+    prompts = ([(7 * i) % 300 for i in range(30)], [(13 * i + 5) % 300 for i in range(19)])
+    steps = [[[SeqSpan(S(1), 0, prompt, 1)], [SeqSpan(S(1), len(prompt), [4 + i], 1)]] for i, prompt in enumerate(prompts)]
+    caches = [_kv(model.config, 2, torch.bfloat16) for _ in prompts]
+    in_turn: list[list[torch.Tensor]] = [[], []]
+    for first, then in [(0, 1), (1, 0)]:  # each step of each cache, the two caches alternating
+        for which in (first, then):
+            in_turn[which].append(_step(model, caches[which], steps[which][first]))
+    model.fused_layers = None
+    for which in (0, 1):
+        alone = _kv(model.config, 2, torch.bfloat16)
+        for index, spans in enumerate(steps[which]):
+            assert torch.equal(in_turn[which][index], _step(model, alone, spans)), f"cache {which}, step {index}"
+        assert torch.equal(alone.keys, caches[which].keys) and torch.equal(alone.values, caches[which].values)
+
+
 def test_architectures_the_native_stack_does_not_run_keep_the_op_by_op_loop() -> None:
     assert _random_model(torch.float32, 64, qk_norm=True).fused_layers is None
     assert _random_model(torch.float32, 64, hidden_act="gelu_pytorch_tanh").fused_layers is None
