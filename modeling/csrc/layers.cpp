@@ -81,8 +81,8 @@ class DecoderStack {
                   "layer ", i, ": its rope or window is not among those given");
       at::Tensor qkv = layer.qkv(h, path_);
       rope_(qkv, cos[layer.rope], sin[layer.rope], num_heads_ + num_kv_heads_, head_dim_);
-      // q, k and v as views of qkv's rows, one op each (a narrow and a view cost twice that: views are a
-      // third of a one-row step's work outside the kernels).
+      // q, k and v as views of qkv's rows, one op each (a narrow and a view each, with a select of each layer's
+      // keys and values, took 0.14 ms of a 4-5 ms one-row step on machine F).
       const auto heads = [&](int64_t first, int64_t count) {
         return qkv.as_strided({n, count, head_dim_}, {qkv.stride(0), head_dim_, 1}, qkv.storage_offset() + first * head_dim_);
       };
@@ -104,8 +104,8 @@ class DecoderStack {
 
  private:
   // Each layer's view of the cache, made once for the cache a worker keeps (a select per layer and step cost as
-  // much as the cache store). Shared, so that a call holds its views while another call (another cache) replaces
-  // them.
+  // much as the cache store). The stack holds the last cache it was given until it is given another or destroyed;
+  // shared, so that a call keeps its views while another call (another cache) replaces them.
   struct CacheLayers {
     at::Tensor keys_whole, values_whole;  // what the views were made of
     std::vector<at::Tensor> keys, values;
