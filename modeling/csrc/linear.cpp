@@ -560,15 +560,6 @@ void run_q4_bytes(const LinearCall<T>& call, const QuantizedRows& x, const uint8
     call.store(out, panel * kPanel, kPanel);
   });
 }
-
-// The block tiles, with up to kByteRows rows of Q4 panels on the byte tile.
-template <typename T>
-void run_blocks_on(const LinearCall<T>& call, WeightFormat format, const QuantizedRows& x, const void* packed) {
-  const auto* data = static_cast<const uint8_t*>(packed);
-  if (call.num_rows <= kByteRows && format == WeightFormat::kQ4_1) return run_q4_bytes<T, 2>(call, x, data);
-  if (call.num_rows <= kByteRows && format == WeightFormat::kQ4_K) return run_q4_bytes<T, 4>(call, x, data);
-  return run_block_format<T>(call, format, x, packed);
-}
 }  // namespace avx512vnni
 #pragma GCC pop_options
 
@@ -703,6 +694,19 @@ void run_q8_0_bytes(const LinearCall<T>& call, const QuantizedRows& x, const uin
 }
 }  // namespace avx512vbmi
 #pragma GCC pop_options
+
+// The VNNI paths' block tiles: up to kByteRows rows on the byte tiles (Q8_0's on CPUs with VBMI alone), more on the
+// 16-bit tiles.
+template <typename T>
+void run_vnni_blocks(const LinearCall<T>& call, WeightFormat format, const QuantizedRows& x, const void* packed) {
+  const auto* data = static_cast<const uint8_t*>(packed);
+  if (call.num_rows <= avx512vnni::kByteRows) {
+    if (format == WeightFormat::kQ4_1) return avx512vnni::run_q4_bytes<T, 2>(call, x, data);
+    if (format == WeightFormat::kQ4_K) return avx512vnni::run_q4_bytes<T, 4>(call, x, data);
+    if (format == WeightFormat::kQ8_0 && avx512vbmi::usable()) return avx512vbmi::run_q8_0_bytes<T>(call, x, data);
+  }
+  return avx512vnni::run_block_format<T>(call, format, x, packed);
+}
 
 // bfloat16 rows times bfloat16 weights on CPUs with AVX512-BF16: a pair of k of 16 outputs in one
 // vdpbf16ps, which adds the pair's two products (exact in float32) to the sums one after the
@@ -1213,10 +1217,7 @@ void run_on(const std::string& path, const LinearCall<T>& call, WeightFormat for
             const void* packed) {
 #ifdef SPECSERVE_X86
   const bool vnni = path == "avx512vnni" || path == "avx512bf16" || path == "amx";
-  if (x != nullptr && vnni && call.num_rows <= avx512vnni::kByteRows && format == WeightFormat::kQ8_0 && avx512vbmi::usable()) {
-    return avx512vbmi::run_q8_0_bytes<T>(call, *x, static_cast<const uint8_t*>(packed));
-  }
-  if (x != nullptr && vnni) return avx512vnni::run_blocks_on<T>(call, format, *x, packed);
+  if (x != nullptr && vnni) return run_vnni_blocks<T>(call, format, *x, packed);
   if (path == "amx") return amx::run_dense<T>(call, format, packed);
   if (path == "avx512bf16") return avx512bf16::run_dense_dot<T>(call, format, packed);
   if (x != nullptr && path != "portable") return avx2::run_block_format<T>(call, format, *x, packed);
