@@ -329,7 +329,9 @@ def add_process_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-timeout-s", type=float, default=120.0, help="a step running longer fails the process")
     parser.add_argument("--drain-timeout-s", type=float, default=30.0,
                         help="after SIGTERM, how long requests in flight may take before the process stops anyway")
-    parser.add_argument("--num-threads", type=int, default=0)
+    parser.add_argument("--num-threads", type=int, default=0,
+                        help="threads to compute on (CPU); 0: the cores this process may use (its affinity mask, "
+                             "capped by a cgroup CPU quota)")
     parser.add_argument("--status-file", type=Path, default=None, help="write the lifecycle state here at every transition")
 
 

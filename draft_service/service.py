@@ -22,9 +22,12 @@ from draft_service.proposers import (
 )
 from draft_service.sequences import SequenceStore
 from draft_service.testing_proposers import RandomProposer, ReplayProposer
+from modeling.cpu_kernels import native_unavailable
 from modeling.kv_cache import DEFAULT_PAGE_SIZE
 from modeling.phrases import FULL_CONTEXT as PHRASE_FULL_CONTEXT
 from proto import messages as m
+from common.cpus import usable_cpus
+from modeling.threads import compute_on
 from proto.lifecycle import State
 
 
@@ -88,10 +91,19 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
         )
 
     def phases(self) -> list[Phase]:
-        if self._config.process.num_threads > 0:
-            torch.set_num_threads(self._config.process.num_threads)
+        process = self._config.process
+        on_cpu = process.device == "cpu"
+        threads = process.num_threads if process.num_threads > 0 or not on_cpu else usable_cpus()
+        if threads > 0:
+            torch.set_num_threads(threads)
         assert self._proposer is not None  # made by hello()
-        load, allocate, warm_up = self._proposer.phases()
+        load_proposer, allocate, warm_up = self._proposer.phases()
+
+        def load() -> None:
+            load_proposer()
+            if on_cpu and self._config.proposer.runs_model:
+                compute_on(threads, native=native_unavailable(getattr(torch, process.dtype), torch.device("cpu")) is None)
+
         return [(State.LOADING, load), (State.ALLOCATING, allocate), (State.WARMING, warm_up)]
 
     def num_used_kv_pages(self) -> int:

@@ -51,6 +51,11 @@ class ModelRunner:
         self._engine.load()
 
     @property
+    def native(self) -> bool:
+        """Whether the loaded model runs on the native CPU kernels."""
+        return self._engine.native
+
+    @property
     def ops(self) -> str:
         """Which ops the loaded model runs on, and why."""
         return self._engine.ops

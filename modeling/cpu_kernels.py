@@ -28,6 +28,7 @@ from modeling.config import ModelConfig
 from modeling.huge_pages import HugePageRegion
 from modeling.llama import LlamaModel, head_parts, projection_parts
 from modeling.native import KernelUnavailable, native_ops
+from modeling.threads import one_thread
 from modeling.quantized import BLOCK_FORMATS, Blocks, ChannelInt8, GgufBlocks, block_panels, q4_1_as_q4_k
 
 _IN_PLACE_BLOCK_ELEMENTS = 1 << 20  # the scratch of in-place packing: a few MiB
@@ -166,32 +167,26 @@ def _best_seconds(runs: dict[str, list[Callable[[], object]]]) -> dict[str, floa
     another process loading, slows all of them alike), each the fastest of its rounds after a first untimed one;
     summed per name.
 
-    On one thread: a call on two must wait for both, so while another process keeps a core busy
-    (a draft model or a second worker loading beside this one) nearly every call waits out a
-    time slice of the scheduler, and the probe measures the slices, not the paths (it chose a
-    path with half the speed that way). One thread's calls are mostly left alone, and the
-    fastest of many rounds is the path's own time; the paths' ranking does not depend on the
-    threads, since each thread runs the same tiles on its share of the outputs.
+    On one thread: a call on two depends on how often the other thread gets its core, so while
+    another process keeps a core busy (a draft model or a second worker loading beside this one)
+    the probe would measure the machine's load, not the paths. One thread's calls are mostly left
+    alone, and the fastest of many rounds is the path's own time; the paths' ranking does not
+    depend on the threads, since each thread runs the same tiles on its share of the outputs.
     """
     best = {name: [math.inf] * len(calls) for name, calls in runs.items()}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.inference_mode():
-            for calls in runs.values():
-                for call in calls:
+    with one_thread(), torch.inference_mode():
+        for calls in runs.values():
+            for call in calls:
+                call()
+        began = time.perf_counter()
+        for round_ in range(_PROBE_MAX_ROUNDS):
+            if round_ >= _PROBE_MIN_ROUNDS and time.perf_counter() - began > _PROBE_SECONDS:
+                break
+            for name, calls in runs.items():
+                for index, call in enumerate(calls):
+                    start = time.perf_counter()
                     call()
-            began = time.perf_counter()
-            for round_ in range(_PROBE_MAX_ROUNDS):
-                if round_ >= _PROBE_MIN_ROUNDS and time.perf_counter() - began > _PROBE_SECONDS:
-                    break
-                for name, calls in runs.items():
-                    for index, call in enumerate(calls):
-                        start = time.perf_counter()
-                        call()
-                        best[name][index] = min(best[name][index], time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(threads)
+                    best[name][index] = min(best[name][index], time.perf_counter() - start)
     return {name: sum(values) for name, values in best.items()}
 
 

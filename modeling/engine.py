@@ -87,6 +87,11 @@ class ModelEngine:
         self._model = model
 
     @property
+    def native(self) -> bool:
+        """Whether the loaded model runs on the native CPU kernels (their thread team: modeling/threads.py)."""
+        return self._model is not None and self._model.native is not None
+
+    @property
     def model(self) -> LlamaModel:
         """The loaded model (load() comes first)."""
         if self._model is None:

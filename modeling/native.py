@@ -44,11 +44,11 @@ ARCH_LEVELS: dict[str, frozenset[str]] = {
     "x86-64-v4": _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
 }
 _SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("argmax.cpp", "attention.cpp", "elementwise.cpp", "layers.cpp", "linear.cpp", "module.cpp")
+_SOURCES = ("argmax.cpp", "attention.cpp", "elementwise.cpp", "layers.cpp", "linear.cpp", "module.cpp", "team.cpp")
 # No contraction of a * b + c into one FMA: the fused ops round as torch's do. No traps assumed: loops with
 # conditional float operations vectorize (the values are IEEE's either way).
 _CFLAGS = ("-fopenmp", "-ffp-contract=off", "-fno-trapping-math")
-_HEADERS = ("ops.h", "linear_tiles.h", "linear_blocks.h")
+_HEADERS = ("ops.h", "linear_tiles.h", "linear_blocks.h", "team.h")
 
 
 class KernelUnavailable(RuntimeError):

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from common.cpus import usable_cpus
 from common.draft_spec import LOOKUP_THEN_HEAD_KINDS, SERVING_KINDS, DraftKind, DraftSpec
 from draft_service.defaults import HEAD_DRAFT_TOKENS
 from modeling.quantization import QUANTIZATIONS
@@ -235,7 +236,7 @@ def stack_config(args: argparse.Namespace, *, model: Path, max_model_len: int, d
     return StackConfig(
         model=model, dtype=dtype, device=device, num_workers=args.num_workers, kv_cache_memory_gib=args.kv_cache_memory,
         max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-        num_threads_per_worker=max(1, (os.cpu_count() or 1) // args.num_workers) if device == "cpu" else 0,
+        num_threads_per_worker=max(1, usable_cpus() // args.num_workers) if device == "cpu" else 0,
         draft=draft, head_draft_tokens=args.head_draft_tokens, token_trees=not args.no_token_trees,
         max_num_seqs=args.max_num_seqs, prefix_cache=not args.no_prefix_cache,
         num_speculative_tokens=(default_num_speculative_tokens(draft) if args.num_speculative_tokens is None

@@ -843,7 +843,7 @@ void run_dense_dot(const LinearCall<T>& call, WeightFormat format, const void* p
     if (format == WeightFormat::kBFloat16 && call.x16 != nullptr) {
       auto* pairs = thread_scratch<int32_t>(static_cast<size_t>(call.depth / 2 * call.num_rows));
       // 32 rows at a time: their cache lines stay in the nearest cache while every pair is read from them.
-      at::parallel_for(0, call.num_rows, 32, [&](int64_t begin, int64_t end) { pair_rows(call, begin, end, pairs); });
+      specserve::for_each_range(call.num_rows, 32, [&](int64_t begin, int64_t end) { pair_rows(call, begin, end, pairs); });
       return run(call, DotPanels{static_cast<const c10::BFloat16*>(packed), call.depth, pairs, call.num_rows});
     }
   }
@@ -1176,7 +1176,7 @@ template <typename T>
 void quantize_rows(const T* x, int64_t num_rows, int64_t depth, int16_t* quants, float* scales, int32_t* sums,
                    Rounding rounding) {
   const int64_t blocks = depth / kQuantBlock;
-  at::parallel_for(0, num_rows * blocks, 256, [&](int64_t begin, int64_t end) {
+  specserve::for_each_range(num_rows * blocks, 256, [&](int64_t begin, int64_t end) {
     float widened[kQuantBlock];
     for (int64_t at = begin; at < end; ++at) {
       // Rows are contiguous: block `at` of all the rows' blocks.
@@ -1360,7 +1360,7 @@ template <typename Reader>
 void widen_rows(const uint8_t* data, int64_t num_blocks, const int64_t* ids, int64_t num_ids, bool offset,
                 float* values) {
   using portable::kLanes;
-  at::parallel_for(0, num_ids, 16, [&](int64_t begin, int64_t end) {
+  specserve::for_each_range(num_ids, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t half = ids[i] % kPanel / kLanes, lane = ids[i] % kLanes;
       for (int64_t b = 0; b < num_blocks; ++b) {

@@ -31,6 +31,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_panel_width", &linear_panel_width, "outputs per column panel of a packed weight");
   m.def("linear_paths", &linear_paths, "the linear kernel's instruction sets this CPU has, fastest (the default) first");
   m.def("silu_mul", &silu_mul, kWithoutGil, "silu(gate) * up of each [gate | up] row");
+  m.def("set_num_threads", &specserve::set_team_threads, "threads the kernels share a call's work among (the caller and "
+        "helpers that join while the call lasts; it never waits for one that has not started)", py::arg("threads"));
+  m.def("get_num_threads", &specserve::team_threads, "threads the kernels share a call's work among");
+  m.def("team_rests", &specserve::team_rests, "times a helper thread stood aside a while, having lost its core to "
+        "another process too often");
   m.def("argmax_rows", &argmax_rows, kWithoutGil, "the first index of each float32 or bfloat16 row's largest value (a NaN's if any), as torch.argmax");
   bind_decoder_stack(m);
 }

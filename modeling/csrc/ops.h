@@ -22,6 +22,8 @@
 #include <immintrin.h>
 #endif
 
+#include "team.h"
+
 namespace pybind11 {
 class module_;
 }  // namespace pybind11
@@ -228,17 +230,17 @@ inline typename L::V exp_lanes(typename L::V x) {
   return L::mul(p, L::pow2(n));
 }
 
-// work(i, next) for i = 0 .. count - 1 on the call's threads, one `work` made by make_work() for each thread
+// work(i, next) for i = 0 .. count - 1 on the call's team (team.h), one `work` made by make_work() for each thread
 // (its buffers, its state between items): each thread takes the items of its own contiguous share in order, then
 // helps with the others' shares from where they stand; `next` is the item after i in i's share (-1 past its end),
 // the one this thread takes next unless another takes it first. A thread reading one stream in order reads it at
-// about twice the pace of pieces taken in turn with another thread (machine E), and on a machine where another
-// process holds a core for a while, the other threads do the rest rather than wait for it.
+// about twice the pace of pieces taken in turn with another thread (machine E). A helper the OS has not run by the
+// time the others reach its share never gets it: they do it, and the call returns without waiting for that helper.
 template <typename MakeWork>
 void for_each_share_with(int64_t count, const MakeWork& make_work) {
-  const int64_t shares = std::min<int64_t>(at::get_num_threads(), count);
+  const int64_t shares = std::min<int64_t>(team_threads(), count);
   if (shares <= 0) return;
-  if (shares == 1 || at::in_parallel_region()) {  // one share (a one-row step's elementwise ops): this thread, at once
+  if (shares == 1 || in_team_work() || at::in_parallel_region()) {  // one share (a one-row step's elementwise ops)
     c10::ParallelGuard guard(true);  // as parallel_for runs a range it does not split
     auto work = make_work();
     for (int64_t item = 0; item < count; ++item) work(item, item + 1 < count ? item + 1 : -1);
@@ -253,10 +255,10 @@ void for_each_share_with(int64_t count, const MakeWork& make_work) {
   std::vector<Counter> counters(static_cast<size_t>(shares));
   const auto next = [&](int64_t s) -> std::atomic<int64_t>& { return counters[static_cast<size_t>(s)].value; };
   for (int64_t s = 0; s < shares; ++s) next(s).store(s * count / shares, std::memory_order_relaxed);
-  at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t) {
+  run_with_team(shares, [&](int64_t slot) {
     auto work = make_work();
     for (int64_t i = 0; i < shares; ++i) {
-      const int64_t s = (begin + i) % shares, end = (s + 1) * count / shares;
+      const int64_t s = (slot + i) % shares, end = (s + 1) * count / shares;
       for (int64_t item; (item = next(s).fetch_add(1, std::memory_order_relaxed)) < end;) {
         work(item, item + 1 < end ? item + 1 : -1);
       }
@@ -268,6 +270,13 @@ void for_each_share_with(int64_t count, const MakeWork& make_work) {
 template <typename Work>
 void for_each_share(int64_t count, const Work& work) {
   for_each_share_with(count, [&] { return [&](int64_t item, int64_t) { work(item); }; });
+}
+
+// for (begin, end) over [0, count) in ranges of `grain` (the last shorter), shared as for_each_share shares items.
+template <typename Body>
+void for_each_range(int64_t count, int64_t grain, const Body& body) {
+  const int64_t ranges = (count + grain - 1) / grain;
+  for_each_share(ranges, [&](int64_t range) { body(range * grain, std::min(count, (range + 1) * grain)); });
 }
 
 }  // namespace specserve

@@ -188,9 +188,9 @@ def test_the_default_path_is_the_fastest_this_cpu_has(ops) -> None:  # type: ign
 def test_a_model_runs_on_the_path_measured_fastest(ops, tiny_llama_folder: Path, dtype: torch.dtype,  # type: ignore[no-untyped-def]
                                                    block_format: str | None) -> None:
     config = ModelConfig.from_folder(tiny_llama_folder)
-    threads = torch.get_num_threads()
+    threads = (torch.get_num_threads(), ops.get_num_threads())
     timings = measure_linear_paths(ops, config, dtype, block_format)
-    assert torch.get_num_threads() == threads  # the probe runs on one thread and gives the others back
+    assert (torch.get_num_threads(), ops.get_num_threads()) == threads  # the probe runs on one thread, then gives them back
     assert list(timings.seconds) == list(ops.linear_paths())  # every path this CPU has, each timed
     assert all(seconds > 0 for seconds in [*timings.seconds.values(), timings.onednn])
     assert timings.choices == same_bits(list(ops.linear_paths()), dtype, block_format)
