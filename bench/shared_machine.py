@@ -1,8 +1,8 @@
 """Serving on a machine that is not ours alone: each server's speed beside busy neighbours, as a share of its own alone.
 
 Each server is started in turn and meets the same neighbours in the same run: none, then
-busy processes (`python3 -c 'while True: pass'`) started beside it, one and two of them, at
-normal priority and at nice 19, then none again. At each, a light client (threads over
+busy processes (`python3 -c 'while True: pass'`) started beside it (`--neighbours`: by
+default one and two of them, at normal priority and at nice 19), then none again. At each, a light client (threads over
 plain HTTP, one request at a time per thread: it takes little of the machine, and the
 same for every server) sends real chat prompts (bench/spec_prompts.py) at each
 concurrency, `--output-len` tokens each with the end of sequence ignored, greedy,
@@ -48,8 +48,8 @@ from bench.spec_prompts import WORKLOADS
 from specserve.stack import StackError, free_port, free_ports
 
 SERVERS = ("specserve", "specserve-draft", "vllm", "llamacpp")
-# Neighbours: (busy processes, their nice value); the first and last are none (alone before and after).
-NEIGHBOURS = ((0, 0), (1, 0), (1, 19), (2, 0), (2, 19), (0, 0))
+# Neighbours: (busy processes, their nice value), measured between a cell alone before and one after.
+NEIGHBOURS = ((1, 0), (1, 19), (2, 0), (2, 19))
 SERVED_NAME = "SmolLM2-135M-Instruct"  # the embedded model, as every server is told to call it
 
 
@@ -219,7 +219,7 @@ def measure_server(server: str, args: argparse.Namespace, work_dir: Path, count_
     with server_context(server, args, work_dir) as port:
         client = Client(port, args.output_len, count_tokens)
         client.run(texts[:2], 1, args.cell_timeout_s)  # warm-up, unmeasured
-        for busy, nice in NEIGHBOURS:
+        for busy, nice in [(0, 0), *args.neighbours, (0, 0)]:
             for concurrency in args.concurrency:
                 sent = [texts[i % len(texts)] for i in range(max(4, 2 * concurrency))]
                 with neighbours(busy, nice):
@@ -233,7 +233,7 @@ def measure_server(server: str, args: argparse.Namespace, work_dir: Path, count_
 
 def format_table(cells: Sequence[Cell]) -> str:
     """One row per server and concurrency: tok/s alone (before, after), then each neighbour's as a share of alone."""
-    crowded = [(busy, nice) for busy, nice in NEIGHBOURS if busy]
+    crowded = list(dict.fromkeys((cell.busy, cell.nice) for cell in cells if cell.busy))
     header = "| server | c | alone tok/s (before, after) | " + " | ".join(
         f"{busy} busy, nice {nice}" for busy, nice in crowded) + " |"
     rows = [header, "|---|---:|---:|" + "---:|" * len(crowded)]
@@ -251,6 +251,17 @@ def format_table(cells: Sequence[Cell]) -> str:
     return "\n".join(rows)
 
 
+def neighbour(text: str) -> tuple[int, int]:
+    """COUNT@NICE, e.g. 2@19."""
+    try:
+        count, nice = (int(part) for part in text.split("@"))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not COUNT@NICE, e.g. 1@19") from error
+    if count < 1 or not -20 <= nice <= 19:
+        raise argparse.ArgumentTypeError(f"{text!r}: COUNT at least 1, NICE within -20..19")
+    return count, nice
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.shared_machine", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -262,6 +273,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="for specserve and vLLM (default: specserve's on this machine)")
     parser.add_argument("--specserve-args", default="", help="more flags for `specserve up`, e.g. '--quantization q4_1'")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--neighbours", type=neighbour, nargs="+", default=list(NEIGHBOURS), metavar="COUNT@NICE",
+                        help="busy processes and their nice value, e.g. 1@0 1@19 (default: 1@0 1@19 2@0 2@19)")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--cell-timeout-s", type=float, default=120.0)
     args = parser.parse_args(argv)

@@ -24,10 +24,11 @@
 namespace specserve {
 namespace {
 
-// How long a helper looks for the next call before it sleeps. A decode step's calls come microseconds apart, so a
-// helper stays awake through a step; between steps (the scheduler's round trip) it sleeps and leaves the core to
-// the other processes.
-constexpr auto kHelperSpin = std::chrono::microseconds(200);
+// How long a helper looks for the next call before it sleeps: through a step (its calls come microseconds apart) and
+// through the gap between two steps of a busy server (the scheduler's round trip), so that it keeps its core. A
+// helper that slept there found the core taken by whatever ran meanwhile, a neighbour at nice 19 included, and a
+// server beside one lost about a tenth of its speed (0.95-1.0 with this spin). An idle server's helpers sleep.
+constexpr auto kHelperSpin = std::chrono::milliseconds(20);
 // How long a caller whose work is done looks for the helpers inside the call to leave before it sleeps: a helper
 // still inside after that has most likely lost its core, and a caller that sleeps lets the OS move it to this one.
 constexpr auto kCallerSpin = std::chrono::microseconds(20);
