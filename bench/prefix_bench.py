@@ -100,12 +100,19 @@ def vllm_server(vllm: str, model: Path, dtype: str, log_dir: Path, served_name: 
     port = free_port()
     command = [vllm, "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
                "--max-model-len", "2048", "--served-model-name", served_name]
+    with served(command, port, log_dir / "vllm.log", vllm_env()):
+        yield f"http://127.0.0.1:{port}"
+
+
+@contextmanager
+def served(command: list[str], port: int, log: Path, env: dict[str, str]) -> Iterator[None]:
+    """A server `command` listening on `port` (its output in `log`), from its first 200 on /health to the block's end."""
     print(f"starting: {shlex.join(command)}", file=sys.stderr, flush=True)
-    with (log_dir / "vllm.log").open("wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=vllm_env())
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             _wait_healthy(port, process, timeout_s=600)
-            yield f"http://127.0.0.1:{port}"
+            yield
         finally:
             process.terminate()
             try:

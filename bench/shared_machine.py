@@ -43,7 +43,7 @@ if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.local_stack import running_up
-from bench.prefix_bench import _wait_healthy, vllm_env
+from bench.prefix_bench import served, vllm_env
 from bench.spec_prompts import WORKLOADS
 from specserve.stack import StackError, free_port, free_ports
 
@@ -184,23 +184,6 @@ def llamacpp_server(binary: str, gguf: Path, threads: int, slots: int, log_dir: 
                str(2048 * slots), "--host", "127.0.0.1", "--port", str(port), "--alias", SERVED_NAME]
     with served(command, port, log_dir / "llamacpp.log", dict(os.environ)):
         yield port
-
-
-@contextmanager
-def served(command: list[str], port: int, log: Path, env: dict[str, str]) -> Iterator[None]:
-    print(f"starting: {shlex.join(command)}", file=sys.stderr, flush=True)
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-        try:
-            _wait_healthy(port, process, timeout_s=600)
-            yield
-        finally:
-            process.terminate()
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 def server_context(server: str, args: argparse.Namespace, work_dir: Path) -> AbstractContextManager[int]:

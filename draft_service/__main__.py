@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-# As in the target worker: keep OpenMP threads spinning between the draft model's short forwards.
+# As in the target worker: keep OpenMP threads spinning between the draft model's short forwards (on torch ops).
 os.environ.setdefault("GOMP_SPINCOUNT", "3000000")
 
 import sys  # noqa: E402

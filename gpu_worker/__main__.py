@@ -6,7 +6,9 @@ import os
 
 # Before torch loads libgomp: keep the OpenMP threads spinning ~ms between parallel regions,
 # so the short gap between two decode steps does not put them to sleep (measured here:
-# ~15% more tokens/s at batch 1). Idle longer than that, they sleep as usual.
+# ~15% more tokens/s at batch 1). Idle longer than that, they sleep as usual. They compute a
+# model only where the native kernels do not serve it (torch ops alone); the kernels have a
+# thread team of their own, and torch's ops then run on one thread (modeling/threads.py).
 os.environ.setdefault("GOMP_SPINCOUNT", "3000000")
 
 import sys  # noqa: E402
