@@ -1,4 +1,4 @@
-// The kernels' thread team (team.h): helpers that look for the next call for a moment, then sleep on a futex.
+// The kernels' thread team (team.h): helpers that look for the next call for a while, then sleep on a futex.
 #include "team.h"
 
 #include <ATen/Parallel.h>
@@ -27,7 +27,7 @@ namespace {
 // How long a helper looks for the next call before it sleeps: through a step (its calls come microseconds apart) and
 // through the gap between two steps of a busy server (the scheduler's round trip), so that it keeps its core. A
 // helper that slept there found the core taken by whatever ran meanwhile, a neighbour at nice 19 included, and a
-// server beside one lost about a tenth of its speed (0.95-1.0 with this spin). An idle server's helpers sleep.
+// server beside one lost about a tenth of its speed (docs/benchmarks.md). An idle server's helpers sleep.
 constexpr auto kHelperSpin = std::chrono::milliseconds(20);
 // How long a caller whose work is done looks for the helpers inside the call to leave before it sleeps: a helper
 // still inside after that has most likely lost its core, and a caller that sleeps lets the OS move it to this one.
