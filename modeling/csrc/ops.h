@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -256,11 +257,12 @@ void for_each_share_with(int64_t count, const MakeWork& make_work) {
   const auto next = [&](int64_t s) -> std::atomic<int64_t>& { return counters[static_cast<size_t>(s)].value; };
   for (int64_t s = 0; s < shares; ++s) next(s).store(s * count / shares, std::memory_order_relaxed);
   run_with_team(shares, [&](int64_t slot) {
-    auto work = make_work();
+    std::optional<decltype(make_work())> work;  // made at this thread's first item: a helper that came late makes none
     for (int64_t i = 0; i < shares; ++i) {
       const int64_t s = (slot + i) % shares, end = (s + 1) * count / shares;
       for (int64_t item; (item = next(s).fetch_add(1, std::memory_order_relaxed)) < end;) {
-        work(item, item + 1 < end ? item + 1 : -1);
+        if (!work) work.emplace(make_work());
+        (*work)(item, item + 1 < end ? item + 1 : -1);
       }
     }
   });

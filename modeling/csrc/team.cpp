@@ -13,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <exception>
+#include <system_error>
 #include <climits>
 #include <cstdint>
 #include <thread>
@@ -170,7 +171,11 @@ class Team {
       run_here(work, context, 0);  // one thread, work inside work, or another thread's call under way
       return;
     }
-    start_helpers(helpers);
+    if (!start_helpers(helpers) && started_ == 0) {  // no thread could be made (a container's pid limit): alone
+      busy_.store(false, std::memory_order_release);
+      run_here(work, context, 0);
+      return;
+    }
     Call call{work, context, slots};
     call_.store(&call, std::memory_order_seq_cst);
     epoch_.fetch_add(1, std::memory_order_seq_cst);
@@ -187,6 +192,7 @@ class Team {
 
  private:
   static void run_here(void (*work)(const void*, int64_t), const void* context, int64_t slot) {
+    c10::ParallelGuard guard(true);  // as in the helpers: torch's parallel_for inside the work runs on this thread
     const bool outer = tls_in_work;
     tls_in_work = true;
     try {
@@ -209,9 +215,17 @@ class Team {
     busy_.store(false, std::memory_order_release);
   }
 
-  void start_helpers(int64_t helpers) {
-    for (int64_t index = started_; index < helpers; ++index) std::thread([this, index] { serve(index); }).detach();
-    started_ = std::max(started_, helpers);
+  // Starts helpers up to `helpers`; false when the OS would not make one (the call then uses those there are).
+  bool start_helpers(int64_t helpers) {
+    for (; started_ < helpers; ++started_) {
+      const int64_t index = started_;
+      try {
+        std::thread([this, index] { serve(index); }).detach();
+      } catch (const std::system_error&) {
+        return false;
+      }
+    }
+    return true;
   }
 
   // In a child made by fork: the parent's helpers are not there, and no call is under way on this thread.
