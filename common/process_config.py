@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.cpus import usable_cpus
 from common.transport import Transport
 from common.transport import add_arguments as add_transport_arguments
 from common.transport import from_arguments as transport_from_arguments
@@ -23,9 +24,16 @@ class ProcessConfig:
     phase_timeout_s: float  # a start-up phase running longer ends the process (FAILED)
     step_timeout_s: float  # a step (proposal) running longer ends the process (FAILED)
     drain_timeout_s: float  # after SIGTERM, how long work in flight may take before the process stops anyway
-    num_threads: int  # torch intra-op threads on CPU; 0 = torch's default
+    num_threads: int  # threads to compute on; 0: the cores it may use (CPU), torch's default (GPU)
     status_file: Path | None  # the current lifecycle state is written here (container health checks)
     transport: Transport = Transport(None)  # its keys (common/transport.py), or insecure loopback
+
+    def compute_threads(self) -> int:
+        """The threads to compute on: num_threads, or on a CPU the cores this process may use; 0 on a GPU: torch's
+        default."""
+        if self.num_threads > 0 or self.device != "cpu":
+            return self.num_threads
+        return usable_cpus()
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, default_worker_id: str, dtypes: Sequence[str]) -> None:

@@ -26,7 +26,6 @@ from modeling.cpu_kernels import native_unavailable
 from modeling.kv_cache import DEFAULT_PAGE_SIZE
 from modeling.phrases import FULL_CONTEXT as PHRASE_FULL_CONTEXT
 from proto import messages as m
-from common.cpus import usable_cpus
 from modeling.threads import compute_on
 from proto.lifecycle import State
 
@@ -93,7 +92,7 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
     def phases(self) -> list[Phase]:
         process = self._config.process
         on_cpu = process.device == "cpu"
-        threads = process.num_threads if process.num_threads > 0 or not on_cpu else usable_cpus()
+        threads = process.compute_threads()
         if threads > 0:
             torch.set_num_threads(threads)
         assert self._proposer is not None  # made by hello()

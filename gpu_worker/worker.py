@@ -14,7 +14,6 @@ from gpu_worker.runner import ModelRunner
 from modeling.config import ModelConfig, model_fingerprint, vocab_fingerprint
 from gpu_worker.memory import num_kv_pages
 from modeling.batch import PageError
-from common.cpus import usable_cpus
 from modeling.threads import compute_on
 from proto import messages as m
 from proto.lifecycle import State
@@ -48,7 +47,7 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
     def phases(self) -> list[Phase]:
         process = self._config.process
         on_cpu = process.device == "cpu"
-        threads = process.num_threads if process.num_threads > 0 or not on_cpu else usable_cpus()
+        threads = process.compute_threads()
         if threads > 0:
             torch.set_num_threads(threads)  # loading: torch's ops on every thread
         runner = ModelRunner(self._config, self._model_config, self._num_pages)

@@ -235,7 +235,7 @@ inline typename L::V exp_lanes(typename L::V x) {
 // (its buffers, its state between items): each thread takes the items of its own contiguous share in order, then
 // helps with the others' shares from where they stand; `next` is the item after i in i's share (-1 past its end),
 // the one this thread takes next unless another takes it first. A thread reading one stream in order reads it at
-// about twice the pace of pieces taken in turn with another thread (machine E). A helper the OS has not run by the
+// about twice the pace of pieces taken in turn with another thread (docs/benchmarks.md). A helper the OS has not run by the
 // time the others reach its share never gets it: they do it, and the call returns without waiting for that helper.
 template <typename MakeWork>
 void for_each_share_with(int64_t count, const MakeWork& make_work) {
