@@ -70,7 +70,7 @@ unit: native
 	$(PY) -m pytest -q tests/unit
 
 lint: setup
-	$(PY) -m mypy proto/messages.py proto/lifecycle.py proto/generate.py common modeling gpu_worker draft_service distill scheduler gateway specserve bench --ignore-missing-imports
+	$(PY) -m mypy proto/messages.py proto/frames.py proto/lifecycle.py proto/generate.py common modeling gpu_worker draft_service distill scheduler gateway specserve bench --ignore-missing-imports
 
 bench: native
 	$(PY) -m bench.grpc_bench --start $(BENCH_ARGS)

@@ -29,6 +29,7 @@ from common.logs import get_logger
 from common.protocol_errors import ProtocolErrors
 from common.status_file import write_status_file
 from common.transport import HANDSHAKE_EVENTS
+from proto import frames
 from proto import messages as m
 from proto.lifecycle import Lifecycle, State
 
@@ -92,6 +93,11 @@ class LifecycleProcess(abc.ABC, Generic[T]):
     def handle(self, message: T) -> None:
         """Answer one decoded message other than Drain, whatever the state (refuse work unless READY)."""
 
+    @abc.abstractmethod
+    def max_frame_bytes(self) -> int:
+        """The largest frame the scheduler may send this process (proto/frames.py), from its settings; asked after
+        `hello`, before connecting (a larger frame drops the connection at its header)."""
+
     def num_used_kv_pages(self) -> int:
         """KV pages its own caches hold now, for heartbeats (0: none, or the scheduler counts them)."""
         return 0
@@ -150,10 +156,14 @@ class LifecycleProcess(abc.ABC, Generic[T]):
         self._socket.setsockopt(zmq.IDENTITY, self._identity)
         self._socket.setsockopt(zmq.LINGER, 2000)
         self._transport.join(self._socket, "worker")
-        self._socket.connect(self._scheduler_address)
         self.faults = FaultInjector(self.process_id)
         self._watch(State.STARTING, self._phase_timeout_s, "--phase-timeout-s")
-        self.send(self.hello())
+        try:
+            hello = self.hello()  # before connecting: what it reads sizes the frames this process takes
+        finally:  # connected even when it failed, so that nothing sent after waits on a socket without a peer
+            self._socket.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes())
+            self._socket.connect(self._scheduler_address)
+        self.send(hello)
         threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
         self.faults.at_phase(State.STARTING)  # after the hello, so that the scheduler sees what happens
         for state, work in self.phases():
@@ -187,7 +197,7 @@ class LifecycleProcess(abc.ABC, Generic[T]):
         self.log.error("process.failed", phase=phase, error_type=type(exc).__name__, error=str(exc), exc_info=exc)
         self.send(m.WorkerFailed(
             worker_id=self.process_id, incarnation=self.incarnation, phase=phase,
-            error_type=type(exc).__name__, message=str(exc),
+            error_type=type(exc).__name__[:m.MAX_NAME_CHARS], message=str(exc)[:m.MAX_REASON_CHARS],
         ))
         if self._lifecycle.state not in (State.FAILED, State.STOPPED):
             self._lifecycle.move_to(State.FAILED)
@@ -243,7 +253,8 @@ class LifecycleProcess(abc.ABC, Generic[T]):
         self.send(m.LifecycleReport(
             worker_id=self.process_id, incarnation=self.incarnation, state=new,
             previous_state=old, previous_duration_s=duration_s,
-            max_draft_tokens=self.ready_max_draft_tokens() if ready else None, kernels=self.kernels() if ready else "",
+            max_draft_tokens=self.ready_max_draft_tokens() if ready else None,
+            kernels=self.kernels()[:m.MAX_KERNELS_CHARS] if ready else "",
         ))
 
     def _heartbeat_loop(self) -> None:
@@ -251,6 +262,7 @@ class LifecycleProcess(abc.ABC, Generic[T]):
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.IDENTITY, m.heartbeat_identity(self._identity))
         socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, frames.HEARTBEAT_SOCKET_BYTES)
         self._transport.join(socket, "worker")
         monitor = socket.get_monitor_socket(HANDSHAKE_EVENTS)
         socket.connect(self._scheduler_address)

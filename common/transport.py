@@ -14,7 +14,9 @@ encrypted. The keys live in one folder, made by `specserve keys FOLDER`:
     authorized/worker/*.key    public keys the scheduler lets in on its worker socket
 
 A process started without keys refuses to run unless told `--insecure-loopback`, and
-then every address it binds or connects to must be on this machine's loopback.
+then every address it binds or connects to must be on this machine's loopback. A key pair
+(`*.key_secret`) that its group or others may read is refused, as ssh refuses such a private
+key: `specserve keys` makes them 0600.
 """
 
 from __future__ import annotations
@@ -211,6 +213,7 @@ def _load_public(keys: Path, name: str) -> bytes:
 
 def _load_pair(keys: Path, name: str) -> tuple[bytes, bytes]:
     path = keys / f"{name}.key_secret"
+    _check_private(keys, path)
     try:
         public, secret = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as exc:
@@ -218,3 +221,15 @@ def _load_pair(keys: Path, name: str) -> tuple[bytes, bytes]:
     if secret is None:
         raise TransportError(f"--keys {keys}: {path} holds no secret key")
     return public, secret
+
+
+def _check_private(keys: Path, path: Path) -> None:
+    """Refuses a secret key with any of its mode's group or other bits set: whoever else can read it can speak for its
+    role. (A file that cannot be read is named by the read that follows.)"""
+    try:
+        mode = path.stat().st_mode & 0o777
+    except OSError:
+        return
+    if mode & 0o077:
+        raise TransportError(f"--keys {keys}: the secret key {path} is open to its group or others (mode {mode:04o}); "
+                             f"chmod 600 it")

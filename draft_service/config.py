@@ -13,6 +13,7 @@ from common.process_config import ProcessConfig
 from draft_service.defaults import HEAD_DRAFT_TOKENS
 from modeling.engine import DTYPES
 from modeling.quantized import QUANTIZATION_HELP, QuantizationError, weight_blocks
+from proto.messages import MAX_SPARSE_DIST_TOKENS
 
 PROPOSER_HELP = (
     "what proposes: 'ngram' (prompt lookup), 'model:PATH' (a draft model folder whose vocabulary matches the "
@@ -68,6 +69,8 @@ def from_arguments(args: argparse.Namespace) -> DraftConfig:
     if problem := below_problem(args, ("max_draft_tokens", "head_draft_tokens", "ngram_min", "max_model_len", "num_seqs",
                                        "num_targets", "draft_top_k"), 1):
         raise ValueError(problem)
+    if args.draft_top_k > MAX_SPARSE_DIST_TOKENS:  # the scheduler and the targets refuse a larger distribution
+        raise ValueError(f"--draft-top-k {args.draft_top_k}: at most {MAX_SPARSE_DIST_TOKENS}")
     process = process_config.from_arguments(args)
     if args.ngram_max < args.ngram_min:
         raise ValueError(f"--ngram-max ({args.ngram_max}) is below --ngram-min ({args.ngram_min})")

@@ -25,6 +25,7 @@ from draft_service.testing_proposers import RandomProposer, ReplayProposer
 from modeling.cpu_kernels import native_unavailable
 from modeling.kv_cache import DEFAULT_PAGE_SIZE
 from modeling.phrases import FULL_CONTEXT as PHRASE_FULL_CONTEXT
+from proto import frames
 from proto import messages as m
 from modeling.threads import compute_on
 from proto.lifecycle import State
@@ -105,6 +106,15 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
 
         return [(State.LOADING, load), (State.ALLOCATING, allocate), (State.WARMING, warm_up)]
 
+    def max_frame_bytes(self) -> int:
+        """A propose request at its largest: the sequences it holds (--num-seqs for each target), each sent whole with
+        its feature rows (the scheduler asks for fewer, up to its --spec-disable-batch-threshold)."""
+        cfg = self._config
+        width = self._proposer.feature_width if self._proposer is not None else 0  # None: its hello failed
+        return frames.scheduler_to_draft(frames.FrameLimits(
+            max_model_len=cfg.max_model_len, max_num_seqs=cfg.num_seqs, max_num_batched_tokens=0,
+            max_draft_tokens=cfg.max_draft_tokens, max_propose_seqs=cfg.num_seqs, feature_width=width))
+
     def num_used_kv_pages(self) -> int:
         """The draft KV pages its proposer holds (a lookup proposer holds none, whatever sequences it keeps)."""
         return self._proposer.num_used_kv_pages if self._proposer is not None else 0
@@ -141,7 +151,7 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
         if problem:
             self.log.warning("propose.refused", propose_id=request.propose_id, reason=problem)
             self.send(m.ProposeRefused(worker_id=self.process_id, incarnation=self.incarnation,
-                                       propose_id=request.propose_id, state=self.state, reason=problem))
+                                       propose_id=request.propose_id, state=self.state, reason=problem[:m.MAX_REASON_CHARS]))
             return
         self.run_step(lambda: self._propose(request))
 

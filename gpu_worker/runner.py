@@ -171,10 +171,13 @@ class ModelRunner:
         return masks
 
     def _after_grammar(self, w: SeqWork, token_ids: list[int]) -> tuple[list[int], bool]:
+        """The tokens the grammar forces next, as many as a step may verify (a long forced string would make the step's
+        result larger than the scheduler takes, proto/frames.py), and whether it is complete."""
         if w.grammar is None:
             return [], False
         try:
-            return self._grammars.after_step(w.request_id, token_ids)
+            forced, complete = self._grammars.after_step(w.request_id, token_ids)
+            return forced[: self._config.max_draft_tokens], complete
         except GrammarFailure as error:
             raise PageError(f"request {w.request_id}: {error}", request_id=w.request_id) from error
 

@@ -15,6 +15,7 @@ from modeling.config import ModelConfig, model_fingerprint, vocab_fingerprint
 from gpu_worker.memory import num_kv_pages
 from modeling.batch import PageError
 from modeling.threads import compute_on
+from proto import frames
 from proto import messages as m
 from proto.lifecycle import State
 
@@ -43,6 +44,13 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
             dtype=cfg.process.dtype, device=cfg.process.device, vocab_fingerprint=vocab_fingerprint(cfg.model),
             max_draft_tokens=cfg.max_draft_tokens, feature_width=self._model_config.hidden_size,
         )
+
+    def max_frame_bytes(self) -> int:
+        """A step at its largest, as this worker's settings allow (the scheduler's of the same names are no larger)."""
+        cfg = self._config
+        return frames.scheduler_to_target(frames.FrameLimits(
+            max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_draft_tokens=cfg.max_draft_tokens, kv_page_size=cfg.page_size))
 
     def phases(self) -> list[Phase]:
         process = self._config.process
@@ -125,5 +133,5 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
         self.log.warning("step.refused", step_id=step.step_id, reason=reason, request_id=request_id)
         self.send(m.StepRefused(
             worker_id=self.process_id, incarnation=self.incarnation, step_id=step.step_id,
-            state=self.state, reason=reason, request_id=request_id,
+            state=self.state, reason=reason[:m.MAX_REASON_CHARS], request_id=request_id,
         ))

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from modeling.trees import tree_depths
+from proto.messages import MAX_SPARSE_DIST_TOKENS
 
 _SUM_TOLERANCE = 1e-3  # float32 probabilities renormalised by the draft sum to 1 well within this
 
@@ -26,6 +27,8 @@ def sparse_dist_problem(dist: SparseDistLike, vocab_size: int) -> str:
     """Why `dist` is not a distribution over the vocabulary ("" when it is); rejection sampling needs a true q."""
     if len(dist.token_ids) != len(dist.probs) or not dist.token_ids:
         return f"a distribution has {len(dist.token_ids)} tokens and {len(dist.probs)} probabilities"
+    if len(dist.token_ids) > MAX_SPARSE_DIST_TOKENS:
+        return f"a distribution lists {len(dist.token_ids)} tokens, more than {MAX_SPARSE_DIST_TOKENS}"
     if len(set(dist.token_ids)) != len(dist.token_ids) or (vocab_size and len(dist.token_ids) > vocab_size):
         return "a distribution repeats a token"
     if vocab_size and any(not 0 <= t < vocab_size for t in dist.token_ids):

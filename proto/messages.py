@@ -22,8 +22,9 @@ from proto.lifecycle import State
 # 5: lifecycle states typed, a step output names the draft nodes it accepted;
 # 6: a paged KV cache (a step names each sequence's pages; cached prompt tokens in usage);
 # 9: a READY report names the kernels its model runs on (a receiver refuses fields it does not know);
-# 10: log-probabilities of sampled and prompt tokens.
-PROTOCOL_VERSION = 10
+# 10: log-probabilities of sampled and prompt tokens;
+# 11: gateways heartbeat (GatewayHeartbeat) and are probed (Probe); InfoReply counts the gateways given up on.
+PROTOCOL_VERSION = 11
 
 # The most alternatives a log-probability may list with the token it is for (OpenAI's top_logprobs limit).
 MAX_TOP_LOGPROBS = 20
@@ -36,9 +37,39 @@ GREEDY_BELOW = 1e-5
 
 
 MAX_PENALTY = 2.0  # presence and frequency penalties, either sign (OpenAI's range)
+# A logit of a token seen before is divided by the repetition penalty if positive, else multiplied by it: in
+# [1/100, 100] a logit moves by at most 100 times, far inside float32 for any model's logits. A smaller penalty made
+# them infinite (1e-300 is 0 in float32), and every log-probability NaN.
+MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
+# Logits are divided by the temperature: past this, every token is about as likely as any other anyway.
+MAX_TEMPERATURE = 1e4
 MAX_LOGIT_BIAS = 100.0  # either sign (OpenAI's range)
 MAX_LOGIT_BIAS_ENTRIES = 1024
+
+# Sizes every message keeps to, whoever sends it: a receiver refuses more (or cuts it, where said), and proto/frames.py
+# sizes the largest frame each socket takes from them.
+MAX_REQUEST_ID_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+MAX_GRAMMAR_CHARS = 1 << 20
+MAX_CACHE_SALT_CHARS = 512  # a client's salt (at most 256) with the gateway's own before it
+MAX_NAME_CHARS = 256  # a hello's ids, names, fingerprints, dtype and device
+MAX_KERNELS_CHARS = 1024  # a READY report's kernels beyond this are cut (they go into GetServerInfo and /metrics labels)
+MAX_REASON_CHARS = 2048  # a failure's or a refusal's text: its sender cuts it here, and so does the scheduler relaying it
+MAX_DRAFT_TOKENS = 64  # draft tokens one sequence's step verifies (a hello claiming more is refused)
+# The widest target features (hidden states) a process may return or read: Llama 3.1 405B's, the widest model of the
+# families modeling/ implements. Feature rows are the largest frames on the scheduler's worker socket.
+MAX_FEATURE_WIDTH = 1 << 14
+MAX_SPARSE_DIST_TOKENS = 1024  # tokens a draft's sampled distribution lists (the draft service's --draft-top-k)
+# What the scheduler sends a gateway in one frame, so that a gateway (which knows none of the scheduler's settings) can
+# bound it: more deltas go in several TokenDeltas, a longer chunk's prompt log-probabilities in several deltas, and
+# GetServerInfo lists this many processes, each with this many kinds of protocol error it reported.
+MAX_DELTAS_PER_FRAME = 64
+MAX_PROMPT_LOGPROBS_PER_DELTA = 256
+MAX_LISTED_PROCESSES = 256
+MAX_ERROR_KINDS = 32
+MAX_ERROR_KIND_CHARS = 64
+MAX_RELEASE_IDS = 1024  # request ids one ReleaseSequences names (more go in several)
 
 
 class Penalties(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -101,6 +132,9 @@ class SubmitRequest(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fi
     resumed_tokens: int = 0
     # The grammar its completion follows (llguidance's text, modeling/structured.py); None: any text.
     grammar: str | None = None
+    # Its prefix-cache pages are shared only with requests of the same salt ("": the cache every unsalted request
+    # shares); the gateway sets it (see its --prefix-cache-scope).
+    cache_salt: str = ""
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True, forbid_unknown_fields=True):
@@ -119,9 +153,25 @@ class InfoQuery(msgspec.Struct, tag="info_query", frozen=True, forbid_unknown_fi
 class GatewayHello(msgspec.Struct, tag="gateway_hello", frozen=True, forbid_unknown_fields=True):
     gateway_id: str
     protocol_version: int
+    # A name of the gateway process, new at each start: a greeting with another one from the same routing identity
+    # (a gateway restarted with the same --gateway-id) is a new process, which cannot resume its predecessor's requests.
+    incarnation: str = ""
 
 
-GatewayToScheduler = SubmitRequest | AbortRequest | InfoQuery | GatewayHello
+# How often a gateway says GatewayHeartbeat; the scheduler's --heartbeat-timeout-s must be well above it.
+GATEWAY_HEARTBEAT_INTERVAL_S = 1.0
+
+
+class GatewayHeartbeat(msgspec.Struct, tag="gateway_heartbeat", frozen=True, forbid_unknown_fields=True):
+    """A gateway is alive, every GATEWAY_HEARTBEAT_INTERVAL_S. It says what the hello says, so a gateway the scheduler
+    gave up on while its connection stayed up (silent too long) is known again without a new connection."""
+
+    gateway_id: str
+    protocol_version: int
+    incarnation: str = ""
+
+
+GatewayToScheduler = SubmitRequest | AbortRequest | InfoQuery | GatewayHello | GatewayHeartbeat
 
 
 # ---------------------------------------------------------------- scheduler -> gateway
@@ -204,9 +254,16 @@ class InfoReply(msgspec.Struct, tag="info", frozen=True, forbid_unknown_fields=T
     speculation: SpeculationInfo | None = None
     # Messages the scheduler dropped since it started, by socket and kind ("worker.decode", "gateway.unknown_sender").
     protocol_errors: dict[str, int] = {}
+    num_gateways: int = 0  # gateways the scheduler knows now (connected, or gone for less than --gateway-gone-grace-s)
+    num_gone_gateways: int = 0  # gateways given up on since it started: gone for longer than --gateway-gone-grace-s
+    num_orphaned_requests: int = 0  # requests aborted since it started because their gateway was given up on
 
 
-SchedulerToGateway = TokenDelta | TokenDeltas | RequestError | InfoReply
+class Probe(msgspec.Struct, tag="probe", frozen=True, forbid_unknown_fields=True):
+    """Nothing to do: the scheduler sent it only to learn whether this process's connection is still there."""
+
+
+SchedulerToGateway = TokenDelta | TokenDeltas | RequestError | InfoReply | Probe
 
 
 # ---------------------------------------------------------------- scheduler -> worker
@@ -280,10 +337,6 @@ class Drain(msgspec.Struct, tag="drain", frozen=True, forbid_unknown_fields=True
     """Finish the step in flight, then stop."""
 
     incarnation: int
-
-
-class Probe(msgspec.Struct, tag="probe", frozen=True, forbid_unknown_fields=True):
-    """Nothing to do: the scheduler sent it only to learn whether this process's connection is still there."""
 
 
 SchedulerToWorker = StepRequest | Drain | Probe

@@ -117,8 +117,10 @@ class WorkerRecord:
             num_kv_pages=self.hello.num_kv_pages,
             kv_page_size=self.hello.kv_page_size,
             num_running=len(self.requests),
-            failure=self.failure,
-            protocol_errors=dict(self.protocol_errors),
+            # What the process said is cut to what a gateway takes (proto/frames.py).
+            failure=self.failure[: m.MAX_REASON_CHARS],
+            protocol_errors={kind[: m.MAX_ERROR_KIND_CHARS]: count
+                             for kind, count in list(self.protocol_errors.items())[: m.MAX_ERROR_KINDS]},
             num_cached_kv_pages=0 if pages is None else pages.num_cached,
             prefix_cache_queried_tokens=0 if pages is None else pages.counters.num_queried_tokens,
             prefix_cache_hit_tokens=0 if pages is None else pages.counters.num_hit_tokens,
@@ -130,10 +132,10 @@ class WorkerRecord:
 # What a hello may claim: anything beyond is refused before a record (and its page pool) is built.
 MAX_PAGE_SIZE = 1024
 MAX_SIZE = 1 << 24  # vocabulary, context length
-MAX_FEATURE_WIDTH = 1 << 16
-MAX_DRAFT_TOKENS = 64
-MAX_NAME_CHARS = 256
-MAX_KERNELS_CHARS = 1024  # a READY report's kernels beyond this are cut (they go into GetServerInfo and /metrics labels)
+MAX_FEATURE_WIDTH = m.MAX_FEATURE_WIDTH  # the protocol's limits (proto/messages.py), which size the frames
+MAX_DRAFT_TOKENS = m.MAX_DRAFT_TOKENS
+MAX_NAME_CHARS = m.MAX_NAME_CHARS
+MAX_KERNELS_CHARS = m.MAX_KERNELS_CHARS
 # Incarnations are the process's start time in ns (common/lifecycle_process.py): one from further ahead than
 # this would outrank every honest restart for that long.
 MAX_INCARNATION_AHEAD_NS = 24 * 3600 * 10**9

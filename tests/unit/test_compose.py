@@ -156,6 +156,13 @@ def test_every_service_on_the_sockets_reads_the_keys_made_before_it_starts(resol
             assert any(str(volume).endswith(":/keys") or str(volume).endswith(":/keys:rw") for volume in service["volumes"]), name
 
 
+def test_every_service_reads_the_keys_as_the_user_that_made_them(resolved: dict) -> None:  # type: ignore[type-arg]
+    """The keys service writes each secret key 0600 (a key others may read is refused, common/transport.py): a service
+    running as another user could not read it. Every service runs as the image's one user (none sets `user`)."""
+    users = {name: service.get("user") for name, service in resolved["services"].items()}
+    assert set(users.values()) == {users["keys"]}, users
+
+
 def test_a_wrong_command_is_refused() -> None:
     with pytest.raises((SystemExit, argparse.ArgumentError)):
         _accepts(["worker", "--model", "/models/m", "--no-such-flag"])

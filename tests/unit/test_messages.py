@@ -20,6 +20,7 @@ GATEWAY_TO_SCHEDULER: list[msgspec.Struct] = [
     m.AbortRequest("r-1", "client_cancelled"),
     m.InfoQuery(query_id=7),
     m.GatewayHello("gateway-1", m.PROTOCOL_VERSION),
+    m.GatewayHeartbeat("gateway-1", m.PROTOCOL_VERSION),
 ]
 SCHEDULER_TO_GATEWAY: list[msgspec.Struct] = [
     m.TokenDelta("r-1", [11, 12], None, 3, 2),
@@ -31,7 +32,8 @@ SCHEDULER_TO_GATEWAY: list[msgspec.Struct] = [
                       prefix_cache_queried_tokens=40, prefix_cache_hit_tokens=32, num_preemptions=1,
                       kernels="native (linear kernel: avx2)"),
         m.ProcessInfo("w1", "target", "FAILED", 1, 9.5, 0, 64, 16, 0, "LOADING: OSError: no such file"),
-    ]),
+    ], num_gateways=2, num_gone_gateways=1, num_orphaned_requests=8),
+    m.Probe(),
 ]
 SCHEDULER_TO_WORKER: list[msgspec.Struct] = [
     m.StepRequest(4, 2, [

@@ -4,6 +4,7 @@ every process makes before it starts."""
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,36 @@ def test_a_missing_or_damaged_key_file_is_named(tmp_path: Path) -> None:
     (keys / "scheduler.key").unlink()
     with pytest.raises(TransportError, match="cannot read the public key .*scheduler.key"):
         transport.check_keys(keys, "scheduler")
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660, 0o610, 0o601, 0o700], ids=lambda mode: f"{mode:04o}")
+def test_a_secret_key_its_group_or_others_may_use_is_refused_naming_the_file_and_its_mode(tmp_path: Path,
+                                                                                         mode: int) -> None:
+    keys = tmp_path / "keys"
+    make_keys(keys)
+    secret = keys / "worker.key_secret"
+    secret.chmod(mode)
+    if mode & 0o077 == 0:  # the owner's own bits are the owner's business
+        transport.check_keys(keys, "worker")
+        return
+    refused = rf"{re.escape(str(secret))} is open to its group or others \(mode 0{mode:o}\); chmod 600 it"
+    with pytest.raises(TransportError, match=refused):
+        transport.from_arguments(_args("--keys", str(keys)), "worker", [("--scheduler-address", "tcp://scheduler:5556")])
+    with zmq.Context() as context, context.socket(zmq.DEALER) as sock, pytest.raises(TransportError, match=refused):
+        Transport(keys).join(sock, "worker")
+    transport.check_keys(keys, "gateway")  # the other roles' keys are still theirs
+    secret.chmod(0o400)
+    transport.check_keys(keys, "worker")
+
+
+def test_a_service_given_a_secret_key_others_may_read_refuses_to_start_naming_it(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    make_keys(keys)
+    (keys / "scheduler.key_secret").chmod(0o644)
+    done = subprocess.run([sys.executable, "-m", "scheduler", "--keys", str(keys)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"{keys / 'scheduler.key_secret'} is open to its group or others (mode 0644); chmod 600 it" in done.stderr
 
 
 def test_the_scheduler_needs_its_authorized_folders(tmp_path: Path) -> None:
