@@ -73,6 +73,12 @@ class SchedulerCollector(Collector):
         yield GaugeMetricFamily("specserve_queue_length", "Requests waiting for KV pages", value=info.num_waiting)
         yield GaugeMetricFamily("specserve_running_requests", "Requests placed on a worker (the running batch)",
                                 value=info.num_running)
+        yield GaugeMetricFamily("specserve_gateways", "Gateways the scheduler knows (connected, or missing for less "
+                                "than its --gateway-gone-grace-s)", value=info.num_gateways)
+        yield CounterMetricFamily("specserve_gone_gateways", "Gateways the scheduler gave up on: missing for longer "
+                                  "than its --gateway-gone-grace-s", value=info.num_gone_gateways)
+        yield CounterMetricFamily("specserve_orphaned_requests", "Requests aborted because their gateway was gone",
+                                  value=info.num_orphaned_requests)
         state = GaugeMetricFamily("specserve_process_state", "1 for each process's current lifecycle state",
                                   labels=["process_id", "role", "state"])
         heartbeat = GaugeMetricFamily("specserve_process_heartbeat_age_seconds", "Since each process was last heard",

@@ -10,6 +10,7 @@ from common.transport import Transport
 from common.transport import add_arguments as add_transport_arguments
 from common.transport import from_arguments as transport_from_arguments
 from common.arguments import below_problem, not_positive_problem
+from proto.messages import GATEWAY_HEARTBEAT_INTERVAL_S, MAX_NAME_CHARS
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class SchedulerConfig:
     max_num_seqs: int  # sequences in one step, and running on one worker
     max_queue_len: int  # waiting requests at most; more are refused with RESOURCE_EXHAUSTED
     no_worker_timeout_s: float  # a request waiting this long with no READY worker fails UNAVAILABLE
-    heartbeat_timeout_s: float  # a worker silent this long is DEAD
+    heartbeat_timeout_s: float  # a worker silent this long is DEAD; a gateway, gone
     step_timeout_s: float  # a step unanswered this long marks its worker DEAD
     status_file: Path | None = None  # LISTENING once its sockets are bound, for container health checks
     num_speculative_tokens: int = 6  # k: draft tokens proposed per sequence and step; 0 turns speculation off
@@ -33,6 +34,8 @@ class SchedulerConfig:
     prefix_cache: bool = True  # share the KV pages of equal prompt prefixes between requests
     max_request_retries: int = 2  # a request in the step of this many lost workers is retried; one more fails it
     gone_listed_s: float = 300.0  # a DEAD or FAILED process is listed (GetServerInfo, /metrics) this long, then not
+    # A gateway gone (its connection closed, or silent for heartbeat_timeout_s) this long has its requests aborted.
+    gateway_gone_grace_s: float = 10.0
     keys: Path | None = None  # the CurveZMQ key folder (common/transport.py); None: --insecure-loopback
     insecure_loopback: bool = False  # no keys, every address on loopback
 
@@ -50,7 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one step, and running on one worker")
     parser.add_argument("--max-queue-len", type=int, default=1024)
     parser.add_argument("--no-worker-timeout-s", type=float, default=30.0)
-    parser.add_argument("--heartbeat-timeout-s", type=float, default=5.0)
+    parser.add_argument("--heartbeat-timeout-s", type=float, default=5.0,
+                        help="a worker or draft service silent this long is DEAD; a gateway silent this long is gone "
+                             f"(gateways say a heartbeat every {GATEWAY_HEARTBEAT_INTERVAL_S:g} s)")
     parser.add_argument("--step-timeout-s", type=float, default=60.0)
     parser.add_argument("--status-file", type=Path, default=None, help="write LISTENING here once the sockets are bound (for container health checks)")
     parser.add_argument("--num-speculative-tokens", type=int, default=6,
@@ -66,6 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how long a step waits for the draft service before it runs without proposals")
     parser.add_argument("--gone-listed-s", type=float, default=300.0,
                         help="how long a DEAD or FAILED process stays listed in GetServerInfo and /metrics")
+    parser.add_argument("--gateway-gone-grace-s", type=float, default=10.0,
+                        help="a gateway whose connection closed, or that was silent for --heartbeat-timeout-s, has this "
+                             "long to come back (a network blip, a restart with the same --gateway-id); then its "
+                             "requests, waiting and running, are aborted and their KV pages freed")
     parser.add_argument("--max-request-retries", type=int, default=2,
                         help="a request whose step was in flight on a worker that was lost is run again this many times "
                              "at most; the next loss fails it (a request that kills every worker it meets)")
@@ -80,8 +89,10 @@ def from_arguments(args: argparse.Namespace) -> SchedulerConfig:
                 "gone_listed_s")
     if problem := not_positive_problem(args, positive) or below_problem(
             args, ("num_speculative_tokens", "spec_disable_batch_threshold", "spec_draft_token_budget",
-                   "max_request_retries"), 0):
+                   "max_request_retries", "gateway_gone_grace_s"), 0):
         raise ValueError(problem)
+    if len(args.model_name) > MAX_NAME_CHARS:  # it goes to every gateway (proto/frames.py)
+        raise ValueError(f"--model-name: at most {MAX_NAME_CHARS} characters, got {len(args.model_name)}")
     transport_from_arguments(args, "scheduler", (("--gateway-address", args.gateway_address),
                                                 ("--worker-address", args.worker_address)))
     return SchedulerConfig(**{field.name: getattr(args, field.name) for field in fields(SchedulerConfig)})  # one flag each

@@ -20,6 +20,7 @@ from common.protocol_errors import ProtocolErrors
 from proto import messages as m
 from proto.lifecycle import TRANSITIONS, State
 from scheduler.config import SchedulerConfig
+from scheduler.gateways import GatewayRecord, GatewayRegistry
 from scheduler.outbox import Outbox
 from scheduler.requests import RequestRejected, RequestStatus, RequestTable, token_problem
 from scheduler.speculation.link import DraftLink
@@ -42,7 +43,9 @@ class SchedulerCore:
         self._drafts = DraftLink(config)
         self.outbox = Outbox()
         self._steps = StepCycle(config, self._requests, self._workers, self._drafts, self.outbox)
-        self._gateways: set[bytes] = set()
+        self._gateways = GatewayRegistry(config.heartbeat_timeout_s, config.gateway_gone_grace_s)
+        self._num_gone_gateways = 0  # since start: gateways missing past the grace window
+        self._num_orphaned_requests = 0  # since start: requests aborted because their gateway was gone
         # What the shell drops from each socket before (or after) the core sees it, exported with info().
         self.protocol_errors = {"gateway": ProtocolErrors("scheduler.gateway"), "worker": ProtocolErrors("scheduler.worker")}
         self._no_ready_target_since_s: float | None = 0.0  # None while a target worker is READY
@@ -63,23 +66,31 @@ class SchedulerCore:
     def knows_gateway(self, identity: bytes) -> bool:
         return identity in self._gateways
 
+    def gateways_to_probe(self) -> list[bytes]:
+        """The gateways believed connected: the shell routes a Probe to each every tick, and tells
+        `on_gateway_unreachable` about any whose connection is gone."""
+        return self._gateways.connected()
+
     def info(self, query_id: int, now_s: float) -> m.InfoReply:
         return m.InfoReply(
             query_id=query_id, model_name=self._config.model_name, max_model_len=self._config.max_model_len,
             num_waiting=self.num_waiting, num_running=self.num_running,
-            processes=[w.info(now_s) for w in self._workers
-                       if w.is_live or now_s - w.state_since_s <= self._config.gone_listed_s],
+            processes=[w.info(now_s) for w in self._workers  # at most what a gateway takes (proto/frames.py)
+                       if w.is_live or now_s - w.state_since_s <= self._config.gone_listed_s][: m.MAX_LISTED_PROCESSES],
             speculation=self._drafts.counters.info(),
             protocol_errors={f"{socket}.{kind}": count for socket, errors in self.protocol_errors.items()
                              for kind, count in errors.counts.items()},
+            num_gateways=len(self._gateways), num_gone_gateways=self._num_gone_gateways,
+            num_orphaned_requests=self._num_orphaned_requests,
         )
 
     # ------------------------------------------------------------------ events in
 
     def on_gateway_message(self, identity: bytes, message: m.GatewayToScheduler, now_s: float) -> None:
+        self._gateways.heard(identity, now_s)
         match message:
-            case m.GatewayHello():
-                self._gateways.add(identity)
+            case m.GatewayHello() | m.GatewayHeartbeat():
+                self._greet(identity, message, now_s)
             case m.SubmitRequest():
                 self._submit(identity, message, now_s)
             case m.AbortRequest():
@@ -99,6 +110,11 @@ class SchedulerCore:
                 assert_never(message)
         self._end_event()
 
+    def on_gateway_unreachable(self, identity: bytes, now_s: float) -> None:
+        """A message routed to this gateway found no connection (ROUTER_MANDATORY): it is missing from now; its
+        requests are aborted unless it comes back within --gateway-gone-grace-s (check_timeouts)."""
+        self._gateways.unreachable(identity, now_s)
+
     def on_worker_message(self, identity: bytes, message: m.WorkerToScheduler, now_s: float) -> bool:
         """Apply one worker message; False when it was dropped as stale or unexpected."""
         accepted = self._on_worker_message(identity, message, now_s)
@@ -115,6 +131,9 @@ class SchedulerCore:
             log.warning("propose.timeout", propose_id=pending.propose_id, waited_s=round(now_s - pending.sent_at_s, 3),
                         note="the step runs without proposals (--propose-timeout-s)")
             self._steps.give_up_proposal(pending, now_s, answer_may_come=True)
+        for gateway in self._gateways.gone(now_s):
+            self._orphan_requests(gateway, now_s, f"the gateway was {gateway.missing_because} for more than "
+                                                  f"{self._config.gateway_gone_grace_s:g} s (--gateway-gone-grace-s)")
         self._drafts.log_stats(now_s)
         if not self.has_ready_target():
             if self._no_ready_target_since_s is None:
@@ -126,6 +145,18 @@ class SchedulerCore:
                 self._steps.finish(request, RequestStatus.FAILED, notify=False, reason=failure)
                 self.outbox.to_gateway(request.gateway, m.RequestError(request.request_id, "UNAVAILABLE", failure))
         self._end_event()
+
+    def _greet(self, identity: bytes, greeting: m.GatewayHello | m.GatewayHeartbeat, now_s: float) -> None:
+        """A gateway speaking this protocol is known from its hello, or from any heartbeat (one given up on while its
+        connection stayed up is known again)."""
+        if greeting.protocol_version != m.PROTOCOL_VERSION:
+            self.protocol_errors["gateway"].record("bad_hello", gateway_id=greeting.gateway_id[:64],
+                                                   problem=f"protocol version {greeting.protocol_version}, the "
+                                                           f"scheduler speaks {m.PROTOCOL_VERSION}")
+            return
+        replaced = self._gateways.greet(identity, greeting.gateway_id[:256], greeting.incarnation[:64], now_s)
+        if replaced is not None:  # a new process under the old one's identity: nobody reads the old one's requests
+            self._orphan_requests(replaced, now_s, "the gateway that sent it was restarted", notify=False)
 
     def _submit(self, identity: bytes, submit: m.SubmitRequest, now_s: float) -> None:
         try:
@@ -318,6 +349,26 @@ class SchedulerCore:
                 log.error("request.quarantined", request_id=request.request_id, reason=problem)
                 self._steps.finish(request, RequestStatus.FAILED, notify=False, reason=problem)
                 self.outbox.to_gateway(request.gateway, m.RequestError(request.request_id, "INTERNAL", problem))
+
+    def _orphan_requests(self, gateway: GatewayRecord, now_s: float, problem: str, *, notify: bool = True) -> None:
+        """A gateway missing past the grace window, or replaced by a new process under its identity, is gone: nobody
+        reads its requests' tokens, so they end, waiting and running alike, and their pages are free for the others.
+        With `notify`, each is also told UNAVAILABLE, for a gateway that only hung with its connection up and reads it
+        later."""
+        orphans = [r for r in self._requests if r.gateway == gateway.identity]
+        num_running = sum(r.status is RequestStatus.RUNNING for r in orphans)
+        for request in orphans:
+            self._steps.finish(request, RequestStatus.FINISHED_ABORTED, notify=False, reason=problem)
+            if notify:  # (not a process that replaced it: it never knew them)
+                self.outbox.to_gateway(gateway.identity, m.RequestError(request.request_id, "UNAVAILABLE", problem))
+        self._num_gone_gateways += 1
+        self._num_orphaned_requests += len(orphans)
+        log.warning("gateway.gone", gateway_id=gateway.gateway_id, because=gateway.missing_because,
+                    missing_for_s=round(now_s - gateway.missing_since_s, 3), num_aborted=len(orphans),
+                    num_running=num_running, num_waiting=len(orphans) - num_running)
+        if orphans:
+            self._steps.place_waiting()  # their pages may be what a waiting request needs
+            self._steps.dispatch(now_s)
 
     def _lose_draft(self, draft: WorkerRecord, now_s: float) -> None:
         """Steps go on without speculation; a new incarnation starts from nothing."""

@@ -18,6 +18,7 @@ from common.logs import get_logger
 from common.protocol_errors import ProtocolErrors
 from common.status_file import LISTENING, write_status_file
 from common.transport import ROLES, KeyCheck, Role
+from proto import frames
 from proto import messages as m
 from scheduler.config import SchedulerConfig
 from scheduler.core import SchedulerCore
@@ -31,6 +32,9 @@ _TICK_S = 0.05
 # connection) is disconnected, which frees its routing identity for the process that replaces it.
 _ZMTP_HEARTBEAT_IVL_MS = 1000
 _ZMTP_HEARTBEAT_TIMEOUT_MS = 5000
+# A connection whose CURVE handshake is not done by then is dropped (libzmq's default is 30 s): with MAXMSGSIZE, what
+# a peer without a key can make the scheduler hold is one frame of at most the socket's bound, for this long.
+_HANDSHAKE_IVL_MS = 10_000
 # Handshakes that failed before any key was checked (another mechanism, a wrong server key); refused keys are
 # counted by KeyCheck.
 _HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -48,6 +52,12 @@ class SchedulerService:
         self._worker_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._worker_probe: zmq.Socket[bytes] = zmq.Socket.shadow(self._worker_socket.underlying)
         self._probe_frame = m.Codec(m.SchedulerToWorker).encode(m.Probe())
+        # The same for gateways: a send to one whose connection closed (a killed process: the kernel closes its TCP
+        # connection) raises, so the core learns within a tick that it is missing. Every send to a gateway is
+        # non-blocking: one whose queue is full (a slow reader) drops the message, as a ROUTER does without this option,
+        # and the loop never waits on one gateway (_send_to_gateway).
+        self._gateway_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._gateway_probe_frame = m.Codec(m.SchedulerToGateway).encode(m.Probe())
         self._gateway_codec: m.Codec[m.GatewayToScheduler] = m.Codec(m.GatewayToScheduler)
         self._worker_codec: m.Codec[m.WorkerToScheduler] = m.Codec(m.WorkerToScheduler)
         self._gateway_errors = self._core.protocol_errors["gateway"]
@@ -61,8 +71,12 @@ class SchedulerService:
             "gateway": (self._gateway_socket, self._config.gateway_address),
             "worker": (self._worker_socket, self._config.worker_address)}
         monitors = {}
+        max_frame_bytes = _max_frame_bytes(self._config)
         for role, (sock, address) in sockets.items():
             sock.setsockopt(zmq.LINGER, 0)
+            # A larger frame drops its connection at its header, before the handshake as after it (proto/frames.py).
+            sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes[role])
+            sock.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_IVL_MS)
             # No ROUTER_HANDOVER: while a connection holds an identity, another connection claiming it is ignored.
             sock.setsockopt(zmq.HEARTBEAT_IVL, _ZMTP_HEARTBEAT_IVL_MS)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ZMTP_HEARTBEAT_TIMEOUT_MS)
@@ -75,7 +89,7 @@ class SchedulerService:
         if self._config.status_file is not None:
             write_status_file(self._config.status_file, LISTENING)
         log.info("scheduler.listening", gateway_address=self._config.gateway_address, worker_address=self._config.worker_address,
-                 transport=transport.describe())
+                 transport=transport.describe(), max_frame_bytes=max_frame_bytes)
         if not transport.secure:
             log.warning("scheduler.insecure", note="--insecure-loopback: any process on this machine can speak for a "
                                                    "gateway or a worker; give --keys to authenticate them")
@@ -136,7 +150,7 @@ class SchedulerService:
 
     async def _receive_gateways(self) -> None:
         async for identity, message in _decoded(self._gateway_socket, self._gateway_codec, self._gateway_errors):
-            if not isinstance(message, m.GatewayHello) and not self._core.knows_gateway(identity):
+            if not isinstance(message, m.GatewayHello | m.GatewayHeartbeat) and not self._core.knows_gateway(identity):
                 self._gateway_errors.record("unknown_sender", message=type(message).__name__)
                 continue
             self._core.on_gateway_message(identity, message, time.monotonic())
@@ -151,6 +165,8 @@ class SchedulerService:
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(_TICK_S)
+            for identity in self._core.gateways_to_probe():  # a closed connection is found here, or by any other send
+                await self._send_to_gateway(identity, self._gateway_probe_frame, probe=True)
             self._core.check_timeouts(time.monotonic())
             await self._flush()
 
@@ -158,14 +174,40 @@ class SchedulerService:
         outbox = self._core.outbox.take()
         # Workers first: a waiting worker is idle hardware, a waiting gateway is not.
         for item in sorted(outbox, key=lambda o: not o.to_worker):
-            sock = self._worker_socket if item.to_worker else self._gateway_socket
-            codec = self._worker_codec if item.to_worker else self._gateway_codec
+            if not item.to_worker:
+                await self._send_to_gateway(item.identity, self._gateway_codec.encode(item.message))
+                continue
             try:
-                await sock.send_multipart([item.identity, codec.encode(item.message)])
+                await self._worker_socket.send_multipart([item.identity, self._worker_codec.encode(item.message)])
             except zmq.ZMQError as exc:  # to a worker whose connection is gone (ROUTER_MANDATORY): its loss is found apart
                 if exc.errno != zmq.EHOSTUNREACH:
                     raise
                 log.info("worker.unreachable", message=type(item.message).__name__, identity=item.identity[:80])
+
+    async def _send_to_gateway(self, identity: bytes, frame: bytes, *, probe: bool = False) -> None:
+        """Never waits: a full queue drops the frame (counted; a probe that finds one full has its answer), a closed
+        connection tells the core the gateway is missing."""
+        try:
+            await self._gateway_socket.send_multipart([identity, frame], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            if not probe:
+                self._gateway_errors.record("send_queue_full", identity=identity[:80], num_bytes=len(frame))
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self._core.on_gateway_unreachable(identity, time.monotonic())
+
+
+def _max_frame_bytes(config: SchedulerConfig) -> dict[Role, int]:
+    """The largest frame each socket takes, from the scheduler's settings: the gateways' largest is a submitted request,
+    the workers' a step's result (its target features the largest part) or a proposal."""
+    limits = frames.FrameLimits(
+        max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_draft_tokens=min(config.num_speculative_tokens, m.MAX_DRAFT_TOKENS),
+        max_propose_seqs=min(config.max_num_seqs, config.spec_disable_batch_threshold),
+        feature_width=m.MAX_FEATURE_WIDTH)
+    return {"gateway": frames.gateway_to_scheduler(config.max_model_len), "worker": frames.worker_to_scheduler(limits)}
 
 
 async def _decoded(socket: zmq.asyncio.Socket, codec: m.Codec[T], errors: ProtocolErrors) -> AsyncIterator[tuple[bytes, T]]:

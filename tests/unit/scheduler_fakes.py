@@ -83,6 +83,7 @@ class Sim:
                                   peer_connected=lambda identity: identity not in self.disconnected)
         self.now_s = 100.0
         self.sent: list[Outgoing] = []
+        self.gateway_heartbeats = True  # the gateway is alive: heard as time passes (False: silent, as if it hung)
         self.core.on_gateway_message(GATEWAY, m.GatewayHello("gateway-1", m.PROTOCOL_VERSION), self.now_s)
         self.collect()
 
@@ -96,6 +97,9 @@ class Sim:
 
     def advance(self, seconds: float) -> None:
         self.now_s += seconds
+        if self.gateway_heartbeats:  # one heartbeat at the end stands for the ones a second apart
+            self.core.on_gateway_message(GATEWAY, m.GatewayHeartbeat("gateway-1", m.PROTOCOL_VERSION), self.now_s)
+            self.collect()
 
     def check_timeouts(self) -> list[Outgoing]:
         self.core.check_timeouts(self.now_s)
