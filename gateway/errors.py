@@ -43,5 +43,13 @@ class SchedulerUnavailable(RequestFailed):
         super().__init__(grpc.StatusCode.UNAVAILABLE, message)
 
 
+class UnreadableRequest(RequestFailed):
+    """A bug in the gateway's checks: it built a request the scheduler could not read. Nothing is sent (the scheduler
+    would drop it unanswered, and the client would wait for ever); the request fails with INTERNAL."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.INTERNAL, message)
+
+
 class StartupError(Exception):
     """Fatal: the gateway cannot start (bad model folder, port in use, ...); it exits non-zero."""

@@ -5,17 +5,28 @@ Completions: `{"tokens": [...], "token_logprobs": [...], "top_logprobs": [{token
 the token itself (OpenAI: "up to logprobs + 1 elements"), and a prompt's first token, which
 has no log-probability, has null in both. Chat: `{"content": [{"token", "logprob", "bytes",
 "top_logprobs": [{"token", "logprob", "bytes"}]}]}`. A token is named by its own text
-(tokenizer.token_text): part of a character shows as U+FFFD, and its bytes are that text's.
+(tokenizer.token_text): part of a character shows as U+FFFD, and its bytes are that text's. A log-probability of
+-inf is written as LOGPROB_FLOOR (-9999.0, as vLLM does): JSON has no infinities.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 from proto.messages import TokenLogprob
 
 Scored = tuple[int, TokenLogprob | None]  # a token id and its log-probability (None: a prompt's first token)
+# A log-probability of -inf (a token a grammar, a top-k cut or min_tokens ruled out) written as JSON: -Infinity is not
+# JSON, and OpenAI's clients read a number there; vLLM writes this one.
+LOGPROB_FLOOR = -9999.0
+
+
+def finite(logprob: float) -> float:
+    """The log-probability as a JSON reply writes it: LOGPROB_FLOOR for -inf (and for NaN, which no valid logits
+    give)."""
+    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
 
 
 class TokenTextSource(Protocol):
@@ -57,9 +68,9 @@ class CompletionLogprobs:
                 token_logprobs.append(None)
                 top_logprobs.append(None)
                 continue
-            token_logprobs.append(entry.logprob)
-            top = {self._texts(t.token_id): t.logprob for t in entry.top}
-            top.setdefault(text, entry.logprob)
+            token_logprobs.append(finite(entry.logprob))
+            top = {self._texts(t.token_id): finite(t.logprob) for t in entry.top}
+            top.setdefault(text, finite(entry.logprob))
             top_logprobs.append(top)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": text_offset}
@@ -80,4 +91,4 @@ def chat_logprobs(entries: Sequence[Scored], texts: TokenTexts) -> dict[str, Any
 
 
 def _chat_token(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode())}

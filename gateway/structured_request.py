@@ -15,7 +15,8 @@ from collections import OrderedDict
 from typing import Any
 
 from gateway.errors import InvalidArgument
-from modeling.structured import GrammarError, StructuredSpec, compile_spec, grammar_tokenizer
+from modeling.structured import (MAX_SPEC_CHARS, GrammarError, StructuredSpec, compile_spec, grammar_tokenizer,
+                                 schema_of)
 from modeling.tokenizer import Tokenizer
 
 _COMPILED_KEPT = 256  # grammars kept compiled (clients repeat their schemas)
@@ -39,6 +40,8 @@ class GrammarCompiler:
                 grammar = compile_spec(spec, self._tokenizer)
             except GrammarError as error:
                 raise InvalidArgument(field, str(error)) from error
+            except Exception as error:  # anything else the compiler raises is still this spec's fault, never a 500
+                raise InvalidArgument(field, f"could not be compiled ({type(error).__name__})") from error
         self._compiled[spec] = grammar
         while len(self._compiled) > _COMPILED_KEPT:
             self._compiled.popitem(last=False)
@@ -95,11 +98,20 @@ def openai_structured(body: dict[str, Any]) -> Asked | None:
 
 def _json_spec(field: str, schema: object) -> StructuredSpec:
     """A schema given as an object (or as JSON text, as vLLM takes guided_json)."""
+    return StructuredSpec("json_schema", json.dumps(parsed_schema(field, schema), sort_keys=True))
+
+
+def parsed_schema(field: str, schema: object) -> dict[str, object] | bool:
+    """A JSON Schema given as an object (a body's, already bounded by the body's depth) or as JSON text (vLLM's
+    guided_json, SGLang's json_schema, gRPC's): the text's size and nesting are bounded before it is parsed, so
+    nothing recurses past them; raises SpecError naming the field."""
     if isinstance(schema, str):
+        if len(schema) > MAX_SPEC_CHARS:
+            raise SpecError(field, f"is {len(schema)} characters long, at most {MAX_SPEC_CHARS}")
         try:
-            schema = json.loads(schema)
-        except ValueError as error:
-            raise SpecError(field, f"is not JSON: {error}") from error
+            return schema_of(schema)
+        except GrammarError as error:
+            raise SpecError(field, str(error)) from error
     if not isinstance(schema, (dict, bool)):
         raise SpecError(field, "must be a JSON Schema (an object)")
-    return StructuredSpec("json_schema", json.dumps(schema, sort_keys=True))
+    return schema

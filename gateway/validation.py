@@ -22,6 +22,12 @@ MAX_REQUEST_ID_CHARS = 128
 # every other request on the gateway. OpenAI documents up to 4; these leave room for clients that send more.
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_CACHE_SALT_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256  # a client's own; with the model's eos ids, well under the scheduler's 1024
+# Counts (max_tokens, top_k, min_tokens) are bounded as the gRPC API's int32 fields are, in every API; a seed below
+# 2^64 is what the scheduler draws with. Every integer then fits the scheduler's message (msgpack holds < 2^64).
+MAX_INT32 = 2**31 - 1
+SEED_LIMIT = 2**64
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,7 @@ class FieldNames:
     repetition_penalty: str
     logit_bias: str  # the map as a whole; one entry is named "<logit_bias>[<token id>]"
     min_tokens: str
+    cache_salt: str = "cache_salt"  # the same name in every API
 
     def of_prompt(self, prompt: Prompt) -> str:
         match prompt:
@@ -89,12 +96,24 @@ def validate(request: ClientRequest, *, fields: FieldNames, request_id: str, voc
         sampling=sampling_of(request, fields, vocab_size),
         seed_given=request.seed is not None,
         stop_strings=stop_strings_of(request.stop_strings, fields),
-        stop_token_ids=token_ids_in_vocab(fields.stop_token_id, request.stop_token_ids, vocab_size),
+        stop_token_ids=stop_token_ids_of(request.stop_token_ids, fields, vocab_size),
         ignore_eos=request.ignore_eos,
         logprobs=logprobs_of(request.logprobs, fields.logprobs),
         prompt_logprobs=logprobs_of(request.prompt_logprobs, fields.prompt_logprobs),
         grammar=grammar_of(request.structured, grammars),
+        cache_salt=cache_salt_of(request.cache_salt, fields.cache_salt),
     )
+
+
+def cache_salt_of(salt: str | None, field: str) -> str | None:
+    """A salt the client chose: 1 to MAX_CACHE_SALT_CHARS printable characters (it is logged nowhere)."""
+    if salt is None:
+        return None
+    if not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise InvalidArgument(field, f"must be 1 to {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}")
+    if not salt.isprintable():
+        raise InvalidArgument(field, "must hold printable characters only")
+    return salt
 
 
 def grammar_of(structured: tuple[str, StructuredSpec] | None, grammars: Grammars | None) -> str | None:
@@ -106,7 +125,7 @@ def grammar_of(structured: tuple[str, StructuredSpec] | None, grammars: Grammars
 
 
 def logprobs_of(count: int | None, field: str) -> int | None:
-    if count is not None and not 0 <= count <= messages.MAX_TOP_LOGPROBS:
+    if count is not None and not 0 <= _integer(count, field) <= messages.MAX_TOP_LOGPROBS:
         raise InvalidArgument(field, f"must be 0 to {messages.MAX_TOP_LOGPROBS}, got {count}")
     return count
 
@@ -135,36 +154,57 @@ def check_chat_messages(chat_messages: Sequence[ChatMessage], fields: FieldNames
 
 
 def token_ids_in_vocab(field: str, token_ids: Sequence[int], vocab_size: int) -> tuple[int, ...]:
-    """token_ids as given, if each is in [0, vocab_size); `field` names one id ("{index}")."""
+    """token_ids as given, if each is an integer in [0, vocab_size) (a bool is not); `field` names one id
+    ("{index}")."""
     for index, token_id in enumerate(token_ids):
-        if not 0 <= token_id < vocab_size:
-            raise InvalidArgument(field.format(index=index),
-                                  f"token id {token_id} is outside the vocabulary [0, {vocab_size})")
+        if type(token_id) is not int or not 0 <= token_id < vocab_size:
+            raise InvalidArgument(field.format(index=index), _not_a_token(token_id, vocab_size))
     return tuple(token_ids)
+
+
+def _not_a_token(token_id: object, vocab_size: int) -> str:
+    if type(token_id) is not int:
+        return f"must be a token id (an integer), got {type(token_id).__name__}"
+    return f"token id {token_id} is outside the vocabulary [0, {vocab_size})"
+
+
+def stop_token_ids_of(stop_token_ids: Sequence[int], fields: FieldNames, vocab_size: int) -> tuple[int, ...]:
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidArgument(fields.stop_token_id.format(index=MAX_STOP_TOKEN_IDS),
+                              f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(stop_token_ids)}")
+    return token_ids_in_vocab(fields.stop_token_id, stop_token_ids, vocab_size)
 
 
 def max_tokens_of(max_tokens: int | None, fields: FieldNames, *, scoring: bool = False) -> int | None:
     """At least 1; 0 too when the prompt's log-probabilities are asked for (it is scored, nothing is generated)."""
     least = 0 if scoring else 1
-    if max_tokens is not None and max_tokens < least:
+    if max_tokens is None:
+        return None
+    if _integer(max_tokens, fields.max_tokens) < least:
         raise InvalidArgument(fields.max_tokens, f"must be at least {least}, got {max_tokens}")
+    if max_tokens > MAX_INT32:
+        raise InvalidArgument(fields.max_tokens, f"must be at most {MAX_INT32}, got {max_tokens}")
     return max_tokens
 
 
 def sampling_of(request: ClientRequest, fields: FieldNames, vocab_size: int) -> messages.SamplingParams:
     defaults = messages.SamplingParams()
-    temperature = defaults.temperature if request.temperature is None else request.temperature
-    top_p = defaults.top_p if request.top_p is None else request.top_p
-    top_k = defaults.top_k if request.top_k is None else request.top_k
-    seed = defaults.seed if request.seed is None else request.seed
+    temperature = defaults.temperature if request.temperature is None else _real(request.temperature, fields.temperature)
+    top_p = defaults.top_p if request.top_p is None else _real(request.top_p, fields.top_p)
+    top_k = defaults.top_k if request.top_k is None else _integer(request.top_k, fields.top_k)
+    seed = defaults.seed if request.seed is None else _integer(request.seed, fields.seed)
     if not (math.isfinite(temperature) and temperature >= 0.0):
         raise InvalidArgument(fields.temperature, f"must be finite and >= 0, got {temperature}")
+    if temperature > messages.MAX_TEMPERATURE:
+        raise InvalidArgument(fields.temperature, f"must be at most {messages.MAX_TEMPERATURE:g}, got {temperature}")
     if not 0.0 < top_p <= 1.0:  # also false for NaN
         raise InvalidArgument(fields.top_p, f"must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise InvalidArgument(fields.top_k, f"must be >= 0 (0 = no top-k cut), got {top_k}")
-    if seed < 0:
-        raise InvalidArgument(fields.seed, f"must be >= 0, got {seed}")
+    if top_k > MAX_INT32:
+        raise InvalidArgument(fields.top_k, f"must be at most {MAX_INT32}, got {top_k}")
+    if not 0 <= seed < SEED_LIMIT:
+        raise InvalidArgument(fields.seed, f"must be in [0, 2^64), got {seed}")
     return messages.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                    penalties=penalties_of(request, fields, vocab_size))
 
@@ -173,20 +213,23 @@ def penalties_of(request: ClientRequest, fields: FieldNames, vocab_size: int) ->
     """The request's penalties, None when it asks for none (the logits as the model gives them)."""
     presence = _penalty(request.presence_penalty, fields.presence_penalty)
     frequency = _penalty(request.frequency_penalty, fields.frequency_penalty)
-    repetition = 1.0 if request.repetition_penalty is None else request.repetition_penalty
-    if not (math.isfinite(repetition) and 0.0 < repetition <= messages.MAX_REPETITION_PENALTY):
-        raise InvalidArgument(fields.repetition_penalty,
-                              f"must be in (0, {messages.MAX_REPETITION_PENALTY:g}], got {repetition}")
+    repetition = 1.0 if request.repetition_penalty is None else _real(request.repetition_penalty,
+                                                                       fields.repetition_penalty)
+    least, most = messages.MIN_REPETITION_PENALTY, messages.MAX_REPETITION_PENALTY
+    if not (math.isfinite(repetition) and least <= repetition <= most):
+        raise InvalidArgument(fields.repetition_penalty, f"must be in [{least:g}, {most:g}], got {repetition}")
     if len(request.logit_bias) > messages.MAX_LOGIT_BIAS_ENTRIES:
         raise InvalidArgument(fields.logit_bias, f"at most {messages.MAX_LOGIT_BIAS_ENTRIES} entries, got {len(request.logit_bias)}")
     for token, bias in request.logit_bias:
-        if not 0 <= token < vocab_size:
-            raise InvalidArgument(f"{fields.logit_bias}[{token}]", f"token id {token} is outside the vocabulary [0, {vocab_size})")
+        if type(token) is not int or not 0 <= token < vocab_size:
+            raise InvalidArgument(f"{fields.logit_bias}[{token}]", _not_a_token(token, vocab_size))
+        bias = _real(bias, f"{fields.logit_bias}[{token}]")
         if not (math.isfinite(bias) and -messages.MAX_LOGIT_BIAS <= bias <= messages.MAX_LOGIT_BIAS):
             raise InvalidArgument(f"{fields.logit_bias}[{token}]", f"must be in [-{messages.MAX_LOGIT_BIAS:g}, {messages.MAX_LOGIT_BIAS:g}], got {bias}")
-    min_tokens = request.min_tokens or 0
-    if min_tokens < 0:
-        raise InvalidArgument(fields.min_tokens, f"must be >= 0, got {min_tokens}")
+    min_tokens = 0 if request.min_tokens is None else _integer(request.min_tokens, fields.min_tokens)
+    if not 0 <= min_tokens <= MAX_INT32:
+        raise InvalidArgument(fields.min_tokens, f"must be >= 0, got {min_tokens}" if min_tokens < 0 else
+                              f"must be at most {MAX_INT32}, got {min_tokens}")
     if request.max_tokens is not None and min_tokens > request.max_tokens:
         raise InvalidArgument(fields.min_tokens, f"must be at most max_tokens ({request.max_tokens}), got {min_tokens}")
     penalties = messages.Penalties(presence=presence, frequency=frequency, repetition=repetition,
@@ -196,9 +239,31 @@ def penalties_of(request: ClientRequest, fields: FieldNames, vocab_size: int) ->
 
 def _penalty(value: float | None, field: str) -> float:
     limit = messages.MAX_PENALTY
-    if value is not None and not (math.isfinite(value) and -limit <= value <= limit):
+    if value is None:
+        return 0.0
+    if not (math.isfinite(value := _real(value, field)) and -limit <= value <= limit):
         raise InvalidArgument(field, f"must be in [-{limit:g}, {limit:g}], got {value}")
-    return 0.0 if value is None else value
+    return value
+
+
+# A front end passes each value as its wire gave it. One that passed a float or a bool where an integer belongs, or a
+# string where a number does, would make a message the scheduler cannot read (it drops it, and the client waits
+# forever): every value's type is checked here too, so such a slip is a 400 naming the field.
+
+def _integer(value: int, field: str) -> int:
+    if type(value) is not int:  # a bool is an int to isinstance
+        raise InvalidArgument(field, f"must be an integer, got {type(value).__name__}")
+    return value
+
+
+def _real(value: float, field: str) -> float:
+    """The value as a float; an integer past a float's range is refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument(field, f"must be a number, got {type(value).__name__}")
+    try:
+        return float(value)
+    except OverflowError as error:
+        raise InvalidArgument(field, f"is out of range: {error}") from error
 
 
 def stop_strings_of(stop_strings: Sequence[str], fields: FieldNames) -> tuple[str, ...]:

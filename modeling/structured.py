@@ -24,8 +24,14 @@ from typing import Literal
 
 import llguidance
 
+from common.json_depth import nests_deeper_than
+
 Kind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
 MAX_SPEC_CHARS = 65536  # a schema, regex or grammar larger than this is refused
+# How deep a schema's JSON may nest, checked on its text before anything parses it: Python's json recurses once per
+# level, and llguidance reads the schema and then the grammar wrapping it with serde_json, which refuses past 128
+# levels (a ValueError). The HTTP body's own limit (gateway/http_body.py), so a schema sent inline always fits.
+MAX_SCHEMA_DEPTH = 64
 
 
 class GrammarError(ValueError):
@@ -45,17 +51,38 @@ def grammar_text(spec: StructuredSpec) -> str:
     """llguidance's grammar for the spec (not yet checked against a tokenizer: `grammar_problem`)."""
     if len(spec.value) > MAX_SPEC_CHARS:
         raise GrammarError(f"is {len(spec.value)} characters long, at most {MAX_SPEC_CHARS}")
+    try:
+        return _grammar_text(spec)
+    except GrammarError:
+        raise
+    except (ValueError, TypeError, RecursionError) as error:  # what llguidance raises for a spec it cannot read
+        raise GrammarError(str(error)[:_MAX_ERROR_CHARS] or type(error).__name__) from error
+
+
+def schema_of(text: str) -> dict[str, object] | bool:
+    """A JSON Schema's text parsed, its nesting bounded before it is (MAX_SCHEMA_DEPTH); raises GrammarError."""
+    if nests_deeper_than(text, MAX_SCHEMA_DEPTH):
+        raise GrammarError(f"nests arrays and objects deeper than {MAX_SCHEMA_DEPTH} levels")
+    try:
+        schema = json.loads(text, parse_constant=_refuse_constant)
+    except ValueError as error:  # not JSON, or an integer longer than int() reads
+        raise GrammarError(f"is not JSON: {error}") from error
+    if not isinstance(schema, (dict, bool)):
+        raise GrammarError("must be a JSON Schema (an object)")
+    return schema
+
+
+def _refuse_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _grammar_text(spec: StructuredSpec) -> str:
     match spec.kind:
         case "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}',
                                                                  defaults={"whitespace_flexible": False})
         case "json_schema":
-            try:
-                schema = json.loads(spec.value)
-            except ValueError as error:
-                raise GrammarError(f"is not JSON: {error}") from error
-            if not isinstance(schema, (dict, bool)):
-                raise GrammarError("must be a JSON Schema (an object)")
+            schema = schema_of(spec.value)
             return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False})
         case "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec.value)

@@ -50,15 +50,17 @@ class IllegalRequestMove(RuntimeError):
     """A status move the table does not allow: a bug in the scheduler, never input."""
 
 
-MAX_REQUEST_ID_CHARS = 256
-MAX_STOP_TOKEN_IDS = 1024
-MAX_GRAMMAR_CHARS = 1 << 20
+# The protocol's limits (proto/messages.py), which size the gateway socket's frames (proto/frames.py).
+MAX_REQUEST_ID_CHARS = m.MAX_REQUEST_ID_CHARS
+MAX_STOP_TOKEN_IDS = m.MAX_STOP_TOKEN_IDS
+MAX_GRAMMAR_CHARS = m.MAX_GRAMMAR_CHARS
+MAX_CACHE_SALT_CHARS = m.MAX_CACHE_SALT_CHARS
 
 
 def sampling_problem(sampling: m.SamplingParams) -> str:
     """Why these sampling values cannot be served ("" when they can)."""
-    if not math.isfinite(sampling.temperature) or not 0.0 <= sampling.temperature <= 1e4:
-        return f"temperature {sampling.temperature} is outside 0 .. 10000"
+    if not math.isfinite(sampling.temperature) or not 0.0 <= sampling.temperature <= m.MAX_TEMPERATURE:
+        return f"temperature {sampling.temperature} is outside 0 .. {m.MAX_TEMPERATURE:g}"
     if not (math.isfinite(sampling.top_p) and 0.0 < sampling.top_p <= 1.0):
         return f"top_p {sampling.top_p} is outside (0, 1]"
     if sampling.top_k < 0:
@@ -73,8 +75,10 @@ def penalties_problem(penalties: m.Penalties) -> str:
     for name, value in (("presence_penalty", penalties.presence), ("frequency_penalty", penalties.frequency)):
         if not (math.isfinite(value) and -m.MAX_PENALTY <= value <= m.MAX_PENALTY):
             return f"{name} {value} is outside -{m.MAX_PENALTY} .. {m.MAX_PENALTY}"
-    if not (math.isfinite(penalties.repetition) and 0.0 < penalties.repetition <= m.MAX_REPETITION_PENALTY):
-        return f"repetition_penalty {penalties.repetition} is outside (0, {m.MAX_REPETITION_PENALTY}]"
+    if not (math.isfinite(penalties.repetition)
+            and m.MIN_REPETITION_PENALTY <= penalties.repetition <= m.MAX_REPETITION_PENALTY):
+        return (f"repetition_penalty {penalties.repetition} is outside "
+                f"{m.MIN_REPETITION_PENALTY} .. {m.MAX_REPETITION_PENALTY}")
     if len(penalties.logit_bias) > m.MAX_LOGIT_BIAS_ENTRIES:
         return f"logit_bias has {len(penalties.logit_bias)} entries, at most {m.MAX_LOGIT_BIAS_ENTRIES}"
     for token, bias in penalties.logit_bias.items():
@@ -136,6 +140,7 @@ class Request:
     prompt_logprobs_done: int = 1  # the first prompt token has none
     num_resumed_tokens: int = 0  # completion tokens at the end of prompt_token_ids (a request resumed from another)
     grammar: str | None = None  # what its completion follows (the worker masks every row by it)
+    cache_salt: str = ""  # its prefix-cache pages are shared only under this salt
     forced_token_ids: list[int] = field(default_factory=list)  # what its grammar forces next: the next step's drafts
 
     @property
@@ -227,6 +232,8 @@ class RequestTable:
             raise RequestRejected("INVALID_ARGUMENT", problem)
         if submit.grammar is not None and not 0 < len(submit.grammar) <= MAX_GRAMMAR_CHARS:
             raise RequestRejected("INVALID_ARGUMENT", f"grammar must have 1 to {MAX_GRAMMAR_CHARS} characters")
+        if len(submit.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise RequestRejected("INVALID_ARGUMENT", f"cache_salt has more than {MAX_CACHE_SALT_CHARS} characters")
         if len(submit.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise RequestRejected("INVALID_ARGUMENT", f"stop_token_ids has more than {MAX_STOP_TOKEN_IDS} ids")
         if num_prompt == 0:
@@ -256,7 +263,7 @@ class RequestTable:
             max_tokens=max_tokens, sampling=sampling, stop_token_ids=frozenset(submit.stop_token_ids),
             waiting_since_s=now_s, num_logprobs=-1 if submit.logprobs is None else submit.logprobs,
             num_prompt_logprobs=-1 if submit.prompt_logprobs is None else submit.prompt_logprobs,
-            num_resumed_tokens=submit.resumed_tokens, grammar=submit.grammar,
+            num_resumed_tokens=submit.resumed_tokens, grammar=submit.grammar, cache_salt=submit.cache_salt,
         )
         self._by_id[request.request_id] = request
         self._waiting.append(request)

@@ -48,7 +48,7 @@ BAD_VALUES = [
     ("top_logprobs", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs: must be 0 to 20, got 21"),
     ("presence_penalty", {"prompt": "x", "presence_penalty": 3}, "presence_penalty: must be in [-2, 2], got 3.0"),
     ("frequency_penalty", {"prompt": "x", "frequency_penalty": -2.5}, "frequency_penalty: must be in [-2, 2], got -2.5"),
-    ("repetition_penalty", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty: must be in (0, 100], got 0.0"),
+    ("repetition_penalty", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty: must be in [0.01, 100], got 0.0"),
     (f"logit_bias[{VOCAB_SIZE}]", {"prompt": "x", "logit_bias": {str(VOCAB_SIZE): 1}},
      f"logit_bias[{VOCAB_SIZE}]: token id {VOCAB_SIZE} is outside the vocabulary [0, {VOCAB_SIZE})"),
     ("logit_bias[5]", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias[5]: must be in [-100, 100], got 101.0"),

@@ -6,6 +6,7 @@ request and field names (the HTTP API's are in test_gateway_openai_request.py).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -14,8 +15,9 @@ import pytest
 
 from gateway.errors import InvalidArgument
 from gateway.generation import prompt_token_ids_of
-from gateway.grpc_request import request_id_of, submission_of
+from gateway.grpc_request import GRPC_FIELDS, client_request_of, request_id_of, submission_of
 from gateway.request import ChatPrompt, Submission, TextPrompt, TokenPrompt
+from gateway.validation import validate
 from modeling.tokenizer import ChatMessage, ChatTemplateError, Tokenizer
 from proto import messages
 from proto import specserve_pb2 as pb
@@ -52,7 +54,29 @@ BAD_REQUESTS = [
     ("params.seed", pb.GenerateRequest(prompt="x", params=params(seed=-1))),
     ("params.stop[1]", pb.GenerateRequest(prompt="x", params=params(stop=["ok", ""]))),
     ("params.stop_token_ids[0]", pb.GenerateRequest(prompt="x", params=params(stop_token_ids=[VOCAB_SIZE + 7]))),
+    ("params.stop_token_ids[256]", pb.GenerateRequest(prompt="x", params=params(stop_token_ids=[5] * 257))),
+    ("params.temperature", pb.GenerateRequest(prompt="x", params=params(temperature=1e4 + 1))),
+    ("params.repetition_penalty", pb.GenerateRequest(prompt="x", params=params(repetition_penalty=0.009))),
+    ("params.repetition_penalty", pb.GenerateRequest(prompt="x", params=params(repetition_penalty=1e-300))),
+    ("params.repetition_penalty", pb.GenerateRequest(prompt="x", params=params(repetition_penalty=math.inf))),
 ]
+
+
+# What only a front end's slip could pass (protobuf's types cannot): a bool or a float where an integer belongs, a number
+# past a float's range or an int64's, a string for a number. `validate` refuses each, naming the field, so the request
+# never becomes a message the scheduler cannot read.
+SLIPS = [("max_tokens", 2.5), ("max_tokens", True), ("max_tokens", 2**31), ("top_k", math.inf), ("top_k", 2**31),
+         ("seed", 1.5), ("seed", 2**64), ("min_tokens", 2.5), ("min_tokens", 2**31), ("logprobs", True),
+         ("temperature", "1"), ("top_p", 10**400), ("repetition_penalty", False), ("presence_penalty", 10**400),
+         ("stop_token_ids", (True,)), ("logit_bias", ((True, 1.0),)), ("logit_bias", ((5, "1"),))]
+
+
+@pytest.mark.parametrize(("name", "value"), SLIPS, ids=[f"{name}-{value!r:.12}" for name, value in SLIPS])
+def test_a_value_of_the_wrong_type_or_past_every_bound_is_refused_by_validate_itself(name: str, value: object) -> None:
+    request = dataclasses.replace(client_request_of(pb.GenerateRequest(prompt="x")), **{name: value})
+    with pytest.raises(InvalidArgument) as caught:
+        validate(request, fields=GRPC_FIELDS, request_id="r1", vocab_size=VOCAB_SIZE)
+    assert caught.value.field.startswith(f"params.{name}"), caught.value
 
 
 @pytest.mark.parametrize(("field", "request_message"), BAD_REQUESTS, ids=[f"{field}-{i}" for i, (field, _) in enumerate(BAD_REQUESTS)])

@@ -10,7 +10,7 @@ import torch
 
 from modeling.batch import PageError
 from modeling.penalties import penalize
-from proto.messages import Penalties, SamplingParams, SeqWork
+from proto.messages import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, Penalties, SamplingParams, SeqWork
 from tests.unit.test_verify_and_propose import GREEDY, PROMPT, pages, runner
 
 PENALIZED = Penalties(presence=0.5, frequency=0.7, repetition=1.3, logit_bias={3: 2.0, 4: -1.5})
@@ -35,6 +35,18 @@ def test_each_penalty_is_applied_as_defined_in_order() -> None:
     free = logits.clone()
     penalize(free, prefix, 2, Penalties(min_tokens=3, stop_token_ids=[5, 1]))
     assert torch.equal(free, logits)
+
+
+def test_a_repetition_penalty_within_its_bounds_keeps_every_logit_and_log_probability_finite() -> None:
+    logits = torch.tensor([3e4, -3e4, 1e-30, 0.0, 1e36, -1e36, 5.0])  # float32, far past any model's own
+    prefix = list(range(7))
+    for repetition in (MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY):  # a logit moves by 100 times at most
+        row = logits.clone()
+        penalize(row, prefix, 2, Penalties(repetition=repetition))
+        assert torch.isfinite(row).all() and torch.isfinite(torch.log_softmax(row, dim=-1)).all(), repetition
+    below = logits.clone()
+    penalize(below, prefix, 2, Penalties(repetition=1e-300))  # 0 in float32: what the lower bound refuses
+    assert not torch.isfinite(torch.log_softmax(below, dim=-1)).all()
 
 
 def decode(r, request_id: str, slot: int, params: SamplingParams, n: int, propose=None, parents=None):  # type: ignore[no-untyped-def]

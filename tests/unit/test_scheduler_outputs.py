@@ -119,11 +119,11 @@ def test_a_penalized_request_sends_the_tokens_before_each_sampling_step() -> Non
 def test_out_of_range_penalties_are_refused_naming_them() -> None:
     sim = Sim()
     ready(sim)
-    for index, penalties in enumerate((m.Penalties(presence=2.5), m.Penalties(repetition=0.0),
+    for index, penalties in enumerate((m.Penalties(presence=2.5), m.Penalties(repetition=0.005),
                                        m.Penalties(logit_bias={1: 200.0}), m.Penalties(min_tokens=-1))):
         sim.submit(f"r{index}", prompt(3), sampling=m.SamplingParams(penalties=penalties))
     sim.submit("ids", prompt(3), sampling=m.SamplingParams(penalties=m.Penalties(logit_bias={-1: 1.0})))
     assert [e.message for e in sim.errors()] == [
-        "presence_penalty 2.5 is outside -2.0 .. 2.0", "repetition_penalty 0.0 is outside (0, 100.0]",
+        "presence_penalty 2.5 is outside -2.0 .. 2.0", "repetition_penalty 0.005 is outside 0.01 .. 100.0",
         "logit_bias of token 1 is 200.0, outside -100.0 .. 100.0", "min_tokens -1 is negative",
         "logit_bias holds -1, outside the vocabulary of 49152 ids"]
