@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import uvloop
 
 from common.logs import configure, get_logger
+from common.memory import return_freed_memory
 from gateway.app import Gateway
 from gateway.config import parse_config
 from gateway.errors import StartupError
@@ -18,6 +19,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
     configure("gateway", json_logs=True if config.log_json else None)
     log = get_logger(gateway_id=config.gateway_id)
+    if not return_freed_memory():
+        log.info("gateway.allocator_unchanged", note="not glibc: large freed blocks may stay with the process")
     try:
         uvloop.run(Gateway(config).run())
     except StartupError as error:

@@ -88,7 +88,8 @@ class Gateway:
                 reporter = HealthReporter(
                     health.aio.HealthServicer(), scheduler, poll_interval_s=self._config.health_poll_interval_s
                 )
-                generation = Generation(tokenizer, scheduler, GatewayMetrics(), GrammarCompiler(tokenizer))
+                generation = Generation(tokenizer, scheduler, GatewayMetrics(), GrammarCompiler(tokenizer),
+                                        cache_scope=self._config.prefix_cache_scope)
                 add_services(server, SpecServeServicer(generation), reporter.servicer)
                 port = self._bind(server)
                 await reporter.start()

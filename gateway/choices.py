@@ -5,7 +5,8 @@ A prompt's copies start once the first copy's prompt is computed (its first toke
 end, came), so they read its pages from the prefix cache instead of computing the prompt
 again. Copy j's seed is the request's plus j times a fixed stride (copy 0 keeps the
 request's), so a seeded request gives the same choices every time and n = 1 is the first
-copy; without a seed the scheduler draws one for each.
+copy; without a seed the scheduler draws one for each. `run_all` runs a request's
+requests together, so that the first to fail ends the others (SGLang's several prompts too).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Coroutine, Sequence
+from typing import Any
 
 import msgspec
 
@@ -87,3 +89,21 @@ async def interleaved(copies: Sequence[Copy], generation: Generation, api: str) 
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def run_all(coroutines: list[Coroutine[Any, Any, None]]) -> None:
+    """Run them together; the first to fail cancels the others (aborting their requests) and its error is raised."""
+    tasks = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        await cancel_all(tasks)
+        # A failed task holds its error, whose traceback holds this frame, which held the tasks: a cycle that would
+        # keep the request (its prompt too) until the collector's rare full pass.
+        tasks.clear()
+
+
+async def cancel_all(tasks: Sequence[asyncio.Future[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

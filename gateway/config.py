@@ -12,6 +12,7 @@ from common.transport import Transport, TransportError
 from common.transport import add_arguments as add_transport_arguments
 from common.transport import from_arguments as transport_from_arguments
 from common.arguments import flag, not_positive_problem
+from gateway.cache_scope import SCOPES, CacheScope
 from gateway.http_body import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S
 
 
@@ -33,6 +34,7 @@ class GatewayConfig:
     http_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger HTTP body gets 413
     http_read_timeout_s: float = DEFAULT_READ_TIMEOUT_S  # an HTTP body not all received by then gets 408
     transport: Transport = Transport(None)  # its keys (common/transport.py), or insecure loopback
+    prefix_cache_scope: CacheScope = "global"  # which requests share prefix-cache pages (gateway/cache_scope.py)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the largest HTTP request body accepted (larger: 413)")
     parser.add_argument("--http-read-timeout-s", type=float, default=DEFAULT_READ_TIMEOUT_S,
                         help="how long an HTTP request body may take to arrive (longer: 408 and the connection closes)")
+    parser.add_argument("--prefix-cache-scope", choices=SCOPES, default="global",
+                        help="which requests share prefix-cache pages: global (every request without a cache_salt; "
+                             "anyone who can reach the ports can probe what others sent), salt (only requests with "
+                             "the same cache_salt), tenant (each caller's own; needs caller identities)")
     add_transport_arguments(parser)
     return parser
 
@@ -72,6 +78,9 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
                                               "health_poll_interval_s", "shutdown_grace_s", "http_max_body_bytes",
                                               "http_read_timeout_s")):
         parser.error(problem)
+    if args.prefix_cache_scope == "tenant":
+        parser.error("--prefix-cache-scope tenant: the public ports have no caller identities (API keys) yet to "
+                     "salt by; use salt, and give each tenant's requests a cache_salt of its own")
     try:
         secured = transport_from_arguments(args, "gateway", (("--scheduler-address", args.scheduler_address),))
     except TransportError as exc:
@@ -91,4 +100,5 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
         http_max_body_bytes=args.http_max_body_bytes,
         http_read_timeout_s=args.http_read_timeout_s,
         transport=secured,
+        prefix_cache_scope=args.prefix_cache_scope,
     )

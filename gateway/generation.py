@@ -2,7 +2,10 @@
 
 `Generation.chunks` tokenizes, submits to the scheduler, and yields a Chunk whenever there
 is something to send (text, token ids or the finish); it records the request's metrics
-and log lines. Leaving the iteration early (a client gone, a stop string) aborts the
+and log lines. A prompt is measured before it is tokenized: one with more bytes than the
+context's tokens could hold is refused at once, so no prompt costs the gateway more than a
+context's worth of tokenizing. Tokenizing runs in threads, a few at a time (it lets the GIL
+go, so the event loop and the other streams go on meanwhile). Leaving the iteration early (a client gone, a stop string) aborts the
 request in the scheduler; use it with `contextlib.aclosing`.
 """
 
@@ -13,7 +16,9 @@ import time
 from collections.abc import AsyncGenerator, Sequence
 from typing import assert_never
 
+from common.cpus import usable_cpus
 from common.logs import get_logger
+from gateway.cache_scope import CacheScope, page_salt
 from gateway.errors import InvalidArgument, RequestFailed
 from gateway.metrics import GatewayMetrics
 from gateway.output import Chunk, RequestOutput, SpecUsage
@@ -26,19 +31,22 @@ from proto import messages
 
 class Generation:
     def __init__(self, tokenizer: Tokenizer, scheduler: SchedulerClient, metrics: GatewayMetrics,
-                 grammars: GrammarCompiler | None = None) -> None:
+                 grammars: GrammarCompiler | None = None, *, cache_scope: CacheScope = "global") -> None:
         self.tokenizer = tokenizer
+        self.cache_scope = cache_scope
         self.grammars = grammars  # None: structured output is refused
         self.scheduler = scheduler
         self.metrics = metrics
+        self._tokenizing = asyncio.Semaphore(usable_cpus())  # prompts tokenized at once; the others wait their turn
         self._log = get_logger(component="generation")
 
     async def chunks(self, submission: Submission, api: str) -> AsyncGenerator[Chunk, None]:
         started_at = time.monotonic()
         outcome = "error"
         try:
-            prompt_token_ids = await asyncio.to_thread(prompt_token_ids_of, self.tokenizer, submission)
-            submit = submission.to_submit_request(prompt_token_ids, self.tokenizer.eos_token_ids)
+            prompt_token_ids = await self._prompt_token_ids(submission)
+            submit = submission.to_submit_request(prompt_token_ids, self.tokenizer.eos_token_ids,
+                                                  page_salt(self.cache_scope, submission))
             output = RequestOutput(self.tokenizer, prompt_token_ids, submission.stop_strings)
             self._log_received(submission, submit)
             self.metrics.prompt_tokens.labels(api).inc(len(prompt_token_ids))
@@ -76,6 +84,16 @@ class Generation:
             self.metrics.requests.labels(api, outcome).inc()
         yield chunk  # the last one, after the request is fully accounted for
 
+    async def _prompt_token_ids(self, submission: Submission) -> list[int]:
+        max_bytes = await self.scheduler.max_model_len() * self.tokenizer.longest_token_bytes
+        if (size := prompt_bytes(submission, max_bytes)) > max_bytes:
+            longest = self.tokenizer.longest_token_bytes
+            raise InvalidArgument(submission.prompt_field, f"holds at least {size} bytes of text: more than a context "
+                                  f"of {max_bytes // longest} tokens can hold (no token of this model stands for more "
+                                  f"than {longest} bytes)")
+        async with self._tokenizing:
+            return await asyncio.to_thread(prompt_token_ids_of, self.tokenizer, submission)
+
     async def _next_chunk(self, stream: RequestStream, output: RequestOutput) -> Chunk:
         """Read scheduler messages until one yields something to send (text, ids or the finish)."""
         while True:
@@ -108,6 +126,24 @@ class Generation:
             logprobs=submission.logprobs,
             prompt_logprobs=submission.prompt_logprobs,
         )
+
+
+def prompt_bytes(submission: Submission, max_bytes: int) -> int:
+    """The UTF-8 bytes of the prompt's text (a chat's every role and content), or some number over max_bytes once it
+    is plainly larger (without encoding it all: a character is at least one byte)."""
+    prompt = submission.prompt
+    match prompt:
+        case TextPrompt(text=text):
+            texts: Sequence[str] = (text,)
+        case ChatPrompt(messages=chat_messages):
+            texts = [part for message in chat_messages for part in (message.role, message.content)]
+        case TokenPrompt():
+            return 0  # its length is checked as ids
+        case _:
+            assert_never(prompt)
+    if sum(map(len, texts)) > max_bytes:
+        return sum(map(len, texts))
+    return sum(len(text.encode()) for text in texts)
 
 
 def prompt_token_ids_of(tokenizer: Tokenizer, submission: Submission) -> list[int]:

@@ -6,6 +6,7 @@ import json
 
 from gateway.errors import InvalidArgument
 from gateway.request import ChatPrompt, ClientRequest, Prompt, Submission, TextPrompt, TokenPrompt
+from gateway.structured_request import SpecError, parsed_schema
 from gateway.validation import FieldNames, Grammars, checked_request_id, validate
 from modeling.structured import StructuredSpec
 from modeling.tokenizer import ChatMessage
@@ -71,6 +72,7 @@ def client_request_of(request: pb.GenerateRequest) -> ClientRequest:
         logit_bias=tuple(sorted(params.logit_bias.items())),
         min_tokens=params.min_tokens if params.HasField("min_tokens") else None,
         structured=structured_of(params),
+        cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
     )
 
 
@@ -87,9 +89,9 @@ def structured_of(params: pb.SamplingParams) -> tuple[str, StructuredSpec] | Non
             return (field, StructuredSpec("json_object")) if output.json_object else None
         case "json_schema":
             try:
-                schema = json.loads(output.json_schema)
-            except ValueError as error:
-                raise InvalidArgument(field, f"is not JSON: {error}") from error
+                schema = parsed_schema(field, output.json_schema)
+            except SpecError as error:
+                raise InvalidArgument(field, str(error)) from error
             return field, StructuredSpec("json_schema", json.dumps(schema, sort_keys=True))
         case "choice":
             if not output.choice.choices or not all(output.choice.choices):

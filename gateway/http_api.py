@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -27,10 +26,10 @@ from aiohttp import web
 
 from common.logs import get_logger
 from gateway.errors import RequestFailed
-from gateway.choices import Copy, interleaved, sibling
+from gateway.choices import Copy, interleaved, run_all, sibling
 from gateway.generation import Generation
 from gateway.health import SERVING, HealthReporter
-from gateway.http_body import BodyLimits, json_body
+from gateway.http_body import BodyLimits, json_body, reply_json
 from gateway.openai_logprobs import CompletionLogprobs, Scored, TokenTexts, chat_logprobs
 from gateway.openai_request import ApiError, chat_prompt, choice_counts, client_request_of, completion_prompts
 from gateway.output import Chunk
@@ -146,6 +145,8 @@ class HttpApi:
                         chat: bool) -> web.StreamResponse:
         """Every request checked before any starts: `best_of` (else `n`) of each prompt, each a choice of the answer."""
         model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ApiError(400, "model must be a string", "model")
         if model is not None and model != self._model_name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self._model_name!r}", "model",
                            "model_not_found")
@@ -155,6 +156,8 @@ class HttpApi:
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
             raise ApiError(400, "stream_options must be an object", "stream_options")
+        if options.get("include_usage") is not None and not isinstance(options["include_usage"], bool):
+            raise ApiError(400, "stream_options.include_usage must be a boolean", "stream_options.include_usage")
         counts = choice_counts(body, chat=chat, stream=stream, num_prompts=len(prompts))
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         choices: list[_Choice] = []
@@ -196,8 +199,8 @@ class HttpApi:
                 async for chunk in chunks:
                     choice.take(chunk)
 
-        await _all([collect(choice) for choice in choices])
-        return web.json_response(shape.whole(best_choices(choices, n), choices))
+        await run_all([collect(choice) for choice in choices])
+        return web.json_response(shape.whole(best_choices(choices, n), choices), dumps=reply_json)
 
     async def _stream(self, request: web.Request, choices: list[_Choice], shape: _Shape,
                       include_usage: bool) -> web.StreamResponse:
@@ -230,21 +233,6 @@ class HttpApi:
             await events.aclose()
         await response.write_eof()
         return response
-
-
-async def _all(coroutines: list[Coroutine[Any, Any, None]]) -> None:
-    """Run them together; the first to fail cancels the others (aborting their requests) and its error is raised."""
-    tasks = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        await _cancel(tasks)
-
-
-async def _cancel(tasks: Sequence[asyncio.Future[None]]) -> None:
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def best_choices(choices: list[_Choice], n: int) -> list[_Choice]:
@@ -387,23 +375,25 @@ class _Shape:
 
 
 def _usage(choices: list[_Choice]) -> dict[str, Any]:
-    """Each prompt counted once, however many copies ran; every completion token generated."""
+    """Each prompt counted once, however many copies ran (its cached tokens too: what the first copy found cached); every
+    completion token generated."""
     lasts = [choice.last for choice in choices if choice.last is not None]
-    prompt = sum(choice.last.num_prompt_tokens for choice in choices if choice.lead is None and choice.last is not None)
+    leads = [choice.last for choice in choices if choice.lead is None and choice.last is not None]
+    prompt = sum(last.num_prompt_tokens for last in leads)
     completion = sum(last.num_completion_tokens for last in lasts)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(last.num_cached_tokens for last in lasts)},
+            "prompt_tokens_details": {"cached_tokens": sum(last.num_cached_tokens for last in leads)},
             "speculation": {"draft_tokens": sum(last.speculation.num_draft_tokens for last in lasts),
                             "accepted_draft_tokens": sum(last.speculation.num_accepted_draft_tokens for last in lasts),
                             "verify_steps": sum(last.speculation.num_verify_steps for last in lasts)}}
 
 
 def error_response(error: ApiError) -> web.Response:
-    response = web.json_response(error.body(), status=error.status)
+    response = web.json_response(error.body(), status=error.status, dumps=reply_json)
     if error.status == 408:  # the rest of the body may never come: close the connection after the answer
         response.force_close()
     return response
 
 
 async def _send_event(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+    await response.write(b"data: " + reply_json(payload, ensure_ascii=False).encode() + b"\n\n")

@@ -8,6 +8,7 @@ gRPC, with OPENAI_FIELDS, so every error names the body's own field.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,8 @@ MAX_CHOICES = 64  # requests one answer runs: prompts times best_of (or n)
 MAX_LOGIT_BIAS_KEY_CHARS = 12  # a token id as a JSON key
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is a request of its own, a choice of the answer)
 _INT32_MAX = 2**31 - 1  # max_tokens and top_k: what the gRPC API's int32 fields hold
+# A token id as a logit_bias key: ASCII digits only (str.isdigit takes "²", which int() refuses), a sign allowed.
+_TOKEN_ID_KEY = re.compile("-?[0-9]+")
 
 # A token prompt's errors name `prompt`, not one of its items; chat requests may name max_completion_tokens instead.
 OPENAI_FIELDS = FieldNames(
@@ -148,7 +151,7 @@ def client_request_of(body: dict[str, Any], prompt: Prompt, *, chat: bool) -> tu
         top_k=checked_top_k,
         seed=checked_seed,
         stop_strings=stop_strings,
-        ignore_eos=body.get("ignore_eos") is True,  # an extension, as in vLLM
+        ignore_eos=_bool_param("ignore_eos", body.get("ignore_eos")),  # an extension, as in vLLM
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         presence_penalty=_float_param("presence_penalty", body.get("presence_penalty")),
@@ -157,6 +160,7 @@ def client_request_of(body: dict[str, Any], prompt: Prompt, *, chat: bool) -> tu
         logit_bias=_logit_bias(body.get("logit_bias")),
         min_tokens=_int_param("min_tokens", body.get("min_tokens"), at_most=_INT32_MAX),  # an extension, as in vLLM
         structured=_structured(body),
+        cache_salt=_string_param("cache_salt", body.get("cache_salt")),  # an extension, as in vLLM
     )
     return request, dataclasses.replace(OPENAI_FIELDS, max_tokens=max_tokens_as,
                                         logprobs="top_logprobs" if chat else "logprobs")
@@ -193,6 +197,12 @@ def choice_counts(body: dict[str, Any], *, chat: bool, stream: bool, num_prompts
     return ChoiceCounts(n, best_of)
 
 
+def _string_param(name: str, value: object) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ApiError(400, f"{name} must be a string", name)
+    return value
+
+
 def _structured(body: dict[str, Any]) -> Asked | None:
     try:
         return openai_structured(body)
@@ -209,7 +219,7 @@ def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
     entries = []
     for key, bias in value.items():
         name = f"logit_bias[{key}]"
-        if len(key) > MAX_LOGIT_BIAS_KEY_CHARS or not key.lstrip("-").isdigit():
+        if len(key) > MAX_LOGIT_BIAS_KEY_CHARS or not _TOKEN_ID_KEY.fullmatch(key):
             raise ApiError(400, f"{name}: the key must be a token id", "logit_bias")
         checked = _float_param(name, bias)
         if checked is None:

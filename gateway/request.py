@@ -7,8 +7,9 @@ string where a number belongs); `validation.validate` checks the values once for
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -59,6 +60,7 @@ class ClientRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     min_tokens: int | None = None
     structured: tuple[str, StructuredSpec] | None = None  # what the output must follow, and the field that asked
+    cache_salt: str | None = None  # only requests with the same salt share prefix-cache pages (vLLM's cache_salt)
 
 
 @dataclass(frozen=True)
@@ -77,10 +79,15 @@ class Submission:
     logprobs: int | None = None  # alternatives with each completion token's log-probability; None: none
     prompt_logprobs: int | None = None  # alternatives with each prompt token's; None: none
     grammar: str | None = None  # the grammar the completion follows (checked); None: any text
+    cache_salt: str | None = None  # the client's (checked); None: none given
+    # A salt of this request alone, which its copies (n, best_of) keep: where the cache is not shared by default
+    # (--prefix-cache-scope salt), what an unsalted request's pages are shared under.
+    own_salt: str = field(default_factory=lambda: uuid.uuid4().hex)
 
-    def to_submit_request(self, prompt_token_ids: list[int], eos_token_ids: Sequence[int]) -> messages.SubmitRequest:
+    def to_submit_request(self, prompt_token_ids: list[int], eos_token_ids: Sequence[int],
+                          cache_salt: str = "") -> messages.SubmitRequest:
         """The scheduler's message: eos ids stop the request unless ignore_eos, then the client's stop ids (which
-        min_tokens holds back)."""
+        min_tokens holds back); `cache_salt` is the salt its prefix-cache pages are keyed under (gateway/cache_scope.py)."""
         # A grammar says when end-of-sequence may come: then it ends the output, ignore_eos or not.
         stop_ids = [] if self.ignore_eos and self.grammar is None else list(eos_token_ids)
         stop_token_ids = list(dict.fromkeys([*stop_ids, *self.stop_token_ids]))
@@ -98,4 +105,5 @@ class Submission:
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
             grammar=self.grammar,
+            cache_salt=cache_salt,
         )

@@ -6,6 +6,7 @@ import asyncio
 import enum
 import itertools
 import time
+import uuid
 from types import TracebackType
 from typing import assert_never
 
@@ -17,13 +18,14 @@ from zmq.utils.monitor import parse_monitor_message
 from common.logs import get_logger
 from common.protocol_errors import ProtocolErrors
 from common.transport import HANDSHAKE_EVENTS, Transport
-from gateway.errors import InvalidArgument, SchedulerUnavailable
-from proto import messages
+from gateway.errors import InvalidArgument, SchedulerUnavailable, UnreadableRequest
+from proto import frames, messages
 
 # A stream that has heard nothing for this long checks that the scheduler still answers.
 STREAM_LIVENESS_CHECK_S = 5.0
 
 RequestMessage = messages.TokenDelta | messages.RequestError
+_SCHEDULER_DECODER = msgspec.msgpack.Decoder(messages.GatewayToScheduler)  # as strict as the scheduler's (check_readable)
 
 
 class StreamState(enum.Enum):
@@ -63,10 +65,15 @@ class SchedulerClient:
         self._socket: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._streams: dict[str, RequestStream] = {}  # by the id the scheduler knows them by
-        self._client_ids: set[str] = set()  # the request ids of those streams, as their clients gave them
+        # The ids the scheduler knows requests by are this gateway's own, never a client's: a random prefix of this
+        # process, then a count. A client's request_id (SGLang's rid) is only what its own replies carry, so no two
+        # clients' requests can meet in the scheduler, whatever ids they choose.
+        self._incarnation = uuid.uuid4().hex[:16]  # this process's, in its hello and heartbeats
+        self._scheduler_ids = (f"{self._incarnation}-{n}" for n in itertools.count(1))
         self._queries: dict[int, asyncio.Future[messages.InfoReply]] = {}
         self._query_ids = itertools.count(1)
         self._last_heard_at = -float("inf")  # time.monotonic() of the last frame received
+        self._max_model_len: int | None = None  # the scheduler's, as its last InfoReply said
         self._connected = asyncio.Event()  # set while the connection is up and its handshake done, per the socket monitor
 
     # ------------------------------------------------------------------ lifecycle
@@ -79,6 +86,9 @@ class SchedulerClient:
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTING_ID, self.gateway_id.encode())
+        # A larger frame drops the connection at its header: all a server without the scheduler's key can make this
+        # gateway hold (proto/frames.py; the scheduler keeps to it).
+        self._socket.setsockopt(zmq.MAXMSGSIZE, frames.scheduler_to_gateway())
         self.transport.join(self._socket, "gateway")
         # Monitor before connecting, so the first handshake is seen and counted too.
         self._monitor = self._socket.get_monitor_socket(HANDSHAKE_EVENTS)
@@ -86,10 +96,12 @@ class SchedulerClient:
         await self._send_hello()
 
     async def run(self) -> None:
-        """Receive until cancelled; also re-sends the hello whenever the connection is made again."""
+        """Receive until cancelled; also re-sends the hello whenever the connection is made again, and says a
+        heartbeat every GATEWAY_HEARTBEAT_INTERVAL_S."""
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(self._receive_loop(), name="scheduler_client.receive")
             tasks.create_task(self._monitor_loop(), name="scheduler_client.monitor")
+            tasks.create_task(self._heartbeat_loop(), name="scheduler_client.heartbeat")
 
     def close(self) -> None:
         for future in self._queries.values():
@@ -101,26 +113,43 @@ class SchedulerClient:
     # ------------------------------------------------------------------ public API
 
     def open_request(self, request_id: str) -> RequestStream:
-        """Register a request's stream; use the result as `async with`. Raises InvalidArgument for an id in flight."""
-        if request_id in self._client_ids:
-            raise InvalidArgument("request_id", f"{request_id!r} is already in flight")
-        stream = RequestStream(self, request_id)
-        self._client_ids.add(request_id)
-        self._streams[request_id] = stream
+        """Register a request's stream under an id of the gateway's own; use the result as `async with`.
+
+        `request_id` is the client's (or one made for it): replies and log lines carry it; several requests may
+        share it."""
+        stream = RequestStream(self, request_id, self.new_scheduler_id())
+        self._streams[stream.scheduler_id] = stream
         return stream
+
+    def new_scheduler_id(self) -> str:
+        return next(self._scheduler_ids)
 
     def close_request(self, stream: RequestStream) -> None:
         """Forget a request; its later messages are dropped."""
         self._streams.pop(stream.scheduler_id, None)
-        self._client_ids.discard(stream.request_id)
 
     async def send(self, message: messages.GatewayToScheduler) -> None:
-        """Queue one message; raises SchedulerUnavailable if the socket stays full for reply_timeout_s."""
+        """Queue one message; raises SchedulerUnavailable if the socket stays full for reply_timeout_s, and
+        InvalidArgument for a request larger than the scheduler's socket takes (`_check_size`)."""
+        frame = self._codec_out.encode(message)
+        await self._check_size(frame)
         try:
             async with asyncio.timeout(self.reply_timeout_s):
-                await self._require_socket().send(self._codec_out.encode(message))
+                await self._require_socket().send(frame)
         except TimeoutError as error:
             raise SchedulerUnavailable(self._silence_message()) from error
+
+    async def _check_size(self, frame: bytes) -> None:
+        """Raises InvalidArgument for a frame over the scheduler's bound (proto/frames.py): the scheduler would drop
+        this gateway's connection at its header. Only a prompt longer than the context makes one, which the scheduler
+        would refuse anyway."""
+        if len(frame) <= frames.gateway_to_scheduler(1):  # what a scheduler of any context takes
+            return
+        max_model_len = await self.max_model_len()
+        if len(frame) > (limit := frames.gateway_to_scheduler(max_model_len)):
+            raise InvalidArgument("prompt", f"the request is {len(frame)} bytes as the scheduler reads it, more than "
+                                            f"the {limit} it takes: the prompt is longer than the context of "
+                                            f"{max_model_len} tokens")
 
     async def query_info(self, *, flush_prefix_cache: bool = False) -> messages.InfoReply:
         """The scheduler's InfoReply (after it forgot the prefix cache's unheld pages, with `flush_prefix_cache`);
@@ -141,6 +170,13 @@ class SchedulerClient:
             raise SchedulerUnavailable(self._silence_message()) from error
         finally:
             self._queries.pop(query_id, None)
+
+    async def max_model_len(self) -> int:
+        """The most tokens a request may hold (prompt and completion), as the scheduler last said; asks it when it has
+        not said yet (raises SchedulerUnavailable when it does not answer)."""
+        if self._max_model_len is None:
+            return (await self.query_info()).max_model_len
+        return self._max_model_len
 
     async def ensure_reachable(self) -> None:
         """Return at once if the scheduler spoke lately, else ask it; raises SchedulerUnavailable."""
@@ -190,6 +226,8 @@ class SchedulerClient:
                     self._route_to_request(delta)
             case messages.InfoReply():
                 self._resolve_query(message)
+            case messages.Probe():  # the scheduler checking that this connection is up: nothing to do
+                pass
             case _:
                 assert_never(message)
 
@@ -202,6 +240,7 @@ class SchedulerClient:
         stream.deliver(message)
 
     def _resolve_query(self, reply: messages.InfoReply) -> None:
+        self._max_model_len = reply.max_model_len
         future = self._queries.get(reply.query_id)
         if future is not None and not future.done():
             future.set_result(reply)
@@ -254,14 +293,33 @@ class SchedulerClient:
             except SchedulerUnavailable as error:  # it cannot go on: its client is told, never left waiting
                 stream.deliver(messages.RequestError(stream.scheduler_id, "UNAVAILABLE", error.message))
                 continue
+            except InvalidArgument as error:  # too long for a scheduler with a shorter context than the last one
+                stream.deliver(messages.RequestError(stream.scheduler_id, "INVALID_ARGUMENT", error.message))
+                continue
             resumed += 1
         if resumed:
             self._log.warning("scheduler.requests_resumed", num_requests=resumed,
                               note="the scheduler connection came back; requests in flight go on from their tokens")
 
     async def _send_hello(self) -> None:
-        hello = messages.GatewayHello(gateway_id=self.gateway_id, protocol_version=messages.PROTOCOL_VERSION)
+        hello = messages.GatewayHello(gateway_id=self.gateway_id, protocol_version=messages.PROTOCOL_VERSION,
+                                      incarnation=self._incarnation)
         await self.send(hello)
+
+    async def _heartbeat_loop(self) -> None:
+        """While connected: a scheduler that hears nothing from this gateway for its --heartbeat-timeout-s counts it
+        missing, and after its --gateway-gone-grace-s aborts its requests. None is queued while disconnected: the
+        hello says it all on reconnecting."""
+        heartbeat = messages.GatewayHeartbeat(gateway_id=self.gateway_id, protocol_version=messages.PROTOCOL_VERSION,
+                                              incarnation=self._incarnation)
+        while True:
+            await asyncio.sleep(messages.GATEWAY_HEARTBEAT_INTERVAL_S)
+            if not self._connected.is_set():
+                continue
+            try:
+                await self.send(heartbeat)
+            except SchedulerUnavailable as error:  # its queue stayed full: the streams' liveness checks deal with it
+                self._log.warning("scheduler.heartbeat_not_sent", error=error.message)
 
     def _require_socket(self) -> zmq.asyncio.Socket:
         if self._socket is None:
@@ -291,9 +349,9 @@ class RequestStream:
     uninterrupted run gives (a draw depends only on its seed and position).
     """
 
-    def __init__(self, client: SchedulerClient, request_id: str) -> None:
-        self.request_id = request_id
-        self.scheduler_id = request_id  # the id the scheduler knows it by (another after a resumption)
+    def __init__(self, client: SchedulerClient, request_id: str, scheduler_id: str) -> None:
+        self.request_id = request_id  # the client's
+        self.scheduler_id = scheduler_id  # the id the scheduler knows it by (another after a resumption)
         self._client = client
         self._queue: asyncio.Queue[RequestMessage] = asyncio.Queue()
         self._state = StreamState.OPEN
@@ -314,8 +372,11 @@ class RequestStream:
 
     async def submit(self, request: messages.SubmitRequest) -> None:
         self._require_state(StreamState.OPEN, "submit")
+        request = msgspec.structs.replace(request, request_id=self.scheduler_id)
+        check_readable(request)  # before the state moves: a request never sent is never aborted
         self._state = StreamState.SUBMITTED
         self._submitted = request
+        self._log.info("request.submitted", request_id=self.request_id, scheduler_id=self.scheduler_id)
         await self._client.send(request)
 
     def deliver(self, message: RequestMessage) -> None:
@@ -341,6 +402,7 @@ class RequestStream:
                         num_cached_tokens=self._num_cached_tokens)
                 else:
                     self._num_cached_tokens = message.num_cached_tokens
+                    message = msgspec.structs.replace(message, request_id=self.request_id)
                 self._ended = message.finish_reason is not None
             case messages.RequestError():
                 message = msgspec.structs.replace(message, request_id=self.request_id)
@@ -357,8 +419,7 @@ class RequestStream:
             return None
         abort = messages.AbortRequest(request_id=self.scheduler_id, reason="scheduler_reconnected")
         self._num_resumptions += 1
-        # A control character no client id may hold (they must be printable): never another request's id.
-        self.scheduler_id = f"{self.request_id}\x1eresumed-{self._num_resumptions}"
+        self.scheduler_id = self._client.new_scheduler_id()
         self._spec_before = self._spec_now
         self._num_prompt_scored_in_run = 0
         max_tokens = None if submitted.max_tokens is None else submitted.max_tokens - len(self._received)
@@ -409,6 +470,17 @@ class RequestStream:
     def _require_state(self, expected: StreamState, action: str) -> None:
         if self._state is not expected:
             raise RuntimeError(f"RequestStream.{action} in state {self._state.value}, expected {expected.value}")
+
+
+def check_readable(submit: messages.SubmitRequest) -> None:
+    """Raises UnreadableRequest if the scheduler could not read `submit` (a float or a bool where an integer belongs,
+    an integer past 64 bits): it would count it as malformed and drop it without an answer, and the client would wait
+    for ever. Decoded as the scheduler decodes it, so a slip in the checks before cannot go unseen."""
+    try:
+        _SCHEDULER_DECODER.decode(msgspec.msgpack.encode(submit))
+    except (msgspec.DecodeError, OverflowError, TypeError) as error:  # DecodeError: ValidationError too
+        raise UnreadableRequest(f"the gateway built a request the scheduler cannot read ({error}); it was not "
+                                "sent") from error
 
 
 def next_state(message: RequestMessage) -> StreamState:

@@ -15,8 +15,8 @@ first prompt token's logprob None.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import dataclasses
 import json
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
@@ -24,15 +24,16 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.choices import run_all
 from gateway.errors import RequestFailed
 from gateway.generation import Generation
-from gateway.http_body import BodyLimits, json_body
-from gateway.openai_logprobs import Scored, TokenTexts
+from gateway.http_body import BodyLimits, json_body, reply_json
+from gateway.openai_logprobs import Scored, TokenTexts, finite
 from gateway.openai_request import ApiError
 from gateway.output import Chunk
 from gateway.request import ClientRequest, Prompt, TextPrompt, TokenPrompt
-from gateway.structured_request import Asked
-from gateway.validation import FieldNames, validate
+from gateway.structured_request import Asked, SpecError, parsed_schema
+from gateway.validation import FieldNames, checked_request_id, validate
 from modeling.structured import StructuredSpec
 from proto.messages import MAX_TOP_LOGPROBS
 
@@ -95,7 +96,7 @@ class SglangApi:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await json_body(request, self._limits)
         prompts, single = _prompts(body)
-        params = body.get("sampling_params") or {}
+        params = {} if body.get("sampling_params") is None else body["sampling_params"]
         if not isinstance(params, dict):
             raise ApiError(400, "sampling_params must be an object", "sampling_params")
         return_logprob = _flag(body, "return_logprob")
@@ -105,20 +106,26 @@ class SglangApi:
         stream = _flag(body, "stream")
         if stream and not single:
             raise ApiError(400, "stream takes one prompt", "stream")
+        cache_salt = body.get("cache_salt")  # as in vLLM's bodies
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ApiError(400, "cache_salt must be a string", "cache_salt")
         rid = body.get("rid")
-        base_id = rid if isinstance(rid, str) and rid else f"sgl-{uuid.uuid4().hex}"
+        if rid is not None and not isinstance(rid, str):
+            raise ApiError(400, "rid must be a string", "rid")
+        base_id = checked_request_id(rid, field="rid") if rid else f"sgl-{uuid.uuid4().hex}"
         jobs = []
         for index, prompt in enumerate(prompts):
             client_request = _client_request(params, prompt, logprobs=top if return_logprob else None,
                                              scores_prompt=return_logprob and start >= 0)
+            client_request = dataclasses.replace(client_request, cache_salt=cache_salt)
             submission = validate(client_request, fields=SGLANG_FIELDS, vocab_size=self._generation.tokenizer.vocab_size,
                                   request_id=base_id if single else f"{base_id}-{index}", grammars=self._generation.grammars)
             jobs.append(_Job(submission.request_id, return_logprob, with_text, max(start, 0), self._texts, submission))
         if stream:
             return await self._stream(request, jobs[0])
-        await asyncio.gather(*(self._collect(job) for job in jobs))
+        await run_all([self._collect(job) for job in jobs])
         answers = [job.answer() for job in jobs]
-        return web.json_response(answers[0] if single else answers)
+        return web.json_response(answers[0] if single else answers, dumps=reply_json)
 
     async def _collect(self, job: _Job) -> None:
         async with contextlib.aclosing(self._generation.chunks(job.submission, "sglang")) as chunks:
@@ -136,7 +143,7 @@ class SglangApi:
                 while True:
                     job.take(chunk)
                     if chunk.text or chunk.token_ids or chunk.finish_reason is not None:
-                        await response.write(b"data: " + json.dumps(job.answer()).encode() + b"\n\n")
+                        await response.write(b"data: " + reply_json(job.answer()).encode() + b"\n\n")
                     if chunk.finish_reason is not None:
                         break
                     chunk = await anext(chunks)
@@ -185,12 +192,12 @@ class _Job:
         return {"text": "".join(self.text), "meta_info": meta}
 
     def _entry(self, token: int, entry: Any) -> list[Any]:
-        return [None if entry is None else entry.logprob, token, self.texts(token) if self.with_text else None]
+        return [None if entry is None else finite(entry.logprob), token, self.texts(token) if self.with_text else None]
 
     def _top(self, entry: Any) -> list[list[Any]] | None:
         if entry is None:
             return None
-        return [[t.logprob, t.token_id, self.texts(t.token_id) if self.with_text else None] for t in entry.top]
+        return [[finite(t.logprob), t.token_id, self.texts(t.token_id) if self.with_text else None] for t in entry.top]
 
 
 def _finish_reason(last: Chunk | None) -> dict[str, Any] | None:
@@ -240,27 +247,35 @@ def _client_request(params: dict[str, Any], prompt: Prompt, *, logprobs: int | N
         if params.get(key) not in (harmless, None, [], ()):
             raise ApiError(400, f"sampling_params.{key} is not supported by this server (only {harmless!r})",
                            f"sampling_params.{key}")
-    max_new_tokens = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
-    stop = params.get("stop") or ()
+    max_new_tokens = params.get("max_new_tokens")
+    max_new_tokens = DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
     top_k = params.get("top_k")
     numbers = {name: params.get(name) for name in ("temperature", "top_p", "frequency_penalty", "presence_penalty",
                                                     "repetition_penalty")}
-    for name, value in [*numbers.items(), ("max_new_tokens", max_new_tokens), ("top_k", top_k),
-                        ("min_new_tokens", params.get("min_new_tokens")), ("sampling_seed", params.get("sampling_seed"))]:
+    integers = {"max_new_tokens": max_new_tokens, "top_k": top_k, "min_new_tokens": params.get("min_new_tokens"),
+                "sampling_seed": params.get("sampling_seed")}
+    # Only the types here; the values (NaN, infinities, ranges) are checked by `validate`, which names these fields too.
+    for name, value in [*numbers.items(), *integers.items()]:
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ApiError(400, f"sampling_params.{name} must be a number", f"sampling_params.{name}")
-    if isinstance(stop, str):
-        stop = (stop,)
+        if value is not None and name in integers and not isinstance(value, int):
+            raise ApiError(400, f"sampling_params.{name} must be an integer", f"sampling_params.{name}")
+    for name in ("ignore_eos", *_IGNORED):
+        if params.get(name) is not None and not isinstance(params[name], bool):
+            raise ApiError(400, f"sampling_params.{name} must be a boolean", f"sampling_params.{name}")
+    stop = params.get("stop")
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
         raise ApiError(400, "sampling_params.stop must be a string or a list of strings", "sampling_params.stop")
-    stop_ids = params.get("stop_token_ids") or ()
-    if not isinstance(stop_ids, (list, tuple)) or not all(isinstance(t, int) for t in stop_ids):
+    stop_ids = params.get("stop_token_ids")
+    stop_ids = () if stop_ids is None else stop_ids
+    if not isinstance(stop_ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise ApiError(400, "sampling_params.stop_token_ids must be a list of token ids", "sampling_params.stop_token_ids")
     # max_new_tokens 0 scores the prompt (what the frontend sends to cache a prefix or to select among choices).
     scoring = scores_prompt or max_new_tokens == 0
     return ClientRequest(
-        prompt=prompt, max_tokens=int(max_new_tokens), temperature=1.0 if numbers["temperature"] is None else
-        float(numbers["temperature"]), top_p=numbers["top_p"], top_k=None if top_k in (None, -1) else int(top_k),
+        prompt=prompt, max_tokens=max_new_tokens, temperature=1.0 if numbers["temperature"] is None else
+        numbers["temperature"], top_p=numbers["top_p"], top_k=None if top_k in (None, -1) else top_k,
         seed=params.get("sampling_seed"), stop_strings=tuple(stop), stop_token_ids=tuple(stop_ids),
         ignore_eos=params.get("ignore_eos") is True, logprobs=logprobs,
         prompt_logprobs=(logprobs or 0) if scoring else None,
@@ -279,12 +294,12 @@ def _structured(params: dict[str, Any]) -> Asked | None:
             raise ApiError(400, "sampling_params.regex must be a non-empty string", "sampling_params.regex")
         return "sampling_params.regex", StructuredSpec("regex", regex)
     if schema is not None:
-        text = schema if isinstance(schema, str) else json.dumps(schema)
+        field = "sampling_params.json_schema"
         try:
-            json.loads(text)
-        except ValueError as error:
-            raise ApiError(400, f"sampling_params.json_schema is not JSON: {error}", "sampling_params.json_schema") from error
-        return "sampling_params.json_schema", StructuredSpec("json_schema", text)
+            parsed = parsed_schema(field, schema)  # bounded before it is parsed; the text kept, its keys in order
+        except SpecError as error:
+            raise ApiError(400, f"{field} {error}", field) from error
+        return field, StructuredSpec("json_schema", schema if isinstance(schema, str) else json.dumps(parsed))
     return None
 
 

@@ -8,7 +8,10 @@ The prefix cache is a hash chain without the hash. Once a full page's keys and v
 computed, it is registered under (the prefix id of everything before it, its own token
 ids) and gets a prefix id of its own, a number never used again. A key so names the
 page's whole prefix exactly: two prompts share a page only if every token up to its end
-is the same, and no collision can make them share one wrongly. A chain of full pages is
+is the same, and no collision can make them share one wrongly. The empty prefix is named
+by the sequence's salt (a string, "" for none), so sequences with different salts share no
+page at all: a cache hit, or its speed, can tell a client only what requests with its own
+salt computed. A chain of full pages is
 what sharing works in anyway (a radix tree would match single tokens, but a partial page
 cannot be shared), and looking a page up is one dict access.
 
@@ -25,21 +28,22 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-_ROOT = 0  # the prefix id of the empty prefix
+UNSALTED = ""  # the salt of the cache everyone shares
+Prefix = int | str  # a prefix id: a registered page's number, or the empty prefix named by its salt
 
 
 @dataclass
 class _Page:
     ref_count: int = 0
-    key: tuple[int, tuple[int, ...]] | None = None  # set while registered in the prefix cache
-    prefix_id: int = _ROOT  # while registered: the id of the prefix that ends with this page
+    key: tuple[Prefix, tuple[int, ...]] | None = None  # set while registered in the prefix cache
+    prefix_id: int = 0  # while registered: the id of the prefix that ends with this page (from 1)
 
 
 @dataclass
 class _Table:
     pages: list[int] = field(default_factory=list)
     num_registered: int = 0  # its leading pages whose prefix is known (registered here or found already cached)
-    prefix_id: int = _ROOT  # the prefix id after those pages
+    prefix_id: Prefix = UNSALTED  # the prefix id after those pages (before any: the salt)
 
 
 @dataclass
@@ -59,9 +63,9 @@ class PagePool:
         self._pages = [_Page() for _ in range(num_pages)]
         self._free = list(range(num_pages - 1, -1, -1))  # hold nothing worth keeping; popped from the end: page 0 first
         self._cached: OrderedDict[int, None] = OrderedDict()  # registered, held by nobody: least recently released first
-        self._index: dict[tuple[int, tuple[int, ...]], int] = {}  # registered pages by key
+        self._index: dict[tuple[Prefix, tuple[int, ...]], int] = {}  # registered pages by key
         self._tables: dict[str, _Table] = {}
-        self._next_prefix_id = _ROOT + 1
+        self._next_prefix_id = 1
         self.counters = PrefixCacheCounters()
 
     # ------------------------------------------------------------------ views
@@ -93,12 +97,13 @@ class PagePool:
     def __contains__(self, seq_id: str) -> bool:
         return seq_id in self._tables
 
-    def cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """The registered pages holding the longest start of `token_ids` in full pages, its last token left out."""
+    def cached_prefix(self, token_ids: Sequence[int], salt: str = UNSALTED) -> list[int]:
+        """The registered pages holding the longest start of `token_ids` in full pages, its last token left out, among
+        those registered under `salt`."""
         pages: list[int] = []
         if not self.prefix_cache:
             return pages
-        prefix_id = _ROOT
+        prefix_id: Prefix = salt
         for start in range(0, len(token_ids) - 1 - self.page_size + 1, self.page_size):
             page = self._index.get((prefix_id, tuple(token_ids[start:start + self.page_size])))
             if page is None:
@@ -118,8 +123,10 @@ class PagePool:
 
     # ------------------------------------------------------------------ sequences
 
-    def admit(self, seq_id: str, token_ids: Sequence[int], *, keep_free: int = 0, share: bool = True) -> int | None:
-        """Give a new sequence pages for `token_ids`, sharing its cached prefix; returns how many tokens were cached.
+    def admit(self, seq_id: str, token_ids: Sequence[int], *, keep_free: int = 0, share: bool = True,
+              salt: str = UNSALTED) -> int | None:
+        """Give a new sequence pages for `token_ids`, sharing its cached prefix under `salt` (its own full pages are
+        registered under it too); returns how many tokens were cached.
 
         None, changing nothing, when the pool cannot hold it now with `keep_free` pages still
         available after it (the watermark that leaves running sequences room to grow).
@@ -127,7 +134,7 @@ class PagePool:
         """
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already holds pages")
-        prefix = self.cached_prefix(token_ids) if share else []
+        prefix = self.cached_prefix(token_ids, salt) if share else []
         num_new = self.pages_for(len(token_ids)) - len(prefix)
         unheld_in_prefix = sum(1 for page in prefix if self._pages[page].ref_count == 0)
         if num_new + keep_free > self.num_available - unheld_in_prefix:
@@ -135,7 +142,7 @@ class PagePool:
         for page in prefix:
             self._hold(page)
         table = _Table(prefix + [self._take() for _ in range(num_new)], len(prefix))
-        table.prefix_id = self._pages[prefix[-1]].prefix_id if prefix else _ROOT
+        table.prefix_id = self._pages[prefix[-1]].prefix_id if prefix else salt
         self._tables[seq_id] = table
         self.counters.num_queried_tokens += len(token_ids)
         self.counters.num_hit_tokens += len(prefix) * self.page_size
@@ -221,4 +228,4 @@ class PagePool:
         state = self._pages[page]
         if state.key is not None:
             del self._index[state.key]
-        state.key, state.prefix_id = None, _ROOT
+        state.key, state.prefix_id = None, 0

@@ -50,7 +50,8 @@ def choose_worker(request: Request, workers: Sequence[WorkerRecord], max_num_seq
         pool = worker.pages
         if pool is None or len(worker.requests) >= max_num_seqs:
             continue
-        candidates.append((len(pool.cached_prefix(tokens)) * pool.page_size if share_prefix else 0, worker))
+        cached = len(pool.cached_prefix(tokens, request.cache_salt)) * pool.page_size if share_prefix else 0
+        candidates.append((cached, worker))
     if not candidates:
         return None
     least = min(len(worker.requests) for _, worker in candidates)
@@ -60,7 +61,8 @@ def choose_worker(request: Request, workers: Sequence[WorkerRecord], max_num_seq
             continue  # much busier: its prefix is not worth it (the least busy one comes later in the order)
         pool = worker.pages
         assert pool is not None
-        hit = pool.admit(request.request_id, tokens, keep_free=watermark(pool.num_pages), share=share_prefix)
+        hit = pool.admit(request.request_id, tokens, keep_free=watermark(pool.num_pages), share=share_prefix,
+                         salt=request.cache_salt)
         if hit is not None:
             return Placement(worker, hit)
     return None

@@ -95,6 +95,7 @@ class StackConfig:
     token_trees: bool = True  # phrases: the draft service proposes token trees, not chains
     max_num_seqs: int | None = None  # the scheduler's and the workers' --max-num-seqs
     prefix_cache: bool = True  # False: the scheduler's --no-prefix-cache
+    prefix_cache_scope: str | None = None  # the gateway's --prefix-cache-scope
     num_speculative_tokens: int | None = None  # the scheduler's k; also the draft service's --max-draft-tokens
     spec_disable_batch_threshold: int | None = None
     spec_draft_token_budget: int | None = None
@@ -190,7 +191,8 @@ def draft_spec(config: StackConfig, addresses: StackAddresses, draft: DraftSpec)
 
 
 def gateway_spec(config: StackConfig, addresses: StackAddresses) -> ServiceSpec:
-    optional = {"--shutdown-grace-s": None if config.gateway_shutdown_grace_s is None else f"{config.gateway_shutdown_grace_s:g}"}
+    optional = {"--shutdown-grace-s": None if config.gateway_shutdown_grace_s is None else f"{config.gateway_shutdown_grace_s:g}",
+                "--prefix-cache-scope": config.prefix_cache_scope}
     return ServiceSpec("gateway", _python("gateway", [
         "--model", str(config.model), "--scheduler-address", addresses.gateway_address, "--host", addresses.host,
         "--port", str(addresses.grpc_port), "--http-port", str(addresses.http_port), *_given(optional),

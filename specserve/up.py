@@ -79,6 +79,10 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences each worker runs at once at most")
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="compute every prompt in full (by default equal prompt prefixes share their KV pages)")
+    parser.add_argument("--prefix-cache-scope", choices=("global", "salt"), default="global",
+                        help="which requests share prefix-cache pages: global (every request without a cache_salt: "
+                             "anyone who can reach the ports can learn from a cache hit what others sent), salt (only "
+                             "requests with the same cache_salt); docs/security.md")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--draft", default=None, type=parse_draft,
                         help="the draft service's proposer: none (no speculation), ngram (prompt lookup), default (prompt "
@@ -238,7 +242,7 @@ def stack_config(args: argparse.Namespace, *, model: Path, max_model_len: int, d
         max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads_per_worker=max(1, usable_cpus() // args.num_workers) if device == "cpu" else 0,
         draft=draft, head_draft_tokens=args.head_draft_tokens, token_trees=not args.no_token_trees,
-        max_num_seqs=args.max_num_seqs, prefix_cache=not args.no_prefix_cache,
+        max_num_seqs=args.max_num_seqs, prefix_cache=not args.no_prefix_cache, prefix_cache_scope=args.prefix_cache_scope,
         num_speculative_tokens=(default_num_speculative_tokens(draft) if args.num_speculative_tokens is None
                                 else args.num_speculative_tokens),
         spec_disable_batch_threshold=(default_spec_threshold(draft) if args.spec_disable_batch_threshold is None

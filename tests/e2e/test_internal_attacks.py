@@ -8,14 +8,20 @@ process crashes or restarts, the users' output does not change, and the stack ke
 
 from __future__ import annotations
 
+import socket
+import struct
 import threading
 import time
+from pathlib import Path
+from urllib.parse import urlsplit
 
 import msgspec
 import zmq
 import zmq.auth
+import zmq.utils.monitor
 
 from common.transport import Role, Transport
+from proto import frames
 from proto import messages as m
 from proto import specserve_pb2 as pb
 from proto.lifecycle import State
@@ -68,6 +74,9 @@ def _plausible_hello(worker_id: str, incarnation: int, **overrides: object) -> m
 
 
 def _refusals(gateway: RawPeer) -> dict[str, int]:
+    # A raw peer says no heartbeats of its own: silent past the scheduler's timeout and grace window, it would be
+    # forgotten, and its query dropped. One now keeps it known, however long the test waited.
+    gateway.send(m.GatewayHeartbeat("second-gateway", m.PROTOCOL_VERSION))
     gateway.send(m.InfoQuery(query_id=77))
     reply = gateway.receive(m.InfoReply)
     assert isinstance(reply, m.InfoReply)
@@ -139,20 +148,32 @@ def test_hellos_and_reports_posing_as_a_worker_are_refused_and_the_real_worker_s
 def test_a_second_gateway_cannot_abort_anothers_request(fp32_stack: Stack) -> None:
     expected = fp32_stack.generate(greedy(PROMPT, 160)).token_ids
     request = greedy(PROMPT, 160)  # long enough to be running when the forged abort comes
-    request.request_id = "victim-request"
+    request.request_id = f"victim-{time.monotonic_ns()}"
     streamed: list[list[int]] = []
     user = threading.Thread(target=lambda: streamed.append(fp32_stack.generate(request).token_ids))
     user.start()
     gateway = _gateway(fp32_stack)
     try:
         refused_before = _refusals(gateway).get("gateway.not_owner", 0)
-        time.sleep(0.3)  # the victim is queued or running by now
-        gateway.send(m.AbortRequest("victim-request", "forged"))
+        # The scheduler knows the victim by its gateway's id for it (what an attacker with a gateway key might learn).
+        victim_id = _scheduler_id(fp32_stack, request.request_id)
+        gateway.send(m.AbortRequest(victim_id, "forged"))
         user.join(timeout=120)
         assert _refusals(gateway).get("gateway.not_owner", 0) >= refused_before + 1
     finally:
         gateway.close()
     assert streamed == [expected]  # finished, whole, and its owner heard the end
+
+
+def _scheduler_id(stack: Stack, request_id: str, timeout_s: float = 10.0) -> str:
+    """The id the stack's gateway submitted the client's request under, from its `request.submitted` log line."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for line in (stack.log_dir / "gateway.log").read_text(errors="replace").splitlines():
+            if "request.submitted" in line and f"request_id={request_id} " in line:
+                return line.split("scheduler_id=")[1].split()[0]
+        assert time.monotonic() < deadline, f"no request.submitted line for {request_id}"
+        time.sleep(0.05)
 
 
 def _refusals_grow(gateway: RawPeer, before: dict[str, int], kinds: list[str], timeout_s: float = 10.0) -> dict[str, int]:
@@ -261,3 +282,89 @@ def test_a_connection_claiming_a_live_workers_routing_identity_neither_takes_its
         thief.close()
         context.term()
     assert _targets(fp32_stack) == before
+
+
+# A ZMTP 3.0 greeting (rfc.zeromq.org/spec/23) as a CURVE client sends it: signature, version, mechanism, as-server 0.
+_GREETING = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"CURVE".ljust(20, b"\x00") + b"\x00" + bytes(31)
+_GIB = 1 << 30
+
+
+def _rss_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
+
+
+def _stream_huge_frame(address: str, rss: list[int], pid: int) -> tuple[int, float]:
+    """Greet the scheduler's socket at `address` as a CURVE client would, then announce a command frame of 1 GiB and
+    stream zeros until the connection drops, sampling the scheduler's RSS into `rss`. Returns (bytes of the frame's
+    body sent, seconds until the drop)."""
+    host_port = urlsplit(address.replace("tcp://", "//"))
+    chunk = bytes(1 << 20)
+    with socket.create_connection((host_port.hostname, host_port.port), timeout=10) as raw:
+        raw.sendall(_GREETING)
+        greeting = b""
+        while len(greeting) < len(_GREETING):
+            greeting += raw.recv(len(_GREETING) - len(greeting))
+        assert greeting.startswith(b"\xff") and b"CURVE" in greeting, greeting
+        raw.sendall(bytes([0x06]) + struct.pack(">Q", _GIB))  # a long command frame: flags, then its 8-byte size
+        started, sent = time.monotonic(), 0
+        try:
+            while sent < _GIB:
+                raw.sendall(chunk)
+                sent += len(chunk)
+                rss.append(_rss_kib(pid))
+        except OSError:  # reset or broken pipe: the scheduler dropped the connection
+            return sent, time.monotonic() - started
+    raise AssertionError(f"the scheduler took a whole 1 GiB frame on {address} from a peer without a key")
+
+
+def test_a_huge_frame_from_a_peer_without_keys_is_dropped_at_its_header_while_users_are_served(fp32_stack: Stack) -> None:
+    """A raw TCP peer greets the scheduler and announces a 1 GiB frame on each socket: the scheduler reads the size,
+    over its bound (proto/frames.py), and drops the connection before holding any of it."""
+    pid = fp32_stack.processes["scheduler"].pid
+    before_output = fp32_stack.generate(greedy(PROMPT, 16)).token_ids
+    before = _targets(fp32_stack)
+    rss = [_rss_kib(pid)]
+    streamed: list[list[int]] = []
+    user = threading.Thread(target=lambda: streamed.append(fp32_stack.generate(greedy(PROMPT, 64)).token_ids))
+    user.start()
+    drops = {name: _stream_huge_frame(address, rss, pid)
+             for name, address in (("gateway", fp32_stack.addresses.gateway_address),
+                                   ("worker", fp32_stack.addresses.worker_address))}
+    user.join(timeout=120)
+    time.sleep(0.5)
+    rss.append(_rss_kib(pid))
+    for name, (sent, seconds) in drops.items():
+        assert seconds < 2.0 and sent <= 64 << 20, (name, sent, seconds)  # what the kernel's buffers took, at most
+    assert max(rss) - rss[0] < 8 * 1024, rss  # KiB: within a few MB of before
+    assert streamed == [fp32_stack.generate(greedy(PROMPT, 64)).token_ids]
+    assert fp32_stack.generate(greedy(PROMPT, 16)).token_ids == before_output
+    assert _targets(fp32_stack) == before
+    print(f"\nscheduler RSS {rss[0] / 1024:.1f} MiB before, {max(rss) / 1024:.1f} MiB at most while 1 GiB frames were "
+          f"announced; dropped after {', '.join(f'{n}: {s >> 20} MiB in {t * 1000:.0f} ms' for n, (s, t) in drops.items())}")
+
+
+def test_a_frame_over_the_bound_from_a_peer_with_a_key_drops_its_connection_and_the_scheduler_serves_on(
+        fp32_stack: Stack) -> None:
+    before_output = fp32_stack.generate(greedy(PROMPT, 16)).token_ids
+    context = zmq.Context()
+    peer = context.socket(zmq.DEALER)  # the stack's gateway key: its handshake succeeds
+    peer.setsockopt(zmq.LINGER, 0)
+    Transport(fp32_stack.config.keys).join(peer, "gateway")
+    monitor = peer.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)  # before connecting
+    peer.connect(fp32_stack.addresses.gateway_address)
+    try:
+        def next_event(timeout_s: float = 10.0) -> int:
+            assert monitor.poll(int(timeout_s * 1000)), "no event from the peer's socket"
+            return int(zmq.utils.monitor.parse_monitor_message(monitor.recv_multipart())["event"])
+
+        peer.send(msgspec.msgpack.encode(m.GatewayHello("oversized", m.PROTOCOL_VERSION)))
+        assert next_event() == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        bound = frames.gateway_to_scheduler(fp32_stack.config.max_model_len)
+        peer.send(bytes(bound + 1))
+        assert next_event() == zmq.EVENT_DISCONNECTED  # at the frame's header: nothing of it was read
+        assert fp32_stack.generate(greedy(PROMPT, 16)).token_ids == before_output
+    finally:
+        monitor.close()
+        peer.close()
+        context.term()

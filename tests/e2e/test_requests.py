@@ -131,13 +131,18 @@ def test_no_ready_worker_is_unavailable_and_a_full_queue_resource_exhausted(no_w
             assert "no-worker-timeout-s" in unavailable.value.details()
 
 
-def test_one_request_id_is_found_in_every_process_log(fp32_stack: Stack) -> None:
+def test_one_request_is_traced_through_every_process_log(fp32_stack: Stack) -> None:
+    """The client's id finds the gateway's lines, whose `request.submitted` line names the id the scheduler and the
+    workers know it by (never the client's own)."""
     request_id = "trace-me-0123456789"
     fp32_stack.generate(pb.GenerateRequest(prompt="Hello there", request_id=request_id, params=pb.SamplingParams(max_tokens=3)))
     logs = {p.stem: p.read_text() for p in fp32_stack.log_dir.glob("*.log")}
-    found = {name for name, text in logs.items() if request_id in text}
+    assert {name for name, text in logs.items() if request_id in text} == {"gateway"}
+    submitted = re.search(rf"request\.submitted .*request_id={request_id} scheduler_id=(\S+)", logs["gateway"])
+    assert submitted, "no request.submitted line"
+    found = {name for name, text in logs.items() if submitted.group(1) in text}
     assert {"gateway", "scheduler"} <= found
-    assert any(name.startswith("worker-") for name in found), f"request id only in {sorted(found)}"
+    assert any(name.startswith("worker-") for name in found), f"scheduler id only in {sorted(found)}"
 
 
 def test_workers_run_on_the_native_kernels_and_say_so(fp32_stack: Stack, bf16_stack: Stack) -> None:

@@ -224,7 +224,8 @@ def test_generate_streams_text_ids_and_usage(run: Any, tokenizer: Tokenizer) -> 
         async with gateway(tokenizer, text_script(tokenizer, "Hello 😀 世界")) as h:
             responses = await collect(h.stub.Generate(pb.GenerateRequest(prompt="Say hi")))
             submit = h.scheduler.submits()[0]
-            assert h.scheduler.hellos()[0] == m.GatewayHello("gw-test", m.PROTOCOL_VERSION)
+            hello = h.scheduler.hellos()[0]
+            assert hello == m.GatewayHello("gw-test", m.PROTOCOL_VERSION, hello.incarnation) and hello.incarnation
         assert submit.prompt_token_ids == tokenizer.encode("Say hi")
         assert (submit.max_tokens, submit.seed_given, submit.sampling.seed, submit.stop_token_ids) == (None, False, 0, [2])
         assert "".join(r.text for r in responses) == "Hello 😀 世界"
@@ -234,7 +235,8 @@ def test_generate_streams_text_ids_and_usage(run: Any, tokenizer: Tokenizer) -> 
         last = responses[-1]
         assert last.finish_reason == pb.FINISH_REASON_STOP
         assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(submit.prompt_token_ids), len(tokenizer.encode("Hello 😀 世界")) + 1)
-        assert {r.request_id for r in responses} == {submit.request_id} and len(submit.request_id) == 32
+        assert len({r.request_id for r in responses}) == 1 and len(responses[0].request_id) == 32
+        assert submit.request_id != responses[0].request_id  # the scheduler knows it by the gateway's own id
 
     run(scenario())
 
@@ -246,7 +248,7 @@ def test_chat_and_client_request_id(run: Any, tokenizer: Tokenizer) -> None:
             request = pb.GenerateRequest(chat=chat, request_id="client-7", params=pb.SamplingParams(seed=5, max_tokens=9, ignore_eos=True))
             responses = await collect(h.stub.Generate(request))
             submit = h.scheduler.submits()[0]
-        assert submit.request_id == "client-7" and responses[-1].request_id == "client-7"
+        assert submit.request_id != "client-7" and responses[-1].request_id == "client-7"
         assert submit.prompt_token_ids == tokenizer.encode_chat([ChatMessage("user", "Hello")])
         assert (submit.seed_given, submit.sampling.seed, submit.max_tokens, submit.stop_token_ids) == (True, 5, 9, [])
         assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
@@ -259,7 +261,7 @@ def test_stop_string_finishes_with_stop_and_aborts_the_scheduler(run: Any, token
         async with gateway(tokenizer, endless_script(tokenizer), delay_s=0.005) as h:
             request = pb.GenerateRequest(prompt="Count", params=pb.SamplingParams(stop=["7 8", "never"]))
             responses = await collect(h.stub.Generate(request))
-            request_id = responses[0].request_id
+            request_id = h.scheduler.submits()[0].request_id
             await eventually(lambda: request_id in h.scheduler.aborts)
             assert h.scheduler.aborts[request_id] == "stop_string"
         assert "".join(r.text for r in responses) == " 1 2 3 4 5 6 "
@@ -276,8 +278,8 @@ def test_client_cancellation_aborts_the_request(run: Any, tokenizer: Tokenizer) 
             await call.read()
             await call.read()
             call.cancel()
-            await eventually(lambda: "to-cancel" in h.scheduler.aborts)
-            assert h.scheduler.aborts["to-cancel"] == "client_cancelled"
+            await eventually(lambda: bool(h.scheduler.aborts))
+            assert h.scheduler.aborts == {h.scheduler.submits()[0].request_id: "client_cancelled"}
 
     run(scenario())
 
@@ -323,16 +325,20 @@ def test_invalid_request_is_refused_before_the_scheduler_sees_it(run: Any, token
     run(scenario())
 
 
-def test_request_id_in_flight_twice_is_refused(run: Any, tokenizer: Tokenizer) -> None:
+def test_a_request_id_chosen_by_two_clients_names_two_requests(run: Any, tokenizer: Tokenizer) -> None:
+    """A client's request_id is its replies' name, never the scheduler's: a second client using the first one's id
+    while it streams gets its own request, and neither can reach the other's (abort it, take its tokens)."""
     async def scenario() -> None:
-        async with gateway(tokenizer, endless_script(tokenizer), delay_s=0.01) as h:
+        async with gateway(tokenizer, text_script(tokenizer, "Hello world"), delay_s=0.01) as h:
             first = h.stub.Generate(pb.GenerateRequest(prompt="x", request_id="same"))
             await first.read()
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await collect(h.stub.Generate(pb.GenerateRequest(prompt="y", request_id="same")))
-            first.cancel()
-        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "request_id" in (caught.value.details() or "")
+            second = await collect(h.stub.Generate(pb.GenerateRequest(prompt="y", request_id="same")))
+            rest = await read_all(first)
+            submits = h.scheduler.submits()
+        assert len({s.request_id for s in submits}) == 2 and "same" not in {s.request_id for s in submits}
+        assert "".join(r.text for r in second) == "Hello world" and {r.request_id for r in second} == {"same"}
+        assert rest[-1].finish_reason == pb.FINISH_REASON_STOP
+        assert not h.scheduler.aborts  # ending the second aborted nothing of the first's
 
     run(scenario())
 
@@ -441,6 +447,7 @@ def test_a_request_in_flight_goes_on_from_its_tokens_when_the_scheduler_comes_ba
             call = h.stub.Generate(pb.GenerateRequest(prompt="count", request_id="r1", params=pb.SamplingParams(max_tokens=100)))
             before = [await call.read() for _ in range(5)]
             await eventually(lambda: len(h.scheduler.submits()) == 1)
+            (resumed_from,) = h.scheduler.submits()
             port = h.scheduler.port
             for task in list(h.scheduler._tasks):
                 task.cancel()
@@ -456,10 +463,11 @@ def test_a_request_in_flight_goes_on_from_its_tokens_when_the_scheduler_comes_ba
                 after = await read_all(call)
                 (resumed,) = h.scheduler.submits()
                 received = [t for r in before for t in r.token_ids]
-                assert resumed.request_id == "r1\x1eresumed-1" and resumed.max_tokens == 100 - len(received)
+                first_id = resumed_from.request_id
+                assert resumed.request_id not in ("r1", first_id) and resumed.max_tokens == 100 - len(received)
                 assert resumed.prompt_token_ids == tokenizer.encode("count") + received
                 assert resumed.resumed_tokens == len(received)  # penalties count them as the completion's
-                assert h.scheduler.aborts == {"r1": "scheduler_reconnected"}  # in case the old one still ran it
+                assert h.scheduler.aborts == {first_id: "scheduler_reconnected"}  # in case the old one still ran it
                 responses = [*before, *after]
                 assert "".join(r.text for r in responses) == "".join(f" {n}" for n in range(1, 31))  # each token once
                 assert responses[-1].finish_reason == pb.FINISH_REASON_STOP
@@ -478,11 +486,16 @@ def test_a_resumed_request_passes_on_each_prompt_logprob_once(run: Any) -> None:
         return [m.TokenLogprob(-p / 10, []) for p in positions]
 
     class Sent:
+        ids = iter(range(1, 100))
+
         async def send(self, message: object) -> None:
             pass
 
+        def new_scheduler_id(self) -> str:
+            return f"s{next(self.ids)}"
+
     async def scenario() -> None:
-        stream = RequestStream(Sent(), "r")  # type: ignore[arg-type]
+        stream = RequestStream(Sent(), "r", "s0")  # type: ignore[arg-type]
         await stream.submit(m.SubmitRequest("r", [1, 2, 3, 4, 5, 6], 2, m.SamplingParams(), [], prompt_logprobs=0))
         stream.deliver(m.TokenDelta("r", [], None, 6, 0, prompt_logprobs=scored(1, 2, 3)))
         abort, resumed = stream.resumption()  # type: ignore[misc]
@@ -616,7 +629,7 @@ def test_sigterm_drains_streams_in_flight_and_a_second_one_stops_at_once(
                     process.send_signal(signal.SIGTERM)
                     with pytest.raises(grpc.aio.AioRpcError):
                         await read_all(call)
-                    await eventually(lambda: scheduler.aborts.get("in-flight") == "client_cancelled")
+                    await eventually(lambda: list(scheduler.aborts.values()) == ["client_cancelled"])
                 else:
                     responses = [first, *await read_all(call)]
                     assert "".join(r.text for r in responses) == " ok" * 100

@@ -36,6 +36,21 @@ def test_a_different_token_anywhere_before_a_page_means_another_page() -> None:
     assert len(pool.cached_prefix([1, 2, 9, 4, 5])) == 1
 
 
+def test_pages_are_shared_only_under_the_same_salt() -> None:
+    pool = PagePool(num_pages=16, page_size=2)
+    secret = [7, 7, 1, 2, 3, 4, 5]
+    pool.admit("alice", secret, salt="alice")
+    pool.register("alice", secret)
+    pool.release("alice")
+    assert pool.cached_prefix(secret, "alice") and not pool.cached_prefix(secret) and not pool.cached_prefix(secret, "bob")
+    assert pool.admit("mallory", secret) == 0  # the guess, unsalted: nothing found
+    assert pool.admit("bob", secret, salt="bob") == 0
+    assert pool.admit("alice-again", secret, salt="alice") == 6
+    # Nor does a salt that reads like a token sequence meet the unsalted chain (salts and page numbers never meet).
+    pool.register("mallory", secret)
+    assert len(pool.cached_prefix(secret, "")) == 3 and not pool.cached_prefix(secret, "1")
+
+
 def test_cached_pages_are_evicted_least_recently_released_first_and_only_when_needed() -> None:
     pool = PagePool(num_pages=4, page_size=2)
     for name, tokens in (("a", [1, 1, 0]), ("b", [2, 2, 0])):

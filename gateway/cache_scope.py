@@ -1,0 +1,45 @@
+"""Which requests share prefix-cache pages: the gateway's --prefix-cache-scope, as the salt each request's pages are
+keyed under (modeling/page_pool.py).
+
+A request whose prompt starts with pages already cached gets its first token sooner and says
+so in its usage (`cached_tokens`). Where two clients share pages, each can so learn whether
+the other sent a given start of a prompt (a guessed secret in a system prompt, say): the
+prompt-leakage side channel of a shared KV cache. A salt closes it between requests that do
+not share one, at the price of the reuse between them.
+
+- `global`: one cache for every request without a `cache_salt`, so anyone who can reach the
+  gateway can probe it; a request with a `cache_salt` shares only with requests that send
+  the same one (vLLM's meaning).
+- `salt`: nothing is shared without a salt: a request without one shares pages only with
+  its own copies (n, best_of); requests with the same `cache_salt` share.
+- `tenant`: each caller's requests share among themselves, under the caller's identity.
+  The public ports have no caller identities yet, so the gateway refuses to start with it.
+
+The salts of the three kinds never meet: a client's salt cannot name another request's own.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, assert_never
+
+from gateway.request import Submission
+
+CacheScope = Literal["global", "salt", "tenant"]
+SCOPES: tuple[CacheScope, ...] = ("global", "salt", "tenant")
+UNSALTED = ""  # the page pool's cache every unsalted request shares
+
+
+def page_salt(scope: CacheScope, submission: Submission) -> str:
+    """The salt the submission's pages are keyed under."""
+    client = submission.cache_salt
+    if client is not None:
+        return f"salt:{client}"
+    match scope:
+        case "global":
+            return UNSALTED
+        case "salt":
+            return f"request:{submission.own_salt}"
+        case "tenant":
+            raise ValueError("--prefix-cache-scope tenant needs caller identities, which the public ports lack")
+        case _:
+            assert_never(scope)

@@ -1,0 +1,62 @@
+"""Which requests share prefix-cache pages: the salt each request's pages are keyed under, per --prefix-cache-scope."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.cache_scope import UNSALTED, page_salt
+from gateway.choices import sibling
+from gateway.config import parse_config
+from gateway.errors import InvalidArgument
+from gateway.openai_request import OPENAI_FIELDS
+from gateway.request import ClientRequest, Submission, TextPrompt
+from gateway.validation import validate
+
+
+def submission(cache_salt: str | None = None) -> Submission:
+    return validate(ClientRequest(TextPrompt("hi"), cache_salt=cache_salt), fields=OPENAI_FIELDS, request_id="r",
+                    vocab_size=100)
+
+
+def test_global_scope_shares_unsalted_requests_and_separates_salted_ones() -> None:
+    assert page_salt("global", submission()) == page_salt("global", submission()) == UNSALTED
+    assert page_salt("global", submission("a")) == page_salt("global", submission("a")) != UNSALTED
+    assert page_salt("global", submission("a")) != page_salt("global", submission("b"))
+
+
+def test_salt_scope_shares_an_unsalted_request_only_with_its_own_copies() -> None:
+    first, second = submission(), submission()
+    assert page_salt("salt", first) != page_salt("salt", second)
+    assert UNSALTED not in (page_salt("salt", first), page_salt("salt", second))
+    copy = sibling(first, 1, "r-1", scores_prompt=False)
+    assert page_salt("salt", copy) == page_salt("salt", first)
+    assert page_salt("salt", submission("a")) == page_salt("global", submission("a"))
+
+
+def test_a_clients_salt_never_names_a_requests_own() -> None:
+    """A client that sends another request's own salt as its cache_salt still gets a salt of its own."""
+    victim = submission()
+    forged = submission(cache_salt=page_salt("salt", victim))
+    assert page_salt("salt", forged) != page_salt("salt", victim)
+    forged = submission(cache_salt=victim.own_salt)
+    assert page_salt("salt", forged) != page_salt("salt", victim)
+
+
+@pytest.mark.parametrize("salt", ["", "x" * 257, "tab\there"])
+def test_a_bad_cache_salt_is_refused_naming_the_field(salt: str) -> None:
+    with pytest.raises(InvalidArgument) as refused:
+        submission(salt)
+    assert refused.value.field == "cache_salt"
+
+
+def test_tenant_scope_is_refused_at_start_while_callers_have_no_identity(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "tokenizer.json").write_text("{}")
+    args = ["--model", str(tmp_path), "--insecure-loopback"]
+    assert parse_config(args).prefix_cache_scope == "global"
+    assert parse_config([*args, "--prefix-cache-scope", "salt"]).prefix_cache_scope == "salt"
+    with pytest.raises(SystemExit):
+        parse_config([*args, "--prefix-cache-scope", "tenant"])
+    assert "no caller identities" in capsys.readouterr().err
