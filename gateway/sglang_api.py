@@ -109,17 +109,14 @@ class SglangApi:
         cache_salt = body.get("cache_salt")  # as in vLLM's bodies
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ApiError(400, "cache_salt must be a string", "cache_salt")
-        rid = body.get("rid")
-        if rid is not None and not isinstance(rid, str):
-            raise ApiError(400, "rid must be a string", "rid")
-        base_id = checked_request_id(rid, field="rid") if rid else f"sgl-{uuid.uuid4().hex}"
+        request_ids = _request_ids(body.get("rid"), len(prompts), single)
         jobs = []
         for index, prompt in enumerate(prompts):
             client_request = _client_request(params, prompt, logprobs=top if return_logprob else None,
                                              scores_prompt=return_logprob and start >= 0)
             client_request = dataclasses.replace(client_request, cache_salt=cache_salt)
             submission = validate(client_request, fields=SGLANG_FIELDS, vocab_size=self._generation.tokenizer.vocab_size,
-                                  request_id=base_id if single else f"{base_id}-{index}", grammars=self._generation.grammars)
+                                  request_id=request_ids[index], grammars=self._generation.grammars)
             jobs.append(_Job(submission.request_id, return_logprob, with_text, max(start, 0), self._texts, submission))
         if stream:
             return await self._stream(request, jobs[0])
@@ -232,6 +229,19 @@ def _limited(prompts: list[Prompt], field: str) -> list[Prompt]:
     if len(prompts) > MAX_PROMPTS:
         raise ApiError(400, f"{len(prompts)} prompts, at most {MAX_PROMPTS} at once", field)
     return prompts
+
+
+def _request_ids(rid: object, num_prompts: int, single: bool) -> list[str]:
+    """Each prompt's id as its replies carry it: `rid` (one string, numbered per prompt for a batch, or a list of one
+    per prompt), else one made here. Only replies carry it: the scheduler knows requests by the gateway's own ids."""
+    if isinstance(rid, list) and not single:
+        if len(rid) != num_prompts or not all(isinstance(r, str) for r in rid):
+            raise ApiError(400, f"rid must be a string or a list of {num_prompts} strings, one per prompt", "rid")
+        return [checked_request_id(r, field=f"rid[{index}]") for index, r in enumerate(rid)]
+    if rid is not None and not isinstance(rid, str):
+        raise ApiError(400, "rid must be a string" + ("" if single else " or a list of strings, one per prompt"), "rid")
+    base = checked_request_id(rid, field="rid") if rid else f"sgl-{uuid.uuid4().hex}"
+    return [base] if single else [f"{base}-{index}" for index in range(num_prompts)]
 
 
 def _is_ids(value: object) -> bool:

@@ -4,7 +4,7 @@ libzmq reads a frame's size before its body and drops the connection when the si
 the socket's MAXMSGSIZE, during the CURVE handshake as after it. Without one, a peer that
 never completes the handshake makes a process hold a frame of any size while it streams
 in; with one, a peer can make it hold one bound's worth per connection at most, for the
-handshake's deadline at most (ZMQ_HANDSHAKE_IVL, 30 s).
+handshake's deadline at most (ZMQ_HANDSHAKE_IVL: libzmq's 30 s; the scheduler's sockets 10 s).
 
 A legitimate message must never exceed its socket's bound: the connection it came on would
 be dropped. So each bound is the receiver's worst case, counted message by message and

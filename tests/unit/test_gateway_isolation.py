@@ -1,4 +1,5 @@
-"""Which requests share prefix-cache pages: the salt each request's pages are keyed under, per --prefix-cache-scope."""
+"""Which requests share prefix-cache pages (the salt each request's pages are keyed under, per --prefix-cache-scope), and
+the ids clients give their requests."""
 
 from __future__ import annotations
 
@@ -60,3 +61,20 @@ def test_tenant_scope_is_refused_at_start_while_callers_have_no_identity(tmp_pat
     with pytest.raises(SystemExit):
         parse_config([*args, "--prefix-cache-scope", "tenant"])
     assert "no caller identities" in capsys.readouterr().err
+
+
+def test_sglang_rids_name_each_prompts_replies() -> None:
+    """SGLang's rid: a string (numbered per prompt in a batch) or a list of one per prompt; what is not is refused."""
+    from gateway.openai_request import ApiError
+    from gateway.sglang_api import _request_ids
+
+    assert _request_ids("mine", 1, True) == ["mine"]
+    assert _request_ids("mine", 2, False) == ["mine-0", "mine-1"]
+    assert _request_ids(["a", "b"], 2, False) == ["a", "b"]
+    assert _request_ids(None, 1, True)[0].startswith("sgl-")
+    for rid, num, single, field in ((["a"], 2, False, "rid"), ([1, 2], 2, False, "rid"), (7, 1, True, "rid"),
+                                    (["a", "b"], 1, True, "rid"), (["ok", "tab\t"], 2, False, "rid[1]")):
+        with pytest.raises((ApiError, InvalidArgument)) as refused:
+            _request_ids(rid, num, single)
+        error = refused.value
+        assert (error.param if isinstance(error, ApiError) else error.field) == field
