@@ -237,9 +237,14 @@ def test_one_request_is_logged_by_the_gateway_the_scheduler_and_the_worker(stack
         tokens = _stream(pb_grpc.SpecServeStub(channel),
                          pb.GenerateRequest(prompt="Hello", params=_greedy(8), request_id=request_id))
     assert tokens
-    for service in ("gateway", "scheduler", "worker"):
-        events = [line["event"] for line in _json_lines(stack.logs(service)) if line.get("request_id") == request_id]
-        assert events, f"no JSON log line of {request_id} in the {service} container's logs"
+    # The gateway logs the client's id; its request.submitted line names the id the scheduler and the worker know.
+    gateway_lines = [line for line in _json_lines(stack.logs("gateway")) if line.get("request_id") == request_id]
+    assert gateway_lines, f"no JSON log line of {request_id} in the gateway container's logs"
+    progress(f"gateway: {[line['event'] for line in gateway_lines]}")
+    (scheduler_id,) = [line["scheduler_id"] for line in gateway_lines if line["event"] == "request.submitted"]
+    for service in ("scheduler", "worker"):
+        events = [line["event"] for line in _json_lines(stack.logs(service)) if line.get("request_id") == scheduler_id]
+        assert events, f"no JSON log line of {scheduler_id} ({request_id}) in the {service} container's logs"
         progress(f"{service}: {events}")
 
 
