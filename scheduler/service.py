@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 import msgspec
@@ -149,12 +149,21 @@ class SchedulerService:
             errors.record("handshake_failed", zmq_event=zmq.Event(event["event"]).name, detail=event["value"])
 
     async def _receive_gateways(self) -> None:
-        async for identity, message in _decoded(self._gateway_socket, self._gateway_codec, self._gateway_errors):
+        async for identity, message in _decoded(self._gateway_socket, self._gateway_codec, self._gateway_errors,
+                                                self._refuse_unreadable):
             if not isinstance(message, m.GatewayHello | m.GatewayHeartbeat) and not self._core.knows_gateway(identity):
                 self._gateway_errors.record("unknown_sender", message=type(message).__name__)
                 continue
             self._core.on_gateway_message(identity, message, time.monotonic())
             await self._flush()
+
+    def _refuse_unreadable(self, identity: bytes, payload: bytes, problem: str) -> None:
+        """A known gateway's submit that does not decode is answered, not only dropped: its client would wait for
+        ever (the gateway checks its own submits first, so this is a defence in depth)."""
+        request_id = unreadable_request_id(payload)
+        if request_id is not None and self._core.knows_gateway(identity):
+            self._core.outbox.to_gateway(identity, m.RequestError(
+                request_id, "INVALID_ARGUMENT", f"the scheduler could not read the request: {problem[:500]}"))
 
     async def _receive_workers(self) -> None:
         async for identity, message in _decoded(self._worker_socket, self._worker_codec, self._worker_errors):
@@ -210,8 +219,22 @@ def _max_frame_bytes(config: SchedulerConfig) -> dict[Role, int]:
     return {"gateway": frames.gateway_to_scheduler(config.max_model_len), "worker": frames.worker_to_scheduler(limits)}
 
 
-async def _decoded(socket: zmq.asyncio.Socket, codec: m.Codec[T], errors: ProtocolErrors) -> AsyncIterator[tuple[bytes, T]]:
-    """(sender identity, message) for every well-formed frame; anything else is counted and dropped."""
+def unreadable_request_id(payload: bytes) -> str | None:
+    """The request id of a submit that does not decode as one, when it holds a readable one."""
+    try:
+        fields = msgspec.msgpack.decode(payload)
+    except Exception:  # anything at all: this only looks for a name to answer to
+        return None
+    if not isinstance(fields, dict) or fields.get("type") != "submit":
+        return None
+    request_id = fields.get("request_id")
+    return request_id if isinstance(request_id, str) and 0 < len(request_id) <= m.MAX_REQUEST_ID_CHARS else None
+
+
+async def _decoded(socket: zmq.asyncio.Socket, codec: m.Codec[T], errors: ProtocolErrors,
+                   on_unreadable: Callable[[bytes, bytes, str], None] | None = None) -> AsyncIterator[tuple[bytes, T]]:
+    """(sender identity, message) for every well-formed frame; anything else is counted and dropped (and told to
+    `on_unreadable`, with the sender and the problem)."""
     while True:
         frames = await socket.recv_multipart()
         if len(frames) != 2:
@@ -222,3 +245,5 @@ async def _decoded(socket: zmq.asyncio.Socket, codec: m.Codec[T], errors: Protoc
             yield identity, codec.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             errors.record("decode", error=str(exc), num_bytes=len(payload))
+            if on_unreadable is not None:
+                on_unreadable(identity, payload, str(exc))

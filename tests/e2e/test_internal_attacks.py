@@ -111,6 +111,24 @@ def test_a_second_gateways_request_with_ids_outside_the_vocabulary_is_refused_an
     assert fp32_stack.generate(greedy(PROMPT, 16)).token_ids == before_output
 
 
+def test_a_gateways_submit_the_scheduler_cannot_read_is_answered_never_left_waiting(fp32_stack: Stack) -> None:
+    """What the attack run's hangs were: a float where the seed's integer belongs. The gateway checks its own
+    submits first; the scheduler answers any that still comes, naming the field."""
+    gateway = _gateway(fp32_stack)
+    try:
+        submit = msgspec.to_builtins(m.SubmitRequest("unreadable-1", [100, 101], 4, m.SamplingParams(), []))
+        submit["sampling"]["seed"] = 1.5
+        gateway.socket.send(msgspec.msgpack.encode({"type": "submit", **submit}))
+        error = gateway.receive(m.RequestError)
+        assert isinstance(error, m.RequestError) and error.request_id == "unreadable-1"
+        assert error.code == "INVALID_ARGUMENT" and "$.sampling.seed" in error.message
+        gateway.socket.send(msgspec.msgpack.encode({"type": "submit", "request_id": 7}))  # no id to answer: dropped
+        assert _refusals(gateway).get("gateway.decode", 0) >= 2
+    finally:
+        gateway.close()
+    assert fp32_stack.generate(greedy(PROMPT, 4)).token_ids
+
+
 def test_hellos_and_reports_posing_as_a_worker_are_refused_and_the_real_worker_serves_on(fp32_stack: Stack) -> None:
     before_output = fp32_stack.generate(greedy(PROMPT, 16)).token_ids
     before = _targets(fp32_stack)
