@@ -133,6 +133,9 @@ def _kv_cache_metrics(processes: list[messages.ProcessInfo]) -> Iterator[GaugeMe
                                labels=["process_id"])
     preempted = CounterMetricFamily("specserve_preemptions", "Sequences preempted for lack of KV pages (recomputed later)",
                                     labels=["process_id"])
+    cost = GaugeMetricFamily("specserve_step_cost", "A target's step time as the scheduler fits it: fixed_ms, "
+                             "ms_per_row (decode or verify), ms_per_prefill_token, ms_per_kilo_context (attended "
+                             "positions), error_ms (recent mean absolute error of the fit)", labels=["process_id", "term"])
     for process in processes:
         pid = process.process_id
         pages.add_metric([pid, "used"], process.num_used_kv_pages)
@@ -142,7 +145,14 @@ def _kv_cache_metrics(processes: list[messages.ProcessInfo]) -> Iterator[GaugeMe
             queried.add_metric([pid], process.prefix_cache_queried_tokens)
             hits.add_metric([pid], process.prefix_cache_hit_tokens)
             preempted.add_metric([pid], process.num_preemptions)
+            if process.num_costed_steps:
+                for term, value in (("fixed_ms", process.step_fixed_ms), ("ms_per_row", process.step_ms_per_row),
+                                    ("ms_per_prefill_token", process.step_ms_per_prefill_token),
+                                    ("ms_per_kilo_context", process.step_ms_per_kilo_context),
+                                    ("error_ms", process.step_cost_error_ms)):
+                    cost.add_metric([pid, term], value)
     yield pages
     yield queried
     yield hits
     yield preempted
+    yield cost

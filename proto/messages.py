@@ -230,6 +230,15 @@ class ProcessInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefix_cache_hit_tokens: int = 0  # of those, found cached
     num_preemptions: int = 0  # sequences preempted (recomputed later) for lack of pages
     kernels: str = ""  # which kernels its model runs on, as its READY report said ("": not READY yet, or no model)
+    # A target's step time as the scheduler fitted it to its steps (scheduler/speculation/cost.py): a fixed part, per
+    # decode or verify row, per prefill token, per thousand attended positions; and how far off the fit has been
+    # lately. All 0 until it has seen enough steps.
+    num_costed_steps: int = 0
+    step_fixed_ms: float = 0.0
+    step_ms_per_row: float = 0.0
+    step_ms_per_prefill_token: float = 0.0
+    step_ms_per_kilo_context: float = 0.0
+    step_cost_error_ms: float = 0.0
 
 
 class SpeculationInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -178,7 +178,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Process(_message.Message):
-    __slots__ = ("process_id", "role", "state", "incarnation", "heartbeat_age_s", "num_running", "failure", "num_kv_pages", "kv_page_size", "num_used_kv_pages", "num_cached_kv_pages", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "num_preemptions", "kernels")
+    __slots__ = ("process_id", "role", "state", "incarnation", "heartbeat_age_s", "num_running", "failure", "num_kv_pages", "kv_page_size", "num_used_kv_pages", "num_cached_kv_pages", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "num_preemptions", "kernels", "num_costed_steps", "step_fixed_ms", "step_ms_per_row", "step_ms_per_prefill_token", "step_ms_per_kilo_context", "step_cost_error_ms")
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +194,12 @@ class Process(_message.Message):
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     KERNELS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COSTED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIXED_MS_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_PER_ROW_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_PER_PREFILL_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_PER_KILO_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    STEP_COST_ERROR_MS_FIELD_NUMBER: _ClassVar[int]
     process_id: str
     role: str
     state: str
@@ -209,7 +215,13 @@ class Process(_message.Message):
     prefix_cache_hit_tokens: int
     num_preemptions: int
     kernels: str
-    def __init__(self, process_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., incarnation: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., num_running: _Optional[int] = ..., failure: _Optional[str] = ..., num_kv_pages: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., num_used_kv_pages: _Optional[int] = ..., num_cached_kv_pages: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kernels: _Optional[str] = ...) -> None: ...
+    num_costed_steps: int
+    step_fixed_ms: float
+    step_ms_per_row: float
+    step_ms_per_prefill_token: float
+    step_ms_per_kilo_context: float
+    step_cost_error_ms: float
+    def __init__(self, process_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., incarnation: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., num_running: _Optional[int] = ..., failure: _Optional[str] = ..., num_kv_pages: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., num_used_kv_pages: _Optional[int] = ..., num_cached_kv_pages: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kernels: _Optional[str] = ..., num_costed_steps: _Optional[int] = ..., step_fixed_ms: _Optional[float] = ..., step_ms_per_row: _Optional[float] = ..., step_ms_per_prefill_token: _Optional[float] = ..., step_ms_per_kilo_context: _Optional[float] = ..., step_cost_error_ms: _Optional[float] = ...) -> None: ...
 
 class Speculation(_message.Message):
     __slots__ = ("num_draft_tokens", "num_accepted_draft_tokens", "num_verify_steps", "num_plain_decode_steps", "acceptance_rate", "mean_accepted_length")

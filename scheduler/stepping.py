@@ -30,6 +30,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.outbox import Outbox
 from scheduler.placement import choose_worker, too_long_problem
 from scheduler.requests import FINISH_REASONS, Request, RequestStatus, RequestTable
+from scheduler.speculation.cost import step_shape
 from scheduler.speculation.link import DraftLink, DraftWork, PendingProposal, draft_work
 from scheduler.speculation.verification import logprobs_problem, record_verification, step_result_problem
 from scheduler.workers import WorkerRecord, WorkerRegistry
@@ -161,7 +162,8 @@ class StepCycle:
             ))
             # A prompt chunk's scores: each token's after the first, then the next chunk's first.
             prompt_scores = item.num_tokens - 1 + (end < len(r.prompt_token_ids)) if scores else None
-            step_seqs.append(StepSeq(r, item.num_tokens, item.completes, drafts, generation, parents, prompt_scores))
+            step_seqs.append(StepSeq(r, item.num_tokens, item.completes, drafts, generation, parents, prompt_scores,
+                                     r.num_computed_tokens))
         worker.in_flight = InFlightStep(self._next_step_id, now_s, step_seqs)
         self._outbox.to_worker(worker.identity, m.StepRequest(self._next_step_id, worker.incarnation, seqs,
                                                               return_features=self._drafts.features_wanted))
@@ -221,6 +223,8 @@ class StepCycle:
         if problem := step_result_problem(step.seqs, outputs) or logprobs_problem(step.seqs, outputs, scored):
             return f"step {step.step_id}: {problem}"
         worker.in_flight = None
+        worker.cost.observe(step_shape([(seq.num_tokens, len(seq.draft_token_ids), seq.computed_before)
+                                        for seq in step.seqs]), result.duration_ms)
         pages = worker.pages
         assert pages is not None  # a target that runs steps
         for seq in step.seqs:

@@ -15,6 +15,7 @@ from proto import messages as m
 from proto.lifecycle import INIT_PHASES, TERMINAL, TRANSITIONS, IllegalTransition, State
 from scheduler.batching import InFlightStep
 from scheduler.requests import Request
+from scheduler.speculation.cost import StepCostModel
 
 # The moves the scheduler makes on its records: every reported one, and a verdict on any live process.
 SCHEDULER_TRANSITIONS: dict[State, frozenset[State]] = {
@@ -43,6 +44,7 @@ class WorkerRecord:
     # serves without speculation, its steps not being batch invariant).
     max_draft_tokens: int = 0
     kernels: str = ""  # which kernels its model runs on, as its READY report said
+    cost: StepCostModel = field(default_factory=StepCostModel)  # its step time, fitted to the steps it ran
     suspect_turn: bool = False  # the last step planned here ran a suspect request alone (stepping._step_candidates)
     failure: str = ""
 
@@ -107,6 +109,7 @@ class WorkerRecord:
 
     def info(self, now_s: float) -> m.ProcessInfo:
         pages = self.pages
+        fitted = [round(value, 4) for value in self.cost.coefficients() or (0.0, 0.0, 0.0, 0.0)]
         return m.ProcessInfo(
             process_id=self.worker_id,
             role=self.hello.role,
@@ -126,6 +129,9 @@ class WorkerRecord:
             prefix_cache_hit_tokens=0 if pages is None else pages.counters.num_hit_tokens,
             num_preemptions=self.num_preemptions,
             kernels=self.kernels,
+            num_costed_steps=self.cost.num_steps,
+            step_fixed_ms=fitted[0], step_ms_per_row=fitted[1], step_ms_per_prefill_token=fitted[2],
+            step_ms_per_kilo_context=fitted[3], step_cost_error_ms=round(self.cost.abs_error_ms, 3),
         )
 
 

@@ -164,3 +164,16 @@ def test_workers_run_on_the_native_kernels_and_say_so(fp32_stack: Stack, bf16_st
                 assert fastest * slack >= SWITCH_MARGIN * measured[first], said.group(0)
             else:
                 assert measured[chosen] <= min(SWITCH_MARGIN * measured[first], fastest) * slack, said.group(0)
+
+
+def test_each_target_shows_its_fitted_step_cost(fp32_stack: Stack) -> None:
+    """The scheduler fits each target's step time to its steps (scheduler/speculation/cost.py) and shows the fit."""
+    for index in range(4):
+        fp32_stack.generate(pb.GenerateRequest(prompt=f"Count to {index + 5}.", params=pb.SamplingParams(max_tokens=12)))
+    targets = [p for p in fp32_stack.info().processes if p.role == "target"]
+    costed = [p for p in targets if p.num_costed_steps >= 8]
+    assert costed, [(p.process_id, p.num_costed_steps) for p in targets]
+    for process in costed:
+        terms = (process.step_fixed_ms, process.step_ms_per_row, process.step_ms_per_prefill_token,
+                 process.step_ms_per_kilo_context)
+        assert min(terms) >= 0 and sum(terms) > 0 and 0 <= process.step_cost_error_ms < 1000, process

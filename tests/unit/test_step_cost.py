@@ -1,0 +1,93 @@
+"""A target's step time learned from its steps: the fit recovers a machine's curve, follows it when it changes, and the
+scheduler keeps one per worker, shown in GetServerInfo."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from scheduler.speculation.cost import MIN_STEPS, StepCostModel, StepShape, step_shape
+from tests.unit.scheduler_fakes import Sim
+
+
+def true_ms(shape: StepShape, fixed: float, per_row: float, per_prefill: float, per_kilo: float) -> float:
+    return fixed + per_row * shape.decode_rows + per_prefill * shape.prefill_tokens + per_kilo * shape.attended / 1000
+
+
+def random_shape(rng: random.Random) -> StepShape:
+    """A step of 1-16 decoding sequences with 0-6 drafts each, sometimes a prefill chunk, contexts of 10-1500."""
+    seqs = [(1, rng.choice([0, 0, 2, 4, 6]), rng.randint(10, 1500)) for _ in range(rng.randint(1, 16))]
+    if rng.random() < 0.3:
+        seqs.append((rng.randint(16, 256), 0, rng.choice([0, 256])))
+    return step_shape(seqs)
+
+
+def test_a_steps_shape_counts_decode_rows_prefill_tokens_and_attended_positions() -> None:
+    shape = step_shape([(1, 3, 100), (5, 0, 20)])  # a decode verifying 3 drafts at 100; a 5-token chunk after 20
+    assert (shape.decode_rows, shape.prefill_tokens) == (4, 5)
+    assert shape.attended == (101 + 102 + 103 + 104) + (21 + 22 + 23 + 24 + 25)
+
+
+def test_the_fit_recovers_the_curve_it_is_fed_and_predicts_nothing_before_it_has_seen_enough() -> None:
+    rng = random.Random(3)
+    model = StepCostModel()
+    curve = (8.0, 0.9, 0.25, 0.04)
+    for index in range(200):
+        shape = random_shape(rng)
+        if index < MIN_STEPS:
+            assert model.predict_ms(shape) is None
+        model.observe(shape, true_ms(shape, *curve) * rng.uniform(0.97, 1.03))  # a noisy clock
+    fitted = model.coefficients()
+    assert fitted is not None
+    for got, want in zip(fitted, curve):
+        assert got == pytest.approx(want, rel=0.15, abs=0.05)
+    shape = step_shape([(1, 6, 800)] * 4)
+    assert model.predict_ms(shape) == pytest.approx(true_ms(shape, *curve), rel=0.05)
+    assert model.abs_error_ms < 0.05 * true_ms(shape, *curve)
+
+
+def test_the_fit_follows_a_machine_that_slows_down() -> None:
+    """A busy neighbour arrives: within about a hundred steps the model predicts the new speed."""
+    rng = random.Random(4)
+    model = StepCostModel()
+    for _ in range(150):
+        shape = random_shape(rng)
+        model.observe(shape, true_ms(shape, 8.0, 0.9, 0.25, 0.04))
+    for _ in range(150):
+        shape = random_shape(rng)
+        model.observe(shape, true_ms(shape, 8.0, 0.9, 0.25, 0.04) * 2)
+    shape = step_shape([(1, 2, 300)] * 8)
+    assert model.predict_ms(shape) == pytest.approx(2 * true_ms(shape, 8.0, 0.9, 0.25, 0.04), rel=0.05)
+
+
+def test_a_clock_that_cannot_be_believed_is_ignored() -> None:
+    model = StepCostModel()
+    model.observe(step_shape([(1, 0, 10)]), float("nan"))
+    model.observe(step_shape([(1, 0, 10)]), -1.0)
+    assert model.num_steps == 0
+
+
+def test_the_scheduler_fits_each_workers_steps_and_shows_the_fit() -> None:
+    sim = Sim()
+    worker = sim.worker("w0").start()
+    for index in range(MIN_STEPS + 2):
+        sim.submit(f"r{index}", max_tokens=3)
+    worker.run()
+    process = next(p for p in sim.info().processes if p.process_id == "w0")
+    assert process.num_costed_steps >= MIN_STEPS
+    fitted = (process.step_fixed_ms, process.step_ms_per_row, process.step_ms_per_prefill_token,
+              process.step_ms_per_kilo_context)
+    assert all(value == value for value in fitted)  # (solved: no NaN; the fake's steps all take the same time)
+
+
+def test_no_part_of_a_step_is_fitted_as_making_it_faster() -> None:
+    """Rows and the positions they attend to move together; a clock that only counts attention must not give rows a
+    negative cost to make up for it."""
+    rng = random.Random(5)
+    model = StepCostModel()
+    for _ in range(100):
+        shape = random_shape(rng)
+        model.observe(shape, (5.0 + 0.01 * shape.attended / 1000 - 0.3 * shape.decode_rows) * rng.uniform(0.9, 1.1))
+    fitted = model.coefficients()
+    assert fitted is not None and min(fitted) >= 0.0
