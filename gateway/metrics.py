@@ -109,6 +109,15 @@ class SchedulerCollector(Collector):
         for k, count in sorted(spec.steps_by_k.items()):
             decisions.add_metric([str(k)], count)
         yield decisions
+        for metric, counts, what in (
+                ("specserve_spec_decode_num_drafts_per_pos", spec.proposed_by_position,
+                 "Verify steps that proposed a draft token at this position (0: the first; a tree's: its depth)"),
+                ("specserve_spec_decode_num_accepted_tokens_per_pos", spec.accepted_by_position,
+                 "Verify steps that accepted the draft token at this position (vLLM's name)")):
+            family = CounterMetricFamily(metric, what, labels=["position"])
+            for position, count in sorted(counts.items()):
+                family.add_metric([str(position)], count)
+            yield family
 
     def _protocol_errors(self, info: messages.InfoReply | None) -> CounterMetricFamily:
         """Malformed, stale or unexpected messages each process dropped (the scheduler's by socket and kind)."""

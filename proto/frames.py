@@ -94,7 +94,9 @@ def scheduler_to_gateway() -> int:
                     prompt_logprobs=_logprobs(m.MAX_PROMPT_LOGPROBS_PER_DELTA))
     process = _struct(m.ProcessInfo, process_id=_NAME, failure=_REASON, protocol_errors=_ERROR_COUNTS,
                       kernels=_text(m.MAX_KERNELS_CHARS))
-    speculation = _struct(m.SpeculationInfo, steps_by_k=_HEAD + (m.MAX_DRAFT_TOKENS + 1) * 2 * _NUMBER)
+    by_draft_position = _HEAD + (m.MAX_DRAFT_TOKENS + 1) * 2 * _NUMBER
+    speculation = _struct(m.SpeculationInfo, steps_by_k=by_draft_position, proposed_by_position=by_draft_position,
+                          accepted_by_position=by_draft_position)
     return _bound(m.SchedulerToGateway, {
         m.TokenDelta: delta,
         m.TokenDeltas: _struct(m.TokenDeltas, deltas=_list(m.MAX_DELTAS_PER_FRAME, delta)),

@@ -251,6 +251,11 @@ class SpeculationInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     acceptance_rate: float  # accepted / proposed, 0 when nothing was proposed
     mean_accepted_length: float  # accepted draft tokens per verify step (the bonus token not counted)
     steps_by_k: dict[int, int] = msgspec.field(default_factory=dict)  # target steps by the k chosen (0: plain decode)
+    # Per draft position (0: the first draft token; in a tree, the depth below the sequence's last token): verify
+    # steps that proposed a token there, and those that accepted one there (so the acceptance at position i given
+    # i - 1 is accepted[i] / accepted[i - 1]).
+    proposed_by_position: dict[int, int] = msgspec.field(default_factory=dict)
+    accepted_by_position: dict[int, int] = msgspec.field(default_factory=dict)
 
 
 class InfoReply(msgspec.Struct, tag="info", frozen=True, forbid_unknown_fields=True):

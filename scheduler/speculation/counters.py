@@ -14,15 +14,23 @@ class SpecCounters:
     num_verify_steps: int = 0
     num_plain_decode_steps: int = 0
     steps_by_k: dict[int, int] = field(default_factory=dict)  # per step sent to a target: the largest k chosen
+    proposed_by_position: dict[int, int] = field(default_factory=dict)  # verify steps with a draft at position i
+    accepted_by_position: dict[int, int] = field(default_factory=dict)  # of those, the ones that accepted it
 
     def decide(self, k: int) -> None:
         self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
 
-    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+    def record(self, num_draft_tokens: int, num_accepted: int, depth: int = 0) -> None:
+        """A decode step of one sequence: its draft tokens (a tree's `depth` positions deep; a chain's as many as its
+        tokens) and how many it accepted, each at the next position."""
         if num_draft_tokens:
             self.num_draft_tokens += num_draft_tokens
             self.num_accepted_draft_tokens += num_accepted
             self.num_verify_steps += 1
+            for position in range(depth or num_draft_tokens):
+                self.proposed_by_position[position] = self.proposed_by_position.get(position, 0) + 1
+            for position in range(num_accepted):
+                self.accepted_by_position[position] = self.accepted_by_position.get(position, 0) + 1
         else:
             self.num_plain_decode_steps += 1
 
@@ -35,4 +43,6 @@ class SpecCounters:
             acceptance_rate=self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0,
             mean_accepted_length=self.num_accepted_draft_tokens / self.num_verify_steps if self.num_verify_steps else 0.0,
             steps_by_k=dict(self.steps_by_k),
+            proposed_by_position=dict(self.proposed_by_position),
+            accepted_by_position=dict(self.accepted_by_position),
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from modeling.proposals import branch_problem
-from modeling.trees import leading_nodes, parents_or_chain
+from modeling.trees import leading_nodes, parents_or_chain, tree_depths
 from proto import messages as m
 from scheduler.batching import StepSeq
 from scheduler.requests import Request
@@ -71,4 +71,5 @@ def record_verification(request: Request, seq: StepSeq, output: m.SeqOutput, cou
             # part that is the first nodes.
             request.draft.accept(leading_nodes(output.accepted_nodes))
     if num_drafts or seq.num_tokens == 1:  # a decode step, with or without a proposal
-        counters.record(num_drafts, num_accepted)
+        depth = max(tree_depths(seq.draft_parents), default=0) if seq.draft_parents is not None else num_drafts
+        counters.record(num_drafts, num_accepted, depth)

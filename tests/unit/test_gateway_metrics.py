@@ -31,9 +31,11 @@ def test_scheduler_figures_come_from_the_info_reply() -> None:
     info = m.InfoReply(1, "model", 2048, num_waiting=3, num_running=5, processes=[
         m.ProcessInfo("worker-0", "target", State.READY, 1, 0.2, 6, 8, 16, 5, "", num_cached_kv_pages=2,
                       prefix_cache_queried_tokens=100, prefix_cache_hit_tokens=64, num_preemptions=3,
-                      kernels="native (linear kernel: avx2)"),
+                      kernels="native (linear kernel: avx2)", num_costed_steps=40, step_fixed_ms=9.5,
+                      step_ms_per_row=0.5, step_cost_error_ms=0.25),
         m.ProcessInfo("draft-0", "draft", State.FAILED, 1, 4.0, 0, 64, 16, 0, "LOADING: OSError"),
-    ], speculation=m.SpeculationInfo(10, 4, 3, 20, 0.4, 4 / 3, {0: 20, 6: 3}))
+    ], speculation=m.SpeculationInfo(10, 4, 3, 20, 0.4, 4 / 3, {0: 20, 6: 3}, proposed_by_position={0: 3, 1: 3},
+                                     accepted_by_position={0: 2, 1: 1}))
     got = samples(GatewayMetrics().exposition(info))
     worker = (("process_id", "worker-0"),)
     assert [got[("specserve_kv_pages", (*worker, ("use", use)))] for use in ("used", "cached", "free")] == [6, 2, 2]
@@ -48,6 +50,11 @@ def test_scheduler_figures_come_from_the_info_reply() -> None:
     assert got[("specserve_draft_tokens_total", ())] == 10 and got[("specserve_accepted_draft_tokens_total", ())] == 4
     assert got[("specserve_acceptance_rate", ())] == 0.4
     assert got[("specserve_speculation_decisions_total", (("k", "6"),))] == 3
+    assert got[("specserve_spec_decode_num_drafts_per_pos_total", (("position", "1"),))] == 3
+    assert got[("specserve_spec_decode_num_accepted_tokens_per_pos_total", (("position", "0"),))] == 2
+    assert got[("specserve_step_cost", (*worker, ("term", "fixed_ms")))] == 9.5
+    assert got[("specserve_step_cost", (*worker, ("term", "error_ms")))] == 0.25
+    assert ("specserve_step_cost", (("process_id", "draft-0"), ("term", "fixed_ms"))) not in got
 
 
 def test_every_process_dropped_message_is_exported_by_process_and_kind() -> None:

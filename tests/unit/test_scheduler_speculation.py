@@ -337,6 +337,17 @@ def test_per_request_and_server_wide_stats() -> None:
     assert spec.num_accepted_draft_tokens == final.num_accepted_draft_tokens
     assert spec.num_verify_steps == final.num_verify_steps
     assert spec.acceptance_rate == pytest.approx(final.num_accepted_draft_tokens / final.num_draft_tokens)
+    # By position: drafts at 0-3, the first two accepted.
+    assert spec.proposed_by_position == {0: 1, 1: 1, 2: 1, 3: 1} and spec.accepted_by_position == {0: 1, 1: 1}
+
+
+def test_a_trees_positions_are_its_depths() -> None:
+    from scheduler.speculation.counters import SpecCounters
+
+    counters = SpecCounters()
+    counters.record(5, 2, depth=3)  # five nodes three deep, a branch of two accepted
+    counters.record(2, 0)  # a chain of two, none accepted
+    assert counters.proposed_by_position == {0: 2, 1: 2, 2: 1} and counters.accepted_by_position == {0: 1, 1: 1}
 
 
 # ---------------------------------------------------------------- pure policy
