@@ -118,6 +118,12 @@ class SchedulerCollector(Collector):
             for position, count in sorted(counts.items()):
                 family.add_metric([str(position)], count)
             yield family
+        cost = GaugeMetricFamily("specserve_propose_ms", "What a proposal costs lately (moving average): the draft "
+                                 "service's own time (draft), and from the propose request's sending to its answer "
+                                 "(wait)", labels=["part"])
+        cost.add_metric(["draft"], spec.propose_ms)
+        cost.add_metric(["wait"], spec.propose_wait_ms)
+        yield cost
 
     def _protocol_errors(self, info: messages.InfoReply | None) -> CounterMetricFamily:
         """Malformed, stale or unexpected messages each process dropped (the scheduler's by socket and kind)."""

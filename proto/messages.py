@@ -256,6 +256,10 @@ class SpeculationInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # i - 1 is accepted[i] / accepted[i - 1]).
     proposed_by_position: dict[int, int] = msgspec.field(default_factory=dict)
     accepted_by_position: dict[int, int] = msgspec.field(default_factory=dict)
+    # What a proposal costs lately (moving averages): the draft service's own time, and the wait from sending the
+    # propose request to its answer.
+    propose_ms: float = 0.0
+    propose_wait_ms: float = 0.0
 
 
 class InfoReply(msgspec.Struct, tag="info", frozen=True, forbid_unknown_fields=True):

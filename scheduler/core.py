@@ -203,7 +203,7 @@ class SchedulerCore:
                     self._lose_worker(worker, State.FAILED, now_s)
             case m.ProposeResult():
                 answered = self._drafts.answer(message, self._requests, self._workers.target_vocab_size,
-                                               partial(protocol_error, worker, "bad_proposal"))
+                                               partial(protocol_error, worker, "bad_proposal"), now_s)
                 if answered is None:
                     return False
                 self._steps.step_after_proposal(*answered, now_s)

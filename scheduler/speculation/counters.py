@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from proto import messages as m
 
+_AVERAGE_WEIGHT = 0.05  # of each new answer in the moving averages of a proposal's cost: about the last 20 count
+
 
 @dataclass
 class SpecCounters:
@@ -16,6 +18,19 @@ class SpecCounters:
     steps_by_k: dict[int, int] = field(default_factory=dict)  # per step sent to a target: the largest k chosen
     proposed_by_position: dict[int, int] = field(default_factory=dict)  # verify steps with a draft at position i
     accepted_by_position: dict[int, int] = field(default_factory=dict)  # of those, the ones that accepted it
+    # What a proposal costs, as moving averages over the answers: the draft service's own time, and the wait from the
+    # request's sending to its answer (what a step that waits for it is delayed by).
+    num_proposals: int = 0
+    propose_ms: float = 0.0
+    propose_wait_ms: float = 0.0
+
+    def proposed(self, duration_ms: float, waited_ms: float) -> None:
+        if not (duration_ms >= 0.0 and waited_ms >= 0.0):  # NaN or negative: a clock that cannot be believed
+            return
+        weight = max(_AVERAGE_WEIGHT, 1 / (self.num_proposals + 1))  # the first answers count in full
+        self.propose_ms += weight * (duration_ms - self.propose_ms)
+        self.propose_wait_ms += weight * (waited_ms - self.propose_wait_ms)
+        self.num_proposals += 1
 
     def decide(self, k: int) -> None:
         self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
@@ -45,4 +60,6 @@ class SpecCounters:
             steps_by_k=dict(self.steps_by_k),
             proposed_by_position=dict(self.proposed_by_position),
             accepted_by_position=dict(self.accepted_by_position),
+            propose_ms=round(self.propose_ms, 3),
+            propose_wait_ms=round(self.propose_wait_ms, 3),
         )

@@ -129,7 +129,7 @@ class DraftLink:
         return m.ProposeRequest(pending.propose_id, draft.incarnation, seqs)
 
     def answer(self, result: m.ProposeResult, requests: RequestTable, vocab_size: int,
-               report: Callable[[str], None]) -> tuple[PendingProposal, dict[str, m.Proposal]] | None:
+               report: Callable[[str], None], now_s: float) -> tuple[PendingProposal, dict[str, m.Proposal]] | None:
         """The pending request answered and its usable proposals; None for an answer nobody waits for.
 
         Every proposal updates what the request's draft view says the service holds; one
@@ -138,6 +138,7 @@ class DraftLink:
         pending = self._pending.pop(result.propose_id, None) or self._abandoned.pop(result.propose_id, None)
         if pending is None:
             return None
+        self.counters.proposed(result.duration_ms, (now_s - pending.sent_at_s) * 1000)
         asked = pending.plan.num_draft_tokens
         proposals: dict[str, m.Proposal] = {}
         for proposal in result.proposals:

@@ -240,6 +240,8 @@ def test_usage_reports_the_requests_speculation(spec_stack: Stack, default_model
     assert 0 < usage.verify_steps and 0 <= usage.accepted_draft_tokens <= usage.draft_tokens
     # Every verify step yields its accepted drafts plus one token, as does every other step.
     assert usage.accepted_draft_tokens + usage.verify_steps <= usage.completion_tokens
+    spec = spec_stack.info().speculation  # what a proposal costs: the draft's time, within the wait for its answer
+    assert 0 < spec.propose_ms <= spec.propose_wait_ms, spec
 
 
 def test_a_draft_of_another_vocabulary_is_refused_with_its_reason(spec_stack: Stack, tmp_path: Path,

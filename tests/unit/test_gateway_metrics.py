@@ -35,7 +35,7 @@ def test_scheduler_figures_come_from_the_info_reply() -> None:
                       step_ms_per_row=0.5, step_cost_error_ms=0.25),
         m.ProcessInfo("draft-0", "draft", State.FAILED, 1, 4.0, 0, 64, 16, 0, "LOADING: OSError"),
     ], speculation=m.SpeculationInfo(10, 4, 3, 20, 0.4, 4 / 3, {0: 20, 6: 3}, proposed_by_position={0: 3, 1: 3},
-                                     accepted_by_position={0: 2, 1: 1}))
+                                     accepted_by_position={0: 2, 1: 1}, propose_ms=1.5, propose_wait_ms=2.5))
     got = samples(GatewayMetrics().exposition(info))
     worker = (("process_id", "worker-0"),)
     assert [got[("specserve_kv_pages", (*worker, ("use", use)))] for use in ("used", "cached", "free")] == [6, 2, 2]
@@ -53,6 +53,8 @@ def test_scheduler_figures_come_from_the_info_reply() -> None:
     assert got[("specserve_spec_decode_num_drafts_per_pos_total", (("position", "1"),))] == 3
     assert got[("specserve_spec_decode_num_accepted_tokens_per_pos_total", (("position", "0"),))] == 2
     assert got[("specserve_step_cost", (*worker, ("term", "fixed_ms")))] == 9.5
+    assert got[("specserve_propose_ms", (("part", "draft"),))] == 1.5
+    assert got[("specserve_propose_ms", (("part", "wait"),))] == 2.5
     assert got[("specserve_step_cost", (*worker, ("term", "error_ms")))] == 0.25
     assert ("specserve_step_cost", (("process_id", "draft-0"), ("term", "fixed_ms"))) not in got
 
