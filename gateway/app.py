@@ -185,6 +185,8 @@ def add_services(server: grpc.aio.Server, servicer: SpecServeServicer, health_se
 def load_tokenizer(model_dir: Path) -> Tokenizer:
     """The model's tokenizer; a folder it cannot be read from is a StartupError, with the tokenizer's message."""
     try:
-        return Tokenizer.load(model_dir)
+        tokenizer = Tokenizer.load(model_dir)
     except TokenizerLoadError as error:
         raise StartupError(str(error)) from error
+    tokenizer.longest_token_bytes  # measured once here (a pass over the vocabulary), not in the first request's turn
+    return tokenizer
