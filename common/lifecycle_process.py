@@ -16,6 +16,7 @@ import threading
 import time
 import types
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -47,6 +48,20 @@ _POLL_MS = 100
 EXIT_DISMISSED = 3
 
 Phase = tuple[State, Callable[[], None]]
+
+
+@dataclass(frozen=True)
+class ReadyDetails:
+    """What a process found while starting, sent with READY (m.LifecycleReport's fields of the same names)."""
+
+    max_draft_tokens: int | None = None  # a lower limit on draft tokens than the hello said (None: no change)
+    kernels: str = ""  # which kernels its model runs on, as its engine says ("": it runs no model)
+    batch_invariant: bool | None = None  # a target: whether its steps are batch invariant
+    step_timings: list[m.StepTiming] = field(default_factory=list)  # a target: steps it timed while warming up
+
+    def fields(self) -> dict[str, Any]:
+        return {"max_draft_tokens": self.max_draft_tokens, "kernels": self.kernels[:m.MAX_KERNELS_CHARS],
+                "batch_invariant": self.batch_invariant, "step_timings": self.step_timings}
 
 
 class LifecycleProcess(abc.ABC, Generic[T]):
@@ -102,13 +117,9 @@ class LifecycleProcess(abc.ABC, Generic[T]):
         """KV pages its own caches hold now, for heartbeats (0: none, or the scheduler counts them)."""
         return 0
 
-    def ready_max_draft_tokens(self) -> int | None:
-        """Sent with READY: a lower limit on draft tokens than the hello said, found while starting (None: no change)."""
-        return None
-
-    def kernels(self) -> str:
-        """Sent with READY: which kernels its model runs on, as its engine says ("": it runs no model)."""
-        return ""
+    def ready_details(self) -> ReadyDetails:
+        """What its READY report says beside the state: what it found while starting."""
+        return ReadyDetails()
 
     # ------------------------------------------------------------------ shared behaviour
 
@@ -253,8 +264,7 @@ class LifecycleProcess(abc.ABC, Generic[T]):
         self.send(m.LifecycleReport(
             worker_id=self.process_id, incarnation=self.incarnation, state=new,
             previous_state=old, previous_duration_s=duration_s,
-            max_draft_tokens=self.ready_max_draft_tokens() if ready else None,
-            kernels=self.kernels()[:m.MAX_KERNELS_CHARS] if ready else "",
+            **(self.ready_details().fields() if ready else {}),
         ))
 
     def _heartbeat_loop(self) -> None:

@@ -70,6 +70,7 @@ class Proposed:
     token_ids: list[int]  # possibly empty
     dists: list[SparseDist] | None = None  # per token, what it was drawn from; None = a point mass
     parents: list[int] | None = None  # a token tree (modeling.trees; point masses only); None = a chain
+    source: str = ""  # which proposer made it: "lookup", "phrases", "head", "model" (m.Proposal.source)
 
 
 class Proposer(Protocol):
@@ -132,8 +133,12 @@ class LookupProposer(StatelessProposer):
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         raise NotImplementedError
 
+    def find(self, tokens: list[int], k: int) -> Proposed:
+        """The lookup's chain, named by its source."""
+        return Proposed(self.lookup(tokens, k), source="lookup")
+
     def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
-        return [Proposed(self.lookup(item.token_ids, item.num_tokens)) for item in batch]
+        return [self.find(item.token_ids, item.num_tokens) for item in batch]
 
 
 class NgramProposer(LookupProposer):
@@ -196,8 +201,13 @@ class PhraseProposer(LookupProposer):
         return self._phrases.num_tokens if self._phrases is not None else 0
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
+        return self.find(tokens, k).token_ids
+
+    def find(self, tokens: list[int], k: int) -> Proposed:
         assert self._phrases is not None  # loaded
-        return self._prompt_lookup.lookup(tokens, k) or self._phrases.continue_(tokens, k, self._min_context)
+        if found := self._prompt_lookup.lookup(tokens, k):
+            return Proposed(found, source="lookup")
+        return Proposed(self._phrases.continue_(tokens, k, self._min_context), source="phrases")
 
     def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
         """A token tree of up to k nodes (with `trees`; its tokens are point masses, verified greedily or by the
@@ -209,11 +219,11 @@ class PhraseProposer(LookupProposer):
         """
         min_chance = PHRASE_MIN_CHANCE * len(batch)
         return [self.tree(item.token_ids, item.num_tokens, min_chance) if self._trees
-                else Proposed(self.lookup(item.token_ids, item.num_tokens)) for item in batch]
+                else self.find(item.token_ids, item.num_tokens) for item in batch]
 
     def tree(self, tokens: list[int], k: int, min_chance: float = PHRASE_MIN_CHANCE) -> Proposed:
         """The k likeliest guesses (none less likely than min_chance) of the phrases' branches and prompt lookup's
-        chain, as one token tree."""
+        chain, as one token tree (its source "lookup" where prompt lookup found a chain, else "phrases")."""
         assert self._phrases is not None  # loaded
         chances = self._phrases.guesses(tokens, k, self._min_context, min_chance)
         chance = 1.0
@@ -223,7 +233,7 @@ class PhraseProposer(LookupProposer):
             branch = tuple(lookup[: depth + 1])
             chances[branch] = max(chances.get(branch, 0.0), chance)
         token_ids, parents = best_tree(chances, k, min_chance)
-        return Proposed(token_ids, parents=None if is_chain(parents) else parents)
+        return Proposed(token_ids, parents=None if is_chain(parents) else parents, source="lookup" if lookup else "phrases")
 
 
 def warm_up_sequences(proposer: Proposer, num_slots: int, k: int, feature_width: int = 0) -> None:
@@ -280,6 +290,7 @@ class ModelProposer(SlottedModelProposer[ModelEngine]):
 
     feature_width = 0
     target_fingerprint = ""
+    source = "model"
 
     def __init__(self, folder: Path, *, device: str, dtype: str, num_seqs: int, max_len: int, max_draft_tokens: int,
                  draft_top_k: int, quantization: str = "none") -> None:
@@ -334,7 +345,8 @@ class ModelProposer(SlottedModelProposer[ModelEngine]):
                     next_spans.append(SeqSpan(span.pages, position, [token], 1))
             active, spans = next_active, next_spans
         return [
-            Proposed(tokens.get(item.request_id, []), None if is_greedy(item.sampling) else dists.get(item.request_id, []))
+            Proposed(tokens.get(item.request_id, []), None if is_greedy(item.sampling) else dists.get(item.request_id, []),
+                     source=self.source)
             for item in batch
         ]
 
@@ -369,6 +381,8 @@ class EagleProposer(SlottedModelProposer[EagleEngine]):
     pairs a proposal adds (built from the head's predicted features) are recomputed from
     the target's features on the next request, since the scheduler sends those then.
     """
+
+    source = "head"
 
     def __init__(self, folder: Path, target_folder: Path, *, device: str, dtype: str, num_seqs: int, max_len: int,
                  max_draft_tokens: int, draft_top_k: int) -> None:
@@ -431,7 +445,8 @@ class EagleProposer(SlottedModelProposer[EagleEngine]):
                     next_rows.append(predicted[row : row + 1])
             active, spans, rows = next_active, next_spans, next_rows
         return [
-            Proposed(tokens.get(item.request_id, []), None if is_greedy(item.sampling) else dists.get(item.request_id, []))
+            Proposed(tokens.get(item.request_id, []), None if is_greedy(item.sampling) else dists.get(item.request_id, []),
+                     source=self.source)
             for item in batch
         ]
 
@@ -476,10 +491,11 @@ class LookupThenHead:
         self._head.forget(request_id)
 
     def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
-        found = [self._lookup.lookup(item.token_ids, item.num_tokens) for item in batch]
-        rest = [replace(item, num_tokens=min(item.num_tokens, self._head_tokens)) for item, ids in zip(batch, found) if not ids]
+        found = [self._lookup.find(item.token_ids, item.num_tokens) for item in batch]
+        rest = [replace(item, num_tokens=min(item.num_tokens, self._head_tokens))
+                for item, proposed in zip(batch, found) if not proposed.token_ids]
         from_head = iter(self._head.propose(rest) if rest else [])
-        return [Proposed(ids) if ids else next(from_head) for ids in found]
+        return [proposed if proposed.token_ids else next(from_head) for proposed in found]
 
 
 def _both(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:

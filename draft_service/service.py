@@ -9,7 +9,7 @@ from typing import assert_never
 import torch
 
 from common.draft_spec import DraftKind
-from common.lifecycle_process import LifecycleProcess, Phase
+from common.lifecycle_process import LifecycleProcess, Phase, ReadyDetails
 from draft_service.config import DraftConfig
 from draft_service.proposers import (
     EagleProposer,
@@ -119,9 +119,9 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
         """The draft KV pages its proposer holds (a lookup proposer holds none, whatever sequences it keeps)."""
         return self._proposer.num_used_kv_pages if self._proposer is not None else 0
 
-    def kernels(self) -> str:
+    def ready_details(self) -> ReadyDetails:
         """The kernels of the proposer's draft model or head ("" for a lookup, which runs none)."""
-        return self._proposer.kernels if self._proposer is not None else ""
+        return ReadyDetails(kernels=self._proposer.kernels if self._proposer is not None else "")
 
     def handle(self, message: m.SchedulerToDraft) -> None:
         match message:
@@ -180,7 +180,7 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
             if seq.request_id in num_held:
                 self._sequences.record_proposal(seq.request_id, tokens)
             proposals.append(m.Proposal(seq.request_id, num_held.get(seq.request_id, 0), tokens, made.dists if made else None,
-                                        made.parents if made else None))
+                                        made.parents if made else None, made.source[:m.MAX_NAME_CHARS] if made else ""))
         self.num_steps += 1
         self.send(m.ProposeResult(worker_id=self.process_id, incarnation=self.incarnation, propose_id=request.propose_id,
                                   proposals=proposals, duration_ms=(time.perf_counter() - started) * 1000))

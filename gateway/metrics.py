@@ -124,6 +124,7 @@ class SchedulerCollector(Collector):
         cost.add_metric(["draft"], spec.propose_ms)
         cost.add_metric(["wait"], spec.propose_wait_ms)
         yield cost
+        yield from _source_metrics(spec)
 
     def _protocol_errors(self, info: messages.InfoReply | None) -> CounterMetricFamily:
         """Malformed, stale or unexpected messages each process dropped (the scheduler's by socket and kind)."""
@@ -138,6 +139,25 @@ class SchedulerCollector(Collector):
         return errors
 
 
+def _source_metrics(spec: messages.SpeculationInfo) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Each proposer source's drafts, and its recent acceptance per position (what the policy starts requests from)."""
+    drafts = CounterMetricFamily("specserve_source_draft_tokens", "Draft tokens sent to verification, by proposer "
+                                 "source", labels=["source"])
+    accepted = CounterMetricFamily("specserve_source_accepted_draft_tokens", "Draft tokens accepted, by proposer source",
+                                   labels=["source"])
+    rates = GaugeMetricFamily("specserve_source_acceptance", "How often a draft token at this position is accepted "
+                              "given the ones before it were, over a source's recent verify steps",
+                              labels=["source", "position"])
+    for source, entry in sorted(spec.sources.items()):
+        drafts.add_metric([source], entry.num_draft_tokens)
+        accepted.add_metric([source], entry.num_accepted_draft_tokens)
+        for position, rate in enumerate(entry.recent_rates):
+            rates.add_metric([source, str(position)], rate)
+    yield drafts
+    yield accepted
+    yield rates
+
+
 def _kv_cache_metrics(processes: list[messages.ProcessInfo]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
     """Each process's KV pages, and each target's prefix cache and preemptions."""
     pages = GaugeMetricFamily("specserve_kv_pages", "KV cache pages by use: used (held by sequences or kept by the "
@@ -149,8 +169,14 @@ def _kv_cache_metrics(processes: list[messages.ProcessInfo]) -> Iterator[GaugeMe
     preempted = CounterMetricFamily("specserve_preemptions", "Sequences preempted for lack of KV pages (recomputed later)",
                                     labels=["process_id"])
     cost = GaugeMetricFamily("specserve_step_cost", "A target's step time as the scheduler fits it: fixed_ms, "
-                             "ms_per_row (decode or verify), ms_per_prefill_token, ms_per_kilo_context (attended "
-                             "positions), error_ms (recent mean absolute error of the fit)", labels=["process_id", "term"])
+                             "ms_per_row (decode or verify, up to 8 a step; ms_per_row_9_32, ms_per_row_over_32: "
+                             "beyond), ms_per_prefill_token, ms_per_kilo_context (attended "
+                             "positions), error_ms (recent mean absolute error of the fit), predicted_ms and "
+                             "measured_ms (recent means of the steps' predicted and measured times)",
+                             labels=["process_id", "term"])
+    invariant = GaugeMetricFamily("specserve_batch_invariant", "1 where a target's steps are batch invariant (greedy "
+                                  "verification gives exactly plain decoding's answer), 0 where drafts are verified "
+                                  "lossless in distribution", labels=["process_id"])
     for process in processes:
         pid = process.process_id
         pages.add_metric([pid, "used"], process.num_used_kv_pages)
@@ -160,14 +186,21 @@ def _kv_cache_metrics(processes: list[messages.ProcessInfo]) -> Iterator[GaugeMe
             queried.add_metric([pid], process.prefix_cache_queried_tokens)
             hits.add_metric([pid], process.prefix_cache_hit_tokens)
             preempted.add_metric([pid], process.num_preemptions)
+            if process.batch_invariant is not None:
+                invariant.add_metric([pid], int(process.batch_invariant))
             if process.num_costed_steps:
-                for term, value in (("fixed_ms", process.step_fixed_ms), ("ms_per_row", process.step_ms_per_row),
+                slopes = dict(zip(("ms_per_row", "ms_per_row_9_32", "ms_per_row_over_32"),
+                                  process.step_ms_per_row_by_range or [process.step_ms_per_row]))
+                for term, value in (("fixed_ms", process.step_fixed_ms), *slopes.items(),
                                     ("ms_per_prefill_token", process.step_ms_per_prefill_token),
                                     ("ms_per_kilo_context", process.step_ms_per_kilo_context),
-                                    ("error_ms", process.step_cost_error_ms)):
+                                    ("error_ms", process.step_cost_error_ms),
+                                    ("predicted_ms", process.step_predicted_ms),
+                                    ("measured_ms", process.step_measured_ms)):
                     cost.add_metric([pid, term], value)
     yield pages
     yield queried
     yield hits
     yield preempted
     yield cost
+    yield invariant

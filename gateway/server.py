@@ -159,7 +159,8 @@ def to_server_info(reply: messages.InfoReply) -> pb.ServerInfoResponse:
 
 def to_speculation(spec: messages.SpeculationInfo) -> pb.Speculation:
     """Every counter the gRPC message holds (steps_by_k is in /metrics only)."""
-    return pb.Speculation(**_fields_for(pb.Speculation, spec))
+    sources = [pb.SourceAcceptance(source=name, **msgspec.structs.asdict(entry)) for name, entry in spec.sources.items()]
+    return pb.Speculation(**{**_fields_for(pb.Speculation, spec), "sources": sources})
 
 
 def to_process(process: messages.ProcessInfo) -> pb.Process:

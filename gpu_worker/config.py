@@ -33,6 +33,9 @@ class WorkerConfig:
     max_num_batched_tokens: int  # the largest prefill chunk the scheduler will send
     max_draft_tokens: int  # the longest proposal a verify step carries
     quantization: str = "none"  # GGUF blocks served as they are (modeling/quantized.py), or "none"
+    # Serve without drafts where the steps are not batch invariant (greedy answers then always equal plain
+    # decoding's, bit for bit); else such a worker verifies as GPU engines do, lossless in distribution.
+    require_batch_invariance: bool = False
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one step at most")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-draft-tokens", type=int, default=8)
+    parser.add_argument("--require-batch-invariance", action="store_true",
+                        help="serve without speculation where this worker's steps are not batch invariant (torch's ops, "
+                             "a GPU), so that greedy answers equal plain decoding's bit for bit; without it such a "
+                             "worker verifies drafts losslessly in distribution, as GPU engines do")
     parser.add_argument("--quantization", default="none",
                         help=f"{QUANTIZATION_HELP}; {AUTO}: the model's own GGUF blocks on CPU where its projections "
                              "are all in a format the kernel reads (not the embedded default in bfloat16 on a CPU "
@@ -80,4 +87,5 @@ def from_arguments(args: argparse.Namespace) -> WorkerConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_draft_tokens=args.max_draft_tokens,
         quantization=args.quantization,
+        require_batch_invariance=args.require_batch_invariance,
     )

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from gpu_worker.config import WorkerConfig
+from common.step_shape import step_shape
 from modeling.batch import SeqSpan
 from modeling.config import ModelConfig
 from modeling.engine import ModelEngine
@@ -19,7 +22,8 @@ from gpu_worker.grammars import GrammarFailure, GrammarMasks
 from modeling.proposals import drafts_problem
 from modeling.rejection import verify, verify_tree_greedy, verify_tree_sampled
 from modeling.trees import branch_to, leading_nodes, parents_or_chain
-from proto.messages import MAX_TOP_LOGPROBS, Penalties, PromptLogprobs, SeqFeatures, SeqOutput, SeqWork
+from proto.messages import MAX_TOP_LOGPROBS, Penalties, PromptLogprobs, SeqFeatures, SeqOutput, SeqWork, StepTiming
+
 
 
 _WARM_UP_ROWS = 32  # sequences in the warm-up's decode and verify steps at most (more only lengthen the start)
@@ -63,26 +67,44 @@ class ModelRunner:
     def allocate(self) -> None:
         self._engine.allocate()
 
-    def warm_up(self) -> str | None:
-        """Forward passes at the largest shapes the scheduler may send (prefill, decode, verify), then the self-check.
+    def warm_up(self) -> tuple[str | None, list[StepTiming]]:
+        """Forward passes at the largest shapes the scheduler may send (prefill, decode, verify), timed, then the
+        self-check.
 
-        Returns None when the model's steps are batch invariant, else why not (see
-        ModelEngine.self_check): then a verify row may differ from the decode step it stands
-        for, and the worker must serve without speculation.
+        Returns why the model's steps are not batch invariant (None when they are; see
+        ModelEngine.self_check: then a verify row may differ from the decode step it stands
+        for), and the time of a few step shapes, so that the scheduler knows what rows cost
+        before it ever speculates (scheduler/speculation/cost.py).
         """
         cfg = self._config
-        forward = self._engine.forward
         size = cfg.page_size
         prompt_len = min(cfg.max_num_batched_tokens, cfg.max_model_len, self._num_pages * size)
-        forward([SeqSpan(tuple(range(pages_for(prompt_len, size))), 0, [0] * prompt_len, 1)])
         num_verify = min(cfg.max_draft_tokens + 1, cfg.max_model_len - 1)
         per_row = pages_for(1 + num_verify, size)
         # Warm-up rows may share pages (a small pool): what they write is never read as anyone's.
         tables = [tuple((row * per_row + i) % self._num_pages for i in range(per_row))
                   for row in range(min(cfg.max_num_seqs, _WARM_UP_ROWS))]
-        forward([SeqSpan(table, 0, [0], 1) for table in tables])
-        forward([SeqSpan(table, 1, [0] * num_verify, num_verify) for table in tables])
-        return self._engine.self_check()
+        shapes = [
+            [SeqSpan(tuple(range(pages_for(prompt_len, size))), 0, [0] * prompt_len, 1)],
+            [SeqSpan(table, 0, [0], 1) for table in tables],
+            [SeqSpan(table, 1, [0] * num_verify, num_verify) for table in tables],
+            [SeqSpan(tables[0], 1, [0], 1)],
+            [SeqSpan(tables[0], 1, [0] * num_verify, num_verify)],
+        ]
+        for spans in shapes:
+            self._engine.forward(spans)
+        timings = [self._timed(spans) for spans in shapes[1:]]  # the second run of each, without first-run costs
+        return self._engine.self_check(), timings
+
+    def _timed(self, spans: list[SeqSpan]) -> StepTiming:
+        started = time.perf_counter()
+        self._engine.forward(spans)
+        if self._config.process.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        duration_ms = (time.perf_counter() - started) * 1000
+        shape = step_shape([(len(s.token_ids), 0, s.start) if s.start == 0 else (1, len(s.token_ids) - 1, s.start)
+                            for s in spans])
+        return StepTiming(shape.decode_rows, shape.prefill_tokens, shape.attended, duration_ms)
 
     # ------------------------------------------------------------------ serving
 

@@ -8,7 +8,7 @@ from typing import assert_never
 
 import torch
 
-from common.lifecycle_process import LifecycleProcess, Phase
+from common.lifecycle_process import LifecycleProcess, Phase, ReadyDetails
 from gpu_worker.config import WorkerConfig
 from gpu_worker.runner import ModelRunner
 from modeling.config import ModelConfig, model_fingerprint, vocab_fingerprint
@@ -27,7 +27,7 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
         super().__init__(config.process, inbound=m.SchedulerToWorker)
         self._config = config
         self._runner: ModelRunner | None = None  # set once READY
-        self._max_draft_tokens: int | None = None  # 0 once warming up found its steps not batch invariant
+        self._ready = ReadyDetails()  # what warming up found
 
     def hello(self) -> m.WorkerHello:
         cfg = self._config
@@ -67,20 +67,28 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
             self.log.info("model.loaded", ops=runner.ops, num_threads=threads)
 
         def warm_up() -> None:
-            problem = runner.warm_up()
-            if problem is not None:
-                self._max_draft_tokens = 0
-                self.log.warning("speculation.off", reason=f"steps are not batch invariant: {problem}",
-                                 note="greedy verification would not be lossless; this worker serves without drafts")
+            problem, timings = runner.warm_up()
+            invariant = problem is None
+            max_draft_tokens = None
+            if not invariant:
+                if self._config.require_batch_invariance:
+                    max_draft_tokens = 0
+                    self.log.warning("speculation.off", reason=f"steps are not batch invariant: {problem}",
+                                     note="--require-batch-invariance: this worker serves without drafts")
+                else:
+                    self.log.warning("steps.not_batch_invariant", reason=problem,
+                                     note="drafts are verified lossless in distribution; a greedy answer may differ "
+                                          "from plain decoding's where two logits are within rounding")
+            self._ready = ReadyDetails(max_draft_tokens=max_draft_tokens, kernels=runner.ops, batch_invariant=invariant,
+                                       step_timings=timings)
+            self.log.info("steps.timed", batch_invariant=invariant,
+                          timings=[(t.decode_rows, round(t.duration_ms, 2)) for t in timings])
             self._runner = runner
 
         return [(State.LOADING, load), (State.ALLOCATING, runner.allocate), (State.WARMING, warm_up)]
 
-    def ready_max_draft_tokens(self) -> int | None:
-        return self._max_draft_tokens
-
-    def kernels(self) -> str:
-        return self._runner.ops if self._runner is not None else ""
+    def ready_details(self) -> ReadyDetails:
+        return self._ready
 
     def handle(self, message: m.SchedulerToWorker) -> None:
         match message:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import msgspec
 import msgspec.inspect as mi
 
+from common.step_shape import ROW_KNOTS
 from proto import messages as m
 
 SAFETY = 1.5  # over the worst case as counted, for what the count may miss
@@ -93,10 +94,12 @@ def scheduler_to_gateway() -> int:
     delta = _struct(m.TokenDelta, request_id=_REQUEST_ID, token_ids=_ints(num_tokens), logprobs=_logprobs(num_tokens),
                     prompt_logprobs=_logprobs(m.MAX_PROMPT_LOGPROBS_PER_DELTA))
     process = _struct(m.ProcessInfo, process_id=_NAME, failure=_REASON, protocol_errors=_ERROR_COUNTS,
-                      kernels=_text(m.MAX_KERNELS_CHARS))
+                      kernels=_text(m.MAX_KERNELS_CHARS), step_ms_per_row_by_range=_ints(len(ROW_KNOTS) + 1))
     by_draft_position = _HEAD + (m.MAX_DRAFT_TOKENS + 1) * 2 * _NUMBER
+    source = _struct(m.SourceAcceptance, recent_rates=_ints(m.MAX_DRAFT_TOKENS))
+    sources = _HEAD + len(m.PROPOSAL_SOURCES) * (_text(max(map(len, m.PROPOSAL_SOURCES))) + source)
     speculation = _struct(m.SpeculationInfo, steps_by_k=by_draft_position, proposed_by_position=by_draft_position,
-                          accepted_by_position=by_draft_position)
+                          accepted_by_position=by_draft_position, sources=sources, policy=_NAME)
     return _bound(m.SchedulerToGateway, {
         m.TokenDelta: delta,
         m.TokenDeltas: _struct(m.TokenDeltas, deltas=_list(m.MAX_DELTAS_PER_FRAME, delta)),
@@ -123,10 +126,11 @@ def worker_to_scheduler(limits: FrameLimits) -> int:
         prompt_logprobs=_list(limits.max_num_seqs, _struct(m.PromptLogprobs, request_id=_REQUEST_ID, entries=_HEAD))
         + prompt_entries)
     proposal = _struct(m.Proposal, request_id=_REQUEST_ID, token_ids=_ints(k), dists=_list(k, _sparse_dist()),
-                       parents=_ints(k))
+                       parents=_ints(k), source=_NAME)
     return _bound(m.WorkerToScheduler, {
         m.WorkerHello: _struct(m.WorkerHello, **{name: _NAME for name in _HELLO_NAMES}),
-        m.LifecycleReport: _struct(m.LifecycleReport, worker_id=_NAME, kernels=_text(m.MAX_KERNELS_CHARS)),
+        m.LifecycleReport: _struct(m.LifecycleReport, worker_id=_NAME, kernels=_text(m.MAX_KERNELS_CHARS),
+                                   step_timings=_list(m.MAX_STEP_TIMINGS, _struct(m.StepTiming))),
         m.WorkerFailed: _struct(m.WorkerFailed, worker_id=_NAME, error_type=_NAME, message=_REASON),
         m.Heartbeat: _struct(m.Heartbeat, worker_id=_NAME, protocol_errors=_ERROR_COUNTS),
         m.StepResult: step_result,

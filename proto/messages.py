@@ -24,7 +24,7 @@ from proto.lifecycle import State
 # 9: a READY report names the kernels its model runs on (a receiver refuses fields it does not know);
 # 10: log-probabilities of sampled and prompt tokens;
 # 11: gateways heartbeat (GatewayHeartbeat) and are probed (Probe); InfoReply counts the gateways given up on.
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 
 # The most alternatives a log-probability may list with the token it is for (OpenAI's top_logprobs limit).
 MAX_TOP_LOGPROBS = 20
@@ -56,6 +56,9 @@ MAX_CACHE_SALT_CHARS = 512  # a client's salt (at most 256) with the gateway's o
 MAX_NAME_CHARS = 256  # a hello's ids, names, fingerprints, dtype and device
 MAX_KERNELS_CHARS = 1024  # a READY report's kernels beyond this are cut (they go into GetServerInfo and /metrics labels)
 MAX_REASON_CHARS = 2048  # a failure's or a refusal's text: its sender cuts it here, and so does the scheduler relaying it
+# Proposal.source values the scheduler keeps apart ("other": any it does not know; "": unsaid).
+PROPOSAL_SOURCES = ("", "lookup", "phrases", "head", "model", "grammar", "other")
+MAX_STEP_TIMINGS = 16  # warm-up step timings a READY report carries at most
 MAX_DRAFT_TOKENS = 64  # draft tokens one sequence's step verifies (a hello claiming more is refused)
 # The widest target features (hidden states) a process may return or read: Llama 3.1 405B's, the widest model of the
 # families modeling/ implements. Feature rows are the largest frames on the scheduler's worker socket.
@@ -239,6 +242,24 @@ class ProcessInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     step_ms_per_prefill_token: float = 0.0
     step_ms_per_kilo_context: float = 0.0
     step_cost_error_ms: float = 0.0
+    # Decode rows cost by how many a step has: ms per row up to 8, from 9 to 32, beyond 32 (step_ms_per_row: the first).
+    step_ms_per_row_by_range: list[float] = []
+    step_predicted_ms: float = 0.0  # moving averages, over the same steps, of the time predicted and measured
+    step_measured_ms: float = 0.0
+    # A target's READY report: whether its steps are batch invariant (greedy verification then gives exactly plain
+    # decoding's answer; else drafts are verified lossless in distribution). None: not said (not READY, a draft).
+    batch_invariant: bool | None = None
+
+
+class SourceAcceptance(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One proposer source's drafts since the scheduler started, and its recent acceptance per position."""
+
+    num_verify_steps: int
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+    # Per draft position: how often a token there is accepted given the ones before it were, over the recent
+    # verify steps (what the speculation policy starts each request from).
+    recent_rates: list[float] = []
 
 
 class SpeculationInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -260,6 +281,9 @@ class SpeculationInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # propose request to its answer.
     propose_ms: float = 0.0
     propose_wait_ms: float = 0.0
+    # Per proposer source ("lookup", "phrases", "head", "model", "grammar": forced by a request's grammar).
+    sources: dict[str, SourceAcceptance] = msgspec.field(default_factory=dict)
+    policy: str = ""  # --speculation-policy
 
 
 class InfoReply(msgspec.Struct, tag="info", frozen=True, forbid_unknown_fields=True):
@@ -445,6 +469,15 @@ class WorkerHello(msgspec.Struct, tag="hello", frozen=True, forbid_unknown_field
     target_fingerprint: str = ""  # draft: the model_fingerprint of the only target it serves ("": any)
 
 
+class StepTiming(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A step's shape (scheduler/speculation/cost.py) and how long it took."""
+
+    decode_rows: int
+    prefill_tokens: int
+    attended: int
+    duration_ms: float
+
+
 class LifecycleReport(msgspec.Struct, tag="lifecycle", frozen=True, forbid_unknown_fields=True):
     worker_id: str
     incarnation: int
@@ -459,6 +492,13 @@ class LifecycleReport(msgspec.Struct, tag="lifecycle", frozen=True, forbid_unkno
     # With READY: which kernels its model runs on, as its model engine says ("native (linear
     # kernel: avx2)", or "torch (...)" with the reason); "" when it runs no model (a lookup draft).
     kernels: str = ""
+    # With READY, a target: whether its steps are batch invariant (a row's logits do not depend on
+    # the rows beside it; modeling/invariance.py), so greedy verification gives exactly plain
+    # decoding's answer. None: not said (a draft service).
+    batch_invariant: bool | None = None
+    # With READY, a target: steps it timed while warming up, so the scheduler's cost model knows
+    # what rows cost before its first speculative step.
+    step_timings: list[StepTiming] = []
 
 
 class WorkerFailed(msgspec.Struct, tag="failed", frozen=True, forbid_unknown_fields=True):
@@ -536,6 +576,10 @@ class Proposal(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # A token tree (point masses, no dists): each token's parent among them, always an
     # earlier one, or -1 for the sequence's last token. None: one chain.
     parents: list[int] | None = None
+    # Which proposer made it, for the acceptance the scheduler learns per source: "lookup" (prompt
+    # lookup), "phrases" (the target's own phrases), "head" (an EAGLE-style head), "model" (a draft
+    # model); "" when unsaid.
+    source: str = ""
 
 
 class ProposeResult(msgspec.Struct, tag="proposal", frozen=True, forbid_unknown_fields=True):

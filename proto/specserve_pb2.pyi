@@ -178,7 +178,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Process(_message.Message):
-    __slots__ = ("process_id", "role", "state", "incarnation", "heartbeat_age_s", "num_running", "failure", "num_kv_pages", "kv_page_size", "num_used_kv_pages", "num_cached_kv_pages", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "num_preemptions", "kernels", "num_costed_steps", "step_fixed_ms", "step_ms_per_row", "step_ms_per_prefill_token", "step_ms_per_kilo_context", "step_cost_error_ms")
+    __slots__ = ("process_id", "role", "state", "incarnation", "heartbeat_age_s", "num_running", "failure", "num_kv_pages", "kv_page_size", "num_used_kv_pages", "num_cached_kv_pages", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "num_preemptions", "kernels", "num_costed_steps", "step_fixed_ms", "step_ms_per_row", "step_ms_per_prefill_token", "step_ms_per_kilo_context", "step_cost_error_ms", "batch_invariant", "step_predicted_ms", "step_measured_ms", "step_ms_per_row_by_range")
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +200,10 @@ class Process(_message.Message):
     STEP_MS_PER_PREFILL_TOKEN_FIELD_NUMBER: _ClassVar[int]
     STEP_MS_PER_KILO_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     STEP_COST_ERROR_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
+    STEP_PREDICTED_MS_FIELD_NUMBER: _ClassVar[int]
+    STEP_MEASURED_MS_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_PER_ROW_BY_RANGE_FIELD_NUMBER: _ClassVar[int]
     process_id: str
     role: str
     state: str
@@ -221,10 +225,14 @@ class Process(_message.Message):
     step_ms_per_prefill_token: float
     step_ms_per_kilo_context: float
     step_cost_error_ms: float
-    def __init__(self, process_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., incarnation: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., num_running: _Optional[int] = ..., failure: _Optional[str] = ..., num_kv_pages: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., num_used_kv_pages: _Optional[int] = ..., num_cached_kv_pages: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kernels: _Optional[str] = ..., num_costed_steps: _Optional[int] = ..., step_fixed_ms: _Optional[float] = ..., step_ms_per_row: _Optional[float] = ..., step_ms_per_prefill_token: _Optional[float] = ..., step_ms_per_kilo_context: _Optional[float] = ..., step_cost_error_ms: _Optional[float] = ...) -> None: ...
+    batch_invariant: bool
+    step_predicted_ms: float
+    step_measured_ms: float
+    step_ms_per_row_by_range: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, process_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., incarnation: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., num_running: _Optional[int] = ..., failure: _Optional[str] = ..., num_kv_pages: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., num_used_kv_pages: _Optional[int] = ..., num_cached_kv_pages: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kernels: _Optional[str] = ..., num_costed_steps: _Optional[int] = ..., step_fixed_ms: _Optional[float] = ..., step_ms_per_row: _Optional[float] = ..., step_ms_per_prefill_token: _Optional[float] = ..., step_ms_per_kilo_context: _Optional[float] = ..., step_cost_error_ms: _Optional[float] = ..., batch_invariant: _Optional[bool] = ..., step_predicted_ms: _Optional[float] = ..., step_measured_ms: _Optional[float] = ..., step_ms_per_row_by_range: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Speculation(_message.Message):
-    __slots__ = ("num_draft_tokens", "num_accepted_draft_tokens", "num_verify_steps", "num_plain_decode_steps", "acceptance_rate", "mean_accepted_length", "propose_ms", "propose_wait_ms")
+    __slots__ = ("num_draft_tokens", "num_accepted_draft_tokens", "num_verify_steps", "num_plain_decode_steps", "acceptance_rate", "mean_accepted_length", "propose_ms", "propose_wait_ms", "sources", "policy")
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -233,6 +241,8 @@ class Speculation(_message.Message):
     MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_MS_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     num_draft_tokens: int
     num_accepted_draft_tokens: int
     num_verify_steps: int
@@ -241,7 +251,23 @@ class Speculation(_message.Message):
     mean_accepted_length: float
     propose_ms: float
     propose_wait_ms: float
-    def __init__(self, num_draft_tokens: _Optional[int] = ..., num_accepted_draft_tokens: _Optional[int] = ..., num_verify_steps: _Optional[int] = ..., num_plain_decode_steps: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., propose_ms: _Optional[float] = ..., propose_wait_ms: _Optional[float] = ...) -> None: ...
+    sources: _containers.RepeatedCompositeFieldContainer[SourceAcceptance]
+    policy: str
+    def __init__(self, num_draft_tokens: _Optional[int] = ..., num_accepted_draft_tokens: _Optional[int] = ..., num_verify_steps: _Optional[int] = ..., num_plain_decode_steps: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., propose_ms: _Optional[float] = ..., propose_wait_ms: _Optional[float] = ..., sources: _Optional[_Iterable[_Union[SourceAcceptance, _Mapping]]] = ..., policy: _Optional[str] = ...) -> None: ...
+
+class SourceAcceptance(_message.Message):
+    __slots__ = ("source", "num_verify_steps", "num_draft_tokens", "num_accepted_draft_tokens", "recent_rates")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    NUM_VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_RATES_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    num_verify_steps: int
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+    recent_rates: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, source: _Optional[str] = ..., num_verify_steps: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_draft_tokens: _Optional[int] = ..., recent_rates: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ServerInfoResponse(_message.Message):
     __slots__ = ("model_name", "max_model_len", "num_waiting", "num_running", "processes", "speculation")

@@ -13,6 +13,9 @@ from common.arguments import below_problem, not_positive_problem
 from proto.messages import GATEWAY_HEARTBEAT_INTERVAL_S, MAX_NAME_CHARS
 
 
+SPECULATION_POLICIES = ("goodput", "fixed")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     gateway_address: str  # bound ROUTER for gateways
@@ -29,6 +32,9 @@ class SchedulerConfig:
     num_speculative_tokens: int = 6  # k: draft tokens proposed per sequence and step; 0 turns speculation off
     spec_disable_batch_threshold: int = 16  # speculate only in steps of at most this many sequences
     spec_draft_token_budget: int = 32  # draft tokens one step verifies in all (k per sequence shrinks as steps grow)
+    # goodput: each step speculates as far as the measured step cost and acceptance say pays (policy.py); fixed: up
+    # to the caps in every step the threshold allows.
+    speculation_policy: str = "goodput"
     propose_timeout_s: float = 2.0  # a proposal unanswered this long: the step runs without one
     phase_timeout_s: float = 600.0  # a start-up phase (STARTING .. WARMING) longer than this FAILs the process
     prefix_cache: bool = True  # share the KV pages of equal prompt prefixes between requests
@@ -65,6 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spec-draft-token-budget", type=int, default=32,
                         help="draft tokens one speculative step verifies in all, shared evenly among its sequences "
                              "(k shrinks as steps grow; fewer than one each: a plain step)")
+    parser.add_argument("--speculation-policy", choices=SPECULATION_POLICIES, default="goodput",
+                        help="goodput: each step speculates only as far as what it measured says pays (the target's "
+                             "step time, the wait for proposals, each request's acceptance), often not at all; fixed: "
+                             "k up to the caps above in every step the threshold allows (for comparison and tests)")
     parser.add_argument("--phase-timeout-s", type=float, default=600.0,
                         help="a worker or draft start-up phase running longer is FAILED and the process told to stop")
     parser.add_argument("--propose-timeout-s", type=float, default=2.0,

@@ -16,8 +16,10 @@ from functools import partial
 from typing import assert_never
 
 from common.logs import get_logger
+from common.step_shape import StepShape
 from common.protocol_errors import ProtocolErrors
 from proto import messages as m
+from proto.messages import MAX_STEP_TIMINGS
 from proto.lifecycle import TRANSITIONS, State
 from scheduler.config import SchedulerConfig
 from scheduler.gateways import GatewayRecord, GatewayRegistry
@@ -305,10 +307,20 @@ class SchedulerCore:
         worker.move_to(state, now_s)
         if state is State.READY:
             worker.kernels = report.kernels[:MAX_KERNELS_CHARS]
+        if state is State.READY and worker.is_target:
+            worker.batch_invariant = report.batch_invariant
+            for timing in report.step_timings[:MAX_STEP_TIMINGS]:  # what rows cost, before any speculative step
+                worker.cost.observe(StepShape(timing.decode_rows, timing.prefill_tokens, timing.attended),
+                                    timing.duration_ms)
+            log.info("worker.step_cost", worker_id=worker.worker_id, batch_invariant=worker.batch_invariant,
+                     speculation_policy=self._config.speculation_policy,
+                     fitted=[round(c, 4) for c in worker.cost.coefficients() or ()],
+                     terms="fixed ms, ms per decode row, ms per prefill token, ms per thousand attended positions",
+                     note="the policy weighs these, the wait for proposals and each request's acceptance")
         if state is State.READY and worker.is_target and report.max_draft_tokens is not None:
             worker.max_draft_tokens = max(0, min(worker.max_draft_tokens, report.max_draft_tokens))
             log.warning("worker.speculation_limited", worker_id=worker.worker_id, max_draft_tokens=worker.max_draft_tokens,
-                        note="0: its steps are not batch invariant, so it serves without speculation (see its log)")
+                        note="0: its steps are not batch invariant and it was told --require-batch-invariance")
         if state is State.READY and worker.is_target:
             self._no_ready_target_since_s = None
             self._steps.place_waiting()

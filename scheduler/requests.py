@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from proto import messages as m
+from scheduler.speculation.acceptance import RequestAcceptance
 from scheduler.speculation.features import FeatureStore
 from scheduler.speculation.views import DraftView
 
@@ -129,6 +130,7 @@ class Request:
     num_lost_steps: int = 0
     suspect: bool = False
     draft: DraftView = field(default_factory=lambda: DraftView())
+    acceptance: RequestAcceptance = field(default_factory=RequestAcceptance, compare=False, repr=False)  # its drafts' record
     features: FeatureStore = field(default_factory=FeatureStore, compare=False, repr=False)  # while a draft reads features
     # Speculation so far: draft tokens verified, accepted, and verify steps.
     num_draft_tokens: int = 0

@@ -30,7 +30,8 @@ from scheduler.config import SchedulerConfig
 from scheduler.outbox import Outbox
 from scheduler.placement import choose_worker, too_long_problem
 from scheduler.requests import FINISH_REASONS, Request, RequestStatus, RequestTable
-from scheduler.speculation.cost import step_shape
+from common.step_shape import step_shape
+from scheduler.speculation.acceptance import GRAMMAR
 from scheduler.speculation.link import DraftLink, DraftWork, PendingProposal, draft_work
 from scheduler.speculation.verification import logprobs_problem, record_verification, step_result_problem
 from scheduler.workers import WorkerRecord, WorkerRegistry
@@ -121,7 +122,7 @@ class StepCycle:
         if worker is not None and worker.awaiting_proposal == pending.propose_id:
             worker.awaiting_proposal = None
             if worker.runs_steps:
-                self._send(worker, pending.plan, proposals, now_s)
+                self._send(worker, pending.plan, self._drafts.trim(worker, pending.plan, proposals), now_s)
 
     def give_up_proposal(self, pending: PendingProposal, now_s: float, *, answer_may_come: bool) -> None:
         """Step without proposals."""
@@ -145,7 +146,10 @@ class StepCycle:
             r = item.request
             start = r.num_computed_tokens
             # Forced drafts were not the draft service's: what it holds stays as it was.
-            generation = -1 if drafts and self._forced_drafts(worker, item) else r.draft.generation
+            forced = bool(drafts) and bool(self._forced_drafts(worker, item))
+            generation = -1 if forced else r.draft.generation
+            proposal = proposals.get(r.request_id)
+            source = GRAMMAR if forced else proposal.source if proposal is not None and drafts else ""
             end = start + item.num_tokens
             scores = r.scores_prompt and start < len(r.prompt_token_ids)
             reads_history = r.sampling.penalties is not None or r.grammar is not None
@@ -163,7 +167,7 @@ class StepCycle:
             # A prompt chunk's scores: each token's after the first, then the next chunk's first.
             prompt_scores = item.num_tokens - 1 + (end < len(r.prompt_token_ids)) if scores else None
             step_seqs.append(StepSeq(r, item.num_tokens, item.completes, drafts, generation, parents, prompt_scores,
-                                     r.num_computed_tokens))
+                                     r.num_computed_tokens, source))
         worker.in_flight = InFlightStep(self._next_step_id, now_s, step_seqs)
         self._outbox.to_worker(worker.identity, m.StepRequest(self._next_step_id, worker.incarnation, seqs,
                                                               return_features=self._drafts.features_wanted))

@@ -44,6 +44,7 @@ class WorkerRecord:
     # serves without speculation, its steps not being batch invariant).
     max_draft_tokens: int = 0
     kernels: str = ""  # which kernels its model runs on, as its READY report said
+    batch_invariant: bool | None = None  # a target's READY report: whether its steps are batch invariant
     cost: StepCostModel = field(default_factory=StepCostModel)  # its step time, fitted to the steps it ran
     suspect_turn: bool = False  # the last step planned here ran a suspect request alone (stepping._step_candidates)
     failure: str = ""
@@ -109,7 +110,7 @@ class WorkerRecord:
 
     def info(self, now_s: float) -> m.ProcessInfo:
         pages = self.pages
-        fitted = [round(value, 4) for value in self.cost.coefficients() or (0.0, 0.0, 0.0, 0.0)]
+        fitted = [round(value, 4) for value in self.cost.coefficients() or [0.0] * 6]
         return m.ProcessInfo(
             process_id=self.worker_id,
             role=self.hello.role,
@@ -129,9 +130,12 @@ class WorkerRecord:
             prefix_cache_hit_tokens=0 if pages is None else pages.counters.num_hit_tokens,
             num_preemptions=self.num_preemptions,
             kernels=self.kernels,
+            batch_invariant=self.batch_invariant,
+            step_predicted_ms=round(self.cost.predicted_ms, 3), step_measured_ms=round(self.cost.measured_ms, 3),
             num_costed_steps=self.cost.num_steps,
-            step_fixed_ms=fitted[0], step_ms_per_row=fitted[1], step_ms_per_prefill_token=fitted[2],
-            step_ms_per_kilo_context=fitted[3], step_cost_error_ms=round(self.cost.abs_error_ms, 3),
+            step_fixed_ms=fitted[0], step_ms_per_row=fitted[1], step_ms_per_prefill_token=fitted[4],
+            step_ms_per_kilo_context=fitted[5], step_cost_error_ms=round(self.cost.abs_error_ms, 3),
+            step_ms_per_row_by_range=fitted[1:4] if self.cost.coefficients() is not None else [],
         )
 
 

@@ -99,6 +99,8 @@ class StackConfig:
     num_speculative_tokens: int | None = None  # the scheduler's k; also the draft service's --max-draft-tokens
     spec_disable_batch_threshold: int | None = None
     spec_draft_token_budget: int | None = None
+    speculation_policy: str | None = None  # the scheduler's --speculation-policy (None: its default, goodput)
+    require_batch_invariance: bool = False  # the workers' --require-batch-invariance
     gateway_shutdown_grace_s: float | None = None
     host: str = "127.0.0.1"  # where the gateway listens
     grpc_port: int | None = None  # None: a free port, picked with the stack's addresses
@@ -151,7 +153,8 @@ def service_specs(config: StackConfig, addresses: StackAddresses) -> list[Servic
 def scheduler_spec(config: StackConfig, addresses: StackAddresses) -> ServiceSpec:
     optional = {"--max-num-seqs": config.max_num_seqs, "--num-speculative-tokens": config.num_speculative_tokens,
                 "--spec-disable-batch-threshold": config.spec_disable_batch_threshold,
-                "--spec-draft-token-budget": config.spec_draft_token_budget}
+                "--spec-draft-token-budget": config.spec_draft_token_budget,
+                "--speculation-policy": config.speculation_policy}
     return ServiceSpec("scheduler", _python("scheduler", [
         "--gateway-address", addresses.gateway_address, "--worker-address", addresses.worker_address,
         "--model-name", config.model.name, "--max-model-len", str(config.max_model_len),
@@ -171,7 +174,8 @@ def worker_spec(config: StackConfig, addresses: StackAddresses, index: int | str
         "--max-num-batched-tokens", str(config.max_num_batched_tokens),
         *_given({"--kv-cache-memory": config.kv_cache_memory_gib, "--max-num-seqs": config.max_num_seqs}),
         *_given({"--quantization": None if config.quantization == "none" else config.quantization}),
-        "--num-threads", str(config.num_threads_per_worker), *config.worker_args, *extra_args,
+        "--num-threads", str(config.num_threads_per_worker),
+        *(["--require-batch-invariance"] if config.require_batch_invariance else []), *config.worker_args, *extra_args,
     ], config), stop_order=1, essential=False)
 
 

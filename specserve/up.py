@@ -18,6 +18,7 @@ from pathlib import Path
 from common.cpus import usable_cpus
 from common.draft_spec import LOOKUP_THEN_HEAD_KINDS, SERVING_KINDS, DraftKind, DraftSpec
 from draft_service.defaults import HEAD_DRAFT_TOKENS
+from scheduler.config import SPECULATION_POLICIES
 from modeling.quantization import QUANTIZATIONS
 from common.transport import ENV_VAR as KEYS_ENV_VAR
 from common.transport import ROLES, TransportError, check_keys
@@ -105,6 +106,14 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                              "and phrases, 4 for a draft that runs a model: measured in docs/benchmarks.md)")
     parser.add_argument("--spec-draft-token-budget", type=int, default=32,
                         help="draft tokens a speculative step verifies in all, shared evenly among its sequences")
+    parser.add_argument("--speculation-policy", choices=SPECULATION_POLICIES, default="goodput",
+                        help="goodput: each step speculates only as far as the target's measured step time, the wait "
+                             "for proposals and each request's acceptance say pays, often not at all; fixed: up to the "
+                             "caps above in every step the threshold allows")
+    parser.add_argument("--require-batch-invariance", action="store_true",
+                        help="a worker whose steps are not batch invariant (torch's ops, a GPU) serves without drafts, "
+                             "so greedy answers equal plain decoding's bit for bit; without it such a worker verifies "
+                             "drafts lossless in distribution, as GPU engines do")
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
     parser.add_argument("--keys", type=Path, default=os.environ.get(KEYS_ENV_VAR) or None,
                         help="a CurveZMQ key folder made by `specserve keys FOLDER` for the services' sockets "
@@ -248,6 +257,7 @@ def stack_config(args: argparse.Namespace, *, model: Path, max_model_len: int, d
         spec_disable_batch_threshold=(default_spec_threshold(draft) if args.spec_disable_batch_threshold is None
                                       else args.spec_disable_batch_threshold),
         spec_draft_token_budget=args.spec_draft_token_budget, gateway_shutdown_grace_s=GATEWAY_SHUTDOWN_GRACE_S,
+        speculation_policy=args.speculation_policy, require_batch_invariance=args.require_batch_invariance,
         host=args.host, grpc_port=args.port, http_port=args.http_port, log_json=args.log_json,
         keys=args.keys, insecure_loopback=args.insecure_loopback,
     )

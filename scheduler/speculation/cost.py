@@ -5,7 +5,12 @@ sequence's last token and each of its draft tokens), a part per prompt token it 
 (prefill rows come in chunks, which the kernels run more cheaply per row), and a part per
 thousand positions its rows attend to (attention grows with each row's context):
 
-    t = c0 + c_row * decode_rows + c_prefill * prefill_tokens + c_ctx * attended / 1000
+    t = c0 + row_cost(decode_rows) + c_prefill * prefill_tokens + c_ctx * attended / 1000
+
+where row_cost is piecewise linear, its slope free to change at 8 and 32 rows
+(common/step_shape.py ROW_KNOTS): a step bound by reading the weights takes its first few
+rows almost for free, and one line through every row count would price a verify step's
+few extra rows at what rows cost in a step of 64.
 
 The coefficients are fitted to every `StepResult.duration_ms` by least squares with
 exponential forgetting (each step weighs FORGET times what the one after it does), so the
@@ -18,81 +23,41 @@ written down.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from common.step_shape import StepShape, row_terms
 
 FORGET = 0.98  # the weight of a step, relative to the next one's: about the last 50 steps count
 RIDGE = 1e-4  # pulls the coefficients toward zero where the steps seen say little about them
-MIN_STEPS = 8  # steps seen before the model predicts anything
-_NUM_TERMS = 4
+MIN_STEPS = 4  # steps seen (a worker's warm-up timings among them) before the model predicts anything
+_NUM_TERMS = 6  # fixed, three row slopes, per prefill token, per thousand attended positions
 
 
-@dataclass(frozen=True)
-class StepShape:
-    """What a step computes, in the model's terms."""
+class OnlineFit:
+    """y as a linear function of a few terms, each coefficient at least 0, fitted by least squares with forgetting."""
 
-    decode_rows: int  # rows of decoding sequences: their last token plus their draft tokens
-    prefill_tokens: int  # prompt (or recomputed) tokens of sequences that are not decoding
-    attended: int  # the positions all its rows attend to, summed over rows
-
-    def terms(self) -> tuple[float, ...]:
-        return 1.0, float(self.decode_rows), float(self.prefill_tokens), self.attended / 1000.0
-
-
-def step_shape(seqs: Sequence[tuple[int, int, int]]) -> StepShape:
-    """The shape of a step from each sequence's (tokens it computes, draft tokens it verifies, positions computed
-    before the step)."""
-    decode_rows = prefill = attended = 0
-    for num_tokens, num_draft, computed_before in seqs:
-        rows = num_tokens + num_draft
-        if num_tokens == 1:
-            decode_rows += rows
-        else:
-            prefill += num_tokens
-            decode_rows += num_draft
-        # Row i attends to the positions before it and itself: computed_before + i + 1.
-        attended += rows * computed_before + rows * (rows + 1) // 2
-    return StepShape(decode_rows, prefill, attended)
-
-
-class StepCostModel:
-    """A worker's fitted step time; `observe` each finished step, `predict_ms` a planned one."""
-
-    def __init__(self) -> None:
-        self._gram = [[0.0] * _NUM_TERMS for _ in range(_NUM_TERMS)]  # sum of w x x^T
-        self._moment = [0.0] * _NUM_TERMS  # sum of w x y
+    def __init__(self, num_terms: int, min_samples: int) -> None:
+        self._num_terms, self._min_samples = num_terms, min_samples
+        self._gram = [[0.0] * num_terms for _ in range(num_terms)]  # sum of w x x^T
+        self._moment = [0.0] * num_terms  # sum of w x y
         self._coefficients: list[float] | None = None  # solved lazily; None: to be solved again
-        self.num_steps = 0
-        self.last_predicted_ms: float | None = None  # what the model said of the last step before it was observed
-        self.last_measured_ms: float | None = None
-        self.abs_error_ms = 0.0  # a moving average of |predicted - measured|, over the steps it predicted
+        self.num_samples = 0
 
-    def observe(self, shape: StepShape, duration_ms: float) -> None:
-        if not duration_ms >= 0.0:  # NaN or negative: a clock that cannot be believed
-            return
-        predicted = self.predict_ms(shape)
-        if predicted is not None:
-            self.abs_error_ms = FORGET * self.abs_error_ms + (1 - FORGET) * abs(predicted - duration_ms)
-        self.last_predicted_ms, self.last_measured_ms = predicted, duration_ms
-        x = shape.terms()
-        for i in range(_NUM_TERMS):
-            for j in range(_NUM_TERMS):
+    def observe(self, x: tuple[float, ...], y: float) -> None:
+        for i in range(self._num_terms):
+            for j in range(self._num_terms):
                 self._gram[i][j] = FORGET * self._gram[i][j] + x[i] * x[j]
-            self._moment[i] = FORGET * self._moment[i] + x[i] * duration_ms
+            self._moment[i] = FORGET * self._moment[i] + x[i] * y
         self._coefficients = None
-        self.num_steps += 1
+        self.num_samples += 1
 
-    def predict_ms(self, shape: StepShape) -> float | None:
-        """The expected time of a step of this shape; None until MIN_STEPS steps were seen."""
+    def predict(self, x: tuple[float, ...]) -> float | None:
         coefficients = self.coefficients()
         if coefficients is None:
             return None
-        return max(0.0, sum(c * x for c, x in zip(coefficients, shape.terms())))
+        return max(0.0, sum(c * value for c, value in zip(coefficients, x)))
 
     def coefficients(self) -> list[float] | None:
-        """(fixed ms, ms per decode row, ms per prefill token, ms per thousand attended positions), each at least 0;
-        None before MIN_STEPS steps."""
-        if self.num_steps < MIN_STEPS:
+        """Each at least 0; None before min_samples samples."""
+        if self.num_samples < self._min_samples:
             return None
         if self._coefficients is None:
             self._coefficients = self._fit()
@@ -102,18 +67,89 @@ class StepCostModel:
         """Least squares with every coefficient at least 0: no part of a step makes it faster, and where two terms
         move together (rows and the positions they attend to) an unconstrained fit can trade one for a negative
         other. A term that comes out negative is left out and the rest fitted again."""
-        terms = list(range(_NUM_TERMS))
+        terms = list(range(self._num_terms))
         while True:
             # The ridge is relative to each term's own weight, so terms of different units are pulled alike.
             gram = [[self._gram[i][j] * (1 + RIDGE) if i == j else self._gram[i][j] for j in terms] for i in terms]
             solved = _solve(gram, [self._moment[i] for i in terms])
             negative = [term for term, value in zip(terms, solved) if value < 0.0]
             if not negative:
-                coefficients = [0.0] * _NUM_TERMS
+                coefficients = [0.0] * self._num_terms
                 for term, value in zip(terms, solved):
                     coefficients[term] = value
                 return coefficients
             terms.remove(min(negative, key=lambda term: solved[terms.index(term)]))
+
+
+class StepCostModel:
+    """A worker's fitted step time; `observe` each finished step, `predict_ms` a planned one."""
+
+    def __init__(self) -> None:
+        self._fit = OnlineFit(_NUM_TERMS, MIN_STEPS)
+        self.last_predicted_ms: float | None = None  # what the model said of the last step before it was observed
+        self.last_measured_ms: float | None = None
+        self.abs_error_ms = 0.0  # a moving average of |predicted - measured|, over the steps it predicted
+        self.predicted_ms = 0.0  # moving averages of what it predicted and what was measured, over the same steps
+        self.measured_ms = 0.0
+
+    @property
+    def num_steps(self) -> int:
+        return self._fit.num_samples
+
+    def observe(self, shape: StepShape, duration_ms: float) -> None:
+        if not duration_ms >= 0.0:  # NaN or negative: a clock that cannot be believed
+            return
+        predicted = self.predict_ms(shape)
+        if predicted is not None:
+            self.abs_error_ms = FORGET * self.abs_error_ms + (1 - FORGET) * abs(predicted - duration_ms)
+            self.predicted_ms = FORGET * self.predicted_ms + (1 - FORGET) * predicted
+            self.measured_ms = FORGET * self.measured_ms + (1 - FORGET) * duration_ms
+        self.last_predicted_ms, self.last_measured_ms = predicted, duration_ms
+        self._fit.observe(shape.terms(), duration_ms)
+
+    def predict_ms(self, shape: StepShape) -> float | None:
+        """The expected time of a step of this shape; None until MIN_STEPS steps were seen."""
+        return self._fit.predict(shape.terms())
+
+    def coefficients(self) -> list[float] | None:
+        """(fixed ms, ms per decode row up to 8, from 9 to 32 and beyond 32, ms per prefill token, ms per thousand
+        attended positions), each at least 0; None before MIN_STEPS steps."""
+        return self._fit.coefficients()
+
+    def row_ms(self, base_rows: int, extra_rows: int) -> float:
+        """What each of `extra_rows` more decode rows costs, on average, in a step that has `base_rows` (0 before the
+        model predicts)."""
+        coefficients = self.coefficients()
+        if coefficients is None or extra_rows <= 0:
+            return 0.0
+        before, after = row_terms(base_rows), row_terms(base_rows + extra_rows)
+        return sum(c * (b - a) for c, a, b in zip(coefficients[1:4], before, after)) / extra_rows
+
+    def extra_ms(self, num_drafts: int, context: int, row_ms: float) -> float:
+        """What `num_drafts` more rows after a decoding sequence's last token, `context` positions in, add to a step,
+        at `row_ms` a row (`row_ms`)."""
+        coefficients = self.coefficients()
+        if coefficients is None or num_drafts <= 0:
+            return 0.0
+        # Its rows attend to (1 + k) * context + (1 + k)(2 + k)/2 positions, against context + 1 without drafts.
+        attended = num_drafts * context + (num_drafts * num_drafts + 3 * num_drafts) // 2
+        return row_ms * num_drafts + coefficients[5] * attended / 1000
+
+
+class ProposeCostModel:
+    """How long a step waits for its proposals: a fixed part plus a part per draft token of the longest proposal
+    asked (a draft model or head runs once per position, every sequence at once), fitted like a step's time."""
+
+    def __init__(self) -> None:
+        self._fit = OnlineFit(2, 1)
+
+    def observe(self, max_draft_tokens: int, waited_ms: float) -> None:
+        if waited_ms >= 0.0:
+            self._fit.observe((1.0, float(max_draft_tokens)), waited_ms)
+
+    def predict_ms(self, max_draft_tokens: int) -> float:
+        """0 before any answer was timed."""
+        return self._fit.predict((1.0, float(max_draft_tokens))) or 0.0
 
 
 def _solve(matrix: list[list[float]], vector: list[float]) -> list[float]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from proto import messages as m
+from scheduler.speculation.acceptance import ServerAcceptance
+from scheduler.speculation.cost import ProposeCostModel
 
 _AVERAGE_WEIGHT = 0.05  # of each new answer in the moving averages of a proposal's cost: about the last 20 count
 
@@ -23,10 +25,14 @@ class SpecCounters:
     num_proposals: int = 0
     propose_ms: float = 0.0
     propose_wait_ms: float = 0.0
+    policy: str = ""  # --speculation-policy, shown with the counters
+    acceptance: ServerAcceptance = field(default_factory=ServerAcceptance)  # per source and draft position
+    propose_cost: ProposeCostModel = field(default_factory=ProposeCostModel)  # the wait, by the longest proposal asked
 
-    def proposed(self, duration_ms: float, waited_ms: float) -> None:
+    def proposed(self, duration_ms: float, waited_ms: float, max_draft_tokens: int) -> None:
         if not (duration_ms >= 0.0 and waited_ms >= 0.0):  # NaN or negative: a clock that cannot be believed
             return
+        self.propose_cost.observe(max_draft_tokens, waited_ms)
         weight = max(_AVERAGE_WEIGHT, 1 / (self.num_proposals + 1))  # the first answers count in full
         self.propose_ms += weight * (duration_ms - self.propose_ms)
         self.propose_wait_ms += weight * (waited_ms - self.propose_wait_ms)
@@ -35,10 +41,15 @@ class SpecCounters:
     def decide(self, k: int) -> None:
         self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
 
-    def record(self, num_draft_tokens: int, num_accepted: int, depth: int = 0) -> None:
-        """A decode step of one sequence: its draft tokens (a tree's `depth` positions deep; a chain's as many as its
-        tokens) and how many it accepted, each at the next position."""
+    def record(self, num_draft_tokens: int, num_accepted: int, depth: int = 0, source: str = "",
+               accepted_nodes: list[int] | None = None) -> None:
+        """A decode step of one sequence: its draft tokens (a tree's `depth` positions deep, `accepted_nodes` its
+        accepted branch; a chain's as many as its tokens) from `source`, and how many it accepted, each at the next
+        position."""
         if num_draft_tokens:
+            self.acceptance.observe(source, depth or num_draft_tokens, num_draft_tokens, num_accepted)
+            if accepted_nodes is not None:
+                self.acceptance.observe_tree(source, num_draft_tokens, accepted_nodes)
             self.num_draft_tokens += num_draft_tokens
             self.num_accepted_draft_tokens += num_accepted
             self.num_verify_steps += 1
@@ -48,6 +59,7 @@ class SpecCounters:
                 self.accepted_by_position[position] = self.accepted_by_position.get(position, 0) + 1
         else:
             self.num_plain_decode_steps += 1
+            self.acceptance.fade()
 
     def info(self) -> m.SpeculationInfo:
         return m.SpeculationInfo(
@@ -62,4 +74,6 @@ class SpecCounters:
             accepted_by_position=dict(self.accepted_by_position),
             propose_ms=round(self.propose_ms, 3),
             propose_wait_ms=round(self.propose_wait_ms, 3),
+            sources=self.acceptance.info(m.MAX_DRAFT_TOKENS),
+            policy=self.policy,
         )

@@ -15,13 +15,15 @@ from dataclasses import dataclass
 import msgspec
 
 from common.logs import get_logger
+from common.step_shape import step_shape
 from modeling.proposals import drafts_problem
 from proto import messages as m
 from scheduler.batching import ScheduledSeq, StepPlan
 from scheduler.config import SchedulerConfig
 from scheduler.requests import Request, RequestTable
 from scheduler.speculation.counters import SpecCounters
-from scheduler.speculation.policy import SpecLimits, speculation_plan
+from scheduler.speculation.acceptance import ANY, expected_accepted
+from scheduler.speculation.policy import DraftOption, SpecLimits, best_drafts, draft_caps
 from scheduler.speculation.views import forget_views
 from scheduler.workers import WorkerRecord, WorkerRegistry
 
@@ -62,7 +64,7 @@ class DraftLink:
         self._stats_logged_s = 0.0
         # A draft that reads target features has said hello (and was not refused): every step returns them.
         self.features_wanted = False
-        self.counters = SpecCounters()
+        self.counters = SpecCounters(policy=config.speculation_policy)
 
     # ------------------------------------------------------------------ which draft service
 
@@ -100,9 +102,43 @@ class DraftLink:
                 spec_draft_token_budget=cfg.spec_draft_token_budget,
                 max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len,
             )
-            num_tokens = _with_features(draft, seqs, speculation_plan(seqs, limits))
+            num_tokens = _with_features(draft, seqs, draft_caps(seqs, limits))
+            if num_tokens and cfg.speculation_policy == "goodput":
+                num_tokens = self._paying(target, seqs, num_tokens)
         self.counters.decide(max(num_tokens.values(), default=0))
         return num_tokens
+
+    def _paying(self, target: WorkerRecord, seqs: Sequence[ScheduledSeq], caps: dict[str, int]) -> dict[str, int]:
+        """Of the caps, the k that maximise the step's expected tokens per second, by each request's record over all
+        sources and the wait for a proposal (policy.py); empty: plain decoding pays best, or the target's step time is
+        not known yet."""
+        server = self.counters.acceptance
+        gains = {item.request.request_id: expected_accepted(item.request.acceptance.rates(ANY, caps[item.request.request_id], server))
+                 for item in seqs if caps.get(item.request.request_id, 0) > 0}
+        propose = self.counters.propose_cost
+        ks, base_ms = _best_drafts(target, seqs, gains, lambda ks: propose.predict_ms(max(ks.values())))
+        # Where a longer proposal costs the draft next to nothing (a lookup), the whole cap is asked for: what of it is
+        # verified is decided when it comes (`trim`), by its source's record.
+        if ks and propose.predict_ms(max(caps.values())) - propose.predict_ms(max(ks.values())) <= 0.01 * base_ms:
+            ks = {rid: caps[rid] for rid in ks}
+        return ks
+
+    def trim(self, target: WorkerRecord, plan: StepPlan, proposals: dict[str, m.Proposal]) -> dict[str, m.Proposal]:
+        """Each proposal cut to the length (a tree: the nodes) that pays, by its source's record, now that the wait for
+        it is spent (`--speculation-policy goodput`; else as they came)."""
+        if not proposals or self._config.speculation_policy != "goodput" or target.cost.coefficients() is None:
+            return proposals
+        server = self.counters.acceptance
+        gains: dict[str, list[float]] = {}
+        for item in plan.seqs:
+            r = item.request
+            if (proposal := proposals.get(r.request_id)) is not None:
+                if proposal.parents is None:
+                    gains[r.request_id] = expected_accepted(r.acceptance.rates(proposal.source, len(proposal.token_ids), server))
+                else:  # a tree's nodes at one depth are alternatives: each brings its own chance of being accepted
+                    gains[r.request_id] = r.acceptance.tree_gains(proposal.source, len(proposal.token_ids), server)
+        ks, _ = _best_drafts(target, plan.seqs, gains, lambda ks: 0.0)
+        return {rid: _first_nodes(proposal, ks[rid]) for rid, proposal in proposals.items() if ks.get(rid, 0) > 0}
 
     def propose(self, draft: WorkerRecord, target: WorkerRecord, plan: StepPlan, now_s: float) -> m.ProposeRequest:
         """The propose request for `target`'s planned step, which now waits for its answer."""
@@ -138,7 +174,8 @@ class DraftLink:
         pending = self._pending.pop(result.propose_id, None) or self._abandoned.pop(result.propose_id, None)
         if pending is None:
             return None
-        self.counters.proposed(result.duration_ms, (now_s - pending.sent_at_s) * 1000)
+        self.counters.proposed(result.duration_ms, (now_s - pending.sent_at_s) * 1000,
+                               max(pending.plan.num_draft_tokens.values(), default=0))
         asked = pending.plan.num_draft_tokens
         proposals: dict[str, m.Proposal] = {}
         for proposal in result.proposals:
@@ -228,6 +265,31 @@ def draft_work(request: Request, proposal: m.Proposal | None) -> DraftWork:
         return [], None, None
     dists = None if request.sampling.is_greedy else proposal.dists
     return proposal.token_ids, dists, proposal.parents  # a tree is of point masses (checked on arrival)
+
+
+def _best_drafts(target: WorkerRecord, seqs: Sequence[ScheduledSeq], gains: dict[str, list[float]],
+                 wait_ms: Callable[[dict[str, int]], float]) -> tuple[dict[str, int], float]:
+    """k per request (none of 0) that maximises the step's tokens per ms, each request's k bringing gains[rid][k]
+    tokens, and the plain step's predicted time; ({}, 0) while the target's step time is not known."""
+    shape = step_shape([(item.num_tokens, 0, item.request.num_computed_tokens) for item in seqs])
+    base_ms = target.cost.predict_ms(shape)
+    if base_ms is None or not gains:
+        return {}, base_ms or 0.0
+    # Rows cost by where the step stands on the curve: its own rows, and the drafts that may join them.
+    row_ms = target.cost.row_ms(shape.decode_rows, sum(len(g) - 1 for g in gains.values()))
+    context = {item.request.request_id: item.request.num_computed_tokens for item in seqs}
+    options = [DraftOption(rid, g, [target.cost.extra_ms(n, context[rid], row_ms) for n in range(len(g))])
+               for rid, g in gains.items()]
+    return best_drafts(options, sum(1 for item in seqs if item.completes), base_ms, wait_ms), base_ms
+
+
+def _first_nodes(proposal: m.Proposal, n: int) -> m.Proposal:
+    """The proposal's first n nodes (a tree's: a tree too, since a node's parent comes before it)."""
+    if n >= len(proposal.token_ids):
+        return proposal
+    return msgspec.structs.replace(
+        proposal, token_ids=proposal.token_ids[:n], dists=None if proposal.dists is None else proposal.dists[:n],
+        parents=None if proposal.parents is None else proposal.parents[:n])
 
 
 def _with_features(draft: WorkerRecord, seqs: Sequence[ScheduledSeq], num_tokens: dict[str, int]) -> dict[str, int]:

@@ -1,21 +1,39 @@
 """Whether a planned step speculates, and how many draft tokens (k) each of its decoding sequences may get.
 
-A step speculates when it has at most `spec_disable_batch_threshold` sequences; then every
-sequence that is decoding gets k draft tokens, fewer when its max_tokens, the context or
-the step's token budget leave less room, and at most `spec_draft_token_budget` draft
-tokens in all, shared evenly (so k shrinks as the batch grows: 6 at up to 5 sequences with
-the default 32, 4 at 8, 2 at 16). Larger steps decode plainly: there the target is busy
-enough that verifying rejected tokens costs more than it saves; and on a CPU every
-verified token costs compute, so the more sequences, the fewer guesses each may make
-(docs/benchmarks.md).
+The rule (`--speculation-policy goodput`, the default) maximises the step's expected tokens
+per second:
+
+    (tokens the step makes without drafts + sum of each sequence's expected accepted drafts)
+    / (predicted step time with those drafts' rows + the wait for the proposals)
+
+from what was measured where it runs: the target's step time (cost.py, fitted to its steps),
+the wait for a proposal (the same kind of fit), and how often each position of a draft is
+accepted, per request and per source (acceptance.py). It is decided twice: when the step is
+planned, k per sequence from each request's record over all sources, which may be 0 for all
+(then no proposal is asked, and the step runs at once); and when the proposals come, each is
+cut to the length (a tree: the number of nodes) that pays, by its source's record, now that
+the wait for it is spent (`trim`). Both solve the ratio by Dinkelbach's method: for a rate
+λ, each sequence's k maximises gain(k) - λ * time(k) on its own; λ becomes the ratio those
+k give; it stops when the ratio stops rising, and keeps the best answer, plain decoding
+included.
+
+Caps, not the decision: `--num-speculative-tokens` (and the target's and the draft's
+limits), `--spec-disable-batch-threshold` (a step of more sequences never speculates),
+`--spec-draft-token-budget` (the draft tokens of one step, shared evenly), the step's token
+budget, max_tokens and the context.
+
+`--speculation-policy fixed` speculates up to the caps in every step the threshold allows
+(for comparison, and for tests that need every step to speculate).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from scheduler.batching import ScheduledSeq
+
+_MAX_ROUNDS = 6  # Dinkelbach rounds at most (it settles in two or three)
 
 
 @dataclass(frozen=True)
@@ -27,8 +45,8 @@ class SpecLimits:
     max_model_len: int
 
 
-def speculation_plan(seqs: Sequence[ScheduledSeq], limits: SpecLimits) -> dict[str, int]:
-    """k per request id for the decoding sequences of a planned step; empty: decode plainly."""
+def draft_caps(seqs: Sequence[ScheduledSeq], limits: SpecLimits) -> dict[str, int]:
+    """The most draft tokens each decoding sequence of a planned step may get (none of 0); empty: none may."""
     if limits.num_speculative_tokens < 1 or len(seqs) > limits.spec_disable_batch_threshold:
         return {}
     decodes = [item for item in seqs if item.completes and item.num_tokens == 1]
@@ -36,11 +54,47 @@ def speculation_plan(seqs: Sequence[ScheduledSeq], limits: SpecLimits) -> dict[s
         return {}
     spare = limits.max_num_batched_tokens - sum(item.num_tokens for item in seqs)
     k_max = min(limits.num_speculative_tokens, spare // len(decodes), limits.spec_draft_token_budget // len(decodes))
-    ks: dict[str, int] = {}
+    caps: dict[str, int] = {}
     for item in decodes:
         r = item.request
         # Every new token (the accepted drafts plus one) must fit in max_tokens and the context.
         k = min(k_max, r.max_tokens - len(r.output_token_ids) - 1, limits.max_model_len - r.num_tokens - 1)
         if k >= 1:
-            ks[r.request_id] = k
-    return ks
+            caps[r.request_id] = k
+    return caps
+
+
+@dataclass(frozen=True)
+class DraftOption:
+    """One sequence's choice: gains[k] tokens expected from k draft rows, extra_ms[k] what they add to the step."""
+
+    key: str
+    gains: Sequence[float]  # gains[0] = 0
+    extra_ms: Sequence[float]  # extra_ms[0] = 0
+
+
+def best_drafts(options: Sequence[DraftOption], base_tokens: float, base_ms: float,
+                wait_ms: Callable[[dict[str, int]], float]) -> dict[str, int]:
+    """k per key (only k > 0) that maximises (base_tokens + gains) / (base_ms + extra_ms + wait_ms(ks), the wait only
+    where some k > 0); empty: plain decoding is best."""
+    if base_ms <= 0.0 or not options:
+        return {}
+    best: dict[str, int] = {}
+    best_rate = base_tokens / base_ms
+    rate = best_rate
+    for _ in range(_MAX_ROUNDS):
+        ks: dict[str, int] = {}
+        for option in options:
+            k = max(range(len(option.gains)), key=lambda n: option.gains[n] - rate * option.extra_ms[n])
+            if k > 0:
+                ks[option.key] = k
+        if not ks:
+            break
+        tokens = base_tokens + sum(option.gains[ks.get(option.key, 0)] for option in options)
+        ms = base_ms + sum(option.extra_ms[ks.get(option.key, 0)] for option in options) + wait_ms(ks)
+        if tokens / ms <= rate * (1 + 1e-9):
+            break
+        rate = tokens / ms
+        if rate > best_rate:
+            best, best_rate = ks, rate
+    return best

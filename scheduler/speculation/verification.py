@@ -14,6 +14,7 @@ from modeling.trees import leading_nodes, parents_or_chain, tree_depths
 from proto import messages as m
 from scheduler.batching import StepSeq
 from scheduler.requests import Request
+from scheduler.speculation.acceptance import GRAMMAR
 from scheduler.speculation.counters import SpecCounters
 
 
@@ -72,4 +73,9 @@ def record_verification(request: Request, seq: StepSeq, output: m.SeqOutput, cou
             request.draft.accept(leading_nodes(output.accepted_nodes))
     if num_drafts or seq.num_tokens == 1:  # a decode step, with or without a proposal
         depth = max(tree_depths(seq.draft_parents), default=0) if seq.draft_parents is not None else num_drafts
-        counters.record(num_drafts, num_accepted, depth)
+        counters.record(num_drafts, num_accepted, depth, seq.draft_source,
+                        output.accepted_nodes if seq.draft_parents is not None else None)
+        if not num_drafts:
+            request.acceptance.fade()
+        elif seq.draft_source != GRAMMAR:
+            request.acceptance.observe(seq.draft_source, depth, num_accepted)

@@ -58,7 +58,8 @@ def _at_concurrency(stack: Stack, requests: list[pb.GenerateRequest]) -> list[li
 def test_greedy_output_is_the_same_at_every_concurrency_with_and_without_speculation(
         default_model_dir: Path, tmp_path: Path, dtype: str) -> None:
     options = StackConfig(default_model_dir, dtype=dtype, num_workers=1, max_num_seqs=CONCURRENCY,
-                          scheduler_args=("--num-speculative-tokens", "6", "--spec-disable-batch-threshold", "16"))
+                          scheduler_args=("--num-speculative-tokens", "6", "--spec-disable-batch-threshold", "16"),
+                          speculation_policy="fixed")
     with running_stack(options, tmp_path) as stack:
         requests = _requests(default_model_dir)
         alone = [stack.generate(r, timeout_s=300).token_ids for r in requests]

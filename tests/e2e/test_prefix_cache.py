@@ -93,7 +93,7 @@ def test_greedy_answers_are_the_same_with_and_without_the_prefix_cache_speculati
     pool_gib = POOL_PAGES * page_bytes(ModelConfig.from_folder(default_model_dir), DEFAULT_PAGE_SIZE, getattr(torch, dtype)) / 2**30
     crowded = StackConfig(default_model_dir, dtype=dtype, kv_cache_memory_gib=pool_gib, max_num_seqs=CONCURRENCY,
                           draft=DraftSpec.parse(f"phrases:{default_draft_dir()}", flag="--draft"), num_speculative_tokens=6,
-                          spec_disable_batch_threshold=16)
+                          spec_disable_batch_threshold=16, speculation_policy="fixed")
     with running_stack(crowded, tmp_path / "crowded") as stack:
         got_first = _concurrently(stack, first)
         got_second = _concurrently(stack, second)

@@ -205,7 +205,8 @@ def test_killing_the_draft_service_mid_run_fails_no_request_and_changes_no_token
     default_model_dir: Path, tmp_path: Path,
 ) -> None:
     options = StackConfig(default_model_dir, dtype="float32", num_workers=1, max_num_seqs=8, max_model_len=512,
-                          scheduler_args=FAST_FAILURE, draft=DraftSpec(DraftKind.NGRAM))
+                          scheduler_args=FAST_FAILURE, draft=DraftSpec(DraftKind.NGRAM),
+                          speculation_policy="fixed")
     stack = Stack(options, tmp_path)
     try:
         stack.start()

@@ -80,7 +80,8 @@ def truncated_draft(default_model_dir: Path, tmp_path_factory: pytest.TempPathFa
 @pytest.fixture(scope="module")
 def spec_stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     options = StackConfig(default_model_dir, dtype="float32", num_workers=1, max_num_seqs=8,
-                          scheduler_args=("--num-speculative-tokens", "4", "--spec-disable-batch-threshold", "4"))
+                          scheduler_args=("--num-speculative-tokens", "4", "--spec-disable-batch-threshold", "4"),
+                          speculation_policy="fixed")
     with running_stack(options, tmp_path_factory.mktemp("spec_stack")) as stack:
         yield stack
 
@@ -148,7 +149,8 @@ def test_greedy_is_lossless_in_bfloat16_and_with_the_shipped_drafts(default_mode
     `specserve distill`): its phrases (what `--draft default` runs) and its EAGLE head, which reads the target's
     features through the scheduler, must agree far more often than chance, and change nothing."""
     options = StackConfig(default_model_dir, dtype="bfloat16", num_workers=1, max_num_seqs=8,
-                          scheduler_args=("--num-speculative-tokens", "6", "--spec-disable-batch-threshold", "4"))
+                          scheduler_args=("--num-speculative-tokens", "6", "--spec-disable-batch-threshold", "4"),
+                          speculation_policy="fixed")
     (tmp_path / "logs").mkdir()
     with running_stack(options, tmp_path / "logs") as stack:
         ids = prompt_ids(Tokenizer.load(default_model_dir))

@@ -68,11 +68,13 @@ def scheduler() -> Iterator[FakeScheduler]:
     fake.close()
 
 
-def _start_worker(model: Path, address: str, tmp_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def _start_worker(model: Path, address: str, tmp_path: Path, env: dict[str, str] | None = None,
+                  args: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
     log = (tmp_path / "worker.log").open("wb")
     return subprocess.Popen([sys.executable, "-m", "gpu_worker", "--model", str(model), "--scheduler-address", address,
                              "--dtype", "float32", "--kv-cache-memory", "0.01", "--max-model-len", "256",
-                             "--max-num-batched-tokens", "64", "--status-file", str(tmp_path / "status"), "--insecure-loopback"],
+                             "--max-num-batched-tokens", "64", "--status-file", str(tmp_path / "status"), "--insecure-loopback",
+                             *args],
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
 
@@ -92,8 +94,13 @@ def test_phases_refusal_before_ready_and_steps_after(default_model_dir: Path, sc
             message = scheduler.receive(msgspec.Struct)
             if isinstance(message, m.LifecycleReport):
                 states.append(message.state)
-                # On the native kernels its steps are batch invariant: the hello's draft limit stands.
-                assert message.max_draft_tokens is None or os.environ.get("SPECSERVE_NATIVE_OPS") == "0"
+                # Whatever its kernels, the hello's draft limit stands (only --require-batch-invariance lowers it).
+                assert message.max_draft_tokens is None
+                if message.state == "READY":
+                    assert message.batch_invariant == (os.environ.get("SPECSERVE_NATIVE_OPS") != "0")
+                    # Its warm-up steps, timed: one sequence and several, decoding and verifying.
+                    assert {t.decode_rows for t in message.step_timings} >= {1, 9}
+                    assert all(t.duration_ms > 0 for t in message.step_timings)
             elif isinstance(message, m.StepRefused):
                 refused = message
             elif isinstance(message, m.StepResult):
@@ -127,17 +134,23 @@ def test_phases_refusal_before_ready_and_steps_after(default_model_dir: Path, sc
             worker.wait()
 
 
+@pytest.mark.parametrize("required", [False, True])
 def test_a_worker_whose_steps_are_not_batch_invariant_says_so_at_ready(default_model_dir: Path, scheduler: FakeScheduler,
-                                                                      tmp_path: Path) -> None:
-    """On torch's library matmuls a verify row may round differently from its decode step: no speculation."""
-    worker = _start_worker(default_model_dir, scheduler.address, tmp_path, env={"SPECSERVE_NATIVE_OPS": "0"})
+                                                                      tmp_path: Path, required: bool) -> None:
+    """On torch's library matmuls a verify row may round differently from its decode step: the worker says so, and
+    verifies drafts (lossless in distribution) unless told --require-batch-invariance, when it takes none."""
+    worker = _start_worker(default_model_dir, scheduler.address, tmp_path, env={"SPECSERVE_NATIVE_OPS": "0"},
+                           args=("--require-batch-invariance",) if required else ())
     try:
         hello = scheduler.receive(m.WorkerHello)
         assert isinstance(hello, m.WorkerHello) and hello.max_draft_tokens > 0
         while (report := scheduler.receive(m.LifecycleReport)).state != "READY":  # type: ignore[attr-defined]
             assert report.max_draft_tokens is None  # type: ignore[attr-defined]
-        assert report.max_draft_tokens == 0  # type: ignore[attr-defined]
-        assert "speculation.off" in (tmp_path / "worker.log").read_text()
+        assert report.batch_invariant is False  # type: ignore[attr-defined]
+        assert report.max_draft_tokens == (0 if required else None)  # type: ignore[attr-defined]
+        log = (tmp_path / "worker.log").read_text()
+        assert ("speculation.off" in log) == required
+        assert ("steps.not_batch_invariant" in log) == (not required)
         scheduler.send(m.Drain(hello.incarnation))
         assert worker.wait(30) == EXIT_DISMISSED
     finally:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 import msgspec
@@ -64,6 +64,9 @@ def make_config(**overrides: object) -> SchedulerConfig:
         no_worker_timeout_s=10.0,
         heartbeat_timeout_s=5.0,
         step_timeout_s=30.0,
+        # Most tests script what a draft proposes and how it is verified: every step that may speculate does. The
+        # goodput policy's tests ask for it.
+        speculation_policy="fixed",
     )
     return replace(config, **overrides)  # type: ignore[arg-type]
 
@@ -191,6 +194,10 @@ class FakeWorker:
         self._num_seen = 0
         self._answered_step_ids: set[int] = set()
         self.last_outputs: list[m.SeqOutput] = []
+        # What each step says it took (the scheduler fits its cost model to these): 3 ms whatever it computes, unless a
+        # test says otherwise.
+        self.step_ms: Callable[[m.StepRequest], float] = lambda step: 3.0
+        self.warm_up_timings: list[m.StepTiming] = []  # what its READY report says its warm-up steps took
 
     @property
     def worker_id(self) -> str:
@@ -207,7 +214,8 @@ class FakeWorker:
 
     def report(self, state: State) -> bool:
         previous, self.state = self.state, state
-        return self.send(m.LifecycleReport(self.worker_id, self.incarnation, state, previous, 0.25))
+        timings = self.warm_up_timings if state is State.READY else []
+        return self.send(m.LifecycleReport(self.worker_id, self.incarnation, state, previous, 0.25, step_timings=timings))
 
     def start(self, until: State = State.READY) -> FakeWorker:
         """Hello, then the lifecycle reports in order up to `until` (STARTING: hello only)."""
@@ -277,7 +285,7 @@ class FakeWorker:
                 num_standing += accepted
             if step.return_features:  # like the real worker: every position of the step that stands
                 features.append(m.SeqFeatures(seq.request_id, fake_features(seq.start_position, num_standing)))
-        return self.send(m.StepResult(self.worker_id, self.incarnation, step.step_id, outputs, duration_ms=3.0,
+        return self.send(m.StepResult(self.worker_id, self.incarnation, step.step_id, outputs, duration_ms=self.step_ms(step),
                                       features=features, prompt_logprobs=scored))
 
     def run(self, scripts: Mapping[str, Sequence[int]] | None = None, max_steps: int = 200,

@@ -104,10 +104,13 @@ def test_the_largest_messages_to_a_gateway_fit_its_socket() -> None:
         process_id=text(m.MAX_NAME_CHARS), role="target", state=LONGEST_STATE, incarnation=BIG, heartbeat_age_s=1e300,
         num_used_kv_pages=BIG, num_kv_pages=BIG, kv_page_size=BIG, num_running=BIG, failure=text(m.MAX_REASON_CHARS),
         protocol_errors=error_counts(), num_cached_kv_pages=BIG, prefix_cache_queried_tokens=BIG,
-        prefix_cache_hit_tokens=BIG, num_preemptions=BIG, kernels=text(m.MAX_KERNELS_CHARS))
+        prefix_cache_hit_tokens=BIG, num_preemptions=BIG, kernels=text(m.MAX_KERNELS_CHARS), batch_invariant=True,
+        step_ms_per_row_by_range=[1e300] * 3)
     by_position = {k: BIG for k in range(num_tokens)}
+    sources = {name: m.SourceAcceptance(BIG, BIG, BIG, [1e300] * m.MAX_DRAFT_TOKENS) for name in m.PROPOSAL_SOURCES}
     speculation = m.SpeculationInfo(BIG, BIG, BIG, BIG, 1e300, 1e300, steps_by_k=by_position,
-                                    proposed_by_position=by_position, accepted_by_position=by_position)
+                                    proposed_by_position=by_position, accepted_by_position=by_position,
+                                    sources=sources, policy=text(m.MAX_NAME_CHARS))
     info = m.InfoReply(BIG, text(m.MAX_NAME_CHARS), BIG, BIG, BIG, [process] * m.MAX_LISTED_PROCESSES, speculation,
                        protocol_errors=error_counts(), num_gateways=BIG, num_gone_gateways=BIG, num_orphaned_requests=BIG)
     largest = max(fits(m.TokenDeltas([delta] * m.MAX_DELTAS_PER_FRAME), bound), fits(info, bound))

@@ -32,10 +32,12 @@ def test_scheduler_figures_come_from_the_info_reply() -> None:
         m.ProcessInfo("worker-0", "target", State.READY, 1, 0.2, 6, 8, 16, 5, "", num_cached_kv_pages=2,
                       prefix_cache_queried_tokens=100, prefix_cache_hit_tokens=64, num_preemptions=3,
                       kernels="native (linear kernel: avx2)", num_costed_steps=40, step_fixed_ms=9.5,
-                      step_ms_per_row=0.5, step_cost_error_ms=0.25),
+                      step_ms_per_row=0.5, step_cost_error_ms=0.25, batch_invariant=False, step_predicted_ms=10.5,
+                      step_measured_ms=11.0),
         m.ProcessInfo("draft-0", "draft", State.FAILED, 1, 4.0, 0, 64, 16, 0, "LOADING: OSError"),
     ], speculation=m.SpeculationInfo(10, 4, 3, 20, 0.4, 4 / 3, {0: 20, 6: 3}, proposed_by_position={0: 3, 1: 3},
-                                     accepted_by_position={0: 2, 1: 1}, propose_ms=1.5, propose_wait_ms=2.5))
+                                     accepted_by_position={0: 2, 1: 1}, propose_ms=1.5, propose_wait_ms=2.5,
+                                     sources={"lookup": m.SourceAcceptance(2, 8, 6, [0.75, 0.5])}, policy="goodput"))
     got = samples(GatewayMetrics().exposition(info))
     worker = (("process_id", "worker-0"),)
     assert [got[("specserve_kv_pages", (*worker, ("use", use)))] for use in ("used", "cached", "free")] == [6, 2, 2]
@@ -57,6 +59,13 @@ def test_scheduler_figures_come_from_the_info_reply() -> None:
     assert got[("specserve_propose_ms", (("part", "wait"),))] == 2.5
     assert got[("specserve_step_cost", (*worker, ("term", "error_ms")))] == 0.25
     assert ("specserve_step_cost", (("process_id", "draft-0"), ("term", "fixed_ms"))) not in got
+    assert got[("specserve_step_cost", (*worker, ("term", "predicted_ms")))] == 10.5
+    assert got[("specserve_step_cost", (*worker, ("term", "measured_ms")))] == 11.0
+    assert got[("specserve_batch_invariant", worker)] == 0
+    assert ("specserve_batch_invariant", (("process_id", "draft-0"),)) not in got  # a draft says nothing of it
+    assert got[("specserve_source_draft_tokens_total", (("source", "lookup"),))] == 8
+    assert got[("specserve_source_accepted_draft_tokens_total", (("source", "lookup"),))] == 6
+    assert got[("specserve_source_acceptance", (("position", "1"), ("source", "lookup")))] == 0.5
 
 
 def test_every_process_dropped_message_is_exported_by_process_and_kind() -> None:

@@ -70,6 +70,7 @@ def ready_target(state: str = "READY") -> m.ProcessInfo:
         failure="",
         protocol_errors={"decode": 1},  # in /metrics only: GetServerInfo has no field for it
         kernels="native (linear kernel: avx2; 120 weights from q4_1 blocks)",
+        batch_invariant=True,
     )
 
 

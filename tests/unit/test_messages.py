@@ -59,6 +59,8 @@ WORKER_TO_SCHEDULER: list[msgspec.Struct] = [
     m.WorkerHello("w0", "target", 2, m.PROTOCOL_VERSION, 4242, "SmolLM2-135M-Instruct", "fp-1", 49152, 2048, 4096, 16, "bfloat16", "cuda:0"),
     m.LifecycleReport("w0", 2, State.LOADING, State.STARTING, 0.125),
     m.LifecycleReport("w0", 2, State.READY, State.WARMING, 2.5, max_draft_tokens=0, kernels="torch (turned off by SPECSERVE_NATIVE_OPS=0)"),
+    m.LifecycleReport("w0", 2, State.READY, State.WARMING, 2.5, kernels="native", batch_invariant=True,
+                      step_timings=[m.StepTiming(9, 0, 45, 12.5)]),
     m.WorkerFailed("w0", 2, State.LOADING, "OSError", "model.safetensors: no such file"),
     m.Heartbeat("w0", 2, State.READY, 3, 118),
     m.StepResult("w0", 2, 4, [m.SeqOutput("r-1", [42]), m.SeqOutput("r-2", [9, 8, 13], accepted_nodes=[0, 1])], 12.5),
@@ -67,6 +69,7 @@ WORKER_TO_SCHEDULER: list[msgspec.Struct] = [
         m.Proposal("r-1", 4, [5, 6, 7, 8]),
         m.Proposal("r-2", 10, [9], [m.SparseDist([9, 3], [0.5, 0.5])]),
         m.Proposal("r-3", 0, []),
+        m.Proposal("r-4", 3, [1, 2, 3], parents=[-1, -1, 0], source="phrases"),
     ], 1.5),
     m.ProposeRefused("d0", 9, 3, State.LOADING, "not READY"),
 ]

@@ -14,7 +14,7 @@ from proto.lifecycle import State
 from scheduler.batching import ScheduledSeq
 from scheduler.requests import Request
 from scheduler.speculation.link import proposal_problem
-from scheduler.speculation.policy import SpecLimits, speculation_plan
+from scheduler.speculation.policy import SpecLimits, draft_caps
 from tests.unit.scheduler_fakes import EOS, FINGERPRINT, FakeDraft, FakeWorker, Sim, assert_all_free, prompt
 
 SCRIPT = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
@@ -345,14 +345,14 @@ def test_what_a_proposal_costs_is_averaged_over_its_answers() -> None:
     from scheduler.speculation.counters import SpecCounters
 
     counters = SpecCounters()
-    counters.proposed(4.0, 6.0)  # the first answer counts in full
+    counters.proposed(4.0, 6.0, 4)  # the first answer counts in full
     assert (counters.propose_ms, counters.propose_wait_ms) == (4.0, 6.0)
-    counters.proposed(8.0, 10.0)
+    counters.proposed(8.0, 10.0, 4)
     assert (counters.propose_ms, counters.propose_wait_ms) == (6.0, 8.0)
     for _ in range(200):
-        counters.proposed(2.0, 3.0)
+        counters.proposed(2.0, 3.0, 4)
     assert counters.propose_ms == pytest.approx(2.0, abs=1e-3) and counters.propose_wait_ms == pytest.approx(3.0, abs=1e-3)
-    counters.proposed(float("nan"), 1.0)  # a clock that cannot be believed
+    counters.proposed(float("nan"), 1.0, 4)  # a clock that cannot be believed
     assert counters.num_proposals == 202
     spec = counters.info()
     assert (spec.propose_ms, spec.propose_wait_ms) == (2.0, 3.0)
@@ -383,19 +383,19 @@ LIMITS = SpecLimits(num_speculative_tokens=4, spec_disable_batch_threshold=4, sp
 
 def test_policy_speculates_only_up_to_the_threshold() -> None:
     plan = [ScheduledSeq(request(f"r{i}", 1), 1) for i in range(5)]
-    assert speculation_plan(plan[:4], LIMITS) == {f"r{i}": 4 for i in range(4)}
-    assert speculation_plan(plan, LIMITS) == {}
+    assert draft_caps(plan[:4], LIMITS) == {f"r{i}": 4 for i in range(4)}
+    assert draft_caps(plan, LIMITS) == {}
 
 
 def test_policy_shares_the_draft_token_budget_evenly_and_decodes_plainly_when_it_gives_less_than_one() -> None:
     plan = [ScheduledSeq(request(f"r{i}", 1), 1) for i in range(16)]
     wide = SpecLimits(6, 16, spec_draft_token_budget=32, max_num_batched_tokens=512, max_model_len=64)
-    assert speculation_plan(plan[:5], wide) == {f"r{i}": 6 for i in range(5)}  # 32 // 5 = 6: k itself
-    assert speculation_plan(plan[:8], wide) == {f"r{i}": 4 for i in range(8)}
-    assert speculation_plan(plan, wide) == {f"r{i}": 2 for i in range(16)}
+    assert draft_caps(plan[:5], wide) == {f"r{i}": 6 for i in range(5)}  # 32 // 5 = 6: k itself
+    assert draft_caps(plan[:8], wide) == {f"r{i}": 4 for i in range(8)}
+    assert draft_caps(plan, wide) == {f"r{i}": 2 for i in range(16)}
     scarce = SpecLimits(6, 16, spec_draft_token_budget=12, max_num_batched_tokens=512, max_model_len=64)
-    assert speculation_plan(plan[:12], scarce) == {f"r{i}": 1 for i in range(12)}
-    assert speculation_plan(plan[:13], scarce) == {}  # 12 // 13 = 0 each
+    assert draft_caps(plan[:12], scarce) == {f"r{i}": 1 for i in range(12)}
+    assert draft_caps(plan[:13], scarce) == {}  # 12 // 13 = 0 each
 
 
 def test_policy_leaves_prefill_chunks_alone_and_respects_budget_and_context() -> None:
@@ -403,9 +403,9 @@ def test_policy_leaves_prefill_chunks_alone_and_respects_budget_and_context() ->
     prefill.num_computed_tokens = 0
     plan = [ScheduledSeq(request("a", 1), 1), ScheduledSeq(prefill, 5)]
     tight = SpecLimits(4, 4, 32, max_num_batched_tokens=8, max_model_len=64)
-    assert speculation_plan(plan, tight) == {"a": 2}  # 8 - 6 tokens planned
+    assert draft_caps(plan, tight) == {"a": 2}  # 8 - 6 tokens planned
     near_end = request("z", 55, num_prompt=6)  # 61 of 64 tokens
-    assert speculation_plan([ScheduledSeq(near_end, 1)], LIMITS) == {"z": 2}
+    assert draft_caps([ScheduledSeq(near_end, 1)], LIMITS) == {"z": 2}
 
 
 def test_proposal_problems_are_named() -> None:

@@ -7,12 +7,18 @@ import random
 
 import pytest
 
-from scheduler.speculation.cost import MIN_STEPS, StepCostModel, StepShape, step_shape
+from common.step_shape import StepShape, row_terms, step_shape
+from scheduler.speculation.cost import MIN_STEPS, StepCostModel
 from tests.unit.scheduler_fakes import Sim
 
 
-def true_ms(shape: StepShape, fixed: float, per_row: float, per_prefill: float, per_kilo: float) -> float:
-    return fixed + per_row * shape.decode_rows + per_prefill * shape.prefill_tokens + per_kilo * shape.attended / 1000
+CURVE = (8.0, 0.2, 0.9, 1.5, 0.25, 0.04)  # fixed; ms a row up to 8, from 9 to 32, beyond; a prefill token; 1000 positions
+
+
+def true_ms(shape: StepShape, fixed: float, low: float, middle: float, high: float, per_prefill: float,
+            per_kilo: float) -> float:
+    rows = sum(slope * part for slope, part in zip((low, middle, high), row_terms(shape.decode_rows)))
+    return fixed + rows + per_prefill * shape.prefill_tokens + per_kilo * shape.attended / 1000
 
 
 def random_shape(rng: random.Random) -> StepShape:
@@ -32,7 +38,7 @@ def test_a_steps_shape_counts_decode_rows_prefill_tokens_and_attended_positions(
 def test_the_fit_recovers_the_curve_it_is_fed_and_predicts_nothing_before_it_has_seen_enough() -> None:
     rng = random.Random(3)
     model = StepCostModel()
-    curve = (8.0, 0.9, 0.25, 0.04)
+    curve = CURVE
     for index in range(200):
         shape = random_shape(rng)
         if index < MIN_STEPS:
@@ -53,12 +59,12 @@ def test_the_fit_follows_a_machine_that_slows_down() -> None:
     model = StepCostModel()
     for _ in range(150):
         shape = random_shape(rng)
-        model.observe(shape, true_ms(shape, 8.0, 0.9, 0.25, 0.04))
+        model.observe(shape, true_ms(shape, *CURVE))
     for _ in range(150):
         shape = random_shape(rng)
-        model.observe(shape, true_ms(shape, 8.0, 0.9, 0.25, 0.04) * 2)
+        model.observe(shape, true_ms(shape, *CURVE) * 2)
     shape = step_shape([(1, 2, 300)] * 8)
-    assert model.predict_ms(shape) == pytest.approx(2 * true_ms(shape, 8.0, 0.9, 0.25, 0.04), rel=0.05)
+    assert model.predict_ms(shape) == pytest.approx(2 * true_ms(shape, *CURVE), rel=0.05)
 
 
 def test_a_clock_that_cannot_be_believed_is_ignored() -> None:
@@ -91,3 +97,16 @@ def test_no_part_of_a_step_is_fitted_as_making_it_faster() -> None:
         model.observe(shape, (5.0 + 0.01 * shape.attended / 1000 - 0.3 * shape.decode_rows) * rng.uniform(0.9, 1.1))
     fitted = model.coefficients()
     assert fitted is not None and min(fitted) >= 0.0
+
+
+def test_a_verify_steps_few_rows_are_priced_where_the_step_stands_on_the_curve() -> None:
+    """Rows nearly free up to 8 (a step bound by reading the weights), dear beyond: one line through every step would
+    price a single sequence's drafts at what rows cost in a step of 64."""
+    rng = random.Random(6)
+    model = StepCostModel()
+    for _ in range(300):
+        model.observe(shape := random_shape(rng), true_ms(shape, *CURVE))
+    assert model.row_ms(1, 6) == pytest.approx(0.2, rel=0.15)  # one sequence verifying 6 drafts
+    assert model.row_ms(40, 24) == pytest.approx(1.5, rel=0.15)  # a step of 40 rows taking 24 more
+    assert model.row_ms(4, 8) == pytest.approx((4 * 0.2 + 4 * 0.9) / 8, rel=0.15)  # across the first knot
+    assert model.extra_ms(6, 1000, 0.2) == pytest.approx(6 * 0.2 + CURVE[5] * (6 * 1000 + 27) / 1000, rel=0.15)

@@ -1,0 +1,190 @@
+"""How often drafts are accepted, learned from verify steps: the gain side of the speculation decision.
+
+For each draft position i (a chain's i-th token; a tree's depth i below the sequence's last
+token) the rate is how often a token there was accepted given that the tokens before it
+were: accepted[i] / reached[i], where a verify step *reached* position i when it proposed
+something there and accepted everything before it. A proposal of k positions then brings
+
+    E(k) = sum over j < k of (rate[0] * ... * rate[j])
+
+accepted tokens, besides the one token every step makes.
+
+Rates are kept per proposer source ("lookup", "phrases", "head", "model", as the draft
+service names its proposals) for the whole server, and per request: a request starts at the
+server's rates for the source, worth PRIOR_STEPS verify steps of its own, then follows its
+own steps. The policy reads an optimistic rate (the mean plus one standard error), so a
+request with little history is tried, and one whose drafts were rejected is tried again
+after a while: its own record fades with every step that offered it nothing (FADE), back
+toward the server's rates, and the server's records fade with every decode step without
+drafts (FADE_SERVER), back toward 1/2, so that a server that stopped speculating tries again.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from proto import messages as m
+
+FORGET_SERVER = 0.995  # per verify step of a source: about its last 200 count server-wide
+FORGET_REQUEST = 0.9  # per verify step of a request: about its last 10 count
+FADE = 0.9  # per decode step of a request without drafts: its record weighs this much less
+FADE_SERVER = 0.99  # per decode step without drafts, of any request: the server's records weigh this much less
+PRIOR_STEPS = 1.0  # what the server's rates weigh in a request's, in verify steps
+ANY = ""  # the record over all sources (what the plan, made before the proposal, reads)
+GRAMMAR = "grammar"  # tokens a request's grammar forces: always accepted, counted apart, never in ANY
+
+
+@dataclass
+class PositionRates:
+    """Weighted counts per draft position: steps that reached it, and of those, steps that accepted its token."""
+
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def observe(self, depth: int, num_accepted: int, forget: float) -> None:
+        """A verify step that proposed `depth` positions and accepted the first `num_accepted`."""
+        self.scale(forget)
+        while len(self.reached) < depth:
+            self.reached.append(0.0)
+            self.accepted.append(0.0)
+        for position in range(min(depth, num_accepted + 1)):
+            self.reached[position] += 1.0
+            if position < num_accepted:
+                self.accepted[position] += 1.0
+
+    def scale(self, factor: float) -> None:
+        self.reached = [value * factor for value in self.reached]
+        self.accepted = [value * factor for value in self.accepted]
+
+    def weight(self, position: int) -> float:
+        return self.reached[position] if position < len(self.reached) else 0.0
+
+    def mean(self, position: int, prior: float, prior_weight: float) -> float:
+        """The rate at `position`: its own counts, with `prior_weight` steps at the `prior` rate."""
+        reached = self.weight(position)
+        accepted = self.accepted[position] if position < len(self.accepted) else 0.0
+        return (accepted + prior_weight * prior) / (reached + prior_weight)
+
+    @property
+    def num_steps(self) -> float:
+        return self.reached[0] if self.reached else 0.0
+
+
+def optimistic(mean: float, weight: float) -> float:
+    """The mean plus one standard error of a rate measured over `weight` steps (at most 1)."""
+    return min(1.0, mean + math.sqrt(mean * (1.0 - mean) / (weight + 1.0)))
+
+
+def expected_accepted(rates: list[float]) -> list[float]:
+    """E(k) for k = 0 .. len(rates): the tokens a proposal of k positions brings, given each position's rate."""
+    expected = [0.0]
+    chance = 1.0
+    for rate in rates:
+        chance *= rate
+        expected.append(expected[-1] + chance)
+    return expected
+
+
+class ServerAcceptance:
+    """Every source's rates server-wide (the start of each request's), and the counts shown in GetServerInfo."""
+
+    def __init__(self) -> None:
+        self.by_source: dict[str, PositionRates] = {ANY: PositionRates()}
+        # A token tree's nodes, per source: how often node i (in the order proposed) was on the accepted branch, of the
+        # trees that had an i-th node (its `reached` counts those trees, its `accepted` those that accepted it).
+        self.by_node: dict[str, PositionRates] = {}
+        self.num_verify_steps: dict[str, int] = {}
+        self.num_draft_tokens: dict[str, int] = {}
+        self.num_accepted: dict[str, int] = {}
+
+    def observe(self, source: str, depth: int, num_drafts: int, num_accepted: int) -> None:
+        if source not in m.PROPOSAL_SOURCES:  # a draft service's word: kept among a few names, however many it says
+            source = "other"
+        for key in {source} if source == GRAMMAR else {source, ANY}:
+            self.by_source.setdefault(key, PositionRates()).observe(depth, num_accepted, FORGET_SERVER)
+        self.num_verify_steps[source] = self.num_verify_steps.get(source, 0) + 1
+        self.num_draft_tokens[source] = self.num_draft_tokens.get(source, 0) + num_drafts
+        self.num_accepted[source] = self.num_accepted.get(source, 0) + num_accepted
+
+    def info(self, max_positions: int) -> dict[str, m.SourceAcceptance]:
+        return {source: m.SourceAcceptance(
+            num_verify_steps=count, num_draft_tokens=self.num_draft_tokens[source],
+            num_accepted_draft_tokens=self.num_accepted[source],
+            recent_rates=[round(self.by_source[source].mean(i, 0.0, 0.0), 4)
+                          for i in range(min(max_positions, len(self.by_source[source].reached)))
+                          if self.by_source[source].weight(i) > 0.0],
+        ) for source, count in sorted(self.num_verify_steps.items())}
+
+    def observe_tree(self, source: str, num_nodes: int, accepted_nodes: list[int]) -> None:
+        """A token tree of `num_nodes` nodes whose branch `accepted_nodes` was accepted."""
+        if source not in m.PROPOSAL_SOURCES:
+            source = "other"
+        rates = self.by_node.setdefault(source, PositionRates())
+        rates.scale(FORGET_SERVER)
+        while len(rates.reached) < num_nodes:
+            rates.reached.append(0.0)
+            rates.accepted.append(0.0)
+        on_branch = set(accepted_nodes)
+        for node in range(num_nodes):
+            rates.reached[node] += 1.0
+            if node in on_branch:
+                rates.accepted[node] += 1.0
+
+    def node_chances(self, source: str, num_nodes: int) -> list[float]:
+        """How likely each of a tree's first `num_nodes` nodes is to be accepted, from `source`'s recent trees (a node
+        index no tree had yet: as likely as the first node's depth allows, halved at each step down)."""
+        rates = self.by_node.get(source) or PositionRates()
+        first = self.rate(source, 0)
+        return [rates.mean(node, first / 2 ** node, 1.0) for node in range(num_nodes)]
+
+    def fade(self) -> None:
+        """A decode step without drafts: where nobody speculates, the rates drift back to 1/2, so it is tried again."""
+        for rates in (*self.by_source.values(), *self.by_node.values()):
+            rates.scale(FADE_SERVER)
+
+    def rate(self, source: str, position: int) -> float:
+        """The server's rate at `position` for `source` (its overall one for a source it has not seen; 1/2 before any
+        verify step)."""
+        rates = self.by_source.get(source)
+        if rates is None or rates.weight(position) == 0.0:
+            rates = self.by_source[ANY]
+        return rates.mean(position, 0.5, 1.0)
+
+    def rates(self, source: str, num_positions: int) -> list[float]:
+        return [self.rate(source, position) for position in range(num_positions)]
+
+
+@dataclass
+class RequestAcceptance:
+    """One request's rates per source (and over all of them, ANY)."""
+
+    by_source: dict[str, PositionRates] = field(default_factory=dict)
+
+    def observe(self, source: str, depth: int, num_accepted: int) -> None:
+        for key in {source, ANY}:
+            self.by_source.setdefault(key, PositionRates()).observe(depth, num_accepted, FORGET_REQUEST)
+
+    def fade(self) -> None:
+        """A decode step that offered it no draft: what it showed weighs less, so it is tried again in time."""
+        for rates in self.by_source.values():
+            rates.scale(FADE)
+
+    def tree_gains(self, source: str, num_nodes: int, server: ServerAcceptance) -> list[float]:
+        """The tokens a tree from `source` is expected to bring with its first n nodes, n = 0 .. num_nodes: the sum of
+        their chances server-wide, scaled by how this request's first draft token fares against the server's."""
+        scale = self.rates(source, 1, server)[0] / max(server.rate(source, 0), 1e-3)
+        gains = [0.0]
+        for chance in server.node_chances(source, num_nodes):
+            gains.append(gains[-1] + min(1.0, chance * scale))
+        return gains
+
+    def rates(self, source: str, num_positions: int, server: ServerAcceptance) -> list[float]:
+        """The optimistic rate at each of the first `num_positions` positions, for drafts from `source` (ANY: from
+        whichever source serves it next)."""
+        own = self.by_source.get(source) or PositionRates()
+        result = []
+        for position in range(num_positions):
+            mean = own.mean(position, server.rate(source, position), PRIOR_STEPS)
+            result.append(optimistic(mean, own.weight(position)))
+        return result

@@ -1,0 +1,168 @@
+"""The goodput policy: each step speculates as far as the measured step cost and acceptance say pays, and no further.
+
+Pure logic first (best_drafts, the acceptance records), then the whole scheduler with a
+fake target whose step time depends on the rows it computes, and a fake draft whose
+proposals are right or wrong as the test says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from proto import messages as m
+from scheduler.speculation.acceptance import ANY, RequestAcceptance, ServerAcceptance, expected_accepted
+from scheduler.speculation.policy import DraftOption, best_drafts
+from tests.unit.scheduler_fakes import FakeDraft, FakeWorker, Sim, prompt
+
+SCRIPT = list(range(11, 11 + 200))
+
+
+def option(key: str, rate: float, k: int, per_row_ms: float) -> DraftOption:
+    return DraftOption(key, expected_accepted([rate] * k), [per_row_ms * n for n in range(k + 1)])
+
+
+# ---------------------------------------------------------------- the choice
+
+
+def test_dear_rows_get_no_drafts_and_cheap_rows_get_every_draft() -> None:
+    """A plain step of 4 sequences takes 10 ms. Rows that cost as much as a whole step never pay, even for drafts
+    accepted 90% of the time; rows at 0.1 ms pay for all 6."""
+    no_wait = lambda ks: 0.0  # noqa: E731
+    dear = [option(f"r{i}", 0.9, 6, 10.0) for i in range(4)]
+    assert best_drafts(dear, 4, 10.0, no_wait) == {}
+    cheap = [option(f"r{i}", 0.9, 6, 0.1) for i in range(4)]
+    assert best_drafts(cheap, 4, 10.0, no_wait) == {f"r{i}": 6 for i in range(4)}
+
+
+def test_k_follows_acceptance_and_the_wait_for_proposals_can_make_plain_decoding_best() -> None:
+    """With rows at 1 ms against a 10 ms step, a request whose drafts are accepted 90% of the time gets more of them
+    than one at 50%, and one at 5% none; a wait of 30 ms for the proposal outweighs what any of them brings."""
+    options = [option("good", 0.9, 6, 1.0), option("fair", 0.5, 6, 1.0), option("poor", 0.05, 6, 1.0)]
+    ks = best_drafts(options, 3, 10.0, lambda ks: 2.0)
+    assert "poor" not in ks and ks["good"] > ks.get("fair", 0) >= 1
+    assert best_drafts(options, 3, 10.0, lambda ks: 30.0) == {}
+
+
+def test_the_answer_maximises_tokens_per_ms_over_every_choice() -> None:
+    """Against brute force over every combination of k for three sequences."""
+    options = [option("a", 0.8, 4, 1.5), option("b", 0.6, 4, 0.7), option("c", 0.3, 4, 2.0)]
+    wait = lambda ks: 1.0 + 0.2 * max(ks.values())  # noqa: E731
+
+    def rate(ks: dict[str, int]) -> float:
+        tokens = 3 + sum(o.gains[ks.get(o.key, 0)] for o in options)
+        ms = 12.0 + sum(o.extra_ms[ks.get(o.key, 0)] for o in options) + (wait(ks) if ks else 0.0)
+        return tokens / ms
+
+    best = max(({k: v for k, v in zip("abc", combo) if v} for combo in
+                [(x, y, z) for x in range(5) for y in range(5) for z in range(5)]), key=rate)
+    assert rate(best_drafts(options, 3, 12.0, wait)) == pytest.approx(rate(best), rel=0.01)
+
+
+def test_a_chain_brings_the_product_of_its_rates_and_a_tree_the_sum_of_its_nodes_chances() -> None:
+    assert expected_accepted([0.5, 0.5]) == [0.0, 0.5, 0.75]
+    server = ServerAcceptance()
+    for branch in ([0], [1], [0, 2], []):  # trees of 3 nodes: two guesses at depth 1, a third under the first
+        server.observe("phrases", 2, 3, len(branch))
+        server.observe_tree("phrases", 3, branch)
+    chances = server.node_chances("phrases", 4)
+    # (accepted + prior) / (trees + 1), the prior the first depth's rate (1/2 here) halved at each node; later trees
+    # weigh a little more.
+    assert chances[:3] == pytest.approx([(2 + 0.5) / 5, (1 + 0.25) / 5, (1 + 0.125) / 5], rel=0.1)
+    assert chances[3] < chances[0]  # a node no tree had: less likely than the first
+    gains = RequestAcceptance().tree_gains("phrases", 3, server)
+    assert gains[0] == 0 and gains[1] < gains[2] < gains[3]  # the second guess at depth 1 adds its own chance
+
+
+# ---------------------------------------------------------------- the records
+
+
+def test_a_request_starts_from_its_sources_server_rate_and_then_follows_its_own_drafts() -> None:
+    server = ServerAcceptance()
+    for _ in range(100):
+        server.observe("lookup", 4, 4, 4)  # lookup: everything accepted
+        server.observe("phrases", 4, 4, 0)  # phrases: nothing
+    request = RequestAcceptance()
+    assert request.rates("lookup", 2, server)[0] > 0.95
+    assert request.rates("phrases", 2, server)[0] < 0.5
+    for _ in range(10):
+        request.observe("lookup", 4, 0)  # this request's lookups are all wrong
+    assert request.rates("lookup", 1, server)[0] < 0.3
+    for _ in range(60):
+        request.fade()  # steps that offered it nothing: its own record fades back to the server's
+    assert request.rates("lookup", 1, server)[0] > 0.9
+
+
+def test_positions_are_rated_given_the_ones_before_them_and_unknown_sources_are_counted_as_other() -> None:
+    server = ServerAcceptance()
+    for accepted in (0, 1, 2, 3):  # each position reached by fewer steps
+        server.observe("lookup", 3, 3, accepted)
+    rates = server.rates("lookup", 3)
+    # Position 0: 3 of 4 accepted; position 1: 2 of the 3 that reached it; position 2: 1 of 2 (each with a 1/2 prior).
+    assert rates == pytest.approx([(3 + 0.5) / 5, (2 + 0.5) / 4, (1 + 0.5) / 3], rel=0.01)  # little forgotten yet
+    server.observe("anything a draft says", 1, 1, 1)
+    assert "other" in server.by_source and "anything a draft says" not in server.by_source
+    info = server.info(m.MAX_DRAFT_TOKENS)
+    assert info["lookup"].num_verify_steps == 4 and info["lookup"].num_accepted_draft_tokens == 6
+    assert ANY not in info
+
+
+# ---------------------------------------------------------------- the scheduler
+
+
+def setup(per_row_ms: float, **config: object) -> tuple[Sim, FakeWorker, FakeDraft]:
+    """A target whose step takes 10 ms plus per_row_ms for each row after a sequence's first (and says so of its
+    warm-up steps, as the real one does), and a draft."""
+    sim = Sim(speculation_policy="goodput", num_speculative_tokens=4, max_model_len=512, **config)
+    worker = sim.worker("w0", max_draft_tokens=8)
+    worker.step_ms = lambda step: 10.0 + per_row_ms * sum(len(seq.token_ids) - 1 for seq in step.seqs)
+    worker.warm_up_timings = [m.StepTiming(rows, 0, rows * 10, 10.0 + per_row_ms * (rows - 1)) for rows in (1, 5, 3, 1)]
+    worker.start()
+    draft = sim.draft("d0").start()
+    return sim, worker, draft
+
+
+def run(worker: FakeWorker, draft: FakeDraft, num_steps: int, right: Callable[[int], bool]) -> list[int]:
+    """Drive `num_steps` steps of request "a" (the target follows SCRIPT); the draft's proposal in step i is the script's
+    continuation where right(i), else wrong tokens. Returns the draft tokens each step verified."""
+    drafts = []
+    for index in range(num_steps):
+        done = len(worker.sim.streamed("a"))
+        if (asked := draft.pending_propose()) is not None:
+            k = asked.seqs[0].num_tokens
+            draft.answer({"a": SCRIPT[done: done + k] if right(index) else [t + 1000 for t in SCRIPT[done: done + k]]})
+        step = worker.pending_step()
+        if step is None:
+            break
+        drafts.append(sum(seq.num_draft_tokens for seq in step.seqs if seq.request_id == "a"))
+        worker.complete({"a": SCRIPT[done: done + 5]})
+    return drafts
+
+
+@pytest.mark.parametrize("per_row_ms", [100.0, 0.05])
+def test_a_worker_whose_rows_are_dear_gets_no_drafts_and_a_cheap_one_gets_full_k(per_row_ms: float) -> None:
+    """The same draft, right every other step: rows at 100 ms against a 10 ms step never pay for it once the first
+    tries have shown what it is worth; rows at 0.05 ms pay for all 4 draft tokens."""
+    sim, worker, draft = setup(per_row_ms)
+    sim.submit("a", prompt(3), max_tokens=150)
+    drafts = run(worker, draft, 40, lambda index: index % 2 == 0)
+    if per_row_ms > 1:
+        assert sum(drafts[10:]) == 0, drafts
+    else:
+        assert drafts[-10:] == [4] * 10, drafts
+        assert sim.info().speculation is not None and sim.info().speculation.steps_by_k.get(4, 0) >= 10
+    assert sim.streamed("a") == SCRIPT[: len(sim.streamed("a"))]
+
+
+def test_a_request_whose_drafts_are_rejected_stops_being_offered_them_then_recovers_when_they_are_accepted() -> None:
+    """Rows at 3 ms against a 10 ms step: a draft pays only where it is accepted a fair share of the time."""
+    sim, worker, draft = setup(3.0)
+    sim.submit("a", prompt(3), max_tokens=190)
+    wrong = run(worker, draft, 60, lambda index: False)
+    assert sum(1 for d in wrong[:5] if d) >= 1, "a new request is tried"
+    late = wrong[20:]
+    assert sum(1 for d in late if d) <= len(late) // 4, f"rejected drafts were still offered: {wrong}"
+    right = run(worker, draft, 100, lambda index: True)
+    assert sum(1 for d in right[-20:] if d) >= 18, f"accepted drafts were not offered again: {right}"
+    assert sim.streamed("a") == SCRIPT[: len(sim.streamed("a"))]
