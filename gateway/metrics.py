@@ -170,7 +170,7 @@ def _kv_cache_metrics(processes: list[messages.ProcessInfo]) -> Iterator[GaugeMe
                                     labels=["process_id"])
     cost = GaugeMetricFamily("specserve_step_cost", "A target's step time as the scheduler fits it: fixed_ms, "
                              "ms_per_row (decode or verify, up to 8 a step; ms_per_row_9_32, ms_per_row_over_32: "
-                             "beyond), ms_per_prefill_token, ms_per_kilo_context (attended "
+                             "beyond), ms_per_constrained_row (more under a grammar), ms_per_prefill_token, ms_per_kilo_context (attended "
                              "positions), error_ms (recent mean absolute error of the fit), predicted_ms and "
                              "measured_ms (recent means of the steps' predicted and measured times)",
                              labels=["process_id", "term"])
@@ -192,6 +192,7 @@ def _kv_cache_metrics(processes: list[messages.ProcessInfo]) -> Iterator[GaugeMe
                 slopes = dict(zip(("ms_per_row", "ms_per_row_9_32", "ms_per_row_over_32"),
                                   process.step_ms_per_row_by_range or [process.step_ms_per_row]))
                 for term, value in (("fixed_ms", process.step_fixed_ms), *slopes.items(),
+                                    ("ms_per_constrained_row", process.step_ms_per_constrained_row),
                                     ("ms_per_prefill_token", process.step_ms_per_prefill_token),
                                     ("ms_per_kilo_context", process.step_ms_per_kilo_context),
                                     ("error_ms", process.step_cost_error_ms),

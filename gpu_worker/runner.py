@@ -102,7 +102,7 @@ class ModelRunner:
         if self._config.process.device.startswith("cuda"):
             torch.cuda.synchronize()
         duration_ms = (time.perf_counter() - started) * 1000
-        shape = step_shape([(len(s.token_ids), 0, s.start) if s.start == 0 else (1, len(s.token_ids) - 1, s.start)
+        shape = step_shape([(len(s.token_ids), 0, s.start, False) if s.start == 0 else (1, len(s.token_ids) - 1, s.start, False)
                             for s in spans])
         return StepTiming(shape.decode_rows, shape.prefill_tokens, shape.attended, duration_ms)
 

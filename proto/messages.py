@@ -244,6 +244,7 @@ class ProcessInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     step_cost_error_ms: float = 0.0
     # Decode rows cost by how many a step has: ms per row up to 8, from 9 to 32, beyond 32 (step_ms_per_row: the first).
     step_ms_per_row_by_range: list[float] = []
+    step_ms_per_constrained_row: float = 0.0  # what a row under a grammar costs more (its token mask)
     step_predicted_ms: float = 0.0  # moving averages, over the same steps, of the time predicted and measured
     step_measured_ms: float = 0.0
     # A target's READY report: whether its steps are batch invariant (greedy verification then gives exactly plain

@@ -227,7 +227,8 @@ class StepCycle:
         if problem := step_result_problem(step.seqs, outputs) or logprobs_problem(step.seqs, outputs, scored):
             return f"step {step.step_id}: {problem}"
         worker.in_flight = None
-        worker.cost.observe(step_shape([(seq.num_tokens, len(seq.draft_token_ids), seq.computed_before)
+        worker.cost.observe(step_shape([(seq.num_tokens, len(seq.draft_token_ids), seq.computed_before,
+                                         seq.samples and seq.request.grammar is not None)
                                         for seq in step.seqs]), result.duration_ms)
         pages = worker.pages
         assert pages is not None  # a target that runs steps

@@ -110,7 +110,7 @@ class WorkerRecord:
 
     def info(self, now_s: float) -> m.ProcessInfo:
         pages = self.pages
-        fitted = [round(value, 4) for value in self.cost.coefficients() or [0.0] * 6]
+        fitted = [round(value, 4) for value in self.cost.coefficients() or [0.0] * 7]
         return m.ProcessInfo(
             process_id=self.worker_id,
             role=self.hello.role,
@@ -133,8 +133,9 @@ class WorkerRecord:
             batch_invariant=self.batch_invariant,
             step_predicted_ms=round(self.cost.predicted_ms, 3), step_measured_ms=round(self.cost.measured_ms, 3),
             num_costed_steps=self.cost.num_steps,
-            step_fixed_ms=fitted[0], step_ms_per_row=fitted[1], step_ms_per_prefill_token=fitted[4],
-            step_ms_per_kilo_context=fitted[5], step_cost_error_ms=round(self.cost.abs_error_ms, 3),
+            step_fixed_ms=fitted[0], step_ms_per_row=fitted[1], step_ms_per_prefill_token=fitted[5],
+            step_ms_per_kilo_context=fitted[6], step_cost_error_ms=round(self.cost.abs_error_ms, 3),
+            step_ms_per_constrained_row=fitted[4],
             step_ms_per_row_by_range=fitted[1:4] if self.cost.coefficients() is not None else [],
         )
 

@@ -28,8 +28,9 @@ from proto import messages as m
 
 FORGET_SERVER = 0.995  # per verify step of a source: about its last 200 count server-wide
 FORGET_REQUEST = 0.9  # per verify step of a request: about its last 10 count
-FADE = 0.9  # per decode step of a request without drafts: its record weighs this much less
-FADE_SERVER = 0.99  # per decode step without drafts, of any request: the server's records weigh this much less
+FADE = 0.95  # per decode step of a request without drafts: its record weighs this much less
+FADE_SERVER = 0.997  # per decode step without drafts, of any request: the server's records weigh this much less
+OPTIMISM = 0.5  # standard errors added to a request's rate
 PRIOR_STEPS = 1.0  # what the server's rates weigh in a request's, in verify steps
 ANY = ""  # the record over all sources (what the plan, made before the proposal, reads)
 GRAMMAR = "grammar"  # tokens a request's grammar forces: always accepted, counted apart, never in ANY
@@ -72,8 +73,9 @@ class PositionRates:
 
 
 def optimistic(mean: float, weight: float) -> float:
-    """The mean plus one standard error of a rate measured over `weight` steps (at most 1)."""
-    return min(1.0, mean + math.sqrt(mean * (1.0 - mean) / (weight + 1.0)))
+    """The mean plus half a standard error of a rate measured over `weight` steps (at most 1): enough to try a request
+    with little history, not so much that many such requests at once make a large step speculate on hope."""
+    return min(1.0, mean + OPTIMISM * math.sqrt(mean * (1.0 - mean) / (weight + 1.0)))
 
 
 def expected_accepted(rates: list[float]) -> list[float]:
@@ -97,12 +99,23 @@ class ServerAcceptance:
         self.num_verify_steps: dict[str, int] = {}
         self.num_draft_tokens: dict[str, int] = {}
         self.num_accepted: dict[str, int] = {}
+        self.found = PositionRates()  # of the sequences the draft service was asked for, those it proposed something for
+        self._rates: dict[tuple[str, int], float] = {}  # rate(), as read since the last change (each step reads many)
+
+    def asked(self, found: bool) -> None:
+        """The draft service answered for a sequence: with a proposal, or with nothing (no lookup matched)."""
+        self.found.observe(1, int(found), FORGET_SERVER)
+        self._rates.clear()
+
+    def found_rate(self) -> float:
+        return self.found.mean(0, 0.5, 1.0)
 
     def observe(self, source: str, depth: int, num_drafts: int, num_accepted: int) -> None:
         if source not in m.PROPOSAL_SOURCES:  # a draft service's word: kept among a few names, however many it says
             source = "other"
         for key in {source} if source == GRAMMAR else {source, ANY}:
             self.by_source.setdefault(key, PositionRates()).observe(depth, num_accepted, FORGET_SERVER)
+        self._rates.clear()
         self.num_verify_steps[source] = self.num_verify_steps.get(source, 0) + 1
         self.num_draft_tokens[source] = self.num_draft_tokens.get(source, 0) + num_drafts
         self.num_accepted[source] = self.num_accepted.get(source, 0) + num_accepted
@@ -122,6 +135,7 @@ class ServerAcceptance:
             source = "other"
         rates = self.by_node.setdefault(source, PositionRates())
         rates.scale(FORGET_SERVER)
+        self._rates.clear()
         while len(rates.reached) < num_nodes:
             rates.reached.append(0.0)
             rates.accepted.append(0.0)
@@ -140,16 +154,24 @@ class ServerAcceptance:
 
     def fade(self) -> None:
         """A decode step without drafts: where nobody speculates, the rates drift back to 1/2, so it is tried again."""
-        for rates in (*self.by_source.values(), *self.by_node.values()):
+        for rates in (*self.by_source.values(), *self.by_node.values(), self.found):
             rates.scale(FADE_SERVER)
+        self._rates.clear()
 
     def rate(self, source: str, position: int) -> float:
-        """The server's rate at `position` for `source` (its overall one for a source it has not seen; 1/2 before any
-        verify step)."""
+        """The server's rate at `position` for `source` (its overall one for a source it has not seen; at a position
+        no step reached, the one before's; 1/2 before any verify step)."""
+        if (known := self._rates.get((source, position))) is not None:
+            return known
         rates = self.by_source.get(source)
         if rates is None or rates.weight(position) == 0.0:
             rates = self.by_source[ANY]
-        return rates.mean(position, 0.5, 1.0)
+        if rates.weight(position) == 0.0 and position > 0:
+            rate = self.rate(source, position - 1)
+        else:
+            rate = rates.mean(position, 0.5, 1.0)
+        self._rates[(source, position)] = rate
+        return rate
 
     def rates(self, source: str, num_positions: int) -> list[float]:
         return [self.rate(source, position) for position in range(num_positions)]
@@ -160,6 +182,16 @@ class RequestAcceptance:
     """One request's rates per source (and over all of them, ANY)."""
 
     by_source: dict[str, PositionRates] = field(default_factory=dict)
+    found: PositionRates = field(default_factory=PositionRates)  # of its proposals asked for, those that came non-empty
+
+    def asked(self, found: bool) -> None:
+        self.found.observe(1, int(found), FORGET_REQUEST)
+
+    def plan_gains(self, num_positions: int, server: ServerAcceptance) -> list[float]:
+        """What asking for k draft tokens is expected to bring, k = 0 .. num_positions: the chance the draft finds
+        anything for it, times what its drafts from any source bring."""
+        found = optimistic(self.found.mean(0, server.found_rate(), PRIOR_STEPS), self.found.weight(0))
+        return [found * gain for gain in expected_accepted(self.rates(ANY, num_positions, server))]
 
     def observe(self, source: str, depth: int, num_accepted: int) -> None:
         for key in {source, ANY}:
@@ -167,7 +199,7 @@ class RequestAcceptance:
 
     def fade(self) -> None:
         """A decode step that offered it no draft: what it showed weighs less, so it is tried again in time."""
-        for rates in self.by_source.values():
+        for rates in (*self.by_source.values(), self.found):
             rates.scale(FADE)
 
     def tree_gains(self, source: str, num_nodes: int, server: ServerAcceptance) -> list[float]:

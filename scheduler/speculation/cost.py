@@ -28,7 +28,7 @@ from common.step_shape import StepShape, row_terms
 FORGET = 0.98  # the weight of a step, relative to the next one's: about the last 50 steps count
 RIDGE = 1e-4  # pulls the coefficients toward zero where the steps seen say little about them
 MIN_STEPS = 4  # steps seen (a worker's warm-up timings among them) before the model predicts anything
-_NUM_TERMS = 6  # fixed, three row slopes, per prefill token, per thousand attended positions
+_NUM_TERMS = 7  # fixed, three row slopes, per constrained row, per prefill token, per thousand attended positions
 
 
 class OnlineFit:
@@ -112,8 +112,8 @@ class StepCostModel:
         return self._fit.predict(shape.terms())
 
     def coefficients(self) -> list[float] | None:
-        """(fixed ms, ms per decode row up to 8, from 9 to 32 and beyond 32, ms per prefill token, ms per thousand
-        attended positions), each at least 0; None before MIN_STEPS steps."""
+        """(fixed ms, ms per decode row up to 8, from 9 to 32 and beyond 32, ms more per row under a grammar, ms per
+        prefill token, ms per thousand attended positions), each at least 0; None before MIN_STEPS steps."""
         return self._fit.coefficients()
 
     def row_ms(self, base_rows: int, extra_rows: int) -> float:
@@ -125,31 +125,33 @@ class StepCostModel:
         before, after = row_terms(base_rows), row_terms(base_rows + extra_rows)
         return sum(c * (b - a) for c, a, b in zip(coefficients[1:4], before, after)) / extra_rows
 
-    def extra_ms(self, num_drafts: int, context: int, row_ms: float) -> float:
-        """What `num_drafts` more rows after a decoding sequence's last token, `context` positions in, add to a step,
-        at `row_ms` a row (`row_ms`)."""
+    def extra_ms(self, num_drafts: int, context: int, row_ms: float, constrained: bool = False) -> float:
+        """What `num_drafts` more rows after a decoding sequence's last token, `context` positions in (under a grammar
+        where `constrained`), add to a step, at `row_ms` a row (`row_ms`)."""
         coefficients = self.coefficients()
         if coefficients is None or num_drafts <= 0:
             return 0.0
         # Its rows attend to (1 + k) * context + (1 + k)(2 + k)/2 positions, against context + 1 without drafts.
         attended = num_drafts * context + (num_drafts * num_drafts + 3 * num_drafts) // 2
-        return row_ms * num_drafts + coefficients[5] * attended / 1000
+        mask_ms = coefficients[4] * num_drafts if constrained else 0.0
+        return row_ms * num_drafts + mask_ms + coefficients[6] * attended / 1000
 
 
 class ProposeCostModel:
-    """How long a step waits for its proposals: a fixed part plus a part per draft token of the longest proposal
-    asked (a draft model or head runs once per position, every sequence at once), fitted like a step's time."""
+    """How long a step waits for its proposals: a fixed part, a part per draft token of the longest proposal asked (a
+    draft model or head runs once per position, every sequence at once) and a part per sequence asked for, fitted like
+    a step's time."""
 
     def __init__(self) -> None:
-        self._fit = OnlineFit(2, 1)
+        self._fit = OnlineFit(3, 1)
 
-    def observe(self, max_draft_tokens: int, waited_ms: float) -> None:
+    def observe(self, max_draft_tokens: int, num_seqs: int, waited_ms: float) -> None:
         if waited_ms >= 0.0:
-            self._fit.observe((1.0, float(max_draft_tokens)), waited_ms)
+            self._fit.observe((1.0, float(max_draft_tokens), float(num_seqs)), waited_ms)
 
-    def predict_ms(self, max_draft_tokens: int) -> float:
+    def predict_ms(self, max_draft_tokens: int, num_seqs: int) -> float:
         """0 before any answer was timed."""
-        return self._fit.predict((1.0, float(max_draft_tokens))) or 0.0
+        return self._fit.predict((1.0, float(max_draft_tokens), float(num_seqs))) or 0.0
 
 
 def _solve(matrix: list[list[float]], vector: list[float]) -> list[float]:

@@ -29,10 +29,10 @@ class SpecCounters:
     acceptance: ServerAcceptance = field(default_factory=ServerAcceptance)  # per source and draft position
     propose_cost: ProposeCostModel = field(default_factory=ProposeCostModel)  # the wait, by the longest proposal asked
 
-    def proposed(self, duration_ms: float, waited_ms: float, max_draft_tokens: int) -> None:
+    def proposed(self, duration_ms: float, waited_ms: float, max_draft_tokens: int, num_seqs: int) -> None:
         if not (duration_ms >= 0.0 and waited_ms >= 0.0):  # NaN or negative: a clock that cannot be believed
             return
-        self.propose_cost.observe(max_draft_tokens, waited_ms)
+        self.propose_cost.observe(max_draft_tokens, num_seqs, waited_ms)
         weight = max(_AVERAGE_WEIGHT, 1 / (self.num_proposals + 1))  # the first answers count in full
         self.propose_ms += weight * (duration_ms - self.propose_ms)
         self.propose_wait_ms += weight * (waited_ms - self.propose_wait_ms)

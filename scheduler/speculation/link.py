@@ -22,7 +22,7 @@ from scheduler.batching import ScheduledSeq, StepPlan
 from scheduler.config import SchedulerConfig
 from scheduler.requests import Request, RequestTable
 from scheduler.speculation.counters import SpecCounters
-from scheduler.speculation.acceptance import ANY, expected_accepted
+from scheduler.speculation.acceptance import expected_accepted
 from scheduler.speculation.policy import DraftOption, SpecLimits, best_drafts, draft_caps
 from scheduler.speculation.views import forget_views
 from scheduler.workers import WorkerRecord, WorkerRegistry
@@ -113,13 +113,14 @@ class DraftLink:
         sources and the wait for a proposal (policy.py); empty: plain decoding pays best, or the target's step time is
         not known yet."""
         server = self.counters.acceptance
-        gains = {item.request.request_id: expected_accepted(item.request.acceptance.rates(ANY, caps[item.request.request_id], server))
+        gains = {item.request.request_id: item.request.acceptance.plan_gains(caps[item.request.request_id], server)
                  for item in seqs if caps.get(item.request.request_id, 0) > 0}
         propose = self.counters.propose_cost
-        ks, base_ms = _best_drafts(target, seqs, gains, lambda ks: propose.predict_ms(max(ks.values())))
+        ks, base_ms = _best_drafts(target, seqs, gains, lambda ks: propose.predict_ms(max(ks.values()), len(ks)))
         # Where a longer proposal costs the draft next to nothing (a lookup), the whole cap is asked for: what of it is
         # verified is decided when it comes (`trim`), by its source's record.
-        if ks and propose.predict_ms(max(caps.values())) - propose.predict_ms(max(ks.values())) <= 0.01 * base_ms:
+        longest = propose.predict_ms(max(caps[rid] for rid in ks), len(ks)) if ks else 0.0
+        if ks and longest - propose.predict_ms(max(ks.values()), len(ks)) <= 0.01 * base_ms:
             ks = {rid: caps[rid] for rid in ks}
         return ks
 
@@ -175,7 +176,7 @@ class DraftLink:
         if pending is None:
             return None
         self.counters.proposed(result.duration_ms, (now_s - pending.sent_at_s) * 1000,
-                               max(pending.plan.num_draft_tokens.values(), default=0))
+                               max(pending.plan.num_draft_tokens.values(), default=0), len(pending.plan.num_draft_tokens))
         asked = pending.plan.num_draft_tokens
         proposals: dict[str, m.Proposal] = {}
         for proposal in result.proposals:
@@ -189,6 +190,8 @@ class DraftLink:
                 continue
             # Whatever happens to the step, the draft service now holds this.
             request.draft.num_stable, request.draft.num_proposed = proposal.num_held, len(proposal.token_ids)
+            request.acceptance.asked(bool(proposal.token_ids))
+            self.counters.acceptance.asked(bool(proposal.token_ids))
             if proposal.num_held == 0:  # it started the sequence over: it holds no features either
                 request.draft.num_features = 0
             if proposal.token_ids:
@@ -271,14 +274,16 @@ def _best_drafts(target: WorkerRecord, seqs: Sequence[ScheduledSeq], gains: dict
                  wait_ms: Callable[[dict[str, int]], float]) -> tuple[dict[str, int], float]:
     """k per request (none of 0) that maximises the step's tokens per ms, each request's k bringing gains[rid][k]
     tokens, and the plain step's predicted time; ({}, 0) while the target's step time is not known."""
-    shape = step_shape([(item.num_tokens, 0, item.request.num_computed_tokens) for item in seqs])
+    shape = step_shape([(item.num_tokens, 0, item.request.num_computed_tokens,
+                         item.completes and item.request.grammar is not None) for item in seqs])
     base_ms = target.cost.predict_ms(shape)
     if base_ms is None or not gains:
         return {}, base_ms or 0.0
     # Rows cost by where the step stands on the curve: its own rows, and the drafts that may join them.
     row_ms = target.cost.row_ms(shape.decode_rows, sum(len(g) - 1 for g in gains.values()))
-    context = {item.request.request_id: item.request.num_computed_tokens for item in seqs}
-    options = [DraftOption(rid, g, [target.cost.extra_ms(n, context[rid], row_ms) for n in range(len(g))])
+    requests = {item.request.request_id: item.request for item in seqs}
+    options = [DraftOption(rid, g, [target.cost.extra_ms(n, requests[rid].num_computed_tokens, row_ms,
+                                                         requests[rid].grammar is not None) for n in range(len(g))])
                for rid, g in gains.items()]
     return best_drafts(options, sum(1 for item in seqs if item.completes), base_ms, wait_ms), base_ms
 

@@ -345,14 +345,14 @@ def test_what_a_proposal_costs_is_averaged_over_its_answers() -> None:
     from scheduler.speculation.counters import SpecCounters
 
     counters = SpecCounters()
-    counters.proposed(4.0, 6.0, 4)  # the first answer counts in full
+    counters.proposed(4.0, 6.0, 4, 1)  # the first answer counts in full
     assert (counters.propose_ms, counters.propose_wait_ms) == (4.0, 6.0)
-    counters.proposed(8.0, 10.0, 4)
+    counters.proposed(8.0, 10.0, 4, 1)
     assert (counters.propose_ms, counters.propose_wait_ms) == (6.0, 8.0)
     for _ in range(200):
-        counters.proposed(2.0, 3.0, 4)
+        counters.proposed(2.0, 3.0, 4, 1)
     assert counters.propose_ms == pytest.approx(2.0, abs=1e-3) and counters.propose_wait_ms == pytest.approx(3.0, abs=1e-3)
-    counters.proposed(float("nan"), 1.0, 4)  # a clock that cannot be believed
+    counters.proposed(float("nan"), 1.0, 4, 1)  # a clock that cannot be believed
     assert counters.num_proposals == 202
     spec = counters.info()
     assert (spec.propose_ms, spec.propose_wait_ms) == (2.0, 3.0)

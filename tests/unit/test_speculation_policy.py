@@ -166,3 +166,24 @@ def test_a_request_whose_drafts_are_rejected_stops_being_offered_them_then_recov
     right = run(worker, draft, 100, lambda index: True)
     assert sum(1 for d in right[-20:] if d) >= 18, f"accepted drafts were not offered again: {right}"
     assert sim.streamed("a") == SCRIPT[: len(sim.streamed("a"))]
+
+
+def test_a_request_the_draft_finds_nothing_for_stops_being_asked_so_its_steps_do_not_wait() -> None:
+    """Prompt lookup on free chat: most steps it matches nothing, and the step waited for that answer in vain."""
+    sim, worker, draft = setup(0.5)
+    worker.sim.advance(0.0)
+    sim.submit("a", prompt(3), max_tokens=120)
+    asked = []
+    for _ in range(80):
+        done = len(sim.streamed("a"))
+        if draft.pending_propose() is not None:
+            asked.append(done)
+            sim.advance(0.004)  # the wait: 4 ms against a 10 ms step
+            draft.answer({"a": []})
+        step = worker.pending_step()
+        if step is None:
+            break
+        worker.complete({"a": SCRIPT[done: done + 5]})
+    assert asked and asked[0] < 5, "a new request's draft is asked"
+    late = [done for done in asked if done >= 40]
+    assert len(late) <= 8, f"asked at {asked}"  # retried now and then, not every step

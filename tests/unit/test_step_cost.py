@@ -12,25 +12,28 @@ from scheduler.speculation.cost import MIN_STEPS, StepCostModel
 from tests.unit.scheduler_fakes import Sim
 
 
-CURVE = (8.0, 0.2, 0.9, 1.5, 0.25, 0.04)  # fixed; ms a row up to 8, from 9 to 32, beyond; a prefill token; 1000 positions
+# Fixed; ms a row up to 8, from 9 to 32, beyond; more a row under a grammar; a prefill token; 1000 positions.
+CURVE = (8.0, 0.2, 0.9, 1.5, 0.6, 0.25, 0.04)
 
 
-def true_ms(shape: StepShape, fixed: float, low: float, middle: float, high: float, per_prefill: float,
-            per_kilo: float) -> float:
+def true_ms(shape: StepShape, fixed: float, low: float, middle: float, high: float, per_constrained: float,
+            per_prefill: float, per_kilo: float) -> float:
     rows = sum(slope * part for slope, part in zip((low, middle, high), row_terms(shape.decode_rows)))
-    return fixed + rows + per_prefill * shape.prefill_tokens + per_kilo * shape.attended / 1000
+    return (fixed + rows + per_constrained * shape.constrained_rows + per_prefill * shape.prefill_tokens
+            + per_kilo * shape.attended / 1000)
 
 
 def random_shape(rng: random.Random) -> StepShape:
     """A step of 1-16 decoding sequences with 0-6 drafts each, sometimes a prefill chunk, contexts of 10-1500."""
-    seqs = [(1, rng.choice([0, 0, 2, 4, 6]), rng.randint(10, 1500)) for _ in range(rng.randint(1, 16))]
+    seqs = [(1, rng.choice([0, 0, 2, 4, 6]), rng.randint(10, 1500), rng.random() < 0.2) for _ in range(rng.randint(1, 16))]
     if rng.random() < 0.3:
-        seqs.append((rng.randint(16, 256), 0, rng.choice([0, 256])))
+        seqs.append((rng.randint(16, 256), 0, rng.choice([0, 256]), False))
     return step_shape(seqs)
 
 
 def test_a_steps_shape_counts_decode_rows_prefill_tokens_and_attended_positions() -> None:
-    shape = step_shape([(1, 3, 100), (5, 0, 20)])  # a decode verifying 3 drafts at 100; a 5-token chunk after 20
+    shape = step_shape([(1, 3, 100, True), (5, 0, 20, False)])  # a decode verifying 3 drafts at 100 under a grammar;
+    assert shape.constrained_rows == 4  # a 5-token chunk after 20
     assert (shape.decode_rows, shape.prefill_tokens) == (4, 5)
     assert shape.attended == (101 + 102 + 103 + 104) + (21 + 22 + 23 + 24 + 25)
 
@@ -48,7 +51,7 @@ def test_the_fit_recovers_the_curve_it_is_fed_and_predicts_nothing_before_it_has
     assert fitted is not None
     for got, want in zip(fitted, curve):
         assert got == pytest.approx(want, rel=0.15, abs=0.05)
-    shape = step_shape([(1, 6, 800)] * 4)
+    shape = step_shape([(1, 6, 800, False)] * 4)
     assert model.predict_ms(shape) == pytest.approx(true_ms(shape, *curve), rel=0.05)
     assert model.abs_error_ms < 0.05 * true_ms(shape, *curve)
 
@@ -63,14 +66,14 @@ def test_the_fit_follows_a_machine_that_slows_down() -> None:
     for _ in range(150):
         shape = random_shape(rng)
         model.observe(shape, true_ms(shape, *CURVE) * 2)
-    shape = step_shape([(1, 2, 300)] * 8)
+    shape = step_shape([(1, 2, 300, False)] * 8)
     assert model.predict_ms(shape) == pytest.approx(2 * true_ms(shape, *CURVE), rel=0.05)
 
 
 def test_a_clock_that_cannot_be_believed_is_ignored() -> None:
     model = StepCostModel()
-    model.observe(step_shape([(1, 0, 10)]), float("nan"))
-    model.observe(step_shape([(1, 0, 10)]), -1.0)
+    model.observe(step_shape([(1, 0, 10, False)]), float("nan"))
+    model.observe(step_shape([(1, 0, 10, False)]), -1.0)
     assert model.num_steps == 0
 
 
@@ -109,4 +112,5 @@ def test_a_verify_steps_few_rows_are_priced_where_the_step_stands_on_the_curve()
     assert model.row_ms(1, 6) == pytest.approx(0.2, rel=0.15)  # one sequence verifying 6 drafts
     assert model.row_ms(40, 24) == pytest.approx(1.5, rel=0.15)  # a step of 40 rows taking 24 more
     assert model.row_ms(4, 8) == pytest.approx((4 * 0.2 + 4 * 0.9) / 8, rel=0.15)  # across the first knot
-    assert model.extra_ms(6, 1000, 0.2) == pytest.approx(6 * 0.2 + CURVE[5] * (6 * 1000 + 27) / 1000, rel=0.15)
+    assert model.extra_ms(6, 1000, 0.2) == pytest.approx(6 * 0.2 + CURVE[6] * (6 * 1000 + 27) / 1000, rel=0.15)
+    assert model.extra_ms(6, 1000, 0.2, constrained=True) - model.extra_ms(6, 1000, 0.2) == pytest.approx(6 * 0.6, rel=0.15)
