@@ -1,10 +1,14 @@
 """Real prompts for the speculation benchmark: editing tasks whose answers repeat the prompt, and ordinary chat.
 
 Random token prompts would make the model repeat itself and n-gram lookup accept nearly
-everything; these are the kinds of requests users send.
+everything; these are the kinds of requests users send. JSON_BY_SCHEMA adds requests
+answered under a JSON schema, where the grammar forces part of every answer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 _FUNCTION_1 = '''def merge_intervals(intervals):
     if not intervals:
@@ -129,4 +133,64 @@ TUNING: list[str] = [
     "Explain recursion with a Python example that computes a factorial.",
     "Write a Python class that represents a 2D vector with addition and length.",
     "How do I create and activate a virtual environment in Python?",
+]
+
+
+@dataclass(frozen=True)
+class SchemaPrompt:
+    """A request answered as compact JSON that `schema` validates (SamplingParams.structured_output.json_schema)."""
+
+    text: str
+    schema: dict[str, Any]
+
+
+def _object(properties: dict[str, Any]) -> dict[str, Any]:
+    """Every property required and no other: the keys, braces and commas are then forced, as in real extraction schemas."""
+    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
+
+
+def _text(max_length: int) -> dict[str, Any]:
+    """A bounded string: a small model may otherwise fill the whole output inside one value."""
+    return {"type": "string", "maxLength": max_length}
+
+
+# Small schemas, each answer a few dozen tokens: free values (titles, names, numbers) between
+# the keys and punctuation the grammar forces.
+JSON_BY_SCHEMA: list[SchemaPrompt] = [
+    SchemaPrompt("Give a JSON object describing a well-known novel, with its title, author and year of publication.",
+                 _object({"title": _text(60), "author": _text(40),
+                          "year": {"type": "integer", "minimum": 1500, "maximum": 2030}})),
+    SchemaPrompt("Describe the city of Lisbon as a JSON object: its name, its country, its population and whether "
+                 "it is a capital.",
+                 _object({"name": _text(30), "country": _text(30), "population": {"type": "integer", "minimum": 0},
+                          "is_capital": {"type": "boolean"}})),
+    SchemaPrompt("Write a JSON object for a simple pancake recipe with its name, the number of servings and up to "
+                 "five ingredients.",
+                 _object({"name": _text(40), "servings": {"type": "integer", "minimum": 1, "maximum": 12},
+                          "ingredients": {"type": "array", "items": _text(30), "minItems": 1, "maxItems": 5}})),
+    SchemaPrompt("Return a JSON object about the planet Saturn: its name, how many moons it has, whether it has "
+                 "rings, and what kind of planet it is.",
+                 _object({"name": _text(20), "moons": {"type": "integer", "minimum": 0, "maximum": 500},
+                          "has_rings": {"type": "boolean"},
+                          "kind": {"enum": ["rocky", "gas giant", "ice giant", "dwarf"]}})),
+    SchemaPrompt("Make up a weather report for Oslo as JSON, with the city, the temperature in degrees Celsius, "
+                 "the conditions and the wind speed in km/h.",
+                 _object({"city": _text(30), "temperature_c": {"type": "number", "minimum": -60, "maximum": 60},
+                          "conditions": {"enum": ["sunny", "cloudy", "rain", "snow", "fog"]},
+                          "wind_kmh": {"type": "integer", "minimum": 0, "maximum": 250}})),
+    SchemaPrompt("Describe a software engineer called Priya as a JSON object with her name, her job title, her "
+                 "years of experience and three of her skills.",
+                 _object({"name": _text(30), "job_title": _text(40),
+                          "years_of_experience": {"type": "integer", "minimum": 0, "maximum": 50},
+                          "skills": {"type": "array", "items": _text(25), "minItems": 1, "maxItems": 3}})),
+    SchemaPrompt("Give a JSON object for a classic film: its title, its director, the year it came out and up to "
+                 "three genres.",
+                 _object({"title": _text(60), "director": _text(40),
+                          "year": {"type": "integer", "minimum": 1890, "maximum": 2030},
+                          "genres": {"type": "array", "maxItems": 3, "items": {"enum": [
+                              "drama", "comedy", "action", "science fiction", "animation", "thriller"]}}})),
+    SchemaPrompt("Create a JSON object describing a laptop for sale: the brand, the model, the price in euros, the "
+                 "memory in gigabytes and whether it is new.",
+                 _object({"brand": _text(20), "model": _text(30), "price_eur": {"type": "number", "minimum": 0},
+                          "memory_gb": {"type": "integer", "minimum": 1, "maximum": 256}, "new": {"type": "boolean"}})),
 ]
