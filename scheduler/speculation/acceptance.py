@@ -75,7 +75,10 @@ class PositionRates:
 def optimistic(mean: float, weight: float) -> float:
     """The mean plus half a standard error of a rate measured over `weight` steps (at most 1): enough to try a request
     with little history, not so much that many such requests at once make a large step speculate on hope."""
-    return min(1.0, mean + OPTIMISM * math.sqrt(mean * (1.0 - mean) / (weight + 1.0)))
+    # The spread is at least that of a rate seen in one of weight + 2 steps: a mean of 0 (or 1) from a few steps is no
+    # certainty, and a request whose every try failed is still tried again once its record has faded.
+    spread = max(mean * (1.0 - mean), 1.0 / (weight + 2.0))
+    return min(1.0, mean + OPTIMISM * math.sqrt(spread / (weight + 1.0)))
 
 
 def expected_accepted(rates: list[float]) -> list[float]:
@@ -100,11 +103,15 @@ class ServerAcceptance:
         self.num_draft_tokens: dict[str, int] = {}
         self.num_accepted: dict[str, int] = {}
         self.found = PositionRates()  # of the sequences the draft service was asked for, those it proposed something for
+        self.answered_by: dict[str, float] = {}  # of its proposals, the share each source made (weighted counts)
         self._rates: dict[tuple[str, int], float] = {}  # rate(), as read since the last change (each step reads many)
 
-    def asked(self, found: bool) -> None:
-        """The draft service answered for a sequence: with a proposal, or with nothing (no lookup matched)."""
-        self.found.observe(1, int(found), FORGET_SERVER)
+    def asked(self, source: str | None) -> None:
+        """The draft service answered for a sequence: with a proposal from `source`, or with nothing (None: no lookup
+        matched)."""
+        self.found.observe(1, int(source is not None), FORGET_SERVER)
+        if source is not None:
+            _count(self.answered_by, source, FORGET_SERVER)
         self._rates.clear()
 
     def found_rate(self) -> float:
@@ -183,15 +190,31 @@ class RequestAcceptance:
 
     by_source: dict[str, PositionRates] = field(default_factory=dict)
     found: PositionRates = field(default_factory=PositionRates)  # of its proposals asked for, those that came non-empty
+    answered_by: dict[str, float] = field(default_factory=dict)  # of its proposals, the share each source made
 
-    def asked(self, found: bool) -> None:
-        self.found.observe(1, int(found), FORGET_REQUEST)
+    def asked(self, source: str | None) -> None:
+        self.found.observe(1, int(source is not None), FORGET_REQUEST)
+        if source is not None:
+            _count(self.answered_by, source, FORGET_REQUEST)
 
-    def plan_gains(self, num_positions: int, server: ServerAcceptance) -> list[float]:
-        """What asking for k draft tokens is expected to bring, k = 0 .. num_positions: the chance the draft finds
-        anything for it, times what its drafts from any source bring."""
+    def outlook(self, num_positions: int, server: ServerAcceptance) -> list[tuple[float, list[float]]]:
+        """What asking the draft service for up to `num_positions` tokens may bring it: per source that may answer,
+        the chance it does, and the tokens its first k drafts (nodes of a tree) are expected to bring, k = 0 ..
+        num_positions. The chances sum to the chance the draft finds anything; which source answers is not known
+        when the step is planned (prompt lookup matches or it does not), and each answer is cut to what pays."""
         found = optimistic(self.found.mean(0, server.found_rate(), PRIOR_STEPS), self.found.weight(0))
-        return [found * gain for gain in expected_accepted(self.rates(ANY, num_positions, server))]
+        own = sum(self.answered_by.values())
+        theirs = sum(server.answered_by.values())
+        shares = {source: (self.answered_by.get(source, 0.0) + PRIOR_STEPS * count / theirs) / (own + PRIOR_STEPS)
+                  for source, count in server.answered_by.items()} if theirs else {ANY: 1.0}
+        outlook = []
+        for source, share in shares.items():
+            if source in server.by_node:  # it proposes trees
+                gains = self.tree_gains(source, num_positions, server)
+            else:
+                gains = expected_accepted(self.rates(source, num_positions, server))
+            outlook.append((found * share, gains))
+        return outlook
 
     def observe(self, source: str, depth: int, num_accepted: int) -> None:
         for key in {source, ANY}:
@@ -201,6 +224,8 @@ class RequestAcceptance:
         """A decode step that offered it no draft: what it showed weighs less, so it is tried again in time."""
         for rates in (*self.by_source.values(), self.found):
             rates.scale(FADE)
+        for source in self.answered_by:
+            self.answered_by[source] *= FADE
 
     def tree_gains(self, source: str, num_nodes: int, server: ServerAcceptance) -> list[float]:
         """The tokens a tree from `source` is expected to bring with its first n nodes, n = 0 .. num_nodes: the sum of
@@ -220,3 +245,12 @@ class RequestAcceptance:
             mean = own.mean(position, server.rate(source, position), PRIOR_STEPS)
             result.append(optimistic(mean, own.weight(position)))
         return result
+
+
+def _count(counts: dict[str, float], source: str, forget: float) -> None:
+    """One more for `source`, every count before it weighing `forget` times less."""
+    if source not in m.PROPOSAL_SOURCES:
+        source = "other"
+    for key in counts:
+        counts[key] *= forget
+    counts[source] = counts.get(source, 0.0) + 1.0

@@ -113,10 +113,10 @@ class DraftLink:
         sources and the wait for a proposal (policy.py); empty: plain decoding pays best, or the target's step time is
         not known yet."""
         server = self.counters.acceptance
-        gains = {item.request.request_id: item.request.acceptance.plan_gains(caps[item.request.request_id], server)
-                 for item in seqs if caps.get(item.request.request_id, 0) > 0}
+        outlooks = {item.request.request_id: item.request.acceptance.outlook(caps[item.request.request_id], server)
+                    for item in seqs if caps.get(item.request.request_id, 0) > 0}
         propose = self.counters.propose_cost
-        ks, base_ms = _best_drafts(target, seqs, gains, lambda ks: propose.predict_ms(max(ks.values()), len(ks)))
+        ks, base_ms = _best_drafts(target, seqs, outlooks, lambda ks: propose.predict_ms(max(ks.values()), len(ks)))
         # Where a longer proposal costs the draft next to nothing (a lookup), the whole cap is asked for: what of it is
         # verified is decided when it comes (`trim`), by its source's record.
         longest = propose.predict_ms(max(caps[rid] for rid in ks), len(ks)) if ks else 0.0
@@ -130,15 +130,16 @@ class DraftLink:
         if not proposals or self._config.speculation_policy != "goodput" or target.cost.coefficients() is None:
             return proposals
         server = self.counters.acceptance
-        gains: dict[str, list[float]] = {}
+        outlooks: dict[str, list[tuple[float, list[float]]]] = {}
         for item in plan.seqs:
             r = item.request
             if (proposal := proposals.get(r.request_id)) is not None:
                 if proposal.parents is None:
-                    gains[r.request_id] = expected_accepted(r.acceptance.rates(proposal.source, len(proposal.token_ids), server))
+                    gains = expected_accepted(r.acceptance.rates(proposal.source, len(proposal.token_ids), server))
                 else:  # a tree's nodes at one depth are alternatives: each brings its own chance of being accepted
-                    gains[r.request_id] = r.acceptance.tree_gains(proposal.source, len(proposal.token_ids), server)
-        ks, _ = _best_drafts(target, plan.seqs, gains, lambda ks: 0.0)
+                    gains = r.acceptance.tree_gains(proposal.source, len(proposal.token_ids), server)
+                outlooks[r.request_id] = [(1.0, gains)]
+        ks, _ = _best_drafts(target, plan.seqs, outlooks, lambda ks: 0.0)
         return {rid: _first_nodes(proposal, ks[rid]) for rid, proposal in proposals.items() if ks.get(rid, 0) > 0}
 
     def propose(self, draft: WorkerRecord, target: WorkerRecord, plan: StepPlan, now_s: float) -> m.ProposeRequest:
@@ -190,8 +191,8 @@ class DraftLink:
                 continue
             # Whatever happens to the step, the draft service now holds this.
             request.draft.num_stable, request.draft.num_proposed = proposal.num_held, len(proposal.token_ids)
-            request.acceptance.asked(bool(proposal.token_ids))
-            self.counters.acceptance.asked(bool(proposal.token_ids))
+            request.acceptance.asked(proposal.source if proposal.token_ids else None)
+            self.counters.acceptance.asked(proposal.source if proposal.token_ids else None)
             if proposal.num_held == 0:  # it started the sequence over: it holds no features either
                 request.draft.num_features = 0
             if proposal.token_ids:
@@ -270,21 +271,24 @@ def draft_work(request: Request, proposal: m.Proposal | None) -> DraftWork:
     return proposal.token_ids, dists, proposal.parents  # a tree is of point masses (checked on arrival)
 
 
-def _best_drafts(target: WorkerRecord, seqs: Sequence[ScheduledSeq], gains: dict[str, list[float]],
+def _best_drafts(target: WorkerRecord, seqs: Sequence[ScheduledSeq], outlooks: dict[str, list[tuple[float, list[float]]]],
                  wait_ms: Callable[[dict[str, int]], float]) -> tuple[dict[str, int], float]:
-    """k per request (none of 0) that maximises the step's tokens per ms, each request's k bringing gains[rid][k]
-    tokens, and the plain step's predicted time; ({}, 0) while the target's step time is not known."""
+    """k per request (none of 0) that maximises the step's expected tokens per ms, each request's drafts turning out
+    as its outlook says ((chance, tokens its first k bring) per source that may answer), and the plain step's
+    predicted time; ({}, 0) while the target's step time is not known."""
     shape = step_shape([(item.num_tokens, 0, item.request.num_computed_tokens,
                          item.completes and item.request.grammar is not None) for item in seqs])
     base_ms = target.cost.predict_ms(shape)
-    if base_ms is None or not gains:
+    if base_ms is None or not outlooks:
         return {}, base_ms or 0.0
+    longest = {rid: max(len(gains) for _, gains in outlook) for rid, outlook in outlooks.items()}
     # Rows cost by where the step stands on the curve: its own rows, and the drafts that may join them.
-    row_ms = target.cost.row_ms(shape.decode_rows, sum(len(g) - 1 for g in gains.values()))
+    row_ms = target.cost.row_ms(shape.decode_rows, sum(n - 1 for n in longest.values()))
     requests = {item.request.request_id: item.request for item in seqs}
-    options = [DraftOption(rid, g, [target.cost.extra_ms(n, requests[rid].num_computed_tokens, row_ms,
-                                                         requests[rid].grammar is not None) for n in range(len(g))])
-               for rid, g in gains.items()]
+    options = [DraftOption(rid, [target.cost.extra_ms(n, requests[rid].num_computed_tokens, row_ms,
+                                                      requests[rid].grammar is not None) for n in range(longest[rid])],
+                           outlook)
+               for rid, outlook in outlooks.items()]
     return best_drafts(options, sum(1 for item in seqs if item.completes), base_ms, wait_ms), base_ms
 
 

@@ -66,17 +66,25 @@ def draft_caps(seqs: Sequence[ScheduledSeq], limits: SpecLimits) -> dict[str, in
 
 @dataclass(frozen=True)
 class DraftOption:
-    """One sequence's choice: gains[k] tokens expected from k draft rows, extra_ms[k] what they add to the step."""
+    """One sequence's choice: extra_ms[k], what k draft rows add to the step; and per way its proposal may turn out
+    (which source answers), the chance of it and gains[k], the tokens k of its drafts are expected to bring
+    (gains[0] = 0). The chances may sum to less than 1: the draft may find nothing."""
 
     key: str
-    gains: Sequence[float]  # gains[0] = 0
-    extra_ms: Sequence[float]  # extra_ms[0] = 0
+    extra_ms: Sequence[float]
+    outcomes: Sequence[tuple[float, Sequence[float]]]
+
+    @classmethod
+    def certain(cls, key: str, gains: Sequence[float], extra_ms: Sequence[float]) -> DraftOption:
+        """A proposal in hand: one outcome."""
+        return cls(key, extra_ms, [(1.0, gains)])
 
 
 def best_drafts(options: Sequence[DraftOption], base_tokens: float, base_ms: float,
                 wait_ms: Callable[[dict[str, int]], float]) -> dict[str, int]:
-    """k per key (only k > 0) that maximises (base_tokens + gains) / (base_ms + extra_ms + wait_ms(ks), the wait only
-    where some k > 0); empty: plain decoding is best."""
+    """k per key (only k > 0) that maximises the expected (base_tokens + gains) / (base_ms + extra_ms + wait_ms(ks),
+    the wait only where some k > 0), each outcome of an option taking its own best k, the largest of which the key
+    gets; empty: plain decoding is best."""
     if base_ms <= 0.0 or not options:
         return {}
     best: dict[str, int] = {}
@@ -84,14 +92,23 @@ def best_drafts(options: Sequence[DraftOption], base_tokens: float, base_ms: flo
     rate = best_rate
     for _ in range(_MAX_ROUNDS):
         ks: dict[str, int] = {}
+        tokens, ms = base_tokens, base_ms
         for option in options:
-            k = max(range(len(option.gains)), key=lambda n: option.gains[n] - rate * option.extra_ms[n])
-            if k > 0:
-                ks[option.key] = k
+            value = gained = spent = 0.0
+            largest = 0
+            for chance, gains in option.outcomes:
+                k = max(range(len(gains)), key=lambda n: gains[n] - rate * option.extra_ms[n])
+                value += chance * (gains[k] - rate * option.extra_ms[k])
+                gained += chance * gains[k]
+                spent += chance * option.extra_ms[k]
+                largest = max(largest, k)
+            if value > 0.0 and largest > 0:
+                ks[option.key] = largest
+                tokens += gained
+                ms += spent
         if not ks:
             break
-        tokens = base_tokens + sum(option.gains[ks.get(option.key, 0)] for option in options)
-        ms = base_ms + sum(option.extra_ms[ks.get(option.key, 0)] for option in options) + wait_ms(ks)
+        ms += wait_ms(ks)
         if tokens / ms <= rate * (1 + 1e-9):
             break
         rate = tokens / ms
