@@ -84,13 +84,19 @@ class ModelRunner:
         # Warm-up rows may share pages (a small pool): what they write is never read as anyone's.
         tables = [tuple((row * per_row + i) % self._num_pages for i in range(per_row))
                   for row in range(min(cfg.max_num_seqs, _WARM_UP_ROWS))]
+        long_table = tuple(range(pages_for(prompt_len, size)))
         shapes = [
-            [SeqSpan(tuple(range(pages_for(prompt_len, size))), 0, [0] * prompt_len, 1)],
+            [SeqSpan(long_table, 0, [0] * prompt_len, 1)],
             [SeqSpan(table, 0, [0], 1) for table in tables],
             [SeqSpan(table, 1, [0] * num_verify, num_verify) for table in tables],
             [SeqSpan(tables[0], 1, [0], 1)],
             [SeqSpan(tables[0], 1, [0] * num_verify, num_verify)],
         ]
+        if prompt_len > 2 * num_verify:
+            # The same rows after the prompt's positions: what attending to a long context costs, apart from the rows
+            # (with short contexts alone the two move together, and the fit cannot tell them apart).
+            shapes += [[SeqSpan(long_table, prompt_len - 1, [0], 1)],
+                       [SeqSpan(long_table, prompt_len - num_verify, [0] * num_verify, num_verify)]]
         for spans in shapes:
             self._engine.forward(spans)
         timings = [self._timed(spans) for spans in shapes[1:]]  # the second run of each, without first-run costs

@@ -315,7 +315,8 @@ class SchedulerCore:
             log.info("worker.step_cost", worker_id=worker.worker_id, batch_invariant=worker.batch_invariant,
                      speculation_policy=self._config.speculation_policy,
                      fitted=[round(c, 4) for c in worker.cost.coefficients() or ()],
-                     terms="fixed ms, ms per decode row, ms per prefill token, ms per thousand attended positions",
+                     terms="fixed ms; ms per decode row up to 8, 9-32, beyond; ms more per row under a grammar; ms per "
+                           "prefill token; ms per thousand attended positions",
                      note="the policy weighs these, the wait for proposals and each request's acceptance")
         if state is State.READY and worker.is_target and report.max_draft_tokens is not None:
             worker.max_draft_tokens = max(0, min(worker.max_draft_tokens, report.max_draft_tokens))

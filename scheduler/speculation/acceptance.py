@@ -12,11 +12,16 @@ accepted tokens, besides the one token every step makes.
 Rates are kept per proposer source ("lookup", "phrases", "head", "model", as the draft
 service names its proposals) for the whole server, and per request: a request starts at the
 server's rates for the source, worth PRIOR_STEPS verify steps of its own, then follows its
-own steps. The policy reads an optimistic rate (the mean plus one standard error), so a
+own steps. The policy reads an optimistic rate (the mean plus half a standard error), so a
 request with little history is tried, and one whose drafts were rejected is tried again
 after a while: its own record fades with every step that offered it nothing (FADE), back
 toward the server's rates, and the server's records fade with every decode step without
 drafts (FADE_SERVER), back toward 1/2, so that a server that stopped speculating tries again.
+
+Which source will answer is known only when the answer comes, so before a step each request
+has an outlook (`RequestAcceptance.outlook`): per source, the chance it answers (how often
+the draft found anything for the request, and which sources answered it lately) and what
+its drafts bring.
 """
 
 from __future__ import annotations
