@@ -72,10 +72,6 @@ class PositionRates:
         accepted = self.accepted[position] if position < len(self.accepted) else 0.0
         return (accepted + prior_weight * prior) / (reached + prior_weight)
 
-    @property
-    def num_steps(self) -> float:
-        return self.reached[0] if self.reached else 0.0
-
 
 def optimistic(mean: float, weight: float) -> float:
     """The mean plus half a standard error of a rate measured over `weight` steps (at most 1): enough to try a request
@@ -123,8 +119,7 @@ class ServerAcceptance:
         return self.found.mean(0, 0.5, 1.0)
 
     def observe(self, source: str, depth: int, num_drafts: int, num_accepted: int) -> None:
-        if source not in m.PROPOSAL_SOURCES:  # a draft service's word: kept among a few names, however many it says
-            source = "other"
+        source = _known(source)
         for key in {source} if source == GRAMMAR else {source, ANY}:
             self.by_source.setdefault(key, PositionRates()).observe(depth, num_accepted, FORGET_SERVER)
         self._rates.clear()
@@ -143,8 +138,7 @@ class ServerAcceptance:
 
     def observe_tree(self, source: str, num_nodes: int, accepted_nodes: list[int]) -> None:
         """A token tree of `num_nodes` nodes whose branch `accepted_nodes` was accepted."""
-        if source not in m.PROPOSAL_SOURCES:
-            source = "other"
+        source = _known(source)
         rates = self.by_node.setdefault(source, PositionRates())
         rates.scale(FORGET_SERVER)
         self._rates.clear()
@@ -252,10 +246,14 @@ class RequestAcceptance:
         return result
 
 
+def _known(source: str) -> str:
+    """A draft service's word for its source, kept among a few names however many it says ("other" for the rest)."""
+    return source if source in m.PROPOSAL_SOURCES else "other"
+
+
 def _count(counts: dict[str, float], source: str, forget: float) -> None:
     """One more for `source`, every count before it weighing `forget` times less."""
-    if source not in m.PROPOSAL_SOURCES:
-        source = "other"
+    source = _known(source)
     for key in counts:
         counts[key] *= forget
     counts[source] = counts.get(source, 0.0) + 1.0
