@@ -39,19 +39,21 @@ _IN_PLACE_BLOCK_ELEMENTS = 1 << 20  # the scratch of in-place packing: a few MiB
 _PROBE_MAX_OUT, _PROBE_MAX_DEPTH, _PROBE_ROWS = 1024, 2048, (1, 16)
 _PROBE_MIN_ROUNDS, _PROBE_MAX_ROUNDS, _PROBE_SECONDS = 7, 40, 0.5
 SWITCH_MARGIN = 0.8  # another path is chosen over the first only when it takes at most this share of its time
-# Paths whose tiles sum bfloat16 weights in an order of their own (AMX's), not in the chain every other path gives.
-OWN_ORDER_PATHS = frozenset({"amx"})
+# For bfloat16 weights, the paths whose bits differ from the float32 FMA chain every other path gives, each its own
+# family: AMX's tiles sum in an order of their own, and `vdpbf16ps` (the avx512bf16 path) reads inputs below float32's
+# normal range as zero and writes such sums as zero, where an FMA keeps them.
+BFLOAT16_FAMILIES = {"amx": "amx", "avx512bf16": "avx512bf16"}
 
 
 def same_bits(paths: Sequence[str], dtype: torch.dtype, block_format: str | None) -> tuple[str, ...]:
     """The paths that give the first path's bits for weights of `dtype` (or in `block_format`): all of them, but
-    for bfloat16 weights AMX's tiles give bits of their own. A model runs on one of these, so that every process
-    on one CPU computes the same bits whatever its probe measured: a request moved to another worker, or a
-    runner built again, continues exactly as it would have."""
+    for bfloat16 weights AMX's tiles and AVX512-BF16's dot products each give bits of their own (BFLOAT16_FAMILIES).
+    A model runs on one of these, so that every process on one CPU computes the same bits whatever its probe
+    measured: a request moved to another worker, or a runner built again, continues exactly as it would have."""
     if dtype != torch.bfloat16 or block_format is not None:
         return tuple(paths)
-    own = paths[0] in OWN_ORDER_PATHS
-    return tuple(path for path in paths if (path in OWN_ORDER_PATHS) == own)
+    family = BFLOAT16_FAMILIES.get(paths[0], "")
+    return tuple(path for path in paths if BFLOAT16_FAMILIES.get(path, "") == family)
 
 
 def attach_native_ops(model: LlamaModel, dtype: torch.dtype, device: torch.device,

@@ -11,11 +11,16 @@ import structlog
 import torch
 
 from modeling.model_store import ensure_default_model, ensure_model
+from tests.machine import cpu_description
 
 # The compose stack in Docker runs by `make test-compose` alone (it builds images and starts its own engine);
 # `pytest tests/compose` without this variable collects nothing, and pytest says so (exit status 5).
 COMPOSE_ENV = "SPECSERVE_COMPOSE_TESTS"
 collect_ignore = [] if os.environ.get(COMPOSE_ENV) == "1" else ["compose"]
+
+
+def pytest_report_header() -> str:
+    return f"cpu: {cpu_description()}"
 
 
 @pytest.fixture(autouse=True)

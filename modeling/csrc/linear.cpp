@@ -39,8 +39,9 @@
 // by asking it (`linear_paths`), and a caller names one (the AVX512VNNI path reads float32 and
 // bfloat16 with the AVX512F tiles, the AVX512F path reads blocks with the AVX2 tiles).
 // All of them give the same bits (a fused multiply-add rounds once, whatever computes it, and
-// integer sums are exact) but one: AMX tiles sum bfloat16 weights in an order of their own (see
-// namespace amx), batch invariant all the same.
+// integer sums are exact) but two, for bfloat16 weights, batch invariant all the same: AMX tiles
+// sum in an order of their own (see namespace amx), and AVX512-BF16's vdpbf16ps reads inputs
+// below float32's normal range as zero and writes such sums as zero (cpu_kernels.same_bits).
 #include "ops.h"
 
 #include <ATen/Parallel.h>

@@ -25,6 +25,7 @@ from proto import specserve_pb2 as pb
 from specserve.stack import StackConfig
 from tests.e2e.stack import Stack, running_stack
 from tests.e2e.test_speculation import switch_draft
+from tests.machine import cpu_description
 
 NUM_TOKENS = 32
 CONCURRENCY = 8
@@ -69,7 +70,8 @@ def test_greedy_output_is_the_same_at_every_concurrency_with_and_without_specula
             before = stack.info().speculation
             crowded = _at_concurrency(stack, requests)
             differ = [i for i, (ours, expected) in enumerate(zip(crowded, alone)) if ours != expected]
-            assert not differ, f"{dtype}, draft {proposer}: requests {differ} of 24 differ from the same request alone"
+            assert not differ, (f"{dtype}, draft {proposer}: requests {differ} of 24 differ from the same request alone "
+                                f"({[p.kernels for p in stack.info().processes if p.role == 'target']}; {cpu_description()})")
             after = stack.wait_idle().speculation
             if proposer is not None:
                 assert after.num_draft_tokens > before.num_draft_tokens, f"{proposer}: nothing was proposed"

@@ -31,6 +31,7 @@ from proto import specserve_pb2 as pb
 from specserve.stack import StackConfig
 from tests.e2e.stack import Stack, running_stack
 from tests.e2e.test_http_api import call
+from tests.machine import cpu_description
 
 NUM_TOKENS = 24
 CONCURRENCY = 8
@@ -89,6 +90,7 @@ def test_greedy_answers_are_the_same_with_and_without_the_prefix_cache_speculati
     with running_stack(plain, tmp_path / "plain") as stack:
         expected = [stack.generate(r, timeout_s=300).token_ids for r in first + second]
         assert stack.info().processes[0].prefix_cache_hit_tokens == 0
+        plain_kernels = next(p.kernels for p in stack.info().processes if p.role == "target")
 
     pool_gib = POOL_PAGES * page_bytes(ModelConfig.from_folder(default_model_dir), DEFAULT_PAGE_SIZE, getattr(torch, dtype)) / 2**30
     crowded = StackConfig(default_model_dir, dtype=dtype, kv_cache_memory_gib=pool_gib, max_num_seqs=CONCURRENCY,
@@ -100,8 +102,10 @@ def test_greedy_answers_are_the_same_with_and_without_the_prefix_cache_speculati
         info = stack.wait_idle()
         target = next(p for p in info.processes if p.role == "target")
         assert (target.num_kv_pages, target.kv_page_size) == (POOL_PAGES, DEFAULT_PAGE_SIZE)
+        assert target.batch_invariant, f"{dtype}: the worker's steps are not batch invariant on {cpu_description()}"
         differ = [i for i, (got, want) in enumerate(zip(got_first + got_second, expected)) if got[0] != want]
-        assert not differ, f"{dtype}: requests {differ} differ from the plain stack's answers"
+        assert not differ, (f"{dtype}: requests {differ} differ from the plain stack's answers (plain: {plain_kernels}; "
+                            f"crowded: {target.kernels}; {target.num_preemptions} preemptions; {cpu_description()})")
         assert target.num_preemptions > 0, "the pool was never short: nothing was preempted"
         assert target.prefix_cache_hit_tokens > 0 and info.speculation.num_accepted_draft_tokens > 0
         # The pool is small enough that cached pages are evicted, but the second turns still found some of theirs.
