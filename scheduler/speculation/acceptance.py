@@ -165,13 +165,13 @@ class ServerAcceptance:
         self._rates.clear()
 
     def rate(self, source: str, position: int) -> float:
-        """The server's rate at `position` for `source` (its overall one for a source it has not seen; at a position
-        no step reached, the one before's; 1/2 before any verify step)."""
+        """The server's rate at `position` for `source` (1/2 for a source it has not seen: another source's record says
+        nothing about it; at a position no step reached, the one before's)."""
         if (known := self._rates.get((source, position))) is not None:
             return known
         rates = self.by_source.get(source)
-        if rates is None or rates.weight(position) == 0.0:
-            rates = self.by_source[ANY]
+        if rates is None or rates.weight(0) == 0.0:  # a source not seen yet: as uncertain as any rate can be
+            rates = PositionRates()
         if rates.weight(position) == 0.0 and position > 0:
             rate = self.rate(source, position - 1)
         else:

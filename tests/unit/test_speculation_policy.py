@@ -94,6 +94,20 @@ def test_a_request_starts_from_its_sources_server_rate_and_then_follows_its_own_
     assert request.rates("lookup", 1, server)[0] > 0.9
 
 
+def test_a_source_not_seen_yet_is_not_judged_by_the_others_record() -> None:
+    """Prompt lookup may first answer long after the phrases did (an edit starts copying its passage a few sentences
+    in): judged by the phrases' poor record its first proposals would be cut away unverified, and it would never be
+    learned. A source without a record of its own is rated as uncertain as a rate can be."""
+    server = ServerAcceptance()
+    for _ in range(100):
+        server.observe("phrases", 4, 4, 0)  # the phrases: nothing accepted
+    assert server.rate("phrases", 0) < 0.05
+    assert server.rate("lookup", 0) == 0.5
+    request = RequestAcceptance()
+    assert request.rates("lookup", 1, server)[0] > 0.5  # 1/2, plus half its spread
+    assert request.rates("phrases", 1, server)[0] < 0.5
+
+
 def test_positions_are_rated_given_the_ones_before_them_and_unknown_sources_are_counted_as_other() -> None:
     server = ServerAcceptance()
     for accepted in (0, 1, 2, 3):  # each position reached by fewer steps
