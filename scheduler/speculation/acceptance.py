@@ -171,8 +171,8 @@ class ServerAcceptance:
             return known
         rates = self.by_source.get(source)
         if rates is None or rates.weight(0) == 0.0:  # a source not seen yet: as uncertain as any rate can be
-            rates = PositionRates()
-        if rates.weight(position) == 0.0 and position > 0:
+            rate = 0.5
+        elif rates.weight(position) == 0.0:
             rate = self.rate(source, position - 1)
         else:
             rate = rates.mean(position, 0.5, 1.0)
