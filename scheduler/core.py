@@ -333,8 +333,16 @@ class SchedulerCore:
     # ------------------------------------------------------------------ endings
 
     def _end_event(self) -> None:
-        """What collects during one event goes out as one frame per destination."""
-        self.outbox.flush_deltas()
+        """What collects during one event goes out as one frame per destination.
+
+        Token deltas wait while a target waits for proposals: the draft service's answer and
+        the step it lets go are what keeps the target idle, and a gateway woken to stream
+        meanwhile takes the core they need (on two cores, the round trip doubled). The deltas
+        go with the event that sends the step, a round trip later; a proposal not answered in
+        --propose-timeout-s is given up on, so they never wait longer.
+        """
+        if not any(w.awaiting_proposal is not None for w in self._workers):
+            self.outbox.flush_deltas()
         forget = self._drafts.take_forget()
         if forget and (draft := self._drafts.current(self._workers, self._requests)) is not None:
             self.outbox.to_worker(draft.identity, m.ReleaseSequences(draft.incarnation, forget))

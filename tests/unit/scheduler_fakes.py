@@ -194,6 +194,7 @@ class FakeWorker:
         self._num_seen = 0
         self._answered_step_ids: set[int] = set()
         self.last_outputs: list[m.SeqOutput] = []
+        self.returned: dict[str, list[int]] = {}  # request_id -> every token its steps' outputs returned, in order
         # What each step says it took (the scheduler fits its cost model to these): 3 ms whatever it computes, unless a
         # test says otherwise.
         self.step_ms: Callable[[m.StepRequest], float] = lambda step: 3.0
@@ -311,6 +312,8 @@ class FakeWorker:
     def send(self, message: m.WorkerToScheduler) -> bool:
         if isinstance(message, m.StepResult):
             self.last_outputs = list(message.outputs)  # what run() consumes from the scripts
+            for output in message.outputs:
+                self.returned.setdefault(output.request_id, []).extend(output.token_ids)
         accepted = self.sim.core.on_worker_message(self.identity, message, self.sim.now_s)
         self.sim.collect()
         return accepted

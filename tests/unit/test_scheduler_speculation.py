@@ -68,10 +68,11 @@ def test_a_verify_step_carries_the_last_token_then_the_drafts_and_the_draft_gets
     seq = worker.step().seqs[0]
     assert (seq.start_position, seq.token_ids, seq.num_draft_tokens) == (3, [11, 12, 13, 77], 3)
     worker.complete({"a": [12, 13, 14]})  # accepts 12, 13; rejects 77 and adds 14
-    assert sim.streamed("a") == [11, 12, 13, 14]
     second = proposes(draft)[-1].seqs[0]
     # The draft holds 4 + 3 tokens; 77 is dropped and only 14 is new.
     assert (second.num_held, second.num_drop, second.new_token_ids) == (7, 1, [14])
+    draft.answer({"a": []})
+    assert sim.streamed("a") == [11, 12, 13, 14]
     assert worker.tokens_of["a"] == prompt(3) + [11, 12, 13]  # the accepted branch stands, the rejected draft does not
 
 
@@ -85,7 +86,7 @@ def test_a_token_tree_reaches_the_target_and_the_draft_is_told_what_it_holds_in_
     seq = worker.step().seqs[0]
     assert (seq.token_ids, seq.num_draft_tokens, seq.draft_parents) == ([11, 77, 12, 13, 78], 4, [-1, -1, 1, 1])
     worker.complete({"a": [12, 13, 14]})
-    assert sim.streamed("a") == [11, 12, 13, 14]
+    assert worker.returned["a"] == [11, 12, 13, 14]
     second = proposes(draft)[-1].seqs[0]
     # The draft holds its tree in node order: the branch is not its first nodes, so all four go and the branch comes new.
     assert (second.num_held, second.num_drop, second.new_token_ids) == (8, 4, [12, 13, 14])
@@ -94,6 +95,7 @@ def test_a_token_tree_reaches_the_target_and_the_draft_is_told_what_it_holds_in_
     worker.complete({"a": [15, 16, 17]})
     third = proposes(draft)[-1].seqs[0]
     assert (third.num_held, third.num_drop, third.new_token_ids) == (7 + 3, 1, [17])
+    draft.answer({"a": []})
     assert sim.streamed("a") == [11, 12, 13, 14, 15, 16, 17]
     assert worker.tokens_of["a"] == prompt(3) + [11, 12, 13, 14, 15, 16]
 
@@ -255,6 +257,33 @@ def test_an_unanswered_proposal_times_out_and_the_step_runs_plainly() -> None:
     draft.answer({"a": [13]})
     worker.run({"a": [13, 14, 15]}, draft=draft)
     assert sim.streamed("a") == [11, 12, 13, 14, 15]
+
+
+def test_tokens_reach_the_gateway_once_the_step_waiting_for_proposals_is_sent() -> None:
+    """While a target waits for the draft's answer, the gateway is not woken to stream: it would take the core the
+    round trip needs. The tokens go with the step, or at the propose timeout."""
+    sim, worker, draft = setup(propose_timeout_s=0.5)
+    sim.submit("a", prompt(3), max_tokens=10)
+    worker.complete({"a": [11]})
+    assert draft.pending_propose() is not None
+    assert sim.streamed("a") == []
+    draft.answer({"a": [12, 13]})
+    assert worker.step().seqs[0].num_draft_tokens == 2
+    assert sim.streamed("a") == [11]
+    worker.complete({"a": [12, 13, 14]})
+    assert sim.streamed("a") == [11]  # waiting again, for the next proposal
+    sim.advance(0.6)
+    sim.check_timeouts()
+    assert worker.step().seqs[0].num_draft_tokens == 0
+    assert sim.streamed("a") == [11, 12, 13, 14]
+
+
+def test_tokens_of_a_step_without_proposals_go_out_at_once() -> None:
+    sim, worker, _ = setup(num_speculative_tokens=0)
+    sim.submit("a", prompt(3), max_tokens=5)
+    worker.complete({"a": [11]})
+    assert worker.step().seqs[0].num_draft_tokens == 0
+    assert sim.streamed("a") == [11]
 
 
 def test_a_draft_that_refuses_a_proposal_while_draining_is_not_failed_and_the_step_runs_plainly() -> None:
@@ -451,7 +480,7 @@ def test_losing_a_draft_that_is_not_in_use_changes_nothing() -> None:
     draft.answer()
     worker.complete({"a": SCRIPT[1:6]})
     spare.fail("spare crashed")
-    worker.run({"a": SCRIPT[len(sim.streamed("a")):]}, draft=draft)  # strict: the in-use draft's counts were kept
+    worker.run({"a": SCRIPT[len(worker.returned["a"]):]}, draft=draft)  # strict: the in-use draft's counts were kept
     assert proposes(spare) == [] and sim.streamed("a") == SCRIPT[:12]
 
 

@@ -142,7 +142,7 @@ def run(worker: FakeWorker, draft: FakeDraft, num_steps: int, right: Callable[[i
     continuation where right(i), else wrong tokens. Returns the draft tokens each step verified."""
     drafts = []
     for index in range(num_steps):
-        done = len(worker.sim.streamed("a"))
+        done = len(worker.returned.get("a", []))  # the gateway gets them once the next step is sent
         if (asked := draft.pending_propose()) is not None:
             k = asked.seqs[0].num_tokens
             draft.answer({"a": SCRIPT[done: done + k] if right(index) else [t + 1000 for t in SCRIPT[done: done + k]]})
@@ -189,7 +189,7 @@ def test_a_request_the_draft_finds_nothing_for_stops_being_asked_so_its_steps_do
     sim.submit("a", prompt(3), max_tokens=120)
     asked = []
     for _ in range(80):
-        done = len(sim.streamed("a"))
+        done = len(worker.returned.get("a", []))
         if draft.pending_propose() is not None:
             asked.append(done)
             sim.advance(0.004)  # the wait: 4 ms against a 10 ms step
@@ -213,3 +213,4 @@ def test_the_draft_is_asked_where_one_of_the_sources_that_may_answer_pays_even_i
     average = DraftOption.certain("a", [0.25 * a + 0.75 * b for a, b in zip(expected_accepted([0.9] * 6),
                                                                             expected_accepted([0.05] * 6))], extra)
     assert best_drafts([average], 1, 4.4, lambda ks: 1.2) == {}
+
