@@ -310,8 +310,8 @@ class SchedulerCore:
         if state is State.READY and worker.is_target:
             worker.batch_invariant = report.batch_invariant
             for timing in report.step_timings[:MAX_STEP_TIMINGS]:  # what rows cost, before any speculative step
-                worker.cost.observe(StepShape(timing.decode_rows, timing.prefill_tokens, timing.attended),
-                                    timing.duration_ms)
+                worker.cost.observe_warm_up(StepShape(timing.decode_rows, timing.prefill_tokens, timing.attended),
+                                            timing.duration_ms)
             log.info("worker.step_cost", worker_id=worker.worker_id, batch_invariant=worker.batch_invariant,
                      speculation_policy=self._config.speculation_policy,
                      fitted=[round(c, 4) for c in worker.cost.coefficients() or ()],

@@ -14,9 +14,18 @@ few extra rows at what rows cost in a step of 64.
 
 The coefficients are fitted to every `StepResult.duration_ms` by least squares with
 exponential forgetting (each step weighs FORGET times what the one after it does), so the
-model follows a machine whose speed changes (a neighbour, another format, a warm cache),
-and a little ridge (relative to each term's own weight) keeps it solvable where the steps
-seen cannot tell two terms apart; a term no step had stays 0.
+model follows a machine whose speed changes (a neighbour, another format, a warm cache).
+
+What the steps served cannot tell apart, the worker's warm-up says. A server at one
+sequence runs nothing but one-row steps, which fix the fixed part plus one row and say
+nothing of what a second row adds; fitted to them alone, that split drifts wherever the
+ridge puts it (the price of a draft row rose from 0.6 to 1.5 ms in a few hundred steps, and
+speculation stopped where it paid). So the shapes the worker timed at warm-up (one row and
+a verify step's rows, at short and long context: `StepTiming`) stay in the fit for good,
+each worth one step, their times scaled by how the steps served compare with the warm-up's
+own fit (a machine that slowed down by half since start-up reads its warm-up at the new
+speed). Served steps outweigh them wherever they say something; a little ridge (relative
+to each term's own weight) keeps the rest solvable, and a term nothing had stays 0.
 Kernels make this curve differ by machine and format: it is learned where it runs, never
 written down.
 """
@@ -32,12 +41,17 @@ _NUM_TERMS = 7  # fixed, three row slopes, per constrained row, per prefill toke
 
 
 class OnlineFit:
-    """y as a linear function of a few terms, each coefficient at least 0, fitted by least squares with forgetting."""
+    """y as a linear function of a few terms, each coefficient at least 0, fitted by least squares with forgetting, and
+    lasting samples (`observe_lasting`) that never fade, their y scaled to the speed the others show."""
 
     def __init__(self, num_terms: int, min_samples: int) -> None:
         self._num_terms, self._min_samples = num_terms, min_samples
         self._gram = [[0.0] * num_terms for _ in range(num_terms)]  # sum of w x x^T
         self._moment = [0.0] * num_terms  # sum of w x y
+        self._lasting_gram = [[0.0] * num_terms for _ in range(num_terms)]
+        self._lasting_moment = [0.0] * num_terms
+        self._lasting_alone: list[float] | None = None  # the lasting samples' own fit (what the scale compares with)
+        self._measured = self._expected = 0.0  # forgetting sums of y and of the lasting fit's y, over the others
         self._coefficients: list[float] | None = None  # solved lazily; None: to be solved again
         self.num_samples = 0
 
@@ -46,14 +60,32 @@ class OnlineFit:
             for j in range(self._num_terms):
                 self._gram[i][j] = FORGET * self._gram[i][j] + x[i] * x[j]
             self._moment[i] = FORGET * self._moment[i] + x[i] * y
+        if self._lasting_alone is not None and (expected := _dot(self._lasting_alone, x)) > 0.0:
+            self._measured = FORGET * self._measured + y
+            self._expected = FORGET * self._expected + expected
         self._coefficients = None
         self.num_samples += 1
+
+    def observe_lasting(self, x: tuple[float, ...], y: float) -> None:
+        """A sample that stays in the fit, worth one of the others, at the speed they show."""
+        for i in range(self._num_terms):
+            for j in range(self._num_terms):
+                self._lasting_gram[i][j] += x[i] * x[j]
+            self._lasting_moment[i] += x[i] * y
+        self._lasting_alone = _fit_nonnegative(self._lasting_gram, self._lasting_moment)
+        self._coefficients = None
+        self.num_samples += 1
+
+    @property
+    def scale(self) -> float:
+        """How much slower (> 1) or faster the samples that fade are than the lasting ones' fit says: 1 before any."""
+        return self._measured / self._expected if self._expected > 0.0 else 1.0
 
     def predict(self, x: tuple[float, ...]) -> float | None:
         coefficients = self.coefficients()
         if coefficients is None:
             return None
-        return max(0.0, sum(c * value for c, value in zip(coefficients, x)))
+        return max(0.0, _dot(coefficients, x))
 
     def coefficients(self) -> list[float] | None:
         """Each at least 0; None before min_samples samples."""
@@ -64,21 +96,9 @@ class OnlineFit:
         return self._coefficients
 
     def _fit(self) -> list[float]:
-        """Least squares with every coefficient at least 0: no part of a step makes it faster, and where two terms
-        move together (rows and the positions they attend to) an unconstrained fit can trade one for a negative
-        other. A term that comes out negative is left out and the rest fitted again."""
-        terms = list(range(self._num_terms))
-        while True:
-            # The ridge is relative to each term's own weight, so terms of different units are pulled alike.
-            gram = [[self._gram[i][j] * (1 + RIDGE) if i == j else self._gram[i][j] for j in terms] for i in terms]
-            solved = _solve(gram, [self._moment[i] for i in terms])
-            negative = [term for term, value in zip(terms, solved) if value < 0.0]
-            if not negative:
-                coefficients = [0.0] * self._num_terms
-                for term, value in zip(terms, solved):
-                    coefficients[term] = value
-                return coefficients
-            terms.remove(min(negative, key=lambda term: solved[terms.index(term)]))
+        n, scale = self._num_terms, self.scale
+        gram = [[self._gram[i][j] + self._lasting_gram[i][j] for j in range(n)] for i in range(n)]
+        return _fit_nonnegative(gram, [self._moment[i] + scale * self._lasting_moment[i] for i in range(n)])
 
 
 class StepCostModel:
@@ -95,6 +115,11 @@ class StepCostModel:
     @property
     def num_steps(self) -> int:
         return self._fit.num_samples
+
+    def observe_warm_up(self, shape: StepShape, duration_ms: float) -> None:
+        """A step the worker timed at warm-up: it stays in the fit (at the speed served steps show since)."""
+        if duration_ms >= 0.0:
+            self._fit.observe_lasting(shape.terms(), duration_ms)
 
     def observe(self, shape: StepShape, duration_ms: float) -> None:
         if not duration_ms >= 0.0:  # NaN or negative: a clock that cannot be believed
@@ -152,6 +177,28 @@ class ProposeCostModel:
     def predict_ms(self, max_draft_tokens: int, num_seqs: int) -> float:
         """0 before any answer was timed."""
         return self._fit.predict((1.0, float(max_draft_tokens), float(num_seqs))) or 0.0
+
+
+def _fit_nonnegative(gram: list[list[float]], moment: list[float]) -> list[float]:
+    """Least squares from its normal equations with every coefficient at least 0: no part of a step makes it faster,
+    and where two terms move together (rows and the positions they attend to) an unconstrained fit can trade one for
+    a negative other. A term that comes out negative is left out and the rest fitted again."""
+    terms = list(range(len(moment)))
+    while True:
+        # The ridge is relative to each term's own weight, so terms of different units are pulled alike.
+        solved = _solve([[gram[i][j] * (1 + RIDGE) if i == j else gram[i][j] for j in terms] for i in terms],
+                        [moment[i] for i in terms])
+        negative = [term for term, value in zip(terms, solved) if value < 0.0]
+        if not negative:
+            coefficients = [0.0] * len(moment)
+            for term, value in zip(terms, solved):
+                coefficients[term] = value
+            return coefficients
+        terms.remove(min(negative, key=lambda term: solved[terms.index(term)]))
+
+
+def _dot(coefficients: list[float], x: tuple[float, ...]) -> float:
+    return sum(c * value for c, value in zip(coefficients, x))
 
 
 def _solve(matrix: list[list[float]], vector: list[float]) -> list[float]:

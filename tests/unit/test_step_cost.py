@@ -114,3 +114,41 @@ def test_a_verify_steps_few_rows_are_priced_where_the_step_stands_on_the_curve()
     assert model.row_ms(4, 8) == pytest.approx((4 * 0.2 + 4 * 0.9) / 8, rel=0.15)  # across the first knot
     assert model.extra_ms(6, 1000, 0.2) == pytest.approx(6 * 0.2 + CURVE[6] * (6 * 1000 + 27) / 1000, rel=0.15)
     assert model.extra_ms(6, 1000, 0.2, constrained=True) - model.extra_ms(6, 1000, 0.2) == pytest.approx(6 * 0.6, rel=0.15)
+
+
+def warm_up_shapes() -> list[StepShape]:
+    """The shapes a worker times at warm-up (gpu_worker/runner.py): 8 sequences, then each verifying 8 drafts; one
+    sequence, then verifying 8; the same one after a long context."""
+    return [step_shape([(1, 0, 1, False)] * 8), step_shape([(1, 8, 1, False)] * 8), step_shape([(1, 0, 1, False)]),
+            step_shape([(1, 8, 1, False)]), step_shape([(1, 0, 511, False)]), step_shape([(1, 8, 503, False)])]
+
+
+@pytest.mark.parametrize("speed", [1.0, 0.8, 2.0])
+def test_what_served_steps_cannot_tell_apart_the_warm_up_says_at_the_speed_served_now(speed: float) -> None:
+    """A server at one sequence runs only one-row steps: the fixed part and a row's cost move together in them. The
+    warm-up's verify steps keep what a draft row costs, at the speed the served steps show (a neighbour that arrived
+    since start-up doubles both), however many one-row steps come."""
+    model = StepCostModel()
+    for shape in warm_up_shapes():
+        model.observe_warm_up(shape, true_ms(shape, *CURVE))
+    one_row = step_shape([(1, 0, 200, False)])
+    for _ in range(1000):
+        model.observe(one_row, true_ms(one_row, *CURVE) * speed)
+    assert model.row_ms(1, 6) == pytest.approx(CURVE[1] * speed, rel=0.2)
+    assert model.predict_ms(one_row) == pytest.approx(true_ms(one_row, *CURVE) * speed, rel=0.02)
+    verify = step_shape([(1, 6, 200, False)])
+    assert model.predict_ms(verify) == pytest.approx(true_ms(verify, *CURVE) * speed, rel=0.1)
+
+
+def test_served_steps_outweigh_the_warm_up_where_they_say_something_else() -> None:
+    """Rows that turn out dearer in service than at warm-up (another process's cache pressure, say) are priced at what
+    service shows once verify steps have run: one sequence, verifying 0-6 drafts."""
+    rng = random.Random(8)
+    model = StepCostModel()
+    for shape in warm_up_shapes():
+        model.observe_warm_up(shape, true_ms(shape, *CURVE))
+    served = (CURVE[0], 3 * CURVE[1], *CURVE[2:])
+    for _ in range(300):
+        shape = step_shape([(1, rng.choice([0, 0, 2, 4, 6]), rng.randint(10, 1500), False)])
+        model.observe(shape, true_ms(shape, *served))
+    assert model.row_ms(1, 6) == pytest.approx(3 * CURVE[1], rel=0.2)
