@@ -21,7 +21,8 @@ drafts (FADE_SERVER), back toward 1/2, so that a server that stopped speculating
 Which source will answer is known only when the answer comes, so before a step each request
 has an outlook (`RequestAcceptance.outlook`): per source, the chance it answers (how often
 the draft found anything for the request, and which sources answered it lately) and what
-its drafts bring.
+its drafts bring. The chance of an answer is read at its mean, not optimistically, except
+before the request's first ask: an ask that finds nothing holds the step up for nothing.
 """
 
 from __future__ import annotations
@@ -201,7 +202,13 @@ class RequestAcceptance:
         the chance it does, and the tokens its first k drafts (nodes of a tree) are expected to bring, k = 0 ..
         num_positions. The chances sum to the chance the draft finds anything; which source answers is not known
         when the step is planned (prompt lookup matches or it does not), and each answer is cut to what pays."""
-        found = optimistic(self.found.mean(0, server.found_rate(), PRIOR_STEPS), self.found.weight(0))
+        # Whether the draft finds anything is read at its mean once the request was asked: its optimistic reading
+        # (a thin record's, as a request's is between asks) had prompt lookup asked in most steps of free chat and
+        # code, where it finds something in one step of ten and each ask holds the step up. A request never asked
+        # yet is, to learn what it is like (an editing request after a run of chat).
+        found = self.found.mean(0, server.found_rate(), PRIOR_STEPS)
+        if not self.found.reached:
+            found = optimistic(found, 0.0)
         own = sum(self.answered_by.values())
         theirs = sum(server.answered_by.values())
         shares = {source: (self.answered_by.get(source, 0.0) + PRIOR_STEPS * count / theirs) / (own + PRIOR_STEPS)

@@ -14,7 +14,7 @@ import pytest
 from proto import messages as m
 from scheduler.speculation.acceptance import ANY, RequestAcceptance, ServerAcceptance, expected_accepted
 from scheduler.speculation.policy import DraftOption, best_drafts
-from tests.unit.scheduler_fakes import FakeDraft, FakeWorker, Sim, prompt
+from tests.unit.scheduler_fakes import DEFAULT_TOKEN, FakeDraft, FakeWorker, Sim, prompt
 
 SCRIPT = list(range(11, 11 + 200))
 
@@ -214,3 +214,36 @@ def test_the_draft_is_asked_where_one_of_the_sources_that_may_answer_pays_even_i
                                                                             expected_accepted([0.05] * 6))], extra)
     assert best_drafts([average], 1, 4.4, lambda ks: 1.2) == {}
 
+
+def test_a_new_request_is_asked_at_once_after_a_run_of_requests_the_draft_found_nothing_for() -> None:
+    """Chat, then editing: the server's record says prompt lookup finds nothing, but a request not asked yet is asked,
+    and one whose draft finds its continuation goes on being asked."""
+    sim, worker, draft = setup(0.5)
+    sim.submit("chat", prompt(3), max_tokens=60)
+    chat_asks = []
+    for _ in range(70):
+        done = len(worker.returned.get("chat", []))
+        if draft.pending_propose() is not None:
+            chat_asks.append(done)
+            sim.advance(0.004)
+            draft.answer({"chat": []})
+        if worker.pending_step() is None:
+            break
+        worker.complete({"chat": [DEFAULT_TOKEN]})
+    assert len([done for done in chat_asks if done >= 20]) <= 4, f"asked at {chat_asks}"
+    sim.submit("edit", prompt(3, first=300), max_tokens=120)
+    worker.complete({"edit": [11]})  # its prefill
+    edit = list(SCRIPT) * 10
+    drafts = []
+    for _ in range(40):
+        done = len(worker.returned["edit"])
+        if (asked := draft.pending_propose()) is not None:
+            sim.advance(0.004)
+            draft.answer({"edit": edit[done: done + asked.seqs[0].num_tokens]})
+        step = worker.pending_step()
+        if step is None:
+            break
+        drafts.append(step.seqs[0].num_draft_tokens)
+        worker.complete({"edit": edit[done: done + 5]})
+    assert drafts[0] > 0, "a request not asked yet is asked"
+    assert sum(1 for d in drafts if d) >= 0.8 * len(drafts), drafts
