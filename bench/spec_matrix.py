@@ -16,10 +16,12 @@ size (a verify pass costs more once the target is no longer bound by reading its
 past --spec-disable-batch-threshold the stack does not speculate at all), so one number
 per configuration hides where it helps and where it costs.
 
-With `--rounds N` the configurations take turns N times (none, ngram, default, none, ...),
-and each ratio is the median of its rounds' ratios, as in bench/spec_bench.py: on a shared
-machine the plain speed drifts by 5-15% within minutes. Each configuration's stack is
-started once per round and serves all of that round's cells.
+Every configuration's stack is up at once (started afresh each round, one after another), and
+each cell runs on all of them in turn before the next cell, the order rotated from cell to
+cell: on a shared machine the plain speed drifts by 5-15% within minutes, so a ratio compares
+runs seconds apart. An idle stack costs the one running a few wake-ups a second. With
+`--rounds N` each ratio is the median of its N rounds' ratios. Giving a configuration twice
+(`--config none --config none`) measures how far a ratio moves by noise alone.
 
     python bench/spec_matrix.py [--config none --config ngram --config default] [--rounds 3] \\
         [--concurrency 1 --concurrency 4 ...] [--extra-up-args "--dtype bfloat16"] [--json-out matrix.json]
@@ -36,6 +38,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,40 +190,80 @@ def _steps_delta(before: dict[int, int] | None, after: dict[int, int] | None) ->
     return {k: count for k, count in sorted(delta.items()) if count}
 
 
-async def _run_config(address: str, metrics_url: str, config: str, prompt_sets: Sequence[PromptSet],
-                      concurrencies: Sequence[int], output_len: int, requests_per_cell: int | None,
-                      round_index: int) -> tuple[list[CellResult], pb.ServerInfoResponse]:
-    """Every cell of one round on one stack: workloads in turn, each at every concurrency."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.SpecServeStub(channel)
-        await _generate(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]),
-                                                 params=pb.SamplingParams(max_tokens=8, ignore_eos=True)))
+@dataclass(frozen=True)
+class _Served:
+    """One configuration's stack in a round."""
+
+    label: str  # the configuration, numbered where it is given more than once
+    stub: pb_grpc.SpecServeStub
+    metrics_url: str
+
+
+async def _warm_up(stack: _Served, prompt_set: PromptSet) -> None:
+    """Prefill every prompt (and compile every grammar) once: each cell then finds its prompts in the prefix cache,
+    whichever configuration and concurrency comes first, and measures decoding."""
+    warm_up = [prompt_set.request(i, 1) for i in range(len(prompt_set.prompts))]
+    await _send_all(stack.stub, warm_up, len(warm_up))
+
+
+async def _run_cell(stack: _Served, prompt_set: PromptSet, concurrency: int, output_len: int,
+                    requests_per_cell: int | None, round_index: int) -> CellResult:
+    num_requests = requests_in_cell(concurrency, len(prompt_set.prompts), requests_per_cell)
+    requests = [prompt_set.request(i % len(prompt_set.prompts), output_len) for i in range(num_requests)]
+    before = (await stack.stub.GetServerInfo(pb.ServerInfoRequest(), timeout=SERVER_INFO_TIMEOUT_S)).speculation
+    steps_before = await asyncio.to_thread(_read_steps_by_k, stack.metrics_url)
+    outputs, duration_s = await _send_all(stack.stub, requests, concurrency)
+    after = (await stack.stub.GetServerInfo(pb.ServerInfoRequest(), timeout=SERVER_INFO_TIMEOUT_S)).speculation
+    steps_after = await asyncio.to_thread(_read_steps_by_k, stack.metrics_url)
+    num_tokens = sum(len(o) for o in outputs)
+    result = CellResult(
+        config=stack.label, workload=prompt_set.name, concurrency=concurrency, round=round_index,
+        num_requests=num_requests, num_output_tokens=num_tokens, duration_s=duration_s,
+        tokens_per_s=num_tokens / duration_s, speculation=_speculation_delta(before, after),
+        steps_by_k=_steps_delta(steps_before, steps_after), outputs=outputs)
+    print(f"  {stack.label:>20} {prompt_set.name:>8} c={concurrency:<3}: {result.tokens_per_s:7.1f} tok/s "
+          f"({num_requests} requests, {duration_s:5.1f} s), acceptance {result.speculation.acceptance_rate:.2f}",
+          file=sys.stderr, flush=True)
+    return result
+
+
+async def _run_round(served: Sequence[tuple[str, str, str]], prompt_sets: Sequence[PromptSet],
+                     concurrencies: Sequence[int], output_len: int, requests_per_cell: int | None,
+                     round_index: int) -> tuple[list[CellResult], list[pb.ServerInfoResponse]]:
+    """Every cell of one round, each run on every stack in turn ((label, gRPC address, metrics URL) per stack), the
+    order of the stacks rotated from cell to cell and round to round, so that a cell's ratios compare runs seconds
+    apart and no configuration always runs first."""
+    channels = [grpc.aio.insecure_channel(address) for _, address, _ in served]
+    try:
+        stacks = [_Served(label, pb_grpc.SpecServeStub(channel), metrics_url)
+                  for (label, _, metrics_url), channel in zip(served, channels)]
+        for stack in stacks:
+            await _generate(stack.stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]),
+                                                           params=pb.SamplingParams(max_tokens=8, ignore_eos=True)))
         results = []
+        turn = round_index
         for prompt_set in prompt_sets:
-            # Prefill every prompt (and compile every grammar) once: each cell then finds its prompts in the
-            # prefix cache, whichever comes first, and measures decoding.
-            warm_up = [prompt_set.request(i, 1) for i in range(len(prompt_set.prompts))]
-            await _send_all(stub, warm_up, len(warm_up))
+            for stack in stacks:
+                await _warm_up(stack, prompt_set)
             for concurrency in concurrencies:
-                num_requests = requests_in_cell(concurrency, len(prompt_set.prompts), requests_per_cell)
-                requests = [prompt_set.request(i % len(prompt_set.prompts), output_len) for i in range(num_requests)]
-                before = (await stub.GetServerInfo(pb.ServerInfoRequest(), timeout=SERVER_INFO_TIMEOUT_S)).speculation
-                steps_before = await asyncio.to_thread(_read_steps_by_k, metrics_url)
-                outputs, duration_s = await _send_all(stub, requests, concurrency)
-                after = (await stub.GetServerInfo(pb.ServerInfoRequest(), timeout=SERVER_INFO_TIMEOUT_S)).speculation
-                steps_after = await asyncio.to_thread(_read_steps_by_k, metrics_url)
-                num_tokens = sum(len(o) for o in outputs)
-                result = CellResult(
-                    config=config, workload=prompt_set.name, concurrency=concurrency, round=round_index,
-                    num_requests=num_requests, num_output_tokens=num_tokens, duration_s=duration_s,
-                    tokens_per_s=num_tokens / duration_s, speculation=_speculation_delta(before, after),
-                    steps_by_k=_steps_delta(steps_before, steps_after), outputs=outputs)
-                results.append(result)
-                print(f"  {config:>20} {prompt_set.name:>8} c={concurrency:<3}: {result.tokens_per_s:7.1f} tok/s "
-                      f"({num_requests} requests, {duration_s:5.1f} s), acceptance "
-                      f"{result.speculation.acceptance_rate:.2f}", file=sys.stderr, flush=True)
-        info = await stub.GetServerInfo(pb.ServerInfoRequest(), timeout=SERVER_INFO_TIMEOUT_S)
-        return results, info
+                for offset in range(len(stacks)):
+                    stack = stacks[(turn + offset) % len(stacks)]
+                    results.append(await _run_cell(stack, prompt_set, concurrency, output_len, requests_per_cell,
+                                                   round_index))
+                turn += 1
+        infos = [await stack.stub.GetServerInfo(pb.ServerInfoRequest(), timeout=SERVER_INFO_TIMEOUT_S)
+                 for stack in stacks]
+        return results, infos
+    finally:
+        for channel in channels:
+            await channel.close()
+
+
+def _labels(configs: Sequence[str]) -> list[str]:
+    """Each configuration's name in the tables, numbered where it is given more than once (e.g. 'none' twice, to
+    measure the noise of a ratio)."""
+    return [config if configs.count(config) == 1 else f"{config} #{configs[:i + 1].count(config)}"
+            for i, config in enumerate(configs)]
 
 
 def _baselines(results: Sequence[CellResult]) -> dict[tuple[str, int, int], CellResult]:
@@ -359,26 +402,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: list[CellResult] = []
     stacks: list[dict[str, Any]] = []
     started = time.perf_counter()
+    labels = _labels(configs)
     for round_index in range(args.rounds):
-        for config in configs:
-            draft, *rest = shlex.split(config)
-            grpc_port, http_port = free_ports(2)
-            flags = ["--host", "127.0.0.1", "--port", str(grpc_port), "--http-port", str(http_port), *extra,
-                     "--draft", draft, *rest]
-            print(f"round {round_index + 1}/{args.rounds}, starting: specserve up {shlex.join(flags)}", file=sys.stderr,
-                  flush=True)
-            try:
-                with running_up(flags) as stack:
-                    cells, info = asyncio.run(_run_config(
-                        stack.address, f"http://127.0.0.1:{http_port}/metrics", config, prompt_sets, concurrencies,
-                        args.output_len, args.requests_per_cell, round_index))
-            except StackError as error:
-                print(f"error: {error}", file=sys.stderr)
-                return 1
-            results += cells
-            stacks.append({"config": config, "round": round_index, "ready_line": stack.ready_line, "dtype": stack.dtype,
-                           "device": stack.device, "batch_invariant": _batch_invariant(info),
-                           "policy": info.speculation.policy})
+        try:
+            with ExitStack() as running_stacks:
+                served = []
+                for label, config in zip(labels, configs):
+                    draft, *rest = shlex.split(config)
+                    grpc_port, http_port = free_ports(2)
+                    flags = ["--host", "127.0.0.1", "--port", str(grpc_port), "--http-port", str(http_port), *extra,
+                             "--draft", draft, *rest]
+                    print(f"round {round_index + 1}/{args.rounds}, starting: specserve up {shlex.join(flags)}",
+                          file=sys.stderr, flush=True)
+                    stack = running_stacks.enter_context(running_up(flags))
+                    served.append((label, stack, f"http://127.0.0.1:{http_port}/metrics"))
+                cells, infos = asyncio.run(_run_round(
+                    [(label, stack.address, metrics_url) for label, stack, metrics_url in served],
+                    prompt_sets, concurrencies, args.output_len, args.requests_per_cell, round_index))
+        except StackError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
+        results += cells
+        stacks += [{"config": label, "round": round_index, "ready_line": stack.ready_line, "dtype": stack.dtype,
+                    "device": stack.device, "batch_invariant": _batch_invariant(info), "policy": info.speculation.policy}
+                   for (label, stack, _), info in zip(served, infos)]
     machine = describe_machine(stacks[0]["dtype"], stacks[0]["device"])
     print(f"command: {shlex.join(sys.argv)}")
     print(f"machine: {json.dumps(machine)}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from bench.spec_bench import WorkloadResult, find_divergences, format_table
+from bench.spec_matrix import _labels
 
 
 def _result(config: str, round_index: int, tokens_per_s: float, outputs: list[list[int]]) -> WorkloadResult:
@@ -34,3 +35,9 @@ def test_an_output_that_changes_in_a_later_round_is_a_divergence() -> None:
     [(diverged, prompt_index, position)] = find_divergences(results)
     assert (diverged.config, diverged.round, prompt_index, position) == ("ngram", 1, 0, 2)
     assert format_table(results).splitlines()[-1].endswith("| 0/1 |")
+
+
+def test_a_configuration_given_twice_is_told_apart_in_the_matrix() -> None:
+    """`--config none --config none` measures the noise of a ratio: each gets its own column."""
+    assert _labels(["none", "ngram", "none"]) == ["none #1", "ngram", "none #2"]
+    assert _labels(["none", "default"]) == ["none", "default"]
