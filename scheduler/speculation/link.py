@@ -23,7 +23,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.requests import Request, RequestTable
 from scheduler.speculation.counters import SpecCounters
 from scheduler.speculation.acceptance import expected_accepted
-from scheduler.speculation.policy import DraftOption, SpecLimits, best_drafts, draft_caps
+from scheduler.speculation.policy import PLAN_MARGIN, DraftOption, SpecLimits, best_drafts, draft_caps
 from scheduler.speculation.views import forget_views
 from scheduler.workers import WorkerRecord, WorkerRegistry
 
@@ -116,7 +116,8 @@ class DraftLink:
         outlooks = {item.request.request_id: item.request.acceptance.outlook(caps[item.request.request_id], server)
                     for item in seqs if caps.get(item.request.request_id, 0) > 0}
         propose = self.counters.propose_cost
-        ks, base_ms = _best_drafts(target, seqs, outlooks, lambda ks: propose.predict_ms(max(ks.values()), len(ks)))
+        ks, base_ms = _best_drafts(target, seqs, outlooks, lambda ks: propose.predict_ms(max(ks.values()), len(ks)),
+                                   PLAN_MARGIN)
         # Where a longer proposal costs the draft next to nothing (a lookup), the whole cap is asked for: what of it is
         # verified is decided when it comes (`trim`), by its source's record.
         longest = propose.predict_ms(max(caps[rid] for rid in ks), len(ks)) if ks else 0.0
@@ -139,7 +140,7 @@ class DraftLink:
                 else:  # a tree's nodes at one depth are alternatives: each brings its own chance of being accepted
                     gains = r.acceptance.tree_gains(proposal.source, len(proposal.token_ids), server)
                 outlooks[r.request_id] = [(1.0, gains)]
-        ks, _ = _best_drafts(target, plan.seqs, outlooks, lambda ks: 0.0)
+        ks, _ = _best_drafts(target, plan.seqs, outlooks, lambda ks: 0.0, 0.0)
         return {rid: _first_nodes(proposal, ks[rid]) for rid, proposal in proposals.items() if ks.get(rid, 0) > 0}
 
     def propose(self, draft: WorkerRecord, target: WorkerRecord, plan: StepPlan, now_s: float) -> m.ProposeRequest:
@@ -272,7 +273,7 @@ def draft_work(request: Request, proposal: m.Proposal | None) -> DraftWork:
 
 
 def _best_drafts(target: WorkerRecord, seqs: Sequence[ScheduledSeq], outlooks: dict[str, list[tuple[float, list[float]]]],
-                 wait_ms: Callable[[dict[str, int]], float]) -> tuple[dict[str, int], float]:
+                 wait_ms: Callable[[dict[str, int]], float], margin: float) -> tuple[dict[str, int], float]:
     """k per request (none of 0) that maximises the step's expected tokens per ms, each request's drafts turning out
     as its outlook says ((chance, tokens its first k bring) per source that may answer), and the plain step's
     predicted time; ({}, 0) while the target's step time is not known."""
@@ -289,7 +290,7 @@ def _best_drafts(target: WorkerRecord, seqs: Sequence[ScheduledSeq], outlooks: d
                                                       requests[rid].grammar is not None) for n in range(longest[rid])],
                            outlook)
                for rid, outlook in outlooks.items()]
-    return best_drafts(options, sum(1 for item in seqs if item.completes), base_ms, wait_ms), base_ms
+    return best_drafts(options, sum(1 for item in seqs if item.completes), base_ms, wait_ms, margin), base_ms
 
 
 def _first_nodes(proposal: m.Proposal, n: int) -> m.Proposal:
