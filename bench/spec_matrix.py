@@ -114,6 +114,9 @@ class CellResult:
     outputs: list[list[int]] = field(repr=False)  # request i's completion token ids
 
 
+KV_CACHE_GIB = 2  # per stack unless --extra-up-args says: ample for 64 clients, and the same for every configuration
+
+
 def requests_in_cell(concurrency: int, num_prompts: int, requests_per_cell: int | None) -> int:
     """Every prompt equally often and twice the clients at least, so that the last, partly idle wave is a small part.
 
@@ -398,6 +401,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("spec_matrix: --concurrency and --requests-per-cell must be at least 1")
     configs = args.config or list(DEFAULT_CONFIGS)
     extra = shlex.split(args.extra_up_args)
+    if "--kv-cache-memory" not in extra:  # each stack's own, not a quarter of what the stacks before it left
+        extra += ["--kv-cache-memory", str(KV_CACHE_GIB)]
     prompt_sets = load_prompt_sets(args.workload or ALL_WORKLOADS)
     results: list[CellResult] = []
     stacks: list[dict[str, Any]] = []
