@@ -19,13 +19,14 @@ model follows a machine whose speed changes (a neighbour, another format, a warm
 What the steps served cannot tell apart, the worker's warm-up says. A server at one
 sequence runs nothing but one-row steps, which fix the fixed part plus one row and say
 nothing of what a second row adds; fitted to them alone, that split drifts wherever the
-ridge puts it (the price of a draft row rose from 0.6 to 1.5 ms in a few hundred steps, and
-speculation stopped where it paid). So the shapes the worker timed at warm-up (one row and
-a verify step's rows, at short and long context: `StepTiming`) stay in the fit for good,
-each worth one step, their times scaled by how the steps served compare with the warm-up's
-own fit (a machine that slowed down by half since start-up reads its warm-up at the new
-speed). Served steps outweigh them wherever they say something; a little ridge (relative
-to each term's own weight) keeps the rest solvable, and a term nothing had stays 0.
+ridge puts it (the price of a draft row rose from 0.6 to 1.5 ms in a few hundred steps, so
+whether a request speculated depended on how long the server had run). So the shapes the
+worker timed at warm-up (one row and a verify step's rows, at short and long context:
+`StepTiming`) stay in the fit for good, each worth one step, their times scaled by how the
+steps served compare with the warm-up's own fit (on a machine twice as slow as at
+start-up, the warm-up reads twice as slow). Served steps outweigh them wherever they say
+something; a little ridge (relative to each term's own weight) keeps the rest solvable,
+and a term nothing had stays 0.
 Kernels make this curve differ by machine and format: it is learned where it runs, never
 written down.
 """
