@@ -119,10 +119,12 @@ class SchedulerCollector(Collector):
                 family.add_metric([str(position)], count)
             yield family
         cost = GaugeMetricFamily("specserve_propose_ms", "What a proposal costs lately (moving average): the draft "
-                                 "service's own time (draft), and from the propose request's sending to its answer "
-                                 "(wait)", labels=["part"])
+                                 "service's own time (draft), from the propose request's sending to its answer "
+                                 "(wait), and what waiting for it added to a target's idle time between a step's "
+                                 "planning and its result (ask)", labels=["part"])
         cost.add_metric(["draft"], spec.propose_ms)
         cost.add_metric(["wait"], spec.propose_wait_ms)
+        cost.add_metric(["ask"], spec.ask_ms)
         yield cost
         yield from _source_metrics(spec)
 

@@ -278,10 +278,12 @@ class SpeculationInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # i - 1 is accepted[i] / accepted[i - 1]).
     proposed_by_position: dict[int, int] = msgspec.field(default_factory=dict)
     accepted_by_position: dict[int, int] = msgspec.field(default_factory=dict)
-    # What a proposal costs lately (moving averages): the draft service's own time, and the wait from sending the
-    # propose request to its answer.
+    # What a proposal costs lately (moving averages): the draft service's own time, the wait from sending the
+    # propose request to its answer, and what waiting for proposals added to a target's idle time between a step's
+    # planning and its result (the policy's price of an ask).
     propose_ms: float = 0.0
     propose_wait_ms: float = 0.0
+    ask_ms: float = 0.0
     # Per proposer source ("lookup", "phrases", "head", "model", "grammar": forced by a request's grammar).
     sources: dict[str, SourceAcceptance] = msgspec.field(default_factory=dict)
     policy: str = ""  # --speculation-policy

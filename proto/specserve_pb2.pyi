@@ -234,7 +234,7 @@ class Process(_message.Message):
     def __init__(self, process_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., incarnation: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., num_running: _Optional[int] = ..., failure: _Optional[str] = ..., num_kv_pages: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., num_used_kv_pages: _Optional[int] = ..., num_cached_kv_pages: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kernels: _Optional[str] = ..., num_costed_steps: _Optional[int] = ..., step_fixed_ms: _Optional[float] = ..., step_ms_per_row: _Optional[float] = ..., step_ms_per_prefill_token: _Optional[float] = ..., step_ms_per_kilo_context: _Optional[float] = ..., step_cost_error_ms: _Optional[float] = ..., batch_invariant: _Optional[bool] = ..., step_predicted_ms: _Optional[float] = ..., step_measured_ms: _Optional[float] = ..., step_ms_per_row_by_range: _Optional[_Iterable[float]] = ..., step_ms_per_constrained_row: _Optional[float] = ...) -> None: ...
 
 class Speculation(_message.Message):
-    __slots__ = ("num_draft_tokens", "num_accepted_draft_tokens", "num_verify_steps", "num_plain_decode_steps", "acceptance_rate", "mean_accepted_length", "propose_ms", "propose_wait_ms", "sources", "policy")
+    __slots__ = ("num_draft_tokens", "num_accepted_draft_tokens", "num_verify_steps", "num_plain_decode_steps", "acceptance_rate", "mean_accepted_length", "propose_ms", "propose_wait_ms", "sources", "policy", "ask_ms")
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +245,7 @@ class Speculation(_message.Message):
     PROPOSE_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    ASK_MS_FIELD_NUMBER: _ClassVar[int]
     num_draft_tokens: int
     num_accepted_draft_tokens: int
     num_verify_steps: int
@@ -255,7 +256,8 @@ class Speculation(_message.Message):
     propose_wait_ms: float
     sources: _containers.RepeatedCompositeFieldContainer[SourceAcceptance]
     policy: str
-    def __init__(self, num_draft_tokens: _Optional[int] = ..., num_accepted_draft_tokens: _Optional[int] = ..., num_verify_steps: _Optional[int] = ..., num_plain_decode_steps: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., propose_ms: _Optional[float] = ..., propose_wait_ms: _Optional[float] = ..., sources: _Optional[_Iterable[_Union[SourceAcceptance, _Mapping]]] = ..., policy: _Optional[str] = ...) -> None: ...
+    ask_ms: float
+    def __init__(self, num_draft_tokens: _Optional[int] = ..., num_accepted_draft_tokens: _Optional[int] = ..., num_verify_steps: _Optional[int] = ..., num_plain_decode_steps: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., propose_ms: _Optional[float] = ..., propose_wait_ms: _Optional[float] = ..., sources: _Optional[_Iterable[_Union[SourceAcceptance, _Mapping]]] = ..., policy: _Optional[str] = ..., ask_ms: _Optional[float] = ...) -> None: ...
 
 class SourceAcceptance(_message.Message):
     __slots__ = ("source", "num_verify_steps", "num_draft_tokens", "num_accepted_draft_tokens", "recent_rates")

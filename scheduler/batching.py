@@ -92,3 +92,5 @@ class InFlightStep:
     step_id: int
     sent_at_s: float
     seqs: list[StepSeq]  # in step order
+    planned_at_s: float  # when it was planned: for a step that waited for proposals, when they were asked for
+    asked: tuple[int, int] | None = None  # it waited for proposals: (the largest k, the sequences) asked for

@@ -122,14 +122,17 @@ class StepCycle:
         if worker is not None and worker.awaiting_proposal == pending.propose_id:
             worker.awaiting_proposal = None
             if worker.runs_steps:
-                self._send(worker, pending.plan, self._drafts.trim(worker, pending.plan, proposals), now_s)
+                asked = (max(pending.plan.num_draft_tokens.values(), default=0), len(pending.plan.num_draft_tokens))
+                self._send(worker, pending.plan, self._drafts.trim(worker, pending.plan, proposals), now_s,
+                           planned_at_s=pending.sent_at_s, asked=asked)
 
     def give_up_proposal(self, pending: PendingProposal, now_s: float, *, answer_may_come: bool) -> None:
         """Step without proposals."""
         self._drafts.give_up(pending, self._requests, answer_may_come=answer_may_come)
         self.step_after_proposal(pending, {}, now_s)
 
-    def _send(self, worker: WorkerRecord, plan: StepPlan, proposals: dict[str, m.Proposal], now_s: float) -> None:
+    def _send(self, worker: WorkerRecord, plan: StepPlan, proposals: dict[str, m.Proposal], now_s: float, *,
+              planned_at_s: float | None = None, asked: tuple[int, int] | None = None) -> None:
         # A plan that waited for proposals may have lost requests on the way (finished, aborted).
         items = [item for item in plan.seqs if worker.requests.get(item.request.request_id) is item.request]
         work = self._with_pages(worker, items, proposals, now_s)
@@ -168,7 +171,8 @@ class StepCycle:
             prompt_scores = item.num_tokens - 1 + (end < len(r.prompt_token_ids)) if scores else None
             step_seqs.append(StepSeq(r, item.num_tokens, item.completes, drafts, generation, parents, prompt_scores,
                                      r.num_computed_tokens, source))
-        worker.in_flight = InFlightStep(self._next_step_id, now_s, step_seqs)
+        worker.in_flight = InFlightStep(self._next_step_id, now_s, step_seqs,
+                                        now_s if planned_at_s is None else planned_at_s, asked)
         self._outbox.to_worker(worker.identity, m.StepRequest(self._next_step_id, worker.incarnation, seqs,
                                                               return_features=self._drafts.features_wanted))
 
@@ -227,6 +231,9 @@ class StepCycle:
         if problem := step_result_problem(step.seqs, outputs) or logprobs_problem(step.seqs, outputs, scored):
             return f"step {step.step_id}: {problem}"
         worker.in_flight = None
+        # The target's time from the step's planning to its result, less the step itself: what the scheduler, the
+        # sockets and, for a step that waited for proposals, the draft service kept it idle.
+        self._drafts.counters.stepped((now_s - step.planned_at_s) * 1000 - result.duration_ms, step.asked)
         worker.cost.observe(step_shape([(seq.num_tokens, len(seq.draft_token_ids), seq.computed_before,
                                          seq.samples and seq.request.grammar is not None)
                                         for seq in step.seqs]), result.duration_ms)

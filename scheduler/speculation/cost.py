@@ -164,9 +164,9 @@ class StepCostModel:
 
 
 class ProposeCostModel:
-    """How long a step waits for its proposals: a fixed part, a part per draft token of the longest proposal asked (a
+    """What waiting for proposals costs a step: a fixed part, a part per draft token of the longest proposal asked (a
     draft model or head runs once per position, every sequence at once) and a part per sequence asked for, fitted like
-    a step's time."""
+    a step's time to how much longer than a plain step's the target sat idle around each step that waited."""
 
     def __init__(self) -> None:
         self._fit = OnlineFit(3, 1)

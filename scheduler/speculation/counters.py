@@ -8,7 +8,7 @@ from proto import messages as m
 from scheduler.speculation.acceptance import ServerAcceptance
 from scheduler.speculation.cost import ProposeCostModel
 
-_AVERAGE_WEIGHT = 0.05  # of each new answer in the moving averages of a proposal's cost: about the last 20 count
+_AVERAGE_WEIGHT = 0.05  # of each new sample in the moving averages of a proposal's cost: about the last 20 count
 
 
 @dataclass
@@ -21,22 +21,43 @@ class SpecCounters:
     proposed_by_position: dict[int, int] = field(default_factory=dict)  # verify steps with a draft at position i
     accepted_by_position: dict[int, int] = field(default_factory=dict)  # of those, the ones that accepted it
     # What a proposal costs, as moving averages over the answers: the draft service's own time, and the wait from the
-    # request's sending to its answer (what a step that waits for it is delayed by).
+    # request's sending to its answer.
     num_proposals: int = 0
     propose_ms: float = 0.0
     propose_wait_ms: float = 0.0
+    # What waiting for proposals costs a target, as moving averages over its steps: the time from a step's planning to
+    # its result, less the step itself (idle_ms, over the steps that did not wait), and how much more that is in the
+    # steps that did (ask_ms; besides the round trip, the events that send and answer it and what runs meanwhile).
+    num_asked_steps: int = 0
+    num_plain_steps: int = 0
+    idle_ms: float = 0.0
+    ask_ms: float = 0.0
     policy: str = ""  # --speculation-policy, shown with the counters
     acceptance: ServerAcceptance = field(default_factory=ServerAcceptance)  # per source and draft position
     propose_cost: ProposeCostModel = field(default_factory=ProposeCostModel)  # the wait, by the longest proposal asked
 
-    def proposed(self, duration_ms: float, waited_ms: float, max_draft_tokens: int, num_seqs: int) -> None:
+    def proposed(self, duration_ms: float, waited_ms: float) -> None:
         if not (duration_ms >= 0.0 and waited_ms >= 0.0):  # NaN or negative: a clock that cannot be believed
             return
-        self.propose_cost.observe(max_draft_tokens, num_seqs, waited_ms)
-        weight = max(_AVERAGE_WEIGHT, 1 / (self.num_proposals + 1))  # the first answers count in full
+        weight = _weight(self.num_proposals)
         self.propose_ms += weight * (duration_ms - self.propose_ms)
         self.propose_wait_ms += weight * (waited_ms - self.propose_wait_ms)
         self.num_proposals += 1
+
+    def stepped(self, idle_ms: float, asked: tuple[int, int] | None) -> None:
+        """A target's step came back `idle_ms` after it was planned, less its own time; `asked`: it waited for proposals
+        of (the largest k, the sequences) asked for. What the wait cost is what this was beyond a plain step's, and it
+        is what the policy prices an ask at (the round trip alone leaves out the events on either side of it)."""
+        if not idle_ms == idle_ms:  # NaN: a clock that cannot be believed (below 0, the step's own clock ran ahead)
+            return
+        if asked is None:
+            self.idle_ms += _weight(self.num_plain_steps) * (idle_ms - self.idle_ms)
+            self.num_plain_steps += 1
+            return
+        cost_ms = max(0.0, idle_ms - self.idle_ms)
+        self.propose_cost.observe(*asked, cost_ms)
+        self.ask_ms += _weight(self.num_asked_steps) * (cost_ms - self.ask_ms)
+        self.num_asked_steps += 1
 
     def decide(self, k: int) -> None:
         self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
@@ -74,6 +95,12 @@ class SpecCounters:
             accepted_by_position=dict(self.accepted_by_position),
             propose_ms=round(self.propose_ms, 3),
             propose_wait_ms=round(self.propose_wait_ms, 3),
+            ask_ms=round(self.ask_ms, 3),
             sources=self.acceptance.info(m.MAX_DRAFT_TOKENS),
             policy=self.policy,
         )
+
+
+def _weight(num_before: int) -> float:
+    """Of a new sample in a moving average of `num_before` samples: the first ones count in full."""
+    return max(_AVERAGE_WEIGHT, 1 / (num_before + 1))

@@ -177,8 +177,7 @@ class DraftLink:
         pending = self._pending.pop(result.propose_id, None) or self._abandoned.pop(result.propose_id, None)
         if pending is None:
             return None
-        self.counters.proposed(result.duration_ms, (now_s - pending.sent_at_s) * 1000,
-                               max(pending.plan.num_draft_tokens.values(), default=0), len(pending.plan.num_draft_tokens))
+        self.counters.proposed(result.duration_ms, (now_s - pending.sent_at_s) * 1000)
         asked = pending.plan.num_draft_tokens
         proposals: dict[str, m.Proposal] = {}
         for proposal in result.proposals:

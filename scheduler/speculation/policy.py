@@ -7,8 +7,9 @@ per second:
     / (predicted step time with those drafts' rows + the wait for the proposals)
 
 from what was measured where it runs: the target's step time (cost.py, fitted to its steps),
-the wait for a proposal (the same kind of fit), and how often each position of a draft is
-accepted, per request and per source (acceptance.py). It is decided twice: when the step is
+the wait for a proposal (the same kind of fit, to what each step that waited for one kept
+its target idle beyond a plain step: counters.py `stepped`), and how often each position of
+a draft is accepted, per request and per source (acceptance.py). It is decided twice: when the step is
 planned, k per sequence from each request's record over all sources, which may be 0 for all
 (then no proposal is asked, and the step runs at once); and when the proposals come, each is
 cut to the length (a tree: the number of nodes) that pays, by its source's record, now that

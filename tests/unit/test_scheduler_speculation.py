@@ -374,17 +374,45 @@ def test_what_a_proposal_costs_is_averaged_over_its_answers() -> None:
     from scheduler.speculation.counters import SpecCounters
 
     counters = SpecCounters()
-    counters.proposed(4.0, 6.0, 4, 1)  # the first answer counts in full
+    counters.proposed(4.0, 6.0)  # the first answer counts in full
     assert (counters.propose_ms, counters.propose_wait_ms) == (4.0, 6.0)
-    counters.proposed(8.0, 10.0, 4, 1)
+    counters.proposed(8.0, 10.0)
     assert (counters.propose_ms, counters.propose_wait_ms) == (6.0, 8.0)
     for _ in range(200):
-        counters.proposed(2.0, 3.0, 4, 1)
+        counters.proposed(2.0, 3.0)
     assert counters.propose_ms == pytest.approx(2.0, abs=1e-3) and counters.propose_wait_ms == pytest.approx(3.0, abs=1e-3)
-    counters.proposed(float("nan"), 1.0, 4, 1)  # a clock that cannot be believed
+    counters.proposed(float("nan"), 1.0)  # a clock that cannot be believed
     assert counters.num_proposals == 202
     spec = counters.info()
     assert (spec.propose_ms, spec.propose_wait_ms) == (2.0, 3.0)
+
+
+def test_an_ask_is_priced_at_what_it_kept_the_target_idle_beyond_a_plain_step() -> None:
+    """Steps of 10 ms. A plain step's result comes 0.2 ms after its own time (the scheduler, the sockets); a step that
+    waited for proposals was sent 1 ms after it was planned (the round trip) and its result comes 1 ms later than a
+    plain one's would (the events on either side of the round trip, a gateway that ran meanwhile). The round trip says
+    1 ms; what the target lost, and what the policy prices an ask at, is 2 ms."""
+    sim = Sim(speculation_policy="fixed", num_speculative_tokens=4)
+    worker = sim.worker()
+    worker.step_ms = lambda step: 10.0
+    worker.start()
+    draft = sim.draft("d0").start()
+    sim.submit("a", prompt(3), max_tokens=60)
+    sim.advance(0.0102)
+    worker.complete({"a": [7]})  # the prefill: a plain step
+    for _ in range(10):
+        asked = draft.pending_propose()
+        assert asked is not None
+        sim.advance(0.001)
+        draft.answer({"a": [8] * asked.seqs[0].num_tokens})
+        sim.advance(0.0112)
+        worker.complete({"a": [8]})
+    counters = sim.core._drafts.counters
+    assert counters.idle_ms == pytest.approx(0.2)
+    assert counters.propose_wait_ms == pytest.approx(1.0)
+    assert counters.ask_ms == pytest.approx(2.0)
+    assert counters.propose_cost.predict_ms(4, 1) == pytest.approx(2.0, abs=0.01)
+    assert sim.info().speculation is not None and sim.info().speculation.ask_ms == pytest.approx(2.0)
 
 
 def test_a_trees_positions_are_its_depths() -> None:
