@@ -234,6 +234,7 @@ class StepCycle:
         # The target's time from the step's planning to its result, less the step itself: what the scheduler, the
         # sockets and, for a step that waited for proposals, the draft service kept it idle.
         self._drafts.counters.stepped((now_s - step.planned_at_s) * 1000 - result.duration_ms, step.asked)
+        worker.explore.earn(result.duration_ms)
         worker.cost.observe(step_shape([(seq.num_tokens, len(seq.draft_token_ids), seq.computed_before,
                                          seq.samples and seq.request.grammar is not None)
                                         for seq in step.seqs]), result.duration_ms)

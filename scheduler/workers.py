@@ -16,6 +16,7 @@ from proto.lifecycle import INIT_PHASES, TERMINAL, TRANSITIONS, IllegalTransitio
 from scheduler.batching import InFlightStep
 from scheduler.requests import Request
 from scheduler.speculation.cost import StepCostModel
+from scheduler.speculation.policy import ExploreBudget
 
 # The moves the scheduler makes on its records: every reported one, and a verdict on any live process.
 SCHEDULER_TRANSITIONS: dict[State, frozenset[State]] = {
@@ -46,6 +47,7 @@ class WorkerRecord:
     kernels: str = ""  # which kernels its model runs on, as its READY report said
     batch_invariant: bool | None = None  # a target's READY report: whether its steps are batch invariant
     cost: StepCostModel = field(default_factory=StepCostModel)  # its step time, fitted to the steps it ran
+    explore: ExploreBudget = field(default_factory=ExploreBudget)  # what asks its estimates do not call for may spend
     suspect_turn: bool = False  # the last step planned here ran a suspect request alone (stepping._step_candidates)
     failure: str = ""
 

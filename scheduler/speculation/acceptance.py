@@ -12,17 +12,21 @@ accepted tokens, besides the one token every step makes.
 Rates are kept per proposer source ("lookup", "phrases", "head", "model", as the draft
 service names its proposals) for the whole server, and per request: a request starts at the
 server's rates for the source, worth PRIOR_STEPS verify steps of its own, then follows its
-own steps. The policy reads the first position's rate optimistically (the mean plus half a
-standard error) and the others at their means, so a request with little history is tried,
-and one whose drafts were rejected is tried again after a while: its own record fades with every step that offered it nothing (FADE), back
-toward the server's rates, and the server's records fade with every decode step without
-drafts (FADE_SERVER), back toward 1/2, so that a server that stopped speculating tries again.
+own steps. Its own record fades with every step that offered it nothing (FADE), back toward
+the server's rates, and the server's records fade with every decode step without drafts
+(FADE_SERVER), back toward 1/2.
 
 Which source will answer is known only when the answer comes, so before a step each request
 has an outlook (`RequestAcceptance.outlook`): per source, the chance it answers (how often
 the draft found anything for the request, and which sources answered it lately) and what
-its drafts bring. The chance of an answer is read at its mean, not optimistically, except
-before the request's first ask: an ask that finds nothing holds the step up for nothing.
+its drafts bring.
+
+Every rate and chance is read at its mean. An optimistic reading (the mean plus half a
+standard error) was how a request got tried again, and it cost: multiplied down a chain it
+promised 2.4 tokens where the means promised 1.4 (six positions at 0.6 from two steps), and
+on two cores, where an ask costs a float32 step a quarter of its time, free chat with the
+default draft ran at 0.92x. Trying is now the policy's, apart and bounded (policy.py
+`ExploreBudget`); `unasked_steps` says how long a request has gone without.
 """
 
 from __future__ import annotations
@@ -36,7 +40,6 @@ FORGET_SERVER = 0.995  # per verify step of a source: about its last 200 count s
 FORGET_REQUEST = 0.9  # per verify step of a request: about its last 10 count
 FADE = 0.95  # per decode step of a request without drafts: its record weighs this much less
 FADE_SERVER = 0.997  # per decode step without drafts, of any request: the server's records weigh this much less
-OPTIMISM = 0.5  # standard errors added to a request's rate
 PRIOR_STEPS = 1.0  # what the server's rates weigh in a request's, in verify steps
 ANY = ""  # the record over all sources (what the plan, made before the proposal, reads)
 GRAMMAR = "grammar"  # tokens a request's grammar forces: always accepted, counted apart, never in ANY
@@ -72,15 +75,6 @@ class PositionRates:
         reached = self.weight(position)
         accepted = self.accepted[position] if position < len(self.accepted) else 0.0
         return (accepted + prior_weight * prior) / (reached + prior_weight)
-
-
-def optimistic(mean: float, weight: float) -> float:
-    """The mean plus half a standard error of a rate measured over `weight` steps (at most 1): enough to try a request
-    with little history, not so much that many such requests at once make a large step speculate on hope."""
-    # The spread is at least that of a rate seen in one of weight + 2 steps: a mean of 0 (or 1) from a few steps is no
-    # certainty, and a request whose every try failed is still tried again once its record has faded.
-    spread = max(mean * (1.0 - mean), 1.0 / (weight + 2.0))
-    return min(1.0, mean + OPTIMISM * math.sqrt(spread / (weight + 1.0)))
 
 
 def expected_accepted(rates: list[float]) -> list[float]:
@@ -191,8 +185,11 @@ class RequestAcceptance:
     by_source: dict[str, PositionRates] = field(default_factory=dict)
     found: PositionRates = field(default_factory=PositionRates)  # of its proposals asked for, those that came non-empty
     answered_by: dict[str, float] = field(default_factory=dict)  # of its proposals, the share each source made
+    unasked_steps: float = math.inf  # its decode steps since the draft service last answered for it (inf: never)
+    exploring: bool = False  # asked for in this step though its estimates did not call for it (policy.py `explored`)
 
     def asked(self, source: str | None) -> None:
+        self.unasked_steps = 0.0
         self.found.observe(1, int(source is not None), FORGET_REQUEST)
         if source is not None:
             _count(self.answered_by, source, FORGET_REQUEST)
@@ -202,13 +199,7 @@ class RequestAcceptance:
         the chance it does, and the tokens its first k drafts (nodes of a tree) are expected to bring, k = 0 ..
         num_positions. The chances sum to the chance the draft finds anything; which source answers is not known
         when the step is planned (prompt lookup matches or it does not), and each answer is cut to what pays."""
-        # Whether the draft finds anything is read at its mean once the request was asked: its optimistic reading
-        # (a thin record's, as a request's is between asks) had prompt lookup asked in most steps of free chat and
-        # code, where it finds something in one step of ten and each ask holds the step up. A request never asked
-        # yet is, to learn what it is like (an editing request after a run of chat).
         found = self.found.mean(0, server.found_rate(), PRIOR_STEPS)
-        if not self.found.reached:
-            found = optimistic(found, 0.0)
         own = sum(self.answered_by.values())
         theirs = sum(server.answered_by.values())
         shares = {source: (self.answered_by.get(source, 0.0) + PRIOR_STEPS * count / theirs) / (own + PRIOR_STEPS)
@@ -227,7 +218,8 @@ class RequestAcceptance:
             self.by_source.setdefault(key, PositionRates()).observe(depth, num_accepted, FORGET_REQUEST)
 
     def fade(self) -> None:
-        """A decode step that offered it no draft: what it showed weighs less, so it is tried again in time."""
+        """A decode step that offered it no draft: what it showed weighs less."""
+        self.unasked_steps += 1
         for rates in (*self.by_source.values(), self.found):
             rates.scale(FADE)
         for source in self.answered_by:
@@ -244,18 +236,9 @@ class RequestAcceptance:
 
     def rates(self, source: str, num_positions: int, server: ServerAcceptance) -> list[float]:
         """The rate at each of the first `num_positions` positions, for drafts from `source` (ANY: from whichever source
-        serves it next): the first read optimistically, the rest at their means.
-
-        Optimism is there to try a request again; whether it is tried turns on its first position. At the positions
-        after it, each optimistic rate multiplies the ones before it: at rates of 0.6 from a request's few steps, six
-        positions read optimistically promise 2.4 tokens where their means promise 1.4, and the step verifies rows
-        that do not pay."""
+        serves it next)."""
         own = self.by_source.get(source) or PositionRates()
-        result = []
-        for position in range(num_positions):
-            mean = own.mean(position, server.rate(source, position), PRIOR_STEPS)
-            result.append(optimistic(mean, own.weight(position)) if position == 0 else mean)
-        return result
+        return [own.mean(position, server.rate(source, position), PRIOR_STEPS) for position in range(num_positions)]
 
 
 def _known(source: str) -> str:

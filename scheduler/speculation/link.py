@@ -23,7 +23,8 @@ from scheduler.config import SchedulerConfig
 from scheduler.requests import Request, RequestTable
 from scheduler.speculation.counters import SpecCounters
 from scheduler.speculation.acceptance import expected_accepted
-from scheduler.speculation.policy import PLAN_MARGIN, DraftOption, SpecLimits, best_drafts, draft_caps
+from scheduler.speculation.policy import (PLAN_MARGIN, DraftOption, SpecLimits, Unasked, best_drafts, draft_caps,
+                                          explored)
 from scheduler.speculation.views import forget_views
 from scheduler.workers import WorkerRecord, WorkerRegistry
 
@@ -110,14 +111,24 @@ class DraftLink:
 
     def _paying(self, target: WorkerRecord, seqs: Sequence[ScheduledSeq], caps: dict[str, int]) -> dict[str, int]:
         """Of the caps, the k that maximise the step's expected tokens per second, by each request's record over all
-        sources and the wait for a proposal (policy.py); empty: plain decoding pays best, or the target's step time is
-        not known yet."""
+        sources and the wait for a proposal (policy.py), and the requests asked for to try them (`explored`); empty:
+        plain decoding pays best, or the target's step time is not known yet."""
         server = self.counters.acceptance
         outlooks = {item.request.request_id: item.request.acceptance.outlook(caps[item.request.request_id], server)
                     for item in seqs if caps.get(item.request.request_id, 0) > 0}
         propose = self.counters.propose_cost
         ks, base_ms = _best_drafts(target, seqs, outlooks, lambda ks: propose.predict_ms(max(ks.values()), len(ks)),
                                    PLAN_MARGIN)
+        if base_ms > 0.0:
+            row_ms = target.cost.row_ms(len(seqs), 1)
+            candidates = [Unasked(item.request.request_id, item.request.acceptance.unasked_steps,
+                                  target.cost.extra_ms(1, item.request.num_computed_tokens, row_ms,
+                                                       item.request.grammar is not None))
+                          for item in seqs if item.request.request_id in outlooks and item.request.request_id not in ks]
+            trying = explored(candidates, propose.predict_ms(max(caps.values()), 1), target.explore, bool(ks))
+            for item in seqs:
+                item.request.acceptance.exploring = item.request.request_id in trying
+            ks.update({rid: caps[rid] for rid in trying})
         # Where a longer proposal costs the draft next to nothing (a lookup), the whole cap is asked for: what of it is
         # verified is decided when it comes (`trim`), by its source's record.
         longest = propose.predict_ms(max(caps[rid] for rid in ks), len(ks)) if ks else 0.0
@@ -141,6 +152,9 @@ class DraftLink:
                     gains = r.acceptance.tree_gains(proposal.source, len(proposal.token_ids), server)
                 outlooks[r.request_id] = [(1.0, gains)]
         ks, _ = _best_drafts(target, plan.seqs, outlooks, lambda ks: 0.0, 0.0)
+        for item in plan.seqs:  # one asked for to try it has a draft token verified at least, or nothing is learned
+            if item.request.acceptance.exploring and item.request.request_id in proposals:
+                ks[item.request.request_id] = max(ks.get(item.request.request_id, 0), 1)
         return {rid: _first_nodes(proposal, ks[rid]) for rid, proposal in proposals.items() if ks.get(rid, 0) > 0}
 
     def propose(self, draft: WorkerRecord, target: WorkerRecord, plan: StepPlan, now_s: float) -> m.ProposeRequest:

@@ -23,6 +23,12 @@ it wins (prompt lookup on code at c = 4 asked in 90% of the steps for an expecte
 a few percent, and ran at 0.91x of plain decoding). A proposal in hand is verified if it
 pays at all.
 
+The estimates are means, so what they say no to is never tried again by them. Trying is
+apart and bounded (`ExploreBudget`, `explored`): while the target's explore budget
+(EXPLORE_SHARE of its step time) holds, a new request is asked for at its first decode
+step, and the others by turns, at least one draft token of each verified. Where drafts
+never pay, that share is what speculation costs.
+
 Caps, not the decision: `--num-speculative-tokens` (and the target's and the draft's
 limits), `--spec-disable-batch-threshold` (a step of more sequences never speculates),
 `--spec-draft-token-budget` (the draft tokens of one step, shared evenly), the step's token
@@ -34,6 +40,7 @@ budget, max_tokens and the context.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -41,6 +48,8 @@ from scheduler.batching import ScheduledSeq
 
 _MAX_ROUNDS = 6  # Dinkelbach rounds at most (it settles in two or three)
 PLAN_MARGIN = 0.05  # what asking for proposals must be expected to gain over plain decoding, as a share of its rate
+EXPLORE_SHARE = 0.015  # of a target's step time, what asks its estimates do not call for may take
+_EXPLORE_HOLD_MS = 1000.0  # the explore budget holds at most this much step time's earnings
 
 
 @dataclass(frozen=True)
@@ -122,3 +131,50 @@ def best_drafts(options: Sequence[DraftOption], base_tokens: float, base_ms: flo
         if rate > best_rate:
             best, best_rate = ks, rate
     return best
+
+
+class ExploreBudget:
+    """What a target may spend on asks for proposals that its estimates do not call for.
+
+    The estimates are means: a request whose drafts stopped paying is not asked again by
+    them, and whether its drafts pay again (the copying part of an answer, after a part of
+    its own) shows only if it is asked; nor do they ask for a new request that the server's
+    record says no to (an editing request after a run of chat). So it earns EXPLORE_SHARE
+    of each of the target's steps, holds at most _EXPLORE_HOLD_MS of steps' earnings (it
+    starts full), and pays what such asks cost: the wait for the answer, where the step
+    would not have waited, and a draft row of each request asked (`explored`)."""
+
+    def __init__(self) -> None:
+        self.balance_ms = EXPLORE_SHARE * _EXPLORE_HOLD_MS
+
+    def earn(self, step_ms: float) -> None:
+        if step_ms > 0.0:
+            self.balance_ms = min(EXPLORE_SHARE * _EXPLORE_HOLD_MS, self.balance_ms + EXPLORE_SHARE * step_ms)
+
+
+@dataclass(frozen=True)
+class Unasked:
+    """A request the step's estimates did not ask for: how many of its decode steps went by since its last ask (inf:
+    never asked), and what one draft row of it costs the step."""
+
+    key: str
+    steps_since_ask: float
+    row_ms: float
+
+
+def explored(candidates: Sequence[Unasked], wait_ms: float, budget: ExploreBudget, asking: bool) -> list[str]:
+    """Of the requests a step's estimates did not ask for, the ones asked for anyway, the budget charged: those never
+    asked first, then the longest unasked, each while the budget holds a draft row of it and the wait (unless the step
+    is `asking` already, or one before it pays that). A request asked before must leave the budget what one never
+    asked would need, so that a new request is learned at once."""
+    chosen: list[str] = []
+    for candidate in sorted(candidates, key=lambda c: -c.steps_since_ask):
+        if candidate.steps_since_ask < 1:
+            break
+        cost = candidate.row_ms + (0.0 if asking or chosen else wait_ms)
+        reserve = 0.0 if math.isinf(candidate.steps_since_ask) else wait_ms + candidate.row_ms
+        if budget.balance_ms < cost + reserve:
+            break
+        budget.balance_ms -= cost
+        chosen.append(candidate.key)
+    return chosen
