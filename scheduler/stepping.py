@@ -233,7 +233,8 @@ class StepCycle:
         worker.in_flight = None
         # The target's time from the step's planning to its result, less the step itself: what the scheduler, the
         # sockets and, for a step that waited for proposals, the draft service kept it idle.
-        self._drafts.counters.stepped((now_s - step.planned_at_s) * 1000 - result.duration_ms, step.asked)
+        self._drafts.counters.stepped((now_s - step.planned_at_s) * 1000 - result.duration_ms, step.asked,
+                                      (step.sent_at_s - step.planned_at_s) * 1000)
         worker.explore.earn(result.duration_ms)
         worker.cost.observe(step_shape([(seq.num_tokens, len(seq.draft_token_ids), seq.computed_before,
                                          seq.samples and seq.request.grammar is not None)

@@ -12,9 +12,9 @@ accepted tokens, besides the one token every step makes.
 Rates are kept per proposer source ("lookup", "phrases", "head", "model", as the draft
 service names its proposals) for the whole server, and per request: a request starts at the
 server's rates for the source, worth PRIOR_STEPS verify steps of its own, then follows its
-own steps. Its own record fades with every step that offered it nothing (FADE), back toward
-the server's rates, and the server's records fade with every decode step without drafts
-(FADE_SERVER), back toward 1/2.
+own steps. Neither fades while nothing is verified: a record fading back toward the
+server's rates (or the server's toward 1/2) made every request that stopped speculating look
+worth asking again after a dozen steps, a retry nobody paid for.
 
 Which source will answer is known only when the answer comes, so before a step each request
 has an outlook (`RequestAcceptance.outlook`): per source, the chance it answers (how often
@@ -38,8 +38,6 @@ from proto import messages as m
 
 FORGET_SERVER = 0.995  # per verify step of a source: about its last 200 count server-wide
 FORGET_REQUEST = 0.9  # per verify step of a request: about its last 10 count
-FADE = 0.95  # per decode step of a request without drafts: its record weighs this much less
-FADE_SERVER = 0.997  # per decode step without drafts, of any request: the server's records weigh this much less
 PRIOR_STEPS = 1.0  # what the server's rates weigh in a request's, in verify steps
 ANY = ""  # the record over all sources (what the plan, made before the proposal, reads)
 GRAMMAR = "grammar"  # tokens a request's grammar forces: always accepted, counted apart, never in ANY
@@ -153,12 +151,6 @@ class ServerAcceptance:
         first = self.rate(source, 0)
         return [rates.mean(node, first / 2 ** node, 1.0) for node in range(num_nodes)]
 
-    def fade(self) -> None:
-        """A decode step without drafts: where nobody speculates, the rates drift back to 1/2, so it is tried again."""
-        for rates in (*self.by_source.values(), *self.by_node.values(), self.found):
-            rates.scale(FADE_SERVER)
-        self._rates.clear()
-
     def rate(self, source: str, position: int) -> float:
         """The server's rate at `position` for `source` (1/2 for a source it has not seen: another source's record says
         nothing about it; at a position no step reached, the one before's)."""
@@ -217,13 +209,9 @@ class RequestAcceptance:
         for key in {source, ANY}:
             self.by_source.setdefault(key, PositionRates()).observe(depth, num_accepted, FORGET_REQUEST)
 
-    def fade(self) -> None:
-        """A decode step that offered it no draft: what it showed weighs less."""
+    def plain_step(self) -> None:
+        """A decode step that verified no draft of it."""
         self.unasked_steps += 1
-        for rates in (*self.by_source.values(), self.found):
-            rates.scale(FADE)
-        for source in self.answered_by:
-            self.answered_by[source] *= FADE
 
     def tree_gains(self, source: str, num_nodes: int, server: ServerAcceptance) -> list[float]:
         """The tokens a tree from `source` is expected to bring with its first n nodes, n = 0 .. num_nodes: the sum of

@@ -44,17 +44,18 @@ class SpecCounters:
         self.propose_wait_ms += weight * (waited_ms - self.propose_wait_ms)
         self.num_proposals += 1
 
-    def stepped(self, idle_ms: float, asked: tuple[int, int] | None) -> None:
-        """A target's step came back `idle_ms` after it was planned, less its own time; `asked`: it waited for proposals
-        of (the largest k, the sequences) asked for. What the wait cost is what this was beyond a plain step's, and it
-        is what the policy prices an ask at (the round trip alone leaves out the events on either side of it)."""
+    def stepped(self, idle_ms: float, asked: tuple[int, int] | None, waited_ms: float = 0.0) -> None:
+        """A target's step came back `idle_ms` after it was planned, less its own time; `asked`: it waited `waited_ms`
+        for proposals of (the largest k, the sequences) asked for. What the wait cost is what this was beyond a plain
+        step's, and no less than the wait itself (plain steps include prefills, whose events take longer), and it is what
+        the policy prices an ask at (the round trip alone leaves out the events on either side of it)."""
         if not idle_ms == idle_ms:  # NaN: a clock that cannot be believed (below 0, the step's own clock ran ahead)
             return
         if asked is None:
             self.idle_ms += _weight(self.num_plain_steps) * (idle_ms - self.idle_ms)
             self.num_plain_steps += 1
             return
-        cost_ms = max(0.0, idle_ms - self.idle_ms)
+        cost_ms = max(0.0, waited_ms, idle_ms - self.idle_ms)
         self.propose_cost.observe(*asked, cost_ms)
         self.ask_ms += _weight(self.num_asked_steps) * (cost_ms - self.ask_ms)
         self.num_asked_steps += 1
@@ -80,7 +81,6 @@ class SpecCounters:
                 self.accepted_by_position[position] = self.accepted_by_position.get(position, 0) + 1
         else:
             self.num_plain_decode_steps += 1
-            self.acceptance.fade()
 
     def info(self) -> m.SpeculationInfo:
         return m.SpeculationInfo(

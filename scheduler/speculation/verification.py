@@ -76,6 +76,6 @@ def record_verification(request: Request, seq: StepSeq, output: m.SeqOutput, cou
         counters.record(num_drafts, num_accepted, depth, seq.draft_source,
                         output.accepted_nodes if seq.draft_parents is not None else None)
         if not num_drafts:
-            request.acceptance.fade()
+            request.acceptance.plain_step()
         elif seq.draft_source != GRAMMAR:
             request.acceptance.observe(seq.draft_source, depth, num_accepted)

@@ -413,6 +413,11 @@ def test_an_ask_is_priced_at_what_it_kept_the_target_idle_beyond_a_plain_step() 
     assert counters.ask_ms == pytest.approx(2.0)
     assert counters.propose_cost.predict_ms(4, 1) == pytest.approx(2.0, abs=0.01)
     assert sim.info().speculation is not None and sim.info().speculation.ask_ms == pytest.approx(2.0)
+    # Plain steps whose events took longer (prefills) do not make an ask look cheaper than its wait.
+    counters.idle_ms = 5.0
+    for _ in range(100):
+        counters.stepped(4.0, (4, 1), 1.0)
+    assert counters.propose_cost.predict_ms(4, 1) == pytest.approx(1.0, abs=0.05)
 
 
 def test_a_trees_positions_are_its_depths() -> None:
