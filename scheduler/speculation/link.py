@@ -23,8 +23,8 @@ from scheduler.config import SchedulerConfig
 from scheduler.requests import Request, RequestTable
 from scheduler.speculation.counters import SpecCounters
 from scheduler.speculation.acceptance import expected_accepted
-from scheduler.speculation.policy import (PLAN_MARGIN, DraftOption, SpecLimits, Unasked, best_drafts, draft_caps,
-                                          explored)
+from scheduler.speculation.policy import (PLAN_MARGIN, DraftOption, SpecLimits, Unasked, best_drafts, beyond_reach,
+                                          draft_caps, explored)
 from scheduler.speculation.views import forget_views
 from scheduler.workers import WorkerRecord, WorkerRegistry
 
@@ -298,12 +298,16 @@ def _best_drafts(target: WorkerRecord, seqs: Sequence[ScheduledSeq], outlooks: d
     longest = {rid: max(len(gains) for _, gains in outlook) for rid, outlook in outlooks.items()}
     # Rows cost by where the step stands on the curve: its own rows, and the drafts that may join them.
     row_ms = target.cost.row_ms(shape.decode_rows, sum(n - 1 for n in longest.values()))
+    base_tokens = sum(1 for item in seqs if item.completes)
+    # An ask waits at least what one token of one sequence does (the wait's fitted parts are never negative).
+    if beyond_reach(outlooks.values(), base_tokens / base_ms * (1 + margin), row_ms, wait_ms({"": 1})):
+        return {}, base_ms
     requests = {item.request.request_id: item.request for item in seqs}
     options = [DraftOption(rid, [target.cost.extra_ms(n, requests[rid].num_computed_tokens, row_ms,
                                                       requests[rid].grammar is not None) for n in range(longest[rid])],
                            outlook)
                for rid, outlook in outlooks.items()]
-    return best_drafts(options, sum(1 for item in seqs if item.completes), base_ms, wait_ms, margin), base_ms
+    return best_drafts(options, base_tokens, base_ms, wait_ms, margin), base_ms
 
 
 def _first_nodes(proposal: m.Proposal, n: int) -> m.Proposal:

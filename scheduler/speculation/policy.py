@@ -41,15 +41,15 @@ budget, max_tokens and the context.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from scheduler.batching import ScheduledSeq
 
 _MAX_ROUNDS = 6  # Dinkelbach rounds at most (it settles in two or three)
 PLAN_MARGIN = 0.05  # what asking for proposals must be expected to gain over plain decoding, as a share of its rate
-EXPLORE_SHARE = 0.015  # of a target's step time, what asks its estimates do not call for may take
-_EXPLORE_HOLD_MS = 1000.0  # the explore budget holds at most this much step time's earnings
+EXPLORE_SHARE = 0.01  # of a target's step time, what asks its estimates do not call for may take
+_EXPLORE_HOLD_MS = 1500.0  # the explore budget holds at most this much step time's earnings
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,20 @@ def best_drafts(options: Sequence[DraftOption], base_tokens: float, base_ms: flo
         if rate > best_rate:
             best, best_rate = ks, rate
     return best
+
+
+def beyond_reach(outlooks: Iterable[Sequence[tuple[float, Sequence[float]]]], rate: float, row_ms: float,
+                 wait_ms: float) -> bool:
+    """Whether no k of these sequences' can make a step beat `rate` (tokens per ms), so that `best_drafts` would find
+    nothing: a way a proposal may turn out (chance, gains) brings at most its largest gain of one more draft per row,
+    each row costs at least `row_ms`, and an ask waits at least `wait_ms`. A shortcut with the same answer, for the
+    steps (most, where drafts do not pay) that would otherwise price every k of every sequence."""
+    most = 0.0
+    for outlook in outlooks:
+        for chance, gains in outlook:
+            step = max((after - before for before, after in zip(gains, gains[1:])), default=0.0)
+            most += chance * (len(gains) - 1) * max(0.0, step - rate * row_ms)
+    return most <= rate * wait_ms
 
 
 class ExploreBudget:

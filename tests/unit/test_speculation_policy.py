@@ -8,13 +8,15 @@ proposals are right or wrong as the test says.
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable
 
 import pytest
 
 from proto import messages as m
 from scheduler.speculation.acceptance import ANY, RequestAcceptance, ServerAcceptance, expected_accepted
-from scheduler.speculation.policy import EXPLORE_SHARE, PLAN_MARGIN, DraftOption, ExploreBudget, Unasked, best_drafts, explored
+from scheduler.speculation.policy import (EXPLORE_SHARE, PLAN_MARGIN, DraftOption, ExploreBudget, Unasked, best_drafts,
+                                          beyond_reach, explored)
 from tests.unit.scheduler_fakes import DEFAULT_TOKEN, FakeDraft, FakeWorker, Sim, prompt
 
 SCRIPT = list(range(11, 11 + 200))
@@ -44,6 +46,34 @@ def test_k_follows_acceptance_and_the_wait_for_proposals_can_make_plain_decoding
     ks = best_drafts(options, 3, 10.0, lambda ks: 2.0)
     assert "poor" not in ks and ks["good"] > ks.get("fair", 0) >= 1
     assert best_drafts(options, 3, 10.0, lambda ks: 30.0) == {}
+
+
+def test_the_shortcut_past_the_choice_never_skips_a_step_that_would_speculate() -> None:
+    """`beyond_reach` says a step cannot pay only where `best_drafts` finds nothing either, over random outlooks (a
+    request's drafts found or not, from two sources, chains at rates 0-1), row prices and waits; and it does say so for
+    most of the steps where nothing pays."""
+    rng = random.Random(7)
+    skipped = empty = 0
+    for _ in range(3000):
+        num_seqs = rng.randint(1, 4)
+        base_ms, row_ms = rng.uniform(3.0, 15.0), rng.uniform(0.05, 3.0)
+        fixed_wait, wait_per_token = rng.uniform(0.0, 2.0), rng.uniform(0.0, 0.3)
+        outlooks = {}
+        for i in range(num_seqs):
+            found = rng.random()
+            share = rng.random()
+            k = rng.randint(1, 6)
+            outlooks[f"r{i}"] = [(found * share, expected_accepted([rng.random() ** 2 for _ in range(k)])),
+                                 (found * (1 - share), expected_accepted([rng.random() ** 3 for _ in range(k)]))]
+        options = [DraftOption(key, [row_ms * n + 0.01 * n * n for n in range(len(outlook[0][1]))], outlook)
+                   for key, outlook in outlooks.items()]
+        wait = lambda ks: fixed_wait + wait_per_token * max(ks.values())  # noqa: E731
+        chosen = best_drafts(options, num_seqs, base_ms, wait, PLAN_MARGIN)
+        empty += not chosen
+        if beyond_reach(outlooks.values(), num_seqs / base_ms * (1 + PLAN_MARGIN), row_ms, wait({"": 1})):
+            assert chosen == {}
+            skipped += 1
+    assert skipped > empty / 2
 
 
 def test_the_answer_maximises_tokens_per_ms_over_every_choice() -> None:
