@@ -13,8 +13,10 @@ rows almost for free, and one line through every row count would price a verify 
 few extra rows at what rows cost in a step of 64.
 
 The coefficients are fitted to every `StepResult.duration_ms` by least squares with
-exponential forgetting (each step weighs FORGET times what the one after it does), so the
-model follows a machine whose speed changes (a neighbour, another format, a warm cache).
+exponential forgetting, kept apart by region (`region_of`: steps of up to 8 decode rows,
+up to 32, more, and steps with prompt tokens). A step makes the steps of its own region
+count FORGET times less, and the others only FORGET_ELSEWHERE times less: what one-row
+steps cost stays known through a run of 64-row steps.
 
 What the steps served cannot tell apart, the worker's warm-up says. A server at one
 sequence runs nothing but one-row steps, which fix the fixed part plus one row and say
@@ -22,59 +24,102 @@ nothing of what a second row adds; fitted to them alone, that split drifts where
 ridge puts it (the price of a draft row rose from 0.6 to 1.5 ms in a few hundred steps, so
 whether a request speculated depended on how long the server had run). So the shapes the
 worker timed at warm-up (one row and a verify step's rows, at short and long context:
-`StepTiming`) stay in the fit for good, each worth one step, their times scaled by how the
-steps served compare with the warm-up's own fit (on a machine twice as slow as at
-start-up, the warm-up reads twice as slow). Served steps outweigh them wherever they say
-something; a little ridge (relative to each term's own weight) keeps the rest solvable,
-and a term nothing had stays 0.
+`StepTiming`) stay in the fit for good, each worth one step. Served steps outweigh them
+wherever they say something; a little ridge (relative to each term's own weight) keeps the
+rest solvable, and a term nothing had stays 0.
+
+The model follows a machine whose speed changes (a neighbour, another format, a warm
+cache) by a speed per region: how much slower than the warm-up's own fit its last few
+steps ran. Served steps are kept at the warm-up's speed (divided by their region's speed
+as it was), the fit is solved there, and read at the speed of the region of the step
+asked about. 64-row steps that run slower than the fit's lines say (a busy client on the
+same cores) then do not make a one-row step look slow.
 Kernels make this curve differ by machine and format: it is learned where it runs, never
 written down.
 """
 
 from __future__ import annotations
 
-from common.step_shape import StepShape, row_terms
+from common.step_shape import ROW_KNOTS, StepShape, row_terms
 
-FORGET = 0.98  # the weight of a step, relative to the next one's: about the last 50 steps count
+FORGET = 0.98  # the weight of a step, relative to the next one's in its region: about the last 50 steps count
+FORGET_ELSEWHERE = 0.998  # the same, relative to a step in another region (region_of): about the last 500
+ELSEWHERE_WEIGHT = 0.05  # what a step weighs in the fit of another region than its own
 RIDGE = 1e-4  # pulls the coefficients toward zero where the steps seen say little about them
 MIN_STEPS = 4  # steps seen (a worker's warm-up timings among them) before the model predicts anything
+_NUM_REGIONS = 4  # region_of's
 _NUM_TERMS = 7  # fixed, three row slopes, per constrained row, per prefill token, per thousand attended positions
+
+
+def region_of(shape: StepShape) -> int:
+    """Which steps a step's forgetting is kept among (`OnlineFit`): those that compute prompt tokens (3), else by decode
+    rows, at ROW_KNOTS (0: up to the first knot, 1: up to the second, 2: beyond)."""
+    if shape.prefill_tokens:
+        return 3
+    return sum(shape.decode_rows > knot for knot in ROW_KNOTS)
 
 
 class OnlineFit:
     """y as a linear function of a few terms, each coefficient at least 0, fitted by least squares with forgetting, and
-    lasting samples (`observe_lasting`) that never fade, their y scaled to the speed the others show."""
+    lasting samples (`observe_lasting`) that never fade, their y scaled to the speed the others show.
 
-    def __init__(self, num_terms: int, min_samples: int) -> None:
+    Samples fall in regions (a step's: `region_of`), and each region has a fit of its own: its samples, the other
+    regions' at ELSEWHERE_WEIGHT, and the lasting samples. A sample makes its own region forget at FORGET, the others
+    at FORGET_ELSEWHERE. One line through every shape cannot follow the steps of 64 sequences (their fixed part, rows
+    and attention move together, and a busy client shares the cores) and one row's alike: fitted to both, a few
+    seconds at 64 sequences left a fit that put a one-row step at 12-30 ms where it took 4.5, and the requests of the
+    next quiet seconds were asked for drafts whose rows it priced at nothing."""
+
+    def __init__(self, num_terms: int, min_samples: int, num_regions: int = 1) -> None:
         self._num_terms, self._min_samples = num_terms, min_samples
-        self._gram = [[0.0] * num_terms for _ in range(num_terms)]  # sum of w x x^T
-        self._moment = [0.0] * num_terms  # sum of w x y
+        # Per region, the forgetting sums of w x x^T (flat, row by row) and of w x y, each kept divided by the region's
+        # `_weight` (what forgetting has multiplied them by since): a sample changes one region's sums, not all.
+        self._gram = [[0.0] * (num_terms * num_terms) for _ in range(num_regions)]
+        self._moment = [[0.0] * num_terms for _ in range(num_regions)]
+        self._weight = [1.0] * num_regions
+        self._seen = [False] * num_regions  # whether a sample fell in the region yet
         self._lasting_gram = [[0.0] * num_terms for _ in range(num_terms)]
         self._lasting_moment = [0.0] * num_terms
         self._lasting_alone: list[float] | None = None  # the lasting samples' own fit (what the scale compares with)
         self._measured = self._expected = 0.0  # forgetting sums of y and of the lasting fit's y, over the others
-        self._coefficients: list[float] | None = None  # solved lazily; None: to be solved again
+        self._coefficients: dict[int, list[float]] = {}  # per region, solved lazily (cleared by every sample)
+        self.last_region = 0  # the latest sample's: the region `coefficients` reads unless told
         self.num_samples = 0
 
-    def observe(self, x: tuple[float, ...], y: float) -> None:
-        for i in range(self._num_terms):
-            for j in range(self._num_terms):
-                self._gram[i][j] = FORGET * self._gram[i][j] + x[i] * x[j]
-            self._moment[i] = FORGET * self._moment[i] + x[i] * y
+    def observe(self, x: tuple[float, ...], y: float, region: int = 0) -> None:
+        n = self._num_terms
+        weight = self._weight
+        for other in range(len(weight)):
+            weight[other] *= FORGET_ELSEWHERE
+        weight[region] *= FORGET / FORGET_ELSEWHERE
+        gram, moment = self._gram[region], self._moment[region]
+        self._seen[region] = True
+        if weight[region] < 1e-100:  # fold the forgetting into the sums before 1 / weight grows too large
+            gram[:] = [value * weight[region] for value in gram]
+            moment[:] = [value * weight[region] for value in moment]
+            weight[region] = 1.0
+        inverse = 1.0 / weight[region]
+        for i in range(n):
+            if (scaled := x[i] * inverse) != 0.0:
+                row = i * n
+                for j in range(n):
+                    gram[row + j] += scaled * x[j]
+                moment[i] += scaled * y
         if self._lasting_alone is not None and (expected := _dot(self._lasting_alone, x)) > 0.0:
             self._measured = FORGET * self._measured + y
             self._expected = FORGET * self._expected + expected
-        self._coefficients = None
+        self._coefficients.clear()
+        self.last_region = region
         self.num_samples += 1
 
     def observe_lasting(self, x: tuple[float, ...], y: float) -> None:
-        """A sample that stays in the fit, worth one of the others, at the speed they show."""
+        """A sample that stays in every region's fit, worth one of the others, at the speed they show."""
         for i in range(self._num_terms):
             for j in range(self._num_terms):
                 self._lasting_gram[i][j] += x[i] * x[j]
             self._lasting_moment[i] += x[i] * y
         self._lasting_alone = _fit_nonnegative(self._lasting_gram, self._lasting_moment)
-        self._coefficients = None
+        self._coefficients.clear()
         self.num_samples += 1
 
     @property
@@ -82,31 +127,38 @@ class OnlineFit:
         """How much slower (> 1) or faster the samples that fade are than the lasting ones' fit says: 1 before any."""
         return self._measured / self._expected if self._expected > 0.0 else 1.0
 
-    def predict(self, x: tuple[float, ...]) -> float | None:
-        coefficients = self.coefficients()
+    def predict(self, x: tuple[float, ...], region: int = 0) -> float | None:
+        coefficients = self.coefficients(region)
         if coefficients is None:
             return None
         return max(0.0, _dot(coefficients, x))
 
-    def coefficients(self) -> list[float] | None:
-        """Each at least 0; None before min_samples samples."""
+    def coefficients(self, region: int | None = None) -> list[float] | None:
+        """Region `region`'s (default: the latest sample's), each at least 0; None before min_samples samples."""
         if self.num_samples < self._min_samples:
             return None
-        if self._coefficients is None:
-            self._coefficients = self._fit()
-        return self._coefficients
-
-    def _fit(self) -> list[float]:
+        region = self.last_region if region is None else region
+        if (known := self._coefficients.get(region)) is not None:
+            return known
         n, scale = self._num_terms, self.scale
-        gram = [[self._gram[i][j] + self._lasting_gram[i][j] for j in range(n)] for i in range(n)]
-        return _fit_nonnegative(gram, [self._moment[i] + scale * self._lasting_moment[i] for i in range(n)])
+        gram = [value for row in self._lasting_gram for value in row]
+        moment = [scale * value for value in self._lasting_moment]
+        for other, weight in enumerate(self._weight):
+            if not self._seen[other]:
+                continue
+            factor = weight * (1.0 if other == region else ELSEWHERE_WEIGHT)
+            gram = [total + factor * value for total, value in zip(gram, self._gram[other])]
+            moment = [total + factor * value for total, value in zip(moment, self._moment[other])]
+        coefficients = _fit_nonnegative([gram[i * n:(i + 1) * n] for i in range(n)], moment)
+        self._coefficients[region] = coefficients
+        return coefficients
 
 
 class StepCostModel:
     """A worker's fitted step time; `observe` each finished step, `predict_ms` a planned one."""
 
     def __init__(self) -> None:
-        self._fit = OnlineFit(_NUM_TERMS, MIN_STEPS)
+        self._fit = OnlineFit(_NUM_TERMS, MIN_STEPS, _NUM_REGIONS)
         self.last_predicted_ms: float | None = None  # what the model said of the last step before it was observed
         self.last_measured_ms: float | None = None
         self.abs_error_ms = 0.0  # a moving average of |predicted - measured|, over the steps it predicted
@@ -131,11 +183,11 @@ class StepCostModel:
             self.predicted_ms = FORGET * self.predicted_ms + (1 - FORGET) * predicted
             self.measured_ms = FORGET * self.measured_ms + (1 - FORGET) * duration_ms
         self.last_predicted_ms, self.last_measured_ms = predicted, duration_ms
-        self._fit.observe(shape.terms(), duration_ms)
+        self._fit.observe(shape.terms(), duration_ms, region_of(shape))
 
     def predict_ms(self, shape: StepShape) -> float | None:
         """The expected time of a step of this shape; None until MIN_STEPS steps were seen."""
-        return self._fit.predict(shape.terms())
+        return self._fit.predict(shape.terms(), region_of(shape))
 
     def coefficients(self) -> list[float] | None:
         """(fixed ms, ms per decode row up to 8, from 9 to 32 and beyond 32, ms more per row under a grammar, ms per

@@ -57,13 +57,16 @@ def test_the_fit_recovers_the_curve_it_is_fed_and_predicts_nothing_before_it_has
 
 
 def test_the_fit_follows_a_machine_that_slows_down() -> None:
-    """A busy neighbour arrives: within about a hundred steps the model predicts the new speed."""
+    """A busy neighbour arrives: within a few hundred steps of every shape (steps of each region forget their own
+    kind at FORGET, the others' more slowly), the model predicts the new speed."""
     rng = random.Random(4)
     model = StepCostModel()
+    for shape in warm_up_shapes():
+        model.observe_warm_up(shape, true_ms(shape, *CURVE))
     for _ in range(150):
         shape = random_shape(rng)
         model.observe(shape, true_ms(shape, *CURVE))
-    for _ in range(150):
+    for _ in range(300):
         shape = random_shape(rng)
         model.observe(shape, true_ms(shape, *CURVE) * 2)
     shape = step_shape([(1, 2, 300, False)] * 8)
@@ -152,3 +155,23 @@ def test_served_steps_outweigh_the_warm_up_where_they_say_something_else() -> No
         shape = step_shape([(1, rng.choice([0, 0, 2, 4, 6]), rng.randint(10, 1500), False)])
         model.observe(shape, true_ms(shape, *served))
     assert model.row_ms(1, 6) == pytest.approx(3 * CURVE[1], rel=0.2)
+
+
+def test_a_run_of_full_steps_leaves_what_a_one_row_step_costs_known() -> None:
+    """One sequence for a while, then 64 at once, whose steps the model does not fit well (here they run 30% slower
+    than its curve says, their rows and contexts moving together): afterwards a one-row step is still priced at about
+    what it cost, and a draft row at about what it adds."""
+    rng = random.Random(11)
+    model = StepCostModel()
+    for shape in warm_up_shapes():
+        model.observe_warm_up(shape, true_ms(shape, *CURVE))
+    for position in range(200):
+        shape = step_shape([(1, rng.choice([0, 0, 2, 6]), 100 + position, False)])
+        model.observe(shape, true_ms(shape, *CURVE))
+    for step in range(200):
+        rows = max(64 - step // 3, 2)
+        shape = step_shape([(1, 0, 300 + step + 5 * i, False) for i in range(rows)])
+        model.observe(shape, true_ms(shape, *CURVE) * 1.3 + rng.uniform(-2.0, 2.0))
+    alone = step_shape([(1, 0, 400, False)])
+    assert model.predict_ms(alone) == pytest.approx(true_ms(alone, *CURVE), rel=0.25)
+    assert model.row_ms(1, 6) == pytest.approx(CURVE[1], abs=0.2)
