@@ -13,10 +13,14 @@ rows almost for free, and one line through every row count would price a verify 
 few extra rows at what rows cost in a step of 64.
 
 The coefficients are fitted to every `StepResult.duration_ms` by least squares with
-exponential forgetting, kept apart by region (`region_of`: steps of up to 8 decode rows,
-up to 32, more, and steps with prompt tokens). A step makes the steps of its own region
-count FORGET times less, and the others only FORGET_ELSEWHERE times less: what one-row
-steps cost stays known through a run of 64-row steps.
+exponential forgetting, so the model follows a machine whose speed changes (a neighbour,
+another format, a warm cache). Steps fall in regions (`region_of`: up to 8 decode rows, up
+to 32, more, and steps with prompt tokens), and a step is priced by its region's own fit:
+that region's steps, the others' at ELSEWHERE_WEIGHT. A step makes the steps of its own
+region count FORGET times less, the others only FORGET_ELSEWHERE times less. One line
+through every shape cannot follow 64-row steps (slower than the terms add up to, with a
+busy client on the same cores) and one-row steps alike, and fitted to both it priced a
+one-row step at 12-30 ms after a few seconds at 64 sequences, where it took 4.5.
 
 What the steps served cannot tell apart, the worker's warm-up says. A server at one
 sequence runs nothing but one-row steps, which fix the fixed part plus one row and say
@@ -24,16 +28,11 @@ nothing of what a second row adds; fitted to them alone, that split drifts where
 ridge puts it (the price of a draft row rose from 0.6 to 1.5 ms in a few hundred steps, so
 whether a request speculated depended on how long the server had run). So the shapes the
 worker timed at warm-up (one row and a verify step's rows, at short and long context:
-`StepTiming`) stay in the fit for good, each worth one step. Served steps outweigh them
-wherever they say something; a little ridge (relative to each term's own weight) keeps the
-rest solvable, and a term nothing had stays 0.
-
-The model follows a machine whose speed changes (a neighbour, another format, a warm
-cache) by a speed per region: how much slower than the warm-up's own fit its last few
-steps ran. Served steps are kept at the warm-up's speed (divided by their region's speed
-as it was), the fit is solved there, and read at the speed of the region of the step
-asked about. 64-row steps that run slower than the fit's lines say (a busy client on the
-same cores) then do not make a one-row step look slow.
+`StepTiming`) stay in every region's fit for good, each worth one step, their times scaled
+by how the steps served compare with the warm-up's own fit (on a machine twice as slow as
+at start-up, the warm-up reads twice as slow). Served steps outweigh them wherever they
+say something; a little ridge (relative to each term's own weight) keeps the rest
+solvable, and a term nothing had stays 0.
 Kernels make this curve differ by machine and format: it is learned where it runs, never
 written down.
 """
@@ -63,12 +62,9 @@ class OnlineFit:
     """y as a linear function of a few terms, each coefficient at least 0, fitted by least squares with forgetting, and
     lasting samples (`observe_lasting`) that never fade, their y scaled to the speed the others show.
 
-    Samples fall in regions (a step's: `region_of`), and each region has a fit of its own: its samples, the other
-    regions' at ELSEWHERE_WEIGHT, and the lasting samples. A sample makes its own region forget at FORGET, the others
-    at FORGET_ELSEWHERE. One line through every shape cannot follow the steps of 64 sequences (their fixed part, rows
-    and attention move together, and a busy client shares the cores) and one row's alike: fitted to both, a few
-    seconds at 64 sequences left a fit that put a one-row step at 12-30 ms where it took 4.5, and the requests of the
-    next quiet seconds were asked for drafts whose rows it priced at nothing."""
+    Samples fall in regions (the caller's, `region_of` for steps), and each region has a fit of its own: its samples,
+    the other regions' at ELSEWHERE_WEIGHT, and the lasting samples. A sample makes its own region forget at FORGET,
+    the others at FORGET_ELSEWHERE."""
 
     def __init__(self, num_terms: int, min_samples: int, num_regions: int = 1) -> None:
         self._num_terms, self._min_samples = num_terms, min_samples
@@ -77,7 +73,6 @@ class OnlineFit:
         self._gram = [[0.0] * (num_terms * num_terms) for _ in range(num_regions)]
         self._moment = [[0.0] * num_terms for _ in range(num_regions)]
         self._weight = [1.0] * num_regions
-        self._seen = [False] * num_regions  # whether a sample fell in the region yet
         self._lasting_gram = [[0.0] * num_terms for _ in range(num_terms)]
         self._lasting_moment = [0.0] * num_terms
         self._lasting_alone: list[float] | None = None  # the lasting samples' own fit (what the scale compares with)
@@ -93,7 +88,6 @@ class OnlineFit:
             weight[other] *= FORGET_ELSEWHERE
         weight[region] *= FORGET / FORGET_ELSEWHERE
         gram, moment = self._gram[region], self._moment[region]
-        self._seen[region] = True
         if weight[region] < 1e-100:  # fold the forgetting into the sums before 1 / weight grows too large
             gram[:] = [value * weight[region] for value in gram]
             moment[:] = [value * weight[region] for value in moment]
@@ -144,8 +138,6 @@ class OnlineFit:
         gram = [value for row in self._lasting_gram for value in row]
         moment = [scale * value for value in self._lasting_moment]
         for other, weight in enumerate(self._weight):
-            if not self._seen[other]:
-                continue
             factor = weight * (1.0 if other == region else ELSEWHERE_WEIGHT)
             gram = [total + factor * value for total, value in zip(gram, self._gram[other])]
             moment = [total + factor * value for total, value in zip(moment, self._moment[other])]
