@@ -1,6 +1,8 @@
 """This machine's memory and matmul bounds, and how close the model's decode steps come to them.
 
-Measured with the threads torch has (`--threads` sets them), in one sitting:
+Measured on the threads a target worker computes on (`--threads`, default the cores this process may
+use; the native kernels' team, torch's own ops then on one thread, as `modeling/threads.py` says), in
+one sitting:
 
 - read bandwidth: the best of a few sums of a 1 GiB float32 tensor (far larger than any
   cache), in GB/s, measured again just before each row's steps: a shared host's bandwidth
@@ -30,18 +32,21 @@ import argparse
 import platform
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from bench.linear_kernel import best_ms
+from common.cpus import usable_cpus
 from modeling.batch import SeqSpan
 from modeling.config import ModelConfig
 from modeling.engine import ModelEngine
 from modeling.kv_cache import pages_for
 from modeling.quantized import QUANTIZATIONS
+from modeling.threads import compute_on
 
 GIB = 1 << 30
 _MATMUL_SIZE = 2048
@@ -121,13 +126,30 @@ def decode_step_ms(engine: ModelEngine, batch: int, context: int, repeats: int,
     return statistics.median(times[1:]) * 1e3
 
 
+@contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """torch's ops on `threads` threads inside (the probes: torch's sum and matmul), as many as before after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def decode_engine(folder: Path, config: ModelConfig, dtype: str, quantization: str, batches: Sequence[int], context: int,
-                  repeats: int) -> ModelEngine:
-    """The model on the CPU, built and with a cache for the sequences decode_step_ms runs at the largest batch."""
+                  repeats: int, threads: int) -> ModelEngine:
+    """The model on the CPU, built on `threads` threads as a worker computes, and with a cache for the sequences
+    decode_step_ms runs at the largest batch."""
     length = context + repeats + 2
+    torch.set_num_threads(threads)  # loading: torch's ops on every thread, as a worker loads
     engine = ModelEngine(folder, config, device="cpu", dtype=dtype, max_len=length, quantization=quantization,
                          num_pages=max(batches) * pages_for(length, 16) + 8)
     engine.load()
+    # As a worker does: torch's ops on one thread beside the kernels' team. On torch's own threads, the ops that go
+    # parallel from 6 rows up left OpenMP's threads spinning on the team's cores, and the step took twice its time
+    # (machine F: Q4_1 in float32, 6 rows 16.1 against 8.9 ms; with GOMP_SPINCOUNT=0, 9.9).
+    compute_on(threads, native=engine.native)
     engine.allocate()
     return engine
 
@@ -170,11 +192,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), nargs="+", default=["float32"])
     parser.add_argument("--quantization", choices=QUANTIZATIONS, nargs="+", default=["none"])
     args = parser.parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    threads = args.threads or usable_cpus()
     folder = resolve_model(args.model)
     config = ModelConfig.from_folder(folder)
-    print(f"{cpu_name()} ({cpu_flags()}), {torch.get_num_threads()} threads, torch {torch.__version__}, "
+    print(f"{cpu_name()} ({cpu_flags()}), {threads} threads, torch {torch.__version__}, "
           f"{folder.name}, context {args.context}")
     print()
     print("| dtype | weights | read GB/s | matmul TFLOP/s | B | step ms | bound ms | limited by | step / bound |")
@@ -183,13 +204,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     probe_repeats = max(3, args.repeats // 4)
     for dtype_name in args.dtype:
         dtype = getattr(torch, dtype_name)
-        peak = matmul_tflop_s(dtype, probe_repeats)
+        with torch_threads(threads):
+            peak = matmul_tflop_s(dtype, probe_repeats)
         for quantization in args.quantization:
-            engine = decode_engine(folder, config, dtype_name, quantization, args.batch, args.context, args.repeats)
+            engine = decode_engine(folder, config, dtype_name, quantization, args.batch, args.context, args.repeats,
+                                   threads)
             weights = "dense" if quantization == "none" else quantization
             for batch in args.batch:
                 cost = step_cost(config, batch, args.context, dtype.itemsize, engine.linear_weight_bytes())
-                bounds = Bounds(read_gb_s=read_gb_s(probe, probe_repeats), matmul_tflop_s=peak)
+                with torch_threads(threads):
+                    bounds = Bounds(read_gb_s=read_gb_s(probe, probe_repeats), matmul_tflop_s=peak)
                 step_ms = decode_step_ms(engine, batch, args.context, args.repeats)
                 bound_ms = cost.bound_ms(bounds)
                 print(f"| {dtype_name} | {weights} | {bounds.read_gb_s:.1f} | {bounds.matmul_tflop_s:.2f} | {batch} | "

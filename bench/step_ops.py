@@ -29,6 +29,7 @@ import torch
 
 from bench.roofline import (QUANTIZATIONS, add_step_arguments, cpu_flags, cpu_name, decode_engine, decode_step_ms,
                             filled_tables)
+from common.cpus import usable_cpus
 from modeling.batch import SeqSpan
 from modeling.config import ModelConfig
 
@@ -66,11 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default="q4_1")
     parser.set_defaults(batch=[1, 64])
     args = parser.parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    threads = args.threads or usable_cpus()
     folder = resolve_model(args.model)
     engine = decode_engine(folder, ModelConfig.from_folder(folder), args.dtype, args.quantization, args.batch,
-                           args.context, args.repeats)
+                           args.context, args.repeats, threads)
     model = engine.model
     if model.native is None:
         print(f"no native kernels here ({engine.ops}): nothing to time", file=sys.stderr)
@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model.fused_layers = None  # the layer loop, op by op
     setattr(model, "native", _TimedOps(model.native, times))  # a stand-in for the module, as the loop calls it
     model.linear = _timed(model.linear, times, lambda out: f"linear to {out.shape[-1]}")
-    print(f"{cpu_name()} ({cpu_flags()}), {torch.get_num_threads()} threads, torch {torch.__version__}, "
+    print(f"{cpu_name()} ({cpu_flags()}), {threads} threads, torch {torch.__version__}, "
           f"{folder.name}, {args.dtype}, {args.quantization}, {engine.ops}, context {args.context}")
     for batch in args.batch:
         tables = filled_tables(engine, batch, args.context, args.repeats)
