@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
+
 from gateway.errors import InvalidArgument
 from gateway.request import ChatPrompt, ClientRequest, Prompt, Submission, TextPrompt, TokenPrompt
 from gateway.structured_request import SpecError, parsed_schema
@@ -47,8 +50,27 @@ def request_id_of(request: pb.GenerateRequest, generated_id: str) -> str:
 def submission_of(request: pb.GenerateRequest, *, request_id: str, vocab_size: int,
                   grammars: Grammars | None = None) -> Submission:
     """Every field of the request checked; raises InvalidArgument naming the first bad one as the message does."""
+    if unknown := unknown_field(request):
+        raise InvalidArgument(unknown, "is a field this server does not know (a client built from a newer "
+                                       "specserve.proto?): it would be ignored, so the request is refused")
     return validate(client_request_of(request), fields=GRPC_FIELDS, request_id=request_id, vocab_size=vocab_size,
                     grammars=grammars)
+
+
+def unknown_field(message: Message, path: str = "") -> str:
+    """The first field the message (or a message in it) carries that this server's schema does not define, as
+    `path.#number`; "" when there is none. Protobuf keeps such fields aside, where nothing reads them."""
+    for field in UnknownFieldSet(message):
+        return f"{path}#{field.field_number}"
+    for descriptor, value in message.ListFields():
+        if descriptor.message_type is None or descriptor.message_type.GetOptions().map_entry:
+            continue
+        name = f"{path}{descriptor.name}"
+        items = [(f"{name}.", value)] if isinstance(value, Message) else [(f"{name}[{i}].", v) for i, v in enumerate(value)]
+        for at, item in items:
+            if found := unknown_field(item, at):
+                return found
+    return ""
 
 
 def client_request_of(request: pb.GenerateRequest) -> ClientRequest:

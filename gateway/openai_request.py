@@ -31,9 +31,26 @@ ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 408: "inval
                413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
                503: "service_unavailable", 500: "internal_error"}
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-# OpenAI (and vLLM) parameters this server does not implement, with the values that ask for nothing: any other value
-# is refused, never silently ignored (it would change the output the client expects).
-UNSUPPORTED: dict[str, tuple[object, ...]] = {"suffix": ("",)}
+# The body fields each endpoint reads: OpenAI's own and the extensions vLLM added that are implemented here. `user`
+# (OpenAI's id of the client's own end user) is taken and changes nothing, as at OpenAI.
+_BOTH_FIELDS = frozenset({
+    "model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "seed", "stop", "logprobs",
+    "presence_penalty", "frequency_penalty", "logit_bias", "response_format", "user",
+    # vLLM's extensions
+    "top_k", "stop_token_ids", "ignore_eos", "repetition_penalty", "min_tokens", "structured_outputs", "cache_salt",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+})
+COMPLETION_FIELDS = _BOTH_FIELDS | {"prompt", "best_of", "echo"}
+CHAT_FIELDS = _BOTH_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_MESSAGE_FIELDS = frozenset({"role", "content"})
+# Fields of OpenAI's (and vLLM's) bodies this server does not implement, with the values that ask for nothing. Any
+# other value, and any field neither here nor read, is refused naming the field: dropped without a word it would
+# change the output the client expects (tools offered, and a plain answer back).
+UNSUPPORTED: dict[str, tuple[object, ...]] = {
+    "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "parallel_tool_calls": (True, False),  # what it says matters only with tools, which are refused
+    "min_p": (0,), "priority": (0,),
+}
 MAX_CHOICES = 64  # requests one answer runs: prompts times best_of (or n)
 MAX_LOGIT_BIAS_KEY_CHARS = 12  # a token id as a JSON key
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is a request of its own, a choice of the answer)
@@ -113,6 +130,11 @@ def chat_prompt(body: dict[str, Any]) -> ChatPrompt:
 
 
 def _chat_message(index: int, item: object) -> ChatMessage:
+    if isinstance(item, dict):
+        for key in item:
+            if key not in CHAT_MESSAGE_FIELDS:
+                raise ApiError(400, f"messages[{index}].{key} is not supported by this server (a message is its role "
+                                    "and its content)", f"messages[{index}].{key}")
     content = item.get("content") if isinstance(item, dict) else None
     if isinstance(content, list):  # content parts: text only
         texts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
@@ -125,10 +147,8 @@ def _chat_message(index: int, item: object) -> ChatMessage:
 def client_request_of(body: dict[str, Any], prompt: Prompt, *, chat: bool) -> tuple[ClientRequest, FieldNames]:
     """The prompt with the body's parameters, and the names to check them by; raises ApiError for a parameter of
     the wrong type or one this server does not implement (in this order, the first wrong one)."""
-    for name, harmless in UNSUPPORTED.items():
-        value = body.get(name)
-        if value is not None and not any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in harmless):
-            raise ApiError(400, f"{name} is not supported by this server (only {harmless[0]!r})", name)
+    check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+    _string_param("user", body.get("user"))
     max_tokens_as, max_tokens = _max_tokens_field(body, chat=chat)
     top_k, seed = body.get("top_k"), body.get("seed")
     checked_max_tokens = _int_param(max_tokens_as, max_tokens, at_most=_INT32_MAX)
@@ -151,6 +171,7 @@ def client_request_of(body: dict[str, Any], prompt: Prompt, *, chat: bool) -> tu
         top_k=checked_top_k,
         seed=checked_seed,
         stop_strings=stop_strings,
+        stop_token_ids=_token_ids_param("stop_token_ids", body.get("stop_token_ids")),  # an extension, as in vLLM
         ignore_eos=_bool_param("ignore_eos", body.get("ignore_eos")),  # an extension, as in vLLM
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
@@ -164,6 +185,19 @@ def client_request_of(body: dict[str, Any], prompt: Prompt, *, chat: bool) -> tu
     )
     return request, dataclasses.replace(OPENAI_FIELDS, max_tokens=max_tokens_as,
                                         logprobs="top_logprobs" if chat else "logprobs")
+
+
+def check_fields(body: dict[str, Any], known: frozenset[str]) -> None:
+    """Raises ApiError naming the first field of the body that is neither read (`known`) nor, at a value that asks for
+    nothing, one of the UNSUPPORTED ones; a field sent as null counts as not sent."""
+    for name, value in body.items():
+        if name in known or value is None:
+            continue
+        harmless = UNSUPPORTED.get(name)
+        if harmless is None:
+            raise ApiError(400, f"{name} is not supported by this server", name)
+        if not any(value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in harmless):
+            raise ApiError(400, f"{name} is not supported by this server (only {harmless[0]!r})", name)
 
 
 @dataclass(frozen=True)
@@ -195,6 +229,15 @@ def choice_counts(body: dict[str, Any], *, chat: bool, stream: bool, num_prompts
         raise ApiError(400, f"{num_prompts} prompts times {best_of} choices each is more than the {MAX_CHOICES} "
                             "this server runs for one request", "best_of" if best_of > n else "n")
     return ChoiceCounts(n, best_of)
+
+
+def _token_ids_param(name: str, value: object) -> tuple[int, ...]:
+    """A list of token ids (their range is checked by `validate`, which names the item)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ApiError(400, f"{name} must be a list of token ids", name)
+    return tuple(value)
 
 
 def _string_param(name: str, value: object) -> str | None:

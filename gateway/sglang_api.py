@@ -51,6 +51,10 @@ SGLANG_FIELDS = FieldNames(
 )
 # Sampling parameters SGLang's frontend sends that change nothing here (special tokens are always left out of text).
 _IGNORED = frozenset({"skip_special_tokens", "spaces_between_special_tokens"})
+# The /generate body's own fields read here; any other (image_data, lora_path, return_hidden_states ...) is refused
+# naming it, as the sampling parameters are.
+_BODY_FIELDS = frozenset({"text", "input_ids", "sampling_params", "return_logprob", "return_text_in_logprobs",
+                          "top_logprobs_num", "logprob_start_len", "stream", "cache_salt", "rid"})
 _KNOWN = frozenset({"max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p",
                     "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos",
                     "regex", "json_schema", "ebnf", "sampling_seed", "n", "no_stop_trim"}) | _IGNORED
@@ -95,6 +99,9 @@ class SglangApi:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await json_body(request, self._limits)
+        for key, value in body.items():
+            if key not in _BODY_FIELDS and value is not None:
+                raise ApiError(400, f"{key} is not supported by this server", key)
         prompts, single = _prompts(body)
         params = {} if body.get("sampling_params") is None else body["sampling_params"]
         if not isinstance(params, dict):

@@ -124,6 +124,9 @@ CHAT = [{"role": "user", "content": "hi"}]
     # What this server does not do is refused, never silently ignored.
     ({"prompt": "x", "echo": "yes"}, "echo"),
     ({"prompt": "x", "suffix": "end"}, "suffix"),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"prompt": "x", "min_p": 0.05}, "min_p"),
+    ({"prompt": "x", "wibble": 1}, "wibble"),
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
     ({"prompt": "x", "logit_bias": {"42": 500}}, "logit_bias[42]"),
@@ -259,6 +262,13 @@ def test_penalties_logit_bias_and_min_tokens_reach_the_model(fp32_stack: Stack, 
     held = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0,
                                        extra_body={"min_tokens": 64})
     assert held.choices[0].finish_reason == "length" and held.usage is not None and held.usage.completion_tokens == 64
+    # A stop token id (vLLM's extension) ends the answer where that token comes, as it does over gRPC.
+    counted = fp32_stack.generate(pb.GenerateRequest(prompt="1, 2, 3, 4,", params=pb.SamplingParams(max_tokens=8)))
+    stop_id = counted.token_ids[3]
+    stopped = api.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=8, temperature=0,
+                                     extra_body={"stop_token_ids": [stop_id]})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage is not None
+    assert stopped.usage.completion_tokens == counted.token_ids.index(stop_id) + 1
     repeated = "the cat " * 8
     plain = api.completions.create(model=MODEL, prompt=repeated, max_tokens=8, temperature=0)
     penalized = api.completions.create(model=MODEL, prompt=repeated, max_tokens=8, temperature=0, presence_penalty=2,

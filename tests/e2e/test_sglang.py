@@ -121,6 +121,8 @@ def test_flush_cache_forgets_the_pages_no_request_holds(fp32_stack: Stack) -> No
     ({"text": "x", "sampling_params": {"regex": "("}}, "sampling_params.regex"),
     ({"text": "x", "return_logprob": True, "top_logprobs_num": 50}, "top_logprobs_num"),
     ({"text": "x", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+    ({"text": "x", "lora_path": "adapter"}, "lora_path"),  # a body field this server does not honour
+    ({"text": "x", "image_data": "data:image/png;base64,AA=="}, "image_data"),
 ])
 def test_bad_generate_requests_are_400_naming_the_field(fp32_stack: Stack, body: dict[str, Any], param: str) -> None:
     answer = requests.post(url(fp32_stack) + "/generate", json=body, timeout=30)

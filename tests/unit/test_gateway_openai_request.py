@@ -119,6 +119,53 @@ def test_openai_defaults_and_vllm_extensions() -> None:
     assert submission({"messages": CHAT}).max_tokens is None
 
 
+NOT_DONE_HERE = [
+    ("tools", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+    ("tool_choice", {"messages": CHAT, "tool_choice": "required"}),
+    ("functions", {"messages": CHAT, "functions": [{"name": "f"}]}),
+    ("function_call", {"messages": CHAT, "function_call": "auto"}),
+    ("min_p", {"prompt": "x", "min_p": 0.1}),
+    ("priority", {"prompt": "x", "priority": 1}),
+    ("suffix", {"prompt": "x", "suffix": "end"}),
+    ("chat_template_kwargs", {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": True}}),
+    ("reasoning_effort", {"messages": CHAT, "reasoning_effort": "low"}),
+    ("top_logprobs", {"prompt": "x", "top_logprobs": 2}),  # chat's field, not a completion's
+    ("echo", {"messages": CHAT, "echo": True}),  # a completion's, not chat's
+    ("messages[0].tool_calls", {"messages": [{"role": "assistant", "content": "", "tool_calls": []}]}),
+    ("messages[1].tool_call_id", {"messages": [*CHAT, {"role": "tool", "content": "4", "tool_call_id": "c1"}]}),
+    ("messages[0].name", {"messages": [{"role": "user", "content": "hi", "name": "ann"}]}),
+]
+
+
+@pytest.mark.parametrize(("param", "body"), NOT_DONE_HERE, ids=[p for p, _ in NOT_DONE_HERE])
+def test_a_field_this_server_does_not_honour_is_refused_by_name(param: str, body: dict[str, Any]) -> None:
+    with pytest.raises(ApiError) as caught:
+        submission(body)
+    assert (caught.value.status, caught.value.param) == (400, param)
+    assert f"{param} is not supported by this server" in caught.value.message
+
+
+def test_fields_that_ask_for_nothing_are_taken() -> None:
+    plain = submission({"messages": CHAT})
+    for extra in ({"tools": [], "tool_choice": "none", "parallel_tool_calls": True}, {"min_p": 0, "priority": 0},
+                  {"tools": None, "functions": []}, {"user": "client-7"}, {"suffix": ""}):
+        checked = submission({"messages": CHAT, **extra})
+        assert (checked.sampling, checked.max_tokens, checked.stop_token_ids) == (plain.sampling, plain.max_tokens, ())
+    with pytest.raises(ApiError) as caught:
+        submission({"messages": CHAT, "user": 7})
+    assert caught.value.param == "user"
+
+
+def test_stop_token_ids_are_taken_and_checked_by_name() -> None:
+    assert submission({"prompt": "x", "stop_token_ids": [5, 7]}).stop_token_ids == (5, 7)
+    with pytest.raises(ApiError) as caught:
+        submission({"prompt": "x", "stop_token_ids": "5"})
+    assert caught.value.param == "stop_token_ids"
+    with pytest.raises(InvalidArgument) as invalid:
+        submission({"prompt": "x", "stop_token_ids": [5, VOCAB_SIZE]})
+    assert invalid.value.field == "stop_token_ids[1]"
+
+
 def test_logprobs_and_echo_ask_for_completion_and_prompt_log_probabilities() -> None:
     plain = submission({"prompt": "x", "logprobs": 0})
     assert (plain.logprobs, plain.prompt_logprobs, plain.max_tokens) == (0, None, 16)

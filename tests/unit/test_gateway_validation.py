@@ -102,6 +102,35 @@ def test_bad_request_ids_are_named(request_id: str) -> None:
     assert caught.value.field == "request_id"
 
 
+def _with_unknown_field(message_bytes: bytes, number: int) -> bytes:
+    """The message with a varint field `number` (one this server's schema does not define) appended."""
+    tag = number << 3  # wire type 0: a varint
+    encoded = bytearray()
+    while True:
+        byte, tag = tag & 0x7F, tag >> 7
+        encoded.append(byte | (0x80 if tag else 0))
+        if not tag:
+            return message_bytes + bytes(encoded) + b"\x01"
+
+
+def test_a_field_this_server_does_not_know_is_refused_by_number_never_dropped() -> None:
+    # A client built from a newer proto sends a field this server's schema lacks: protobuf keeps it aside unread.
+    top = pb.GenerateRequest.FromString(_with_unknown_field(pb.GenerateRequest(prompt="Hi").SerializeToString(), 900))
+    with pytest.raises(InvalidArgument) as caught:
+        submission_of(top, request_id="r1", vocab_size=VOCAB_SIZE)
+    assert caught.value.field == "#900" and caught.value.status == grpc.StatusCode.INVALID_ARGUMENT
+    params = pb.SamplingParams.FromString(_with_unknown_field(pb.SamplingParams(max_tokens=3).SerializeToString(), 77))
+    nested = pb.GenerateRequest(prompt="Hi", params=params)
+    with pytest.raises(InvalidArgument) as caught:
+        submission_of(nested, request_id="r1", vocab_size=VOCAB_SIZE)
+    assert caught.value.field == "params.#77"
+    message = pb.ChatMessage.FromString(_with_unknown_field(pb.ChatMessage(role="user", content="hi").SerializeToString(), 31))
+    chat = pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="system", content="s"), message]))
+    with pytest.raises(InvalidArgument) as caught:
+        submission_of(chat, request_id="r1", vocab_size=VOCAB_SIZE)
+    assert caught.value.field == "chat.messages[1].#31"
+
+
 def test_request_id_is_the_clients_or_the_generated_one() -> None:
     assert request_id_of(pb.GenerateRequest(prompt="x", request_id="mine-1"), generated_id="gen") == "mine-1"
     assert request_id_of(pb.GenerateRequest(prompt="x"), generated_id="gen") == "gen"
