@@ -94,8 +94,10 @@ class HttpApi:
     # ------------------------------------------------------------------ the simple routes
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self._model_name, "object": "model", "created": self._created, "owned_by": "specserve"}]})
+        """The model, once a target worker serving it is READY (as /ready says); before that, and while none is, the
+        list is empty: a client that reads the list as what it can use now is never told of a model nothing serves."""
+        served = [{"id": self._model_name, "object": "model", "created": self._created, "owned_by": "specserve"}]
+        return web.json_response({"object": "list", "data": served if self._reporter.status == SERVING else []})
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

@@ -220,6 +220,7 @@ def lonely_stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
 def test_ready_follows_ready_workers_and_errors_without_one_are_503_and_429(lonely_stack: Stack) -> None:
     assert call(lonely_stack, "GET", "/health")[0] == 200
     assert call(lonely_stack, "GET", "/ready")[0] == 503  # no worker yet
+    assert call(lonely_stack, "GET", "/v1/models") == (200, {"object": "list", "data": []})  # nothing serves it yet
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
     with ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(call, lonely_stack, "POST", "/v1/completions", body)
@@ -231,10 +232,13 @@ def test_ready_follows_ready_workers_and_errors_without_one_are_503_and_429(lone
 
     lonely_stack.start_worker(0)
     _wait(lambda: call(lonely_stack, "GET", "/ready")[0] == 200, 120)
+    status, listed = call(lonely_stack, "GET", "/v1/models")
+    assert status == 200 and isinstance(listed, dict) and [m["id"] for m in listed["data"]] == [MODEL]
     assert client(lonely_stack).completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens == 2  # type: ignore[union-attr]
     lonely_stack.processes["worker-0"].terminate()
     assert lonely_stack.processes["worker-0"].wait(30) == 0
     _wait(lambda: call(lonely_stack, "GET", "/ready")[0] == 503, 30)  # none READY again
+    assert call(lonely_stack, "GET", "/v1/models") == (200, {"object": "list", "data": []})
 
 
 def _wait(condition, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
