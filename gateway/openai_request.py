@@ -37,7 +37,7 @@ _BOTH_FIELDS = frozenset({
     "model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "seed", "stop", "logprobs",
     "presence_penalty", "frequency_penalty", "logit_bias", "response_format", "user",
     # vLLM's extensions
-    "top_k", "stop_token_ids", "ignore_eos", "repetition_penalty", "min_tokens", "structured_outputs", "cache_salt",
+    "top_k", "min_p", "stop_token_ids", "ignore_eos", "repetition_penalty", "min_tokens", "structured_outputs", "cache_salt",
     "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 })
 COMPLETION_FIELDS = _BOTH_FIELDS | {"prompt", "best_of", "echo"}
@@ -49,7 +49,7 @@ CHAT_MESSAGE_FIELDS = frozenset({"role", "content"})
 UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "parallel_tool_calls": (True, False),  # what it says matters only with tools, which are refused
-    "min_p": (0,), "priority": (0,),
+    "priority": (0,),
 }
 MAX_CHOICES = 64  # requests one answer runs: prompts times best_of (or n)
 MAX_LOGIT_BIAS_KEY_CHARS = 12  # a token id as a JSON key
@@ -70,6 +70,7 @@ OPENAI_FIELDS = FieldNames(
     temperature="temperature",
     top_p="top_p",
     top_k="top_k",
+    min_p="min_p",
     seed="seed",
     stop_strings="stop",
     stop_string="stop[{index}]",
@@ -169,6 +170,7 @@ def client_request_of(body: dict[str, Any], prompt: Prompt, *, chat: bool) -> tu
         temperature=1.0 if temperature is None else temperature,  # OpenAI's default
         top_p=top_p,
         top_k=checked_top_k,
+        min_p=_float_param("min_p", body.get("min_p")),  # an extension, as in vLLM
         seed=checked_seed,
         stop_strings=stop_strings,
         stop_token_ids=_token_ids_param("stop_token_ids", body.get("stop_token_ids")),  # an extension, as in vLLM

@@ -45,6 +45,7 @@ class ClientRequest:
     temperature: float | None = None  # None: greedy
     top_p: float | None = None  # None: 1
     top_k: int | None = None  # None: no top-k cut
+    min_p: float | None = None  # None: no min-p cut
     seed: int | None = None  # None: the scheduler draws one
     stop_strings: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # eos not included

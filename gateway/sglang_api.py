@@ -42,7 +42,8 @@ MAX_PROMPTS = 64
 SGLANG_FIELDS = FieldNames(
     text_prompt="text", chat="text", chat_messages="text", chat_role="text", token_ids="input_ids",
     token_id="input_ids", max_tokens="sampling_params.max_new_tokens", temperature="sampling_params.temperature",
-    top_p="sampling_params.top_p", top_k="sampling_params.top_k", seed="sampling_params.sampling_seed",
+    top_p="sampling_params.top_p", top_k="sampling_params.top_k", min_p="sampling_params.min_p",
+    seed="sampling_params.sampling_seed",
     stop_strings="sampling_params.stop", stop_string="sampling_params.stop[{index}]",
     stop_token_id="sampling_params.stop_token_ids[{index}]", logprobs="top_logprobs_num",
     prompt_logprobs="top_logprobs_num", presence_penalty="sampling_params.presence_penalty",
@@ -260,15 +261,15 @@ def _client_request(params: dict[str, Any], prompt: Prompt, *, logprobs: int | N
     for key, value in params.items():
         if key not in _KNOWN:
             raise ApiError(400, f"sampling_params.{key} is not supported by this server", f"sampling_params.{key}")
-    for key, harmless in (("min_p", 0), ("stop_regex", None), ("ebnf", None), ("n", 1), ("no_stop_trim", False)):
+    for key, harmless in (("stop_regex", None), ("ebnf", None), ("n", 1), ("no_stop_trim", False)):
         if params.get(key) not in (harmless, None, [], ()):
             raise ApiError(400, f"sampling_params.{key} is not supported by this server (only {harmless!r})",
                            f"sampling_params.{key}")
     max_new_tokens = params.get("max_new_tokens")
     max_new_tokens = DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
     top_k = params.get("top_k")
-    numbers = {name: params.get(name) for name in ("temperature", "top_p", "frequency_penalty", "presence_penalty",
-                                                    "repetition_penalty")}
+    numbers = {name: params.get(name) for name in ("temperature", "top_p", "min_p", "frequency_penalty",
+                                                    "presence_penalty", "repetition_penalty")}
     integers = {"max_new_tokens": max_new_tokens, "top_k": top_k, "min_new_tokens": params.get("min_new_tokens"),
                 "sampling_seed": params.get("sampling_seed")}
     # Only the types here; the values (NaN, infinities, ranges) are checked by `validate`, which names these fields too.
@@ -293,6 +294,7 @@ def _client_request(params: dict[str, Any], prompt: Prompt, *, logprobs: int | N
     return ClientRequest(
         prompt=prompt, max_tokens=max_new_tokens, temperature=1.0 if numbers["temperature"] is None else
         numbers["temperature"], top_p=numbers["top_p"], top_k=None if top_k in (None, -1) else top_k,
+        min_p=numbers["min_p"],
         seed=params.get("sampling_seed"), stop_strings=tuple(stop), stop_token_ids=tuple(stop_ids),
         ignore_eos=params.get("ignore_eos") is True, logprobs=logprobs,
         prompt_logprobs=(logprobs or 0) if scoring else None,

@@ -45,6 +45,7 @@ class FieldNames:
     temperature: str
     top_p: str
     top_k: str
+    min_p: str
     seed: str
     stop_strings: str  # the list as a whole
     stop_string: str  # "{index}"
@@ -192,6 +193,7 @@ def sampling_of(request: ClientRequest, fields: FieldNames, vocab_size: int) -> 
     temperature = defaults.temperature if request.temperature is None else _real(request.temperature, fields.temperature)
     top_p = defaults.top_p if request.top_p is None else _real(request.top_p, fields.top_p)
     top_k = defaults.top_k if request.top_k is None else _integer(request.top_k, fields.top_k)
+    min_p = defaults.min_p if request.min_p is None else _real(request.min_p, fields.min_p)
     seed = defaults.seed if request.seed is None else _integer(request.seed, fields.seed)
     if not (math.isfinite(temperature) and temperature >= 0.0):
         raise InvalidArgument(fields.temperature, f"must be finite and >= 0, got {temperature}")
@@ -203,9 +205,11 @@ def sampling_of(request: ClientRequest, fields: FieldNames, vocab_size: int) -> 
         raise InvalidArgument(fields.top_k, f"must be >= 0 (0 = no top-k cut), got {top_k}")
     if top_k > MAX_INT32:
         raise InvalidArgument(fields.top_k, f"must be at most {MAX_INT32}, got {top_k}")
+    if not 0.0 <= min_p <= 1.0:  # also false for NaN
+        raise InvalidArgument(fields.min_p, f"must be in [0, 1], got {min_p}")
     if not 0 <= seed < SEED_LIMIT:
         raise InvalidArgument(fields.seed, f"must be in [0, 2^64), got {seed}")
-    return messages.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+    return messages.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
                                    penalties=penalties_of(request, fields, vocab_size))
 
 

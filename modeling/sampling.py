@@ -1,4 +1,4 @@
-"""Token sampling: temperature, top-k and top-p on float32 logits, with per-position seeded draws.
+"""Token sampling: temperature, top-k, top-p and min-p on float32 logits, with per-position seeded draws.
 
 A draw for the token at position `p` of a request with seed `s` uses a generator seeded
 from (s, p) alone, so a seeded request gives the same tokens whatever else shares its
@@ -7,6 +7,7 @@ batch, and whichever worker runs it.
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
@@ -24,6 +25,8 @@ class SamplingLike(Protocol):
     def top_p(self) -> float: ...
     @property
     def top_k(self) -> int: ...
+    @property
+    def min_p(self) -> float: ...
     @property
     def seed(self) -> int: ...
 
@@ -55,6 +58,11 @@ def target_probs(logits: torch.Tensor, params: SamplingLike) -> torch.Tensor:
         keep_sorted[..., 0] = True
         keep = torch.zeros(scaled.shape, dtype=torch.bool, device=scaled.device).scatter_(-1, order, keep_sorted)
         scaled = scaled.masked_fill(~keep, float("-inf"))
+    if params.min_p > 0.0:
+        # A token is kept where its probability is at least min_p times the best's: in logits, where it is at least
+        # the best's plus log(min_p) (the likeliest is always kept, min_p being at most 1).
+        best = scaled.max(dim=-1, keepdim=True).values
+        scaled = scaled.masked_fill(scaled < best + math.log(params.min_p), float("-inf"))
     return torch.softmax(scaled, dim=-1)
 
 

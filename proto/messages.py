@@ -93,6 +93,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     temperature: float = 0.0
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     top_k: int = 0  # 0 = no top-k cut
+    min_p: float = 0.0  # tokens less likely than min_p times the likeliest are cut, in [0, 1]; 0 = no cut
     seed: int = 0  # always set: the scheduler draws one when the client gave none
     penalties: Penalties | None = None  # None: the logits as the model gives them
 

@@ -66,6 +66,8 @@ def sampling_problem(sampling: m.SamplingParams) -> str:
         return f"top_p {sampling.top_p} is outside (0, 1]"
     if sampling.top_k < 0:
         return f"top_k {sampling.top_k} is negative"
+    if not 0.0 <= sampling.min_p <= 1.0:  # also false for NaN
+        return f"min_p {sampling.min_p} is outside [0, 1]"
     if not 0 <= sampling.seed < 1 << 64:
         return f"seed {sampling.seed} is outside 0 .. 2^64 - 1"
     return penalties_problem(sampling.penalties) if sampling.penalties is not None else ""

@@ -89,7 +89,7 @@ _VALID_OPENAI = {**_VALID_SAMPLING, "seed": st.integers(-(2**70), 2**70), "n": s
                  "guided_regex": st.sampled_from(["[a-z ]{1,8}", "(yes|no)"]),
                  "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}])}
 _ATTACKS_OPENAI = {
-    "temperature": NUMBER, "top_p": NUMBER, "top_k": NUMBER, "seed": NUMBER, "n": small_count(2),
+    "temperature": NUMBER, "top_p": NUMBER, "top_k": NUMBER, "min_p": NUMBER, "seed": NUMBER, "n": small_count(2),
     "presence_penalty": NUMBER, "frequency_penalty": NUMBER, "repetition_penalty": NUMBER, "min_tokens": small_count(4),
     "logit_bias": st.dictionaries(st.sampled_from(["5", "²", "٣", "-1", "x", "99999999999", "--5", "1" * 20]), NUMBER,
                                   max_size=3) | WILD,

@@ -96,6 +96,14 @@ def test_sampling_parameters_and_stop_strings_reach_the_scheduler(fp32_stack: St
     seeded = [api.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0.9, top_p=0.9,
                                      seed=7, extra_body={"top_k": 40}).choices[0].text for _ in range(2)]
     assert seeded[0] == seeded[1]
+    # min_p 1 keeps only the likeliest token: a sampled answer is the greedy one, over HTTP and gRPC alike.
+    greedy = api.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0)
+    best_only = api.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=3,
+                                       extra_body={"min_p": 1.0})
+    assert best_only.choices[0].text == greedy.choices[0].text
+    over_grpc = fp32_stack.generate(pb.GenerateRequest(prompt="Once upon a time", params=pb.SamplingParams(
+        max_tokens=12, temperature=1.0, seed=3, min_p=1.0)))
+    assert over_grpc.text == greedy.choices[0].text
     stopped = api.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=32, temperature=0, stop=[" 7"])
     assert stopped.choices[0].finish_reason == "stop" and " 7" not in stopped.choices[0].text
 
@@ -125,7 +133,7 @@ CHAT = [{"role": "user", "content": "hi"}]
     ({"prompt": "x", "echo": "yes"}, "echo"),
     ({"prompt": "x", "suffix": "end"}, "suffix"),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"prompt": "x", "min_p": 0.05}, "min_p"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p"),
     ({"prompt": "x", "wibble": 1}, "wibble"),
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),

@@ -114,7 +114,7 @@ def test_flush_cache_forgets_the_pages_no_request_holds(fp32_stack: Stack) -> No
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"sampling_params": {"max_new_tokens": 2}}, "text"),
-    ({"text": "x", "sampling_params": {"min_p": 0.1}}, "sampling_params.min_p"),
+    ({"text": "x", "sampling_params": {"min_p": 2}}, "sampling_params.min_p"),
     ({"text": "x", "sampling_params": {"wibble": 1}}, "sampling_params.wibble"),
     ({"text": "x", "sampling_params": {"logit_bias": {"5": 1.0}}}, "sampling_params.logit_bias"),
     ({"text": "x", "sampling_params": {"no_stop_trim": True}}, "sampling_params.no_stop_trim"),

@@ -34,6 +34,8 @@ BAD_VALUES = [
     ("top_p", {"prompt": "x", "top_p": 0}, "top_p: must be in (0, 1], got 0.0"),
     ("max_tokens", {"prompt": "x", "max_tokens": 0}, "max_tokens: must be at least 1, got 0"),
     ("top_k", {"prompt": "x", "top_k": -2}, "top_k: must be >= 0 (0 = no top-k cut), got -2"),
+    ("min_p", {"prompt": "x", "min_p": 1.5}, "min_p: must be in [0, 1], got 1.5"),
+    ("min_p", {"prompt": "x", "min_p": -0.1}, "min_p: must be in [0, 1], got -0.1"),
     ("prompt", {"prompt": ""}, "prompt: must not be empty"),
     ("prompt", {"prompt": [1, VOCAB_SIZE]}, f"prompt: token id {VOCAB_SIZE} is outside the vocabulary [0, {VOCAB_SIZE})"),
     ("prompt", {"prompt": [1, 2**40]}, f"prompt: token id {2**40} is outside the vocabulary [0, {VOCAB_SIZE})"),
@@ -124,7 +126,6 @@ NOT_DONE_HERE = [
     ("tool_choice", {"messages": CHAT, "tool_choice": "required"}),
     ("functions", {"messages": CHAT, "functions": [{"name": "f"}]}),
     ("function_call", {"messages": CHAT, "function_call": "auto"}),
-    ("min_p", {"prompt": "x", "min_p": 0.1}),
     ("priority", {"prompt": "x", "priority": 1}),
     ("suffix", {"prompt": "x", "suffix": "end"}),
     ("chat_template_kwargs", {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": True}}),
@@ -154,6 +155,11 @@ def test_fields_that_ask_for_nothing_are_taken() -> None:
     with pytest.raises(ApiError) as caught:
         submission({"messages": CHAT, "user": 7})
     assert caught.value.param == "user"
+
+
+def test_min_p_reaches_the_sampling_parameters() -> None:
+    assert submission({"prompt": "x", "min_p": 0.05}).sampling.min_p == 0.05
+    assert submission({"prompt": "x"}).sampling.min_p == 0.0
 
 
 def test_stop_token_ids_are_taken_and_checked_by_name() -> None:

@@ -49,6 +49,8 @@ BAD_REQUESTS = [
     ("params.top_p", pb.GenerateRequest(prompt="x", params=params(top_p=-0.1))),
     ("params.top_p", pb.GenerateRequest(prompt="x", params=params(top_p=math.nan))),
     ("params.top_k", pb.GenerateRequest(prompt="x", params=params(top_k=-1))),
+    ("params.min_p", pb.GenerateRequest(prompt="x", params=params(min_p=1.01))),
+    ("params.min_p", pb.GenerateRequest(prompt="x", params=params(min_p=math.nan))),
     ("params.max_tokens", pb.GenerateRequest(prompt="x", params=params(max_tokens=0))),
     ("params.max_tokens", pb.GenerateRequest(prompt="x", params=params(max_tokens=-3))),
     ("params.seed", pb.GenerateRequest(prompt="x", params=params(seed=-1))),
@@ -67,7 +69,7 @@ BAD_REQUESTS = [
 # never becomes a message the scheduler cannot read.
 SLIPS = [("max_tokens", 2.5), ("max_tokens", True), ("max_tokens", 2**31), ("top_k", math.inf), ("top_k", 2**31),
          ("seed", 1.5), ("seed", 2**64), ("min_tokens", 2.5), ("min_tokens", 2**31), ("logprobs", True),
-         ("temperature", "1"), ("top_p", 10**400), ("repetition_penalty", False), ("presence_penalty", 10**400),
+         ("temperature", "1"), ("top_p", 10**400), ("min_p", "0.1"), ("repetition_penalty", False), ("presence_penalty", 10**400),
          ("stop_token_ids", (True,)), ("logit_bias", ((True, 1.0),)), ("logit_bias", ((5, "1"),))]
 
 
@@ -157,14 +159,15 @@ def test_defaults_when_nothing_is_set() -> None:
 def test_every_field_is_carried_over() -> None:
     request = pb.GenerateRequest(
         chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Hi")]),
-        params=params(max_tokens=7, temperature=0.7, top_p=0.9, top_k=40, seed=0, stop=["\n\n"], stop_token_ids=[5, 2]),
+        params=params(max_tokens=7, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=0, stop=["\n\n"],
+                      stop_token_ids=[5, 2]),
     )
     submission = submission_of(request, request_id="r2", vocab_size=VOCAB_SIZE)
     assert submission.prompt == ChatPrompt((ChatMessage("user", "Hi"),))
     assert submission.seed_given is True  # seed 0 set explicitly is a given seed
     submit = submission.to_submit_request([1], eos_token_ids=[2])
     assert submit.max_tokens == 7
-    assert submit.sampling == messages.SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=0)
+    assert submit.sampling == messages.SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=0)
     assert submit.stop_token_ids == [2, 5]  # eos first, no repeats
     assert submission.stop_strings == ("\n\n",)
 

@@ -47,6 +47,21 @@ def test_top_p_over_a_large_vocabulary_keeps_what_a_whole_sort_keeps(scale: floa
     torch.testing.assert_close(ours, reference)
 
 
+def test_min_p_keeps_the_tokens_at_least_min_p_as_likely_as_the_best() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    probs = target_probs(logits, SamplingParams(temperature=1.0, min_p=0.3))  # keeps p >= 0.15
+    assert torch.allclose(probs, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
+    best_only = target_probs(logits, SamplingParams(temperature=1.0, min_p=1.0))
+    assert best_only.tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert torch.equal(target_probs(logits, SamplingParams(temperature=1.0, min_p=0.0)),
+                       target_probs(logits, SamplingParams(temperature=1.0)))
+    # After temperature and the other cuts: at temperature 2 the odds against the best are their square roots.
+    warm = target_probs(logits, SamplingParams(temperature=2.0, min_p=0.5))  # sqrt(p / 0.5) >= 0.5: p >= 0.125
+    assert (warm > 0).tolist() == [True, True, True, False]
+    assert (target_probs(logits, SamplingParams(temperature=1.0, top_k=1, min_p=0.01)) > 0).tolist() == [True, False,
+                                                                                                             False, False]
+
+
 def test_seeded_draw_depends_only_on_seed_and_position() -> None:
     logits = torch.randn(3, 50)
     params = [SamplingParams(temperature=1.0, seed=7)] * 3
