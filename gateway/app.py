@@ -90,20 +90,21 @@ class Gateway:
                 )
                 generation = Generation(tokenizer, scheduler, GatewayMetrics(), GrammarCompiler(tokenizer),
                                         cache_scope=self._config.prefix_cache_scope)
-                add_services(server, SpecServeServicer(generation), reporter.servicer)
+                add_services(server, SpecServeServicer(generation, self._config.api_keys), reporter.servicer)
                 port = self._bind(server)
                 await reporter.start()
                 await server.start()
                 resources.push_async_callback(server.stop, None)
             with self._phase("start_http"):
                 limits = BodyLimits(self._config.http_max_body_bytes, self._config.http_read_timeout_s)
-                http = HttpApi(generation, reporter, self._config.model_dir.name, limits)
+                http = HttpApi(generation, reporter, self._config.model_dir.name, limits, self._config.api_keys)
                 runner = http.runner()
                 await runner.setup()
                 resources.push_async_callback(runner.cleanup)
                 http_port = await self._bind_http(runner)
             self._log.info("gateway.listening", host=self._config.host, port=port, http_port=http_port,
-                           model=str(self._config.model_dir))
+                           model=str(self._config.model_dir), api_keys=len(self._config.api_keys.digests),
+                           prefix_cache_scope=self._config.prefix_cache_scope)
             await self._serve(server, scheduler, reporter, http)
         self._log.info("gateway.stopped")
 

@@ -12,8 +12,8 @@ not share one, at the price of the reuse between them.
   the same one (vLLM's meaning).
 - `salt`: nothing is shared without a salt: a request without one shares pages only with
   its own copies (n, best_of); requests with the same `cache_salt` share.
-- `tenant`: each caller's requests share among themselves, under the caller's identity.
-  The public ports have no caller identities yet, so the gateway refuses to start with it.
+- `tenant`: only requests made with the same API key share pages (gateway/access.py), a
+  `cache_salt` then dividing a tenant's cache further; the gateway needs keys to start with it.
 
 The salts of the three kinds never meet: a client's salt cannot name another request's own.
 """
@@ -32,14 +32,15 @@ UNSALTED = ""  # the page pool's cache every unsalted request shares
 def page_salt(scope: CacheScope, submission: Submission) -> str:
     """The salt the submission's pages are keyed under."""
     client = submission.cache_salt
-    if client is not None:
-        return f"salt:{client}"
     match scope:
         case "global":
-            return UNSALTED
+            return UNSALTED if client is None else f"salt:{client}"
         case "salt":
-            return f"request:{submission.own_salt}"
+            return f"request:{submission.own_salt}" if client is None else f"salt:{client}"
         case "tenant":
-            raise ValueError("--prefix-cache-scope tenant needs caller identities, which the public ports lack")
+            if submission.tenant is None:  # the ports check keys before any request is made
+                raise ValueError("--prefix-cache-scope tenant: a request without a tenant (no API key checked)")
+            tenant = f"tenant:{submission.tenant}"
+            return tenant if client is None else f"{tenant}/salt:{client}"
         case _:
             assert_never(scope)

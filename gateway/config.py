@@ -12,6 +12,8 @@ from common.transport import Transport, TransportError
 from common.transport import add_arguments as add_transport_arguments
 from common.transport import from_arguments as transport_from_arguments
 from common.arguments import flag, not_positive_problem
+from gateway.access import ENV_VAR as API_KEY_ENV_VAR
+from gateway.access import ApiKeyError, ApiKeys, api_keys
 from gateway.cache_scope import SCOPES, CacheScope
 from gateway.http_body import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S
 
@@ -35,6 +37,7 @@ class GatewayConfig:
     http_read_timeout_s: float = DEFAULT_READ_TIMEOUT_S  # an HTTP body not all received by then gets 408
     transport: Transport = Transport(None)  # its keys (common/transport.py), or insecure loopback
     prefix_cache_scope: CacheScope = "global"  # which requests share prefix-cache pages (gateway/cache_scope.py)
+    api_keys: ApiKeys = ApiKeys()  # the keys callers present (gateway/access.py); none: the ports are open
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,7 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefix-cache-scope", choices=SCOPES, default="global",
                         help="which requests share prefix-cache pages: global (every request without a cache_salt; "
                              "anyone who can reach the ports can probe what others sent), salt (only requests with "
-                             "the same cache_salt), tenant (each caller's own; needs caller identities)")
+                             "the same cache_salt), tenant (only requests made with the same API key; needs keys)")
+    parser.add_argument("--api-key", action="append", default=[],
+                        help="a key callers must present (HTTP: Authorization: Bearer KEY; gRPC: the same metadata); "
+                             "repeat for more, each a tenant. /health and /ready stay open. Visible to anyone who can "
+                             f"list processes: prefer --api-key-file or {API_KEY_ENV_VAR}")
+    parser.add_argument("--api-key-file", type=Path, default=None,
+                        help="a file of keys callers may present, one a line (# starts a comment)")
     add_transport_arguments(parser)
     return parser
 
@@ -78,9 +87,13 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
                                               "health_poll_interval_s", "shutdown_grace_s", "http_max_body_bytes",
                                               "http_read_timeout_s")):
         parser.error(problem)
-    if args.prefix_cache_scope == "tenant":
-        parser.error("--prefix-cache-scope tenant: the public ports have no caller identities (API keys) yet to "
-                     "salt by; use salt, and give each tenant's requests a cache_salt of its own")
+    try:
+        keys = api_keys(args.api_key, args.api_key_file)
+    except ApiKeyError as error:
+        parser.error(str(error))
+    if args.prefix_cache_scope == "tenant" and not keys.required:
+        parser.error(f"--prefix-cache-scope tenant: tenants are told apart by their API keys, and none is given "
+                     f"(--api-key, --api-key-file or {API_KEY_ENV_VAR})")
     try:
         secured = transport_from_arguments(args, "gateway", (("--scheduler-address", args.scheduler_address),))
     except TransportError as exc:
@@ -101,4 +114,5 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
         http_read_timeout_s=args.http_read_timeout_s,
         transport=secured,
         prefix_cache_scope=args.prefix_cache_scope,
+        api_keys=keys,
     )

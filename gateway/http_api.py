@@ -25,6 +25,7 @@ from typing import Any
 from aiohttp import web
 
 from common.logs import get_logger
+from gateway.access import HEADER, OPEN_PATHS, TENANT, ApiKeys
 from gateway.errors import RequestFailed
 from gateway.choices import Copy, interleaved, run_all, sibling
 from gateway.generation import Generation
@@ -40,8 +41,9 @@ from gateway.validation import validate
 
 class HttpApi:
     def __init__(self, generation: Generation, reporter: HealthReporter, model_name: str,
-                 limits: BodyLimits = BodyLimits()) -> None:
+                 limits: BodyLimits = BodyLimits(), keys: ApiKeys = ApiKeys()) -> None:
         self._generation = generation
+        self._keys = keys
         self._limits = limits
         self._reporter = reporter
         self._model_name = model_name
@@ -65,7 +67,7 @@ class HttpApi:
                              keepalive_timeout=self._limits.read_timeout_s)
 
     def application(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=self._limits.max_body_bytes)
+        app = web.Application(middlewares=[self._errors, self._access], client_max_size=self._limits.max_body_bytes)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -90,6 +92,20 @@ class HttpApi:
         except Exception as error:  # recoverable: this request fails (as JSON, like every error), the gateway lives on
             self._log.exception("request.internal_error", error_type=type(error).__name__)
             return error_response(ApiError(500, f"internal error in the gateway: {type(error).__name__}"))
+
+    @web.middleware
+    async def _access(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        """With API keys, every route but the probes' wants one (gateway/access.py); the caller's tenant is kept in
+        the request for the handlers. A missing key and a wrong one get the same 401."""
+        if self._keys.required and request.path not in OPEN_PATHS:
+            tenant = self._keys.tenant(request.headers.get(HEADER))
+            if tenant is None:
+                error = error_response(ApiError(401, "a valid API key is required: Authorization: Bearer KEY", None,
+                                                "invalid_api_key"))
+                error.headers["WWW-Authenticate"] = "Bearer"
+                return error
+            request[TENANT] = tenant
+        return await handler(request)
 
     # ------------------------------------------------------------------ the simple routes
 
@@ -170,6 +186,7 @@ class HttpApi:
                 client_request = dataclasses.replace(client_request, logprobs=0)
             submission = validate(client_request, fields=fields, request_id=request_id,
                                   vocab_size=self._generation.tokenizer.vocab_size, grammars=self._generation.grammars)
+            submission = dataclasses.replace(submission, tenant=request.get(TENANT))
             echo = self._echo_text(prompt) if not chat and body.get("echo") is True else None
             lead: _Choice | None = None
             for copy in range(counts.best_of):

@@ -27,7 +27,7 @@ HTTP_STATUS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.INTERNAL: 500,
 }
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 408: "invalid_request_error",
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error", 408: "invalid_request_error",
                413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
                503: "service_unavailable", 500: "internal_error"}
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

@@ -81,6 +81,7 @@ class Submission:
     prompt_logprobs: int | None = None  # alternatives with each prompt token's; None: none
     grammar: str | None = None  # the grammar the completion follows (checked); None: any text
     cache_salt: str | None = None  # the client's (checked); None: none given
+    tenant: str | None = None  # the tenant of the API key it came with (gateway/access.py); None: no keys required
     # A salt of this request alone, which its copies (n, best_of) keep: where the cache is not shared by default
     # (--prefix-cache-scope salt), what an unsalted request's pages are shared under.
     own_salt: str = field(default_factory=lambda: uuid.uuid4().hex)

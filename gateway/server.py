@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -15,6 +16,7 @@ import structlog
 from google.protobuf.message import DecodeError, Message
 
 from common.logs import get_logger
+from gateway.access import HEADER, ApiKeys
 from gateway.choices import Copy, interleaved, sibling
 from gateway.errors import InvalidArgument, RequestFailed
 from gateway.generation import Generation
@@ -39,19 +41,21 @@ FINISH_REASONS: dict[messages.FinishReason, pb.FinishReason] = {
 class SpecServeServicer(pb_grpc.SpecServeServicer):
     """Generate and GetServerInfo; every request's log lines carry its request_id."""
 
-    def __init__(self, generation: Generation) -> None:
+    def __init__(self, generation: Generation, keys: ApiKeys = ApiKeys()) -> None:
         self._generation = generation
+        self._keys = keys
         self._scheduler = generation.scheduler
         self._log = get_logger(component="servicer")
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         """Server-streaming: chunks are written with context.write so cancellation lands in this task."""
         started_at = time.monotonic()
+        tenant = await self._caller(context)
         try:
             request_id = request_id_of(request, generated_id=uuid.uuid4().hex)
             # Each RPC runs in its own task with its own context: this binding ends with the request.
             structlog.contextvars.bind_contextvars(request_id=request_id)
-            await self._generate(request, request_id, context)
+            await self._generate(request, request_id, tenant, context)
         except RequestFailed as error:
             self._log.info("request.failed", status=error.status.name, message=error.message)
             await context.abort(error.status, error.message)
@@ -63,15 +67,30 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error in the gateway: {type(error).__name__}")
 
     async def GetServerInfo(self, request: pb.ServerInfoRequest, context: grpc.aio.ServicerContext) -> pb.ServerInfoResponse:
+        await self._caller(context)
         try:
             return to_server_info(await self._scheduler.query_info())
         except RequestFailed as error:
             await context.abort(error.status, error.message)
             raise  # not reached: abort raises
 
-    async def _generate(self, request: pb.GenerateRequest, request_id: str, context: grpc.aio.ServicerContext) -> None:
+    async def _caller(self, context: grpc.aio.ServicerContext) -> str | None:
+        """The caller's tenant (gateway/access.py); with keys required and no valid one in the metadata, the call ends
+        UNAUTHENTICATED (the same for a missing key and a wrong one)."""
+        if not self._keys.required:
+            return None
+        presented = [value for key, value in context.invocation_metadata() or () if key == HEADER]
+        tenant = self._keys.tenant(presented[0] if len(presented) == 1 and isinstance(presented[0], str) else None)
+        if tenant is None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "a valid API key is required: metadata authorization: Bearer KEY")
+        return tenant
+
+    async def _generate(self, request: pb.GenerateRequest, request_id: str, tenant: str | None,
+                        context: grpc.aio.ServicerContext) -> None:
         submission = submission_of(request, request_id=request_id, vocab_size=self._generation.tokenizer.vocab_size,
                                    grammars=self._generation.grammars)
+        submission = dataclasses.replace(submission, tenant=tenant)
         n = request.n if request.HasField("n") else 1
         if not 1 <= n <= MAX_CHOICES:
             raise InvalidArgument("n", f"must be 1 to {MAX_CHOICES}, got {n}")

@@ -24,6 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.access import TENANT
 from gateway.choices import run_all
 from gateway.errors import RequestFailed
 from gateway.generation import Generation
@@ -125,6 +126,7 @@ class SglangApi:
             client_request = dataclasses.replace(client_request, cache_salt=cache_salt)
             submission = validate(client_request, fields=SGLANG_FIELDS, vocab_size=self._generation.tokenizer.vocab_size,
                                   request_id=request_ids[index], grammars=self._generation.grammars)
+            submission = dataclasses.replace(submission, tenant=request.get(TENANT))
             jobs.append(_Job(submission.request_id, return_logprob, with_text, max(start, 0), self._texts, submission))
         if stream:
             return await self._stream(request, jobs[0])

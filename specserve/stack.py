@@ -96,6 +96,7 @@ class StackConfig:
     max_num_seqs: int | None = None  # the scheduler's and the workers' --max-num-seqs
     prefix_cache: bool = True  # False: the scheduler's --no-prefix-cache
     prefix_cache_scope: str | None = None  # the gateway's --prefix-cache-scope
+    api_key_file: Path | None = None  # the gateway's --api-key-file (SPECSERVE_API_KEY reaches it in the environment)
     num_speculative_tokens: int | None = None  # the scheduler's k; also the draft service's --max-draft-tokens
     spec_disable_batch_threshold: int | None = None
     spec_draft_token_budget: int | None = None
@@ -196,7 +197,8 @@ def draft_spec(config: StackConfig, addresses: StackAddresses, draft: DraftSpec)
 
 def gateway_spec(config: StackConfig, addresses: StackAddresses) -> ServiceSpec:
     optional = {"--shutdown-grace-s": None if config.gateway_shutdown_grace_s is None else f"{config.gateway_shutdown_grace_s:g}",
-                "--prefix-cache-scope": config.prefix_cache_scope}
+                "--prefix-cache-scope": config.prefix_cache_scope,
+                "--api-key-file": None if config.api_key_file is None else str(config.api_key_file)}
     return ServiceSpec("gateway", _python("gateway", [
         "--model", str(config.model), "--scheduler-address", addresses.gateway_address, "--host", addresses.host,
         "--port", str(addresses.grpc_port), "--http-port", str(addresses.http_port), *_given(optional),

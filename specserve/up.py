@@ -21,6 +21,8 @@ from draft_service.defaults import HEAD_DRAFT_TOKENS
 from scheduler.config import SPECULATION_POLICIES
 from modeling.quantization import QUANTIZATIONS
 from common.transport import ENV_VAR as KEYS_ENV_VAR
+from gateway.access import ENV_VAR as API_KEY_ENV_VAR
+from gateway.access import ApiKeyError, api_keys
 from common.transport import ROLES, TransportError, check_keys
 from specserve.stack import StackAddresses, StackConfig, is_serving, service_specs, with_keys
 from specserve.supervisor import GaveUp, RestartPolicy, Supervisor
@@ -80,10 +82,14 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences each worker runs at once at most")
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="compute every prompt in full (by default equal prompt prefixes share their KV pages)")
-    parser.add_argument("--prefix-cache-scope", choices=("global", "salt"), default="global",
+    parser.add_argument("--prefix-cache-scope", choices=("global", "salt", "tenant"), default="global",
                         help="which requests share prefix-cache pages: global (every request without a cache_salt: "
                              "anyone who can reach the ports can learn from a cache hit what others sent), salt (only "
-                             "requests with the same cache_salt); docs/security.md")
+                             "requests with the same cache_salt), tenant (only requests made with the same API key); "
+                             "docs/security.md")
+    parser.add_argument("--api-key-file", type=Path, default=None,
+                        help="a file of keys clients must present (Authorization: Bearer KEY), one a line; "
+                             f"{API_KEY_ENV_VAR} in the environment adds one. /health and /ready stay open")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--draft", default=None, type=parse_draft,
                         help="the draft service's proposer: none (no speculation), ngram (prompt lookup), default (prompt "
@@ -201,7 +207,7 @@ def up_config(args: argparse.Namespace) -> UpConfig:
     """`up`'s flags with every default decided; raises UpRefused for what cannot work. `args` is left as it is."""
     from modeling.engine import default_dtype  # here: the CLI starts without torch
 
-    if problem := _numbers_problem(args) or _keys_problem(args):
+    if problem := _numbers_problem(args) or _keys_problem(args) or _api_keys_problem(args):
         raise UpRefused(problem)
     model = resolve_model(args.model)
     max_model_len = _max_model_len(args.max_model_len, model)
@@ -259,7 +265,7 @@ def stack_config(args: argparse.Namespace, *, model: Path, max_model_len: int, d
         spec_draft_token_budget=args.spec_draft_token_budget, gateway_shutdown_grace_s=GATEWAY_SHUTDOWN_GRACE_S,
         speculation_policy=args.speculation_policy, require_batch_invariance=args.require_batch_invariance,
         host=args.host, grpc_port=args.port, http_port=args.http_port, log_json=args.log_json,
-        keys=args.keys, insecure_loopback=args.insecure_loopback,
+        keys=args.keys, insecure_loopback=args.insecure_loopback, api_key_file=args.api_key_file,
     )
 
 
@@ -274,6 +280,18 @@ def _keys_problem(args: argparse.Namespace) -> str:
                 check_keys(args.keys, role)
     except TransportError as exc:
         return str(exc)
+    return ""
+
+
+def _api_keys_problem(args: argparse.Namespace) -> str:
+    """What is wrong with --api-key-file, SPECSERVE_API_KEY and --prefix-cache-scope tenant ("" when nothing)."""
+    try:
+        keys = api_keys((), args.api_key_file)
+    except ApiKeyError as exc:
+        return str(exc)
+    if args.prefix_cache_scope == "tenant" and not keys.required:
+        return (f"--prefix-cache-scope tenant: tenants are told apart by their API keys, and none is given "
+                f"(--api-key-file or {API_KEY_ENV_VAR})")
     return ""
 
 

@@ -41,6 +41,14 @@ def _service_argvs(*up_flags: str, model: Path) -> dict[str, list[str]]:
     return {spec.name: spec.argv for spec in service_specs(config, StackAddresses.pick(config))}
 
 
+def test_up_hands_the_api_key_file_and_the_tenant_scope_to_the_gateway(tmp_path: Path) -> None:
+    argv = _service_argvs("--api-key-file", "/run/secrets/keys", "--prefix-cache-scope", "tenant", model=tmp_path)
+    gateway = argv["gateway"]
+    assert gateway[gateway.index("--api-key-file") + 1] == "/run/secrets/keys"
+    assert gateway[gateway.index("--prefix-cache-scope") + 1] == "tenant"
+    assert not any("--api-key" in arg for name, args in argv.items() if name != "gateway" for arg in args)
+
+
 def test_lookups_speculate_in_larger_steps_than_drafts_that_run_a_model() -> None:
     for proposer in ("ngram", "phrases:/d"):
         assert default_spec_threshold(DraftSpec.parse(proposer, flag="--draft")) == 16
@@ -111,6 +119,8 @@ def test_token_trees_are_on_unless_turned_off_and_only_phrases_take_the_switch(
     (["--draft", "default"], "was trained for a target with another vocabulary"),  # the shipped draft is the default model's
     (["--keys", "/no/such/keys"], "--keys /no/such/keys: no such folder"),
     (["--keys", "/tmp", "--insecure-loopback"], "--keys and --insecure-loopback exclude each other"),
+    (["--prefix-cache-scope", "tenant"], "tenants are told apart by their API keys, and none is given"),
+    (["--api-key-file", "/no/such/api-keys"], "--api-key-file /no/such/api-keys: cannot be read"),
 ])
 def test_up_refuses_what_cannot_work_before_any_process_starts(tiny_llama_folder: Path, flags: list[str], problem: str,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
@@ -118,6 +128,7 @@ def test_up_refuses_what_cannot_work_before_any_process_starts(tiny_llama_folder
     import specserve.up
 
     monkeypatch.setattr(specserve.up, "Supervisor", None)  # starting anything would fail loudly
+    monkeypatch.delenv("SPECSERVE_API_KEY", raising=False)
     args = _build_parser().parse_args(["up", "--model", str(tiny_llama_folder), *flags])
     with pytest.raises(SystemExit, match=problem.replace("+", "\\+")):
         specserve.cli._run_up(args)
