@@ -54,11 +54,10 @@ def test_keys_come_from_flags_a_file_and_the_environment(tmp_path: Path) -> None
         keys_from_file(tmp_path / "missing")
 
 
-def test_the_tenant_scope_needs_keys(default_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_tenant_scope_takes_the_keys_given(default_model_dir: Path, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV_VAR, raising=False)
     base = ["--model", str(default_model_dir), "--insecure-loopback"]
-    with pytest.raises(SystemExit):
-        parse_config([*base, "--prefix-cache-scope", "tenant"])
     key_file = tmp_path / "keys"
     key_file.write_text("k\n")
     config = parse_config([*base, "--prefix-cache-scope", "tenant", "--api-key-file", str(key_file)])

@@ -52,15 +52,16 @@ def test_a_bad_cache_salt_is_refused_naming_the_field(salt: str) -> None:
     assert refused.value.field == "cache_salt"
 
 
-def test_tenant_scope_is_refused_at_start_while_callers_have_no_identity(tmp_path: Path,
-                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_tenant_scope_is_refused_at_start_without_api_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SPECSERVE_API_KEY", raising=False)
     (tmp_path / "tokenizer.json").write_text("{}")
     args = ["--model", str(tmp_path), "--insecure-loopback"]
     assert parse_config(args).prefix_cache_scope == "global"
     assert parse_config([*args, "--prefix-cache-scope", "salt"]).prefix_cache_scope == "salt"
     with pytest.raises(SystemExit):
         parse_config([*args, "--prefix-cache-scope", "tenant"])
-    assert "no caller identities" in capsys.readouterr().err
+    assert "tenants are told apart by their API keys, and none is given" in capsys.readouterr().err
 
 
 def test_sglang_rids_name_each_prompts_replies() -> None:
