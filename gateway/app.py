@@ -104,12 +104,15 @@ class Gateway:
                 http_port = await self._bind_http(runner)
             self._log.info("gateway.listening", host=self._config.host, port=port, http_port=http_port,
                            model=str(self._config.model_dir), api_keys=len(self._config.api_keys.digests),
+                           tls="off" if self._config.tls is None else "mutual" if self._config.tls.client_ca else "on",
                            prefix_cache_scope=self._config.prefix_cache_scope)
             await self._serve(server, scheduler, reporter, http)
         self._log.info("gateway.stopped")
 
     async def _bind_http(self, runner: web.AppRunner) -> int:
-        site = web.TCPSite(runner, self._config.host, self._config.http_port, reuse_port=False)
+        tls = self._config.tls
+        site = web.TCPSite(runner, self._config.host, self._config.http_port, reuse_port=False,
+                           ssl_context=None if tls is None else tls.ssl_context())
         try:
             await site.start()
         except OSError as error:
@@ -154,7 +157,9 @@ class Gateway:
     def _bind(self, server: grpc.aio.Server) -> int:
         address = f"{self._config.host}:{self._config.port}"
         try:
-            port: int = server.add_insecure_port(address)
+            tls = self._config.tls
+            port: int = (server.add_insecure_port(address) if tls is None
+                         else server.add_secure_port(address, tls.grpc_credentials()))
         except RuntimeError as error:
             raise StartupError(f"cannot listen on {address}: {error} (is the port in use? see --port)") from error
         if port == 0:

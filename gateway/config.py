@@ -16,6 +16,7 @@ from gateway.access import ENV_VAR as API_KEY_ENV_VAR
 from gateway.access import ApiKeyError, ApiKeys, api_keys
 from gateway.cache_scope import SCOPES, CacheScope
 from gateway.http_body import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S
+from gateway.tls import Tls, TlsError
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class GatewayConfig:
     transport: Transport = Transport(None)  # its keys (common/transport.py), or insecure loopback
     prefix_cache_scope: CacheScope = "global"  # which requests share prefix-cache pages (gateway/cache_scope.py)
     api_keys: ApiKeys = ApiKeys()  # the keys callers present (gateway/access.py); none: the ports are open
+    tls: Tls | None = None  # the public ports' certificate (gateway/tls.py); None: plain TCP
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
                              f"list processes: prefer --api-key-file or {API_KEY_ENV_VAR}")
     parser.add_argument("--api-key-file", type=Path, default=None,
                         help="a file of keys callers may present, one a line (# starts a comment)")
+    parser.add_argument("--tls-certfile", type=Path, default=None,
+                        help="PEM certificate (chain) both public ports serve TLS with; needs --tls-keyfile")
+    parser.add_argument("--tls-keyfile", type=Path, default=None, help="the certificate's PEM private key")
+    parser.add_argument("--tls-ca-certfile", type=Path, default=None,
+                        help="PEM CA certificates: clients must then present a certificate one of them signed (mTLS)")
     add_transport_arguments(parser)
     return parser
 
@@ -90,6 +97,10 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
     try:
         keys = api_keys(args.api_key, args.api_key_file)
     except ApiKeyError as error:
+        parser.error(str(error))
+    try:
+        tls = Tls.load(args.tls_certfile, args.tls_keyfile, args.tls_ca_certfile)
+    except TlsError as error:
         parser.error(str(error))
     if args.prefix_cache_scope == "tenant" and not keys.required:
         parser.error(f"--prefix-cache-scope tenant: tenants are told apart by their API keys, and none is given "
@@ -115,4 +126,5 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
         transport=secured,
         prefix_cache_scope=args.prefix_cache_scope,
         api_keys=keys,
+        tls=tls,
     )

@@ -1,8 +1,11 @@
-"""API keys on the public ports (gateway/access.py), through the real clients: the openai SDK, plain HTTP, gRPC.
+"""The public ports' edges through the real clients (the openai SDK, plain HTTP, gRPC): API keys (gateway/access.py)
+and TLS (gateway/tls.py).
 
 A stack started with a key file and `--prefix-cache-scope tenant`: every route but the
 probes' wants a key, a missing key and a wrong one get the same 401 / UNAUTHENTICATED, and
-one key's requests never hit the prefix-cache pages another key's requests left.
+one key's requests never hit the prefix-cache pages another key's requests left. Beside its
+own gateway, gateways with a test CA's certificate serve HTTPS and gRPC over TLS, one of
+them wanting client certificates (mutual TLS).
 """
 
 from __future__ import annotations
@@ -13,14 +16,22 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import ssl
+import time
+import urllib.error
+import urllib.request
+from dataclasses import replace
+
 import grpc
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import specserve_pb2 as pb
-from specserve.stack import StackConfig
+from proto import specserve_pb2_grpc as pb_grpc
+from specserve.stack import StackConfig, free_ports, gateway_spec
 from tests.e2e.stack import Stack, collect, running_stack
+from tests.tls_certs import CertFiles, make_test_ca
 
 MODEL = "SmolLM2-135M-Instruct"
 KEYS = ("key-of-tenant-a", "key-of-tenant-b")
@@ -116,3 +127,89 @@ def test_one_tenants_prefix_cache_pages_are_never_another_tenants_hits(keyed_sta
     assert cached(KEYS[0], {"cache_salt": "team-1"}) == 0
     assert cached(KEYS[0], {"cache_salt": "team-1"}) > 300
     assert cached(KEYS[1], {"cache_salt": "team-1"}) == 0
+
+
+# ---------------------------------------------------------------- TLS
+
+
+@pytest.fixture(scope="module")
+def test_ca(tmp_path_factory: pytest.TempPathFactory) -> CertFiles:
+    return make_test_ca(tmp_path_factory.mktemp("test_ca"))
+
+
+def start_tls_gateway(stack: Stack, name: str, ca: CertFiles, *, mutual: bool) -> tuple[int, int]:
+    """A gateway beside the stack's own, serving the test CA's server certificate on both ports (and with `mutual`,
+    wanting client certificates the CA signed); its (gRPC, HTTP) ports once its health says SERVING over TLS."""
+    grpc_port, http_port = free_ports(2, taken=(stack.addresses.grpc_port, stack.addresses.http_port))
+    spec = gateway_spec(stack.config, replace(stack.addresses, grpc_port=grpc_port, http_port=http_port))
+    tls = ["--tls-certfile", str(ca.server_cert), "--tls-keyfile", str(ca.server_key)]
+    stack.spawn(replace(spec, name=name, argv=[*spec.argv, *tls, *(["--tls-ca-certfile", str(ca.ca_cert)] if mutual
+                                                                   else [])]))
+    credentials = grpc_credentials(ca, client=mutual)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with grpc.secure_channel(f"127.0.0.1:{grpc_port}", credentials) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return grpc_port, http_port
+        except grpc.RpcError:
+            pass
+        assert time.monotonic() < deadline, (stack.log_dir / f"{name}.log").read_text()[-3000:]
+        time.sleep(0.2)
+
+
+def grpc_credentials(ca: CertFiles, *, client: bool) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(root_certificates=ca.ca_cert.read_bytes(),
+                                        private_key=ca.client_key.read_bytes() if client else None,
+                                        certificate_chain=ca.client_cert.read_bytes() if client else None)
+
+
+def test_both_ports_serve_tls_to_clients_that_trust_the_ca(keyed_stack: Stack, test_ca: CertFiles) -> None:
+    grpc_port, http_port = start_tls_gateway(keyed_stack, "gateway-tls", test_ca, mutual=False)
+    api = openai.OpenAI(base_url=f"https://localhost:{http_port}/v1", api_key=KEYS[0],
+                        http_client=openai.DefaultHttpx2Client(verify=ssl.create_default_context(cafile=str(test_ca.ca_cert))))
+    reply = api.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0)
+    plain = call(keyed_stack, "POST", "/v1/completions",
+                 {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}, KEYS[0])[2]
+    assert reply.choices[0].text == plain["choices"][0]["text"]
+    with pytest.raises(openai.APIConnectionError):  # a client that does not trust the CA never gets that far
+        openai.OpenAI(base_url=f"https://localhost:{http_port}/v1", api_key=KEYS[0], max_retries=0).models.list()
+    with pytest.raises((ConnectionError, http.client.HTTPException)):  # plain HTTP on a TLS port
+        call_port(http_port, "/health")
+    with grpc.secure_channel(f"127.0.0.1:{grpc_port}", grpc_credentials(test_ca, client=False)) as channel:
+        stub = pb_grpc.SpecServeStub(channel)
+        request = pb.GenerateRequest(prompt="Once upon a time", params=pb.SamplingParams(max_tokens=4))
+        result = collect(stub.Generate(request, timeout=60, metadata=(("authorization", f"Bearer {KEYS[0]}"),)))
+        assert result.text == plain["choices"][0]["text"]
+        with pytest.raises(grpc.RpcError) as caught:  # TLS is no key: the key is still wanted
+            collect(stub.Generate(request, timeout=60))
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_with_a_client_ca_a_client_without_a_certificate_is_refused(keyed_stack: Stack, test_ca: CertFiles) -> None:
+    grpc_port, http_port = start_tls_gateway(keyed_stack, "gateway-mtls", test_ca, mutual=True)
+    trusting = ssl.create_default_context(cafile=str(test_ca.ca_cert))
+    with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+        urllib.request.urlopen(f"https://localhost:{http_port}/health", context=trusting, timeout=10)
+    with_certificate = ssl.create_default_context(cafile=str(test_ca.ca_cert))
+    with_certificate.load_cert_chain(test_ca.client_cert, test_ca.client_key)
+    with urllib.request.urlopen(f"https://localhost:{http_port}/health", context=with_certificate, timeout=10) as answer:
+        assert answer.status == 200
+    request = pb.GenerateRequest(prompt="Hi", params=pb.SamplingParams(max_tokens=2))
+    keyed = (("authorization", f"Bearer {KEYS[1]}"),)
+    with grpc.secure_channel(f"127.0.0.1:{grpc_port}", grpc_credentials(test_ca, client=False)) as channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            collect(pb_grpc.SpecServeStub(channel).Generate(request, timeout=10, metadata=keyed))
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE  # the handshake failed: no call was made
+    with grpc.secure_channel(f"127.0.0.1:{grpc_port}", grpc_credentials(test_ca, client=True)) as channel:
+        assert len(collect(pb_grpc.SpecServeStub(channel).Generate(request, timeout=60, metadata=keyed)).token_ids) == 2
+
+
+def call_port(port: int, path: str) -> int:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        connection.request("GET", path)
+        return connection.getresponse().status
+    finally:
+        connection.close()
