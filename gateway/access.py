@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 OPEN_PATHS = frozenset({"/health", "/ready"})  # HTTP routes that want no key: the probes'
-TENANT = "specserve.tenant"  # where an HTTP request keeps its caller's tenant once the key is checked
 ENV_VAR = "SPECSERVE_API_KEY"  # one key, for deployments that pass secrets in the environment
 HEADER = "authorization"  # HTTP header and gRPC metadata key alike (gRPC metadata keys are lower case)
 _SCHEME = "bearer"

@@ -15,6 +15,7 @@ from common.arguments import flag, not_positive_problem
 from gateway.access import ENV_VAR as API_KEY_ENV_VAR
 from gateway.access import ApiKeyError, ApiKeys, api_keys
 from gateway.cache_scope import SCOPES, CacheScope
+from gateway.cors import Cors, OriginError
 from gateway.http_body import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S
 from gateway.tls import Tls, TlsError
 
@@ -40,6 +41,7 @@ class GatewayConfig:
     prefix_cache_scope: CacheScope = "global"  # which requests share prefix-cache pages (gateway/cache_scope.py)
     api_keys: ApiKeys = ApiKeys()  # the keys callers present (gateway/access.py); none: the ports are open
     tls: Tls | None = None  # the public ports' certificate (gateway/tls.py); None: plain TCP
+    cors: Cors = Cors()  # the origins whose scripts may read HTTP answers (gateway/cors.py); none: no CORS headers
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tls-certfile", type=Path, default=None,
                         help="PEM certificate (chain) both public ports serve TLS with; needs --tls-keyfile")
     parser.add_argument("--tls-keyfile", type=Path, default=None, help="the certificate's PEM private key")
+    parser.add_argument("--allowed-origins", action="append", default=[],
+                        help="origins (scheme://host[:port], comma-separated or repeated; * for any) whose scripts "
+                             "may call the HTTP API from a browser (CORS); none by default")
     parser.add_argument("--tls-ca-certfile", type=Path, default=None,
                         help="PEM CA certificates: clients must then present a certificate one of them signed (mTLS)")
     add_transport_arguments(parser)
@@ -97,6 +102,10 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
     try:
         keys = api_keys(args.api_key, args.api_key_file)
     except ApiKeyError as error:
+        parser.error(str(error))
+    try:
+        cors = Cors.of(args.allowed_origins)
+    except OriginError as error:
         parser.error(str(error))
     try:
         tls = Tls.load(args.tls_certfile, args.tls_keyfile, args.tls_ca_certfile)
@@ -127,4 +136,5 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
         prefix_cache_scope=args.prefix_cache_scope,
         api_keys=keys,
         tls=tls,
+        cors=cors,
     )

@@ -25,12 +25,13 @@ from typing import Any
 from aiohttp import web
 
 from common.logs import get_logger
-from gateway.access import HEADER, OPEN_PATHS, TENANT, ApiKeys
+from gateway.access import HEADER, OPEN_PATHS, ApiKeys
+from gateway.cors import Cors
 from gateway.errors import RequestFailed
 from gateway.choices import Copy, interleaved, run_all, sibling
 from gateway.generation import Generation
 from gateway.health import SERVING, HealthReporter
-from gateway.http_body import BodyLimits, json_body, reply_json
+from gateway.http_body import TENANT, BodyLimits, json_body, reply_json
 from gateway.openai_logprobs import CompletionLogprobs, Scored, TokenTexts, chat_logprobs
 from gateway.openai_request import ApiError, chat_prompt, choice_counts, client_request_of, completion_prompts
 from gateway.output import Chunk
@@ -41,9 +42,10 @@ from gateway.validation import validate
 
 class HttpApi:
     def __init__(self, generation: Generation, reporter: HealthReporter, model_name: str,
-                 limits: BodyLimits = BodyLimits(), keys: ApiKeys = ApiKeys()) -> None:
+                 limits: BodyLimits = BodyLimits(), keys: ApiKeys = ApiKeys(), cors: Cors = Cors()) -> None:
         self._generation = generation
         self._keys = keys
+        self._cors = cors
         self._limits = limits
         self._reporter = reporter
         self._model_name = model_name
@@ -67,7 +69,9 @@ class HttpApi:
                              keepalive_timeout=self._limits.read_timeout_s)
 
     def application(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors, self._access], client_max_size=self._limits.max_body_bytes)
+        app = web.Application(middlewares=[self._errors, self._cors.preflight, self._access],
+                              client_max_size=self._limits.max_body_bytes)
+        app.on_response_prepare.append(self._cors.on_prepare)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)

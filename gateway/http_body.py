@@ -29,6 +29,8 @@ from gateway.openai_request import ApiError
 
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20  # a long-context prompt as text is a few MiB at most
 DEFAULT_READ_TIMEOUT_S = 30.0
+# Where a request keeps its caller's tenant once its API key is checked (gateway/access.py), for the routes to read.
+TENANT = web.RequestKey("specserve.tenant", str)
 MAX_JSON_DEPTH = 64  # an OpenAI body nests 4 deep (messages[i].content[j].text)
 
 _SURROGATE = re.compile("[\ud800-\udfff]")  # only a JSON escape (or an escaping charset) can make one

@@ -24,11 +24,10 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.access import TENANT
 from gateway.choices import run_all
 from gateway.errors import RequestFailed
 from gateway.generation import Generation
-from gateway.http_body import BodyLimits, json_body, reply_json
+from gateway.http_body import TENANT, BodyLimits, json_body, reply_json
 from gateway.openai_logprobs import Scored, TokenTexts, finite
 from gateway.openai_request import ApiError
 from gateway.output import Chunk
