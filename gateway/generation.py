@@ -22,7 +22,7 @@ from gateway.cache_scope import CacheScope, page_salt
 from gateway.errors import InvalidArgument, RequestFailed
 from gateway.metrics import GatewayMetrics
 from gateway.output import Chunk, RequestOutput, SpecUsage
-from gateway.request import ChatPrompt, Submission, TextPrompt, TokenPrompt
+from gateway.request import ChatPrompt, Prompt, Submission, TextPrompt, TokenPrompt
 from gateway.scheduler_client import RequestStream, SchedulerClient
 from gateway.structured_request import GrammarCompiler
 from modeling.tokenizer import ChatMessage, ChatTemplateError, Tokenizer
@@ -85,14 +85,19 @@ class Generation:
         yield chunk  # the last one, after the request is fully accounted for
 
     async def _prompt_token_ids(self, submission: Submission) -> list[int]:
+        return await self.tokenize(submission.prompt, submission.prompt_field)
+
+    async def tokenize(self, prompt: Prompt, field: str, *, special_tokens: bool | None = None) -> list[int]:
+        """The prompt's token ids, tokenized off the event loop (text that cannot fit a context refused first, naming
+        `field`); `special_tokens` None: as a request's prompt is, else with (True) or without the tokenizer's own."""
         max_bytes = await self.scheduler.max_model_len() * self.tokenizer.longest_token_bytes
-        if (size := prompt_bytes(submission, max_bytes)) > max_bytes:
+        if (size := prompt_bytes(prompt, max_bytes)) > max_bytes:
             longest = self.tokenizer.longest_token_bytes
-            raise InvalidArgument(submission.prompt_field, f"holds at least {size} bytes of text: more than a context "
-                                  f"of {max_bytes // longest} tokens can hold (no token of this model stands for more "
+            raise InvalidArgument(field, f"holds at least {size} bytes of text: more than a context of "
+                                  f"{max_bytes // longest} tokens can hold (no token of this model stands for more "
                                   f"than {longest} bytes)")
         async with self._tokenizing:
-            return await asyncio.to_thread(prompt_token_ids_of, self.tokenizer, submission)
+            return await asyncio.to_thread(prompt_token_ids_of, self.tokenizer, prompt, field, special_tokens)
 
     async def _next_chunk(self, stream: RequestStream, output: RequestOutput) -> Chunk:
         """Read scheduler messages until one yields something to send (text, ids or the finish)."""
@@ -128,10 +133,9 @@ class Generation:
         )
 
 
-def prompt_bytes(submission: Submission, max_bytes: int) -> int:
+def prompt_bytes(prompt: Prompt, max_bytes: int) -> int:
     """The UTF-8 bytes of the prompt's text (a chat's every role and content), or some number over max_bytes once it
     is plainly larger (without encoding it all: a character is at least one byte)."""
-    prompt = submission.prompt
     match prompt:
         case TextPrompt(text=text):
             texts: Sequence[str] = (text,)
@@ -146,27 +150,31 @@ def prompt_bytes(submission: Submission, max_bytes: int) -> int:
     return sum(len(text.encode()) for text in texts)
 
 
-def prompt_token_ids_of(tokenizer: Tokenizer, submission: Submission) -> list[int]:
-    """The prompt as token ids; raises InvalidArgument naming the client's prompt field."""
-    prompt = submission.prompt
+def prompt_token_ids_of(tokenizer: Tokenizer, prompt: Prompt, field: str,
+                        special_tokens: bool | None = None) -> list[int]:
+    """The prompt as token ids; raises InvalidArgument naming the client's prompt field. `special_tokens`: None as a
+    request's prompt is tokenized (text with the tokenizer's own special tokens, a chat without: its template writes
+    them), else with or without them."""
     match prompt:
         case TextPrompt(text=text):
-            token_ids = tokenizer.encode(text)
+            token_ids = tokenizer.encode_raw(text) if special_tokens is False else tokenizer.encode(text)
         case ChatPrompt(messages=chat_messages):
-            token_ids = chat_token_ids(tokenizer, chat_messages, submission.prompt_field)
+            token_ids = chat_token_ids(tokenizer, chat_messages, field, special_tokens is True)
         case TokenPrompt(token_ids=ids):
             token_ids = list(ids)
         case _:
             assert_never(prompt)
     if not token_ids:
-        raise InvalidArgument(submission.prompt_field, "tokenizes to no tokens")
+        raise InvalidArgument(field, "tokenizes to no tokens")
     return token_ids
 
 
-def chat_token_ids(tokenizer: Tokenizer, chat_messages: Sequence[ChatMessage], field: str) -> list[int]:
+def chat_token_ids(tokenizer: Tokenizer, chat_messages: Sequence[ChatMessage], field: str,
+                   special_tokens: bool = False) -> list[int]:
     if not tokenizer.has_chat_template:
         raise InvalidArgument(field, "the model has no chat template; send prompt or token_ids instead")
     try:
-        return tokenizer.encode_chat(chat_messages)
+        text = tokenizer.render_chat(chat_messages)
     except ChatTemplateError as error:
         raise InvalidArgument(field, str(error)) from error
+    return tokenizer.encode(text) if special_tokens else tokenizer.encode_raw(text)

@@ -125,12 +125,13 @@ def structured_of(params: pb.SamplingParams) -> tuple[str, StructuredSpec] | Non
             return field, StructuredSpec("regex" if kind == "regex" else "grammar", getattr(output, kind))
 
 
-def prompt_of(request: pb.GenerateRequest) -> Prompt:
+def prompt_of(request: pb.GenerateRequest | pb.TokenizeRequest) -> Prompt:
     """The oneof `input`, whichever member is set (an empty one too: `validate` names it)."""
     if request.HasField("prompt"):
         return TextPrompt(request.prompt)
     if request.HasField("chat"):
         return ChatPrompt(tuple(ChatMessage(role=message.role, content=message.content) for message in request.chat.messages))
-    if request.HasField("token_ids"):
+    if isinstance(request, pb.GenerateRequest) and request.HasField("token_ids"):
         return TokenPrompt(tuple(request.token_ids.ids))
-    raise InvalidArgument("input", "set one of prompt, chat or token_ids")
+    raise InvalidArgument("input", "set one of prompt, chat or token_ids" if isinstance(request, pb.GenerateRequest)
+                          else "set prompt or chat")

@@ -37,6 +37,7 @@ from gateway.openai_request import ApiError, chat_prompt, choice_counts, client_
 from gateway.output import Chunk
 from gateway.request import Prompt, Submission, TextPrompt, TokenPrompt
 from gateway.sglang_api import SglangApi
+from gateway.tokenize_api import detokenize_body, tokenize_body
 from gateway.validation import validate
 
 
@@ -75,6 +76,8 @@ class HttpApi:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics)
@@ -144,6 +147,14 @@ class HttpApi:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await json_body(request, self._limits)
         return await self._run(request, body, [chat_prompt(body)], chat=True)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await json_body(request, self._limits)
+        return web.json_response(await tokenize_body(self._generation, body), dumps=reply_json)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await json_body(request, self._limits)
+        return web.json_response(await detokenize_body(self._generation, body), dumps=reply_json)
 
     async def _run(self, request: web.Request, body: dict[str, Any], prompts: list[Prompt], *,
                    chat: bool) -> web.StreamResponse:

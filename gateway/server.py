@@ -20,9 +20,10 @@ from gateway.access import HEADER, ApiKeys
 from gateway.choices import Copy, interleaved, sibling
 from gateway.errors import InvalidArgument, RequestFailed
 from gateway.generation import Generation
-from gateway.grpc_request import request_id_of, submission_of
+from gateway.grpc_request import prompt_of, request_id_of, submission_of, unknown_field
 from gateway.openai_request import MAX_CHOICES
 from gateway.output import Chunk
+from gateway.tokenize_api import detokenize, token_strs
 from proto import messages
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
@@ -74,6 +75,32 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
             await context.abort(error.status, error.message)
             raise  # not reached: abort raises
 
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        await self._caller(context)
+        try:
+            if unknown := unknown_field(request):
+                raise InvalidArgument(unknown, "is a field this server does not know: it would be ignored")
+            prompt = prompt_of(request)
+            field = request.WhichOneof("input") or "input"
+            special = request.add_special_tokens if request.HasField("add_special_tokens") else None
+            token_ids = await self._generation.tokenize(prompt, field, special_tokens=special)
+            return pb.TokenizeResponse(
+                token_ids=token_ids, max_model_len=await self._scheduler.max_model_len(),
+                token_strs=token_strs(self._generation, token_ids) if request.return_token_strs else [])
+        except RequestFailed as error:
+            await context.abort(error.status, error.message)
+            raise  # not reached: abort raises
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
+        await self._caller(context)
+        try:
+            if unknown := unknown_field(request):
+                raise InvalidArgument(unknown, "is a field this server does not know: it would be ignored")
+            return pb.DetokenizeResponse(text=await detokenize(self._generation, request.token_ids, "token_ids"))
+        except RequestFailed as error:
+            await context.abort(error.status, error.message)
+            raise  # not reached: abort raises
+
     async def _caller(self, context: grpc.aio.ServicerContext) -> str | None:
         """The caller's tenant (gateway/access.py); with keys required and no valid one in the metadata, the call ends
         UNAUTHENTICATED (the same for a missing key and a wrong one)."""
@@ -120,6 +147,11 @@ def add_servicer(server: grpc.aio.Server, servicer: SpecServeServicer) -> None:
         "GetServerInfo": grpc.unary_unary_rpc_method_handler(
             decoding(pb.ServerInfoRequest, servicer.GetServerInfo),
             response_serializer=pb.ServerInfoResponse.SerializeToString),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            decoding(pb.TokenizeRequest, servicer.Tokenize), response_serializer=pb.TokenizeResponse.SerializeToString),
+        "Detokenize": grpc.unary_unary_rpc_method_handler(
+            decoding(pb.DetokenizeRequest, servicer.Detokenize),
+            response_serializer=pb.DetokenizeResponse.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)

@@ -18,6 +18,40 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
+class TokenizeRequest(_message.Message):
+    __slots__ = ("prompt", "chat", "add_special_tokens", "return_token_strs")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_TOKEN_STRS_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    chat: ChatMessages
+    add_special_tokens: bool
+    return_token_strs: bool
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., return_token_strs: _Optional[bool] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("token_ids", "token_strs", "max_model_len")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_STRS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_strs: _containers.RepeatedScalarFieldContainer[str]
+    max_model_len: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., token_strs: _Optional[_Iterable[str]] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
+
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
     ROLE_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,16 @@ class SpecServeStub:
                 request_serializer=proto_dot_specserve__pb2.ServerInfoRequest.SerializeToString,
                 response_deserializer=proto_dot_specserve__pb2.ServerInfoResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/specserve.v1.SpecServe/Tokenize',
+                request_serializer=proto_dot_specserve__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=proto_dot_specserve__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/specserve.v1.SpecServe/Detokenize',
+                request_serializer=proto_dot_specserve__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=proto_dot_specserve__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class SpecServeServicer:
@@ -66,6 +76,20 @@ class SpecServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The token ids a Generate request with this prompt (text or chat) is given, without generating.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Token ids to text, special tokens left out as in Generate's text.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SpecServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +102,16 @@ def add_SpecServeServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=proto_dot_specserve__pb2.ServerInfoRequest.FromString,
                     response_serializer=proto_dot_specserve__pb2.ServerInfoResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=proto_dot_specserve__pb2.TokenizeRequest.FromString,
+                    response_serializer=proto_dot_specserve__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=proto_dot_specserve__pb2.DetokenizeRequest.FromString,
+                    response_serializer=proto_dot_specserve__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +168,60 @@ class SpecServe:
             '/specserve.v1.SpecServe/GetServerInfo',
             proto_dot_specserve__pb2.ServerInfoRequest.SerializeToString,
             proto_dot_specserve__pb2.ServerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specserve.v1.SpecServe/Tokenize',
+            proto_dot_specserve__pb2.TokenizeRequest.SerializeToString,
+            proto_dot_specserve__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specserve.v1.SpecServe/Detokenize',
+            proto_dot_specserve__pb2.DetokenizeRequest.SerializeToString,
+            proto_dot_specserve__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -72,7 +72,7 @@ def test_every_route_but_the_probes_wants_a_key(keyed_stack: Stack) -> None:
     for key in (None, "not-a-key", KEYS[0] + "x", KEYS[0][:-1]):
         for method, path, body in (("POST", "/v1/completions", completion), ("GET", "/v1/models", None),
                                    ("GET", "/metrics", None), ("POST", "/generate", {"text": "Hi"}),
-                                   ("GET", "/get_server_info", None)):
+                                   ("GET", "/get_server_info", None), ("POST", "/tokenize", {"prompt": "Hi"})):
             status, headers, answer = call(keyed_stack, method, path, body, key)
             assert status == 401 and headers.get("WWW-Authenticate") == "Bearer", (path, key, answer)
             assert answer["error"]["code"] == "invalid_api_key" and KEYS[0] not in json.dumps(answer)
@@ -103,6 +103,9 @@ def test_grpc_wants_the_key_in_its_metadata_and_health_stays_open(keyed_stack: S
         assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
         with pytest.raises(grpc.RpcError) as caught:
             keyed_stack.stub.GetServerInfo(pb.ServerInfoRequest(), timeout=30, metadata=metadata)
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as caught:
+            keyed_stack.stub.Tokenize(pb.TokenizeRequest(prompt="Hi"), timeout=30, metadata=metadata)
         assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
     keyed = (("authorization", f"Bearer {KEYS[1]}"),)
     assert len(collect(keyed_stack.stub.Generate(request, timeout=60, metadata=keyed)).token_ids) == 2

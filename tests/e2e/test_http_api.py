@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import grpc
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -286,3 +287,29 @@ def test_penalties_logit_bias_and_min_tokens_reach_the_model(fp32_stack: Stack, 
     penalized = api.completions.create(model=MODEL, prompt=repeated, max_tokens=8, temperature=0, presence_penalty=2,
                                        frequency_penalty=2, extra_body={"repetition_penalty": 1.5})
     assert "the cat" in plain.choices[0].text and penalized.choices[0].text != plain.choices[0].text
+
+
+def test_tokenize_counts_what_a_request_is_given_and_detokenize_inverts_it(fp32_stack: Stack) -> None:
+    status, counted = call(fp32_stack, "POST", "/tokenize", {"model": MODEL, "prompt": "The capital of France is"})
+    assert status == 200 and isinstance(counted, dict) and counted["token_strs"] is None, counted
+    status, answer = call(fp32_stack, "POST", "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 1})
+    assert isinstance(answer, dict) and counted["count"] == len(counted["tokens"]) == answer["usage"]["prompt_tokens"]
+    assert counted["max_model_len"] == fp32_stack.info().max_model_len
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    status, chat = call(fp32_stack, "POST", "/tokenize", {"messages": messages, "return_token_strs": True})
+    status_chat, answer = call(fp32_stack, "POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 1})
+    assert status == status_chat == 200 and isinstance(chat, dict) and isinstance(answer, dict)
+    assert chat["count"] == answer["usage"]["prompt_tokens"] and "".join(chat["token_strs"]).startswith("<|im_start|>")
+    status, text = call(fp32_stack, "POST", "/detokenize", {"model": MODEL, "tokens": counted["tokens"]})
+    assert status == 200 and text == {"prompt": "The capital of France is"}
+    over_grpc = fp32_stack.stub.Tokenize(pb.TokenizeRequest(prompt="The capital of France is", return_token_strs=True))
+    assert list(over_grpc.token_ids) == counted["tokens"] and len(over_grpc.token_strs) == counted["count"]
+    assert fp32_stack.stub.Detokenize(pb.DetokenizeRequest(token_ids=counted["tokens"])).text == text["prompt"]
+    for path, body, param in (("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {"prompt": "x", "wibble": 1}, "wibble"),
+                              ("/tokenize", {"messages": messages, "add_generation_prompt": False}, "add_generation_prompt"),
+                              ("/detokenize", {"tokens": [1, 49152]}, "tokens[1]"), ("/detokenize", {"tokens": "1"}, "tokens")):
+        status, refused = call(fp32_stack, "POST", path, body)
+        assert status == 400 and isinstance(refused, dict) and refused["error"]["param"] == param, (path, refused)
+    with pytest.raises(grpc.RpcError) as caught:
+        fp32_stack.stub.Detokenize(pb.DetokenizeRequest(token_ids=[49152]))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids[0]" in str(caught.value.details())

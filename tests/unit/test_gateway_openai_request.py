@@ -224,7 +224,8 @@ def test_a_chat_template_error_names_messages(tmp_path: Path, default_model_dir:
         (tmp_path / name).write_bytes((default_model_dir / name).read_bytes())
     (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ raise_exception(\'roles must alternate\') }}"}')
     with pytest.raises(InvalidArgument, match="messages: .*roles must alternate") as caught:
-        prompt_token_ids_of(Tokenizer.load(tmp_path), submission({"messages": CHAT}))
+        checked = submission({"messages": CHAT})
+        prompt_token_ids_of(Tokenizer.load(tmp_path), checked.prompt, checked.prompt_field)
     assert ApiError.from_failure(caught.value).param == "messages"
 
 

@@ -216,9 +216,9 @@ def test_a_template_error_names_the_chat_field(tmp_path: Path, default_model_dir
     with pytest.raises(ChatTemplateError, match="roles must alternate"):
         Tokenizer.load(tmp_path).render_chat([ChatMessage("user", "a")])
     with pytest.raises(InvalidArgument, match="chat: .*roles must alternate"):
-        prompt_token_ids_of(Tokenizer.load(tmp_path), chat)
+        prompt_token_ids_of(Tokenizer.load(tmp_path), chat.prompt, chat.prompt_field)
     (tmp_path / "tokenizer_config.json").write_text("{}")
     with pytest.raises(ChatTemplateError, match="the model has no chat template"):
         Tokenizer.load(tmp_path).encode_chat([ChatMessage("user", "a")])
     with pytest.raises(InvalidArgument, match="chat: the model has no chat template"):
-        prompt_token_ids_of(Tokenizer.load(tmp_path), chat)
+        prompt_token_ids_of(Tokenizer.load(tmp_path), chat.prompt, chat.prompt_field)
