@@ -97,6 +97,7 @@ def client_request_of(request: pb.GenerateRequest) -> ClientRequest:
         min_tokens=params.min_tokens if params.HasField("min_tokens") else None,
         structured=structured_of(params),
         cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
+        priority=request.priority if request.HasField("priority") else None,
     )
 
 

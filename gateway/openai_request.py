@@ -37,7 +37,7 @@ _BOTH_FIELDS = frozenset({
     "model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "seed", "stop", "logprobs",
     "presence_penalty", "frequency_penalty", "logit_bias", "response_format", "user",
     # vLLM's extensions
-    "top_k", "min_p", "stop_token_ids", "ignore_eos", "repetition_penalty", "min_tokens", "structured_outputs", "cache_salt",
+    "top_k", "min_p", "priority", "stop_token_ids", "ignore_eos", "repetition_penalty", "min_tokens", "structured_outputs", "cache_salt",
     "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 })
 COMPLETION_FIELDS = _BOTH_FIELDS | {"prompt", "best_of", "echo"}
@@ -49,7 +49,6 @@ CHAT_MESSAGE_FIELDS = frozenset({"role", "content"})
 UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "parallel_tool_calls": (True, False),  # what it says matters only with tools, which are refused
-    "priority": (0,),
 }
 MAX_CHOICES = 64  # requests one answer runs: prompts times best_of (or n)
 MAX_LOGIT_BIAS_KEY_CHARS = 12  # a token id as a JSON key
@@ -184,6 +183,7 @@ def client_request_of(body: dict[str, Any], prompt: Prompt, *, chat: bool) -> tu
         min_tokens=_int_param("min_tokens", body.get("min_tokens"), at_most=_INT32_MAX),  # an extension, as in vLLM
         structured=_structured(body),
         cache_salt=_string_param("cache_salt", body.get("cache_salt")),  # an extension, as in vLLM
+        priority=_int_param("priority", body.get("priority")),  # an extension, as in vLLM
     )
     return request, dataclasses.replace(OPENAI_FIELDS, max_tokens=max_tokens_as,
                                         logprobs="top_logprobs" if chat else "logprobs")

@@ -62,6 +62,7 @@ class ClientRequest:
     min_tokens: int | None = None
     structured: tuple[str, StructuredSpec] | None = None  # what the output must follow, and the field that asked
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache pages (vLLM's cache_salt)
+    priority: int | None = None  # lower first under the scheduler's --scheduling-policy priority; None: 0
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class Submission:
     prompt_logprobs: int | None = None  # alternatives with each prompt token's; None: none
     grammar: str | None = None  # the grammar the completion follows (checked); None: any text
     cache_salt: str | None = None  # the client's (checked); None: none given
+    priority: int = 0  # lower first under the scheduler's --scheduling-policy priority
     tenant: str | None = None  # the tenant of the API key it came with (gateway/access.py); None: no keys required
     # A salt of this request alone, which its copies (n, best_of) keep: where the cache is not shared by default
     # (--prefix-cache-scope salt), what an unsalted request's pages are shared under.
@@ -108,4 +110,5 @@ class Submission:
             prompt_logprobs=self.prompt_logprobs,
             grammar=self.grammar,
             cache_salt=cache_salt,
+            priority=self.priority,
         )

@@ -55,7 +55,7 @@ _IGNORED = frozenset({"skip_special_tokens", "spaces_between_special_tokens"})
 # The /generate body's own fields read here; any other (image_data, lora_path, return_hidden_states ...) is refused
 # naming it, as the sampling parameters are.
 _BODY_FIELDS = frozenset({"text", "input_ids", "sampling_params", "return_logprob", "return_text_in_logprobs",
-                          "top_logprobs_num", "logprob_start_len", "stream", "cache_salt", "rid"})
+                          "top_logprobs_num", "logprob_start_len", "stream", "cache_salt", "rid", "priority"})
 _KNOWN = frozenset({"max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p",
                     "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos",
                     "regex", "json_schema", "ebnf", "sampling_seed", "n", "no_stop_trim"}) | _IGNORED
@@ -117,12 +117,15 @@ class SglangApi:
         cache_salt = body.get("cache_salt")  # as in vLLM's bodies
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ApiError(400, "cache_salt must be a string", "cache_salt")
+        priority = body.get("priority")  # as in SGLang's bodies: lower first under a priority scheduler
+        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+            raise ApiError(400, "priority must be an integer", "priority")
         request_ids = _request_ids(body.get("rid"), len(prompts), single)
         jobs = []
         for index, prompt in enumerate(prompts):
             client_request = _client_request(params, prompt, logprobs=top if return_logprob else None,
                                              scores_prompt=return_logprob and start >= 0)
-            client_request = dataclasses.replace(client_request, cache_salt=cache_salt)
+            client_request = dataclasses.replace(client_request, cache_salt=cache_salt, priority=priority)
             submission = validate(client_request, fields=SGLANG_FIELDS, vocab_size=self._generation.tokenizer.vocab_size,
                                   request_id=request_ids[index], grammars=self._generation.grammars)
             submission = dataclasses.replace(submission, tenant=request.get(TENANT))

@@ -58,6 +58,7 @@ class FieldNames:
     logit_bias: str  # the map as a whole; one entry is named "<logit_bias>[<token id>]"
     min_tokens: str
     cache_salt: str = "cache_salt"  # the same name in every API
+    priority: str = "priority"  # the same name in every API
 
     def of_prompt(self, prompt: Prompt) -> str:
         match prompt:
@@ -103,7 +104,18 @@ def validate(request: ClientRequest, *, fields: FieldNames, request_id: str, voc
         prompt_logprobs=logprobs_of(request.prompt_logprobs, fields.prompt_logprobs),
         grammar=grammar_of(request.structured, grammars),
         cache_salt=cache_salt_of(request.cache_salt, fields.cache_salt),
+        priority=priority_of(request.priority, fields.priority),
     )
+
+
+def priority_of(priority: int | None, field: str) -> int:
+    """The request's priority (0 unset); within what the gRPC API's int32 holds. Whether the scheduler takes one
+    other than 0 is its policy's to say."""
+    if priority is None:
+        return 0
+    if not messages.MIN_PRIORITY <= _integer(priority, field) <= messages.MAX_PRIORITY:
+        raise InvalidArgument(field, f"must be in [{messages.MIN_PRIORITY}, {messages.MAX_PRIORITY}], got {priority}")
+    return priority
 
 
 def cache_salt_of(salt: str | None, field: str) -> str | None:

@@ -51,6 +51,7 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 # sizes the largest frame each socket takes from them.
 MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
+MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1  # a request's priority: what the gRPC API's int32 holds
 MAX_GRAMMAR_CHARS = 1 << 20
 MAX_CACHE_SALT_CHARS = 512  # a client's salt (at most 256) with the gateway's own before it
 MAX_NAME_CHARS = 256  # a hello's ids, names, fingerprints, dtype and device
@@ -139,6 +140,9 @@ class SubmitRequest(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fi
     # Its prefix-cache pages are shared only with requests of the same salt ("": the cache every unsalted request
     # shares); the gateway sets it (see its --prefix-cache-scope).
     cache_salt: str = ""
+    # Under the scheduler's --scheduling-policy priority, lower runs first and is preempted last (vLLM's meaning); a
+    # scheduler that serves first come, first served refuses any other value than 0.
+    priority: int = 0
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True, forbid_unknown_fields=True):

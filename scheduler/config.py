@@ -14,6 +14,7 @@ from proto.messages import GATEWAY_HEARTBEAT_INTERVAL_S, MAX_NAME_CHARS
 
 
 SPECULATION_POLICIES = ("goodput", "fixed")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,9 @@ class SchedulerConfig:
     # goodput: each step speculates as far as the measured step cost and acceptance say pays (policy.py); fixed: up
     # to the caps in every step the threshold allows.
     speculation_policy: str = "goodput"
+    # fcfs: requests are placed in the order they came, and a worker out of pages preempts the one placed last;
+    # priority: by their priority (lower first), then that order, and it preempts the lowest priority placed last.
+    scheduling_policy: str = "fcfs"
     propose_timeout_s: float = 2.0  # a proposal unanswered this long: the step runs without one
     phase_timeout_s: float = 600.0  # a start-up phase (STARTING .. WARMING) longer than this FAILs the process
     prefix_cache: bool = True  # share the KV pages of equal prompt prefixes between requests
@@ -75,6 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="goodput: each step speculates only as far as what it measured says pays (the target's "
                              "step time, the wait for proposals, each request's acceptance), often not at all; fixed: "
                              "k up to the caps above in every step the threshold allows (for comparison and tests)")
+    parser.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                        help="fcfs: requests run in the order they came; priority: by each request's priority (lower "
+                             "first, as in vLLM), then that order, and a worker out of KV pages preempts the lowest "
+                             "priority first. Under fcfs a request with a priority other than 0 is refused")
     parser.add_argument("--phase-timeout-s", type=float, default=600.0,
                         help="a worker or draft start-up phase running longer is FAILED and the process told to stop")
     parser.add_argument("--propose-timeout-s", type=float, default=2.0,

@@ -40,7 +40,8 @@ class SchedulerCore:
                  peer_connected: Callable[[bytes], bool] = lambda identity: True) -> None:
         self._config = config
         self._peer_connected = peer_connected
-        self._requests = RequestTable(config.max_model_len, config.max_queue_len, rng or random.Random())
+        self._requests = RequestTable(config.max_model_len, config.max_queue_len, rng or random.Random(),
+                                      by_priority=config.scheduling_policy == "priority")
         self._workers = WorkerRegistry(config.max_model_len)
         self._drafts = DraftLink(config)
         self.outbox = Outbox()

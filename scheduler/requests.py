@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import bisect
 import enum
 import math
 import random
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import msgspec
@@ -145,6 +146,8 @@ class Request:
     num_resumed_tokens: int = 0  # completion tokens at the end of prompt_token_ids (a request resumed from another)
     grammar: str | None = None  # what its completion follows (the worker masks every row by it)
     cache_salt: str = ""  # its prefix-cache pages are shared only under this salt
+    priority: int = 0  # under --scheduling-policy priority: lower is placed first and preempted last
+    arrival: int = 0  # its place in the order requests were admitted (earlier first among equal priorities)
     forced_token_ids: list[int] = field(default_factory=list)  # what its grammar forces next: the next step's drafts
 
     @property
@@ -194,12 +197,14 @@ class Request:
 class RequestTable:
     """Every unfinished request by id, and the waiting ones in the order they will be placed."""
 
-    def __init__(self, max_model_len: int, max_queue_len: int, rng: random.Random) -> None:
+    def __init__(self, max_model_len: int, max_queue_len: int, rng: random.Random, *, by_priority: bool = False) -> None:
         self._max_model_len = max_model_len
         self._max_queue_len = max_queue_len
         self._rng = rng
+        self._by_priority = by_priority  # --scheduling-policy priority: the queue in (priority, arrival) order
         self._by_id: dict[str, Request] = {}
         self._waiting: deque[Request] = deque()
+        self._num_admitted = 0
 
     def get(self, request_id: str) -> Request | None:
         return self._by_id.get(request_id)
@@ -257,6 +262,12 @@ class RequestTable:
                 "INVALID_ARGUMENT",
                 f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds the context of {limit} tokens",
             )
+        if submit.priority and not self._by_priority:
+            raise RequestRejected("INVALID_ARGUMENT", f"priority {submit.priority}: this scheduler serves requests in "
+                                                      "the order they come (--scheduling-policy fcfs); only 0 is taken")
+        if not m.MIN_PRIORITY <= submit.priority <= m.MAX_PRIORITY:
+            raise RequestRejected("INVALID_ARGUMENT", f"priority must be in [{m.MIN_PRIORITY}, {m.MAX_PRIORITY}], "
+                                                      f"got {submit.priority}")
         if len(self._waiting) >= self._max_queue_len:
             raise RequestRejected("RESOURCE_EXHAUSTED", f"the queue is full ({self._max_queue_len} waiting requests)")
         sampling = submit.sampling
@@ -268,10 +279,31 @@ class RequestTable:
             waiting_since_s=now_s, num_logprobs=-1 if submit.logprobs is None else submit.logprobs,
             num_prompt_logprobs=-1 if submit.prompt_logprobs is None else submit.prompt_logprobs,
             num_resumed_tokens=submit.resumed_tokens, grammar=submit.grammar, cache_salt=submit.cache_salt,
+            priority=submit.priority, arrival=self._num_admitted,
         )
+        self._num_admitted += 1
         self._by_id[request.request_id] = request
-        self._waiting.append(request)
+        self._enqueue(request, front=False)
         return request
+
+    def _enqueue(self, request: Request, *, front: bool) -> None:
+        """Into the queue: in (priority, arrival) order by priority; else at the back, or the front (`front`)."""
+        if self._by_priority:
+            key = (request.priority, request.arrival)
+            index = bisect.bisect_right([(r.priority, r.arrival) for r in self._waiting], key)
+            self._waiting.insert(index, request)
+        elif front:
+            self._waiting.appendleft(request)
+        else:
+            self._waiting.append(request)
+
+    def preemption_order(self, running: Iterable[Request]) -> list[Request]:
+        """Running requests in the order a worker out of pages preempts them: the last placed first; by priority, the
+        lowest priority (largest value) first, the latest admitted first among equals."""
+        ordered = list(running)[::-1]
+        if self._by_priority:
+            ordered.sort(key=lambda r: (r.priority, r.arrival), reverse=True)
+        return ordered
 
     def first_waiting(self) -> Request | None:
         return self._waiting[0] if self._waiting else None
@@ -289,7 +321,7 @@ class RequestTable:
 
     def requeue(self, requests: list[Request], now_s: float) -> None:
         """Running requests whose worker was lost (or that were preempted) go back to the front of the queue, in
-        their order.
+        their order (by priority: to the front of their priority's requests, among which they came first).
 
         Each is recomputed from its prompt and the tokens already streamed.
         """
@@ -298,7 +330,7 @@ class RequestTable:
             request.worker_id = None
             request.num_computed_tokens = 0
             request.waiting_since_s = now_s
-            self._waiting.appendleft(request)
+            self._enqueue(request, front=True)  # by priority: before every later arrival of its priority
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """The request leaves the table (and the queue); its worker's pages are the caller's to free."""

@@ -9,8 +9,8 @@ here when they finish.
 
 Pages. A step's sequences get the pages their new tokens need when it is sent. When a
 worker has too few, a proposal that does not fit is dropped first (the step verifies
-nothing for that sequence); then the most recently placed sequence on the worker is
-preempted by recompute: its pages go back, and it returns to the front of the queue to be
+nothing for that sequence); then the most recently placed sequence on the worker (under
+--scheduling-policy priority, the lowest priority's) is preempted by recompute: its pages go back, and it returns to the front of the queue to be
 recomputed from its own tokens, as after a worker's death (its computed full pages stay
 in the prefix cache, so the recompute is mostly a cache hit). After a step, pages past
 the tokens that stand (rejected drafts) go back, and newly filled pages join the prefix
@@ -180,8 +180,8 @@ class StepCycle:
                     now_s: float) -> list[tuple[ScheduledSeq, DraftWork]]:
         """The step's sequences that got pages for their new tokens, each with the proposal it verifies.
 
-        A proposal that does not fit is dropped; then the most recently placed sequence is
-        preempted until the pages are there. A sequence that alone needs more pages than
+        A proposal that does not fit is dropped; then the most recently placed sequence (by priority: the lowest
+        priority's, `RequestTable.preemption_order`) is preempted until the pages are there. A sequence that alone needs more pages than
         the worker has finishes (its context is full).
         """
         pages = worker.pages
@@ -199,7 +199,7 @@ class StepCycle:
             if drafts[0] and not pages.grow(r.request_id, need + len(drafts[0])):
                 drafts = ([], None, None)  # verified never: the draft service drops it with the next request
             while r.request_id not in preempted and not pages.grow(r.request_id, need):
-                victim = next(reversed(worker.requests.values()))
+                victim = self._requests.preemption_order(worker.requests.values())[0]
                 if victim is r and len(worker.requests) == 1:
                     log.warning("request.kv_cache_full", request_id=r.request_id, num_tokens=need,
                                 num_kv_pages=pages.num_pages, note="alone it needs more pages than the worker has")

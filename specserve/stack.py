@@ -101,6 +101,7 @@ class StackConfig:
     spec_disable_batch_threshold: int | None = None
     spec_draft_token_budget: int | None = None
     speculation_policy: str | None = None  # the scheduler's --speculation-policy (None: its default, goodput)
+    scheduling_policy: str | None = None  # the scheduler's --scheduling-policy (None: its default, fcfs)
     require_batch_invariance: bool = False  # the workers' --require-batch-invariance
     gateway_shutdown_grace_s: float | None = None
     host: str = "127.0.0.1"  # where the gateway listens
@@ -155,7 +156,7 @@ def scheduler_spec(config: StackConfig, addresses: StackAddresses) -> ServiceSpe
     optional = {"--max-num-seqs": config.max_num_seqs, "--num-speculative-tokens": config.num_speculative_tokens,
                 "--spec-disable-batch-threshold": config.spec_disable_batch_threshold,
                 "--spec-draft-token-budget": config.spec_draft_token_budget,
-                "--speculation-policy": config.speculation_policy}
+                "--speculation-policy": config.speculation_policy, "--scheduling-policy": config.scheduling_policy}
     return ServiceSpec("scheduler", _python("scheduler", [
         "--gateway-address", addresses.gateway_address, "--worker-address", addresses.worker_address,
         "--model-name", config.model.name, "--max-model-len", str(config.max_model_len),

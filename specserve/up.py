@@ -18,7 +18,7 @@ from pathlib import Path
 from common.cpus import usable_cpus
 from common.draft_spec import LOOKUP_THEN_HEAD_KINDS, SERVING_KINDS, DraftKind, DraftSpec
 from draft_service.defaults import HEAD_DRAFT_TOKENS
-from scheduler.config import SPECULATION_POLICIES
+from scheduler.config import SCHEDULING_POLICIES, SPECULATION_POLICIES
 from modeling.quantization import QUANTIZATIONS
 from common.transport import ENV_VAR as KEYS_ENV_VAR
 from gateway.access import ENV_VAR as API_KEY_ENV_VAR
@@ -112,6 +112,9 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                              "and phrases, 4 for a draft that runs a model: measured in docs/benchmarks.md)")
     parser.add_argument("--spec-draft-token-budget", type=int, default=32,
                         help="draft tokens a speculative step verifies in all, shared evenly among its sequences")
+    parser.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                        help="fcfs: requests run in the order they came; priority: by each request's priority field "
+                             "(lower first, as in vLLM), and a worker out of KV pages preempts the lowest first")
     parser.add_argument("--speculation-policy", choices=SPECULATION_POLICIES, default="goodput",
                         help="goodput: each step speculates only as far as the target's measured step time, the wait "
                              "for proposals and each request's acceptance say pays, often not at all; fixed: up to the "
@@ -264,6 +267,7 @@ def stack_config(args: argparse.Namespace, *, model: Path, max_model_len: int, d
                                       else args.spec_disable_batch_threshold),
         spec_draft_token_budget=args.spec_draft_token_budget, gateway_shutdown_grace_s=GATEWAY_SHUTDOWN_GRACE_S,
         speculation_policy=args.speculation_policy, require_batch_invariance=args.require_batch_invariance,
+        scheduling_policy=args.scheduling_policy,
         host=args.host, grpc_port=args.port, http_port=args.http_port, log_json=args.log_json,
         keys=args.keys, insecure_loopback=args.insecure_loopback, api_key_file=args.api_key_file,
     )

@@ -275,6 +275,9 @@ def test_penalties_logit_bias_and_min_tokens_reach_the_model(fp32_stack: Stack, 
     held = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0,
                                        extra_body={"min_tokens": 64})
     assert held.choices[0].finish_reason == "length" and held.usage is not None and held.usage.completion_tokens == 64
+    # A priority other than 0 is refused by a first-come-first-served scheduler (the stack's default), not dropped.
+    status, refused = call(fp32_stack, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 2, "priority": 3})
+    assert status == 400 and isinstance(refused, dict) and "--scheduling-policy fcfs" in refused["error"]["message"]
     # A stop token id (vLLM's extension) ends the answer where that token comes, as it does over gRPC.
     counted = fp32_stack.generate(pb.GenerateRequest(prompt="1, 2, 3, 4,", params=pb.SamplingParams(max_tokens=8)))
     stop_id = counted.token_ids[3]

@@ -119,11 +119,12 @@ class Sim:
         seed_given: bool = True,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        priority: int = 0,
     ) -> list[Outgoing]:
         submit = m.SubmitRequest(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), max_tokens=max_tokens,
             sampling=sampling or m.SamplingParams(), stop_token_ids=list(stop_token_ids), seed_given=seed_given,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, priority=priority,
         )
         self.core.on_gateway_message(GATEWAY, submit, self.now_s)
         return self.collect()

@@ -47,6 +47,8 @@ def test_up_hands_the_api_key_file_and_the_tenant_scope_to_the_gateway(tmp_path:
     assert gateway[gateway.index("--api-key-file") + 1] == "/run/secrets/keys"
     assert gateway[gateway.index("--prefix-cache-scope") + 1] == "tenant"
     assert not any("--api-key" in arg for name, args in argv.items() if name != "gateway" for arg in args)
+    scheduler = _service_argvs("--scheduling-policy", "priority", model=tmp_path)["scheduler"]
+    assert scheduler[scheduler.index("--scheduling-policy") + 1] == "priority"
 
 
 def test_lookups_speculate_in_larger_steps_than_drafts_that_run_a_model() -> None:

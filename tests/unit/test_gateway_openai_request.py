@@ -126,7 +126,6 @@ NOT_DONE_HERE = [
     ("tool_choice", {"messages": CHAT, "tool_choice": "required"}),
     ("functions", {"messages": CHAT, "functions": [{"name": "f"}]}),
     ("function_call", {"messages": CHAT, "function_call": "auto"}),
-    ("priority", {"prompt": "x", "priority": 1}),
     ("suffix", {"prompt": "x", "suffix": "end"}),
     ("chat_template_kwargs", {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": True}}),
     ("reasoning_effort", {"messages": CHAT, "reasoning_effort": "low"}),
@@ -155,6 +154,16 @@ def test_fields_that_ask_for_nothing_are_taken() -> None:
     with pytest.raises(ApiError) as caught:
         submission({"messages": CHAT, "user": 7})
     assert caught.value.param == "user"
+
+
+def test_priority_reaches_the_scheduler_and_must_be_an_int32() -> None:
+    assert submission({"prompt": "x", "priority": -4}).priority == -4
+    assert submission({"prompt": "x"}).priority == 0
+    assert submission({"prompt": "x"}).to_submit_request([1], eos_token_ids=[2]).priority == 0
+    with pytest.raises(ApiError):
+        submission({"prompt": "x", "priority": "high"})
+    with pytest.raises(InvalidArgument, match="priority: must be in"):
+        submission({"prompt": "x", "priority": 2**31})
 
 
 def test_min_p_reaches_the_sampling_parameters() -> None:

@@ -169,6 +169,9 @@ def test_every_field_is_carried_over() -> None:
     assert submit.max_tokens == 7
     assert submit.sampling == messages.SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=0)
     assert submit.stop_token_ids == [2, 5]  # eos first, no repeats
+    assert submit.priority == 0
+    prioritized = pb.GenerateRequest(prompt="Hi", priority=-7)
+    assert submission_of(prioritized, request_id="r2", vocab_size=VOCAB_SIZE).to_submit_request([1], [2]).priority == -7
     assert submission.stop_strings == ("\n\n",)
 
 

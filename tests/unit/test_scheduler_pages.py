@@ -110,6 +110,47 @@ def test_preemption_takes_the_most_recently_placed_request() -> None:
     assert sim.core.num_waiting == 1 and steps_to(worker)[-1] == ["old"]
 
 
+def test_by_priority_the_queue_places_lower_values_first_then_in_the_order_they_came() -> None:
+    sim = Sim(scheduling_policy="priority", max_num_seqs=1)
+    worker = paged(sim)
+    sim.submit("running", prompt(3, first=100), max_tokens=2)  # placed at once: the worker was free
+    sim.submit("later", prompt(3, first=200), max_tokens=2, priority=5)
+    sim.submit("urgent", prompt(3, first=300), max_tokens=2, priority=-1)
+    sim.submit("default", prompt(3, first=400), max_tokens=2)
+    sim.submit("later-too", prompt(3, first=500), max_tokens=2, priority=5)
+    worker.run()
+    order = list(dict.fromkeys(request_id for step in steps_to(worker) for request_id in step))
+    assert order == ["running", "urgent", "default", "later", "later-too"]  # by priority, then as they came
+
+
+def test_by_priority_a_worker_out_of_pages_preempts_the_lowest_priority_not_the_latest() -> None:
+    sim = Sim(scheduling_policy="priority")
+    worker = paged(sim, num_pages=5)
+    sim.submit("low", prompt(7, first=100), max_tokens=8, priority=3)  # 2 pages
+    sim.submit("high", prompt(7, first=200), max_tokens=8, priority=-3)  # 2 pages: 1 free; placed last
+    worker.complete()
+    for _ in range(6):
+        if sim.process("w0").num_preemptions:
+            break
+        worker.complete()
+    assert sim.process("w0").num_preemptions == 1
+    assert sim.core.num_waiting == 1 and steps_to(worker)[-1] == ["high"]  # fcfs would have preempted "high"
+    worker.run()
+    assert [sim.finish_reason(r) for r in ("low", "high")] == ["length", "length"]
+    assert_all_free(sim, worker)
+
+
+def test_first_come_first_served_refuses_a_priority_and_every_policy_a_priority_past_int32() -> None:
+    sim = Sim()
+    sim.submit("asks", prompt(3), priority=2)
+    (error,) = sim.errors("asks")
+    assert error.code == "INVALID_ARGUMENT" and "--scheduling-policy fcfs" in error.message
+    assert sim.core.num_waiting == 0  # nothing changed
+    by_priority = Sim(scheduling_policy="priority")
+    by_priority.submit("huge", prompt(3), priority=2**31)
+    assert "priority must be in" in by_priority.errors("huge")[0].message
+
+
 def test_a_proposal_that_does_not_fit_is_dropped_before_anyone_is_preempted() -> None:
     sim = Sim(num_speculative_tokens=4)
     worker = paged(sim, num_pages=3)  # 12 positions
