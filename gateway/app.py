@@ -71,7 +71,7 @@ class Gateway:
         async with contextlib.AsyncExitStack() as resources:
             resources.callback(self._signals.uninstall)
             with self._phase("load_tokenizer"):
-                tokenizer = load_tokenizer(self._config.model_dir)
+                tokenizer = load_tokenizer(self._config.model_dir, self._config.chat_template)
             with self._phase("connect_scheduler"):
                 scheduler = SchedulerClient(
                     self._config.scheduler_address,
@@ -189,10 +189,11 @@ def add_services(server: grpc.aio.Server, servicer: SpecServeServicer, health_se
     )
 
 
-def load_tokenizer(model_dir: Path) -> Tokenizer:
-    """The model's tokenizer; a folder it cannot be read from is a StartupError, with the tokenizer's message."""
+def load_tokenizer(model_dir: Path, chat_template: Path | None = None) -> Tokenizer:
+    """The model's tokenizer (with `chat_template` in place of its own, when given); a folder it cannot be read from
+    is a StartupError, with the tokenizer's message."""
     try:
-        tokenizer = Tokenizer.load(model_dir)
+        tokenizer = Tokenizer.load(model_dir, chat_template)
     except TokenizerLoadError as error:
         raise StartupError(str(error)) from error
     tokenizer.longest_token_bytes  # measured once here (a pass over the vocabulary), not in the first request's turn

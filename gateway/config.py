@@ -41,6 +41,7 @@ class GatewayConfig:
     prefix_cache_scope: CacheScope = "global"  # which requests share prefix-cache pages (gateway/cache_scope.py)
     api_keys: ApiKeys = ApiKeys()  # the keys callers present (gateway/access.py); none: the ports are open
     tls: Tls | None = None  # the public ports' certificate (gateway/tls.py); None: plain TCP
+    chat_template: Path | None = None  # a Jinja chat template of one's own, in place of the model's
     cors: Cors = Cors()  # the origins whose scripts may read HTTP answers (gateway/cors.py); none: no CORS headers
 
 
@@ -50,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", required=True, type=Path, help="model folder with tokenizer.json and config.json")
     parser.add_argument("--scheduler-address", default="tcp://127.0.0.1:5555", help="the scheduler's gateway endpoint")
+    parser.add_argument("--chat-template", type=Path, default=None,
+                        help="a Jinja chat template file to render chat messages with, in place of the model's own")
     parser.add_argument("--host", default="0.0.0.0", help="address the gRPC server listens on")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one")
     parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port; 0 picks a free one")
@@ -137,4 +140,5 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
         api_keys=keys,
         tls=tls,
         cors=cors,
+        chat_template=args.chat_template,
     )

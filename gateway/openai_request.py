@@ -8,6 +8,7 @@ gRPC, with OPENAI_FIELDS, so every error names the body's own field.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ from gateway.errors import InvalidArgument, RequestFailed
 from gateway.request import ChatPrompt, ClientRequest, Prompt, TextPrompt, TokenPrompt
 from gateway.structured_request import Asked, SpecError, openai_structured
 from gateway.validation import FieldNames
-from modeling.tokenizer import ChatMessage
+from modeling.tokenizer import RESERVED_TEMPLATE_KEYS, ChatMessage
 
 HTTP_STATUS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -41,7 +42,7 @@ _BOTH_FIELDS = frozenset({
     "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 })
 COMPLETION_FIELDS = _BOTH_FIELDS | {"prompt", "best_of", "echo"}
-CHAT_FIELDS = _BOTH_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = _BOTH_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs"}
 CHAT_MESSAGE_FIELDS = frozenset({"role", "content"})
 # Fields of OpenAI's (and vLLM's) bodies this server does not implement, with the values that ask for nothing. Any
 # other value, and any field neither here nor read, is refused naming the field: dropped without a word it would
@@ -126,7 +127,21 @@ def chat_prompt(body: dict[str, Any]) -> ChatPrompt:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of {role, content}", "messages")
-    return ChatPrompt(tuple(_chat_message(index, item) for index, item in enumerate(messages)))
+    return ChatPrompt(tuple(_chat_message(index, item) for index, item in enumerate(messages)),
+                      template_kwargs=_template_kwargs(body.get("chat_template_kwargs")))
+
+
+def _template_kwargs(value: object) -> str:
+    """chat_template_kwargs (vLLM's): more variables for the chat template, as JSON text ("" for none)."""
+    if value is None:
+        return ""
+    if not isinstance(value, dict):
+        raise ApiError(400, "chat_template_kwargs must be an object of template variables", "chat_template_kwargs")
+    for key in value:
+        if key in RESERVED_TEMPLATE_KEYS:
+            raise ApiError(400, f"chat_template_kwargs.{key}: the server sets this template variable itself",
+                           f"chat_template_kwargs.{key}")
+    return json.dumps(value, sort_keys=True) if value else ""
 
 
 def _chat_message(index: int, item: object) -> ChatMessage:

@@ -26,6 +26,7 @@ class TextPrompt:
 @dataclass(frozen=True)
 class ChatPrompt:
     messages: tuple[ChatMessage, ...]
+    template_kwargs: str = ""  # more variables for the chat template, as a JSON object's text ("": none)
 
 
 @dataclass(frozen=True)

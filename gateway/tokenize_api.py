@@ -23,7 +23,7 @@ from gateway.validation import token_ids_in_vocab
 
 TOKENIZE_TEXT_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
 TOKENIZE_CHAT_FIELDS = frozenset({"model", "messages", "add_special_tokens", "add_generation_prompt",
-                                  "return_token_strs"})
+                                  "return_token_strs", "chat_template_kwargs"})
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 
 

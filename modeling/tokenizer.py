@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -22,6 +22,8 @@ import tokenizers
 
 # Keys of tokenizer_config.json whose token text chat templates read (transformers passes them too).
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# Template variables render_chat sets itself, which a request's chat_template_kwargs may not.
+RESERVED_TEMPLATE_KEYS = frozenset({"messages", "add_generation_prompt", "tools", "documents", *SPECIAL_TOKEN_KEYS})
 
 
 class TokenizerLoadError(Exception):
@@ -57,8 +59,9 @@ class Tokenizer:
         self.vocab_size = vocab_size  # token ids the model accepts: 0 <= id < vocab_size
 
     @classmethod
-    def load(cls, model_dir: Path) -> Tokenizer:
-        """Read tokenizer.json, tokenizer_config.json, config.json and generation_config.json; raises TokenizerLoadError."""
+    def load(cls, model_dir: Path, chat_template: Path | None = None) -> Tokenizer:
+        """Read tokenizer.json, tokenizer_config.json, config.json and generation_config.json, and the chat template
+        from `chat_template` when given (else the folder's); raises TokenizerLoadError."""
         tokenizer_file = model_dir / "tokenizer.json"
         try:
             backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
@@ -72,7 +75,7 @@ class Tokenizer:
         special_tokens = special_token_strings(tokenizer_config)
         return cls(
             backend,
-            chat_template=load_chat_template(model_dir, tokenizer_config),
+            chat_template=load_chat_template(model_dir, tokenizer_config, chat_template),
             special_tokens=special_tokens,
             eos_token_ids=eos_token_ids(backend, special_tokens, model_config, generation_config),
             vocab_size=int(model_config.get("vocab_size", backend.get_vocab_size(with_added_tokens=True))),
@@ -103,18 +106,22 @@ class Tokenizer:
         texts = self._backend.decode_batch([[token_id] for token_id in range(size)], skip_special_tokens=False)
         return max(len(text.encode()) for text in texts)
 
-    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
-        """The chat template's text for messages plus the assistant's generation prompt.
+    def render_chat(self, messages: Sequence[ChatMessage], template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """The chat template's text for messages plus the assistant's generation prompt; `template_kwargs` are more
+        variables the template reads (`enable_thinking`, say), none of the ones this passes (RESERVED_TEMPLATE_KEYS).
 
         Raises ChatTemplateError when the model has no template or the template rejects
         the conversation.
         """
         if self._chat_template is None:
             raise ChatTemplateError("the model has no chat template")
+        extra = dict(template_kwargs or {})
+        if reserved := sorted(RESERVED_TEMPLATE_KEYS & extra.keys()):
+            raise ChatTemplateError(f"{', '.join(reserved)} cannot be given as template variables: the server sets them")
         conversation = [{"role": message.role, "content": message.content} for message in messages]
         try:
             return self._chat_template.render(
-                messages=conversation, add_generation_prompt=True, **self._special_tokens
+                **extra, messages=conversation, add_generation_prompt=True, **self._special_tokens
             )
         except jinja2.TemplateError as error:
             raise ChatTemplateError(f"the model's chat template rejected the messages: {error}") from error
@@ -204,14 +211,23 @@ def chat_template_source(model_dir: Path, tokenizer_config: dict[str, Any]) -> s
     return value if isinstance(value, str) else None
 
 
-def load_chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> jinja2.Template | None:
-    source = chat_template_source(model_dir, tokenizer_config)
+def load_chat_template(model_dir: Path, tokenizer_config: dict[str, Any],
+                       template_file: Path | None = None) -> jinja2.Template | None:
+    """The chat template of `template_file` (a Jinja file of one's own) when given, else the folder's; None: none."""
+    where = template_file or model_dir
+    if template_file is None:
+        source = chat_template_source(model_dir, tokenizer_config)
+    else:
+        try:
+            source = template_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise TokenizerLoadError(f"cannot read the chat template {template_file}: {error}") from error
     if source is None:
         return None
     try:
         return template_environment().from_string(source)
     except jinja2.TemplateError as error:
-        raise TokenizerLoadError(f"the chat template in {model_dir} does not compile: {error}") from error
+        raise TokenizerLoadError(f"the chat template in {where} does not compile: {error}") from error
 
 
 def template_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:

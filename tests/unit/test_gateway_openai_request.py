@@ -14,7 +14,7 @@ from gateway.openai_request import (MAX_CHOICES, MAX_PROMPTS, ApiError, ChoiceCo
                                      client_request_of, completion_prompts)
 from gateway.request import Submission, TextPrompt, TokenPrompt
 from gateway.validation import validate
-from modeling.tokenizer import Tokenizer
+from modeling.tokenizer import Tokenizer, TokenizerLoadError
 from proto import messages
 
 VOCAB_SIZE = 49152
@@ -127,7 +127,6 @@ NOT_DONE_HERE = [
     ("functions", {"messages": CHAT, "functions": [{"name": "f"}]}),
     ("function_call", {"messages": CHAT, "function_call": "auto"}),
     ("suffix", {"prompt": "x", "suffix": "end"}),
-    ("chat_template_kwargs", {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": True}}),
     ("reasoning_effort", {"messages": CHAT, "reasoning_effort": "low"}),
     ("top_logprobs", {"prompt": "x", "top_logprobs": 2}),  # chat's field, not a completion's
     ("echo", {"messages": CHAT, "echo": True}),  # a completion's, not chat's
@@ -226,6 +225,34 @@ def test_a_list_of_prompts_is_one_choice_each_in_order() -> None:
     assert completion_prompts({"prompt": ["a", [3, 4], "b"]}) == [TextPrompt("a"), TokenPrompt((3, 4)), TextPrompt("b")]
     assert completion_prompts({"prompt": [[7]]}) == [TokenPrompt((7,))]
     assert completion_prompts({"prompt": [7, 8]}) == [TokenPrompt((7, 8))]
+
+
+THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                     "<|im_start|>assistant\n{% if enable_thinking %}<think>\n{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template_and_a_template_file_replaces_the_models(
+        tmp_path: Path, default_model_dir: Path) -> None:
+    template = tmp_path / "thinking.jinja"
+    template.write_text(THINKING_TEMPLATE)
+    tokenizer = Tokenizer.load(default_model_dir, template)
+    plain = submission({"messages": CHAT})
+    thinking = submission({"messages": CHAT, "chat_template_kwargs": {"enable_thinking": True}})
+    assert plain.prompt != thinking.prompt
+    plain_text = tokenizer.decode(prompt_token_ids_of(tokenizer, plain.prompt, plain.prompt_field))
+    thinking_ids = prompt_token_ids_of(tokenizer, thinking.prompt, thinking.prompt_field)
+    assert tokenizer.decode(thinking_ids) == plain_text + "<think>\n"
+    # The model's own template reads no such variable: the same tokens with or without it.
+    own = Tokenizer.load(default_model_dir)
+    assert (prompt_token_ids_of(own, thinking.prompt, "messages") == prompt_token_ids_of(own, plain.prompt, "messages"))
+    with pytest.raises(TokenizerLoadError, match="cannot read the chat template"):
+        Tokenizer.load(default_model_dir, tmp_path / "missing.jinja")
+    for kwargs, param in (({"messages": []}, "chat_template_kwargs.messages"),
+                          ({"add_generation_prompt": False}, "chat_template_kwargs.add_generation_prompt"),
+                          (["enable_thinking"], "chat_template_kwargs")):
+        with pytest.raises(ApiError) as caught:
+            submission({"messages": CHAT, "chat_template_kwargs": kwargs})
+        assert caught.value.param == param
 
 
 def test_a_chat_template_error_names_messages(tmp_path: Path, default_model_dir: Path) -> None:
