@@ -17,6 +17,7 @@ from gateway.access import ApiKeyError, ApiKeys, api_keys
 from gateway.cache_scope import SCOPES, CacheScope
 from gateway.cors import Cors, OriginError
 from gateway.http_body import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S
+from gateway.reasoning import REASONING_PARSERS, ReasoningParser
 from gateway.tls import Tls, TlsError
 
 
@@ -42,6 +43,7 @@ class GatewayConfig:
     api_keys: ApiKeys = ApiKeys()  # the keys callers present (gateway/access.py); none: the ports are open
     tls: Tls | None = None  # the public ports' certificate (gateway/tls.py); None: plain TCP
     chat_template: Path | None = None  # a Jinja chat template of one's own, in place of the model's
+    reasoning_parser: ReasoningParser | None = None  # a thinking model's reasoning apart (gateway/reasoning.py)
     cors: Cors = Cors()  # the origins whose scripts may read HTTP answers (gateway/cors.py); none: no CORS headers
 
 
@@ -51,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", required=True, type=Path, help="model folder with tokenizer.json and config.json")
     parser.add_argument("--scheduler-address", default="tcp://127.0.0.1:5555", help="the scheduler's gateway endpoint")
+    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                        help="a thinking model's convention: its reasoning between <think> and </think> goes to chat "
+                             "answers' reasoning_content, the rest to content (qwen3: the model opens the tag; "
+                             "deepseek_r1: the template does)")
     parser.add_argument("--chat-template", type=Path, default=None,
                         help="a Jinja chat template file to render chat messages with, in place of the model's own")
     parser.add_argument("--host", default="0.0.0.0", help="address the gRPC server listens on")
@@ -141,4 +147,5 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
         tls=tls,
         cors=cors,
         chat_template=args.chat_template,
+        reasoning_parser=args.reasoning_parser,
     )

@@ -35,6 +35,7 @@ from gateway.http_body import TENANT, BodyLimits, json_body, reply_json
 from gateway.openai_logprobs import CompletionLogprobs, Scored, TokenTexts, chat_logprobs
 from gateway.openai_request import ApiError, chat_prompt, choice_counts, client_request_of, completion_prompts
 from gateway.output import Chunk
+from gateway.reasoning import ReasoningParser, ReasoningSplitter, Split, split_whole
 from gateway.request import Prompt, Submission, TextPrompt, TokenPrompt
 from gateway.sglang_api import SglangApi
 from gateway.tokenize_api import detokenize_body, tokenize_body
@@ -43,8 +44,10 @@ from gateway.validation import validate
 
 class HttpApi:
     def __init__(self, generation: Generation, reporter: HealthReporter, model_name: str,
-                 limits: BodyLimits = BodyLimits(), keys: ApiKeys = ApiKeys(), cors: Cors = Cors()) -> None:
+                 limits: BodyLimits = BodyLimits(), keys: ApiKeys = ApiKeys(), cors: Cors = Cors(),
+                 reasoning: ReasoningParser | None = None) -> None:
         self._generation = generation
+        self._reasoning = reasoning  # chat answers' reasoning apart from their content (gateway/reasoning.py)
         self._keys = keys
         self._cors = cors
         self._limits = limits
@@ -213,7 +216,7 @@ class HttpApi:
                                  shown, self._texts, echo=echo, lead=lead)
                 lead = lead or choice
                 choices.append(choice)
-        shape = _Shape(request_id, self._model_name, chat)
+        shape = _Shape(request_id, self._model_name, chat, self._reasoning if chat else None)
         if stream:
             return await self._stream(request, choices, shape, bool(options.get("include_usage", False)))
         return await self._whole(choices, shape, counts.n)
@@ -306,6 +309,7 @@ class _Choice:
         self.completion_scored: list[Scored] = []
         self.echoed = echo is None  # the echo has been streamed (or there is none)
         self.last: Chunk | None = None
+        self.splitter: ReasoningSplitter | None = None  # a streamed chat answer's, with a reasoning parser
 
     @property
     def echoed_scores(self) -> list[Scored]:
@@ -336,8 +340,9 @@ class _Choice:
 class _Shape:
     """How OpenAI's responses look for one request."""
 
-    def __init__(self, request_id: str, model: str, chat: bool) -> None:
+    def __init__(self, request_id: str, model: str, chat: bool, reasoning: ReasoningParser | None = None) -> None:
         self.request_id, self.model, self.chat = request_id, model, chat
+        self.reasoning = reasoning  # a chat answer's reasoning goes to reasoning_content
         self.created = int(time.time())
 
     def _envelope(self, obj: str) -> dict[str, Any]:
@@ -358,7 +363,11 @@ class _Shape:
                 text = choice.echo + text
             logprobs = choice.logprobs_object(entries, self.chat)
             if self.chat:
-                answers.append({"index": choice.index, "message": {"role": "assistant", "content": text},
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if self.reasoning is not None:
+                    split = split_whole(self.reasoning, text)
+                    message.update(content=split.content, reasoning_content=split.reasoning)
+                answers.append({"index": choice.index, "message": message,
                                 "finish_reason": choice.last.finish_reason, "logprobs": logprobs})
             else:
                 answers.append({"index": choice.index, "text": text, "finish_reason": choice.last.finish_reason,
@@ -392,11 +401,24 @@ class _Shape:
         entries = list(zip(chunk.token_ids, chunk.logprobs)) if chunk.logprobs is not None else []
         logprobs = choice.logprobs_object(entries, self.chat)
         if self.chat:
-            events.append(self.delta_event(choice.index, {"content": chunk.text} if chunk.text else {},
-                                           chunk.finish_reason, logprobs))
+            events.append(self.delta_event(choice.index, self._chat_delta(choice, chunk), chunk.finish_reason, logprobs))
         else:
             events.append(self._text_event(choice, chunk.text, chunk.finish_reason, logprobs))
         return events
+
+    def _chat_delta(self, choice: _Choice, chunk: Chunk) -> dict[str, Any]:
+        """A chat chunk's delta: its text as content, or with a reasoning parser, as reasoning and content (a piece
+        that may begin a tag held back until the next chunk, or the last, says)."""
+        if self.reasoning is None:
+            return {"content": chunk.text} if chunk.text else {}
+        if choice.splitter is None:
+            choice.splitter = ReasoningSplitter(self.reasoning)
+        split = Split()
+        split.add(*choice.splitter.feed(chunk.text))
+        if chunk.finish_reason is not None:
+            split.add(*choice.splitter.finish())
+        delta = {"reasoning_content": split.reasoning} if split.reasoning is not None else {}
+        return delta | ({"content": split.content} if split.content is not None else {})
 
     def _text_event(self, choice: _Choice, text: str, finish_reason: str | None,
                     logprobs: dict[str, Any] | None) -> dict[str, Any]:
