@@ -98,7 +98,7 @@ class Gateway:
             with self._phase("start_http"):
                 limits = BodyLimits(self._config.http_max_body_bytes, self._config.http_read_timeout_s)
                 http = HttpApi(generation, reporter, self._config.model_dir.name, limits, self._config.api_keys,
-                               self._config.cors, self._config.reasoning_parser)
+                               self._config.cors, self._config.reasoning_parser, self._config.tool_call_parser)
                 runner = http.runner()
                 await runner.setup()
                 resources.push_async_callback(runner.cleanup)

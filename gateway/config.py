@@ -17,7 +17,7 @@ from gateway.access import ApiKeyError, ApiKeys, api_keys
 from gateway.cache_scope import SCOPES, CacheScope
 from gateway.cors import Cors, OriginError
 from gateway.http_body import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S
-from gateway.reasoning import REASONING_PARSERS, ReasoningParser
+from gateway.output_formats import REASONING_PARSERS, TOOL_CALL_PARSERS, ReasoningParser, ToolCallParser
 from gateway.tls import Tls, TlsError
 
 
@@ -44,6 +44,7 @@ class GatewayConfig:
     tls: Tls | None = None  # the public ports' certificate (gateway/tls.py); None: plain TCP
     chat_template: Path | None = None  # a Jinja chat template of one's own, in place of the model's
     reasoning_parser: ReasoningParser | None = None  # a thinking model's reasoning apart (gateway/reasoning.py)
+    tool_call_parser: ToolCallParser | None = None  # the format the model writes tool calls in (gateway/tools.py)
     cors: Cors = Cors()  # the origins whose scripts may read HTTP answers (gateway/cors.py); none: no CORS headers
 
 
@@ -57,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a thinking model's convention: its reasoning between <think> and </think> goes to chat "
                              "answers' reasoning_content, the rest to content (qwen3: the model opens the tag; "
                              "deepseek_r1: the template does)")
+    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                        help="the format the model writes tool calls in (hermes: <tool_call> JSON, as Qwen 2.5 and 3; "
+                             "llama3_json: Llama 3's JSON); without it, requests with tools are refused")
     parser.add_argument("--chat-template", type=Path, default=None,
                         help="a Jinja chat template file to render chat messages with, in place of the model's own")
     parser.add_argument("--host", default="0.0.0.0", help="address the gRPC server listens on")
@@ -148,4 +152,5 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
         cors=cors,
         chat_template=args.chat_template,
         reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
     )

@@ -140,8 +140,9 @@ def prompt_bytes(prompt: Prompt, max_bytes: int) -> int:
     match prompt:
         case TextPrompt(text=text):
             texts: Sequence[str] = (text,)
-        case ChatPrompt(messages=chat_messages, template_kwargs=template_kwargs):
-            texts = [part for message in chat_messages for part in (message.role, message.content)] + [template_kwargs]
+        case ChatPrompt(messages=chat_messages, template_kwargs=template_kwargs, tools=tools):
+            texts = [part for message in chat_messages for part in (message.role, message.content, message.tool_calls)]
+            texts += [template_kwargs, tools]
         case TokenPrompt():
             return 0  # its length is checked as ids
         case _:
@@ -159,9 +160,10 @@ def prompt_token_ids_of(tokenizer: Tokenizer, prompt: Prompt, field: str,
     match prompt:
         case TextPrompt(text=text):
             token_ids = tokenizer.encode_raw(text) if special_tokens is False else tokenizer.encode(text)
-        case ChatPrompt(messages=chat_messages, template_kwargs=template_kwargs):
+        case ChatPrompt(messages=chat_messages, template_kwargs=template_kwargs, tools=tools):
             token_ids = chat_token_ids(tokenizer, chat_messages, field, special_tokens is True,
-                                       json.loads(template_kwargs) if template_kwargs else None)
+                                       json.loads(template_kwargs) if template_kwargs else None,
+                                       json.loads(tools) if tools else None)
         case TokenPrompt(token_ids=ids):
             token_ids = list(ids)
         case _:
@@ -172,11 +174,12 @@ def prompt_token_ids_of(tokenizer: Tokenizer, prompt: Prompt, field: str,
 
 
 def chat_token_ids(tokenizer: Tokenizer, chat_messages: Sequence[ChatMessage], field: str,
-                   special_tokens: bool = False, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                   special_tokens: bool = False, template_kwargs: dict[str, Any] | None = None,
+                   tools: list[dict[str, Any]] | None = None) -> list[int]:
     if not tokenizer.has_chat_template:
         raise InvalidArgument(field, "the model has no chat template; send prompt or token_ids instead")
     try:
-        text = tokenizer.render_chat(chat_messages, template_kwargs)
+        text = tokenizer.render_chat(chat_messages, template_kwargs, tools)
     except ChatTemplateError as error:
         raise InvalidArgument(field, str(error)) from error
     return tokenizer.encode(text) if special_tokens else tokenizer.encode_raw(text)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -35,18 +36,22 @@ from gateway.http_body import TENANT, BodyLimits, json_body, reply_json
 from gateway.openai_logprobs import CompletionLogprobs, Scored, TokenTexts, chat_logprobs
 from gateway.openai_request import ApiError, chat_prompt, choice_counts, client_request_of, completion_prompts
 from gateway.output import Chunk
-from gateway.reasoning import ReasoningParser, ReasoningSplitter, Split, split_whole
-from gateway.request import Prompt, Submission, TextPrompt, TokenPrompt
+from gateway.output_formats import ReasoningParser, ToolCallParser
+from gateway.reasoning import ReasoningSplitter, Split, split_whole
+from gateway.request import ChatPrompt, Prompt, Submission, TextPrompt, TokenPrompt
 from gateway.sglang_api import SglangApi
 from gateway.tokenize_api import detokenize_body, tokenize_body
+from gateway.tools import ToolAsk, call_grammar, parse_calls, tool_ask
 from gateway.validation import validate
+from modeling.structured import StructuredSpec
 
 
 class HttpApi:
     def __init__(self, generation: Generation, reporter: HealthReporter, model_name: str,
                  limits: BodyLimits = BodyLimits(), keys: ApiKeys = ApiKeys(), cors: Cors = Cors(),
-                 reasoning: ReasoningParser | None = None) -> None:
+                 reasoning: ReasoningParser | None = None, tool_parser: ToolCallParser | None = None) -> None:
         self._generation = generation
+        self._tool_parser = tool_parser  # the format the model writes tool calls in (gateway/tools.py)
         self._reasoning = reasoning  # chat answers' reasoning apart from their content (gateway/reasoning.py)
         self._keys = keys
         self._cors = cors
@@ -195,10 +200,20 @@ class HttpApi:
         if options.get("include_usage") is not None and not isinstance(options["include_usage"], bool):
             raise ApiError(400, "stream_options.include_usage must be a boolean", "stream_options.include_usage")
         counts = choice_counts(body, chat=chat, stream=stream, num_prompts=len(prompts))
+        tools = self._tools(body, prompts) if chat else None
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         choices: list[_Choice] = []
         for prompt_index, prompt in enumerate(prompts):
+            if tools is not None and isinstance(prompt, ChatPrompt):
+                prompt = dataclasses.replace(prompt, tools=json.dumps(tools.tools))
             client_request, fields = client_request_of(body, prompt, chat=chat)
+            if tools is not None and tools.constrained:
+                if client_request.structured is not None:
+                    raise ApiError(400, f"tool_choice {tools.choice!r} makes the answer a call: it cannot follow "
+                                        f"{client_request.structured[0]} too", "tool_choice")
+                assert self._tool_parser is not None  # _tools checked it
+                grammar = StructuredSpec("grammar", call_grammar(tools, self._tool_parser))
+                client_request = dataclasses.replace(client_request, structured=("tool_choice", grammar))
             shown = client_request.logprobs is not None
             if counts.ranks and not shown:  # the best are chosen by their log-probabilities
                 client_request = dataclasses.replace(client_request, logprobs=0)
@@ -216,10 +231,24 @@ class HttpApi:
                                  shown, self._texts, echo=echo, lead=lead)
                 lead = lead or choice
                 choices.append(choice)
-        shape = _Shape(request_id, self._model_name, chat, self._reasoning if chat else None)
+        shape = _Shape(request_id, self._model_name, chat, self._reasoning if chat else None,
+                       None if tools is None or self._tool_parser is None else (tools, self._tool_parser))
         if stream:
             return await self._stream(request, choices, shape, bool(options.get("include_usage", False)))
         return await self._whole(choices, shape, counts.n)
+
+    def _tools(self, body: dict[str, Any], prompts: list[Prompt]) -> ToolAsk | None:
+        """The tools a chat request offers to call (gateway/tools.py), where this server can serve them."""
+        tools = tool_ask(body)
+        if tools is None:
+            return None
+        if self._tool_parser is None:
+            raise ApiError(400, "tools: this server reads no tool calls (its gateway runs without --tool-call-parser)",
+                           "tools")
+        if not self._generation.tokenizer.template_takes_tools:
+            raise ApiError(400, "tools: the model's chat template takes no tools (a template that does can be given "
+                                "with the gateway's --chat-template)", "tools")
+        return tools
 
     def _echo_text(self, prompt: Prompt) -> str:
         match prompt:
@@ -340,10 +369,26 @@ class _Choice:
 class _Shape:
     """How OpenAI's responses look for one request."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, reasoning: ReasoningParser | None = None) -> None:
+    def __init__(self, request_id: str, model: str, chat: bool, reasoning: ReasoningParser | None = None,
+                 tools: tuple[ToolAsk, ToolCallParser] | None = None) -> None:
         self.request_id, self.model, self.chat = request_id, model, chat
         self.reasoning = reasoning  # a chat answer's reasoning goes to reasoning_content
+        self.tools = tools  # the tools offered, and the format calls are read in
         self.created = int(time.time())
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """A whole chat answer's message (its reasoning apart, its tool calls read) and its finish reason ("tool_calls"
+        where it called)."""
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.reasoning is not None:
+            split = split_whole(self.reasoning, text)
+            message.update(content=split.content, reasoning_content=split.reasoning)
+        if self.tools is not None:
+            content, calls = parse_calls(self.tools[1], message["content"] or "", self.tools[0])
+            if calls:
+                message.update(content=content, tool_calls=[call.as_openai() for call in calls])
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return message, finish_reason
 
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
@@ -363,12 +408,9 @@ class _Shape:
                 text = choice.echo + text
             logprobs = choice.logprobs_object(entries, self.chat)
             if self.chat:
-                message: dict[str, Any] = {"role": "assistant", "content": text}
-                if self.reasoning is not None:
-                    split = split_whole(self.reasoning, text)
-                    message.update(content=split.content, reasoning_content=split.reasoning)
-                answers.append({"index": choice.index, "message": message,
-                                "finish_reason": choice.last.finish_reason, "logprobs": logprobs})
+                message, finish_reason = self.message(text, choice.last.finish_reason)
+                answers.append({"index": choice.index, "message": message, "finish_reason": finish_reason,
+                                "logprobs": logprobs})
             else:
                 answers.append({"index": choice.index, "text": text, "finish_reason": choice.last.finish_reason,
                                 "logprobs": logprobs})
@@ -400,7 +442,19 @@ class _Shape:
             return events
         entries = list(zip(chunk.token_ids, chunk.logprobs)) if chunk.logprobs is not None else []
         logprobs = choice.logprobs_object(entries, self.chat)
-        if self.chat:
+        if self.chat and self.tools is not None:
+            # Whether the answer is a call is known at its end: it is held until then, and sent as one delta.
+            choice.text.append(chunk.text)
+            if chunk.finish_reason is None:
+                if logprobs is not None:
+                    events.append(self.delta_event(choice.index, {}, None, logprobs))
+                return events
+            message, finish_reason = self.message("".join(choice.text), chunk.finish_reason)
+            delta = {key: value for key, value in message.items() if key != "role" and value is not None}
+            if "tool_calls" in delta:
+                delta["tool_calls"] = [{"index": index, **call} for index, call in enumerate(delta["tool_calls"])]
+            events.append(self.delta_event(choice.index, delta, finish_reason, logprobs))
+        elif self.chat:
             events.append(self.delta_event(choice.index, self._chat_delta(choice, chunk), chunk.finish_reason, logprobs))
         else:
             events.append(self._text_event(choice, chunk.text, chunk.finish_reason, logprobs))

@@ -42,8 +42,9 @@ _BOTH_FIELDS = frozenset({
     "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 })
 COMPLETION_FIELDS = _BOTH_FIELDS | {"prompt", "best_of", "echo"}
-CHAT_FIELDS = _BOTH_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs"}
-CHAT_MESSAGE_FIELDS = frozenset({"role", "content"})
+CHAT_FIELDS = _BOTH_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs", "tools",
+                              "tool_choice", "parallel_tool_calls"}
+CHAT_MESSAGE_FIELDS = frozenset({"role", "content", "tool_calls", "tool_call_id"})
 # Fields of OpenAI's (and vLLM's) bodies this server does not implement, with the values that ask for nothing. Any
 # other value, and any field neither here nor read, is refused naming the field: dropped without a word it would
 # change the output the client expects (tools offered, and a plain answer back).
@@ -148,15 +149,50 @@ def _chat_message(index: int, item: object) -> ChatMessage:
     if isinstance(item, dict):
         for key in item:
             if key not in CHAT_MESSAGE_FIELDS:
-                raise ApiError(400, f"messages[{index}].{key} is not supported by this server (a message is its role "
-                                    "and its content)", f"messages[{index}].{key}")
+                raise ApiError(400, f"messages[{index}].{key} is not supported by this server (a message is its role, "
+                                    "its content, an assistant's tool_calls and a tool's tool_call_id)",
+                               f"messages[{index}].{key}")
     content = item.get("content") if isinstance(item, dict) else None
     if isinstance(content, list):  # content parts: text only
         texts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
         content = "".join(t for t in texts if isinstance(t, str)) if len(texts) == len(content) else None
+    calls = _message_tool_calls(index, item.get("tool_calls") if isinstance(item, dict) else None)
+    if content is None and calls:  # an assistant's turn that only called tools
+        content = ""
     if not isinstance(item, dict) or not isinstance(item.get("role"), str) or not isinstance(content, str):
         raise ApiError(400, f"messages[{index}] must have a string role and text content", f"messages[{index}]")
-    return ChatMessage(role=item["role"], content=content)
+    call_id = item.get("tool_call_id")
+    if call_id is not None and not isinstance(call_id, str):
+        raise ApiError(400, f"messages[{index}].tool_call_id must be a string", f"messages[{index}].tool_call_id")
+    return ChatMessage(role=item["role"], content=content, tool_calls=calls, tool_call_id=call_id or "")
+
+
+def _message_tool_calls(index: int, calls: object) -> str:
+    """An assistant message's tool_calls, checked, as JSON text ("" for none): each a function's name and its
+    arguments as a JSON object's text, as OpenAI's API sends them."""
+    if calls is None or calls == []:
+        return ""
+    field = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{field} must be a list of calls", field)
+    checked = []
+    for at, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(call, dict) or not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ApiError(400, f'{field}[{at}] must be {{"type": "function", "function": {{"name": ..., "arguments": '
+                                f'...}}}}', f"{field}[{at}]")
+        arguments = function.get("arguments")
+        try:
+            parsed = json.loads(arguments) if isinstance(arguments, str) else None
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise ApiError(400, f"{field}[{at}].function.arguments must be a JSON object's text",
+                           f"{field}[{at}].function.arguments")
+        call_id = call.get("id")
+        checked.append({"id": call_id if isinstance(call_id, str) else f"call_{at}", "type": "function",
+                        "function": {"name": function["name"], "arguments": arguments}})
+    return json.dumps(checked)
 
 
 def client_request_of(body: dict[str, Any], prompt: Prompt, *, chat: bool) -> tuple[ClientRequest, FieldNames]:

@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
-ReasoningParser = Literal["qwen3", "deepseek_r1"]
+from gateway.output_formats import ReasoningParser
+
 OPEN, CLOSE = "<think>", "</think>"
 
 

@@ -27,6 +27,7 @@ class TextPrompt:
 class ChatPrompt:
     messages: tuple[ChatMessage, ...]
     template_kwargs: str = ""  # more variables for the chat template, as a JSON object's text ("": none)
+    tools: str = ""  # the tools offered, OpenAI's shape, as a JSON list's text ("": none), for the template
 
 
 @dataclass(frozen=True)

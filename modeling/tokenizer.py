@@ -17,6 +17,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.sandbox
 import tokenizers
 
@@ -38,6 +39,22 @@ class ChatTemplateError(ValueError):
 class ChatMessage:
     role: str
     content: str
+    # An assistant's calls, as OpenAI's API sends them (a JSON list's text; each call's arguments a JSON object's
+    # text); "" for none. A tool's answer names the call it answers.
+    tool_calls: str = ""
+    tool_call_id: str = ""
+
+    def as_template_reads(self) -> dict[str, Any]:
+        """The message as chat templates read it (transformers' shape: a call's arguments as an object)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            calls = json.loads(self.tool_calls)
+            for call in calls:
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+            message["tool_calls"] = calls
+        if self.tool_call_id:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class Tokenizer:
@@ -47,13 +64,14 @@ class Tokenizer:
         self,
         backend: tokenizers.Tokenizer,
         *,
-        chat_template: jinja2.Template | None,
+        chat_template: ChatTemplate | None,
         special_tokens: dict[str, Any],
         eos_token_ids: tuple[int, ...],
         vocab_size: int,
     ) -> None:
         self._backend = backend
         self._chat_template = chat_template
+        self._template_takes_tools = chat_template is not None and "tools" in chat_template.variables
         self._special_tokens = special_tokens
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size  # token ids the model accepts: 0 <= id < vocab_size
@@ -106,9 +124,16 @@ class Tokenizer:
         texts = self._backend.decode_batch([[token_id] for token_id in range(size)], skip_special_tokens=False)
         return max(len(text.encode()) for text in texts)
 
-    def render_chat(self, messages: Sequence[ChatMessage], template_kwargs: Mapping[str, Any] | None = None) -> str:
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template reads a `tools` variable (renders tools offered to the model)."""
+        return self._template_takes_tools
+
+    def render_chat(self, messages: Sequence[ChatMessage], template_kwargs: Mapping[str, Any] | None = None,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """The chat template's text for messages plus the assistant's generation prompt; `template_kwargs` are more
-        variables the template reads (`enable_thinking`, say), none of the ones this passes (RESERVED_TEMPLATE_KEYS).
+        variables the template reads (`enable_thinking`, say), none of the ones this passes (RESERVED_TEMPLATE_KEYS);
+        `tools`, the tools offered (OpenAI's shape), for a template that takes them.
 
         Raises ChatTemplateError when the model has no template or the template rejects
         the conversation.
@@ -118,7 +143,9 @@ class Tokenizer:
         extra = dict(template_kwargs or {})
         if reserved := sorted(RESERVED_TEMPLATE_KEYS & extra.keys()):
             raise ChatTemplateError(f"{', '.join(reserved)} cannot be given as template variables: the server sets them")
-        conversation = [{"role": message.role, "content": message.content} for message in messages]
+        conversation = [message.as_template_reads() for message in messages]
+        if tools:
+            extra["tools"] = list(tools)
         try:
             return self._chat_template.render(
                 **extra, messages=conversation, add_generation_prompt=True, **self._special_tokens
@@ -212,7 +239,7 @@ def chat_template_source(model_dir: Path, tokenizer_config: dict[str, Any]) -> s
 
 
 def load_chat_template(model_dir: Path, tokenizer_config: dict[str, Any],
-                       template_file: Path | None = None) -> jinja2.Template | None:
+                       template_file: Path | None = None) -> ChatTemplate | None:
     """The chat template of `template_file` (a Jinja file of one's own) when given, else the folder's; None: none."""
     where = template_file or model_dir
     if template_file is None:
@@ -224,10 +251,24 @@ def load_chat_template(model_dir: Path, tokenizer_config: dict[str, Any],
             raise TokenizerLoadError(f"cannot read the chat template {template_file}: {error}") from error
     if source is None:
         return None
+    environment = template_environment()
     try:
-        return template_environment().from_string(source)
+        variables = frozenset(jinja2.meta.find_undeclared_variables(environment.parse(source)))
+        return ChatTemplate(environment.from_string(source), variables)
     except jinja2.TemplateError as error:
         raise TokenizerLoadError(f"the chat template in {where} does not compile: {error}") from error
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A compiled chat template, and the variables it reads from its caller (`tools`, `enable_thinking` ...)."""
+
+    template: jinja2.Template
+    variables: frozenset[str]
+
+    def render(self, **variables: Any) -> str:
+        text: str = self.template.render(**variables)
+        return text
 
 
 def template_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:

@@ -98,6 +98,7 @@ class StackConfig:
     prefix_cache_scope: str | None = None  # the gateway's --prefix-cache-scope
     api_key_file: Path | None = None  # the gateway's --api-key-file (SPECSERVE_API_KEY reaches it in the environment)
     reasoning_parser: str | None = None  # the gateway's --reasoning-parser
+    tool_call_parser: str | None = None  # the gateway's --tool-call-parser
     chat_template: Path | None = None  # the gateway's --chat-template
     num_speculative_tokens: int | None = None  # the scheduler's k; also the draft service's --max-draft-tokens
     spec_disable_batch_threshold: int | None = None
@@ -202,7 +203,7 @@ def gateway_spec(config: StackConfig, addresses: StackAddresses) -> ServiceSpec:
     optional = {"--shutdown-grace-s": None if config.gateway_shutdown_grace_s is None else f"{config.gateway_shutdown_grace_s:g}",
                 "--prefix-cache-scope": config.prefix_cache_scope,
                 "--api-key-file": None if config.api_key_file is None else str(config.api_key_file),
-                "--reasoning-parser": config.reasoning_parser,
+                "--reasoning-parser": config.reasoning_parser, "--tool-call-parser": config.tool_call_parser,
                 "--chat-template": None if config.chat_template is None else str(config.chat_template)}
     return ServiceSpec("gateway", _python("gateway", [
         "--model", str(config.model), "--scheduler-address", addresses.gateway_address, "--host", addresses.host,

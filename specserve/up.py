@@ -23,7 +23,7 @@ from modeling.quantization import QUANTIZATIONS
 from common.transport import ENV_VAR as KEYS_ENV_VAR
 from gateway.access import ENV_VAR as API_KEY_ENV_VAR
 from gateway.access import ApiKeyError, api_keys
-from gateway.reasoning import REASONING_PARSERS
+from gateway.output_formats import REASONING_PARSERS, TOOL_CALL_PARSERS
 from common.transport import ROLES, TransportError, check_keys
 from specserve.stack import StackAddresses, StackConfig, is_serving, service_specs, with_keys
 from specserve.supervisor import GaveUp, RestartPolicy, Supervisor
@@ -93,6 +93,9 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                              "reasoning_content (qwen3: the model opens the tag; deepseek_r1: the template does)")
     parser.add_argument("--chat-template", type=Path, default=None,
                         help="a Jinja chat template file in place of the model's own")
+    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                        help="the format the model writes tool calls in (hermes: Qwen 2.5 and 3; llama3_json: Llama "
+                             "3); without it, chat requests with tools are refused")
     parser.add_argument("--api-key-file", type=Path, default=None,
                         help="a file of keys clients must present (Authorization: Bearer KEY), one a line; "
                              f"{API_KEY_ENV_VAR} in the environment adds one. /health and /ready stay open")
@@ -277,6 +280,7 @@ def stack_config(args: argparse.Namespace, *, model: Path, max_model_len: int, d
         host=args.host, grpc_port=args.port, http_port=args.http_port, log_json=args.log_json,
         keys=args.keys, insecure_loopback=args.insecure_loopback, api_key_file=args.api_key_file,
         reasoning_parser=args.reasoning_parser, chat_template=args.chat_template,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.reasoning import ReasoningParser, ReasoningSplitter, Split, split_whole
+from gateway.output_formats import ReasoningParser
+from gateway.reasoning import ReasoningSplitter, Split, split_whole
 
 
 def streamed(parser: ReasoningParser, pieces: list[str]) -> Split:
