@@ -114,3 +114,38 @@ def test_a_forced_call_is_the_same_as_without_speculation(tools_api: openai.Open
         assert plain_stack.info().speculation.num_verify_steps == 0
     assert [(c.function.name, c.function.arguments) for c in unforced.choices[0].message.tool_calls] == [
         (c.function.name, c.function.arguments) for c in forced.choices[0].message.tool_calls]
+
+
+def test_a_langchain_agent_runs_a_two_tool_task(tools_api: openai.OpenAI) -> None:
+    """An agent framework from PyPI (LangChain's ChatOpenAI.bind_tools) against the stack: each step of its plan calls
+    a tool (the tool named, so the tiny model calls it), its tools run, their results go back, and it answers."""
+    from langchain_core.messages import BaseMessage, HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    @tool
+    def multiply(a: int, b: int) -> int:
+        """Multiply two integers."""
+        return a * b
+
+    tools = {"add": add, "multiply": multiply}
+    llm = ChatOpenAI(model=MODEL, base_url=str(tools_api.base_url), api_key="unused", temperature=0, max_tokens=64,
+                     max_retries=0)
+    messages: list[BaseMessage] = [HumanMessage("What is (3 + 4) * 5? Add first, then multiply, with the tools.")]
+    executed = []
+    for name in ("add", "multiply"):
+        reply = llm.bind_tools(list(tools.values()), tool_choice=name, parallel_tool_calls=False).invoke(messages)
+        messages.append(reply)
+        assert [call["name"] for call in reply.tool_calls] == [name]
+        for call in reply.tool_calls:
+            result = tools[call["name"]].invoke(call["args"])
+            executed.append((call["name"], set(call["args"]), result))
+            messages.append(ToolMessage(str(result), tool_call_id=call["id"]))
+    final = llm.invoke(messages)
+    assert [(name, keys) for name, keys, _ in executed] == [("add", {"a", "b"}), ("multiply", {"a", "b"})]
+    assert isinstance(final.content, str) and final.content and not getattr(final, "tool_calls", None)
