@@ -100,6 +100,10 @@ class StackConfig:
     reasoning_parser: str | None = None  # the gateway's --reasoning-parser
     tool_call_parser: str | None = None  # the gateway's --tool-call-parser
     chat_template: Path | None = None  # the gateway's --chat-template
+    # The gateway's --tls-certfile, --tls-keyfile, --tls-ca-certfile: both public ports on TLS (gateway/tls.py).
+    tls_certfile: Path | None = None
+    tls_keyfile: Path | None = None
+    tls_ca_certfile: Path | None = None
     num_speculative_tokens: int | None = None  # the scheduler's k; also the draft service's --max-draft-tokens
     spec_disable_batch_threshold: int | None = None
     spec_draft_token_budget: int | None = None
@@ -204,7 +208,9 @@ def gateway_spec(config: StackConfig, addresses: StackAddresses) -> ServiceSpec:
                 "--prefix-cache-scope": config.prefix_cache_scope,
                 "--api-key-file": None if config.api_key_file is None else str(config.api_key_file),
                 "--reasoning-parser": config.reasoning_parser, "--tool-call-parser": config.tool_call_parser,
-                "--chat-template": None if config.chat_template is None else str(config.chat_template)}
+                "--chat-template": None if config.chat_template is None else str(config.chat_template),
+                "--tls-certfile": config.tls_certfile, "--tls-keyfile": config.tls_keyfile,
+                "--tls-ca-certfile": config.tls_ca_certfile}
     return ServiceSpec("gateway", _python("gateway", [
         "--model", str(config.model), "--scheduler-address", addresses.gateway_address, "--host", addresses.host,
         "--port", str(addresses.grpc_port), "--http-port", str(addresses.http_port), *_given(optional),
@@ -236,6 +242,27 @@ def _given(optional: Mapping[str, object]) -> list[str]:
 
 
 # ---------------------------------------------------------------- health
+
+
+def stack_serving(config: StackConfig, addresses: StackAddresses) -> bool:
+    """The stack's gateway serves: its gRPC health says SERVING, or with TLS on the public ports, its HTTPS /ready says
+    200 (the probe checks this machine's own child and sends nothing secret, so it takes the certificate it finds).
+    A stack whose gateway wants client certificates cannot be probed so: `up` refuses one."""
+    if config.tls_certfile is None:
+        return is_serving(addresses.host, addresses.grpc_port)
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    host = "127.0.0.1" if addresses.host in ("0.0.0.0", "") else addresses.host
+    try:
+        with urllib.request.urlopen(f"https://{host}:{addresses.http_port}/ready", context=context, timeout=1.0) as reply:
+            return bool(reply.status == 200)
+    except (urllib.error.URLError, OSError, ssl.SSLError):
+        return False
 
 
 def is_serving(host: str, port: int) -> bool:
@@ -294,7 +321,7 @@ class LocalStack:
     def wait_serving(self, timeout_s: float) -> None:
         """Until the gateway is SERVING; StackError if a process exits first or `timeout_s` passes."""
         deadline_s = time.monotonic() + timeout_s
-        while not is_serving(self.addresses.host, self.addresses.grpc_port):
+        while not stack_serving(self.config, self.addresses):
             for name, process in self.processes.items():
                 if process.poll() is not None:
                     raise StackError(f"{name} exited with {process.returncode}\n{self.logs()}")

@@ -25,7 +25,7 @@ from gateway.access import ENV_VAR as API_KEY_ENV_VAR
 from gateway.access import ApiKeyError, api_keys
 from gateway.output_formats import REASONING_PARSERS, TOOL_CALL_PARSERS
 from common.transport import ROLES, TransportError, check_keys
-from specserve.stack import StackAddresses, StackConfig, is_serving, service_specs, with_keys
+from specserve.stack import StackAddresses, StackConfig, service_specs, stack_serving, with_keys
 from specserve.supervisor import GaveUp, RestartPolicy, Supervisor
 
 NO_DRAFT = "none"
@@ -96,6 +96,9 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                         help="the format the model writes tool calls in (hermes: Qwen 2.5 and 3; llama3_json: Llama "
                              "3); without it, chat requests with tools are refused")
+    parser.add_argument("--tls-certfile", type=Path, default=None,
+                        help="PEM certificate (chain) both public ports serve TLS with; with --tls-keyfile")
+    parser.add_argument("--tls-keyfile", type=Path, default=None, help="the certificate's PEM private key")
     parser.add_argument("--api-key-file", type=Path, default=None,
                         help="a file of keys clients must present (Authorization: Bearer KEY), one a line; "
                              f"{API_KEY_ENV_VAR} in the environment adds one. /health and /ready stay open")
@@ -280,7 +283,7 @@ def stack_config(args: argparse.Namespace, *, model: Path, max_model_len: int, d
         host=args.host, grpc_port=args.port, http_port=args.http_port, log_json=args.log_json,
         keys=args.keys, insecure_loopback=args.insecure_loopback, api_key_file=args.api_key_file,
         reasoning_parser=args.reasoning_parser, chat_template=args.chat_template,
-        tool_call_parser=args.tool_call_parser,
+        tool_call_parser=args.tool_call_parser, tls_certfile=args.tls_certfile, tls_keyfile=args.tls_keyfile,
     )
 
 
@@ -299,7 +302,14 @@ def _keys_problem(args: argparse.Namespace) -> str:
 
 
 def _api_keys_problem(args: argparse.Namespace) -> str:
-    """What is wrong with --api-key-file, SPECSERVE_API_KEY and --prefix-cache-scope tenant ("" when nothing)."""
+    """What is wrong with --api-key-file, SPECSERVE_API_KEY, --prefix-cache-scope tenant and the TLS files ("" when
+    nothing)."""
+    from gateway.tls import Tls, TlsError
+
+    try:
+        Tls.load(args.tls_certfile, args.tls_keyfile, None)
+    except TlsError as exc:
+        return str(exc)
     try:
         keys = api_keys((), args.api_key_file)
     except ApiKeyError as exc:
@@ -434,7 +444,7 @@ def _supervise(config: UpConfig, stack: StackConfig) -> int:
     ready_by = time.monotonic() + config.ready_timeout_s
 
     def serving() -> bool:
-        return is_serving(addresses.host, addresses.grpc_port)
+        return stack_serving(stack, addresses)
 
     try:
         supervisor.watch(until=lambda: serving() or time.monotonic() > ready_by)

@@ -216,3 +216,17 @@ def call_port(port: int, path: str) -> int:
         return connection.getresponse().status
     finally:
         connection.close()
+
+
+def test_a_stack_started_with_tls_serves_over_it_and_knows_when_it_does(default_model_dir: Path, test_ca: CertFiles,
+                                                                         tmp_path: Path) -> None:
+    """The launcher `specserve up` uses hands the TLS files to the gateway, and its readiness probe speaks TLS."""
+    config = StackConfig(default_model_dir, dtype="float32", num_workers=1, max_num_seqs=4, num_threads_per_worker=1,
+                         tls_certfile=test_ca.server_cert, tls_keyfile=test_ca.server_key)
+    with running_stack(config, tmp_path) as stack:
+        context = ssl.create_default_context(cafile=str(test_ca.ca_cert))
+        body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 2}).encode()
+        request = urllib.request.Request(f"https://localhost:{stack.addresses.http_port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, context=context, timeout=60) as answer:
+            assert json.loads(answer.read())["usage"]["completion_tokens"] == 2

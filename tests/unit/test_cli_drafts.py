@@ -123,6 +123,7 @@ def test_token_trees_are_on_unless_turned_off_and_only_phrases_take_the_switch(
     (["--keys", "/tmp", "--insecure-loopback"], "--keys and --insecure-loopback exclude each other"),
     (["--prefix-cache-scope", "tenant"], "tenants are told apart by their API keys, and none is given"),
     (["--api-key-file", "/no/such/api-keys"], "--api-key-file /no/such/api-keys: cannot be read"),
+    (["--tls-keyfile", "/no/such/key.pem"], "--tls-certfile and --tls-keyfile go together"),
 ])
 def test_up_refuses_what_cannot_work_before_any_process_starts(tiny_llama_folder: Path, flags: list[str], problem: str,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
@@ -158,7 +159,7 @@ def test_up_gives_up_when_nothing_serves_within_the_ready_timeout(tiny_llama_fol
             stopped.append(grace_s)
 
     monkeypatch.setattr(specserve.up, "Supervisor", NeverReady)
-    monkeypatch.setattr(specserve.up, "is_serving", lambda host, port: False)
+    monkeypatch.setattr(specserve.up, "stack_serving", lambda config, addresses: False)
     args = _build_parser().parse_args(["up", "--model", str(tiny_llama_folder), "--draft", "ngram", "--ready-timeout-s", "0.2"])
     assert specserve.cli._run_up(args) == 1
     assert stopped and "not serving within 0.2 s (--ready-timeout-s)" in capsys.readouterr().err
