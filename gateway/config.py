@@ -17,7 +17,8 @@ from gateway.access import ApiKeyError, ApiKeys, api_keys
 from gateway.cache_scope import SCOPES, CacheScope
 from gateway.cors import Cors, OriginError
 from gateway.http_body import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S
-from gateway.output_formats import REASONING_PARSERS, TOOL_CALL_PARSERS, ReasoningParser, ToolCallParser
+from gateway.output_formats import ReasoningParser, ToolCallParser
+from gateway.output_formats import add_arguments as add_output_format_arguments
 from gateway.tls import Tls, TlsError
 
 
@@ -54,15 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", required=True, type=Path, help="model folder with tokenizer.json and config.json")
     parser.add_argument("--scheduler-address", default="tcp://127.0.0.1:5555", help="the scheduler's gateway endpoint")
-    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
-                        help="a thinking model's convention: its reasoning between <think> and </think> goes to chat "
-                             "answers' reasoning_content, the rest to content (qwen3: the model opens the tag; "
-                             "deepseek_r1: the template does)")
-    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-                        help="the format the model writes tool calls in (hermes: <tool_call> JSON, as Qwen 2.5 and 3; "
-                             "llama3_json: Llama 3's JSON); without it, requests with tools are refused")
-    parser.add_argument("--chat-template", type=Path, default=None,
-                        help="a Jinja chat template file to render chat messages with, in place of the model's own")
+    add_output_format_arguments(parser)
     parser.add_argument("--host", default="0.0.0.0", help="address the gRPC server listens on")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one")
     parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port; 0 picks a free one")

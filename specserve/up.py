@@ -23,7 +23,7 @@ from modeling.quantization import QUANTIZATIONS
 from common.transport import ENV_VAR as KEYS_ENV_VAR
 from gateway.access import ENV_VAR as API_KEY_ENV_VAR
 from gateway.access import ApiKeyError, api_keys
-from gateway.output_formats import REASONING_PARSERS, TOOL_CALL_PARSERS
+from gateway.output_formats import add_arguments as add_output_format_arguments
 from common.transport import ROLES, TransportError, check_keys
 from specserve.stack import StackAddresses, StackConfig, service_specs, stack_serving, with_keys
 from specserve.supervisor import GaveUp, RestartPolicy, Supervisor
@@ -88,14 +88,7 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                              "anyone who can reach the ports can learn from a cache hit what others sent), salt (only "
                              "requests with the same cache_salt), tenant (only requests made with the same API key); "
                              "docs/security.md")
-    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
-                        help="a thinking model's reasoning (between <think> and </think>) goes to chat answers' "
-                             "reasoning_content (qwen3: the model opens the tag; deepseek_r1: the template does)")
-    parser.add_argument("--chat-template", type=Path, default=None,
-                        help="a Jinja chat template file in place of the model's own")
-    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-                        help="the format the model writes tool calls in (hermes: Qwen 2.5 and 3; llama3_json: Llama "
-                             "3); without it, chat requests with tools are refused")
+    add_output_format_arguments(parser)
     parser.add_argument("--tls-certfile", type=Path, default=None,
                         help="PEM certificate (chain) both public ports serve TLS with; with --tls-keyfile")
     parser.add_argument("--tls-keyfile", type=Path, default=None, help="the certificate's PEM private key")
