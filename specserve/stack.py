@@ -104,6 +104,7 @@ class StackConfig:
     tls_certfile: Path | None = None
     tls_keyfile: Path | None = None
     tls_ca_certfile: Path | None = None
+    allowed_origins: str | None = None  # the gateway's --allowed-origins (comma-separated)
     num_speculative_tokens: int | None = None  # the scheduler's k; also the draft service's --max-draft-tokens
     spec_disable_batch_threshold: int | None = None
     spec_draft_token_budget: int | None = None
@@ -210,7 +211,7 @@ def gateway_spec(config: StackConfig, addresses: StackAddresses) -> ServiceSpec:
                 "--reasoning-parser": config.reasoning_parser, "--tool-call-parser": config.tool_call_parser,
                 "--chat-template": None if config.chat_template is None else str(config.chat_template),
                 "--tls-certfile": config.tls_certfile, "--tls-keyfile": config.tls_keyfile,
-                "--tls-ca-certfile": config.tls_ca_certfile}
+                "--tls-ca-certfile": config.tls_ca_certfile, "--allowed-origins": config.allowed_origins}
     return ServiceSpec("gateway", _python("gateway", [
         "--model", str(config.model), "--scheduler-address", addresses.gateway_address, "--host", addresses.host,
         "--port", str(addresses.grpc_port), "--http-port", str(addresses.http_port), *_given(optional),

@@ -89,6 +89,9 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                              "requests with the same cache_salt), tenant (only requests made with the same API key); "
                              "docs/security.md")
     add_output_format_arguments(parser)
+    parser.add_argument("--allowed-origins", default=None,
+                        help="origins (scheme://host[:port], comma-separated; * for any) whose web pages may call the "
+                             "HTTP API from a browser (CORS); none by default")
     parser.add_argument("--tls-certfile", type=Path, default=None,
                         help="PEM certificate (chain) both public ports serve TLS with; with --tls-keyfile")
     parser.add_argument("--tls-keyfile", type=Path, default=None, help="the certificate's PEM private key")
@@ -277,6 +280,7 @@ def stack_config(args: argparse.Namespace, *, model: Path, max_model_len: int, d
         keys=args.keys, insecure_loopback=args.insecure_loopback, api_key_file=args.api_key_file,
         reasoning_parser=args.reasoning_parser, chat_template=args.chat_template,
         tool_call_parser=args.tool_call_parser, tls_certfile=args.tls_certfile, tls_keyfile=args.tls_keyfile,
+        allowed_origins=args.allowed_origins,
     )
 
 
@@ -297,11 +301,13 @@ def _keys_problem(args: argparse.Namespace) -> str:
 def _api_keys_problem(args: argparse.Namespace) -> str:
     """What is wrong with --api-key-file, SPECSERVE_API_KEY, --prefix-cache-scope tenant and the TLS files ("" when
     nothing)."""
+    from gateway.cors import Cors, OriginError
     from gateway.tls import Tls, TlsError
 
     try:
         Tls.load(args.tls_certfile, args.tls_keyfile, None)
-    except TlsError as exc:
+        Cors.of([args.allowed_origins or ""])
+    except (TlsError, OriginError) as exc:
         return str(exc)
     try:
         keys = api_keys((), args.api_key_file)

@@ -47,6 +47,8 @@ def test_up_hands_the_api_key_file_and_the_tenant_scope_to_the_gateway(tmp_path:
     assert gateway[gateway.index("--api-key-file") + 1] == "/run/secrets/keys"
     assert gateway[gateway.index("--prefix-cache-scope") + 1] == "tenant"
     assert not any("--api-key" in arg for name, args in argv.items() if name != "gateway" for arg in args)
+    gateway = _service_argvs("--allowed-origins", "https://app.example", model=tmp_path)["gateway"]
+    assert gateway[gateway.index("--allowed-origins") + 1] == "https://app.example"
     scheduler = _service_argvs("--scheduling-policy", "priority", model=tmp_path)["scheduler"]
     assert scheduler[scheduler.index("--scheduling-policy") + 1] == "priority"
 
@@ -124,6 +126,7 @@ def test_token_trees_are_on_unless_turned_off_and_only_phrases_take_the_switch(
     (["--prefix-cache-scope", "tenant"], "tenants are told apart by their API keys, and none is given"),
     (["--api-key-file", "/no/such/api-keys"], "--api-key-file /no/such/api-keys: cannot be read"),
     (["--tls-keyfile", "/no/such/key.pem"], "--tls-certfile and --tls-keyfile go together"),
+    (["--allowed-origins", "app.example"], "--allowed-origins: 'app.example' is not an origin"),
 ])
 def test_up_refuses_what_cannot_work_before_any_process_starts(tiny_llama_folder: Path, flags: list[str], problem: str,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:

@@ -128,6 +128,11 @@ NOT_DONE_HERE = [
     ("function_call", {"messages": CHAT, "function_call": "auto"}),
     ("suffix", {"prompt": "x", "suffix": "end"}),
     ("reasoning_effort", {"messages": CHAT, "reasoning_effort": "low"}),
+    ("store", {"messages": CHAT, "store": True}),
+    ("modalities", {"messages": CHAT, "modalities": ["text", "audio"]}),
+    ("service_tier", {"prompt": "x", "service_tier": "flex"}),
+    ("prediction", {"messages": CHAT, "prediction": {"type": "content", "content": "x"}}),
+    ("messages[0].refusal", {"messages": [{"role": "assistant", "content": "x", "refusal": "no"}]}),
     ("top_logprobs", {"prompt": "x", "top_logprobs": 2}),  # chat's field, not a completion's
     ("echo", {"messages": CHAT, "echo": True}),  # a completion's, not chat's
     ("messages[0].function_call", {"messages": [{"role": "assistant", "content": "", "function_call": {}}]}),
