@@ -13,7 +13,7 @@ from gateway.output import Chunk
 from gateway.output_formats import ReasoningParser, ToolCallParser
 from gateway.reasoning import ReasoningSplitter, Split, split_whole
 from gateway.request import Submission
-from gateway.tools import ToolAsk, parse_calls
+from gateway.tools import CallGate, ToolAsk, parse_calls
 
 
 def best_choices(choices: list[Choice], n: int) -> list[Choice]:
@@ -54,6 +54,7 @@ class Choice:
         self.echoed = echo is None  # the echo has been streamed (or there is none)
         self.last: Chunk | None = None
         self.splitter: ReasoningSplitter | None = None  # a streamed chat answer's, with a reasoning parser
+        self.gate: CallGate | None = None  # a streamed chat answer's, with tools offered
 
     @property
     def echoed_scores(self) -> list[Scored]:
@@ -157,18 +158,33 @@ class Shape:
             return events
         entries = list(zip(chunk.token_ids, chunk.logprobs)) if chunk.logprobs is not None else []
         logprobs = choice.logprobs_object(entries, self.chat)
-        if self.chat and self.tools is not None:
-            # Whether the answer is a call is known at its end: it is held until then, and sent as one delta.
+        if self.chat and self.tools is not None and self.reasoning is None:
+            # Text streams as content until a call may begin; from there it is held, and read when the answer ends.
+            if choice.gate is None:
+                choice.gate = CallGate(self.tools[1], self.tools[0])
+            now = choice.gate.feed(chunk.text)
+            if chunk.finish_reason is None:
+                if now or logprobs is not None:
+                    events.append(self.delta_event(choice.index, {"content": now} if now else {}, None, logprobs))
+                return events
+            content, calls = parse_calls(self.tools[1], choice.gate.held, self.tools[0])
+            delta: dict[str, Any] = {"content": now + (content or "")} if now or content else {}
+            if calls:
+                delta["tool_calls"] = [call.as_openai(index) for index, call in enumerate(calls)]
+            finish_reason = "tool_calls" if calls and chunk.finish_reason == "stop" else chunk.finish_reason
+            events.append(self.delta_event(choice.index, delta, finish_reason, logprobs))
+        elif self.chat and self.tools is not None:
+            # With a reasoning parser too, the answer is read whole at its end (its reasoning, then its calls).
             choice.text.append(chunk.text)
             if chunk.finish_reason is None:
                 if logprobs is not None:
                     events.append(self.delta_event(choice.index, {}, None, logprobs))
                 return events
-            message, finish_reason = self.message("".join(choice.text), chunk.finish_reason)
-            delta = {key: value for key, value in message.items() if key != "role" and value is not None}
-            if "tool_calls" in delta:
-                delta["tool_calls"] = [{"index": index, **call} for index, call in enumerate(delta["tool_calls"])]
-            events.append(self.delta_event(choice.index, delta, finish_reason, logprobs))
+            message, finish = self.message("".join(choice.text), chunk.finish_reason)
+            whole = {key: value for key, value in message.items() if key != "role" and value is not None}
+            if "tool_calls" in whole:
+                whole["tool_calls"] = [{"index": index, **call} for index, call in enumerate(whole["tool_calls"])]
+            events.append(self.delta_event(choice.index, whole, finish, logprobs))
         elif self.chat:
             events.append(self.delta_event(choice.index, self._chat_delta(choice, chunk), chunk.finish_reason, logprobs))
         else:

@@ -72,7 +72,7 @@ class ReasoningSplitter:
                     text = text[at + len(CLOSE):]
                     self._state = "after"
                     continue
-                keep = _partial_suffix(text, CLOSE)
+                keep = partial_suffix(text, CLOSE)
                 reasoning += text[:len(text) - keep]
                 self._held = text[len(text) - keep:]
                 return reasoning, content
@@ -98,7 +98,7 @@ def split_whole(parser: ReasoningParser, text: str) -> Split:
     return split
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """How many characters at the end of `text` are the start of `tag` (0 if none)."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:size]):

@@ -29,9 +29,11 @@ from typing import Any
 
 from gateway.openai_request import ApiError
 from gateway.output_formats import ToolCallParser
+from gateway.reasoning import partial_suffix
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
+_HERMES_OPEN = "<tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
 
@@ -197,3 +199,48 @@ def _call_of(value: object, ask: ToolAsk, arguments_key: str) -> ToolCall | None
     if not isinstance(arguments, dict):
         return None
     return ToolCall(str(value["name"]), json.dumps(arguments, ensure_ascii=False))
+
+
+class CallGate:
+    """A streamed answer's text: what may go out as content at once, and from where a call may begin, all held until
+    the answer ends (then `parse_calls` reads it). Hermes calls begin at `<tool_call>` (a piece that may be its
+    start is held until the next says); a Llama 3 answer is a call if it begins with `{` or `<|python_tag|>`. A
+    forced answer is a call from its start."""
+
+    def __init__(self, parser: ToolCallParser, ask: ToolAsk) -> None:
+        self.parser = parser
+        self.held = ""  # from the first place a call may begin
+        self._streamed_any = False
+        self._holding = ask.constrained
+
+    def feed(self, text: str) -> str:
+        """The content this piece lets go now ("" while a call may be under way)."""
+        if self._holding:
+            self.held += text
+            return ""
+        pending = self.held + text
+        self.held = ""
+        if self.parser == "hermes":
+            at = pending.find(_HERMES_OPEN)
+            if at >= 0:
+                self._holding = True
+                self.held = pending[at:]
+                return self._out(pending[:at])
+            keep = partial_suffix(pending, _HERMES_OPEN)
+            self.held = pending[len(pending) - keep:]
+            return self._out(pending[:len(pending) - keep])
+        if not self._streamed_any:
+            stripped = pending.lstrip()
+            if stripped.startswith(("{", _PYTHON_TAG)):
+                self._holding = True
+                self.held = pending
+                return ""
+            if not stripped or _PYTHON_TAG.startswith(stripped):  # white space, or the tag begun: wait for more
+                self.held = pending
+                return ""
+        return self._out(pending)
+
+    def _out(self, text: str) -> str:
+        self._streamed_any = self._streamed_any or bool(text)
+        return text
+

@@ -11,7 +11,7 @@ import pytest
 
 from gateway.openai_request import ApiError, chat_prompt
 from gateway.output_formats import ToolCallParser
-from gateway.tools import ToolAsk, call_grammar, parse_calls, tool_ask
+from gateway.tools import CallGate, ToolAsk, call_grammar, parse_calls, tool_ask
 from modeling.structured import grammar_problem, grammar_tokenizer
 from modeling.tokenizer import Tokenizer
 
@@ -118,3 +118,38 @@ def test_messages_carry_calls_and_results_to_a_template_that_takes_tools(default
     with pytest.raises(ApiError) as caught:
         chat_prompt(bad)
     assert caught.value.param == "messages[0].tool_calls[0].function.arguments"
+
+
+def streamed(parser: ToolCallParser, pieces: list[str], asked: ToolAsk) -> tuple[str, list[tuple[str, str]]]:
+    """What a stream sends: the content let go piece by piece, then the held rest read as the whole answer is."""
+    gate = CallGate(parser, asked)
+    content = "".join(gate.feed(piece) for piece in pieces)
+    rest, calls = parse_calls(parser, gate.held, asked)
+    return content + (rest or ""), [(call.name, call.arguments) for call in calls]
+
+
+@pytest.mark.parametrize(("parser", "text"), [
+    ("hermes", 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
+    ("hermes", "Plain text with a < sign and <tool_ in it"),
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": {}}</tool_call> and after'),
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": {'),  # cut short: text
+    ("llama3_json", '  {"name": "get_weather", "parameters": {"city": "Oslo"}}'),
+    ("llama3_json", '<|python_tag|>{"name": "get_time", "parameters": {}}'),
+    ("llama3_json", "Sure, it is sunny. {not a call}"),
+    ("llama3_json", "<|python"),
+])
+def test_a_streamed_answer_is_read_as_the_whole_one_however_it_was_cut(parser: ToolCallParser, text: str) -> None:
+    content, calls = parse_calls(parser, text, ask())
+    whole = ((content or "").strip(), [(call.name, call.arguments) for call in calls])
+    for size in range(1, len(text) + 1):
+        pieces = [text[at:at + size] for at in range(0, len(text), size)]
+        got, got_calls = streamed(parser, pieces, ask())
+        assert (got.strip(), got_calls) == whole, size
+
+
+def test_plain_text_streams_at_once_and_a_forced_answer_is_held_from_its_start() -> None:
+    gate = CallGate("hermes", ask())
+    assert gate.feed("The weather ") == "The weather " and gate.feed("is fine <tool") == "is fine "
+    assert gate.feed("_call>{") == "" and gate.held == "<tool_call>{"
+    forced = CallGate("hermes", ask("required"))
+    assert forced.feed("<tool_call>") == "" and forced.held == "<tool_call>"
