@@ -23,7 +23,11 @@ and the LM head, which is the embedding table when they are tied) as the engine 
 step reads; FLOPs: 2 per weight per row, plus attention's 4 per cached
 position, head and head dimension. The table gives each step as a multiple of its bound.
 
-    python -m bench.roofline --dtype float32 bfloat16 --quantization none q4_1 --batch 1 4 16 64
+With `--prefill N ...`, a second table: a prompt of N tokens computed in one step (its logits
+for the last position only), its tokens a second, and its FLOPs a second against the matmul
+peak in the dtype.
+
+    python -m bench.roofline --dtype float32 bfloat16 --quantization none q4_1 --batch 1 4 16 64 --prefill 512
 """
 
 from __future__ import annotations
@@ -101,6 +105,27 @@ def step_cost(config: ModelConfig, batch: int, context: int, itemsize: int, weig
     return StepCost(bytes=weights + kv_bytes, flops=2 * batch * params + attention_flops)
 
 
+def prefill_flops(config: ModelConfig, num_tokens: int) -> float:
+    """A prompt of `num_tokens` computed in one step: every projection for each token, the LM head for the last one
+    only (its logits are all a prefill asks for), and causal attention's 4 per attended position, head and head dim."""
+    head = config.vocab_size * config.hidden_size
+    attended = num_tokens * (num_tokens + 1) / 2
+    return (2 * (matmul_params(config) - head) * num_tokens + 2 * head
+            + 4 * attended * config.num_layers * config.num_heads * config.head_dim)
+
+
+def prefill_ms(engine: ModelEngine, num_tokens: int, repeats: int) -> float:
+    """The median time of computing a prompt of `num_tokens` in one step (its pages written afresh each time)."""
+    pages = tuple(range(pages_for(num_tokens + 1, engine.page_size)))
+    prompt = [(7 * p) % 1000 + 100 for p in range(num_tokens)]
+    times = []
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        engine.forward([SeqSpan(pages, 0, prompt, 1)])
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:]) * 1e3
+
+
 def filled_tables(engine: ModelEngine, batch: int, context: int, repeats: int) -> list[tuple[int, ...]]:
     """The block tables of `batch` sequences whose first `context` positions are now in the cache."""
     pages_each = pages_for(context + repeats + 2, engine.page_size)
@@ -138,10 +163,10 @@ def torch_threads(threads: int) -> Iterator[None]:
 
 
 def decode_engine(folder: Path, config: ModelConfig, dtype: str, quantization: str, batches: Sequence[int], context: int,
-                  repeats: int, threads: int) -> ModelEngine:
+                  repeats: int, threads: int, prompt_len: int = 0) -> ModelEngine:
     """The model on the CPU, built on `threads` threads as a worker computes, and with a cache for the sequences
-    decode_step_ms runs at the largest batch."""
-    length = context + repeats + 2
+    decode_step_ms runs at the largest batch (and a prompt of `prompt_len` tokens)."""
+    length = max(context + repeats + 2, prompt_len + 1)
     torch.set_num_threads(threads)  # loading: torch's ops on every thread, as a worker loads
     engine = ModelEngine(folder, config, device="cpu", dtype=dtype, max_len=length, quantization=quantization,
                          num_pages=max(batches) * pages_for(length, 16) + 8)
@@ -191,6 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_step_arguments(parser)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), nargs="+", default=["float32"])
     parser.add_argument("--quantization", choices=QUANTIZATIONS, nargs="+", default=["none"])
+    parser.add_argument("--prefill", type=int, nargs="*", default=[],
+                        help="also time prompts of these many tokens computed in one step, against the matmul peak")
     args = parser.parse_args(argv)
     threads = args.threads or usable_cpus()
     folder = resolve_model(args.model)
@@ -200,6 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print("| dtype | weights | read GB/s | matmul TFLOP/s | B | step ms | bound ms | limited by | step / bound |")
     print("|---|---|---:|---:|---:|---:|---:|---|---:|")
+    prefills: list[str] = []
     probe = torch.ones(GIB // 4, dtype=torch.float32)
     probe_repeats = max(3, args.repeats // 4)
     for dtype_name in args.dtype:
@@ -208,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             peak = matmul_tflop_s(dtype, probe_repeats)
         for quantization in args.quantization:
             engine = decode_engine(folder, config, dtype_name, quantization, args.batch, args.context, args.repeats,
-                                   threads)
+                                   threads, max(args.prefill, default=0))
             weights = "dense" if quantization == "none" else quantization
             for batch in args.batch:
                 cost = step_cost(config, batch, args.context, dtype.itemsize, engine.linear_weight_bytes())
@@ -219,7 +247,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"| {dtype_name} | {weights} | {bounds.read_gb_s:.1f} | {bounds.matmul_tflop_s:.2f} | {batch} | "
                       f"{step_ms:.1f} | {bound_ms:.1f} | {cost.limited_by(bounds)} | {step_ms / bound_ms:.2f} |",
                       flush=True)
+            for num_tokens in args.prefill:
+                taken_ms = prefill_ms(engine, num_tokens, args.repeats)
+                tflop_s = prefill_flops(config, num_tokens) / (taken_ms / 1e3) / 1e12
+                prefills.append(f"| {dtype_name} | {weights} | {num_tokens} | {taken_ms:.1f} | "
+                                f"{num_tokens / taken_ms * 1e3:.0f} | {tflop_s:.3f} | {peak:.2f} | {tflop_s / peak:.2f} |")
             del engine
+    if prefills:
+        print("\nPrefill: one prompt computed in one step, against the matmul peak in the dtype\n")
+        print("| dtype | weights | prompt tokens | ms | tokens/s | TFLOP/s | peak TFLOP/s | of the peak |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|")
+        print("\n".join(prefills))
     return 0
 
 
