@@ -172,8 +172,8 @@ def decode_engine(folder: Path, config: ModelConfig, dtype: str, quantization: s
                          num_pages=max(batches) * pages_for(length, 16) + 8)
     engine.load()
     # As a worker does: torch's ops on one thread beside the kernels' team. On torch's own threads, the ops that go
-    # parallel from 6 rows up left OpenMP's threads spinning on the team's cores, and the step took twice its time
-    # (machine F: Q4_1 in float32, 6 rows 16.1 against 8.9 ms; with GOMP_SPINCOUNT=0, 9.9).
+    # parallel from 6 rows up leave OpenMP's threads spinning on the team's cores, and a step takes up to twice its
+    # time (docs/benchmarks.md, "The roofline on a worker's threads").
     compute_on(threads, native=engine.native)
     engine.allocate()
     return engine

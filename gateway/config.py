@@ -83,11 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tls-certfile", type=Path, default=None,
                         help="PEM certificate (chain) both public ports serve TLS with; needs --tls-keyfile")
     parser.add_argument("--tls-keyfile", type=Path, default=None, help="the certificate's PEM private key")
+    parser.add_argument("--tls-ca-certfile", type=Path, default=None,
+                        help="PEM CA certificates: clients must then present a certificate one of them signed (mTLS)")
     parser.add_argument("--allowed-origins", action="append", default=[],
                         help="origins (scheme://host[:port], comma-separated or repeated; * for any) whose scripts "
                              "may call the HTTP API from a browser (CORS); none by default")
-    parser.add_argument("--tls-ca-certfile", type=Path, default=None,
-                        help="PEM CA certificates: clients must then present a certificate one of them signed (mTLS)")
     add_transport_arguments(parser)
     return parser
 

@@ -51,11 +51,16 @@ def request_id_of(request: pb.GenerateRequest, generated_id: str) -> str:
 def submission_of(request: pb.GenerateRequest, *, request_id: str, vocab_size: int,
                   grammars: Grammars | None = None) -> Submission:
     """Every field of the request checked; raises InvalidArgument naming the first bad one as the message does."""
-    if unknown := unknown_field(request):
-        raise InvalidArgument(unknown, "is a field this server does not know (a client built from a newer "
-                                       "specserve.proto?): it would be ignored, so the request is refused")
+    refuse_unknown_fields(request)
     return validate(client_request_of(request), fields=GRPC_FIELDS, request_id=request_id, vocab_size=vocab_size,
                     grammars=grammars)
+
+
+def refuse_unknown_fields(message: Message) -> None:
+    """Raises InvalidArgument naming the first field the message carries that this server's schema lacks."""
+    if unknown := unknown_field(message):
+        raise InvalidArgument(unknown, "is a field this server does not know (a client built from a newer "
+                                       "specserve.proto?): it would be ignored, so the request is refused")
 
 
 def unknown_field(message: Message, path: str = "") -> str:

@@ -199,7 +199,7 @@ class HttpApi:
         if options.get("include_usage") is not None and not isinstance(options["include_usage"], bool):
             raise ApiError(400, "stream_options.include_usage must be a boolean", "stream_options.include_usage")
         counts = choice_counts(body, chat=chat, stream=stream, num_prompts=len(prompts))
-        tools = self._tools(body, prompts) if chat else None
+        tools = self._tools(body) if chat else None
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         choices: list[Choice] = []
         for prompt_index, prompt in enumerate(prompts):
@@ -236,7 +236,7 @@ class HttpApi:
             return await self._stream(request, choices, shape, bool(options.get("include_usage", False)))
         return await self._whole(choices, shape, counts.n)
 
-    def _tools(self, body: dict[str, Any], prompts: list[Prompt]) -> ToolAsk | None:
+    def _tools(self, body: dict[str, Any]) -> ToolAsk | None:
         """The tools a chat request offers to call (gateway/tools.py), where this server can serve them."""
         tools = tool_ask(body)
         if tools is None:

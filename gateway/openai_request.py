@@ -28,9 +28,9 @@ HTTP_STATUS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.INTERNAL: 500,
 }
-ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error", 408: "invalid_request_error",
-               413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
-               503: "service_unavailable", 500: "internal_error"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
+               408: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+               429: "rate_limit_error", 503: "service_unavailable", 500: "internal_error"}
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # The body fields each endpoint reads: OpenAI's own and the extensions vLLM added that are implemented here. `user`
 # (OpenAI's id of the client's own end user) is taken and changes nothing, as at OpenAI.
@@ -38,8 +38,8 @@ _BOTH_FIELDS = frozenset({
     "model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "seed", "stop", "logprobs",
     "presence_penalty", "frequency_penalty", "logit_bias", "response_format", "user",
     # vLLM's extensions
-    "top_k", "min_p", "priority", "stop_token_ids", "ignore_eos", "repetition_penalty", "min_tokens", "structured_outputs", "cache_salt",
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "top_k", "min_p", "priority", "stop_token_ids", "ignore_eos", "repetition_penalty", "min_tokens",
+    "structured_outputs", "cache_salt", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 })
 COMPLETION_FIELDS = _BOTH_FIELDS | {"prompt", "best_of", "echo"}
 CHAT_FIELDS = _BOTH_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs", "tools",
@@ -223,7 +223,7 @@ def client_request_of(body: dict[str, Any], prompt: Prompt, *, chat: bool) -> tu
         min_p=_float_param("min_p", body.get("min_p")),  # an extension, as in vLLM
         seed=checked_seed,
         stop_strings=stop_strings,
-        stop_token_ids=_token_ids_param("stop_token_ids", body.get("stop_token_ids")),  # an extension, as in vLLM
+        stop_token_ids=token_ids_param("stop_token_ids", body.get("stop_token_ids")),  # an extension, as in vLLM
         ignore_eos=_bool_param("ignore_eos", body.get("ignore_eos")),  # an extension, as in vLLM
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
@@ -284,7 +284,7 @@ def choice_counts(body: dict[str, Any], *, chat: bool, stream: bool, num_prompts
     return ChoiceCounts(n, best_of)
 
 
-def _token_ids_param(name: str, value: object) -> tuple[int, ...]:
+def token_ids_param(name: str, value: object) -> tuple[int, ...]:
     """A list of token ids (their range is checked by `validate`, which names the item)."""
     if value is None:
         return ()

@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -20,7 +20,7 @@ from gateway.access import HEADER, ApiKeys
 from gateway.choices import Copy, interleaved, sibling
 from gateway.errors import InvalidArgument, RequestFailed
 from gateway.generation import Generation
-from gateway.grpc_request import prompt_of, request_id_of, submission_of, unknown_field
+from gateway.grpc_request import prompt_of, refuse_unknown_fields, request_id_of, submission_of
 from gateway.openai_request import MAX_CHOICES
 from gateway.output import Chunk
 from gateway.tokenize_api import detokenize, token_strs
@@ -69,17 +69,14 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
 
     async def GetServerInfo(self, request: pb.ServerInfoRequest, context: grpc.aio.ServicerContext) -> pb.ServerInfoResponse:
         await self._caller(context)
-        try:
+        async with failures_as_status(context):
             return to_server_info(await self._scheduler.query_info())
-        except RequestFailed as error:
-            await context.abort(error.status, error.message)
-            raise  # not reached: abort raises
+        raise AssertionError("not reached: a failure aborts the call")
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         await self._caller(context)
-        try:
-            if unknown := unknown_field(request):
-                raise InvalidArgument(unknown, "is a field this server does not know: it would be ignored")
+        async with failures_as_status(context):
+            refuse_unknown_fields(request)
             prompt = prompt_of(request)
             field = request.WhichOneof("input") or "input"
             special = request.add_special_tokens if request.HasField("add_special_tokens") else None
@@ -87,19 +84,14 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
             return pb.TokenizeResponse(
                 token_ids=token_ids, max_model_len=await self._scheduler.max_model_len(),
                 token_strs=token_strs(self._generation, token_ids) if request.return_token_strs else [])
-        except RequestFailed as error:
-            await context.abort(error.status, error.message)
-            raise  # not reached: abort raises
+        raise AssertionError("not reached: a failure aborts the call")
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
         await self._caller(context)
-        try:
-            if unknown := unknown_field(request):
-                raise InvalidArgument(unknown, "is a field this server does not know: it would be ignored")
+        async with failures_as_status(context):
+            refuse_unknown_fields(request)
             return pb.DetokenizeResponse(text=await detokenize(self._generation, request.token_ids, "token_ids"))
-        except RequestFailed as error:
-            await context.abort(error.status, error.message)
-            raise  # not reached: abort raises
+        raise AssertionError("not reached: a failure aborts the call")
 
     async def _caller(self, context: grpc.aio.ServicerContext) -> str | None:
         """The caller's tenant (gateway/access.py); with keys required and no valid one in the metadata, the call ends
@@ -136,6 +128,15 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
                 response = to_response(chunk, request_id)
                 response.choice_index = index
                 await context.write(response)
+
+
+@contextlib.asynccontextmanager
+async def failures_as_status(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    """A unary call's RequestFailed ends it with that status and message (abort raises, ending the call)."""
+    try:
+        yield
+    except RequestFailed as error:
+        await context.abort(error.status, error.message)
 
 
 def add_servicer(server: grpc.aio.Server, servicer: SpecServeServicer) -> None:

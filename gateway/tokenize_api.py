@@ -17,7 +17,7 @@ from typing import Any
 
 from gateway.errors import InvalidArgument
 from gateway.generation import Generation
-from gateway.openai_request import ApiError, chat_prompt, check_fields
+from gateway.openai_request import ApiError, chat_prompt, check_fields, token_ids_param
 from gateway.request import Prompt, TextPrompt
 from gateway.validation import token_ids_in_vocab
 
@@ -50,9 +50,9 @@ async def tokenize_body(generation: Generation, body: dict[str, Any]) -> dict[st
 async def detokenize_body(generation: Generation, body: dict[str, Any]) -> dict[str, Any]:
     """/detokenize's answer for an HTTP body; raises ApiError (or InvalidArgument) naming the field."""
     check_fields(body, DETOKENIZE_FIELDS)
-    tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+    if body.get("tokens") is None:
         raise ApiError(400, "tokens must be a list of token ids", "tokens")
+    tokens = token_ids_param("tokens", body["tokens"])
     return {"prompt": await detokenize(generation, tokens, "tokens")}
 
 

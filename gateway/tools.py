@@ -164,24 +164,20 @@ def _llama3(text: str, ask: ToolAsk) -> list[ToolCall] | None:
     stripped = stripped[len(_PYTHON_TAG):].strip() if stripped.startswith(_PYTHON_TAG) else stripped
     if not stripped.startswith("{"):
         return None
-    decoder, calls, at = json.JSONDecoder(), [], 0
-    while at < len(stripped):
+    decoder, calls, rest = json.JSONDecoder(), [], stripped
+    while rest:  # calls separated by ";" (one may close the answer)
         try:
-            value, end = decoder.raw_decode(stripped, at)
+            value, end = decoder.raw_decode(rest)
         except ValueError:
             return None
-        call = _call_of(value, ask, "parameters")
-        if call is None:
+        if (call := _call_of(value, ask, "parameters")) is None:
             return None
         calls.append(call)
-        at = end
-        rest = stripped[at:].lstrip()
+        rest = rest[end:].lstrip()
         if rest and not rest.startswith(";"):
             return None
-        at = len(stripped) - len(rest) + (1 if rest else 0)
-        while at < len(stripped) and stripped[at].isspace():
-            at += 1
-    return calls or None
+        rest = rest[1:].lstrip()
+    return calls
 
 
 def _call(body: str, ask: ToolAsk, arguments_key: str) -> ToolCall | None:

@@ -71,7 +71,6 @@ class Tokenizer:
     ) -> None:
         self._backend = backend
         self._chat_template = chat_template
-        self._template_takes_tools = chat_template is not None and "tools" in chat_template.variables
         self._special_tokens = special_tokens
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size  # token ids the model accepts: 0 <= id < vocab_size
@@ -127,7 +126,7 @@ class Tokenizer:
     @property
     def template_takes_tools(self) -> bool:
         """Whether the chat template reads a `tools` variable (renders tools offered to the model)."""
-        return self._template_takes_tools
+        return self._chat_template is not None and "tools" in self._chat_template.variables
 
     def render_chat(self, messages: Sequence[ChatMessage], template_kwargs: Mapping[str, Any] | None = None,
                     tools: Sequence[Mapping[str, Any]] | None = None) -> str:

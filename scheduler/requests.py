@@ -194,6 +194,11 @@ class Request:
         return None
 
 
+def _queue_key(request: Request) -> tuple[int, int]:
+    """Where a request stands under --scheduling-policy priority: lower priority values first, then earlier arrivals."""
+    return request.priority, request.arrival
+
+
 class RequestTable:
     """Every unfinished request by id, and the waiting ones in the order they will be placed."""
 
@@ -289,8 +294,7 @@ class RequestTable:
     def _enqueue(self, request: Request, *, front: bool) -> None:
         """Into the queue: in (priority, arrival) order by priority; else at the back, or the front (`front`)."""
         if self._by_priority:
-            key = (request.priority, request.arrival)
-            index = bisect.bisect_right([(r.priority, r.arrival) for r in self._waiting], key)
+            index = bisect.bisect_right(self._waiting, _queue_key(request), key=_queue_key)
             self._waiting.insert(index, request)
         elif front:
             self._waiting.appendleft(request)
@@ -302,7 +306,7 @@ class RequestTable:
         lowest priority (largest value) first, the latest admitted first among equals."""
         ordered = list(running)[::-1]
         if self._by_priority:
-            ordered.sort(key=lambda r: (r.priority, r.arrival), reverse=True)
+            ordered.sort(key=_queue_key, reverse=True)
         return ordered
 
     def first_waiting(self) -> Request | None:

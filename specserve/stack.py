@@ -207,9 +207,9 @@ def draft_spec(config: StackConfig, addresses: StackAddresses, draft: DraftSpec)
 def gateway_spec(config: StackConfig, addresses: StackAddresses) -> ServiceSpec:
     optional = {"--shutdown-grace-s": None if config.gateway_shutdown_grace_s is None else f"{config.gateway_shutdown_grace_s:g}",
                 "--prefix-cache-scope": config.prefix_cache_scope,
-                "--api-key-file": None if config.api_key_file is None else str(config.api_key_file),
+                "--api-key-file": config.api_key_file,
                 "--reasoning-parser": config.reasoning_parser, "--tool-call-parser": config.tool_call_parser,
-                "--chat-template": None if config.chat_template is None else str(config.chat_template),
+                "--chat-template": config.chat_template,
                 "--tls-certfile": config.tls_certfile, "--tls-keyfile": config.tls_keyfile,
                 "--tls-ca-certfile": config.tls_ca_certfile, "--allowed-origins": config.allowed_origins}
     return ServiceSpec("gateway", _python("gateway", [
