@@ -98,14 +98,15 @@ class Gateway:
             with self._phase("start_http"):
                 limits = BodyLimits(self._config.http_max_body_bytes, self._config.http_read_timeout_s)
                 http = HttpApi(generation, reporter, self._config.model_dir.name, limits, self._config.api_keys,
-                               self._config.cors, self._config.reasoning_parser, self._config.tool_call_parser)
+                               self._config.cors, self._config.reasoning_parser, self._config.tool_call_parser,
+                               client_certificates=self._config.tls is not None and self._config.tls.mutual)
                 runner = http.runner()
                 await runner.setup()
                 resources.push_async_callback(runner.cleanup)
                 http_port = await self._bind_http(runner)
             self._log.info("gateway.listening", host=self._config.host, port=port, http_port=http_port,
                            model=str(self._config.model_dir), api_keys=len(self._config.api_keys.digests),
-                           tls="off" if self._config.tls is None else "mutual" if self._config.tls.client_ca else "on",
+                           tls="off" if self._config.tls is None else "mutual" if self._config.tls.mutual else "on",
                            prefix_cache_scope=self._config.prefix_cache_scope)
             await self._serve(server, scheduler, reporter, http)
         self._log.info("gateway.stopped")

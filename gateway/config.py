@@ -80,16 +80,23 @@ def build_parser() -> argparse.ArgumentParser:
                              f"list processes: prefer --api-key-file or {API_KEY_ENV_VAR}")
     parser.add_argument("--api-key-file", type=Path, default=None,
                         help="a file of keys callers may present, one a line (# starts a comment)")
-    parser.add_argument("--tls-certfile", type=Path, default=None,
+    # An empty value is no file: docker-compose.yml passes its settings through whether or not they are set.
+    parser.add_argument("--tls-certfile", type=path_or_none, default=None,
                         help="PEM certificate (chain) both public ports serve TLS with; needs --tls-keyfile")
-    parser.add_argument("--tls-keyfile", type=Path, default=None, help="the certificate's PEM private key")
-    parser.add_argument("--tls-ca-certfile", type=Path, default=None,
-                        help="PEM CA certificates: clients must then present a certificate one of them signed (mTLS)")
+    parser.add_argument("--tls-keyfile", type=path_or_none, default=None, help="the certificate's PEM private key")
+    parser.add_argument("--tls-ca-certfile", type=path_or_none, default=None,
+                        help="PEM CA certificates: clients must then present a certificate one of them signed (mTLS; "
+                             "/health and /ready stay open on the HTTP port)")
     parser.add_argument("--allowed-origins", action="append", default=[],
                         help="origins (scheme://host[:port], comma-separated or repeated; * for any) whose scripts "
                              "may call the HTTP API from a browser (CORS); none by default")
     add_transport_arguments(parser)
     return parser
+
+
+def path_or_none(value: str) -> Path | None:
+    """A file flag's value: "" is none."""
+    return Path(value) if value else None
 
 
 def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:

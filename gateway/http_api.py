@@ -48,8 +48,12 @@ from modeling.structured import StructuredSpec
 class HttpApi:
     def __init__(self, generation: Generation, reporter: HealthReporter, model_name: str,
                  limits: BodyLimits = BodyLimits(), keys: ApiKeys = ApiKeys(), cors: Cors = Cors(),
-                 reasoning: ReasoningParser | None = None, tool_parser: ToolCallParser | None = None) -> None:
+                 reasoning: ReasoningParser | None = None, tool_parser: ToolCallParser | None = None,
+                 client_certificates: bool = False) -> None:
         self._generation = generation
+        # Mutual TLS (gateway/tls.py): the handshake checked any certificate given; a connection without one is
+        # for the probes' routes only.
+        self._client_certificates = client_certificates
         self._tool_parser = tool_parser  # the format the model writes tool calls in (gateway/tools.py)
         self._reasoning = reasoning  # chat answers' reasoning apart from their content (gateway/reasoning.py)
         self._keys = keys
@@ -110,8 +114,14 @@ class HttpApi:
     @web.middleware
     async def _access(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         """With API keys, every route but the probes' wants one (gateway/access.py); the caller's tenant is kept in
-        the request for the handlers. A missing key and a wrong one get the same 401."""
-        if self._keys.required and request.path not in OPEN_PATHS:
+        the request for the handlers. A missing key and a wrong one get the same 401. With mutual TLS, every route but
+        the probes' wants the connection to have presented a client certificate (the handshake verified it)."""
+        if request.path in OPEN_PATHS:
+            return await handler(request)
+        if self._client_certificates and not (request.transport and request.transport.get_extra_info("peercert")):
+            return error_response(ApiError(401, "a client certificate is required: this port serves mutual TLS, and "
+                                                "this connection presented none", None, "client_certificate_required"))
+        if self._keys.required:
             tenant = self._keys.tenant(request.headers.get(HEADER))
             if tenant is None:
                 error = error_response(ApiError(401, "a valid API key is required: Authorization: Bearer KEY", None,

@@ -1,10 +1,13 @@
 """TLS on the public ports (`--tls-certfile`, `--tls-keyfile`, `--tls-ca-certfile`): one certificate for both.
 
 The gRPC port and the HTTP port serve the same certificate and key. With a client CA, both
-also want each client's own certificate, signed by that CA (mutual TLS), and refuse a
-connection without one during the handshake, before any request. Files are read once, as
-the gateway starts; a file that cannot be read, or a key that does not match its
-certificate, stops it there with the flag named.
+also want each client's own certificate, signed by that CA (mutual TLS). The gRPC port
+refuses a connection without one during the handshake, before any call. The HTTP port asks
+for one in the handshake and refuses a certificate the CA did not sign there; a connection
+without any gets the probes' routes (`/health`, `/ready`: an orchestrator's probe holds no
+client certificate, as it holds no API key) and a 401 on every other (`HttpApi`). Files are
+read once, as the gateway starts; a file that cannot be read, or a key that does not match
+its certificate, stops it there with the flag named.
 """
 
 from __future__ import annotations
@@ -47,8 +50,14 @@ class Tls:
         tls.ssl_context()  # every file parsed, and the key checked against the certificate, now
         return tls
 
+    @property
+    def mutual(self) -> bool:
+        """Clients present certificates the client CA signed."""
+        return self.client_ca_certificates is not None
+
     def ssl_context(self) -> ssl.SSLContext:
-        """The HTTP port's: TLS 1.2 at least, the certificate and key, and with a client CA, client certificates."""
+        """The HTTP port's: TLS 1.2 at least, the certificate and key, and with a client CA, client certificates
+        asked for and checked when given (a connection without one is for the probes only: HttpApi)."""
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         try:
@@ -61,13 +70,13 @@ class Tls:
                 context.load_verify_locations(cadata=self.client_ca_certificates.decode("ascii"))
             except (ssl.SSLError, UnicodeDecodeError, ValueError) as error:
                 raise TlsError(f"--tls-ca-certfile {self.client_ca}: {error} (PEM certificates?)") from error
-            context.verify_mode = ssl.CERT_REQUIRED
+            context.verify_mode = ssl.CERT_OPTIONAL
         return context
 
     def grpc_credentials(self) -> grpc.ServerCredentials:
         """The gRPC port's: the same certificate and key, and the same demand for client certificates."""
         return grpc.ssl_server_credentials([(self.key, self.certificate)], root_certificates=self.client_ca_certificates,
-                                           require_client_auth=self.client_ca_certificates is not None)
+                                           require_client_auth=self.mutual)
 
 
 def _read(path: Path, flag: str) -> bytes:

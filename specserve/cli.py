@@ -60,9 +60,13 @@ def _build_parser() -> argparse.ArgumentParser:
 def _add_healthcheck_arguments(parser: argparse.ArgumentParser) -> None:
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--grpc", metavar="HOST:PORT", help="a gateway: its gRPC health is SERVING")
+    target.add_argument("--ready", metavar="HOST:PORT", help="a gateway: its HTTP port's /ready says 200")
     target.add_argument("--status-file", type=Path,
                         help="a worker or the draft service: its status file says READY, written by a process that is "
                              "still alive; the scheduler: LISTENING")
+    parser.add_argument("--tls-certfile", default="",
+                        help="with --ready: the certificate the gateway serves its ports with, if any (then /ready is "
+                             "asked over HTTPS); empty: plain HTTP")
     parser.set_defaults(run=_run_healthcheck)
 
 
@@ -113,10 +117,14 @@ def _run_healthcheck(args: argparse.Namespace) -> int:
         state = read_status_file(args.status_file)
         print(state or "no status from a live process")
         return 0 if state in HEALTHY else 1
-    from specserve.stack import is_serving
+    from specserve.stack import is_ready, is_serving
 
-    host, _, port = args.grpc.rpartition(":")
-    serving = is_serving(host, int(port))
+    if args.ready is not None:
+        host, _, port = args.ready.rpartition(":")
+        serving = is_ready(host, int(port), tls=bool(args.tls_certfile))
+    else:
+        host, _, port = args.grpc.rpartition(":")
+        serving = is_serving(host, int(port))
     print("SERVING" if serving else "NOT_SERVING")
     return 0 if serving else 1
 

@@ -247,20 +247,29 @@ def _given(optional: Mapping[str, object]) -> list[str]:
 
 def stack_serving(config: StackConfig, addresses: StackAddresses) -> bool:
     """The stack's gateway serves: its gRPC health says SERVING, or with TLS on the public ports, its HTTPS /ready says
-    200 (the probe checks this machine's own child and sends nothing secret, so it takes the certificate it finds).
-    A stack whose gateway wants client certificates cannot be probed so: `up` refuses one."""
+    200 (open without a client certificate under mutual TLS, as for any probe)."""
     if config.tls_certfile is None:
         return is_serving(addresses.host, addresses.grpc_port)
+    return is_ready(addresses.host, addresses.http_port, tls=True)
+
+
+def is_ready(host: str, port: int, *, tls: bool) -> bool:
+    """The gateway's HTTP port on host:port answers /ready with 200 (a READY target worker), over HTTPS with `tls`.
+    The probe checks a gateway on this machine (or in this container) and sends nothing secret, so it takes the
+    certificate it finds."""
     import ssl
     import urllib.error
     import urllib.request
 
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
-    host = "127.0.0.1" if addresses.host in ("0.0.0.0", "") else addresses.host
+    context = None
+    if tls:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    host = "127.0.0.1" if host in ("0.0.0.0", "") else host
     try:
-        with urllib.request.urlopen(f"https://{host}:{addresses.http_port}/ready", context=context, timeout=1.0) as reply:
+        with urllib.request.urlopen(f"{'https' if tls else 'http'}://{host}:{port}/ready", context=context,
+                                    timeout=1.0) as reply:
             return bool(reply.status == 200)
     except (urllib.error.URLError, OSError, ssl.SSLError):
         return False

@@ -95,6 +95,9 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-certfile", type=Path, default=None,
                         help="PEM certificate (chain) both public ports serve TLS with; with --tls-keyfile")
     parser.add_argument("--tls-keyfile", type=Path, default=None, help="the certificate's PEM private key")
+    parser.add_argument("--tls-ca-certfile", type=Path, default=None,
+                        help="PEM CA certificates: clients must then present a certificate one of them signed (mutual "
+                             "TLS; /health and /ready stay open on the HTTP port, which is how `up` probes it)")
     parser.add_argument("--api-key-file", type=Path, default=None,
                         help="a file of keys clients must present (Authorization: Bearer KEY), one a line; "
                              f"{API_KEY_ENV_VAR} in the environment adds one. /health and /ready stay open")
@@ -280,7 +283,7 @@ def stack_config(args: argparse.Namespace, *, model: Path, max_model_len: int, d
         keys=args.keys, insecure_loopback=args.insecure_loopback, api_key_file=args.api_key_file,
         reasoning_parser=args.reasoning_parser, chat_template=args.chat_template,
         tool_call_parser=args.tool_call_parser, tls_certfile=args.tls_certfile, tls_keyfile=args.tls_keyfile,
-        allowed_origins=args.allowed_origins,
+        tls_ca_certfile=args.tls_ca_certfile, allowed_origins=args.allowed_origins,
     )
 
 
@@ -305,7 +308,7 @@ def _api_keys_problem(args: argparse.Namespace) -> str:
     from gateway.tls import Tls, TlsError
 
     try:
-        Tls.load(args.tls_certfile, args.tls_keyfile, None)
+        Tls.load(args.tls_certfile, args.tls_keyfile, args.tls_ca_certfile)
         Cors.of([args.allowed_origins or ""])
     except (TlsError, OriginError) as exc:
         return str(exc)

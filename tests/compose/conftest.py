@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import ssl
 import subprocess
 import time
 import urllib.request
@@ -42,6 +43,7 @@ class Compose:
     grpc_port: int
     http_port: int
     timings: dict[str, float] = field(default_factory=dict)
+    tls_ca: Path | None = None  # the CA of the certificate the gateway serves, when it serves TLS
 
     def compose(self, *args: str, timeout_s: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
         return run(["docker-compose", "-p", PROJECT, "-f", str(self.file), *args], self.env, timeout_s, check)
@@ -74,8 +76,12 @@ class Compose:
         return "".join(done.stdout + done.stderr for done in outputs)
 
     def ready(self) -> bool:
+        scheme, context = "http", None
+        if self.tls_ca is not None:
+            scheme, context = "https", ssl.create_default_context(cafile=str(self.tls_ca))
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/ready", timeout=2) as reply:
+            with urllib.request.urlopen(f"{scheme}://localhost:{self.http_port}/ready", context=context,
+                                        timeout=2) as reply:
                 return bool(reply.status == 200)
         except OSError:
             return False

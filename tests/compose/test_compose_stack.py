@@ -1,7 +1,8 @@
 """`docker compose up` on a CPU machine: the stack serves what `specserve up` serves, survives a worker crash without
-losing a token, logs each request in every container it passes through, and `down` leaves nothing behind.
+losing a token, logs each request in every container it passes through, and `down` leaves nothing behind; started
+again with TLS, client certificates and an API key, it serves the same over them.
 
-The tests run in order on one stack (the file's order); the last one takes it down.
+The tests run in order on one stack (the file's order); the last but one takes it down, the last brings up its own.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -19,12 +21,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-from openai import OpenAI
+from openai import AuthenticationError, DefaultHttpxClient, OpenAI
 
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 from specserve.stack import free_ports, is_serving
 from tests.compose.conftest import ROOT, Compose, print_logs_if_failed, progress
+from tests.compose.images import on_host_network
+from tests.tls_certs import make_test_ca
 
 # The first test's set-up builds the image (5 to 8 minutes on two cores) and starts `specserve up` and the stack.
 pytestmark = pytest.mark.timeout(1800)
@@ -254,3 +258,52 @@ def test_down_leaves_no_container_network_or_process(stack: Compose) -> None:
     processes = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
     left = [line for line in processes.splitlines() if "/opt/specserve/" in line]
     assert not left, left
+
+
+def test_tls_with_client_certificates_and_an_api_key_pass_through_compose(stack: Compose, reference: Outputs,
+                                                                          tmp_path: Path) -> None:
+    """SPECSERVE_TLS_DIR, _CERTFILE, _KEYFILE, _CA_CERTFILE and SPECSERVE_API_KEY reach the gateway: its health check
+    asks /ready over HTTPS (the container turns healthy), a client with the CA's certificate and the key gets what
+    `specserve up` answered, through the openai client and gRPC; without a certificate or the key, it is refused."""
+    key = "compose-test-key"
+    ca = make_test_ca(tmp_path)
+    env = {**stack.env, "SPECSERVE_TLS_DIR": str(tmp_path), "SPECSERVE_TLS_CERTFILE": f"/tls/{ca.server_cert.name}",
+           "SPECSERVE_TLS_KEYFILE": f"/tls/{ca.server_key.name}", "SPECSERVE_TLS_CA_CERTFILE": f"/tls/{ca.ca_cert.name}",
+           "SPECSERVE_API_KEY": key}
+    (tmp_path / "compose").mkdir()
+    secured = Compose(env, on_host_network(env, tmp_path / "compose"), stack.grpc_port, stack.http_port,
+                      tls_ca=ca.ca_cert)
+    started = time.monotonic()
+    try:
+        secured.compose("up", "-d", timeout_s=900)
+        secured.wait_ready(timeout_s=900)
+        progress(f"the stack with TLS ready in {time.monotonic() - started:.0f} s")
+        certified = ssl.create_default_context(cafile=str(ca.ca_cert))
+        certified.load_cert_chain(ca.client_cert, ca.client_key)
+        client = OpenAI(base_url=f"https://localhost:{stack.http_port}/v1", api_key=key, max_retries=0, timeout=300,
+                        http_client=DefaultHttpxClient(verify=certified))
+        answer = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": CHATS[0]}],
+                                                temperature=0, max_tokens=MAX_TOKENS)
+        assert answer.choices[0].message.content == reference.openai_chat[0]
+        with pytest.raises(AuthenticationError):  # the certificate is no key
+            OpenAI(base_url=f"https://localhost:{stack.http_port}/v1", api_key="wrong", max_retries=0,
+                   http_client=DefaultHttpxClient(verify=certified)).models.list()
+        without = ssl.create_default_context(cafile=str(ca.ca_cert))
+        with pytest.raises(AuthenticationError):  # the key is no certificate
+            OpenAI(base_url=f"https://localhost:{stack.http_port}/v1", api_key=key, max_retries=0,
+                   http_client=DefaultHttpxClient(verify=without)).models.list()
+        credentials = grpc.ssl_channel_credentials(root_certificates=ca.ca_cert.read_bytes(),
+                                                   private_key=ca.client_key.read_bytes(),
+                                                   certificate_chain=ca.client_cert.read_bytes())
+        with grpc.secure_channel(f"localhost:{stack.grpc_port}", credentials) as channel:
+            stub = pb_grpc.SpecServeStub(channel)
+            request = pb.GenerateRequest(chat=_chat(CHATS[0]), params=_greedy(MAX_TOKENS))
+            tokens = [t for chunk in stub.Generate(request, timeout=600, metadata=(("authorization", f"Bearer {key}"),))
+                      for t in chunk.token_ids]
+            assert tokens == reference.grpc_chat[0]
+            with pytest.raises(grpc.RpcError) as caught:
+                _stream(stub, request)
+            assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        secured.compose("down", "-v", timeout_s=300, check=False)
+    assert secured.leftovers() == {"containers": [], "networks": []}

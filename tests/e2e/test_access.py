@@ -190,15 +190,31 @@ def test_both_ports_serve_tls_to_clients_that_trust_the_ca(keyed_stack: Stack, t
         assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_with_a_client_ca_a_client_without_a_certificate_is_refused(keyed_stack: Stack, test_ca: CertFiles) -> None:
+def test_with_a_client_ca_only_the_probes_take_a_connection_without_a_client_certificate(
+        keyed_stack: Stack, test_ca: CertFiles, tmp_path: Path) -> None:
+    """Mutual TLS: the HTTP port gives a connection without a client certificate its probes' routes and a 401
+    elsewhere, refuses a certificate another CA signed in the handshake, and serves one the client CA signed; the gRPC
+    port refuses a connection without one in the handshake."""
     grpc_port, http_port = start_tls_gateway(keyed_stack, "gateway-mtls", test_ca, mutual=True)
     trusting = ssl.create_default_context(cafile=str(test_ca.ca_cert))
+    for probe in ("/health", "/ready"):
+        with urllib.request.urlopen(f"https://localhost:{http_port}{probe}", context=trusting, timeout=10) as answer:
+            assert answer.status == 200
+    without = openai.OpenAI(base_url=f"https://localhost:{http_port}/v1", api_key=KEYS[0], max_retries=0,
+                            http_client=openai.DefaultHttpx2Client(verify=trusting))
+    with pytest.raises(openai.AuthenticationError) as refused:  # the right key is no certificate
+        without.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert refused.value.code == "client_certificate_required"
+    stranger = make_test_ca(tmp_path)  # a client certificate signed by a CA the gateway does not know
+    foreign = ssl.create_default_context(cafile=str(test_ca.ca_cert))
+    foreign.load_cert_chain(stranger.client_cert, stranger.client_key)
     with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
-        urllib.request.urlopen(f"https://localhost:{http_port}/health", context=trusting, timeout=10)
+        urllib.request.urlopen(f"https://localhost:{http_port}/health", context=foreign, timeout=10)
     with_certificate = ssl.create_default_context(cafile=str(test_ca.ca_cert))
     with_certificate.load_cert_chain(test_ca.client_cert, test_ca.client_key)
-    with urllib.request.urlopen(f"https://localhost:{http_port}/health", context=with_certificate, timeout=10) as answer:
-        assert answer.status == 200
+    certified = openai.OpenAI(base_url=f"https://localhost:{http_port}/v1", api_key=KEYS[0], max_retries=0,
+                              http_client=openai.DefaultHttpx2Client(verify=with_certificate))
+    assert certified.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
     request = pb.GenerateRequest(prompt="Hi", params=pb.SamplingParams(max_tokens=2))
     keyed = (("authorization", f"Bearer {KEYS[1]}"),)
     with grpc.secure_channel(f"127.0.0.1:{grpc_port}", grpc_credentials(test_ca, client=False)) as channel:
@@ -218,15 +234,23 @@ def call_port(port: int, path: str) -> int:
         connection.close()
 
 
-def test_a_stack_started_with_tls_serves_over_it_and_knows_when_it_does(default_model_dir: Path, test_ca: CertFiles,
-                                                                         tmp_path: Path) -> None:
-    """The launcher `specserve up` uses hands the TLS files to the gateway, and its readiness probe speaks TLS."""
+def test_a_stack_started_with_mutual_tls_serves_over_it_and_knows_when_it_does(default_model_dir: Path,
+                                                                                test_ca: CertFiles,
+                                                                                tmp_path: Path) -> None:
+    """The launcher `specserve up` uses hands the TLS files and the client CA to the gateway, and its readiness probe
+    speaks TLS without a client certificate (the probes' routes take none)."""
     config = StackConfig(default_model_dir, dtype="float32", num_workers=1, max_num_seqs=4, num_threads_per_worker=1,
-                         tls_certfile=test_ca.server_cert, tls_keyfile=test_ca.server_key)
+                         tls_certfile=test_ca.server_cert, tls_keyfile=test_ca.server_key,
+                         tls_ca_certfile=test_ca.ca_cert)
     with running_stack(config, tmp_path) as stack:
-        context = ssl.create_default_context(cafile=str(test_ca.ca_cert))
         body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 2}).encode()
-        request = urllib.request.Request(f"https://localhost:{stack.addresses.http_port}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
+        url = f"https://localhost:{stack.addresses.http_port}/v1/completions"
+        context = ssl.create_default_context(cafile=str(test_ca.ca_cert))
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}),
+                                   context=context, timeout=60)
+        assert refused.value.code == 401
+        context.load_cert_chain(test_ca.client_cert, test_ca.client_key)
+        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, context=context, timeout=60) as answer:
             assert json.loads(answer.read())["usage"]["completion_tokens"] == 2

@@ -105,7 +105,26 @@ def test_cpu_workers_by_default_and_a_gpu_profile_with_one_device_each(resolved:
         assert "--status-file" in command and "healthcheck" in worker
         assert worker["depends_on"]["scheduler"]["condition"] == "service_healthy"
         assert worker["deploy"]["replicas"] == 1
-    assert services["gateway"]["healthcheck"]["test"][-2:] == ["--grpc", "127.0.0.1:50051"]
+    assert services["gateway"]["healthcheck"]["test"][2:] == ["healthcheck", "--ready", "127.0.0.1:8000",
+                                                              "--tls-certfile", ""]
+
+
+def test_tls_files_reach_the_gateway_and_its_health_check_asks_over_https(keys: Path) -> None:
+    """Unset, the gateway serves plain TCP (its empty flags are no files); set, the folder is mounted where the files
+    are named, and the health check speaks HTTPS."""
+    plain = _service_parser("gateway").parse_args(
+        [str(keys) if part == "/keys" else part for part in _resolve()["services"]["gateway"]["command"][1:]])
+    assert (plain.tls_certfile, plain.tls_keyfile, plain.tls_ca_certfile) == (None, None, None)
+    gateway_service = _resolve(SPECSERVE_TLS_DIR="/srv/tls", SPECSERVE_TLS_CERTFILE="/tls/server.pem",
+                               SPECSERVE_TLS_KEYFILE="/tls/server.key",
+                               SPECSERVE_TLS_CA_CERTFILE="/tls/clients.pem")["services"]["gateway"]
+    args = _service_parser("gateway").parse_args(
+        [str(keys) if part == "/keys" else part for part in gateway_service["command"][1:]])
+    assert (args.tls_certfile, args.tls_keyfile, args.tls_ca_certfile) == (
+        Path("/tls/server.pem"), Path("/tls/server.key"), Path("/tls/clients.pem"))
+    assert "/srv/tls:/tls:ro" in gateway_service["volumes"]
+    health = _build_parser().parse_args(gateway_service["healthcheck"]["test"][2:])
+    assert (health.ready, health.tls_certfile) == ("127.0.0.1:8000", "/tls/server.pem")
 
 
 def test_the_worker_count_sizes_the_workers_and_the_draft_service(keys: Path) -> None:
