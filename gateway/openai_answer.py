@@ -159,20 +159,28 @@ class Shape:
         entries = list(zip(chunk.token_ids, chunk.logprobs)) if chunk.logprobs is not None else []
         logprobs = choice.logprobs_object(entries, self.chat)
         if self.chat and self.tools is not None and self.reasoning is None:
-            # Text streams as content until a call may begin; from there it is held, and read when the answer ends.
+            # Text streams as content until a call may begin; each call goes out once it is known (CallGate).
             if choice.gate is None:
                 choice.gate = CallGate(self.tools[1], self.tools[0])
-            now = choice.gate.feed(chunk.text)
-            if chunk.finish_reason is None:
-                if now or logprobs is not None:
-                    events.append(self.delta_event(choice.index, {"content": now} if now else {}, None, logprobs))
-                return events
-            content, calls = parse_calls(self.tools[1], choice.gate.held, self.tools[0])
-            delta: dict[str, Any] = {"content": now + (content or "")} if now or content else {}
-            if calls:
-                delta["tool_calls"] = [call.as_openai(index) for index, call in enumerate(calls)]
-            finish_reason = "tool_calls" if calls and chunk.finish_reason == "stop" else chunk.finish_reason
-            events.append(self.delta_event(choice.index, delta, finish_reason, logprobs))
+            first_call = choice.gate.num_calls
+            content, calls = choice.gate.feed(chunk.text)
+            if chunk.finish_reason is not None:
+                rest, last_calls = choice.gate.finish()
+                content, calls = content + rest, calls + last_calls
+            if content or logprobs is not None:
+                events.append(self.delta_event(choice.index, {"content": content} if content else {}, None, logprobs))
+            for index, call in enumerate(calls, start=first_call):
+                # As OpenAI's stream: the call's id and name with empty arguments, then its arguments.
+                opening = call.as_openai(index)
+                arguments = opening["function"]["arguments"]
+                opening["function"]["arguments"] = ""
+                events.append(self.delta_event(choice.index, {"tool_calls": [opening]}, None, None))
+                events.append(self.delta_event(choice.index, {"tool_calls": [
+                    {"index": index, "function": {"arguments": arguments}}]}, None, None))
+            if chunk.finish_reason is not None:
+                finish_reason = ("tool_calls" if choice.gate.num_calls and chunk.finish_reason == "stop"
+                                 else chunk.finish_reason)
+                events.append(self.delta_event(choice.index, {}, finish_reason, None))
         elif self.chat and self.tools is not None:
             # With a reasoning parser too, the answer is read whole at its end (its reasoning, then its calls).
             choice.text.append(chunk.text)

@@ -7,13 +7,16 @@ which names the format the model writes its calls in:
 
 - `hermes` (Qwen 2.5 and 3, Hermes, and most ChatML models trained for tools): each call a JSON
   object `{"name": ..., "arguments": {...}}` between `<tool_call>` and `</tool_call>`, text
-  around them being the message's content;
+  around them being the message's content; a block that is not such a call to a tool offered
+  (bad JSON, an unknown name, a tag left unclosed) stays in the content as text;
 - `llama3_json` (Llama 3.1-3.3): the answer is the call, a JSON object `{"name": ...,
   "parameters": {...}}` (several separated by `; `), after an optional `<|python_tag|>`.
 
 With `tool_choice` `auto` the model chooses, and the answer is read with the parser: what is
 not a well-formed call to one of the tools offered (an unclosed tag, bad JSON, an unknown
-name) stays text. With `required`, or a function named, the answer is constrained by a grammar
+name) stays text. Streamed (`CallGate`), text goes out as content until a call may begin; a
+Hermes call goes out as soon as its block closes (a chunk with its id and name, then one
+with its arguments, as OpenAI's stream sends them), a Llama 3 answer's calls when it ends. With `required`, or a function named, the answer is constrained by a grammar
 made from the tools' JSON Schemas (llguidance), in the parser's own format, so it always
 parses (unless max_tokens cuts it short: then it is text, with finish_reason `length`); its
 forced tokens are verified as drafts, as structured output's are. `none` renders no tools.
@@ -142,21 +145,29 @@ def call_grammar(ask: ToolAsk, parser: ToolCallParser) -> str:
 def parse_calls(parser: ToolCallParser, text: str, ask: ToolAsk) -> tuple[str | None, list[ToolCall]]:
     """The answer's content (None when nothing is left) and its calls, read as the parser's format says; an answer
     that is not well-formed calls to the tools offered is all content, never an error."""
-    calls = _hermes(text, ask) if parser == "hermes" else _llama3(text, ask)
-    if calls is None:
+    if parser == "hermes":
+        content, calls = _hermes(text, ask)
+        return content.strip() or None, calls
+    read = _llama3(text, ask)
+    if read is None:
         return text, []
-    if not ask.parallel:
-        calls = calls[:1]
-    content = _HERMES_CALL.sub("", text).strip() if parser == "hermes" else ""
-    return content or None, calls
+    return None, read if ask.parallel else read[:1]
 
 
-def _hermes(text: str, ask: ToolAsk) -> list[ToolCall] | None:
-    bodies = _HERMES_CALL.findall(text)
-    if not bodies or text.count("<tool_call>") != len(bodies):  # none, or one left unclosed
-        return None
-    calls = [_call(body, ask, "arguments") for body in bodies]
-    return None if any(call is None for call in calls) else [call for call in calls if call is not None]
+def _hermes(text: str, ask: ToolAsk) -> tuple[str, list[ToolCall]]:
+    """The text without the blocks that are calls, and those calls: without parallel calls, the first only (the
+    others' blocks taken out all the same)."""
+    content: list[str] = []
+    calls: list[ToolCall] = []
+    at = 0
+    for block in _HERMES_CALL.finditer(text):
+        call = _call(block.group(1), ask, "arguments")
+        content.append(text[at:block.start()] if call is not None else text[at:block.end()])
+        at = block.end()
+        if call is not None and (ask.parallel or not calls):
+            calls.append(call)
+    content.append(text[at:])
+    return "".join(content), calls
 
 
 def _llama3(text: str, ask: ToolAsk) -> list[ToolCall] | None:
@@ -198,45 +209,78 @@ def _call_of(value: object, ask: ToolAsk, arguments_key: str) -> ToolCall | None
 
 
 class CallGate:
-    """A streamed answer's text: what may go out as content at once, and from where a call may begin, all held until
-    the answer ends (then `parse_calls` reads it). Hermes calls begin at `<tool_call>` (a piece that may be its
-    start is held until the next says); a Llama 3 answer is a call if it begins with `{` or `<|python_tag|>`. A
-    forced answer is a call from its start."""
+    """A streamed answer's text: what may go out as content at once, and the calls as soon as they are known.
+
+    Hermes: text goes out until `<tool_call>` (a piece that may be its start is held until the next says); a block
+    goes out as a call when it closes and is one (else as text), so the stream says what `parse_calls` reads from
+    the whole answer. Llama 3: an answer that begins with `{` or `<|python_tag|>` is calls, held whole until it ends
+    (`finish`). A forced answer is calls from its start."""
 
     def __init__(self, parser: ToolCallParser, ask: ToolAsk) -> None:
         self.parser = parser
+        self.ask = ask
         self.held = ""  # from the first place a call may begin
+        self.num_calls = 0  # calls let go so far
         self._streamed_any = False
-        self._holding = ask.constrained
+        # Hermes: inside a block (a forced answer opens one at once); Llama 3: the answer is calls.
+        self._in_call = ask.constrained and parser != "hermes"
 
-    def feed(self, text: str) -> str:
-        """The content this piece lets go now ("" while a call may be under way)."""
-        if self._holding:
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The content and the calls this piece lets go now."""
+        if self.parser == "hermes":
+            return self._hermes(self.held + text)
+        if self._in_call:
             self.held += text
-            return ""
+            return "", []
         pending = self.held + text
         self.held = ""
-        if self.parser == "hermes":
-            at = pending.find(_HERMES_OPEN)
-            if at >= 0:
-                self._holding = True
-                self.held = pending[at:]
-                return self._out(pending[:at])
-            keep = partial_suffix(pending, _HERMES_OPEN)
-            self.held = pending[len(pending) - keep:]
-            return self._out(pending[:len(pending) - keep])
         if not self._streamed_any:
             stripped = pending.lstrip()
             if stripped.startswith(("{", _PYTHON_TAG)):
-                self._holding = True
+                self._in_call = True
                 self.held = pending
-                return ""
+                return "", []
             if not stripped or _PYTHON_TAG.startswith(stripped):  # white space, or the tag begun: wait for more
                 self.held = pending
-                return ""
-        return self._out(pending)
+                return "", []
+        return self._out(pending), []
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The content and the calls left when the answer ends."""
+        held, self.held = self.held, ""
+        if self.parser == "hermes":
+            return held, []  # a block left open, or what may have begun one: text
+        content, calls = parse_calls(self.parser, held, self.ask)
+        self.num_calls += len(calls)
+        return content or "", calls
+
+    def _hermes(self, pending: str) -> tuple[str, list[ToolCall]]:
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        while True:
+            if self._in_call:
+                block = _HERMES_CALL.match(pending)
+                if block is None:  # not closed yet
+                    self.held = pending
+                    return self._out("".join(content)), calls
+                self._in_call = False
+                call = _call(block.group(1), self.ask, "arguments")
+                if call is None:
+                    content.append(block.group(0))
+                elif self.ask.parallel or self.num_calls == 0:
+                    calls.append(call)
+                    self.num_calls += 1
+                pending = pending[block.end():]
+            at = pending.find(_HERMES_OPEN)
+            if at < 0:
+                keep = partial_suffix(pending, _HERMES_OPEN)
+                self.held = pending[len(pending) - keep:]
+                content.append(pending[:len(pending) - keep])
+                return self._out("".join(content)), calls
+            content.append(pending[:at])
+            self._in_call = True
+            pending = pending[at:]
 
     def _out(self, text: str) -> str:
         self._streamed_any = self._streamed_any or bool(text)
         return text
-

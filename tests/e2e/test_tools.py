@@ -65,6 +65,8 @@ def test_streamed_calls_come_as_tool_call_deltas(tools_api: openai.OpenAI) -> No
     for event in ask(tools_api, QUESTION, tool_choice="required", parallel_tool_calls=False, stream=True):
         for choice in event.choices:
             for delta in choice.delta.tool_calls or []:
+                if delta.index not in calls:  # as OpenAI's stream: the id and the name first, the arguments after
+                    assert delta.id and delta.function.name and delta.function.arguments == ""
                 entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
                 entry["name"] += delta.function.name or ""
                 entry["arguments"] += delta.function.arguments or ""

@@ -11,7 +11,7 @@ import pytest
 
 from gateway.openai_request import ApiError, chat_prompt
 from gateway.output_formats import ToolCallParser
-from gateway.tools import CallGate, ToolAsk, call_grammar, parse_calls, tool_ask
+from gateway.tools import CallGate, ToolAsk, ToolCall, call_grammar, parse_calls, tool_ask
 from modeling.structured import grammar_problem, grammar_tokenizer
 from modeling.tokenizer import Tokenizer
 
@@ -121,11 +121,16 @@ def test_messages_carry_calls_and_results_to_a_template_that_takes_tools(default
 
 
 def streamed(parser: ToolCallParser, pieces: list[str], asked: ToolAsk) -> tuple[str, list[tuple[str, str]]]:
-    """What a stream sends: the content let go piece by piece, then the held rest read as the whole answer is."""
+    """What a stream sends: the content and calls let go piece by piece, then what is left at the end."""
     gate = CallGate(parser, asked)
-    content = "".join(gate.feed(piece) for piece in pieces)
-    rest, calls = parse_calls(parser, gate.held, asked)
-    return content + (rest or ""), [(call.name, call.arguments) for call in calls]
+    content: list[str] = []
+    calls: list[ToolCall] = []
+    for piece in [*pieces, None]:
+        now, new_calls = gate.feed(piece) if piece is not None else gate.finish()
+        content.append(now)
+        calls.extend(new_calls)
+    assert gate.num_calls == len(calls)
+    return "".join(content), [(call.name, call.arguments) for call in calls]
 
 
 @pytest.mark.parametrize(("parser", "text"), [
@@ -133,23 +138,36 @@ def streamed(parser: ToolCallParser, pieces: list[str], asked: ToolAsk) -> tuple
     ("hermes", "Plain text with a < sign and <tool_ in it"),
     ("hermes", '<tool_call>{"name": "get_time", "arguments": {}}</tool_call> and after'),
     ("hermes", '<tool_call>{"name": "get_time", "arguments": {'),  # cut short: text
+    ("hermes", 'A <tool_call>{"name": "launch", "arguments": {}}</tool_call> B <tool_call>{"name": "get_time", '
+               '"arguments": {}}</tool_call>\n<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}'
+               '</tool_call> C <tool_call>{"name": "get_weather"'),  # text, two calls, text, a call cut short
     ("llama3_json", '  {"name": "get_weather", "parameters": {"city": "Oslo"}}'),
     ("llama3_json", '<|python_tag|>{"name": "get_time", "parameters": {}}'),
     ("llama3_json", "Sure, it is sunny. {not a call}"),
     ("llama3_json", "<|python"),
 ])
 def test_a_streamed_answer_is_read_as_the_whole_one_however_it_was_cut(parser: ToolCallParser, text: str) -> None:
-    content, calls = parse_calls(parser, text, ask())
-    whole = ((content or "").strip(), [(call.name, call.arguments) for call in calls])
-    for size in range(1, len(text) + 1):
-        pieces = [text[at:at + size] for at in range(0, len(text), size)]
-        got, got_calls = streamed(parser, pieces, ask())
-        assert (got.strip(), got_calls) == whole, size
+    for parallel in (True, False):
+        content, calls = parse_calls(parser, text, ask(parallel=parallel))
+        whole = ((content or "").strip(), [(call.name, call.arguments) for call in calls])
+        for size in range(1, len(text) + 1):
+            pieces = [text[at:at + size] for at in range(0, len(text), size)]
+            got, got_calls = streamed(parser, pieces, ask(parallel=parallel))
+            assert (got.strip(), got_calls) == whole, size
 
 
-def test_plain_text_streams_at_once_and_a_forced_answer_is_held_from_its_start() -> None:
+def test_plain_text_streams_at_once_and_a_call_as_soon_as_its_block_closes() -> None:
     gate = CallGate("hermes", ask())
-    assert gate.feed("The weather ") == "The weather " and gate.feed("is fine <tool") == "is fine "
-    assert gate.feed("_call>{") == "" and gate.held == "<tool_call>{"
-    forced = CallGate("hermes", ask("required"))
-    assert forced.feed("<tool_call>") == "" and forced.held == "<tool_call>"
+    assert gate.feed("The weather ") == ("The weather ", []) and gate.feed("is fine <tool") == ("is fine ", [])
+    assert gate.feed('_call>{"name": "get_time", ') == ("", []) and gate.held == '<tool_call>{"name": "get_time", '
+    assert gate.feed('"arguments": {}}</tool_call> then') == (" then", [ToolCall("get_time", "{}")])
+    assert gate.finish() == ("", []) and gate.num_calls == 1
+    forced = CallGate("llama3_json", ask("required"))
+    assert forced.feed('{"name": "get_time", "parameters": {}}') == ("", [])  # held until the answer ends
+    assert forced.finish() == ("", [ToolCall("get_time", "{}")])
+
+
+def test_a_call_closed_before_a_block_left_open_is_still_a_call() -> None:
+    text = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n<tool_call>{"name": "get_weather", "ar'
+    assert parse_calls("hermes", text, ask()) == ('<tool_call>{"name": "get_weather", "ar',
+                                                  [ToolCall("get_time", "{}")])
