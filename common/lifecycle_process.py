@@ -17,16 +17,15 @@ import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 import zmq
 import zmq.utils.monitor
 
-from common.arguments import not_positive_problem
 from common.faults import FaultInjector
 from common.logs import get_logger
+from common.process_config import ProcessConfig
 from common.protocol_errors import ProtocolErrors
 from common.status_file import write_status_file
 from common.transport import HANDSHAKE_EVENTS
@@ -34,8 +33,6 @@ from proto import frames
 from proto import messages as m
 from proto.lifecycle import Lifecycle, State
 
-if TYPE_CHECKING:  # process_config builds on this module's arguments
-    from common.process_config import ProcessConfig
 
 log = get_logger()
 
@@ -341,28 +338,6 @@ class LifecycleProcess(abc.ABC, Generic[T]):
 
     def _close(self) -> None:
         self._socket.close(linger=2000)
-
-
-def add_process_arguments(parser: argparse.ArgumentParser) -> None:
-    """The command-line settings every lifecycle process has (liveness, deadlines, drain, threads, status file)."""
-    parser.add_argument("--heartbeat-interval-s", type=float, default=0.5)
-    parser.add_argument("--phase-timeout-s", type=float, default=600.0,
-                        help="a start-up phase (loading, allocating, warming) running longer fails the process")
-    parser.add_argument("--step-timeout-s", type=float, default=120.0, help="a step running longer fails the process")
-    parser.add_argument("--drain-timeout-s", type=float, default=30.0,
-                        help="after SIGTERM, how long requests in flight may take before the process stops anyway")
-    parser.add_argument("--num-threads", type=int, default=0,
-                        help="threads to compute on (CPU); 0: the cores this process may use (its affinity mask, "
-                             "capped by a cgroup CPU quota)")
-    parser.add_argument("--status-file", type=Path, default=None, help="write the lifecycle state here at every transition")
-
-
-def check_process_arguments(args: argparse.Namespace) -> None:
-    """Raises ValueError naming the setting."""
-    if problem := not_positive_problem(args, ("heartbeat_interval_s", "phase_timeout_s", "step_timeout_s", "drain_timeout_s")):
-        raise ValueError(problem)
-    if not (args.device == "cpu" or args.device.startswith("cuda")):
-        raise ValueError(f"--device must be 'cpu' or 'cuda:N', got {args.device!r}")
 
 
 def process_main(argv: list[str] | None, *, prog: str, description: str,

@@ -41,7 +41,7 @@ class WorkerConfig:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, required=True, help="a Hugging Face Llama-family folder")
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--kv-cache-memory", dest="kv_cache_memory_gib", type=float, default=None, help=KV_MEMORY_HELP)
+    parser.add_argument("--kv-cache-memory", type=float, default=None, help=KV_MEMORY_HELP)
     parser.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="positions per KV page")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one step at most")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -75,13 +75,13 @@ def from_arguments(args: argparse.Namespace) -> WorkerConfig:
         raise ValueError(str(exc)) from exc
     if problem := below_problem(args, ("max_model_len", "page_size", "max_num_seqs", "max_num_batched_tokens"), 1):
         raise ValueError(problem)
-    if args.kv_cache_memory_gib is not None and (problem := not_positive_problem(args, ("kv_cache_memory_gib",))):
-        raise ValueError(problem.replace("--kv-cache-memory-gib", "--kv-cache-memory"))
+    if args.kv_cache_memory is not None and (problem := not_positive_problem(args, ("kv_cache_memory",))):
+        raise ValueError(problem)
     return WorkerConfig(
         process=process_config.from_arguments(args),
         model=args.model,
         max_model_len=args.max_model_len,
-        kv_cache_memory_gib=args.kv_cache_memory_gib,
+        kv_cache_memory_gib=args.kv_cache_memory,
         page_size=args.page_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
