@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from specserve.stack import free_ports
-from tests.compose.images import PROJECT, ROOT, build, on_host_network, run, running_engine
+from tests.compose.images import PROJECT, build, on_host_network, run, running_engine
 
 LABEL = f"com.docker.compose.project={PROJECT}"
 

@@ -26,8 +26,8 @@ from openai import AuthenticationError, DefaultHttpxClient, OpenAI
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 from specserve.stack import free_ports, is_serving
-from tests.compose.conftest import ROOT, Compose, print_logs_if_failed, progress
-from tests.compose.images import on_host_network
+from tests.compose.conftest import Compose, print_logs_if_failed, progress
+from tests.compose.images import ROOT, on_host_network
 from tests.tls_certs import make_test_ca
 
 # The first test's set-up builds the image (5 to 8 minutes on two cores) and starts `specserve up` and the stack.

@@ -33,7 +33,7 @@ FUZZ = settings(max_examples=1000, deadline=None, suppress_health_check=list(Hea
 def _ready(scheduler: FakeScheduler) -> m.WorkerHello:  # noqa: F811
     hello = scheduler.receive(m.WorkerHello)
     assert isinstance(hello, m.WorkerHello)
-    while (report := scheduler.receive(m.LifecycleReport)).state != "READY":  # type: ignore[attr-defined]
+    while scheduler.receive(m.LifecycleReport).state != "READY":  # type: ignore[attr-defined]
         pass
     return hello
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from modeling.batch import SeqSpan, build_step_batch
+from modeling.batch import SeqSpan
 from modeling.config import ModelConfig
 from modeling.kv_cache import DEFAULT_PAGE_SIZE, KVCache, pages_for_slots, slot_pages
 from modeling.llama import LlamaModel

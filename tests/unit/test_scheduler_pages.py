@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 
-from proto import messages as m
 from tests.unit.scheduler_fakes import EOS, FakeWorker, Sim, assert_all_free, prompt
 from tests.unit.test_scheduler_core import assert_stream, steps_to
 
