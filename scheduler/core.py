@@ -102,8 +102,6 @@ class SchedulerCore:
                     self.protocol_errors["gateway"].record("not_owner", message="abort", request_id=message.request_id)
                 elif request is not None:  # else already finished
                     self._steps.finish(request, RequestStatus.FINISHED_ABORTED, notify=False, reason=message.reason[:200])
-                    self._steps.place_waiting()  # its pages may be what a waiting request needs
-                    self._steps.dispatch(now_s)
             case m.InfoQuery():
                 if message.flush_prefix_cache:
                     flushed = sum(w.pages.flush() for w in self._workers if w.pages is not None)
@@ -111,7 +109,7 @@ class SchedulerCore:
                 self.outbox.to_gateway(identity, self.info(message.query_id, now_s))
             case _:
                 assert_never(message)
-        self._end_event()
+        self._end_event(now_s)
 
     def on_gateway_unreachable(self, identity: bytes, now_s: float) -> None:
         """A message routed to this gateway found no connection (ROUTER_MANDATORY): it is missing from now; its
@@ -121,7 +119,7 @@ class SchedulerCore:
     def on_worker_message(self, identity: bytes, message: m.WorkerToScheduler, now_s: float) -> bool:
         """Apply one worker message; False when it was dropped as stale or unexpected."""
         accepted = self._on_worker_message(identity, message, now_s)
-        self._end_event()
+        self._end_event(now_s)
         return accepted
 
     def check_timeouts(self, now_s: float) -> None:
@@ -145,9 +143,8 @@ class SchedulerCore:
             failure = f"no READY worker within {cfg.no_worker_timeout_s} s (--no-worker-timeout-s)"
             for request in [r for r in self._requests.waiting
                             if now_s - max(since_s, r.waiting_since_s) > cfg.no_worker_timeout_s]:
-                self._steps.finish(request, RequestStatus.FAILED, notify=False, reason=failure)
-                self.outbox.to_gateway(request.gateway, m.RequestError(request.request_id, "UNAVAILABLE", failure))
-        self._end_event()
+                self._steps.fail(request, "UNAVAILABLE", failure)
+        self._end_event(now_s)
 
     def _greet(self, identity: bytes, greeting: m.GatewayHello | m.GatewayHeartbeat, now_s: float) -> None:
         """A gateway speaking this protocol is known from its hello, or from any heartbeat (one given up on while its
@@ -170,8 +167,6 @@ class SchedulerCore:
             return
         log.info("request.queued", request_id=request.request_id, num_prompt_tokens=len(request.prompt_token_ids),
                  max_tokens=request.max_tokens, num_waiting=self.num_waiting)
-        self._steps.place_waiting()
-        self._steps.dispatch(now_s)
 
     def _on_worker_message(self, identity: bytes, message: m.WorkerToScheduler, now_s: float) -> bool:
         if isinstance(message, m.WorkerHello):
@@ -234,11 +229,7 @@ class SchedulerCore:
         log.warning("request.refused_by_worker", request_id=request.request_id, worker_id=worker.worker_id,
                     reason=refused.reason)
         worker.in_flight = None
-        problem = f"the worker refused the request: {refused.reason}"
-        self._steps.finish(request, RequestStatus.FAILED, notify=False, reason=problem)
-        self.outbox.to_gateway(request.gateway, m.RequestError(request.request_id, "INVALID_ARGUMENT", problem))
-        self._steps.place_waiting()
-        self._steps.dispatch(now_s)
+        self._steps.fail(request, "INVALID_ARGUMENT", f"the worker refused the request: {refused.reason}")
         return True
 
     def _on_hello(self, identity: bytes, hello: m.WorkerHello, now_s: float) -> bool:
@@ -285,8 +276,7 @@ class SchedulerCore:
         before a worker can see them (later ones are checked at admission)."""
         for request in self._requests.waiting:
             if problem := token_problem(request, self._workers.target_vocab_size):
-                self._steps.finish(request, RequestStatus.FAILED, notify=False, reason=problem)
-                self.outbox.to_gateway(request.gateway, m.RequestError(request.request_id, "INVALID_ARGUMENT", problem))
+                self._steps.fail(request, "INVALID_ARGUMENT", problem)
 
     def _refuse(self, worker: WorkerRecord, problem: str, now_s: float) -> None:
         log.error("worker.refused", worker_id=worker.worker_id, incarnation=worker.incarnation, role=worker.hello.role,
@@ -325,16 +315,15 @@ class SchedulerCore:
                         note="0: its steps are not batch invariant and it was told --require-batch-invariance")
         if state is State.READY and worker.is_target:
             self._no_ready_target_since_s = None
-            self._steps.place_waiting()
         if state is State.DRAINING and not worker.is_target:
             self._lose_draft(worker, now_s)  # no proposal goes to a draining draft service
-        self._steps.dispatch(now_s)
         return True
 
     # ------------------------------------------------------------------ endings
 
-    def _end_event(self) -> None:
-        """What collects during one event goes out as one frame per destination.
+    def _end_event(self, now_s: float) -> None:
+        """Requests placed and steps dispatched (the one place: StepCycle.settle), then what collected during the event
+        goes out as one frame per destination.
 
         Token deltas wait while a target waits for proposals: the draft service's answer and
         the step it lets go are what keeps the target idle, and a gateway woken to stream
@@ -342,6 +331,7 @@ class SchedulerCore:
         go with the event that sends the step, a round trip later; a proposal not answered in
         --propose-timeout-s is given up on, so they never wait longer.
         """
+        self._steps.settle(now_s)
         if not any(w.awaiting_proposal is not None for w in self._workers):
             self.outbox.flush_deltas()
         forget = self._drafts.take_forget()
@@ -369,8 +359,7 @@ class SchedulerCore:
                            f"{worker.worker_id}, {worker.failure}); it is not run again (--max-request-retries "
                            f"{self._config.max_request_retries})")
                 log.error("request.quarantined", request_id=request.request_id, reason=problem)
-                self._steps.finish(request, RequestStatus.FAILED, notify=False, reason=problem)
-                self.outbox.to_gateway(request.gateway, m.RequestError(request.request_id, "INTERNAL", problem))
+                self._steps.fail(request, "INTERNAL", problem)
 
     def _orphan_requests(self, gateway: GatewayRecord, now_s: float, problem: str, *, notify: bool = True) -> None:
         """A gateway missing past the grace window, or replaced by a new process under its identity, is gone: nobody
@@ -388,9 +377,6 @@ class SchedulerCore:
         log.warning("gateway.gone", gateway_id=gateway.gateway_id, because=gateway.missing_because,
                     missing_for_s=round(now_s - gateway.missing_since_s, 3), num_aborted=len(orphans),
                     num_running=num_running, num_waiting=len(orphans) - num_running)
-        if orphans:
-            self._steps.place_waiting()  # their pages may be what a waiting request needs
-            self._steps.dispatch(now_s)
 
     def _lose_draft(self, draft: WorkerRecord, now_s: float) -> None:
         """Steps go on without speculation; a new incarnation starts from nothing."""
@@ -419,5 +405,3 @@ class SchedulerCore:
             return
         self._requests.requeue(list(worker.requests.values()), now_s)
         worker.lose_pages()
-        self._steps.place_waiting()
-        self._steps.dispatch(now_s)

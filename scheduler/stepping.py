@@ -49,6 +49,21 @@ class StepCycle:
         self._drafts = drafts
         self._outbox = outbox
         self._next_step_id = 0
+        self._unsettled = False  # a step found nothing to send during settle: its worker is to be dispatched again
+
+    def settle(self, now_s: float) -> None:
+        """The end of every event, the one place requests are placed and steps dispatched: waiting requests get pages,
+        idle targets get steps, again while a step found nothing left to send (its worker is idle again)."""
+        self._unsettled = True
+        while self._unsettled:
+            self._unsettled = False
+            self.place_waiting()
+            self.dispatch(now_s)
+
+    def fail(self, request: Request, code: m.ErrorCode, problem: str) -> None:
+        """The request fails alone: it leaves the scheduler, and its gateway is told why (a gRPC status code)."""
+        self.finish(request, RequestStatus.FAILED, notify=False, reason=problem)
+        self._outbox.to_gateway(request.gateway, m.RequestError(request.request_id, code, problem))
 
     def place_waiting(self) -> None:
         """Give waiting requests pages on a READY worker (placement.choose_worker), first come first served.
@@ -58,8 +73,7 @@ class StepCycle:
         while (request := self._requests.first_waiting()) is not None:
             targets = self._workers.ready_targets()
             if problem := too_long_problem(request, targets):
-                self.finish(request, RequestStatus.FAILED, notify=False, reason=problem)
-                self._outbox.to_gateway(request.gateway, m.RequestError(request.request_id, "INVALID_ARGUMENT", problem))
+                self.fail(request, "INVALID_ARGUMENT", problem)
                 continue
             # A feature-reading draft needs every position's target features, and prompt log-probabilities every prompt
             # position's logits: a cache hit would leave them out.
@@ -136,9 +150,8 @@ class StepCycle:
         # A plan that waited for proposals may have lost requests on the way (finished, aborted).
         items = [item for item in plan.seqs if worker.requests.get(item.request.request_id) is item.request]
         work = self._with_pages(worker, items, proposals, now_s)
-        if not work:
-            self.place_waiting()
-            self.dispatch(now_s)
+        if not work:  # the worker is idle again, with what it holds still to run
+            self._unsettled = True
             return
         pages = worker.pages
         assert pages is not None  # a target that runs steps
@@ -268,8 +281,6 @@ class StepCycle:
                     if output.grammar_complete and self._requests.get(request.request_id) is request:
                         self.finish(request, RequestStatus.FINISHED_STOPPED, notify=True)  # nothing else may follow
         self._drafts.store_features(worker, result.features, partial(protocol_error, worker, "bad_features"))
-        self.place_waiting()
-        self.dispatch(now_s)
         return ""
 
     def _emit_prompt_logprobs(self, request: Request, scored: m.PromptLogprobs) -> None:
