@@ -188,11 +188,11 @@ class SchedulerCore:
                 worker.failure = f"{message.phase}: {message.error_type}: {message.message}"
                 self._lose_worker(worker, State.FAILED, now_s)
             case m.StepResult():
-                problem = self._steps.apply(worker, message, now_s)
-                if problem is None:
+                booked = self._steps.apply(worker, message, now_s)
+                if not booked.answers:
                     return False
-                if problem:
-                    worker.failure = problem
+                if booked.problem:
+                    worker.failure = booked.problem
                     self._lose_worker(worker, State.FAILED, now_s)
             case m.StepRefused():
                 if not self._refused_for_its_request(worker, message, now_s):

@@ -20,6 +20,7 @@ cache.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
 
 from common.logs import get_logger
@@ -37,6 +38,18 @@ from scheduler.speculation.verification import logprobs_problem, record_verifica
 from scheduler.workers import WorkerRecord, WorkerRegistry
 
 log = get_logger()
+
+
+@dataclass(frozen=True)
+class Booked:
+    """What a StepResult was to its worker's step in flight (StepCycle.apply)."""
+
+    answers: bool  # it answers the step in flight; else it is stale (a step given up on), and dropped
+    problem: str = ""  # why it cannot be used: the worker is at fault
+
+
+STALE = Booked(answers=False)
+BOOKED = Booked(answers=True)
 
 
 class StepCycle:
@@ -234,15 +247,15 @@ class StepCycle:
         log.info("request.preempted", request_id=request.request_id, worker_id=worker.worker_id,
                  num_tokens=request.num_tokens, num_preemptions=request.num_preemptions)
 
-    def apply(self, worker: WorkerRecord, result: m.StepResult, now_s: float) -> str | None:
-        """Book the result of the worker's step in flight: None when it is no answer to it, else why it is wrong ("")."""
+    def apply(self, worker: WorkerRecord, result: m.StepResult, now_s: float) -> Booked:
+        """Book the result of the worker's step in flight."""
         step = worker.in_flight
         if step is None or step.step_id != result.step_id:
-            return None
+            return STALE
         outputs = {o.request_id: o for o in result.outputs}
         scored = {entry.request_id: entry for entry in result.prompt_logprobs}
         if problem := step_result_problem(step.seqs, outputs) or logprobs_problem(step.seqs, outputs, scored):
-            return f"step {step.step_id}: {problem}"
+            return Booked(answers=True, problem=f"step {step.step_id}: {problem}")
         worker.in_flight = None
         # The target's time from the step's planning to its result, less the step itself: what the scheduler, the
         # sockets and, for a step that waited for proposals, the draft service kept it idle.
@@ -281,7 +294,7 @@ class StepCycle:
                     if output.grammar_complete and self._requests.get(request.request_id) is request:
                         self.finish(request, RequestStatus.FINISHED_STOPPED, notify=True)  # nothing else may follow
         self._drafts.store_features(worker, result.features, partial(protocol_error, worker, "bad_features"))
-        return ""
+        return BOOKED
 
     def _emit_prompt_logprobs(self, request: Request, scored: m.PromptLogprobs) -> None:
         """The entries for prompt positions still owed (a recomputed prompt's others were sent before)."""
