@@ -63,6 +63,11 @@ class SchedulerCore:
     def num_running(self) -> int:
         return self._requests.num_running
 
+    @property
+    def num_speculation_states(self) -> int:
+        """Requests whose speculation state (draft view, acceptance, features) is kept: none once all have finished."""
+        return len(self._drafts.states)
+
     def has_ready_target(self) -> bool:
         return self._workers.has_ready_target()
 
@@ -335,7 +340,7 @@ class SchedulerCore:
         if not any(w.awaiting_proposal is not None for w in self._workers):
             self.outbox.flush_deltas()
         forget = self._drafts.take_forget()
-        if forget and (draft := self._drafts.current(self._workers, self._requests)) is not None:
+        if forget and (draft := self._drafts.current(self._workers)) is not None:
             self.outbox.to_worker(draft.identity, m.ReleaseSequences(draft.incarnation, forget))
 
     def _quarantine(self, worker: WorkerRecord, now_s: float) -> None:
@@ -380,7 +385,7 @@ class SchedulerCore:
 
     def _lose_draft(self, draft: WorkerRecord, now_s: float) -> None:
         """Steps go on without speculation; a new incarnation starts from nothing."""
-        for pending in self._drafts.lose(draft, self._requests):
+        for pending in self._drafts.lose(draft):
             self._steps.give_up_proposal(pending, now_s, answer_may_come=False)
 
     def _lose_worker(self, worker: WorkerRecord, state: State, now_s: float) -> None:

@@ -13,9 +13,6 @@ from dataclasses import dataclass, field
 import msgspec
 
 from proto import messages as m
-from scheduler.speculation.acceptance import RequestAcceptance
-from scheduler.speculation.features import FeatureStore
-from scheduler.speculation.views import DraftView
 
 
 class RequestStatus(enum.Enum):
@@ -132,9 +129,6 @@ class Request:
     # until it ends (SchedulerCore._quarantine, --max-request-retries).
     num_lost_steps: int = 0
     suspect: bool = False
-    draft: DraftView = field(default_factory=lambda: DraftView())
-    acceptance: RequestAcceptance = field(default_factory=RequestAcceptance, compare=False, repr=False)  # its drafts' record
-    features: FeatureStore = field(default_factory=FeatureStore, compare=False, repr=False)  # while a draft reads features
     # Speculation so far: draft tokens verified, accepted, and verify steps.
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0

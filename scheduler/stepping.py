@@ -106,7 +106,7 @@ class StepCycle:
                 worker.told_to_stop = True
                 self._outbox.to_worker(worker.identity, m.Drain(worker.incarnation))
             elif worker.is_target and worker.runs_steps and not worker.is_busy and worker.requests:
-                draft = self._drafts.current(self._workers, self._requests)
+                draft = self._drafts.current(self._workers)
                 plan = plan_step(self._step_candidates(worker), self._limits,
                                  partial(self._proposed_tokens, draft, worker))
                 if plan is None:
@@ -176,7 +176,7 @@ class StepCycle:
             start = r.num_computed_tokens
             # Forced drafts were not the draft service's: what it holds stays as it was.
             forced = bool(drafts) and bool(self._forced_drafts(worker, item))
-            generation = -1 if forced else r.draft.generation
+            generation = -1 if forced else self._drafts.draft_generation(r)
             proposal = proposals.get(r.request_id)
             source = GRAMMAR if forced else proposal.source if proposal is not None and drafts else ""
             end = start + item.num_tokens
@@ -285,7 +285,7 @@ class StepCycle:
             if request.request_id in scored:
                 self._emit_prompt_logprobs(request, scored[request.request_id])
             if output is not None:
-                record_verification(request, seq, output, self._drafts.counters)
+                record_verification(request, seq, output, self._drafts.counters, self._drafts.states.of(request.request_id))
                 request.forced_token_ids = output.forced_token_ids
                 if request.max_tokens == 0:  # the prompt was scored, nothing is generated
                     self.finish(request, RequestStatus.FINISHED_LENGTH, notify=True)

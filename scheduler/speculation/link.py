@@ -9,7 +9,7 @@ Sending the step, with the proposals or without, stays the core's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -25,6 +25,7 @@ from scheduler.speculation.counters import SpecCounters
 from scheduler.speculation.acceptance import expected_accepted
 from scheduler.speculation.policy import (PLAN_MARGIN, DraftOption, SpecLimits, Unasked, best_drafts, beyond_reach,
                                           draft_caps, explored)
+from scheduler.speculation.state import SpecStates
 from scheduler.speculation.views import forget_views
 from scheduler.workers import WorkerRecord, WorkerRegistry
 
@@ -66,10 +67,11 @@ class DraftLink:
         # A draft that reads target features has said hello (and was not refused): every step returns them.
         self.features_wanted = False
         self.counters = SpecCounters(policy=config.speculation_policy)
+        self.states = SpecStates()  # each running request's draft view, drafts' record and target features
 
     # ------------------------------------------------------------------ which draft service
 
-    def current(self, workers: WorkerRegistry, requests: Iterable[Request]) -> WorkerRecord | None:
+    def current(self, workers: WorkerRegistry) -> WorkerRecord | None:
         """The draft service proposals go to: the one in use while it is READY, else the first READY one."""
         in_use = self._in_use
         current = workers.current(*in_use) if in_use else None
@@ -77,7 +79,7 @@ class DraftLink:
             return current
         draft = workers.ready_draft()
         if draft is not None:
-            forget_views(r.draft for r in requests)  # what another draft (incarnation) held says nothing about this one
+            forget_views(state.draft for state in self.states)  # another draft (incarnation) holds none of it
             self._in_use = (draft.worker_id, draft.incarnation)
         return draft
 
@@ -103,31 +105,46 @@ class DraftLink:
                 spec_draft_token_budget=cfg.spec_draft_token_budget,
                 max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len,
             )
-            num_tokens = _with_features(draft, seqs, draft_caps(seqs, limits))
+            num_tokens = self._with_features(draft, seqs, draft_caps(seqs, limits))
             if num_tokens and cfg.speculation_policy == "goodput":
                 num_tokens = self._paying(target, seqs, num_tokens)
         self.counters.decide(max(num_tokens.values(), default=0))
         return num_tokens
+
+    def _with_features(self, draft: WorkerRecord, seqs: Sequence[ScheduledSeq],
+                       num_tokens: dict[str, int]) -> dict[str, int]:
+        """For a draft that reads target features, only the sequences whose every feature is at hand."""
+        if not draft.hello.feature_width:
+            return num_tokens
+        requests = {item.request.request_id: item.request for item in seqs}
+        at_hand = {}
+        for request_id, k in num_tokens.items():
+            state = self.states.of(request_id)
+            if state.draft.num_features > state.features.count:
+                state.draft.reset()  # it holds rows that were recomputed or lost here since: it starts over
+            if state.features.count >= requests[request_id].num_tokens - 1:  # every position but the last has one
+                at_hand[request_id] = k
+        return at_hand
 
     def _paying(self, target: WorkerRecord, seqs: Sequence[ScheduledSeq], caps: dict[str, int]) -> dict[str, int]:
         """Of the caps, the k that maximise the step's expected tokens per second, by each request's record over all
         sources and the wait for a proposal (policy.py), and the requests asked for to try them (`explored`); empty:
         plain decoding pays best, or the target's step time is not known yet."""
         server = self.counters.acceptance
-        outlooks = {item.request.request_id: item.request.acceptance.outlook(caps[item.request.request_id], server)
-                    for item in seqs if caps.get(item.request.request_id, 0) > 0}
+        outlooks = {item.request.request_id: self.states.of(item.request.request_id).acceptance.outlook(
+                        caps[item.request.request_id], server) for item in seqs if caps.get(item.request.request_id, 0) > 0}
         propose = self.counters.propose_cost
         ks, base_ms = _best_drafts(target, seqs, outlooks, lambda ks: propose.predict_ms(max(ks.values()), len(ks)),
                                    PLAN_MARGIN)
         if base_ms > 0.0:
             row_ms = target.cost.row_ms(len(seqs), 1)
-            candidates = [Unasked(item.request.request_id, item.request.acceptance.unasked_steps,
+            candidates = [Unasked(item.request.request_id, self.states.of(item.request.request_id).acceptance.unasked_steps,
                                   target.cost.extra_ms(1, item.request.num_computed_tokens, row_ms,
                                                        item.request.grammar is not None))
                           for item in seqs if item.request.request_id in outlooks and item.request.request_id not in ks]
             trying = explored(candidates, propose.predict_ms(max(caps.values()), 1), target.explore, bool(ks))
             for item in seqs:
-                item.request.acceptance.exploring = item.request.request_id in trying
+                self.states.of(item.request.request_id).acceptance.exploring = item.request.request_id in trying
             ks.update({rid: caps[rid] for rid in trying})
         # Where a longer proposal costs the draft next to nothing (a lookup), the whole cap is asked for: what of it is
         # verified is decided when it comes (`trim`), by its source's record.
@@ -144,16 +161,17 @@ class DraftLink:
         server = self.counters.acceptance
         outlooks: dict[str, list[tuple[float, list[float]]]] = {}
         for item in plan.seqs:
-            r = item.request
-            if (proposal := proposals.get(r.request_id)) is not None:
+            rid = item.request.request_id
+            if (proposal := proposals.get(rid)) is not None:
+                acceptance = self.states.of(rid).acceptance
                 if proposal.parents is None:
-                    gains = expected_accepted(r.acceptance.rates(proposal.source, len(proposal.token_ids), server))
+                    gains = expected_accepted(acceptance.rates(proposal.source, len(proposal.token_ids), server))
                 else:  # a tree's nodes at one depth are alternatives: each brings its own chance of being accepted
-                    gains = r.acceptance.tree_gains(proposal.source, len(proposal.token_ids), server)
-                outlooks[r.request_id] = [(1.0, gains)]
+                    gains = acceptance.tree_gains(proposal.source, len(proposal.token_ids), server)
+                outlooks[rid] = [(1.0, gains)]
         ks, _ = _best_drafts(target, plan.seqs, outlooks, lambda ks: 0.0, 0.0)
         for item in plan.seqs:  # one asked for to try it has a draft token verified at least, or nothing is learned
-            if item.request.acceptance.exploring and item.request.request_id in proposals:
+            if self.states.of(item.request.request_id).acceptance.exploring and item.request.request_id in proposals:
                 ks[item.request.request_id] = max(ks.get(item.request.request_id, 0), 1)
         return {rid: _first_nodes(proposal, ks[rid]) for rid, proposal in proposals.items() if ks.get(rid, 0) > 0}
 
@@ -165,11 +183,12 @@ class DraftLink:
             r = item.request
             if r.request_id not in plan.num_draft_tokens:
                 continue
-            view = r.draft
+            state = self.states.of(r.request_id)
+            view = state.draft
             view.known = True
             features = None
             if draft.hello.feature_width:
-                features = r.features.rows_from(view.num_features, r.num_tokens - 1)
+                features = state.features.rows_from(view.num_features, r.num_tokens - 1)
                 view.num_features = r.num_tokens - 1
             seqs.append(m.ProposeSeq(
                 request_id=r.request_id, num_held=view.num_held, num_drop=view.num_proposed,
@@ -198,17 +217,18 @@ class DraftLink:
             request = requests.get(proposal.request_id)
             if request is None or proposal.request_id not in asked:
                 continue
+            state = self.states.of(request.request_id)
             problem = proposal_problem(proposal, asked[proposal.request_id], vocab_size, request.num_tokens)
             if problem:
                 report(problem)
-                request.draft.reset()
+                state.draft.reset()
                 continue
             # Whatever happens to the step, the draft service now holds this.
-            request.draft.num_stable, request.draft.num_proposed = proposal.num_held, len(proposal.token_ids)
-            request.acceptance.asked(proposal.source if proposal.token_ids else None)
+            state.draft.num_stable, state.draft.num_proposed = proposal.num_held, len(proposal.token_ids)
+            state.acceptance.asked(proposal.source if proposal.token_ids else None)
             self.counters.acceptance.asked(proposal.source if proposal.token_ids else None)
             if proposal.num_held == 0:  # it started the sequence over: it holds no features either
-                request.draft.num_features = 0
+                state.draft.num_features = 0
             if proposal.token_ids:
                 proposals[proposal.request_id] = proposal
         return pending, proposals
@@ -218,14 +238,14 @@ class DraftLink:
     def store_features(self, target: WorkerRecord, features: list[m.SeqFeatures], report: Callable[[str], None]) -> None:
         """Keep the feature rows a step returned for the requests still running on `target`."""
         for rows in features:
-            owner = target.requests.get(rows.request_id)
-            if owner is None:
+            if rows.request_id not in target.requests:
                 continue
-            if problem := owner.features.problem(rows.rows):
+            store = self.states.of(rows.request_id).features
+            if problem := store.problem(rows.rows):
                 report(problem)
-                owner.features.clear()
-            elif not owner.features.put(rows.rows):
-                owner.features.clear()  # a gap (the steps before were not asked for features): none until recomputed
+                store.clear()
+            elif not store.put(rows.rows):
+                store.clear()  # a gap (the steps before were not asked for features): none until recomputed
 
     # ------------------------------------------------------------------ giving up, losing, forgetting
 
@@ -246,22 +266,28 @@ class DraftLink:
         if answer_may_come:
             self._abandoned[pending.propose_id] = pending
         for request_id in pending.plan.num_draft_tokens:
-            if (request := requests.get(request_id)) is not None:
-                request.draft.reset()
+            if requests.get(request_id) is not None:
+                self.states.of(request_id).draft.reset()
 
-    def lose(self, draft: WorkerRecord, requests: RequestTable) -> list[PendingProposal]:
+    def lose(self, draft: WorkerRecord) -> list[PendingProposal]:
         """The draft service went: the pending requests to give up (no answer will come); none if it was not in use."""
         if self._in_use != (draft.worker_id, draft.incarnation):
             return []  # not the one proposals went to: nothing depends on it
         self._in_use = None
-        forget_views(r.draft for r in requests)
+        forget_views(state.draft for state in self.states)
         self._abandoned.clear()
         return list(self._pending.values())
 
     def forget_later(self, request: Request) -> None:
-        """A finished request the draft service holds: it is told to forget it at the end of the event."""
-        if request.draft.known:
+        """A finished request: its state goes, and if the draft service holds it, the service is told to forget it at
+        the end of the event."""
+        state = self.states.drop(request.request_id)
+        if state is not None and state.draft.known:
             self._forget.append(request.request_id)
+
+    def draft_generation(self, request: Request) -> int:
+        """The generation of what the draft service holds of the request (a result for an older one moves nothing)."""
+        return self.states.of(request.request_id).draft.generation
 
     def take_forget(self) -> list[str]:
         forget, self._forget = self._forget, []
@@ -317,16 +343,3 @@ def _first_nodes(proposal: m.Proposal, n: int) -> m.Proposal:
     return msgspec.structs.replace(
         proposal, token_ids=proposal.token_ids[:n], dists=None if proposal.dists is None else proposal.dists[:n],
         parents=None if proposal.parents is None else proposal.parents[:n])
-
-
-def _with_features(draft: WorkerRecord, seqs: Sequence[ScheduledSeq], num_tokens: dict[str, int]) -> dict[str, int]:
-    """For a draft that reads target features, only the sequences whose every feature is at hand."""
-    if not draft.hello.feature_width:
-        return num_tokens
-    requests = {item.request.request_id: item.request for item in seqs}
-    for request_id in num_tokens:
-        request = requests[request_id]
-        if request.draft.num_features > request.features.count:
-            request.draft.reset()  # it holds rows that were recomputed or lost here since: it starts over
-    # Every position but the last has its feature.
-    return {rid: k for rid, k in num_tokens.items() if requests[rid].features.count >= requests[rid].num_tokens - 1}

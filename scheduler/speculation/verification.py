@@ -16,6 +16,7 @@ from scheduler.batching import StepSeq
 from scheduler.requests import Request
 from scheduler.speculation.acceptance import GRAMMAR
 from scheduler.speculation.counters import SpecCounters
+from scheduler.speculation.state import SpecState
 
 
 def step_result_problem(seqs: Sequence[StepSeq], outputs: Mapping[str, m.SeqOutput]) -> str:
@@ -60,22 +61,23 @@ def logprobs_problem(seqs: Sequence[StepSeq], outputs: Mapping[str, m.SeqOutput]
     return ""
 
 
-def record_verification(request: Request, seq: StepSeq, output: m.SeqOutput, counters: SpecCounters) -> None:
+def record_verification(request: Request, seq: StepSeq, output: m.SeqOutput, counters: SpecCounters,
+                        state: SpecState) -> None:
     """A checked step result's speculation: the request's and the server's counts, and what the draft holds now."""
     num_drafts, num_accepted = len(seq.draft_token_ids), output.num_accepted_draft
     if num_drafts:
         request.num_draft_tokens += num_drafts
         request.num_accepted_draft_tokens += num_accepted
         request.num_verify_steps += 1
-        if request.draft.generation == seq.draft_generation:  # else the draft's state was reset meanwhile
+        if state.draft.generation == seq.draft_generation:  # else the draft's state was reset meanwhile
             # The draft service holds a tree's tokens in node order: what it holds in place is the branch's
             # part that is the first nodes.
-            request.draft.accept(leading_nodes(output.accepted_nodes))
+            state.draft.accept(leading_nodes(output.accepted_nodes))
     if num_drafts or seq.num_tokens == 1:  # a decode step, with or without a proposal
         depth = max(tree_depths(seq.draft_parents), default=0) if seq.draft_parents is not None else num_drafts
         counters.record(num_drafts, num_accepted, depth, seq.draft_source,
                         output.accepted_nodes if seq.draft_parents is not None else None)
         if not num_drafts:
-            request.acceptance.plain_step()
+            state.acceptance.plain_step()
         elif seq.draft_source != GRAMMAR:
-            request.acceptance.observe(seq.draft_source, depth, num_accepted)
+            state.acceptance.observe(seq.draft_source, depth, num_accepted)

@@ -395,6 +395,7 @@ def assert_all_free(sim: Sim, *workers: FakeWorker) -> None:
     info = sim.info()
     assert (info.num_waiting, info.num_running) == (0, 0)
     assert sim.core.num_waiting == 0 and sim.core.num_running == 0
+    assert sim.core.num_speculation_states == 0  # each request's speculation state went with it
     assert [p.num_running for p in info.processes] == [0] * len(info.processes)
     live = {w.worker_id for w in workers}
     for process in info.processes:
