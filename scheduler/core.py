@@ -2,9 +2,9 @@
 
 The asyncio shell (service.py) feeds it decoded messages with the current monotonic
 time and sends what collects in `outbox`. This module handles each event and the
-verdicts on processes; the step cycle (plan -> propose -> step -> apply) is stepping.py,
-requests are requests.py, worker records workers.py, and everything about speculation
-speculation/.
+verdicts on processes. What ends when a process or a gateway is lost is endings.py, the
+step cycle (plan -> propose -> step -> apply) stepping.py, requests requests.py, worker
+records workers.py, and everything about speculation speculation/.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from proto import messages as m
 from proto.messages import MAX_STEP_TIMINGS
 from proto.lifecycle import TRANSITIONS, State
 from scheduler.config import SchedulerConfig
-from scheduler.gateways import GatewayRecord, GatewayRegistry
+from scheduler.endings import Endings
+from scheduler.gateways import GatewayRegistry
 from scheduler.outbox import Outbox
 from scheduler.requests import RequestRejected, RequestStatus, RequestTable, token_problem
 from scheduler.speculation.link import DraftLink
@@ -47,8 +48,7 @@ class SchedulerCore:
         self.outbox = Outbox()
         self._steps = StepCycle(config, self._requests, self._workers, self._drafts, self.outbox)
         self._gateways = GatewayRegistry(config.heartbeat_timeout_s, config.gateway_gone_grace_s)
-        self._num_gone_gateways = 0  # since start: gateways missing past the grace window
-        self._num_orphaned_requests = 0  # since start: requests aborted because their gateway was gone
+        self._endings = Endings(config, self._requests, self._drafts, self._steps, self.outbox)
         # What the shell drops from each socket before (or after) the core sees it, exported with info().
         self.protocol_errors = {"gateway": ProtocolErrors("scheduler.gateway"), "worker": ProtocolErrors("scheduler.worker")}
         self._no_ready_target_since_s: float | None = 0.0  # None while a target worker is READY
@@ -88,8 +88,8 @@ class SchedulerCore:
             speculation=self._drafts.counters.info(),
             protocol_errors={f"{socket}.{kind}": count for socket, errors in self.protocol_errors.items()
                              for kind, count in errors.counts.items()},
-            num_gateways=len(self._gateways), num_gone_gateways=self._num_gone_gateways,
-            num_orphaned_requests=self._num_orphaned_requests,
+            num_gateways=len(self._gateways), num_gone_gateways=self._endings.num_gone_gateways,
+            num_orphaned_requests=self._endings.num_orphaned_requests,
         )
 
     # ------------------------------------------------------------------ events in
@@ -132,13 +132,13 @@ class SchedulerCore:
         for worker, verdict, failure in self._workers.overdue(now_s, cfg.phase_timeout_s, cfg.heartbeat_timeout_s,
                                                               cfg.step_timeout_s):
             worker.failure = failure
-            self._lose_worker(worker, verdict, now_s)
+            self._endings.lose_worker(worker, verdict, now_s)
         for pending in self._drafts.timed_out(now_s):
             log.warning("propose.timeout", propose_id=pending.propose_id, waited_s=round(now_s - pending.sent_at_s, 3),
                         note="the step runs without proposals (--propose-timeout-s)")
             self._steps.give_up_proposal(pending, now_s, answer_may_come=True)
         for gateway in self._gateways.gone(now_s):
-            self._orphan_requests(gateway, now_s, f"the gateway was {gateway.missing_because} for more than "
+            self._endings.orphan_requests(gateway, now_s, f"the gateway was {gateway.missing_because} for more than "
                                                   f"{self._config.gateway_gone_grace_s:g} s (--gateway-gone-grace-s)")
         self._drafts.log_stats(now_s)
         if not self.has_ready_target():
@@ -161,7 +161,7 @@ class SchedulerCore:
             return
         replaced = self._gateways.greet(identity, greeting.gateway_id[:256], greeting.incarnation[:64], now_s)
         if replaced is not None:  # a new process under the old one's identity: nobody reads the old one's requests
-            self._orphan_requests(replaced, now_s, "the gateway that sent it was restarted", notify=False)
+            self._endings.orphan_requests(replaced, now_s, "the gateway that sent it was restarted", notify=False)
 
     def _submit(self, identity: bytes, submit: m.SubmitRequest, now_s: float) -> None:
         try:
@@ -191,19 +191,19 @@ class SchedulerCore:
                 return self._on_lifecycle(worker, message, now_s)
             case m.WorkerFailed():
                 worker.failure = f"{message.phase}: {message.error_type}: {message.message}"
-                self._lose_worker(worker, State.FAILED, now_s)
+                self._endings.lose_worker(worker, State.FAILED, now_s)
             case m.StepResult():
                 booked = self._steps.apply(worker, message, now_s)
                 if not booked.answers:
                     return False
                 if booked.problem:
                     worker.failure = booked.problem
-                    self._lose_worker(worker, State.FAILED, now_s)
+                    self._endings.lose_worker(worker, State.FAILED, now_s)
             case m.StepRefused():
                 if not self._refused_for_its_request(worker, message, now_s):
                     log.error("step.refused", worker_id=worker.worker_id, step_id=message.step_id, reason=message.reason)
                     worker.failure = f"refused a step: {message.reason}"
-                    self._lose_worker(worker, State.FAILED, now_s)
+                    self._endings.lose_worker(worker, State.FAILED, now_s)
             case m.ProposeResult():
                 answered = self._drafts.answer(message, self._requests, self._workers.target_vocab_size,
                                                partial(protocol_error, worker, "bad_proposal"), now_s)
@@ -217,7 +217,7 @@ class SchedulerCore:
             case m.ProposeRefused():
                 log.error("propose.refused", worker_id=worker.worker_id, propose_id=message.propose_id, reason=message.reason)
                 worker.failure = f"refused a propose request: {message.reason}"
-                self._lose_worker(worker, State.FAILED, now_s)
+                self._endings.lose_worker(worker, State.FAILED, now_s)
             case _:
                 assert_never(message)
         return True
@@ -249,7 +249,7 @@ class SchedulerCore:
             return True
         if replaced is not None:
             replaced.failure = replaced.failure or "replaced by a new incarnation"
-            self._lose_worker(replaced, State.DEAD, now_s)
+            self._endings.lose_worker(replaced, State.DEAD, now_s)
         worker = self._workers.register(hello, identity, now_s, prefix_cache=self._config.prefix_cache)
         problem = self._workers.incompatibility(hello)
         log.info("worker.hello", worker_id=hello.worker_id, incarnation=hello.incarnation, role=hello.role,
@@ -298,7 +298,7 @@ class SchedulerCore:
             return False
         log.info("worker.lifecycle", worker_id=worker.worker_id, incarnation=worker.incarnation, state=state)
         if state in (State.FAILED, State.STOPPED):
-            self._lose_worker(worker, state, now_s)
+            self._endings.lose_worker(worker, state, now_s)
             return True
         worker.move_to(state, now_s)
         if state is State.READY:
@@ -321,7 +321,7 @@ class SchedulerCore:
         if state is State.READY and worker.is_target:
             self._no_ready_target_since_s = None
         if state is State.DRAINING and not worker.is_target:
-            self._lose_draft(worker, now_s)  # no proposal goes to a draining draft service
+            self._endings.lose_draft(worker, now_s)  # no proposal goes to a draining draft service
         return True
 
     # ------------------------------------------------------------------ endings
@@ -342,71 +342,3 @@ class SchedulerCore:
         forget = self._drafts.take_forget()
         if forget and (draft := self._drafts.current(self._workers)) is not None:
             self.outbox.to_worker(draft.identity, m.ReleaseSequences(draft.incarnation, forget))
-
-    def _quarantine(self, worker: WorkerRecord, now_s: float) -> None:
-        """The requests of the step in flight on a lost worker count the loss. In two lost steps a request becomes a
-        suspect and runs in steps of its own; one whose own step is in flight on a lost worker after more than
-        --max-request-retries losses fails. So one request that kills every worker it meets cannot take the service
-        down, and the others in its batch do not share its fate."""
-        if worker.in_flight is None:
-            return
-        alone = len(worker.in_flight.seqs) == 1
-        for seq in worker.in_flight.seqs:
-            request = seq.request
-            if worker.requests.get(request.request_id) is not request:
-                continue
-            request.num_lost_steps += 1
-            # Once could be chance (a worker killed for its own reasons); twice, it runs alone from now on, so that
-            # the next loss points at it or clears the others.
-            request.suspect = request.num_lost_steps >= 2
-            if alone and request.num_lost_steps > self._config.max_request_retries:
-                problem = (f"the request was in flight on {request.num_lost_steps} workers that were lost (last: "
-                           f"{worker.worker_id}, {worker.failure}); it is not run again (--max-request-retries "
-                           f"{self._config.max_request_retries})")
-                log.error("request.quarantined", request_id=request.request_id, reason=problem)
-                self._steps.fail(request, "INTERNAL", problem)
-
-    def _orphan_requests(self, gateway: GatewayRecord, now_s: float, problem: str, *, notify: bool = True) -> None:
-        """A gateway missing past the grace window, or replaced by a new process under its identity, is gone: nobody
-        reads its requests' tokens, so they end, waiting and running alike, and their pages are free for the others.
-        With `notify`, each is also told UNAVAILABLE, for a gateway that only hung with its connection up and reads it
-        later."""
-        orphans = [r for r in self._requests if r.gateway == gateway.identity]
-        num_running = sum(r.status is RequestStatus.RUNNING for r in orphans)
-        for request in orphans:
-            self._steps.finish(request, RequestStatus.FINISHED_ABORTED, notify=False, reason=problem)
-            if notify:  # (not a process that replaced it: it never knew them)
-                self.outbox.to_gateway(gateway.identity, m.RequestError(request.request_id, "UNAVAILABLE", problem))
-        self._num_gone_gateways += 1
-        self._num_orphaned_requests += len(orphans)
-        log.warning("gateway.gone", gateway_id=gateway.gateway_id, because=gateway.missing_because,
-                    missing_for_s=round(now_s - gateway.missing_since_s, 3), num_aborted=len(orphans),
-                    num_running=num_running, num_waiting=len(orphans) - num_running)
-
-    def _lose_draft(self, draft: WorkerRecord, now_s: float) -> None:
-        """Steps go on without speculation; a new incarnation starts from nothing."""
-        for pending in self._drafts.lose(draft):
-            self._steps.give_up_proposal(pending, now_s, answer_may_come=False)
-
-    def _lose_worker(self, worker: WorkerRecord, state: State, now_s: float) -> None:
-        """The worker will run nothing more: its requests go back to the front of the queue.
-
-        It is told to stop as well: one given up on while still alive (silent too long, a
-        refused step, a bad result) would otherwise run on, heartbeating, with nobody to
-        serve and no supervisor to restart it. A dead one never reads it.
-        """
-        log.warning("worker.lost", worker_id=worker.worker_id, incarnation=worker.incarnation, state=state,
-                    failure=worker.failure, num_requeued=len(worker.requests))
-        if worker.is_target:
-            self._quarantine(worker, now_s)
-        if not worker.told_to_stop:
-            worker.told_to_stop = True
-            self.outbox.to_worker(worker.identity, m.Drain(worker.incarnation))
-        worker.move_to(state, now_s)
-        worker.in_flight = None
-        worker.awaiting_proposal = None  # its pending proposal, when answered, only updates the draft views
-        if not worker.is_target:
-            self._lose_draft(worker, now_s)
-            return
-        self._requests.requeue(list(worker.requests.values()), now_s)
-        worker.lose_pages()
