@@ -139,8 +139,8 @@ class ModelRunner:
         spans = [SeqSpan(tuple(w.pages), w.start_position, w.token_ids, _num_logit_rows(w),
                          None if w.draft_parents is None else tuple(w.draft_parents)) for w in seqs]
         # Logits [M, V]: the rows asked for, in step order; widened to float32 only for what reads more than their
-        # argmax (sampling, log-probabilities; penalties and grammars widen them in _constrained). The widening took
-        # 0.6-0.9 ms of a 64-row step (machine F).
+        # argmax (sampling, log-probabilities; penalties and grammars widen them in _constrained): widening is a copy
+        # of all a step's [rows, vocabulary] logits, as large as the LM head's output.
         widen = any(w.prompt_logprobs >= 0 or (w.sample and (not w.sampling.is_greedy or w.logprobs >= 0)) for w in seqs)
         logits, hidden = self._engine.forward_with_features(spans, widen_logits=widen)
         logits = self._constrained(seqs, logits, masks)

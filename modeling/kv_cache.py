@@ -27,8 +27,8 @@ class KVCache:
 
     On the CPU keys and values lie in huge pages (modeling/huge_pages.py): a step reads a few
     KiB from each of thousands of pages scattered over the cache, and with 4 KiB pages nearly
-    every one is a TLB miss (attention over 30 layers at 1-64 rows took 0.86-0.90 of the time
-    in huge pages on machine E, docs/benchmarks.md).
+    every one is a TLB miss (attention takes about a tenth less time in huge pages:
+    docs/benchmarks.md).
     """
 
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device) -> None:

@@ -82,10 +82,10 @@ def auto_quantization(folder: Path, device: str, dtype: str) -> str:
 
     Off the CPU, "none". On a CPU, the model's own GGUF blocks where all its projections have
     them (`servable_quantization`), but for the embedded default in bfloat16 on a CPU with AMX
-    tiles: there its dense weights on the kernel's AMX tiles take 0.88x and 0.51x the Q4_1 blocks'
-    time for steps of 16 and 64 rows, and serve one request still faster than llama.cpp
-    (docs/benchmarks.md, machine F); the blocks are faster at 1-4 rows (about 1.8x). Other models
-    keep their blocks, whose dense weights would take 3-4x the memory.
+    tiles: there its dense weights on the kernel's AMX tiles make steps of many rows faster than
+    the Q4_1 blocks do (half the time at 64 rows) and serve one request still faster than
+    llama.cpp, though the blocks are faster at 1-4 rows (docs/benchmarks.md). Other models keep
+    their blocks, whose dense weights would take 3-4x the memory.
     """
     if device != "cpu":
         return "none"

@@ -1,7 +1,6 @@
-// The greedy token of every row of a step's logits. torch's argmax over the last dimension of [64, 49152]
-// float32 logits took 2.1-3.8 ms on two threads (machine F), as long as the model's LM head: it tracks an index
-// beside every comparison. Here a row is read once for its largest value, 16 lanes at a time, then up to that
-// value's first place: a row of 49152 in about 10 us. bfloat16 logits are read as they are (widening them is
+// The greedy token of every row of a step's logits. torch's argmax over the last dimension tracks an index beside
+// every comparison, and over a step's [rows, vocabulary] logits took as long as the LM head that made them. Here a
+// row is read once for its largest value, a vector at a time, then up to that value's first place. bfloat16 logits are read as they are (widening them is
 // exact, so the token is the float32 logits' own).
 #include "ops.h"
 

@@ -727,8 +727,8 @@ void store(const at::Tensor& k, const at::Tensor& v, at::Tensor& keys, at::Tenso
   char* keys_data = static_cast<char*>(keys.data_ptr());
   char* values_data = static_cast<char*>(values.data_ptr());
   const int64_t item = k.element_size();
-  // Blocks of 16 rows shared among the threads (the writes miss the cache: 64 rows took 20-21 us a layer on one
-  // thread, 17-18 on two, machine F); a decode step of a few rows stays on the calling thread. A step's rows name
+  // Blocks of 16 rows shared among the threads (the writes miss the cache, so a second thread gains little, and
+  // nothing for a few rows); a decode step of a few rows stays on the calling thread. A step's rows name
   // distinct (page, offset) places (the worker checks that no two sequences write one page).
   constexpr int64_t kRowsEach = 16;
   specserve::for_each_share((num_rows + kRowsEach - 1) / kRowsEach, [&](int64_t block) {

@@ -94,8 +94,8 @@ constexpr int64_t kQ8_0Bytes = 2 * kPanel + kQuantBlock * kPanel;  // 544
 
 // A block tile asks for the lines kBlocksAhead bytes past each block it reads: the rest of its panel, then the next
 // panels, which its thread takes next, and past a weight's end the next weight's first (the blocks lie in the order a
-// step reads them). The hardware's own prefetcher left a one-row Q4_1 step 1.25x as long on machine F (Intel);
-// 5 to 10 KB ahead gave the same there.
+// step reads them). With the hardware's own prefetcher alone, one-row steps took up to a quarter longer; anywhere
+// from 5 to 10 KB ahead serves as well.
 constexpr int64_t kBlocksAhead = 8192;
 
 template <int64_t kBytes>
@@ -142,8 +142,8 @@ struct LinearCall {
   const c10::BFloat16* x16 = nullptr;  // the same rows as contiguous bfloat16, for bfloat16 rows and weights
 
   // Rows of sums `sums` ([num_rows, width], from column `first`) plus the bias, rounded to T.
-  // Each row's loop is one with the bias and one without, so that the compiler vectorizes both (a
-  // conversion per element had cost 3% of a 64-row Q4_1 step, machine E).
+  // Each row's loop is one with the bias and one without, so that the compiler vectorizes both (else it converts
+  // element by element).
   // `rows_end` - `rows_begin` rows of sums (default: all the call's) from row `rows_begin`.
   void store(const float* sums, int64_t first, int64_t width, int64_t rows_begin = 0, int64_t rows_end = -1) const {
     const int64_t count = std::min(width, num_out - first);
@@ -428,8 +428,8 @@ struct Q4Pairs {
     const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 2 * quad * kPanel));
     const __m512i mask = _mm512_set1_epi16(0x0F);
     // The words in the low half and the words shifted by 4 in the high half, masked: bits 0-3 and 4-7 of each
-    // word; shifted by 8 more, bits 8-11 and 12-15. Shifts by an immediate, not per lane (vpsrlvw): the model's
-    // Q4_1 steps 0.99 / 0.97 of the time at B = 1 / 4 (machine E).
+    // word; shifted by 8 more, bits 8-11 and 12-15. Shifts by an immediate, not per lane (vpsrlvw), which is
+    // slower.
     const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(words), _mm256_srli_epi16(words, 4), 1);
     w[0] = _mm512_and_si512(both, mask);
     w[1] = _mm512_and_si512(_mm512_srli_epi16(both, 8), mask);
@@ -464,9 +464,8 @@ struct Q8_0Pairs {
 // against the quants (0-15 as signed bytes), and the quants first against the high bytes. A block's sum is the
 // same integer as the 16-bit tiles' (integer sums are exact in any order), so the outputs are the same bits, and a
 // row's bits do not depend on which tile took it. Each row adds seven operations a block to join its sums, so the
-// 16-bit tiles, which widen once for all their rows, take more rows than kByteRows: the model's Q4_1 steps (Q8_0
-// head) with byte tiles for up to 1, 2 or 4 rows, machine F: 2 rows 0.95 of the time on byte tiles, 3 rows 0.97,
-// 4 rows 1.02.
+// 16-bit tiles, which widen once for all their rows, take more rows than kByteRows: at 4 rows the byte tiles no
+// longer gain (docs/benchmarks.md).
 constexpr int kByteRows = 3;
 
 // A row's inputs as the byte tile reads them: for each two quads u, u + 1 of the row, 16 bytes: the low bytes of quad

@@ -25,8 +25,8 @@ static_assert(kQuads % 2 == 0, "the tiles take a block's quads in pairs");
 
 // Rows of a tile: their sums (kVecs per row and panel) in kBlockSums vector registers, the rest
 // left to the rows' input broadcasts, which the compiler hoists above the sums, and the weights.
-// With more, it spills: on AVX2, 4 rows of a panel (8 of 16 registers) run 30% faster than 6
-// (machine D); on AVX512, 8 sums of 32 run 16 and 64 rows 1.5-2x faster than 16 sums (machine E).
+// With more, it spills, and spilled sums cost more than the extra widening of fewer rows a tile (AVX2: 4 rows of a
+// panel, 8 of 16 registers; AVX512: 8 sums of 32).
 constexpr int kBlockMaxRows = kBlockSums / kVecs;
 
 // A panel's blocks as they are in memory, each widened as a tile reads it.
@@ -47,8 +47,8 @@ constexpr int block_chains() {
 }
 
 // kRows rows from `row` by the panel `panel`: every block's sums added to `out` ([kRows, kPanel] float32), which
-// holds zeros to begin with. One panel a tile: its blocks are one stream in memory, which a core reads at about
-// twice the pace of three streams side by side (machine E).
+// holds zeros to begin with. One panel a tile: its blocks are one stream in memory, which a core reads faster than
+// several streams side by side.
 template <typename Reader, int kRows>
 void block_tile(const QuantizedRows& x, int64_t row, const PackedBlocks<Reader>& source, int64_t panel, float* out) {
   constexpr int kChains = block_chains<kRows>();
@@ -126,8 +126,8 @@ void run_blocks(const LinearCall<T>& call, const QuantizedRows& x, const uint8_t
   const PackedBlocks<Reader> packed{data, x.depth / kQuantBlock};
   const int rows_per_tile = static_cast<int>(std::min<int64_t>(call.num_rows, kBlockMaxRows));
   // Every tile widens the panel's quants as it reads them, however many rows the call has: widening a panel once
-  // into a scratch for all the row tiles to read was slower at every row count, 16-256 rows 0.87-0.97 of the time
-  // without it (both paths, machine E): the scratch (18-48 KB a panel) left the first-level cache.
+  // into a scratch for all the row tiles to read was slower at every row count measured (docs/benchmarks.md, "What
+  // was tried and rejected"): the scratch (18-48 KB a panel) leaves the first-level cache.
   for_each_share(num_panels, [&](int64_t panel) {
     float* out = thread_scratch<float>(static_cast<size_t>(call.num_rows) * kPanel);  // [rows, kPanel]
     std::fill(out, out + call.num_rows * kPanel, 0.0f);

@@ -248,8 +248,7 @@ void for_each_share_with(int64_t count, const MakeWork& make_work) {
     return;
   }
   // Each share's counter on a cache line of its own: where two shared one, every item a thread took moved the line
-  // from the other core, and one row's Q4_1 panels (about 0.1 us each) waited on it (the model's batch-1 steps 0.94
-  // of the time with them apart, machine F).
+  // from the other core, and items as short as one row's Q4_1 panel waited on it.
   struct alignas(64) Counter {
     std::atomic<int64_t> value;
   };
