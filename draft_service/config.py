@@ -6,8 +6,9 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.arguments import below_problem
 from common import process_config
+from common.arguments import below_problem
+from common.defaults import MAX_MODEL_LEN
 from common.draft_spec import DraftKind, DraftSpec
 from common.process_config import ProcessConfig
 from draft_service.defaults import HEAD_DRAFT_TOKENS
@@ -53,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "verified in one step); --no-token-trees: one chain")
     parser.add_argument("--ngram-min", type=int, default=2)
     parser.add_argument("--ngram-max", type=int, default=4)
-    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
     parser.add_argument("--num-seqs", type=int, default=64,
                         help="sequences a draft model holds at once, for each target worker (see --num-targets)")
     parser.add_argument("--num-targets", type=int, default=1,

@@ -6,8 +6,9 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.arguments import below_problem, not_positive_problem
 from common import process_config
+from common.arguments import below_problem, not_positive_problem
+from common.defaults import MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 from common.process_config import ProcessConfig
 from modeling.engine import DTYPES, default_dtype
 from modeling.kv_cache import DEFAULT_PAGE_SIZE
@@ -40,11 +41,11 @@ class WorkerConfig:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, required=True, help="a Hugging Face Llama-family folder")
-    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
     parser.add_argument("--kv-cache-memory", type=float, default=None, help=KV_MEMORY_HELP)
     parser.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="positions per KV page")
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one step at most")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS, help="sequences in one step at most")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=MAX_NUM_BATCHED_TOKENS)
     parser.add_argument("--max-draft-tokens", type=int, default=8)
     parser.add_argument("--require-batch-invariance", action="store_true",
                         help="serve without speculation where this worker's steps are not batch invariant (torch's ops, "

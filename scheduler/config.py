@@ -6,12 +6,12 @@ import argparse
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from common.arguments import below_problem, not_positive_problem
+from common.defaults import MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 from common.transport import Transport
 from common.transport import add_arguments as add_transport_arguments
 from common.transport import from_arguments as transport_from_arguments
-from common.arguments import below_problem, not_positive_problem
 from proto.messages import GATEWAY_HEARTBEAT_INTERVAL_S, MAX_NAME_CHARS
-
 
 SPECULATION_POLICIES = ("goodput", "fixed")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -58,9 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateway-address", default="tcp://127.0.0.1:5555")
     parser.add_argument("--worker-address", default="tcp://127.0.0.1:5556")
     parser.add_argument("--model-name", default="SmolLM2-135M-Instruct")
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one step, and running on one worker")
+    parser.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=MAX_NUM_BATCHED_TOKENS)
+    parser.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS, help="sequences in one step, and running on one worker")
     parser.add_argument("--max-queue-len", type=int, default=1024)
     parser.add_argument("--no-worker-timeout-s", type=float, default=30.0)
     parser.add_argument("--heartbeat-timeout-s", type=float, default=5.0,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
+from common.defaults import MAX_MODEL_LEN
 from common.draft_spec import DraftSpec
 from common.faults import ENV_VAR as FAULT_ENV_VAR
 from common.transport import make_keys
@@ -87,7 +88,7 @@ class StackConfig:
     num_workers: int = 1
     kv_cache_memory_gib: float | None = 0.5  # each target worker's KV cache; None: the worker's default share
     draft_num_seqs: int = 64  # sequences the draft service drafts for at once
-    max_model_len: int = 2048
+    max_model_len: int = MAX_MODEL_LEN
     max_num_batched_tokens: int = 256
     num_threads_per_worker: int = 0  # torch threads of each target worker on a CPU; 0: torch's default
     draft: DraftSpec | None = None  # the draft service's proposer; None: no draft service

@@ -16,15 +16,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from common.cpus import usable_cpus
+from common.defaults import MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 from common.draft_spec import LOOKUP_THEN_HEAD_KINDS, SERVING_KINDS, DraftKind, DraftSpec
-from draft_service.defaults import HEAD_DRAFT_TOKENS
-from scheduler.config import SCHEDULING_POLICIES, SPECULATION_POLICIES
-from modeling.quantization import QUANTIZATIONS
 from common.transport import ENV_VAR as KEYS_ENV_VAR
+from common.transport import ROLES, TransportError, check_keys
+from draft_service.defaults import HEAD_DRAFT_TOKENS
 from gateway.access import ENV_VAR as API_KEY_ENV_VAR
 from gateway.access import ApiKeyError, api_keys
 from gateway.output_formats import add_arguments as add_output_format_arguments
-from common.transport import ROLES, TransportError, check_keys
+from modeling.quantization import QUANTIZATIONS
+from scheduler.config import SCHEDULING_POLICIES, SPECULATION_POLICIES
 from specserve.stack import StackAddresses, StackConfig, service_specs, stack_serving, with_keys
 from specserve.supervisor import GaveUp, RestartPolicy, Supervisor
 
@@ -76,11 +77,11 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=50051, help="the gRPC port")
     parser.add_argument("--http-port", type=int, default=8000, help="the OpenAI-compatible HTTP port")
     parser.add_argument("--max-model-len", type=int, default=None,
-                        help="tokens per sequence at most (default: 2048, or the model's positions when fewer)")
+                        help=f"tokens per sequence at most (default: {MAX_MODEL_LEN}, or the model's positions when fewer)")
     parser.add_argument("--kv-cache-memory", type=float, default=None,
                         help="GiB of KV cache per worker (default: a quarter of the memory available as it starts on "
                              "CPU, half the free device memory on CUDA)")
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences each worker runs at once at most")
+    parser.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS, help="sequences each worker runs at once at most")
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="compute every prompt in full (by default equal prompt prefixes share their KV pages)")
     parser.add_argument("--prefix-cache-scope", choices=("global", "salt", "tenant"), default="global",
@@ -101,7 +102,7 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key-file", type=Path, default=None,
                         help="a file of keys clients must present (Authorization: Bearer KEY), one a line; "
                              f"{API_KEY_ENV_VAR} in the environment adds one. /health and /ready stay open")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=MAX_NUM_BATCHED_TOKENS)
     parser.add_argument("--draft", default=None, type=parse_draft,
                         help="the draft service's proposer: none (no speculation), ngram (prompt lookup), default (prompt "
                              "lookup, then the embedded default model's own phrases shipped in drafts/; used unless told, "
@@ -382,7 +383,7 @@ def _check_weights(model: Path) -> None:
 
 
 def _max_model_len(given: int | None, model: Path) -> int:
-    """--max-model-len, or 2048 or the model's positions when fewer."""
+    """--max-model-len, or MAX_MODEL_LEN or the model's positions when fewer."""
     from modeling.config import ModelConfig, UnsupportedModel
 
     try:
@@ -390,7 +391,7 @@ def _max_model_len(given: int | None, model: Path) -> int:
     except UnsupportedModel as exc:
         raise UpRefused(f"--model {model}: {exc}") from exc
     if given is None:
-        return min(2048, positions)
+        return min(MAX_MODEL_LEN, positions)
     if given > positions:
         raise UpRefused(f"--max-model-len {given} exceeds the model's {positions} positions")
     return given

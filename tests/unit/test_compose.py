@@ -19,6 +19,7 @@ import draft_service.config
 import gateway.config
 import gpu_worker.config
 import scheduler.config
+from common.defaults import MAX_MODEL_LEN
 from common.draft_spec import DraftKind, DraftSpec
 from common.lifecycle_process import EXIT_DISMISSED
 from modeling.model_store import DEFAULT_MODEL_NAME, model_dir
@@ -125,6 +126,13 @@ def test_tls_files_reach_the_gateway_and_its_health_check_asks_over_https(keys: 
     assert "/srv/tls:/tls:ro" in gateway_service["volumes"]
     health = _build_parser().parse_args(gateway_service["healthcheck"]["test"][2:])
     assert (health.ready, health.tls_certfile) == ("127.0.0.1:8000", "/tls/server.pem")
+
+
+def test_its_defaults_are_the_services_own(resolved: dict) -> None:  # type: ignore[type-arg]
+    """The compose file repeats the shared defaults (common/defaults.py) as its variables' defaults: the same values."""
+    for name in ("scheduler", "worker", "gpu-worker", "draft"):
+        command = resolved["services"][name]["command"]
+        assert command[command.index("--max-model-len") + 1] == str(MAX_MODEL_LEN), name
 
 
 def test_the_worker_count_sizes_the_workers_and_the_draft_service(keys: Path) -> None:
