@@ -10,6 +10,9 @@ import enum
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from common.defaults import (HEAD_DRAFT_TOKENS, MODEL_SPEC_BATCH_THRESHOLD, NUM_SPECULATIVE_TOKENS,
+                             SPEC_BATCH_THRESHOLD)
+
 
 class DraftKind(enum.StrEnum):
     NGRAM = "ngram"  # prompt lookup
@@ -67,6 +70,16 @@ class DraftSpec:
     def absolute(self) -> DraftSpec:
         """The same draft with its path made absolute (for a process started in another folder)."""
         return self if self.path is None else replace(self, path=self.path.resolve())
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """k unless told: a head alone proposes HEAD_DRAFT_TOKENS, lookups (a head behind one included) more."""
+        return HEAD_DRAFT_TOKENS if self.kind is DraftKind.EAGLE else NUM_SPECULATIVE_TOKENS
+
+    @property
+    def spec_batch_threshold(self) -> int:
+        """The most sequences a step speculates for unless told: fewer where a model runs for each proposal."""
+        return MODEL_SPEC_BATCH_THRESHOLD if self.runs_model else SPEC_BATCH_THRESHOLD
 
     @property
     def runs_model(self) -> bool:

@@ -8,10 +8,9 @@ from pathlib import Path
 
 from common import process_config
 from common.arguments import below_problem
-from common.defaults import MAX_MODEL_LEN
 from common.draft_spec import DraftKind, DraftSpec
 from common.process_config import ProcessConfig
-from draft_service.defaults import HEAD_DRAFT_TOKENS
+from common.defaults import DRAFT_MAX_TOKENS, HEAD_DRAFT_TOKENS, MAX_MODEL_LEN
 from modeling.engine import DTYPES
 from modeling.quantized import QUANTIZATION_HELP, QuantizationError, weight_blocks
 from proto.messages import MAX_SPARSE_DIST_TOKENS
@@ -45,7 +44,8 @@ class DraftConfig:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--proposer", default="ngram", help=PROPOSER_HELP)
     parser.add_argument("--target-model", type=Path, default=None, help="the target's model folder (needed by phrases:PATH and the eagle kinds)")
-    parser.add_argument("--max-draft-tokens", type=int, default=8)
+    parser.add_argument("--max-draft-tokens", type=int, default=DRAFT_MAX_TOKENS,
+                        help="the longest proposal it makes (the scheduler asks for k up to its own cap)")
     parser.add_argument("--head-draft-tokens", type=int, default=HEAD_DRAFT_TOKENS,
                         help="eagle+ngram, eagle+phrases: the longest proposal the head makes; a lookup's may be "
                              "--max-draft-tokens long")

@@ -88,6 +88,7 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
             dtype=cfg.process.dtype if runs_model else "", device=cfg.process.device if runs_model else "",
             vocab_fingerprint=self._proposer.vocab_fingerprint, max_draft_tokens=cfg.max_draft_tokens,
             feature_width=self._proposer.feature_width, target_fingerprint=self._proposer.target_fingerprint,
+            draft_kind=cfg.proposer.kind.value,
         )
 
     def phases(self) -> list[Phase]:

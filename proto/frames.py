@@ -128,7 +128,7 @@ def worker_to_scheduler(limits: FrameLimits) -> int:
     proposal = _struct(m.Proposal, request_id=_REQUEST_ID, token_ids=_ints(k), dists=_list(k, _sparse_dist()),
                        parents=_ints(k), source=_NAME)
     return _bound(m.WorkerToScheduler, {
-        m.WorkerHello: _struct(m.WorkerHello, **{name: _NAME for name in _HELLO_NAMES}),
+        m.WorkerHello: _struct(m.WorkerHello, **{name: _NAME for name in m.HELLO_NAMES}),
         m.LifecycleReport: _struct(m.LifecycleReport, worker_id=_NAME, kernels=_text(m.MAX_KERNELS_CHARS),
                                    step_timings=_list(m.MAX_STEP_TIMINGS, _struct(m.StepTiming))),
         m.WorkerFailed: _struct(m.WorkerFailed, worker_id=_NAME, error_type=_NAME, message=_REASON),
@@ -186,8 +186,6 @@ _NAME = _text(m.MAX_NAME_CHARS)
 _REASON = _text(m.MAX_REASON_CHARS)
 _DTYPE = _text(16)  # a torch dtype's name ("bfloat16")
 _ERROR_COUNTS = _HEAD + m.MAX_ERROR_KINDS * (_text(m.MAX_ERROR_KIND_CHARS) + _NUMBER)
-_HELLO_NAMES = ("worker_id", "model_name", "model_fingerprint", "dtype", "device", "vocab_fingerprint",
-                "target_fingerprint")
 
 
 def _logprob() -> int:

@@ -475,6 +475,12 @@ class WorkerHello(msgspec.Struct, tag="hello", frozen=True, forbid_unknown_field
     # Target: the width of the features it returns. Draft: the width it reads (0: it reads none).
     feature_width: int = 0
     target_fingerprint: str = ""  # draft: the model_fingerprint of the only target it serves ("": any)
+    draft_kind: str = ""  # draft: its proposer's kind (common.draft_spec.DraftKind), whence speculation's default caps
+
+
+# The hello's text fields, each at most MAX_NAME_CHARS (the scheduler refuses a longer one; proto/frames.py sizes them).
+HELLO_NAMES = ("worker_id", "model_name", "model_fingerprint", "dtype", "device", "vocab_fingerprint",
+               "target_fingerprint", "draft_kind")
 
 
 class StepTiming(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

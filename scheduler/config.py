@@ -7,7 +7,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from common.arguments import below_problem, not_positive_problem
-from common.defaults import MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
+from common.draft_spec import DraftKind, DraftSpec
+from common.defaults import (HEAD_DRAFT_TOKENS, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS,
+                             MODEL_SPEC_BATCH_THRESHOLD, NUM_SPECULATIVE_TOKENS, SPEC_BATCH_THRESHOLD)
 from common.transport import Transport
 from common.transport import add_arguments as add_transport_arguments
 from common.transport import from_arguments as transport_from_arguments
@@ -30,8 +32,10 @@ class SchedulerConfig:
     heartbeat_timeout_s: float  # a worker silent this long is DEAD; a gateway, gone
     step_timeout_s: float  # a step unanswered this long marks its worker DEAD
     status_file: Path | None = None  # LISTENING once its sockets are bound, for container health checks
-    num_speculative_tokens: int = 6  # k: draft tokens proposed per sequence and step; 0 turns speculation off
-    spec_disable_batch_threshold: int = 16  # speculate only in steps of at most this many sequences
+    # k: draft tokens proposed per sequence and step (0 turns speculation off); None: the draft's kind's (speculation_caps)
+    num_speculative_tokens: int | None = None
+    # speculate only in steps of at most this many sequences; None: the draft's kind's (speculation_caps)
+    spec_disable_batch_threshold: int | None = None
     spec_draft_token_budget: int = 32  # draft tokens one step verifies in all (k per sequence shrinks as steps grow)
     # goodput: each step speculates as far as the measured step cost and acceptance say pays (policy.py); fixed: up
     # to the caps in every step the threshold allows.
@@ -68,10 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(gateways say a heartbeat every {GATEWAY_HEARTBEAT_INTERVAL_S:g} s)")
     parser.add_argument("--step-timeout-s", type=float, default=60.0)
     parser.add_argument("--status-file", type=Path, default=None, help="write LISTENING here once the sockets are bound (for container health checks)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=6,
-                        help="draft tokens proposed per sequence in a speculative step (0: never speculate)")
-    parser.add_argument("--spec-disable-batch-threshold", type=int, default=16,
-                        help="speculate only when a step has at most this many sequences; larger ones decode plainly")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="draft tokens proposed per sequence in a speculative step (0: never speculate; default: "
+                             f"{HEAD_DRAFT_TOKENS} for a draft head alone, else {NUM_SPECULATIVE_TOKENS}, as the draft "
+                             "service's hello names its kind)")
+    parser.add_argument("--spec-disable-batch-threshold", type=int, default=None,
+                        help="speculate only when a step has at most this many sequences; larger ones decode plainly "
+                             f"(default: {MODEL_SPEC_BATCH_THRESHOLD} for a draft that runs a model, else "
+                             f"{SPEC_BATCH_THRESHOLD})")
     parser.add_argument("--spec-draft-token-budget", type=int, default=32,
                         help="draft tokens one speculative step verifies in all, shared evenly among its sequences "
                              "(k shrinks as steps grow; fewer than one each: a plain step)")
@@ -105,12 +113,25 @@ def from_arguments(args: argparse.Namespace) -> SchedulerConfig:
     positive = ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "max_queue_len",
                 "no_worker_timeout_s", "heartbeat_timeout_s", "step_timeout_s", "propose_timeout_s", "phase_timeout_s",
                 "gone_listed_s")
+    given = [name for name in ("num_speculative_tokens", "spec_disable_batch_threshold") if getattr(args, name) is not None]
     if problem := not_positive_problem(args, positive) or below_problem(
-            args, ("num_speculative_tokens", "spec_disable_batch_threshold", "spec_draft_token_budget",
-                   "max_request_retries", "gateway_gone_grace_s"), 0):
+            args, (*given, "spec_draft_token_budget", "max_request_retries", "gateway_gone_grace_s"), 0):
         raise ValueError(problem)
     if len(args.model_name) > MAX_NAME_CHARS:  # it goes to every gateway (proto/frames.py)
         raise ValueError(f"--model-name: at most {MAX_NAME_CHARS} characters, got {len(args.model_name)}")
     transport_from_arguments(args, "scheduler", (("--gateway-address", args.gateway_address),
                                                 ("--worker-address", args.worker_address)))
     return SchedulerConfig(**{field.name: getattr(args, field.name) for field in fields(SchedulerConfig)})  # one flag each
+
+
+def speculation_caps(config: SchedulerConfig, draft_kind: str) -> tuple[int, int]:
+    """(k at most, the most sequences a step speculates for): the flags given, else the defaults of the draft's kind
+    (its hello's draft_kind; "" or one not known: a lookup's)."""
+    try:
+        spec = DraftSpec(DraftKind(draft_kind))
+    except ValueError:
+        spec = DraftSpec(DraftKind.NGRAM)
+    k = spec.num_speculative_tokens if config.num_speculative_tokens is None else config.num_speculative_tokens
+    threshold = (spec.spec_batch_threshold if config.spec_disable_batch_threshold is None
+                 else config.spec_disable_batch_threshold)
+    return k, threshold

@@ -213,8 +213,10 @@ def _max_frame_bytes(config: SchedulerConfig) -> dict[Role, int]:
     limits = frames.FrameLimits(
         max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
-        max_draft_tokens=min(config.num_speculative_tokens, m.MAX_DRAFT_TOKENS),
-        max_propose_seqs=min(config.max_num_seqs, config.spec_disable_batch_threshold),
+        max_draft_tokens=min(m.MAX_DRAFT_TOKENS if config.num_speculative_tokens is None else config.num_speculative_tokens,
+                             m.MAX_DRAFT_TOKENS),
+        max_propose_seqs=min(config.max_num_seqs, config.max_num_seqs if config.spec_disable_batch_threshold is None
+                             else config.spec_disable_batch_threshold),
         feature_width=m.MAX_FEATURE_WIDTH)
     return {"gateway": frames.gateway_to_scheduler(config.max_model_len), "worker": frames.worker_to_scheduler(limits)}
 

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
+from common.defaults import NUM_SPECULATIVE_TOKENS
 from common.logs import get_logger
 from proto import messages as m
 from proto.lifecycle import State
@@ -129,7 +130,8 @@ class StepCycle:
         r = item.request
         if not r.forced_token_ids or not item.completes or item.num_tokens != 1:
             return []
-        k = min(self._config.num_speculative_tokens, worker.max_draft_tokens, r.max_tokens - len(r.output_token_ids) - 1,
+        k = min(self._config.num_speculative_tokens if self._config.num_speculative_tokens is not None
+                else NUM_SPECULATIVE_TOKENS, worker.max_draft_tokens, r.max_tokens - len(r.output_token_ids) - 1,
                 self._config.max_model_len - r.num_tokens - 1)
         return r.forced_token_ids[: max(k, 0)]
 

@@ -166,8 +166,7 @@ def hello_problem(hello: m.WorkerHello, now_ns: int) -> str:
     for name, (value, low, high) in ranges.items():
         if not low <= value <= high:
             return f"{name} {value} is outside {low} .. {high}"
-    for name in ("worker_id", "model_name", "model_fingerprint", "dtype", "device", "vocab_fingerprint",
-                 "target_fingerprint"):
+    for name in m.HELLO_NAMES:
         if len(getattr(hello, name)) > MAX_NAME_CHARS:
             return f"{name} is longer than {MAX_NAME_CHARS} characters"
     return ""

@@ -20,7 +20,8 @@ from common.defaults import MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 from common.draft_spec import LOOKUP_THEN_HEAD_KINDS, SERVING_KINDS, DraftKind, DraftSpec
 from common.transport import ENV_VAR as KEYS_ENV_VAR
 from common.transport import ROLES, TransportError, check_keys
-from draft_service.defaults import HEAD_DRAFT_TOKENS
+from common.defaults import (HEAD_DRAFT_TOKENS, MODEL_SPEC_BATCH_THRESHOLD, NUM_SPECULATIVE_TOKENS,
+                             SPEC_BATCH_THRESHOLD)
 from gateway.access import ENV_VAR as API_KEY_ENV_VAR
 from gateway.access import ApiKeyError, api_keys
 from gateway.output_formats import add_arguments as add_output_format_arguments
@@ -31,7 +32,6 @@ from specserve.supervisor import GaveUp, RestartPolicy, Supervisor
 
 NO_DRAFT = "none"
 SHIPPED_DRAFT = "default"
-NUM_SPECULATIVE_TOKENS = 6  # unless told, and but for a head alone (HEAD_DRAFT_TOKENS)
 GATEWAY_SHUTDOWN_GRACE_S = 25.0  # within the supervisor's 30 s for each process
 
 
@@ -112,16 +112,17 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                              "then the folder's phrases, else its head), or model:PATH "
                              "(a draft model folder whose vocabulary matches the target's)")
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
-                        help=f"draft tokens per sequence in a speculative step (default: {HEAD_DRAFT_TOKENS} for a draft head "
-                             f"alone, else {NUM_SPECULATIVE_TOKENS})")
+                        help=f"draft tokens per sequence in a speculative step (default: the scheduler's for the "
+                             f"draft's kind: {HEAD_DRAFT_TOKENS} for a draft head alone, else {NUM_SPECULATIVE_TOKENS})")
     parser.add_argument("--head-draft-tokens", type=int, default=None,
                         help=f"eagle+ngram and eagle+phrases: the longest proposal the head makes where no lookup matches "
                              f"(default: the draft service's, {HEAD_DRAFT_TOKENS}; a lookup's may reach the whole k)")
     parser.add_argument("--no-token-trees", action="store_true",
                         help="default and phrases:PATH: propose one chain, not a token tree of guesses")
     parser.add_argument("--spec-disable-batch-threshold", type=int, default=None,
-                        help="speculate only when a step has at most this many sequences (default: 16 for prompt lookup "
-                             "and phrases, 4 for a draft that runs a model: measured in docs/benchmarks.md)")
+                        help="speculate only when a step has at most this many sequences (default: the scheduler's for "
+                             f"the draft's kind: {SPEC_BATCH_THRESHOLD} for prompt lookup and phrases, "
+                             f"{MODEL_SPEC_BATCH_THRESHOLD} for a draft that runs a model: docs/benchmarks.md)")
     parser.add_argument("--spec-draft-token-budget", type=int, default=32,
                         help="draft tokens a speculative step verifies in all, shared evenly among its sequences")
     parser.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
@@ -180,16 +181,6 @@ def default_draft(model: Path) -> DraftChoice:
     except (DraftMismatch, OSError):  # another model, or an install without the repository's drafts/ folder
         return DraftChoice(DraftKind.NGRAM.value, DraftSpec(DraftKind.NGRAM))
     return _shipped_draft()
-
-
-def default_spec_threshold(draft: DraftSpec | None) -> int:
-    """Lookups cost the draft nothing and pay up to 16 sequences a step (with k shrinking); drafts that run a model, to 4."""
-    return 4 if draft is not None and draft.runs_model else 16
-
-
-def default_num_speculative_tokens(draft: DraftSpec | None) -> int:
-    """A head's later proposals are accepted rarely (docs/benchmarks.md); a lookup's long ones often."""
-    return HEAD_DRAFT_TOKENS if draft is not None and draft.kind is DraftKind.EAGLE else NUM_SPECULATIVE_TOKENS
 
 
 def _draft_problem(draft: DraftSpec, model: Path) -> str:
@@ -273,10 +264,9 @@ def stack_config(args: argparse.Namespace, *, model: Path, max_model_len: int, d
         num_threads_per_worker=max(1, usable_cpus() // args.num_workers) if device == "cpu" else 0,
         draft=draft, head_draft_tokens=args.head_draft_tokens, token_trees=not args.no_token_trees,
         max_num_seqs=args.max_num_seqs, prefix_cache=not args.no_prefix_cache, prefix_cache_scope=args.prefix_cache_scope,
-        num_speculative_tokens=(default_num_speculative_tokens(draft) if args.num_speculative_tokens is None
-                                else args.num_speculative_tokens),
-        spec_disable_batch_threshold=(default_spec_threshold(draft) if args.spec_disable_batch_threshold is None
-                                      else args.spec_disable_batch_threshold),
+        # Unless given, the scheduler decides these from the draft service's hello, as it does started any other way.
+        num_speculative_tokens=args.num_speculative_tokens,
+        spec_disable_batch_threshold=args.spec_disable_batch_threshold,
         spec_draft_token_budget=args.spec_draft_token_budget, gateway_shutdown_grace_s=GATEWAY_SHUTDOWN_GRACE_S,
         speculation_policy=args.speculation_policy, require_batch_invariance=args.require_batch_invariance,
         scheduling_policy=args.scheduling_policy,

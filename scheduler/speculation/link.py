@@ -19,7 +19,7 @@ from common.step_shape import step_shape
 from modeling.proposals import drafts_problem
 from proto import messages as m
 from scheduler.batching import ScheduledSeq, StepPlan
-from scheduler.config import SchedulerConfig
+from scheduler.config import SchedulerConfig, speculation_caps
 from scheduler.requests import Request, RequestTable
 from scheduler.speculation.counters import SpecCounters
 from scheduler.speculation.acceptance import expected_accepted
@@ -99,9 +99,10 @@ class DraftLink:
         num_tokens: dict[str, int] = {}
         if draft is not None:
             cfg = self._config
+            k, threshold = speculation_caps(cfg, draft.hello.draft_kind)
             limits = SpecLimits(
-                num_speculative_tokens=min(cfg.num_speculative_tokens, target.max_draft_tokens, draft.hello.max_draft_tokens),
-                spec_disable_batch_threshold=cfg.spec_disable_batch_threshold,
+                num_speculative_tokens=min(k, target.max_draft_tokens, draft.hello.max_draft_tokens),
+                spec_disable_batch_threshold=threshold,
                 spec_draft_token_budget=cfg.spec_draft_token_budget,
                 max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len,
             )

@@ -10,11 +10,13 @@ from typing import Any
 
 import pytest
 
+from common.defaults import HEAD_DRAFT_TOKENS
 from common.draft_spec import DraftKind, DraftSpec
 from modeling.model_store import default_draft_dir
+from scheduler.config import SchedulerConfig, speculation_caps
 from specserve.cli import _build_parser
 from specserve.stack import StackAddresses, service_specs
-from specserve.up import DraftChoice, default_draft, default_spec_threshold, parse_draft, stack_config
+from specserve.up import DraftChoice, default_draft, parse_draft, stack_config
 
 
 def test_the_shipped_draft_is_the_default_only_for_the_model_it_was_trained_for(default_model_dir: Path,
@@ -53,12 +55,19 @@ def test_up_hands_the_api_key_file_and_the_tenant_scope_to_the_gateway(tmp_path:
     assert scheduler[scheduler.index("--scheduling-policy") + 1] == "priority"
 
 
-def test_lookups_speculate_in_larger_steps_than_drafts_that_run_a_model() -> None:
+def test_lookups_speculate_in_larger_steps_and_longer_drafts_than_drafts_that_run_a_model() -> None:
+    """The scheduler's caps unless told, from the kind the draft service's hello names (however the stack started)."""
+    config = SchedulerConfig(gateway_address="", worker_address="", model_name="m", max_model_len=64,
+                             max_num_batched_tokens=64, max_num_seqs=8, max_queue_len=8, no_worker_timeout_s=1.0,
+                             heartbeat_timeout_s=1.0, step_timeout_s=1.0)
     for proposer in ("ngram", "phrases:/d"):
-        assert default_spec_threshold(DraftSpec.parse(proposer, flag="--draft")) == 16
-    assert default_spec_threshold(parse_draft("default").proposer) == default_spec_threshold(None) == 16
-    for proposer in ("eagle:/d", "eagle+ngram:/d", "eagle+phrases:/d", "model:/d"):
-        assert default_spec_threshold(DraftSpec.parse(proposer, flag="--draft")) == 4
+        assert speculation_caps(config, DraftSpec.parse(proposer, flag="--draft").kind.value) == (6, 16)
+    assert speculation_caps(config, parse_draft("default").proposer.kind.value) == speculation_caps(config, "") == (6, 16)
+    for proposer in ("eagle+ngram:/d", "eagle+phrases:/d", "model:/d"):
+        assert speculation_caps(config, DraftSpec.parse(proposer, flag="--draft").kind.value) == (6, 4)
+    assert speculation_caps(config, "eagle") == (HEAD_DRAFT_TOKENS, 4)
+    told = dataclasses.replace(config, num_speculative_tokens=2, spec_disable_batch_threshold=32)
+    assert speculation_caps(told, "eagle") == (2, 32)  # flags given win
 
 
 def test_draft_names_are_checked_and_heads_get_the_target(tmp_path: Path) -> None:
@@ -82,7 +91,12 @@ def test_draft_names_are_checked_and_heads_get_the_target(tmp_path: Path) -> Non
 def test_the_heads_proposal_length_reaches_the_draft_service(tmp_path: Path) -> None:
     command = _service_argvs("--draft", f"eagle+phrases:{tmp_path}", "--head-draft-tokens", "1", model=tmp_path / "model")["draft"]
     assert command[command.index("--head-draft-tokens") + 1] == "1"
-    assert command[command.index("--max-draft-tokens") + 1] == "6"  # a lookup's proposal may still reach k
+    # Unless k is given, the draft service's own longest proposal (8) is past any k the scheduler asks for by default;
+    # given, it is passed on, so that a lookup's proposal may still reach k.
+    assert "--max-draft-tokens" not in command
+    command = _service_argvs("--draft", f"eagle+phrases:{tmp_path}", "--num-speculative-tokens", "7",
+                             model=tmp_path / "model")["draft"]
+    assert command[command.index("--max-draft-tokens") + 1] == "7"
 
 
 @pytest.mark.parametrize("draft, head_draft_tokens", [("ngram", "1"), ("eagle:{dir}", "1"), ("eagle+phrases:{dir}", "0")])
@@ -222,7 +236,8 @@ def test_up_resolves_its_flags_once_into_a_frozen_config_and_leaves_them_as_they
     config = up_config(args)
     assert vars(args) == given
     stack = config.stack
-    assert (stack.max_model_len, stack.num_speculative_tokens, stack.spec_disable_batch_threshold) == (128, 6, 16)
+    # Speculation's caps not given: the scheduler decides them from the draft's hello.
+    assert (stack.max_model_len, stack.num_speculative_tokens, stack.spec_disable_batch_threshold) == (128, None, None)
     assert stack.draft == DraftSpec(DraftKind.NGRAM) and config.draft_name == "ngram" and stack.device == "cpu"
     with pytest.raises(dataclasses.FrozenInstanceError):
         stack.num_workers = 2  # type: ignore[misc]

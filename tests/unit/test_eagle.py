@@ -404,7 +404,7 @@ def test_the_service_builds_each_distilled_kind_from_one_folder(
     tiny_llama_folder: Path, tiny_draft: tuple[EagleHead, Path], tmp_path: Path,
 ) -> None:
     from draft_service.config import add_arguments, from_arguments
-    from draft_service.defaults import HEAD_DRAFT_TOKENS
+    from common.defaults import HEAD_DRAFT_TOKENS
     from draft_service.service import make_proposer
 
     _, made = tiny_draft

@@ -604,6 +604,8 @@ def test_the_speculation_flags_default_to_16_sequences_and_32_draft_tokens_and_r
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     config = from_arguments(parser.parse_args(["--insecure-loopback"]))
-    assert (config.spec_disable_batch_threshold, config.spec_draft_token_budget) == (16, 32)
+    # k and the threshold unless given come from the draft's kind (speculation_caps); the budget is the scheduler's.
+    assert (config.num_speculative_tokens, config.spec_disable_batch_threshold, config.spec_draft_token_budget) == (
+        None, None, 32)
     with pytest.raises(ValueError, match="--spec-draft-token-budget must be at least 0"):
         from_arguments(parser.parse_args(["--spec-draft-token-budget", "-1", "--insecure-loopback"]))
