@@ -14,12 +14,14 @@ which names the format the model writes its calls in:
 
 With `tool_choice` `auto` the model chooses, and the answer is read with the parser: what is
 not a well-formed call to one of the tools offered (an unclosed tag, bad JSON, an unknown
-name) stays text. Streamed (`CallGate`), text goes out as content until a call may begin; a
-Hermes call goes out as soon as its block closes (a chunk with its id and name, then one
-with its arguments, as OpenAI's stream sends them), a Llama 3 answer's calls when it ends. With `required`, or a function named, the answer is constrained by a grammar
+name) stays text. With `required`, or a function named, the answer is constrained by a grammar
 made from the tools' JSON Schemas (llguidance), in the parser's own format, so it always
 parses (unless max_tokens cuts it short: then it is text, with finish_reason `length`); its
 forced tokens are verified as drafts, as structured output's are. `none` renders no tools.
+
+Streamed (`CallGate`), text goes out as content until a call may begin; a Hermes call goes
+out as soon as its block closes (a chunk with its id and name, then one with its arguments,
+as OpenAI's stream sends them), a Llama 3 answer's calls when it ends.
 """
 
 from __future__ import annotations

@@ -210,13 +210,13 @@ class SchedulerService:
 def _max_frame_bytes(config: SchedulerConfig) -> dict[Role, int]:
     """The largest frame each socket takes, from the scheduler's settings: the gateways' largest is a submitted request,
     the workers' a step's result (its target features the largest part) or a proposal."""
+    k, threshold = config.num_speculative_tokens, config.spec_disable_batch_threshold
     limits = frames.FrameLimits(
         max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
-        max_draft_tokens=min(m.MAX_DRAFT_TOKENS if config.num_speculative_tokens is None else config.num_speculative_tokens,
-                             m.MAX_DRAFT_TOKENS),
-        max_propose_seqs=min(config.max_num_seqs, config.max_num_seqs if config.spec_disable_batch_threshold is None
-                             else config.spec_disable_batch_threshold),
+        # Caps not given are the draft's kind's (speculation_caps), known only at its hello: the largest allowed here.
+        max_draft_tokens=m.MAX_DRAFT_TOKENS if k is None else min(k, m.MAX_DRAFT_TOKENS),
+        max_propose_seqs=config.max_num_seqs if threshold is None else min(config.max_num_seqs, threshold),
         feature_width=m.MAX_FEATURE_WIDTH)
     return {"gateway": frames.gateway_to_scheduler(config.max_model_len), "worker": frames.worker_to_scheduler(limits)}
 

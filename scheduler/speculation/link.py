@@ -68,6 +68,7 @@ class DraftLink:
         self.features_wanted = False
         self.counters = SpecCounters(policy=config.speculation_policy)
         self.states = SpecStates()  # each running request's draft view, drafts' record and target features
+        self._caps_by_kind: dict[str, tuple[int, int]] = {}  # speculation_caps by draft kind, worked out once
 
     # ------------------------------------------------------------------ which draft service
 
@@ -99,7 +100,7 @@ class DraftLink:
         num_tokens: dict[str, int] = {}
         if draft is not None:
             cfg = self._config
-            k, threshold = speculation_caps(cfg, draft.hello.draft_kind)
+            k, threshold = self._caps(draft.hello.draft_kind)
             limits = SpecLimits(
                 num_speculative_tokens=min(k, target.max_draft_tokens, draft.hello.max_draft_tokens),
                 spec_disable_batch_threshold=threshold,
@@ -111,6 +112,11 @@ class DraftLink:
                 num_tokens = self._paying(target, seqs, num_tokens)
         self.counters.decide(max(num_tokens.values(), default=0))
         return num_tokens
+
+    def _caps(self, draft_kind: str) -> tuple[int, int]:
+        if (caps := self._caps_by_kind.get(draft_kind)) is None:
+            caps = self._caps_by_kind[draft_kind] = speculation_caps(self._config, draft_kind)
+        return caps
 
     def _with_features(self, draft: WorkerRecord, seqs: Sequence[ScheduledSeq],
                        num_tokens: dict[str, int]) -> dict[str, int]:
