@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from modeling.trees import tree_depths
+from common.trees import tree_depths
 from proto.messages import MAX_SPARSE_DIST_TOKENS
 
 _SUM_TOLERANCE = 1e-3  # float32 probabilities renormalised by the draft sum to 1 well within this
@@ -42,7 +42,7 @@ def drafts_problem(token_ids: Sequence[int], parents: Sequence[int] | None, dist
                    vocab_size: int) -> str:
     """Why these draft tokens cannot be verified ("" when they can).
 
-    `parents` makes them a token tree (modeling.trees), whose tokens must be point masses;
+    `parents` makes them a token tree (common.trees), whose tokens must be point masses;
     `dists` gives, for sampled drafts, the distribution each token was drawn from, which
     must cover it.
     """

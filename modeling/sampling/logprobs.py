@@ -3,7 +3,7 @@
 The distribution is the one a sampled token is drawn from before its top-k or top-p cut:
 the logits divided by the temperature, or the model's own for a greedy request (and for
 a prompt, which nobody sampled). A speculative step's rows are bit for bit the decode
-steps' they stand for (modeling/invariance.py) and each row is reduced alone, so a token's
+steps' they stand for (modeling/kernels/invariance.py) and each row is reduced alone, so a token's
 log-probability is the same with and without speculation.
 """
 

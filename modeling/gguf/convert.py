@@ -1,9 +1,9 @@
 """Convert a GGUF file (llama, qwen2, qwen3 or gemma3) into a Hugging Face style model folder.
 
-The folder holds config.json (modeling/gguf_arch.py), model.safetensors with every tensor
+The folder holds config.json (modeling/gguf/arch.py), model.safetensors with every tensor
 dequantized to float32 under its transformers name, the tokenizer files
-(modeling/gguf_tokenizer.py), and the GGUF file itself (`model.gguf`), whose quantized
-blocks the CPU kernels can serve as they are (modeling/quantized.py). What the converter cannot represent (an architecture, a
+(modeling/gguf/tokenizer.py), and the GGUF file itself (`model.gguf`), whose quantized
+blocks the CPU kernels can serve as they are (modeling/kernels/blocks.py). What the converter cannot represent (an architecture, a
 tensor, a metadata key, a quantization type) is refused with GgufConversionError naming it,
 never dropped.
 """
@@ -30,9 +30,9 @@ from structlog.typing import FilteringBoundLogger
 from tokenizers import Tokenizer
 
 from common.logs import get_logger
-from modeling.gguf_arch import GLOBAL_TENSORS, ROPE_FREQS_TENSOR, Architecture, architecture, hf_config
-from modeling.gguf_metadata import GgufConversionError, GgufMetadata
-from modeling.gguf_tokenizer import build_tokenizer, generation_config, special_tokens_map, tokenizer_config
+from modeling.gguf.arch import GLOBAL_TENSORS, ROPE_FREQS_TENSOR, Architecture, architecture, hf_config
+from modeling.gguf.metadata import GgufConversionError, GgufMetadata
+from modeling.gguf.tokenizer import build_tokenizer, generation_config, special_tokens_map, tokenizer_config
 
 __all__ = ["CONVERTED_MARKER", "CONVERTER_VERSION", "GGUF_FILE", "GgufConversionError", "convert_gguf",
            "hf_tensor_name", "is_converted", "read_gguf", "unpermute_rope_rows"]

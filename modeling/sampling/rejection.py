@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from modeling.proposals import SparseDistLike
-from modeling.sampling import SamplingLike, draw, generator_for, is_greedy, target_probs
-from modeling.trees import child_holding
+from common.draft_rules import SparseDistLike
+from modeling.sampling.draw import SamplingLike, draw, generator_for, is_greedy, target_probs
+from common.trees import child_holding
 
 # The acceptance test at a position uses its own stream, apart from the token draw there.
 _ACCEPT_STREAM = 0x5DEECE66D
@@ -85,7 +85,7 @@ def verify_greedy(best: Sequence[int], draft_token_ids: Sequence[int]) -> Verdic
 
 def verify_tree_greedy(best: Sequence[int], draft_token_ids: Sequence[int],
                        parents: Sequence[int]) -> tuple[Verdict, list[int]]:
-    """Greedy verification of a token tree (modeling.batch.SeqSpan.parents): `best[0]` is the target's
+    """Greedy verification of a token tree (modeling.model.batch.SeqSpan.parents): `best[0]` is the target's
     argmax after the last standing token, `best[1 + i]` after node i.
 
     From the root, follow the child that holds the target's choice while there is one

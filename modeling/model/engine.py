@@ -3,7 +3,7 @@
 `ModelEngine` loads the weights (packed for the native kernels on CPU), allocates the
 paged cache, forwards packed ragged batches, and checks itself: prefilling a prompt at once
 and token by token must give the same next-token logits. Which page holds what is the
-owner's business: every span names its block table (modeling/kv_cache.py).
+owner's business: every span names its block table (modeling/model/kv_cache.py).
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from pathlib import Path
 
 import torch
 
-from modeling.batch import PageError, SeqSpan
-from modeling.config import ModelConfig
-from modeling.cpu_kernels import PackedLinear, attach_native_ops, block_probe, native_unavailable, served_by_blocks
-from modeling.invariance import linear_rows_problem
-from modeling.kv_cache import DEFAULT_PAGE_SIZE, KVCache, pages_for, slot_pages
-from modeling.llama import PROJECTION_PARTS, LlamaModel
-from modeling.quantized import weight_blocks
+from modeling.model.batch import PageError, SeqSpan
+from modeling.model.config import ModelConfig
+from modeling.kernels.packing import PackedLinear, attach_native_ops, block_probe, native_unavailable, served_by_blocks
+from modeling.kernels.invariance import linear_rows_problem
+from modeling.model.kv_cache import DEFAULT_PAGE_SIZE, KVCache, pages_for, slot_pages
+from modeling.model.decoder import PROJECTION_PARTS, LlamaModel
+from modeling.kernels.blocks import weight_blocks
 
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -41,7 +41,7 @@ class ModelEngine:
                  page_size: int = DEFAULT_PAGE_SIZE, quantization: str = "none") -> None:
         """A cache of `num_pages` pages of `page_size` positions; sequences up to `max_len` positions.
 
-        `quantization` (modeling/quantized.py): "none", which GGUF blocks of the folder's file
+        `quantization` (modeling/kernels/blocks.py): "none", which GGUF blocks of the folder's file
         to serve as they are, or "int8" per channel; load() raises QuantizationError if the model
         cannot take it.
         """
@@ -88,7 +88,7 @@ class ModelEngine:
 
     @property
     def native(self) -> bool:
-        """Whether the loaded model runs on the native CPU kernels (their thread team: modeling/threads.py)."""
+        """Whether the loaded model runs on the native CPU kernels (their thread team: modeling/kernels/threads.py)."""
         return self._model is not None and self._model.native is not None
 
     @property
@@ -114,7 +114,7 @@ class ModelEngine:
     def forward_with_features(self, spans: list[SeqSpan], widen_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Like forward, and also the final hidden state of every new token, in span order: `[sum len(token_ids), H]`.
 
-        These features are what an EAGLE-style draft head reads (modeling/eagle.py). Without `widen_logits` the
+        These features are what an EAGLE-style draft head reads (modeling/model/eagle.py). Without `widen_logits` the
         logits come in the model's dtype (bfloat16 or float32), not widened to float32: enough for an argmax.
         """
         if self._model is None or self._cache is None:
@@ -151,7 +151,7 @@ class ModelEngine:
 
         Raises SelfCheckFailed when the model is broken: non-finite logits, or a prompt
         prefilled at once and token by token giving logits further apart than rounding.
-        Returns None when its steps are batch invariant (modeling/invariance.py): every
+        Returns None when its steps are batch invariant (modeling/kernels/invariance.py): every
         linear layer over every row count a step can have, and the whole model, whose
         prefill rows must then be bit for bit its decode steps'; else why not.
         """

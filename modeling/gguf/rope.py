@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from modeling.gguf_metadata import GgufConversionError
+from modeling.gguf.metadata import GgufConversionError
 
 RELATIVE_TOLERANCE = 1e-6
 _LLAMA31 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

@@ -7,7 +7,7 @@ CPU's instruction-set paths a probe measured fastest for the model's shapes (the
 the same bits, so the choice changes only the speed). Its rows, like those
 of the other native ops, are computed exactly as they would be alone, whatever else is
 in the step: the property greedy speculation and concurrency-independent output rest on
-(modeling/invariance.py checks it at start-up).
+(modeling/kernels/invariance.py checks it at start-up).
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from modeling.config import ModelConfig
-from modeling.huge_pages import HugePageRegion
-from modeling.llama import LlamaModel, head_parts, projection_parts
-from modeling.native import KernelUnavailable, native_ops
-from modeling.threads import one_thread
-from modeling.quantized import BLOCK_FORMATS, Blocks, ChannelInt8, GgufBlocks, block_panels, q4_1_as_q4_k
+from modeling.model.config import ModelConfig
+from modeling.kernels.huge_pages import HugePageRegion
+from modeling.model.decoder import LlamaModel, head_parts, projection_parts
+from modeling.kernels.native import KernelUnavailable, native_ops
+from modeling.kernels.threads import one_thread
+from modeling.kernels.blocks import BLOCK_FORMATS, Blocks, ChannelInt8, GgufBlocks, block_panels, q4_1_as_q4_k
 
 _IN_PLACE_BLOCK_ELEMENTS = 1 << 20  # the scratch of in-place packing: a few MiB
 # The path probe: a weight shaped like the model's MLP projections, capped at a few MiB, on the
@@ -140,7 +140,7 @@ def measure_linear_paths(ops: ModuleType, config: ModelConfig, dtype: torch.dtyp
     block format (decode-step and batched row counts): the model runs on the fastest.
 
     oneDNN (torch's linear, on the same weight dense) is timed for comparison only: its order of
-    summation depends on the number of rows, so it is never chosen (modeling/invariance.py).
+    summation depends on the number of rows, so it is never chosen (modeling/kernels/invariance.py).
     """
     out = min(_PROBE_MAX_OUT, config.intermediate_size)
     depth = max(32, min(_PROBE_MAX_DEPTH, config.hidden_size) // 32 * 32)
@@ -298,7 +298,7 @@ class PackedLinear:
                 rows.view(-1, pairs, panel, 2).copy_(staged.transpose(2, 3))
 
     def pack_blocks(self, blocks: Blocks) -> torch.nn.Parameter:
-        """GGUF blocks -> the kernel's panels of blocks (`modeling.quantized.block_panels`), read as they are."""
+        """GGUF blocks -> the kernel's panels of blocks (`modeling.kernels.blocks.block_panels`), read as they are."""
         packed = block_panels(blocks, self._panel)
         self._formats[packed.data_ptr()] = blocks.format
         return self._register(packed, blocks.rows.shape[0])
@@ -337,7 +337,7 @@ class PackedLinear:
         """Rows `ids` of the weight `packed` was packed from: `[len(ids), K]` (an embedding lookup on a tied head).
 
         Rows of GGUF blocks come widened to float32, as gguf dequantizes them (`block_rows`, which computes
-        what `modeling.quantized.panel_rows` does, in one native call)."""
+        what `modeling.kernels.blocks.panel_rows` does, in one native call)."""
         panel = self._panel
         if packed.dtype == torch.uint8:
             rows: torch.Tensor = self._ops.block_rows(packed, ids, self._formats[packed.data_ptr()])

@@ -10,7 +10,7 @@ foreign build. `SPECSERVE_KERNEL_ARCH` names an x86-64 level instead (x86-64-v2,
 the build then runs on any CPU of that level, which is checked before it is loaded (an image
 built on one machine and run on others). A build found in the cache is loaded without a
 compiler, so an image can build the kernels in a build stage and ship none; with a
-compiler, a build made by another compiler is made again. `python -m modeling.native`
+compiler, a build made by another compiler is made again. `python -m modeling.kernels.native`
 builds them ahead (set-up does). Where they cannot be built or loaded, or are turned off
 (`SPECSERVE_NATIVE_OPS=0`), the model runs on torch ops alone, and its owner's log says why.
 """
@@ -32,7 +32,7 @@ from types import ModuleType
 import torch
 
 from common.logs import configure, get_logger
-from modeling.model_store import default_cache_dir
+from modeling.model.store import default_cache_dir
 
 SWITCH_ENV = "SPECSERVE_NATIVE_OPS"
 ARCH_ENV = "SPECSERVE_KERNEL_ARCH"

@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from modeling.batch import SeqSpan
-from modeling.config import ModelConfig, model_fingerprint, vocab_fingerprint
-from modeling.cpu_kernels import attach_native_ops, packed_for
-from modeling.kv_cache import DEFAULT_PAGE_SIZE, KVCache
-from modeling.llama import LlamaModel, WeightError, apply_rope, copy_hf_weights, read_safetensors, rms_norm, rope_tables
+from modeling.model.batch import SeqSpan
+from modeling.model.config import ModelConfig, model_fingerprint, vocab_fingerprint
+from modeling.kernels.packing import attach_native_ops, packed_for
+from modeling.model.kv_cache import DEFAULT_PAGE_SIZE, KVCache
+from modeling.model.decoder import LlamaModel, WeightError, apply_rope, copy_hf_weights, read_safetensors, rms_norm, rope_tables
 
 ARCHITECTURE = "SpecserveEagleDraft"
 _LAYER = "model.layers.0."
@@ -43,7 +43,7 @@ class DraftMismatch(ValueError):
 
 @dataclass(frozen=True)
 class EagleMeta:
-    target_fingerprint: str  # modeling.config.model_fingerprint of the target folder
+    target_fingerprint: str  # modeling.model.config.model_fingerprint of the target folder
     vocab_fingerprint: str
     draft_vocab_size: int
     training: dict[str, Any]  # the exact distillation arguments and figures, for the record

@@ -1,4 +1,4 @@
-"""The choices of --quantization, importable without torch (modeling/quantized.py serves them)."""
+"""The choices of --quantization, importable without torch (modeling/kernels/blocks.py serves them)."""
 
 GGUF_QUANTIZATIONS = ("q4_1", "q8_0", "q4_k")  # a GGUF file's own blocks
 QUANTIZATIONS = ("none", *GGUF_QUANTIZATIONS, "int8")

@@ -2,7 +2,7 @@
 int8, both read by the CPU kernel.
 
 A model converted from a GGUF file keeps the file beside its conversion
-(modeling/gguf_convert.py). With `--quantization q4_1` (or q8_0) its projections are served
+(modeling/gguf/convert.py). With `--quantization q4_1` (or q8_0) its projections are served
 from that file's Q4_1 (Q8_0) blocks, and its other tensors of a block format the kernel reads
 (Q8_0: the embedded model's token embeddings, which are also its tied LM head) from theirs. A Q4_K file's
 super-blocks (256 inputs: float16 d and dmin, eight 6-bit scales and mins, 4-bit quants) are
@@ -34,11 +34,11 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from modeling.gguf_arch import ROPE_FREQS_TENSOR, architecture
-from modeling.gguf_convert import GGUF_FILE, hf_tensor_name, unpermute_rope_rows
-from modeling.gguf_metadata import GgufConversionError, GgufMetadata
-from modeling.llama import PROJECTION_PARTS
-from modeling.quantization import GGUF_QUANTIZATIONS, QUANTIZATION_HELP, QUANTIZATIONS
+from modeling.gguf.arch import ROPE_FREQS_TENSOR, architecture
+from modeling.gguf.convert import GGUF_FILE, hf_tensor_name, unpermute_rope_rows
+from modeling.gguf.metadata import GgufConversionError, GgufMetadata
+from modeling.model.decoder import PROJECTION_PARTS
+from common.quantization import GGUF_QUANTIZATIONS, QUANTIZATION_HELP, QUANTIZATIONS
 
 __all__ = ["QUANTIZATIONS", "QUANTIZATION_HELP", "Blocks", "ChannelInt8", "GgufBlocks", "QuantizationError",
            "block_panels", "channel_int8_blocks", "panel_rows", "q4_k_sub_blocks", "servable_quantization",
@@ -100,7 +100,7 @@ def cpu_has_amx_tiles() -> bool:
 
 
 def _is_default_model(folder: Path) -> bool:
-    from modeling.model_store import default_model_dir
+    from modeling.model.store import default_model_dir
 
     return folder.resolve() == default_model_dir().resolve()
 

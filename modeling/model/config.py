@@ -4,7 +4,7 @@ Every family is a decoder of the Llama shape (RMSNorm, RoPE, grouped-query atten
 gated MLP); what differs is a handful of switches read here: biases (Qwen2, and Llama or
 Qwen3 with `attention_bias`), RMS norms on each head's queries and keys (Qwen3, Gemma 3),
 sliding-window attention on some or all layers (Mistral, Qwen with `use_sliding_window`,
-Gemma 3's local layers, which also have their own RoPE base), scaled RoPE (modeling/rope.py),
+Gemma 3's local layers, which also have their own RoPE base), scaled RoPE (modeling/model/rope.py),
 and Gemma 3's norms (weights stored as w - 1, four per layer), embedding scale, query scale
 and GELU-tanh MLP. Every key of config.json is read: what changes the math is implemented or
 refused (UnsupportedModel, naming the key), and a key this code does not know is refused
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from modeling.rope import Rope, RopeError
+from modeling.model.rope import Rope, RopeError
 
 
 class UnsupportedModel(ValueError):
@@ -315,7 +315,7 @@ def model_fingerprint(folder: Path) -> str:
     fine-tune that changed only some layers, a merged LoRA on the attention say, is another
     model), wherever the tensor lies: one file or shards.
     """
-    from modeling.weights import WeightFiles
+    from modeling.model.weights import WeightFiles
 
     digest = hashlib.sha256(repr(ModelConfig.from_folder(folder)).encode())
     files = WeightFiles(folder)

@@ -3,8 +3,8 @@
 A tree is given by its nodes' tokens and their parents: node i's parent is an earlier
 node, or -1 for the sequence's last token (the root). A chain is the tree whose node i
 has parent i - 1. The target scores every node as the decode step of its own branch
-would (modeling/batch.py), and verification follows the branch the target itself
-chooses, by its argmax or by its own seeded draws (modeling/rejection.py).
+would (modeling/model/batch.py), and verification follows the branch the target itself
+chooses, by its argmax or by its own seeded draws (modeling/sampling/rejection.py).
 """
 
 from __future__ import annotations

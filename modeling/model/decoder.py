@@ -1,7 +1,7 @@
 """The decoder of every supported family (RMSNorm, RoPE, GQA, a gated MLP) over packed ragged batches and a paged KV cache.
 
 One model code runs Llama, Mistral, Qwen2/3 and Gemma 3: the differences are switches of
-`ModelConfig` (modeling/config.py) — biases, query/key norms, sliding windows per layer,
+`ModelConfig` (modeling/model/config.py) — biases, query/key norms, sliding windows per layer,
 a RoPE per layer, and Gemma's sandwich norms, embedding scale and GELU-tanh MLP.
 """
 
@@ -15,13 +15,13 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from modeling.batch import AttentionGroup, SeqSpan, StepBatch, build_step_batch
-from modeling.config import ModelConfig
-from modeling.huge_pages import HugePageRegion
-from modeling.kv_cache import KVCache
-from modeling.rope import Rope
-from modeling.rope import rope_tables as rope_tables_of
-from modeling.weights import WeightError, WeightFiles
+from modeling.model.batch import AttentionGroup, SeqSpan, StepBatch, build_step_batch
+from modeling.model.config import ModelConfig
+from modeling.kernels.huge_pages import HugePageRegion
+from modeling.model.kv_cache import KVCache
+from modeling.model.rope import Rope
+from modeling.model.rope import rope_tables as rope_tables_of
+from modeling.model.weights import WeightError, WeightFiles
 
 __all__ = ["PROJECTION_PARTS", "DecoderLayer", "LlamaModel", "WeightError", "head_parts", "projection_parts"]
 
@@ -111,7 +111,7 @@ class LlamaModel(torch.nn.Module):
 
     Parameters are allocated in `dtype` on `device` and the weights read straight into them;
     on the CPU the matmul weights (embeddings, projections, LM head) lie in one region of huge
-    pages (modeling/huge_pages.py), each at a page boundary.
+    pages (modeling/kernels/huge_pages.py), each at a page boundary.
     """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
@@ -130,7 +130,7 @@ class LlamaModel(torch.nn.Module):
         )
         # y = x @ W^T (+ b); a built model may swap in a faster kernel (see cpu_kernels.py).
         self.linear: Callable[..., torch.Tensor] = F.linear
-        # The native CPU kernels (modeling/native.py), when the built model has them: fused
+        # The native CPU kernels (modeling/kernels/native.py), when the built model has them: fused
         # norms, RoPE and SiLU, and attention of decode and verify rows over the cache in
         # place. Without them, torch ops do all of it.
         self.native: ModuleType | None = None
@@ -459,7 +459,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class TensorSource(Protocol):
-    """Named tensors to read from: a model folder's weight files (modeling/weights.py) or tensors in memory."""
+    """Named tensors to read from: a model folder's weight files (modeling/model/weights.py) or tensors in memory."""
 
     def names(self) -> frozenset[str]: ...
     def shape(self, name: str) -> tuple[int, ...]: ...

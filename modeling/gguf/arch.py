@@ -7,7 +7,7 @@ spelling: `rope_parameters`, `dtype`). The GGUF architectures and what they beco
 - `llama`: LlamaForCausalLM, or MistralForCausalLM when the file gives a sliding window
   (llama.cpp writes Mistral models as llama). llama.cpp permuted the q/k rows of this
   architecture only (`unpermute_rope_rows`). A Llama 3.1-style `rope_freqs.weight` becomes
-  the `llama3` RoPE scaling that reproduces it (modeling/gguf_rope.py).
+  the `llama3` RoPE scaling that reproduces it (modeling/gguf/rope.py).
 - `qwen2`: Qwen2ForCausalLM, with q/k/v biases.
 - `qwen3`: Qwen3ForCausalLM, with RMS norms on each head's queries and keys.
 - `gemma3`: Gemma3ForCausalLM (model_type gemma3_text), four norms a layer and query/key norms, stored by
@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from modeling.gguf_metadata import GgufConversionError, GgufMetadata
-from modeling.gguf_rope import llama3_rope_scaling
+from modeling.gguf.metadata import GgufConversionError, GgufMetadata
+from modeling.gguf.rope import llama3_rope_scaling
 
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 GLOBAL_TENSORS = {

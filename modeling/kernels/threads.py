@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
-from modeling.native import KernelUnavailable, native_ops
+from modeling.kernels.native import KernelUnavailable, native_ops
 
 
 def compute_on(num_threads: int, native: bool) -> None:

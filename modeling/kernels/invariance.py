@@ -4,7 +4,7 @@ Greedy speculation is lossless only if a verify step's rows are, bit for bit, th
 steps they stand for, and a request gives the same answer at any concurrency only if its
 rows do not depend on the other rows of its steps. Library matmuls do not promise that
 (they choose their blocking, and so their order of summation, by the number of rows);
-the native kernels are written to (modeling/csrc). An engine checks it on start-up: its
+the native kernels are written to (modeling/kernels/csrc). An engine checks it on start-up: its
 linear layers over every tile shape a step can use, then the whole model (see
 `ModelEngine.self_check`). A worker whose check fails serves without speculation.
 """

@@ -2,7 +2,7 @@
 
 Every new token of every sequence becomes one row of a packed batch `[N]`, so the
 linear layers never see padding. Each sequence brings its block table, the pages of the
-KV cache that hold its positions in order (modeling/kv_cache.py); a token's keys and
+KV cache that hold its positions in order (modeling/model/kv_cache.py); a token's keys and
 values are stored at page `table[p // page_size]`, offset `p % page_size`.
 
 The native attention kernel reads every row through its block table. For torch ops
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from modeling.trees import is_chain, tree_depths
+from common.trees import is_chain, tree_depths
 
 # Sequences with at most this many new tokens share one padded attention call.
 MAX_SHARED_QUERY_TOKENS = 16

@@ -9,7 +9,7 @@ min_tokens, logit_bias is added, then the repetition penalty (a logit of a token
 prompt or completion holds is divided by it if positive, multiplied otherwise), the
 frequency penalty (times the token's count in the completion) and the presence penalty
 (once for a token the completion holds) are applied. Temperature, top-k and top-p come
-after (modeling/sampling.py).
+after (modeling/sampling/draw.py).
 """
 
 from __future__ import annotations

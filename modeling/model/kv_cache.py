@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from modeling.config import ModelConfig
-from modeling.huge_pages import HugePageRegion
+from modeling.model.config import ModelConfig
+from modeling.kernels.huge_pages import HugePageRegion
 
 # Positions per page, vLLM's default too: a page of one kv head (2-4 KiB) is read straight
 # through by the attention kernel, and a sequence wastes at most 15 positions. Against
@@ -25,7 +25,7 @@ class KVCache:
     """Layout `[num_layers, num_pages, num_kv_heads, page_size, head_dim]`: one page of one
     layer and kv head is `page_size` consecutive rows, read straight through by attention.
 
-    On the CPU keys and values lie in huge pages (modeling/huge_pages.py): a step reads a few
+    On the CPU keys and values lie in huge pages (modeling/kernels/huge_pages.py): a step reads a few
     KiB from each of thousands of pages scattered over the cache, and with 4 KiB pages nearly
     every one is a TLB miss (attention takes about a tenth less time in huge pages:
     docs/benchmarks.md).
