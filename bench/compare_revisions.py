@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="specserve-compare-") as temp:
         before = worktree(args.before, Path(temp))
         try:
-            subprocess.run([sys.executable, "-m", "modeling.native"], cwd=before, check=True, capture_output=True)
+            subprocess.run([sys.executable, "-m", "modeling.kernels.native"], cwd=before, check=True, capture_output=True)
             checkouts = {"before": before, "after": REPO}
             figures: dict[tuple[str, str, int], list[float]] = defaultdict(list)
             for round_index in range(args.rounds):

@@ -88,7 +88,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from modeling.engine import default_dtype
+    from modeling.model.engine import default_dtype
     from specserve.up import UpRefused, resolve_model
 
     try:

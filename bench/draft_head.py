@@ -33,25 +33,21 @@ if not __package__:
 from bench.spec_prompts import CHAT, CODE
 from common.process_config import ProcessConfig
 from distill.data import generate
-from draft_service.proposers import (
-    EagleProposer,
-    LookupProposer,
-    LookupThenHead,
-    NgramProposer,
-    PhraseProposer,
-    ProposeInput,
-    Proposer,
-)
-from modeling.tokenizer import ChatMessage, Tokenizer
+from draft_service.head_proposer import EagleProposer
+from draft_service.lookup_then_head import LookupThenHead
+from draft_service.phrase_proposer import PhraseProposer
+from draft_service.prompt_lookup import LookupProposer, NgramProposer
+from draft_service.proposer import ProposeInput, Proposer
+from common.text.tokenizer import ChatMessage, Tokenizer
 from gpu_worker.config import WorkerConfig
 from gpu_worker.runner import ModelRunner
-from modeling.batch import SeqSpan
-from modeling.config import ModelConfig
-from modeling.eagle import EagleEngine
-from modeling.engine import ModelEngine
-from modeling.features import from_rows
-from modeling.kv_cache import DEFAULT_PAGE_SIZE, pages_for_slots, slot_pages
-from modeling.model_store import default_model_dir
+from modeling.model.batch import SeqSpan
+from modeling.model.config import ModelConfig
+from modeling.model.eagle import EagleEngine
+from modeling.model.engine import ModelEngine
+from modeling.model.features import from_rows
+from modeling.model.kv_cache import DEFAULT_PAGE_SIZE, pages_for_slots, slot_pages
+from modeling.model.store import default_model_dir
 from proto.messages import SamplingParams, SeqWork
 
 GREEDY = SamplingParams()

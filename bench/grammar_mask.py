@@ -23,11 +23,11 @@ if not __package__:
 
 import llguidance
 
-from bench.grpc_bench import describe_machine
+from bench.machine_info import describe_machine
 from bench.structured_bench import SCHEMAS
-from modeling.model_store import default_model_dir
-from modeling.structured import StructuredSpec, compile_spec, grammar_tokenizer
-from modeling.tokenizer import Tokenizer
+from modeling.model.store import default_model_dir
+from common.text.structured import StructuredSpec, compile_spec, grammar_tokenizer
+from common.text.tokenizer import Tokenizer
 
 DOCUMENTS = {
     "person": {"name": "Ada Lovelace", "age": 36, "email": "ada@example.org"},

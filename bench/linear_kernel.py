@@ -33,10 +33,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from modeling.cpu_kernels import PackedLinear, block_probe
-from modeling.huge_pages import HugePageRegion
-from modeling.native import native_ops
-from modeling.quantized import panel_rows
+from modeling.kernels.packing import PackedLinear, block_probe
+from modeling.kernels.huge_pages import HugePageRegion
+from modeling.kernels.native import native_ops
+from modeling.kernels.blocks import panel_rows
 
 # qkv, o, gate_up, down and the LM head of SmolLM2-135M: (out_features, in_features).
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]

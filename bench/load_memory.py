@@ -6,9 +6,9 @@ baseline, loads, and reads VmHWM from /proc/self/status. The ratio is
 (peak - baseline) / (the checkpoint's element count x the serving dtype's size): about 1.0
 means the load held nothing but the weights themselves.
 
-Loaders: `engine` (default) builds `modeling.engine.ModelEngine(...).load()` on the CPU;
+Loaders: `engine` (default) builds `modeling.model.engine.ModelEngine(...).load()` on the CPU;
 `reader-only` allocates every tensor in the serving dtype and reads it through
-`modeling.weights.WeightFiles`; `MODULE:FUNCTION` calls FUNCTION(folder, dtype) of your own.
+`modeling.model.weights.WeightFiles`; `MODULE:FUNCTION` calls FUNCTION(folder, dtype) of your own.
 Without --folder the cases are the default model (float32 files) into float32 and bfloat16,
 and a sharded Llama of about 300 MB in bfloat16 files, made here with transformers, into
 bfloat16 and float32.
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from modeling.weights import WeightFiles
+from modeling.model.weights import WeightFiles
 
 _ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,7 +45,7 @@ class Loader:
 
 
 LOADERS = {
-    "engine": Loader("bench.load_memory:load_with_engine", ("modeling.engine", "modeling.config")),
+    "engine": Loader("bench.load_memory:load_with_engine", ("modeling.model.engine", "modeling.model.config")),
     "reader-only": Loader("bench.load_memory:load_with_reader"),
 }
 
@@ -66,8 +66,8 @@ class Measurement:
 
 
 def load_with_engine(folder: Path, dtype: torch.dtype) -> object:
-    from modeling.config import ModelConfig
-    from modeling.engine import ModelEngine
+    from modeling.model.config import ModelConfig
+    from modeling.model.engine import ModelEngine
 
     engine = ModelEngine(folder, ModelConfig.from_folder(folder), device="cpu", dtype=str(dtype).removeprefix("torch."),
                          num_pages=8, max_len=64)
@@ -147,7 +147,7 @@ def make_sharded_llama(folder: Path, dtype: torch.dtype = torch.bfloat16, max_sh
 
 
 def default_cases(scratch: Path) -> list[tuple[Path, str]]:
-    from modeling.model_store import ensure_default_model
+    from modeling.model.store import ensure_default_model
 
     default = ensure_default_model()
     sharded = make_sharded_llama(scratch / "sharded-bf16")

@@ -174,11 +174,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.model is None:
-        from modeling.model_store import default_model_dir
+        from modeling.model.store import default_model_dir
 
         args.model = default_model_dir()
     if args.dtype is None:
-        from modeling.engine import default_dtype
+        from modeling.model.engine import default_dtype
 
         args.dtype = default_dtype("cpu")
     work_dir = Path(tempfile.mkdtemp(prefix="specserve-prefix-bench-"))

@@ -1,7 +1,7 @@
 """This machine's memory and matmul bounds, and how close the model's decode steps come to them.
 
 Measured on the threads a target worker computes on (`--threads`, default the cores this process may
-use; the native kernels' team, torch's own ops then on one thread, as `modeling/threads.py` says), in
+use; the native kernels' team, torch's own ops then on one thread, as `modeling/kernels/threads.py` says), in
 one sitting:
 
 - read bandwidth: the best of a few sums of a 1 GiB float32 tensor (far larger than any
@@ -12,7 +12,7 @@ one sitting:
   in float32, whichever is faster (torch's library GEMM; the native kernels widen bfloat16
   to float32 and sum there, so on a CPU without bfloat16 arithmetic float32's peak is the
   one that bounds them);
-- decode steps of the model alone (`modeling.engine.ModelEngine`, the kernels a worker
+- decode steps of the model alone (`modeling.model.engine.ModelEngine`, the kernels a worker
   runs): B sequences of `--context` cached positions each take one new token; the median of
   `--repeats` steps.
 
@@ -45,12 +45,12 @@ import torch
 
 from bench.linear_kernel import best_ms
 from common.cpus import usable_cpus
-from modeling.batch import SeqSpan
-from modeling.config import ModelConfig
-from modeling.engine import ModelEngine
-from modeling.kv_cache import pages_for
-from modeling.quantized import QUANTIZATIONS
-from modeling.threads import compute_on
+from modeling.model.batch import SeqSpan
+from modeling.model.config import ModelConfig
+from modeling.model.engine import ModelEngine
+from modeling.model.kv_cache import pages_for
+from modeling.kernels.blocks import QUANTIZATIONS
+from modeling.kernels.threads import compute_on
 
 GIB = 1 << 30
 _MATMUL_SIZE = 2048

@@ -34,7 +34,7 @@ def best_us(call: Callable[[], object], calls: int) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from modeling.native import native_ops
+    from modeling.kernels.native import native_ops
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 64, 512])

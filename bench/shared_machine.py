@@ -270,9 +270,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from modeling.engine import default_dtype
-    from modeling.model_store import default_model_dir
-    from modeling.tokenizer import Tokenizer
+    from modeling.model.engine import default_dtype
+    from modeling.model.store import default_model_dir
+    from common.text.tokenizer import Tokenizer
 
     args.folder = default_model_dir()
     args.gguf = args.folder / "model.gguf"  # the GGUF file the folder was converted from

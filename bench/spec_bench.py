@@ -34,7 +34,7 @@ import grpc
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.grpc_bench import describe_machine
+from bench.machine_info import describe_machine
 from bench.local_stack import running_up
 from bench.spec_prompts import WORKLOADS
 from proto import specserve_pb2 as pb
@@ -141,10 +141,10 @@ def explain_divergences(results: Sequence[WorkloadResult], prompts_of: dict[str,
     """The target's top-2 logit margin at each divergence: a near-tie means rounding, not a wrong token."""
     import torch
 
-    from modeling.batch import SeqSpan
-    from modeling.config import ModelConfig
-    from modeling.engine import ModelEngine
-    from modeling.kv_cache import pages_for_slots
+    from modeling.model.batch import SeqSpan
+    from modeling.model.config import ModelConfig
+    from modeling.model.engine import ModelEngine
+    from modeling.model.kv_cache import pages_for_slots
 
     found = find_divergences(results)
     if not found:
@@ -208,8 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rounds < 1 or args.repeats < 1:
         raise SystemExit("spec_bench: --rounds and --repeats must be at least 1")
     configs = args.config or ["none", "ngram"]
-    from modeling.tokenizer import ChatMessage, Tokenizer
-    from modeling.model_store import default_model_dir
+    from common.text.tokenizer import ChatMessage, Tokenizer
+    from modeling.model.store import default_model_dir
 
     model = default_model_dir()
     tokenizer = Tokenizer.load(model)

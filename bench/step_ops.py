@@ -30,8 +30,8 @@ import torch
 from bench.roofline import (QUANTIZATIONS, add_step_arguments, cpu_flags, cpu_name, decode_engine, decode_step_ms,
                             filled_tables)
 from common.cpus import usable_cpus
-from modeling.batch import SeqSpan
-from modeling.config import ModelConfig
+from modeling.model.batch import SeqSpan
+from modeling.model.config import ModelConfig
 
 
 class _TimedOps:

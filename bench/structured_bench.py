@@ -28,7 +28,7 @@ import jsonschema
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.grpc_bench import describe_machine
+from bench.machine_info import describe_machine
 from bench.local_stack import running_up
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc

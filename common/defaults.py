@@ -11,3 +11,6 @@ HEAD_DRAFT_TOKENS = 3  # ...a draft head's beyond this many are accepted too rar
 SPEC_BATCH_THRESHOLD = 16  # steps of more sequences never speculate: lookups cost the draft nothing and pay to 16...
 MODEL_SPEC_BATCH_THRESHOLD = 4  # ...a draft that runs a model (a head, a draft model) pays to about 4
 DRAFT_MAX_TOKENS = 8  # the draft service's longest proposal unless told: past every k above
+KV_PAGE_SIZE = 16  # positions per KV page
+HTTP_MAX_BODY_BYTES = 32 * 2**20  # a long-context prompt as text is a few MiB at most
+HTTP_READ_TIMEOUT_S = 30.0  # an HTTP body not all received by then gets 408

@@ -10,8 +10,7 @@ import enum
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from common.defaults import (HEAD_DRAFT_TOKENS, MODEL_SPEC_BATCH_THRESHOLD, NUM_SPECULATIVE_TOKENS,
-                             SPEC_BATCH_THRESHOLD)
+from common.defaults import HEAD_DRAFT_TOKENS, MODEL_SPEC_BATCH_THRESHOLD, NUM_SPECULATIVE_TOKENS, SPEC_BATCH_THRESHOLD
 
 
 class DraftKind(enum.StrEnum):

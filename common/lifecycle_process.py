@@ -33,7 +33,6 @@ from proto import frames
 from proto import messages as m
 from proto.lifecycle import Lifecycle, State
 
-
 log = get_logger()
 
 T = TypeVar("T")
@@ -348,7 +347,6 @@ def process_main(argv: list[str] | None, *, prog: str, description: str,
 
     parser = argparse.ArgumentParser(prog=prog, description=description)
     add_arguments(parser)
-    parser.add_argument("--log-json", action="store_true")
     args = parser.parse_args(argv)
     try:
         slots.apply(args)

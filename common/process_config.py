@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from common.arguments import not_positive_problem
 from common.cpus import usable_cpus
 from common.transport import Transport
-from common.transport import add_arguments as add_transport_arguments
 from common.transport import from_arguments as transport_from_arguments
 
 
@@ -36,39 +34,12 @@ class ProcessConfig:
         return usable_cpus()
 
 
-def add_process_arguments(parser: argparse.ArgumentParser) -> None:
-    """The command-line settings every lifecycle process has (liveness, deadlines, drain, threads, status file)."""
-    parser.add_argument("--heartbeat-interval-s", type=float, default=0.5)
-    parser.add_argument("--phase-timeout-s", type=float, default=600.0,
-                        help="a start-up phase (loading, allocating, warming) running longer fails the process")
-    parser.add_argument("--step-timeout-s", type=float, default=120.0, help="a step running longer fails the process")
-    parser.add_argument("--drain-timeout-s", type=float, default=30.0,
-                        help="after SIGTERM, how long requests in flight may take before the process stops anyway")
-    parser.add_argument("--num-threads", type=int, default=0,
-                        help="threads to compute on (CPU); 0: the cores this process may use (its affinity mask, "
-                             "capped by a cgroup CPU quota)")
-    parser.add_argument("--status-file", type=Path, default=None, help="write the lifecycle state here at every transition")
-
-
 def check_process_arguments(args: argparse.Namespace) -> None:
     """Raises ValueError naming the setting."""
     if problem := not_positive_problem(args, ("heartbeat_interval_s", "phase_timeout_s", "step_timeout_s", "drain_timeout_s")):
         raise ValueError(problem)
     if not (args.device == "cpu" or args.device.startswith("cuda")):
         raise ValueError(f"--device must be 'cpu' or 'cuda:N', got {args.device!r}")
-
-
-def add_arguments(parser: argparse.ArgumentParser, *, default_worker_id: str, dtypes: Sequence[str]) -> None:
-    parser.add_argument("--worker-id", default=default_worker_id,
-                        help="its id at the scheduler; with {slot} in it, see --slot-dir")
-    parser.add_argument("--slot-dir", type=Path, default=None,
-                        help="a folder shared by copies of this process: each takes the lowest free slot number for "
-                             "{slot} in --worker-id (and --device cuda:{slot}: its own GPU only)")
-    parser.add_argument("--scheduler-address", default="tcp://127.0.0.1:5556")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", choices=dtypes, default="bfloat16")
-    add_process_arguments(parser)
-    add_transport_arguments(parser)
 
 
 def from_arguments(args: argparse.Namespace) -> ProcessConfig:

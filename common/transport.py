@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import os
 import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -93,15 +92,6 @@ class Transport:
         """What a failed handshake (a monitor event) most likely means, for the log; None for any other event."""
         reason = HANDSHAKE_FAILURES.get(event)
         return None if reason is None else reason.format(keys=self.keys, role=role)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--keys", type=Path, default=os.environ.get(ENV_VAR) or None,
-                        help=f"the CurveZMQ key folder made by `specserve keys FOLDER` (default: ${ENV_VAR}); every "
-                             "socket between the services is authenticated and encrypted with it")
-    parser.add_argument("--insecure-loopback", action="store_true",
-                        help="run without keys: any local process can then speak for a gateway or a worker, so every "
-                             "address must be on 127.0.0.1 (or ::1, ipc://)")
 
 
 def from_arguments(args: argparse.Namespace, role: Role | Literal["scheduler"], addresses: Iterable[tuple[str, str]]) -> Transport:

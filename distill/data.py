@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from modeling.batch import SeqSpan
-from modeling.engine import ModelEngine
+from modeling.model.batch import SeqSpan
+from modeling.model.engine import ModelEngine
 
 
 @dataclass

@@ -6,24 +6,14 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import process_config
+from common import process_config, settings
 from common.arguments import below_problem
 from common.draft_spec import DraftKind, DraftSpec
 from common.process_config import ProcessConfig
-from common.defaults import DRAFT_MAX_TOKENS, HEAD_DRAFT_TOKENS, MAX_MODEL_LEN
-from modeling.engine import DTYPES
-from modeling.quantized import QUANTIZATION_HELP, QuantizationError, weight_blocks
+from common.settings.choices import AUTO
+from modeling.model.engine import default_dtype
+from modeling.kernels.blocks import QuantizationError, weight_blocks
 from proto.messages import MAX_SPARSE_DIST_TOKENS
-
-PROPOSER_HELP = (
-    "what proposes: 'ngram' (prompt lookup), 'model:PATH' (a draft model folder whose vocabulary matches the "
-    "target's), 'phrases:PATH' (prompt lookup, then the target's own phrases kept in PATH by `specserve distill` for "
-    "the target named by --target-model), 'eagle:PATH' (a draft head made by `specserve distill` for that target), "
-    "'eagle+ngram:PATH' (prompt lookup, that head elsewhere), 'eagle+phrases:PATH' (prompt lookup, then the folder's "
-    "phrases, its head elsewhere), or, for tests "
-    "only, 'random:VOCAB_SIZE' (random tokens) and 'replay:FILE' (continuations from a JSON list of token-id sequences)"
-)
-
 
 @dataclass(frozen=True)
 class DraftConfig:
@@ -38,31 +28,29 @@ class DraftConfig:
     max_model_len: int  # tokens per sequence it can hold
     num_seqs: int  # sequences it holds at once (a draft model: its KV cache holds this many of max_model_len)
     draft_top_k: int  # a sampled draft token is drawn from the draft's k most likely tokens at most
-    quantization: str = "none"  # a draft model: GGUF blocks served as they are (modeling/quantized.py), or "none"
+    quantization: str = "none"  # a draft model: GGUF blocks served as they are (modeling/kernels/blocks.py), or "none"
+
+
+DEFAULT_PROPOSER = "default"  # --proposer's default: the shipped draft for its target, else prompt lookup
+
+
+def default_proposer(target_model: Path | None) -> DraftSpec:
+    """Prompt lookup, then the phrases `specserve distill` made for the embedded default model (drafts/), when the
+    target is that model; prompt lookup for any other (or none named)."""
+    from modeling.model.eagle import DraftMismatch, check_target
+    from modeling.model.store import default_draft_dir
+
+    if target_model is not None:
+        try:
+            check_target(default_draft_dir(), target_model)
+            return DraftSpec(DraftKind.PHRASES, default_draft_dir())
+        except (DraftMismatch, OSError):  # another model, or an install without the repository's drafts/ folder
+            pass
+    return DraftSpec(DraftKind.NGRAM)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--proposer", default="ngram", help=PROPOSER_HELP)
-    parser.add_argument("--target-model", type=Path, default=None, help="the target's model folder (needed by phrases:PATH and the eagle kinds)")
-    parser.add_argument("--max-draft-tokens", type=int, default=DRAFT_MAX_TOKENS,
-                        help="the longest proposal it makes (the scheduler asks for k up to its own cap)")
-    parser.add_argument("--head-draft-tokens", type=int, default=HEAD_DRAFT_TOKENS,
-                        help="eagle+ngram, eagle+phrases: the longest proposal the head makes; a lookup's may be "
-                             "--max-draft-tokens long")
-    parser.add_argument("--token-trees", action=argparse.BooleanOptionalAction, default=True,
-                        help="phrases: guess a token tree (the likeliest branches of the phrases and prompt lookup, "
-                             "verified in one step); --no-token-trees: one chain")
-    parser.add_argument("--ngram-min", type=int, default=2)
-    parser.add_argument("--ngram-max", type=int, default=4)
-    parser.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
-    parser.add_argument("--num-seqs", type=int, default=64,
-                        help="sequences a draft model holds at once, for each target worker (see --num-targets)")
-    parser.add_argument("--num-targets", type=int, default=1,
-                        help="the target workers it drafts for: it holds --num-seqs times this many sequences")
-    parser.add_argument("--draft-top-k", type=int, default=32)
-    parser.add_argument("--quantization", default="none", help="for a draft model (--proposer model:PATH): "
-                        + QUANTIZATION_HELP)
-    process_config.add_arguments(parser, default_worker_id="draft-0", dtypes=DTYPES)
+    settings.add_arguments(parser, "draft")
 
 
 def from_arguments(args: argparse.Namespace) -> DraftConfig:
@@ -72,10 +60,13 @@ def from_arguments(args: argparse.Namespace) -> DraftConfig:
         raise ValueError(problem)
     if args.draft_top_k > MAX_SPARSE_DIST_TOKENS:  # the scheduler and the targets refuse a larger distribution
         raise ValueError(f"--draft-top-k {args.draft_top_k}: at most {MAX_SPARSE_DIST_TOKENS}")
+    if args.dtype == AUTO:
+        args = argparse.Namespace(**{**vars(args), "dtype": default_dtype(args.device)})
     process = process_config.from_arguments(args)
     if args.ngram_max < args.ngram_min:
         raise ValueError(f"--ngram-max ({args.ngram_max}) is below --ngram-min ({args.ngram_min})")
-    proposer = DraftSpec.parse(args.proposer, flag="--proposer")
+    proposer = (default_proposer(args.target_model) if args.proposer == DEFAULT_PROPOSER
+                else DraftSpec.parse(args.proposer, flag="--proposer"))
     if proposer.needs_target_model and args.target_model is None:
         raise ValueError(f"--proposer {proposer.kind}:PATH needs --target-model (the target's folder: the draft is checked against it)")
     if args.quantization != "none" and proposer.kind is not DraftKind.MODEL:
@@ -84,7 +75,7 @@ def from_arguments(args: argparse.Namespace) -> DraftConfig:
     try:
         weight_blocks(proposer.path or Path("."), args.quantization)
     except QuantizationError as exc:
-        raise ValueError(str(exc)) from exc
+        raise ValueError(f"--quantization {exc}") from exc
     return DraftConfig(
         process=process, proposer=proposer, target_model=args.target_model,
         max_draft_tokens=args.max_draft_tokens, head_draft_tokens=args.head_draft_tokens, token_trees=args.token_trees,

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from modeling.features import FeatureError, from_rows
-from modeling.kv_cache import pages_for
-from modeling.page_pool import PagePool
+from modeling.model.features import FeatureError, from_rows
+from modeling.model.kv_cache import pages_for
+from common.page_pool import PagePool
 from proto.messages import ProposeSeq
 
 

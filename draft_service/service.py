@@ -11,23 +11,20 @@ import torch
 from common.draft_spec import DraftKind
 from common.lifecycle_process import LifecycleProcess, Phase, ReadyDetails
 from draft_service.config import DraftConfig
-from draft_service.proposers import (
-    EagleProposer,
-    LookupThenHead,
-    ModelProposer,
-    NgramProposer,
-    PhraseProposer,
-    ProposeInput,
-    Proposer,
-)
+from draft_service.head_proposer import EagleProposer
+from draft_service.lookup_then_head import LookupThenHead
+from draft_service.model_proposer import ModelProposer
+from draft_service.phrase_proposer import PhraseProposer
+from draft_service.prompt_lookup import NgramProposer
+from draft_service.proposer import ProposeInput, Proposer
 from draft_service.sequences import SequenceStore
 from draft_service.testing_proposers import RandomProposer, ReplayProposer
-from modeling.cpu_kernels import native_unavailable
-from modeling.kv_cache import DEFAULT_PAGE_SIZE
-from modeling.phrases import FULL_CONTEXT as PHRASE_FULL_CONTEXT
+from modeling.kernels.packing import native_unavailable
+from modeling.model.kv_cache import DEFAULT_PAGE_SIZE
+from common.text.phrases import FULL_CONTEXT as PHRASE_FULL_CONTEXT
 from proto import frames
 from proto import messages as m
-from modeling.threads import compute_on
+from modeling.kernels.threads import compute_on
 from proto.lifecycle import State
 
 

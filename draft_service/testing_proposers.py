@@ -16,7 +16,7 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-from draft_service.proposers import ProposeInput, Proposed, StatelessProposer, nothing
+from draft_service.proposer import ProposeInput, Proposed, StatelessProposer, nothing
 
 
 class RandomProposer(StatelessProposer):

@@ -25,7 +25,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.scheduler_client import SchedulerClient
 from gateway.server import SpecServeServicer, add_servicer
 from gateway.structured_request import GrammarCompiler
-from modeling.tokenizer import Tokenizer, TokenizerLoadError
+from common.text.tokenizer import Tokenizer, TokenizerLoadError
 from proto import specserve_pb2 as pb
 
 SPECSERVE_SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["SpecServe"].full_name

@@ -1,5 +1,5 @@
 """Which requests share prefix-cache pages: the gateway's --prefix-cache-scope, as the salt each request's pages are
-keyed under (modeling/page_pool.py).
+keyed under (common/page_pool.py).
 
 A request whose prompt starts with pages already cached gets its first token sooner and says
 so in its usage (`cached_tokens`). Where two clients share pages, each can so learn whether
@@ -25,7 +25,6 @@ from typing import Literal, assert_never
 from gateway.request import Submission
 
 CacheScope = Literal["global", "salt", "tenant"]
-SCOPES: tuple[CacheScope, ...] = ("global", "salt", "tenant")
 UNSALTED = ""  # the page pool's cache every unsalted request shares
 
 

@@ -9,16 +9,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.transport import Transport, TransportError
-from common.transport import add_arguments as add_transport_arguments
 from common.transport import from_arguments as transport_from_arguments
+from common import settings
 from common.arguments import flag, not_positive_problem
 from gateway.access import ENV_VAR as API_KEY_ENV_VAR
 from gateway.access import ApiKeyError, ApiKeys, api_keys
-from gateway.cache_scope import SCOPES, CacheScope
+from gateway.cache_scope import CacheScope
 from gateway.cors import Cors, OriginError
-from gateway.http_body import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S
+from gateway.http_body import HTTP_MAX_BODY_BYTES, HTTP_READ_TIMEOUT_S
 from gateway.output_formats import ReasoningParser, ToolCallParser
-from gateway.output_formats import add_arguments as add_output_format_arguments
 from gateway.tls import Tls, TlsError
 
 
@@ -37,8 +36,8 @@ class GatewayConfig:
     scheduler_restart_window_s: float = 60.0
     health_poll_interval_s: float = 0.5
     shutdown_grace_s: float = 30.0  # streams in flight get this long to finish after the first SIGTERM/SIGINT
-    http_max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger HTTP body gets 413
-    http_read_timeout_s: float = DEFAULT_READ_TIMEOUT_S  # an HTTP body not all received by then gets 408
+    http_max_body_bytes: int = HTTP_MAX_BODY_BYTES  # a larger HTTP body gets 413
+    http_read_timeout_s: float = HTTP_READ_TIMEOUT_S  # an HTTP body not all received by then gets 408
     transport: Transport = Transport(None)  # its keys (common/transport.py), or insecure loopback
     prefix_cache_scope: CacheScope = "global"  # which requests share prefix-cache pages (gateway/cache_scope.py)
     api_keys: ApiKeys = ApiKeys()  # the keys callers present (gateway/access.py); none: the ports are open
@@ -53,50 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m gateway", description="specserve gateway: the public gRPC API in front of the scheduler."
     )
-    parser.add_argument("--model", required=True, type=Path, help="model folder with tokenizer.json and config.json")
-    parser.add_argument("--scheduler-address", default="tcp://127.0.0.1:5555", help="the scheduler's gateway endpoint")
-    add_output_format_arguments(parser)
-    parser.add_argument("--host", default="0.0.0.0", help="address the gRPC server listens on")
-    parser.add_argument("--port", type=int, default=50051, help="gRPC port; 0 picks a free one")
-    parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port; 0 picks a free one")
-    parser.add_argument("--log-json", action="store_true", help="log JSON lines instead of console text")
-    parser.add_argument("--gateway-id", default=None, help="this gateway's name at the scheduler (default: random)")
-    parser.add_argument("--scheduler-timeout-s", type=float, default=2.0, help="wait for a scheduler answer")
-    parser.add_argument("--scheduler-restart-window-s", type=float, default=60.0,
-                        help="how long a request in flight waits for a silent scheduler to come back before it fails")
-    parser.add_argument("--health-poll-interval-s", type=float, default=0.5, help="how often health asks the scheduler")
-    parser.add_argument("--shutdown-grace-s", type=float, default=30.0, help="time streams get to finish on shutdown")
-    parser.add_argument("--http-max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                        help="the largest HTTP request body accepted (larger: 413)")
-    parser.add_argument("--http-read-timeout-s", type=float, default=DEFAULT_READ_TIMEOUT_S,
-                        help="how long an HTTP request body may take to arrive (longer: 408 and the connection closes)")
-    parser.add_argument("--prefix-cache-scope", choices=SCOPES, default="global",
-                        help="which requests share prefix-cache pages: global (every request without a cache_salt; "
-                             "anyone who can reach the ports can probe what others sent), salt (only requests with "
-                             "the same cache_salt), tenant (only requests made with the same API key; needs keys)")
-    parser.add_argument("--api-key", action="append", default=[],
-                        help="a key callers must present (HTTP: Authorization: Bearer KEY; gRPC: the same metadata); "
-                             "repeat for more, each a tenant. /health and /ready stay open. Visible to anyone who can "
-                             f"list processes: prefer --api-key-file or {API_KEY_ENV_VAR}")
-    parser.add_argument("--api-key-file", type=Path, default=None,
-                        help="a file of keys callers may present, one a line (# starts a comment)")
-    # An empty value is no file: docker-compose.yml passes its settings through whether or not they are set.
-    parser.add_argument("--tls-certfile", type=path_or_none, default=None,
-                        help="PEM certificate (chain) both public ports serve TLS with; needs --tls-keyfile")
-    parser.add_argument("--tls-keyfile", type=path_or_none, default=None, help="the certificate's PEM private key")
-    parser.add_argument("--tls-ca-certfile", type=path_or_none, default=None,
-                        help="PEM CA certificates: clients must then present a certificate one of them signed (mTLS; "
-                             "/health and /ready stay open on the HTTP port)")
-    parser.add_argument("--allowed-origins", action="append", default=[],
-                        help="origins (scheme://host[:port], comma-separated or repeated; * for any) whose scripts "
-                             "may call the HTTP API from a browser (CORS); none by default")
-    add_transport_arguments(parser)
+    settings.add_arguments(parser, "gateway")
     return parser
-
-
-def path_or_none(value: str) -> Path | None:
-    """A file flag's value: "" is none."""
-    return Path(value) if value else None
 
 
 def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:

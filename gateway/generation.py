@@ -24,9 +24,10 @@ from gateway.errors import InvalidArgument, RequestFailed
 from gateway.metrics import GatewayMetrics
 from gateway.output import Chunk, RequestOutput, SpecUsage
 from gateway.request import ChatPrompt, Prompt, Submission, TextPrompt, TokenPrompt
-from gateway.scheduler_client import RequestStream, SchedulerClient
+from gateway.request_stream import RequestStream
+from gateway.scheduler_client import SchedulerClient
 from gateway.structured_request import GrammarCompiler
-from modeling.tokenizer import ChatMessage, ChatTemplateError, Tokenizer
+from common.text.tokenizer import ChatMessage, ChatTemplateError, Tokenizer
 from proto import messages
 
 

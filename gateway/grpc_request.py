@@ -11,8 +11,8 @@ from gateway.errors import InvalidArgument
 from gateway.request import ChatPrompt, ClientRequest, Prompt, Submission, TextPrompt, TokenPrompt
 from gateway.structured_request import SpecError, parsed_schema
 from gateway.validation import FieldNames, Grammars, checked_request_id, validate
-from modeling.structured import StructuredSpec
-from modeling.tokenizer import ChatMessage
+from common.text.structured import StructuredSpec
+from common.text.tokenizer import ChatMessage
 from proto import specserve_pb2 as pb
 
 GRPC_FIELDS = FieldNames(

@@ -42,7 +42,7 @@ from gateway.sglang_api import SglangApi
 from gateway.tokenize_api import detokenize_body, tokenize_body
 from gateway.tools import ToolAsk, call_grammar, tool_ask
 from gateway.validation import validate
-from modeling.structured import StructuredSpec
+from common.text.structured import StructuredSpec
 
 
 class HttpApi:

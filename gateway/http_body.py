@@ -24,11 +24,10 @@ from typing import Any
 from aiohttp import web
 
 from common.cpus import usable_cpus
+from common.defaults import HTTP_MAX_BODY_BYTES, HTTP_READ_TIMEOUT_S
 from common.json_depth import nests_deeper_than
 from gateway.openai_request import ApiError
 
-DEFAULT_MAX_BODY_BYTES = 32 * 2**20  # a long-context prompt as text is a few MiB at most
-DEFAULT_READ_TIMEOUT_S = 30.0
 # Where a request keeps its caller's tenant once its API key is checked (gateway/access.py), for the routes to read.
 TENANT = web.RequestKey("specserve.tenant", str)
 MAX_JSON_DEPTH = 64  # an OpenAI body nests 4 deep (messages[i].content[j].text)
@@ -50,8 +49,8 @@ reply_json = functools.partial(json.dumps, allow_nan=False)
 
 @dataclass(frozen=True)
 class BodyLimits:
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S  # from the handler's start to the body's last byte
+    max_body_bytes: int = HTTP_MAX_BODY_BYTES
+    read_timeout_s: float = HTTP_READ_TIMEOUT_S  # from the handler's start to the body's last byte
     max_json_depth: int = MAX_JSON_DEPTH
 
 

@@ -19,7 +19,7 @@ from gateway.errors import InvalidArgument, RequestFailed
 from gateway.request import ChatPrompt, ClientRequest, Prompt, TextPrompt, TokenPrompt
 from gateway.structured_request import Asked, SpecError, openai_structured
 from gateway.validation import FieldNames
-from modeling.tokenizer import RESERVED_TEMPLATE_KEYS, ChatMessage
+from common.text.tokenizer import RESERVED_TEMPLATE_KEYS, ChatMessage
 
 HTTP_STATUS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,

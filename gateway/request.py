@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from modeling.structured import StructuredSpec
-from modeling.tokenizer import ChatMessage
+from common.text.structured import StructuredSpec
+from common.text.tokenizer import ChatMessage
 from proto import messages
 
 
@@ -56,7 +56,7 @@ class ClientRequest:
     # asked, max_tokens may be 0). None: none.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
-    # Penalties (modeling/penalties.py); None: none.
+    # Penalties (modeling/sampling/penalties.py); None: none.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None

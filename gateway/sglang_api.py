@@ -34,7 +34,7 @@ from gateway.output import Chunk
 from gateway.request import ClientRequest, Prompt, TextPrompt, TokenPrompt
 from gateway.structured_request import Asked, SpecError, parsed_schema
 from gateway.validation import FieldNames, checked_request_id, validate
-from modeling.structured import StructuredSpec
+from common.text.structured import StructuredSpec
 from proto.messages import MAX_TOP_LOGPROBS
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's

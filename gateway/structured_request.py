@@ -15,9 +15,9 @@ from collections import OrderedDict
 from typing import Any
 
 from gateway.errors import InvalidArgument
-from modeling.structured import (MAX_SPEC_CHARS, GrammarError, StructuredSpec, compile_spec, grammar_tokenizer,
+from common.text.structured import (MAX_SPEC_CHARS, GrammarError, StructuredSpec, compile_spec, grammar_tokenizer,
                                  schema_of)
-from modeling.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 
 _COMPILED_KEPT = 256  # grammars kept compiled (clients repeat their schemas)
 

@@ -13,8 +13,8 @@ from typing import Protocol, assert_never
 
 from gateway.errors import InvalidArgument
 from gateway.request import ChatPrompt, ClientRequest, Prompt, Submission, TextPrompt, TokenPrompt
-from modeling.structured import StructuredSpec
-from modeling.tokenizer import ChatMessage
+from common.text.structured import StructuredSpec
+from common.text.tokenizer import ChatMessage
 from proto import messages
 
 MAX_REQUEST_ID_CHARS = 128

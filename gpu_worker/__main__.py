@@ -8,7 +8,7 @@ import os
 # so the short gap between two decode steps does not put them to sleep (measured here:
 # ~15% more tokens/s at batch 1). Idle longer than that, they sleep as usual. They compute a
 # model only where the native kernels do not serve it (torch ops alone); the kernels have a
-# thread team of their own, and torch's ops then run on one thread (modeling/threads.py).
+# thread team of their own, and torch's ops then run on one thread (modeling/kernels/threads.py).
 os.environ.setdefault("GOMP_SPINCOUNT", "3000000")
 
 import sys  # noqa: E402

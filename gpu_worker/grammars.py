@@ -1,4 +1,4 @@
-"""The token masks of requests whose completion follows a grammar (modeling/structured.py), on a target worker.
+"""The token masks of requests whose completion follows a grammar (common/text/structured.py), on a target worker.
 
 Every step of such a request names its grammar and carries the sequence's tokens (the
 worker keeps none). The worker keeps one llguidance matcher per request as a cache: it is
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import llguidance
 import torch
 
-from modeling.trees import branch_to, parents_or_chain
+from common.trees import branch_to, parents_or_chain
 from proto.messages import SeqWork
 
 

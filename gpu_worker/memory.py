@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 from gpu_worker.config import WorkerConfig
-from modeling.config import ModelConfig
-from modeling.kv_cache import page_bytes, pages_for
+from modeling.model.config import ModelConfig
+from modeling.model.kv_cache import page_bytes, pages_for
 from proto import messages as m
 
 GIB = 1024**3

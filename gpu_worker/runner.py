@@ -8,20 +8,20 @@ import torch
 
 from gpu_worker.config import WorkerConfig
 from common.step_shape import step_shape
-from modeling.batch import SeqSpan
-from modeling.config import ModelConfig
-from modeling.engine import ModelEngine
-from modeling.features import to_rows
-from modeling.batch import PageError
-from modeling.kv_cache import pages_for
-from modeling.logprobs import token_logprobs
-from modeling.penalties import penalize_rows
-from modeling.structured import grammar_tokenizer
-from modeling.tokenizer import Tokenizer
+from modeling.model.batch import SeqSpan
+from modeling.model.config import ModelConfig
+from modeling.model.engine import ModelEngine
+from modeling.model.features import to_rows
+from modeling.model.batch import PageError
+from modeling.model.kv_cache import pages_for
+from modeling.sampling.logprobs import token_logprobs
+from modeling.sampling.penalties import penalize_rows
+from common.text.structured import grammar_tokenizer
+from common.text.tokenizer import Tokenizer
 from gpu_worker.grammars import GrammarFailure, GrammarMasks
-from modeling.proposals import drafts_problem
-from modeling.rejection import verify, verify_tree_greedy, verify_tree_sampled
-from modeling.trees import branch_to, leading_nodes, parents_or_chain
+from common.draft_rules import drafts_problem
+from modeling.sampling.rejection import verify, verify_tree_greedy, verify_tree_sampled
+from common.trees import branch_to, leading_nodes, parents_or_chain
 from proto.messages import MAX_TOP_LOGPROBS, Penalties, PromptLogprobs, SeqFeatures, SeqOutput, SeqWork, StepTiming
 
 
@@ -216,7 +216,7 @@ class ModelRunner:
     def _constrained(self, seqs: list[SeqWork], logits: torch.Tensor,
                      masks: dict[str, list[torch.Tensor | None]]) -> torch.Tensor:
         """The logits with each sampling row of a sequence with penalties or a grammar changed after its own prefix:
-        the tokens that stand, then its draft branch (modeling/penalties.py, then the grammar's mask). In float32 when
+        the tokens that stand, then its draft branch (modeling/sampling/penalties.py, then the grammar's mask). In float32 when
         any is (a widening: exact)."""
         if not masks and not any(w.sample and w.sampling.penalties is not None for w in seqs):
             return logits

@@ -11,10 +11,10 @@ import torch
 from common.lifecycle_process import LifecycleProcess, Phase, ReadyDetails
 from gpu_worker.config import WorkerConfig
 from gpu_worker.runner import ModelRunner
-from modeling.config import ModelConfig, model_fingerprint, vocab_fingerprint
+from modeling.model.config import ModelConfig, model_fingerprint, vocab_fingerprint
 from gpu_worker.memory import num_kv_pages
-from modeling.batch import PageError
-from modeling.threads import compute_on
+from modeling.model.batch import PageError
+from modeling.kernels.threads import compute_on
 from proto import frames
 from proto import messages as m
 from proto.lifecycle import State

@@ -59,7 +59,7 @@ class FrameLimits:
     @property
     def max_step_tokens(self) -> int:
         """A step's tokens with its drafts: the budget, and what a grammar forces, which each decoding sequence may
-        carry beyond it (scheduler/stepping.py, `_forced_drafts`)."""
+        carry beyond it (scheduler/speculation/forced.py, `forced_drafts`)."""
         return self.max_num_batched_tokens + self.max_num_seqs * self.max_draft_tokens
 
     @property

@@ -77,7 +77,7 @@ MAX_RELEASE_IDS = 1024  # request ids one ReleaseSequences names (more go in sev
 
 
 class Penalties(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What changes a request's logits before it samples (modeling/penalties.py), in this order: stop tokens held back
+    """What changes a request's logits before it samples (modeling/sampling/penalties.py), in this order: stop tokens held back
     until min_tokens, logit_bias added, then repetition, frequency and presence penalties."""
 
     presence: float = 0.0  # subtracted from the logit of every token the completion holds, in -2 .. 2
@@ -135,7 +135,7 @@ class SubmitRequest(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fi
     # A request resumed on a new scheduler: the last resumed_tokens of prompt_token_ids are completion tokens it had
     # already streamed (penalties and the grammar count them as the completion's).
     resumed_tokens: int = 0
-    # The grammar its completion follows (llguidance's text, modeling/structured.py); None: any text.
+    # The grammar its completion follows (llguidance's text, common/text/structured.py); None: any text.
     grammar: str | None = None
     # Its prefix-cache pages are shared only with requests of the same salt ("": the cache every unsalted request
     # shares); the gateway sets it (see its --prefix-cache-scope).
@@ -329,7 +329,7 @@ class SparseDist(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_
 class FeatureRows(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A target's final hidden states at consecutive positions, raw: row-major `num_rows` x `width` values of `dtype`.
 
-    What an EAGLE-style draft head reads (modeling/eagle.py); the scheduler only moves the bytes.
+    What an EAGLE-style draft head reads (modeling/model/eagle.py); the scheduler only moves the bytes.
     """
 
     start_position: int
@@ -500,14 +500,14 @@ class LifecycleReport(msgspec.Struct, tag="lifecycle", frozen=True, forbid_unkno
     previous_duration_s: float  # time spent in previous_state
     # With READY, a target that found on warming up that it can verify fewer draft tokens
     # than its hello said: the new limit. 0: its steps are not batch invariant
-    # (modeling/invariance.py), so verification would not be lossless and it serves
+    # (modeling/kernels/invariance.py), so verification would not be lossless and it serves
     # without speculation. None: the hello's limit stands.
     max_draft_tokens: int | None = None
     # With READY: which kernels its model runs on, as its model engine says ("native (linear
     # kernel: avx2)", or "torch (...)" with the reason); "" when it runs no model (a lookup draft).
     kernels: str = ""
     # With READY, a target: whether its steps are batch invariant (a row's logits do not depend on
-    # the rows beside it; modeling/invariance.py), so greedy verification gives exactly plain
+    # the rows beside it; modeling/kernels/invariance.py), so greedy verification gives exactly plain
     # decoding's answer. None: not said (a draft service).
     batch_invariant: bool | None = None
     # With READY, a target: steps it timed while warming up, so the scheduler's cost model knows

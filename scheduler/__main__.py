@@ -15,7 +15,6 @@ from scheduler.service import SchedulerService
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scheduler", description="the specserve scheduler process")
     add_arguments(parser)
-    parser.add_argument("--log-json", action="store_true")
     args = parser.parse_args(argv)
     logs.configure("scheduler", json_logs=args.log_json or None)
     try:

@@ -81,7 +81,7 @@ class StepSeq:
     samples: bool
     draft_token_ids: list[int]  # the proposal it verifies; empty without one
     draft_generation: int = 0  # the request's DraftView generation when the proposal was made
-    draft_parents: list[int] | None = None  # the proposal's token tree (modeling.trees); None: a chain
+    draft_parents: list[int] | None = None  # the proposal's token tree (common.trees); None: a chain
     prompt_scores: int | None = None  # prompt log-probabilities the step returns for it; None: none asked for
     computed_before: int = 0  # positions of it computed before the step (what its rows attend to besides their own)
     draft_source: str = ""  # the proposer that made its drafts (acceptance.GRAMMAR: its grammar forced them)

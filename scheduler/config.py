@@ -6,17 +6,12 @@ import argparse
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from common import settings
 from common.arguments import below_problem, not_positive_problem
 from common.draft_spec import DraftKind, DraftSpec
-from common.defaults import (HEAD_DRAFT_TOKENS, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS,
-                             MODEL_SPEC_BATCH_THRESHOLD, NUM_SPECULATIVE_TOKENS, SPEC_BATCH_THRESHOLD)
 from common.transport import Transport
-from common.transport import add_arguments as add_transport_arguments
 from common.transport import from_arguments as transport_from_arguments
-from proto.messages import GATEWAY_HEARTBEAT_INTERVAL_S, MAX_NAME_CHARS
-
-SPECULATION_POLICIES = ("goodput", "fixed")
-SCHEDULING_POLICIES = ("fcfs", "priority")
+from proto.messages import MAX_NAME_CHARS
 
 
 @dataclass(frozen=True)
@@ -59,54 +54,7 @@ class SchedulerConfig:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gateway-address", default="tcp://127.0.0.1:5555")
-    parser.add_argument("--worker-address", default="tcp://127.0.0.1:5556")
-    parser.add_argument("--model-name", default="SmolLM2-135M-Instruct")
-    parser.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=MAX_NUM_BATCHED_TOKENS)
-    parser.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS, help="sequences in one step, and running on one worker")
-    parser.add_argument("--max-queue-len", type=int, default=1024)
-    parser.add_argument("--no-worker-timeout-s", type=float, default=30.0)
-    parser.add_argument("--heartbeat-timeout-s", type=float, default=5.0,
-                        help="a worker or draft service silent this long is DEAD; a gateway silent this long is gone "
-                             f"(gateways say a heartbeat every {GATEWAY_HEARTBEAT_INTERVAL_S:g} s)")
-    parser.add_argument("--step-timeout-s", type=float, default=60.0)
-    parser.add_argument("--status-file", type=Path, default=None, help="write LISTENING here once the sockets are bound (for container health checks)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=None,
-                        help="draft tokens proposed per sequence in a speculative step (0: never speculate; default: "
-                             f"{HEAD_DRAFT_TOKENS} for a draft head alone, else {NUM_SPECULATIVE_TOKENS}, as the draft "
-                             "service's hello names its kind)")
-    parser.add_argument("--spec-disable-batch-threshold", type=int, default=None,
-                        help="speculate only when a step has at most this many sequences; larger ones decode plainly "
-                             f"(default: {MODEL_SPEC_BATCH_THRESHOLD} for a draft that runs a model, else "
-                             f"{SPEC_BATCH_THRESHOLD})")
-    parser.add_argument("--spec-draft-token-budget", type=int, default=32,
-                        help="draft tokens one speculative step verifies in all, shared evenly among its sequences "
-                             "(k shrinks as steps grow; fewer than one each: a plain step)")
-    parser.add_argument("--speculation-policy", choices=SPECULATION_POLICIES, default="goodput",
-                        help="goodput: each step speculates only as far as what it measured says pays (the target's "
-                             "step time, the wait for proposals, each request's acceptance), often not at all; fixed: "
-                             "k up to the caps above in every step the threshold allows (for comparison and tests)")
-    parser.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
-                        help="fcfs: requests run in the order they came; priority: by each request's priority (lower "
-                             "first, as in vLLM), then that order, and a worker out of KV pages preempts the lowest "
-                             "priority first. Under fcfs a request with a priority other than 0 is refused")
-    parser.add_argument("--phase-timeout-s", type=float, default=600.0,
-                        help="a worker or draft start-up phase running longer is FAILED and the process told to stop")
-    parser.add_argument("--propose-timeout-s", type=float, default=2.0,
-                        help="how long a step waits for the draft service before it runs without proposals")
-    parser.add_argument("--gone-listed-s", type=float, default=300.0,
-                        help="how long a DEAD or FAILED process stays listed in GetServerInfo and /metrics")
-    parser.add_argument("--gateway-gone-grace-s", type=float, default=10.0,
-                        help="a gateway whose connection closed, or that was silent for --heartbeat-timeout-s, has this "
-                             "long to come back (a network blip, a restart with the same --gateway-id); then its "
-                             "requests, waiting and running, are aborted and their KV pages freed")
-    parser.add_argument("--max-request-retries", type=int, default=2,
-                        help="a request whose step was in flight on a worker that was lost is run again this many times "
-                             "at most; the next loss fails it (a request that kills every worker it meets)")
-    parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
-                        help="reuse the KV pages of a cached prompt prefix (--no-prefix-cache: every prompt is computed)")
-    add_transport_arguments(parser)
+    settings.add_arguments(parser, "scheduler")
 
 
 def from_arguments(args: argparse.Namespace) -> SchedulerConfig:

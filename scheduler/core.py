@@ -1,34 +1,37 @@
 """The scheduler's functional core: every event in, every message to send out; no I/O, no clock of its own.
 
 The asyncio shell (service.py) feeds it decoded messages with the current monotonic
-time and sends what collects in `outbox`. This module handles each event and the
-verdicts on processes. What ends when a process or a gateway is lost is endings.py, the
-step cycle (plan -> propose -> step -> apply) stepping.py, requests requests.py, worker
-records workers.py, and everything about speculation speculation/.
+time and sends what collects in `outbox`. This module takes each event to what handles
+it and ends every event the same way (`_end_event`): a worker's hello and lifecycle
+reports go to worker_lifecycle.py, a step's result to step_results.py, what a lost process
+or gateway ends to endings.py; the step cycle is stepping.py, a request's end
+finishing.py, the requests request_table.py, and everything about speculation speculation/.
 """
 
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable
 from functools import partial
 from typing import assert_never
 
 from common.logs import get_logger
-from common.step_shape import StepShape
 from common.protocol_errors import ProtocolErrors
 from proto import messages as m
-from proto.messages import MAX_STEP_TIMINGS
-from proto.lifecycle import TRANSITIONS, State
+from proto.lifecycle import State
+from scheduler.admission import RequestRejected
 from scheduler.config import SchedulerConfig
 from scheduler.endings import Endings
+from scheduler.finishing import Finisher
 from scheduler.gateways import GatewayRegistry
 from scheduler.outbox import Outbox
-from scheduler.requests import RequestRejected, RequestStatus, RequestTable, token_problem
+from scheduler.request_table import RequestTable
+from scheduler.requests import RequestStatus
 from scheduler.speculation.link import DraftLink
-from scheduler.stepping import StepCycle, protocol_error
-from scheduler.workers import MAX_KERNELS_CHARS, WorkerRecord, WorkerRegistry, hello_problem
+from scheduler.step_results import StepResults, protocol_error
+from scheduler.stepping import StepCycle
+from scheduler.worker_lifecycle import WorkerLifecycle
+from scheduler.workers import WorkerRegistry
 
 log = get_logger()
 
@@ -37,21 +40,24 @@ class SchedulerCore:
     """`peer_connected(identity)`: whether a worker socket with that routing identity is connected now (the shell asks
     ZeroMQ); it decides whether a second hello for a worker id comes from a restarted process or from an impostor."""
 
-    def __init__(self, config: SchedulerConfig, rng: random.Random | None = None,
+    def __init__(self, config: SchedulerConfig, *, wall_clock_ns: Callable[[], int], rng: random.Random | None = None,
                  peer_connected: Callable[[bytes], bool] = lambda identity: True) -> None:
         self._config = config
-        self._peer_connected = peer_connected
         self._requests = RequestTable(config.max_model_len, config.max_queue_len, rng or random.Random(),
                                       by_priority=config.scheduling_policy == "priority")
         self._workers = WorkerRegistry(config.max_model_len)
         self._drafts = DraftLink(config)
         self.outbox = Outbox()
-        self._steps = StepCycle(config, self._requests, self._workers, self._drafts, self.outbox)
-        self._gateways = GatewayRegistry(config.heartbeat_timeout_s, config.gateway_gone_grace_s)
-        self._endings = Endings(config, self._requests, self._drafts, self._steps, self.outbox)
         # What the shell drops from each socket before (or after) the core sees it, exported with info().
         self.protocol_errors = {"gateway": ProtocolErrors("scheduler.gateway"), "worker": ProtocolErrors("scheduler.worker")}
-        self._no_ready_target_since_s: float | None = 0.0  # None while a target worker is READY
+        self._finisher = Finisher(self._requests, self._workers, self._drafts, self.outbox)
+        self._steps = StepCycle(config, self._requests, self._workers, self._drafts, self._finisher, self.outbox)
+        self._results = StepResults(config, self._requests, self._drafts, self._finisher, self.outbox)
+        self._gateways = GatewayRegistry(config.heartbeat_timeout_s, config.gateway_gone_grace_s)
+        self._endings = Endings(config, self._requests, self._drafts, self._finisher, self._steps, self.outbox)
+        self._lifecycle = WorkerLifecycle(config, self._workers, self._requests, self._drafts, self._finisher,
+                                          self._endings, self.outbox, self.protocol_errors["worker"], peer_connected,
+                                          wall_clock_ns)
 
     # ------------------------------------------------------------------ views
 
@@ -106,7 +112,8 @@ class SchedulerCore:
                 if request is not None and request.gateway != identity:  # a gateway ends only its own requests
                     self.protocol_errors["gateway"].record("not_owner", message="abort", request_id=message.request_id)
                 elif request is not None:  # else already finished
-                    self._steps.finish(request, RequestStatus.FINISHED_ABORTED, notify=False, reason=message.reason[:200])
+                    self._finisher.finish(request, RequestStatus.FINISHED_ABORTED, notify=False,
+                                          reason=message.reason[:200])
             case m.InfoQuery():
                 if message.flush_prefix_cache:
                     flushed = sum(w.pages.flush() for w in self._workers if w.pages is not None)
@@ -133,7 +140,7 @@ class SchedulerCore:
                                                               cfg.step_timeout_s):
             worker.failure = failure
             self._endings.lose_worker(worker, verdict, now_s)
-        for pending in self._drafts.timed_out(now_s):
+        for pending in self._drafts.proposals.timed_out(now_s):
             log.warning("propose.timeout", propose_id=pending.propose_id, waited_s=round(now_s - pending.sent_at_s, 3),
                         note="the step runs without proposals (--propose-timeout-s)")
             self._steps.give_up_proposal(pending, now_s, answer_may_come=True)
@@ -141,14 +148,11 @@ class SchedulerCore:
             self._endings.orphan_requests(gateway, now_s, f"the gateway was {gateway.missing_because} for more than "
                                                   f"{self._config.gateway_gone_grace_s:g} s (--gateway-gone-grace-s)")
         self._drafts.log_stats(now_s)
-        if not self.has_ready_target():
-            if self._no_ready_target_since_s is None:
-                self._no_ready_target_since_s = now_s
-            since_s = self._no_ready_target_since_s
+        if (since_s := self._lifecycle.without_target_since_s(now_s)) is not None:
             failure = f"no READY worker within {cfg.no_worker_timeout_s} s (--no-worker-timeout-s)"
             for request in [r for r in self._requests.waiting
                             if now_s - max(since_s, r.waiting_since_s) > cfg.no_worker_timeout_s]:
-                self._steps.fail(request, "UNAVAILABLE", failure)
+                self._finisher.fail(request, "UNAVAILABLE", failure)
         self._end_event(now_s)
 
     def _greet(self, identity: bytes, greeting: m.GatewayHello | m.GatewayHeartbeat, now_s: float) -> None:
@@ -175,7 +179,7 @@ class SchedulerCore:
 
     def _on_worker_message(self, identity: bytes, message: m.WorkerToScheduler, now_s: float) -> bool:
         if isinstance(message, m.WorkerHello):
-            return self._on_hello(identity, message, now_s)
+            return self._lifecycle.hello(identity, message, now_s)
         worker = self._workers.current(message.worker_id, message.incarnation)
         if worker is None:
             return False
@@ -188,31 +192,31 @@ class SchedulerCore:
                 worker.num_used_kv_pages = message.num_used_kv_pages
                 worker.protocol_errors = message.protocol_errors
             case m.LifecycleReport():
-                return self._on_lifecycle(worker, message, now_s)
+                return self._lifecycle.reported(worker, message, now_s)
             case m.WorkerFailed():
                 worker.failure = f"{message.phase}: {message.error_type}: {message.message}"
                 self._endings.lose_worker(worker, State.FAILED, now_s)
             case m.StepResult():
-                booked = self._steps.apply(worker, message, now_s)
+                booked = self._results.apply(worker, message, now_s)
                 if not booked.answers:
                     return False
                 if booked.problem:
                     worker.failure = booked.problem
                     self._endings.lose_worker(worker, State.FAILED, now_s)
             case m.StepRefused():
-                if not self._refused_for_its_request(worker, message, now_s):
+                if not self._results.refused_for_its_request(worker, message):
                     log.error("step.refused", worker_id=worker.worker_id, step_id=message.step_id, reason=message.reason)
                     worker.failure = f"refused a step: {message.reason}"
                     self._endings.lose_worker(worker, State.FAILED, now_s)
             case m.ProposeResult():
-                answered = self._drafts.answer(message, self._requests, self._workers.target_vocab_size,
-                                               partial(protocol_error, worker, "bad_proposal"), now_s)
+                answered = self._drafts.proposals.answer(message, self._requests, self._workers.target_vocab_size,
+                                                         partial(protocol_error, worker, "bad_proposal"), now_s)
                 if answered is None:
                     return False
                 self._steps.step_after_proposal(*answered, now_s)
             case m.ProposeRefused() if worker.state is State.DRAINING:  # on its way out it takes no work: no fault
                 log.info("propose.refused_while_draining", worker_id=worker.worker_id, propose_id=message.propose_id)
-                if (pending := self._drafts.pending(message.propose_id)) is not None:
+                if (pending := self._drafts.proposals.pending(message.propose_id)) is not None:
                     self._steps.give_up_proposal(pending, now_s, answer_may_come=False)
             case m.ProposeRefused():
                 log.error("propose.refused", worker_id=worker.worker_id, propose_id=message.propose_id, reason=message.reason)
@@ -220,108 +224,6 @@ class SchedulerCore:
                 self._endings.lose_worker(worker, State.FAILED, now_s)
             case _:
                 assert_never(message)
-        return True
-
-    def _refused_for_its_request(self, worker: WorkerRecord, refused: m.StepRefused, now_s: float) -> bool:
-        """A step refused for one request's own content: that request fails alone; the worker, which ran nothing of
-        the step, is not at fault and its other sequences are planned again."""
-        step = worker.in_flight
-        if not refused.request_id or step is None or step.step_id != refused.step_id:
-            return False
-        request = next((s.request for s in step.seqs if s.request.request_id == refused.request_id), None)
-        if request is None:
-            return False
-        log.warning("request.refused_by_worker", request_id=request.request_id, worker_id=worker.worker_id,
-                    reason=refused.reason)
-        worker.in_flight = None
-        self._steps.fail(request, "INVALID_ARGUMENT", f"the worker refused the request: {refused.reason}")
-        return True
-
-    def _on_hello(self, identity: bytes, hello: m.WorkerHello, now_s: float) -> bool:
-        if problem := hello_problem(hello, time.time_ns()):  # checked in full before any record is built
-            self.protocol_errors["worker"].record("bad_hello", worker_id=hello.worker_id[:64], problem=problem)
-            return False
-        is_new, replaced = self._workers.replaced_by(hello)
-        if not is_new:
-            return False
-        if replaced is not None and replaced.identity != identity and self._peer_connected(replaced.identity):
-            self._refuse_duplicate(identity, hello, replaced)
-            return True
-        if replaced is not None:
-            replaced.failure = replaced.failure or "replaced by a new incarnation"
-            self._endings.lose_worker(replaced, State.DEAD, now_s)
-        worker = self._workers.register(hello, identity, now_s, prefix_cache=self._config.prefix_cache)
-        problem = self._workers.incompatibility(hello)
-        log.info("worker.hello", worker_id=hello.worker_id, incarnation=hello.incarnation, role=hello.role,
-                 fingerprint=hello.model_fingerprint, num_kv_pages=hello.num_kv_pages, kv_page_size=hello.kv_page_size,
-                 refused=problem)
-        if problem:
-            self._refuse(worker, problem, now_s)
-        elif not worker.is_target:
-            self._drafts.note_hello(worker)
-        else:
-            vocabulary_was_known = bool(self._workers.target_vocab_size)
-            for draft in self._workers.note_target(hello):
-                self._refuse(draft, self._workers.draft_problem(draft.hello), now_s)
-            if not vocabulary_was_known:
-                self._refuse_out_of_vocabulary()
-        return True
-
-    def _refuse_duplicate(self, identity: bytes, hello: m.WorkerHello, live: WorkerRecord) -> None:
-        """A hello for the id of a process whose connection is still up: the first one stays; the newcomer is told to
-        stop (a restarted process is only ever started after its predecessor's connection closed)."""
-        self.protocol_errors["worker"].record("duplicate_id", worker_id=hello.worker_id, incarnation=hello.incarnation)
-        log.error("worker.duplicate_refused", worker_id=hello.worker_id, incarnation=hello.incarnation,
-                  live_incarnation=live.incarnation,
-                  note="a process with this id is connected; the one saying hello again is told to stop")
-        self.outbox.to_worker(identity, m.Drain(hello.incarnation))
-
-    def _refuse_out_of_vocabulary(self) -> None:
-        """Requests queued before any target said hello were admitted without knowing the vocabulary: checked now,
-        before a worker can see them (later ones are checked at admission)."""
-        for request in self._requests.waiting:
-            if problem := token_problem(request, self._workers.target_vocab_size):
-                self._steps.fail(request, "INVALID_ARGUMENT", problem)
-
-    def _refuse(self, worker: WorkerRecord, problem: str, now_s: float) -> None:
-        log.error("worker.refused", worker_id=worker.worker_id, incarnation=worker.incarnation, role=worker.hello.role,
-                  reason=problem)
-        worker.failure = f"refused: {problem}"
-        worker.move_to(State.FAILED, now_s)
-        self.outbox.to_worker(worker.identity, m.Drain(worker.incarnation))
-
-    def _on_lifecycle(self, worker: WorkerRecord, report: m.LifecycleReport, now_s: float) -> bool:
-        """Follow a reported transition; one the table does not allow is dropped as a protocol error."""
-        state = report.state
-        if state not in TRANSITIONS[worker.state]:
-            log.warning("worker.illegal_transition", worker_id=worker.worker_id, state=worker.state, reported=state)
-            return False
-        log.info("worker.lifecycle", worker_id=worker.worker_id, incarnation=worker.incarnation, state=state)
-        if state in (State.FAILED, State.STOPPED):
-            self._endings.lose_worker(worker, state, now_s)
-            return True
-        worker.move_to(state, now_s)
-        if state is State.READY:
-            worker.kernels = report.kernels[:MAX_KERNELS_CHARS]
-        if state is State.READY and worker.is_target:
-            worker.batch_invariant = report.batch_invariant
-            for timing in report.step_timings[:MAX_STEP_TIMINGS]:  # what rows cost, before any speculative step
-                worker.cost.observe_warm_up(StepShape(timing.decode_rows, timing.prefill_tokens, timing.attended),
-                                            timing.duration_ms)
-            log.info("worker.step_cost", worker_id=worker.worker_id, batch_invariant=worker.batch_invariant,
-                     speculation_policy=self._config.speculation_policy,
-                     fitted=[round(c, 4) for c in worker.cost.coefficients() or ()],
-                     terms="fixed ms; ms per decode row up to 8, 9-32, beyond; ms more per row under a grammar; ms per "
-                           "prefill token; ms per thousand attended positions",
-                     note="the policy weighs these, the wait for proposals and each request's acceptance")
-        if state is State.READY and worker.is_target and report.max_draft_tokens is not None:
-            worker.max_draft_tokens = max(0, min(worker.max_draft_tokens, report.max_draft_tokens))
-            log.warning("worker.speculation_limited", worker_id=worker.worker_id, max_draft_tokens=worker.max_draft_tokens,
-                        note="0: its steps are not batch invariant and it was told --require-batch-invariance")
-        if state is State.READY and worker.is_target:
-            self._no_ready_target_since_s = None
-        if state is State.DRAINING and not worker.is_target:
-            self._endings.lose_draft(worker, now_s)  # no proposal goes to a draining draft service
         return True
 
     # ------------------------------------------------------------------ endings

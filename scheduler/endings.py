@@ -7,9 +7,11 @@ from common.logs import get_logger
 from proto import messages as m
 from proto.lifecycle import State
 from scheduler.config import SchedulerConfig
+from scheduler.finishing import Finisher
 from scheduler.gateways import GatewayRecord
 from scheduler.outbox import Outbox
-from scheduler.requests import RequestStatus, RequestTable
+from scheduler.request_table import RequestTable
+from scheduler.requests import RequestStatus
 from scheduler.speculation.link import DraftLink
 from scheduler.stepping import StepCycle
 from scheduler.workers import WorkerRecord
@@ -18,11 +20,12 @@ log = get_logger()
 
 
 class Endings:
-    def __init__(self, config: SchedulerConfig, requests: RequestTable, drafts: DraftLink, steps: StepCycle,
-                 outbox: Outbox) -> None:
+    def __init__(self, config: SchedulerConfig, requests: RequestTable, drafts: DraftLink, finisher: Finisher,
+                 steps: StepCycle, outbox: Outbox) -> None:
         self._config = config
         self._requests = requests
         self._drafts = drafts
+        self._finisher = finisher
         self._steps = steps
         self._outbox = outbox
         self.num_gone_gateways = 0  # since start: gateways missing past the grace window
@@ -49,7 +52,7 @@ class Endings:
                            f"{worker.worker_id}, {worker.failure}); it is not run again (--max-request-retries "
                            f"{self._config.max_request_retries})")
                 log.error("request.quarantined", request_id=request.request_id, reason=problem)
-                self._steps.fail(request, "INTERNAL", problem)
+                self._finisher.fail(request, "INTERNAL", problem)
 
     def orphan_requests(self, gateway: GatewayRecord, now_s: float, problem: str, *, notify: bool = True) -> None:
         """A gateway missing past the grace window, or replaced by a new process under its identity, is gone: nobody
@@ -59,7 +62,7 @@ class Endings:
         orphans = [r for r in self._requests if r.gateway == gateway.identity]
         num_running = sum(r.status is RequestStatus.RUNNING for r in orphans)
         for request in orphans:
-            self._steps.finish(request, RequestStatus.FINISHED_ABORTED, notify=False, reason=problem)
+            self._finisher.finish(request, RequestStatus.FINISHED_ABORTED, notify=False, reason=problem)
             if notify:  # (not a process that replaced it: it never knew them)
                 self._outbox.to_gateway(gateway.identity, m.RequestError(request.request_id, "UNAVAILABLE", problem))
         self.num_gone_gateways += 1

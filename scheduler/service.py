@@ -43,7 +43,7 @@ _HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FA
 class SchedulerService:
     def __init__(self, config: SchedulerConfig) -> None:
         self._config = config
-        self._core = SchedulerCore(config, peer_connected=self._worker_connected)
+        self._core = SchedulerCore(config, wall_clock_ns=time.time_ns, peer_connected=self._worker_connected)
         self._context = zmq.asyncio.Context()
         self._gateway_socket = self._context.socket(zmq.ROUTER)
         self._worker_socket = self._context.socket(zmq.ROUTER)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from modeling.page_pool import PagePool
+from common.page_pool import PagePool
 from proto import messages as m
 from proto.lifecycle import INIT_PHASES, TERMINAL, TRANSITIONS, IllegalTransition, State
 from scheduler.batching import InFlightStep

@@ -71,14 +71,16 @@ def _add_healthcheck_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_distill_arguments(parser: argparse.ArgumentParser) -> None:
-    from distill.train import add_arguments
+    from distill.arguments import add_arguments
 
     add_arguments(parser)
     parser.set_defaults(parser=parser)
 
 
 def _run_distill(args: argparse.Namespace) -> int:
-    from distill.train import ResumeMismatch, check_arguments, run
+    from distill.arguments import check_arguments
+    from distill.checkpoints import ResumeMismatch
+    from distill.train import run
 
     try:
         run(check_arguments(args.parser, args))

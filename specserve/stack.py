@@ -14,12 +14,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
+from common import settings
 from common.defaults import MAX_MODEL_LEN
 from common.draft_spec import DraftSpec
 from common.faults import ENV_VAR as FAULT_ENV_VAR
@@ -82,7 +83,7 @@ class StackConfig:
 
     model: Path
     dtype: str = "float32"
-    quantization: str = "none"  # the target workers' --quantization (modeling/quantized.py)
+    quantization: str = "none"  # the target workers' --quantization (modeling/kernels/blocks.py)
     draft_quantization: str = "none"  # a draft model's (--draft model:PATH)
     device: str = "cpu"  # cpu, or cuda: target worker i on cuda:i, the draft service on cuda:0
     num_workers: int = 1
@@ -90,7 +91,7 @@ class StackConfig:
     draft_num_seqs: int = 64  # sequences the draft service drafts for at once
     max_model_len: int = MAX_MODEL_LEN
     max_num_batched_tokens: int = 256
-    num_threads_per_worker: int = 0  # torch threads of each target worker on a CPU; 0: torch's default
+    num_threads_per_worker: int | None = None  # threads of each target worker; None: its default (its cores)
     draft: DraftSpec | None = None  # the draft service's proposer; None: no draft service
     head_draft_tokens: int | None = None  # the draft service's --head-draft-tokens
     token_trees: bool = True  # phrases: the draft service proposes token trees, not chains
@@ -162,16 +163,15 @@ def service_specs(config: StackConfig, addresses: StackAddresses) -> list[Servic
 
 
 def scheduler_spec(config: StackConfig, addresses: StackAddresses) -> ServiceSpec:
-    optional = {"--max-num-seqs": config.max_num_seqs, "--num-speculative-tokens": config.num_speculative_tokens,
-                "--spec-disable-batch-threshold": config.spec_disable_batch_threshold,
-                "--spec-draft-token-budget": config.spec_draft_token_budget,
-                "--speculation-policy": config.speculation_policy, "--scheduling-policy": config.scheduling_policy}
-    return ServiceSpec("scheduler", _python("scheduler", [
-        "--gateway-address", addresses.gateway_address, "--worker-address", addresses.worker_address,
-        "--model-name", config.model.name, "--max-model-len", str(config.max_model_len),
-        "--max-num-batched-tokens", str(config.max_num_batched_tokens), *_given(optional),
-        *([] if config.prefix_cache else ["--no-prefix-cache"]), *config.scheduler_args,
-    ], config), stop_order=3)
+    return ServiceSpec("scheduler", _python("scheduler", settings.argv("scheduler", {
+        "gateway_address": addresses.gateway_address, "worker_address": addresses.worker_address,
+        "model_name": config.model.name, "max_model_len": config.max_model_len,
+        "max_num_batched_tokens": config.max_num_batched_tokens, "max_num_seqs": config.max_num_seqs,
+        "num_speculative_tokens": config.num_speculative_tokens,
+        "spec_disable_batch_threshold": config.spec_disable_batch_threshold,
+        "spec_draft_token_budget": config.spec_draft_token_budget, "speculation_policy": config.speculation_policy,
+        "scheduling_policy": config.scheduling_policy, "prefix_cache": None if config.prefix_cache else False,
+    }) + list(config.scheduler_args), config), stop_order=3)
 
 
 def worker_spec(config: StackConfig, addresses: StackAddresses, index: int | str,
@@ -179,44 +179,41 @@ def worker_spec(config: StackConfig, addresses: StackAddresses, index: int | str
     """Target worker `index`, whose id is worker-INDEX (a test may name one, e.g. worker-faulty); past the restart
     limit it stays down and the other workers serve."""
     name = f"worker-{index}"
-    return ServiceSpec(name, _python("gpu_worker", [
-        "--worker-id", name, "--model", str(config.model), "--scheduler-address", addresses.worker_address,
-        "--device", config.worker_device(index), "--dtype", config.dtype, "--max-model-len", str(config.max_model_len),
-        "--max-num-batched-tokens", str(config.max_num_batched_tokens),
-        *_given({"--kv-cache-memory": config.kv_cache_memory_gib, "--max-num-seqs": config.max_num_seqs}),
-        *_given({"--quantization": None if config.quantization == "none" else config.quantization}),
-        "--num-threads", str(config.num_threads_per_worker),
-        *(["--require-batch-invariance"] if config.require_batch_invariance else []), *config.worker_args, *extra_args,
-    ], config), stop_order=1, essential=False)
+    return ServiceSpec(name, _python("gpu_worker", settings.argv("worker", {
+        "worker_id": name, "model": config.model, "scheduler_address": addresses.worker_address,
+        "device": config.worker_device(index), "dtype": config.dtype, "max_model_len": config.max_model_len,
+        "max_num_batched_tokens": config.max_num_batched_tokens, "kv_cache_memory": config.kv_cache_memory_gib,
+        "max_num_seqs": config.max_num_seqs, "quantization": config.quantization,
+        "num_threads": config.num_threads_per_worker, "require_batch_invariance": config.require_batch_invariance,
+    }) + [*config.worker_args, *extra_args], config), stop_order=1, essential=False)
 
 
 def draft_spec(config: StackConfig, addresses: StackAddresses, draft: DraftSpec) -> ServiceSpec:
     """The draft service proposing with `draft`; past the restart limit the others go on without it."""
-    optional = {"--target-model": config.model if draft.needs_target_model else None,
-                "--head-draft-tokens": config.head_draft_tokens,
-                "--quantization": None if config.draft_quantization == "none" else config.draft_quantization,
-                "--max-draft-tokens": None if config.num_speculative_tokens is None else max(config.num_speculative_tokens, 1)}
-    return ServiceSpec("draft", _python("draft_service", [
-        "--worker-id", DRAFT_ID, "--proposer", str(draft), *_given(optional),
-        *([] if config.token_trees else ["--no-token-trees"]), "--scheduler-address", addresses.worker_address,
-        "--device", config.worker_device(0), "--dtype", config.dtype, "--max-model-len", str(config.max_model_len),
-        "--num-seqs", str(config.draft_num_seqs),
-        "--num-threads", "1" if config.device == "cpu" else "0", *config.draft_args,
-    ], config), stop_order=1, essential=False)
+    k = config.num_speculative_tokens
+    return ServiceSpec("draft", _python("draft_service", settings.argv("draft", {
+        "worker_id": DRAFT_ID, "proposer": draft, "target_model": config.model if draft.needs_target_model else None,
+        "head_draft_tokens": config.head_draft_tokens, "quantization": config.draft_quantization,
+        "max_draft_tokens": None if k is None else max(k, 1), "token_trees": None if config.token_trees else False,
+        "scheduler_address": addresses.worker_address, "device": config.worker_device(0), "dtype": config.dtype,
+        "max_model_len": config.max_model_len, "num_seqs": config.draft_num_seqs,
+        "num_targets": config.num_workers if config.num_workers > 1 else None,
+        # One thread on a CPU (the draft service's default): the cores are the target workers'.
+        "num_threads": None if config.device == "cpu" else 0,
+    }) + list(config.draft_args), config), stop_order=1, essential=False)
 
 
 def gateway_spec(config: StackConfig, addresses: StackAddresses) -> ServiceSpec:
-    optional = {"--shutdown-grace-s": None if config.gateway_shutdown_grace_s is None else f"{config.gateway_shutdown_grace_s:g}",
-                "--prefix-cache-scope": config.prefix_cache_scope,
-                "--api-key-file": config.api_key_file,
-                "--reasoning-parser": config.reasoning_parser, "--tool-call-parser": config.tool_call_parser,
-                "--chat-template": config.chat_template,
-                "--tls-certfile": config.tls_certfile, "--tls-keyfile": config.tls_keyfile,
-                "--tls-ca-certfile": config.tls_ca_certfile, "--allowed-origins": config.allowed_origins}
-    return ServiceSpec("gateway", _python("gateway", [
-        "--model", str(config.model), "--scheduler-address", addresses.gateway_address, "--host", addresses.host,
-        "--port", str(addresses.grpc_port), "--http-port", str(addresses.http_port), *_given(optional),
-    ], config), stop_order=0)
+    return ServiceSpec("gateway", _python("gateway", settings.argv("gateway", {
+        "model": config.model, "scheduler_address": addresses.gateway_address, "host": addresses.host,
+        "port": addresses.grpc_port, "http_port": addresses.http_port,
+        "shutdown_grace_s": config.gateway_shutdown_grace_s, "prefix_cache_scope": config.prefix_cache_scope,
+        "api_key_file": config.api_key_file, "reasoning_parser": config.reasoning_parser,
+        "tool_call_parser": config.tool_call_parser, "chat_template": config.chat_template,
+        "tls_certfile": config.tls_certfile, "tls_keyfile": config.tls_keyfile,
+        "tls_ca_certfile": config.tls_ca_certfile,
+        "allowed_origins": None if config.allowed_origins is None else [config.allowed_origins],
+    }), config), stop_order=0)
 
 
 def _python(module: str, module_argv: list[str], config: StackConfig) -> list[str]:
@@ -237,10 +234,6 @@ def with_keys(config: StackConfig, folder: Path) -> StackConfig:
         return config
     make_keys(folder)
     return replace(config, keys=folder)
-
-
-def _given(optional: Mapping[str, object]) -> list[str]:
-    return [part for flag, value in optional.items() if value is not None for part in (flag, str(value))]
 
 
 # ---------------------------------------------------------------- health

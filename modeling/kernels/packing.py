@@ -24,12 +24,13 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from modeling.model.config import ModelConfig
+from modeling.kernels.blocks import BLOCK_FORMATS, Blocks, ChannelInt8, GgufBlocks, block_panels, q4_1_as_q4_k
 from modeling.kernels.huge_pages import HugePageRegion
-from modeling.model.decoder import LlamaModel, head_parts, projection_parts
 from modeling.kernels.native import KernelUnavailable, native_ops
 from modeling.kernels.threads import one_thread
-from modeling.kernels.blocks import BLOCK_FORMATS, Blocks, ChannelInt8, GgufBlocks, block_panels, q4_1_as_q4_k
+from modeling.model.checkpoint import head_parts, projection_parts
+from modeling.model.config import ModelConfig
+from modeling.model.decoder import DecoderModel, ForwardOps
 
 _IN_PLACE_BLOCK_ELEMENTS = 1 << 20  # the scratch of in-place packing: a few MiB
 # The path probe: a weight shaped like the model's MLP projections, capped at a few MiB, on the
@@ -56,21 +57,32 @@ def same_bits(paths: Sequence[str], dtype: torch.dtype, block_format: str | None
     return tuple(path for path in paths if BFLOAT16_FAMILIES.get(path, "") == family)
 
 
-def attach_native_ops(model: LlamaModel, dtype: torch.dtype, device: torch.device,
-                      blocks: GgufBlocks | ChannelInt8 | None = None) -> str:
-    """Give a CPU float32 or bfloat16 model the native kernels, its linear weights packed for them.
+def choose_ops(config: ModelConfig, dtype: torch.dtype, device: torch.device,
+               blocks: GgufBlocks | ChannelInt8 | None = None) -> ForwardOps:
+    """The ops a model of `config` in `dtype` on `device` runs on: the native CPU kernels where they serve it, on the
+    instruction-set path a probe measures fastest for its shapes (and the block format `blocks` hold its projections
+    in, if any); torch's otherwise, saying why."""
+    if (unavailable := native_unavailable(dtype, device)) is not None:
+        return ForwardOps(said=f"torch ({unavailable})")
+    ops = native_ops()
+    block_format = blocks.format_of(projection_parts(0)["gate_up_proj"]) if blocks is not None else None
+    measured = measure_linear_paths(ops, config, dtype, block_format)
+    return ForwardOps(PackedLinear(ops, measured.fastest, measured), ops, "native")
+
+
+def pack_weights(model: DecoderModel, blocks: GgufBlocks | ChannelInt8 | None = None) -> str:
+    """Pack a loaded model's linear weights for the native kernels it was built on (a model on torch ops is left as
+    it is), and run its layers as one native call where its family allows.
 
     With `blocks`, every projection and LM head they hold in a block format the kernel reads
     is packed from its GGUF blocks instead (the model left those parameters unread: see
     `served_by_blocks`), or, for per-channel int8, from the blocks they quantize the loaded
     parameter to. Returns which ops the model runs on, and why, for the owner's log.
     """
-    if (unavailable := native_unavailable(dtype, device)) is not None:
-        return f"torch ({unavailable})"
-    ops = native_ops()
-    block_format = blocks.format_of(projection_parts(0)["gate_up_proj"]) if blocks is not None else None
-    measured = measure_linear_paths(ops, model.config, dtype, block_format)
-    linear = PackedLinear(ops, measured.fastest, measured)
+    linear = model.linear
+    if not isinstance(linear, PackedLinear) or model.native is None:
+        return model.ops.said
+    ops, measured, dtype = model.native, linear.measured, model.embed_tokens.dtype
     formats: dict[str, int] = {}
 
     def pack(weight: torch.Tensor, parts: list[str]) -> torch.nn.Parameter:
@@ -95,7 +107,7 @@ def attach_native_ops(model: LlamaModel, dtype: torch.dtype, device: torch.devic
         model.lm_head = pack(model.lm_head, head_parts(model.config))
         owners.append((model, "lm_head"))
         # Weights in GGUF blocks, in the order a step reads them, into one region of huge pages. Dense ones are
-        # packed in place, in the model's own region of huge pages (LlamaModel): a move would hold two copies of
+        # packed in place, in the model's own region of huge pages (DecoderModel): a move would hold two copies of
         # the one being copied.
         owners = [(owner, name) for owner, name in owners if getattr(owner, name).dtype == torch.uint8]
         region = HugePageRegion.holding([getattr(owner, name) for owner, name in owners])
@@ -103,8 +115,6 @@ def attach_native_ops(model: LlamaModel, dtype: torch.dtype, device: torch.devic
             setattr(owner, name, linear.move(getattr(owner, name), region))
         if tied:  # one table for both: embeddings are read back out of the packed LM head
             model.embed_from(functools.partial(_embedding_rows, linear, model.lm_head, dtype))
-    model.linear = linear
-    model.native = ops
     fused = model.fuse_layers(linear.projection, linear.path)
     served = ", ".join(f"{count} weights from {name} blocks" for name, count in sorted(formats.items()))
     layers = "layers in one call" if fused else "layers op by op"
@@ -223,8 +233,8 @@ def block_probe(linear: PackedLinear, format_name: str) -> Callable[[torch.Tenso
     return pack
 
 
-def served_by_blocks(model: LlamaModel, blocks: GgufBlocks | ChannelInt8) -> set[str]:
-    """The Hugging Face names of the weights `attach_native_ops` will pack from `blocks`: the model need not read them."""
+def served_by_blocks(model: DecoderModel, blocks: GgufBlocks | ChannelInt8) -> set[str]:
+    """The Hugging Face names of the weights `pack_weights` will pack from `blocks`: the model need not read them."""
     if not blocks.from_file:
         return set()
     groups = [parts for index in range(len(model.layers)) for parts in projection_parts(index).values()]
@@ -369,7 +379,7 @@ class PackedLinear:
         return out
 
 
-def packed_for(model: LlamaModel, weight: torch.Tensor) -> torch.Tensor:
+def packed_for(model: DecoderModel, weight: torch.Tensor) -> torch.Tensor:
     """A weight of the model's owner (a draft head's input projection) in the form `model.linear` takes."""
     if isinstance(model.linear, PackedLinear):
         with torch.no_grad():

@@ -8,30 +8,23 @@ a RoPE per layer, and Gemma's sandwich norms, embedding scale and GELU-tanh MLP.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from modeling.model.batch import AttentionGroup, SeqSpan, StepBatch, build_step_batch
-from modeling.model.config import ModelConfig
 from modeling.kernels.huge_pages import HugePageRegion
+from modeling.model.attention import Window, Windows, gather_pages, grouped_attention, native_attend
+from modeling.model.batch import AttentionGroup, SeqSpan, StepBatch, build_step_batch
+from modeling.model.checkpoint import copy_hf_weights
+from modeling.model.config import ModelConfig
 from modeling.model.kv_cache import KVCache
-from modeling.model.rope import Rope
+from modeling.model.rope import Rope, apply_rope
 from modeling.model.rope import rope_tables as rope_tables_of
-from modeling.model.weights import WeightError, WeightFiles
-
-__all__ = ["PROJECTION_PARTS", "DecoderLayer", "LlamaModel", "WeightError", "head_parts", "projection_parts"]
-
-# A layer's projections as the model fuses them -> the transformers names of their parts, in row order.
-PROJECTION_PARTS = {
-    "qkv_proj": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "o_proj": ("self_attn.o_proj.weight",),
-    "gate_up_proj": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    "down_proj": ("mlp.down_proj.weight",),
-}
+from modeling.model.weights import WeightFiles
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device, fill: float | None = None) -> torch.nn.Parameter:
@@ -54,7 +47,7 @@ def _projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 def _weight_shapes(config: ModelConfig) -> list[tuple[int, int]]:
-    """The shapes of the matmul weights LlamaModel allocates, in the order it allocates them: the embeddings, each
+    """The shapes of the matmul weights DecoderModel allocates, in the order it allocates them: the embeddings, each
     layer's projections, and an untied LM head."""
     head = [] if config.tie_word_embeddings else [(config.vocab_size, config.hidden_size)]
     layer = list(_projection_shapes(config).values())
@@ -106,7 +99,25 @@ class DecoderLayer(torch.nn.Module):
         self.down_bias = bias(hidden, config.mlp_bias)
 
 
-class LlamaModel(torch.nn.Module):
+@dataclass(frozen=True)
+class ForwardOps:
+    """What a model's forward runs on, fixed when it is built (modeling/kernels/packing.py chooses).
+
+    Torch's ops alone; or the native CPU kernels: `linear` their packed matmul (the model's
+    weights are packed for it once loaded, `pack_weights`), `native` their module of fused
+    norms, RoPE, SiLU and attention over the cache in place. On the native kernels, a model
+    whose family they cover whole also runs its layers as one native call (`fuse_layers`).
+    """
+
+    linear: Callable[..., torch.Tensor] = F.linear  # y = x @ W^T (+ b)
+    native: ModuleType | None = None
+    said: str = "torch"  # which ops, and why, for the owner's log
+
+
+TORCH_OPS = ForwardOps()
+
+
+class DecoderModel(torch.nn.Module):
     """Scores the new tokens of a step; `forward` returns the hidden states of `logit_rows`.
 
     Parameters are allocated in `dtype` on `device` and the weights read straight into them;
@@ -114,9 +125,11 @@ class LlamaModel(torch.nn.Module):
     pages (modeling/kernels/huge_pages.py), each at a page boundary.
     """
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 ops: ForwardOps = TORCH_OPS) -> None:
         super().__init__()
         self.config = config
+        self.ops = ops
         device = torch.device(device)
         self._weights = HugePageRegion([rows * cols * dtype.itemsize for rows, cols in _weight_shapes(config)], device)
         self.embed_tokens = _weight(self._weights, config.vocab_size, config.hidden_size, dtype=dtype)
@@ -128,12 +141,8 @@ class LlamaModel(torch.nn.Module):
             if config.tie_word_embeddings
             else _weight(self._weights, config.vocab_size, config.hidden_size, dtype=dtype)
         )
-        # y = x @ W^T (+ b); a built model may swap in a faster kernel (see cpu_kernels.py).
-        self.linear: Callable[..., torch.Tensor] = F.linear
-        # The native CPU kernels (modeling/kernels/native.py), when the built model has them: fused
-        # norms, RoPE and SiLU, and attention of decode and verify rows over the cache in
-        # place. Without them, torch ops do all of it.
-        self.native: ModuleType | None = None
+        self.linear = ops.linear
+        self.native = ops.native
         # Each distinct RoPE of the layers and which one each layer uses; cos/sin built by set_rope_cache.
         ropes = [config.layer_rope(layer) for layer in range(config.num_layers)]
         self._ropes: list[Rope] = list(dict.fromkeys(ropes))
@@ -226,7 +235,7 @@ class LlamaModel(torch.nn.Module):
         if not self._rope_tables:
             raise RuntimeError("set_rope_cache() must run before forward()")
         rotations = [(cos[batch.positions], sin[batch.positions]) for cos, sin in self._rope_tables]  # [N, D] each
-        windows = _Windows(batch, self.embed_tokens.dtype)
+        windows = Windows(batch, self.embed_tokens.dtype)
         # [N, hidden], this pass's own copy: the native norms add to it in place
         x = self.embed(batch.token_ids) if inputs is None else inputs.clone(memory_format=torch.contiguous_format)
         h = self._norm(x, self.layers[0].input_norm)
@@ -295,7 +304,7 @@ class LlamaModel(torch.nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: StepBatch,
-        window: _Window,
+        window: Window,
         cache: KVCache,
     ) -> torch.Tensor:
         cfg = self.config
@@ -325,7 +334,7 @@ class LlamaModel(torch.nn.Module):
             values[batch.store_pages, :, batch.store_offsets] = v
         scale = cfg.attention_scale
         if native is not None and batch.all_rows_in_kernel:
-            attended = _native_attend(native, q, keys, values, batch, scale, window.firsts)
+            attended = native_attend(native, q, keys, values, batch, scale, window.firsts)
             return self.linear(attended, layer.o_proj, layer.o_bias)
         masks = window.masks
         if len(batch.groups) == 1 and batch.groups[0].is_identity:
@@ -343,91 +352,12 @@ class LlamaModel(torch.nn.Module):
         r, t, length = group.num_rows, group.num_query_tokens, group.kv_len
         rows = q if group.is_identity else q[group.query_rows]  # [R*T, H, D]
         q_rows = rows.view(r, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)  # [R, H, T, D]
-        k_rows, v_rows = (_gather_pages(store, group.tables, length) for store in (keys, values))  # [R, KVH, L, D]
+        k_rows, v_rows = (gather_pages(store, group.tables, length) for store in (keys, values))  # [R, KVH, L, D]
         # Measured here, this beats torch's fused CPU attention kernel at every shape we run.
-        out = _grouped_attention(q_rows, k_rows, v_rows, mask, cfg.num_queries_per_kv, scale)  # [R, H, T, D]
+        out = grouped_attention(q_rows, k_rows, v_rows, mask, cfg.num_queries_per_kv, scale)  # [R, H, T, D]
         out = out.transpose(1, 2).reshape(r * t, cfg.num_heads * cfg.head_dim)  # [R*T, H*D]
         return out if group.is_identity else out[group.real]
 
-
-class _Window:
-    """What attention needs for one window width in one step: each row's first position (native kernel) or masks."""
-
-    def __init__(self, firsts: torch.Tensor | None, masks: list[torch.Tensor | None]) -> None:
-        self.firsts = firsts  # [N] or None (no window)
-        self.masks = masks  # per attention group: [R, 1, T, L] additive, or None
-
-
-class _Windows:
-    """Built once per step and window width: sliding layers share them."""
-
-    def __init__(self, batch: StepBatch, dtype: torch.dtype) -> None:
-        self._batch = batch
-        self._dtype = dtype
-        self._built: dict[int | None, _Window] = {}
-
-    def of(self, width: int | None) -> _Window:
-        if width not in self._built:
-            self._built[width] = self._build(width)
-        return self._built[width]
-
-    def _build(self, width: int | None) -> _Window:
-        batch = self._batch
-        plain = [None if g.mask is None else g.mask.to(self._dtype) for g in batch.groups]
-        if width is None:
-            return _Window(None, plain)
-        # A row at position p sees positions p - width + 1 .. p; a tree node's ancestors lie within its
-        # depth, so only the standing positions it attends can fall out of the window.
-        firsts = (batch.positions - (width - 1)).clamp_(min=0)
-        if batch.extra is not None and bool((firsts > batch.attended_to + 1).any()):
-            raise ValueError(f"a token tree deeper than the model's sliding window ({width} positions)")
-        if batch.all_rows_in_kernel:
-            return _Window(firsts, plain)
-        masks: list[torch.Tensor | None] = []
-        for group, mask in zip(batch.groups, plain):
-            padded_firsts = firsts[group.query_rows].view(group.num_rows, 1, group.num_query_tokens, 1)
-            outside = torch.arange(group.kv_len, device=firsts.device).view(1, 1, 1, -1) < padded_firsts  # [R, 1, T, L]
-            window = torch.zeros(outside.shape, dtype=self._dtype, device=firsts.device).masked_fill_(outside, float("-inf"))
-            masks.append(window if mask is None else mask + window)
-        return _Window(firsts, masks)
-
-
-def _native_attend(native: ModuleType, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: StepBatch,
-                   scale: float, firsts: torch.Tensor | None) -> torch.Tensor:
-    """The attention kernel over rows that attend to positions firsts (or 0) .. ends, and then, where given, to their
-    `extra` ones."""
-    if batch.extra is None:
-        return native.attend(q, keys, values, batch.tables, batch.row_tables, batch.attended_to, scale, firsts)
-    return native.attend_tree(q, keys, values, batch.tables, batch.row_tables, batch.attended_to, batch.extra, scale,
-                              firsts)
-
-
-def _gather_pages(store: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
-    """Positions 0 .. length-1 of each row's pages `[R, W]` as one block per row: `[R, KVH, length, D]` (a copy:
-    torch's batched matmul reads a batch as whole matrices; the native kernel reads pages in place)."""
-    r, width = tables.shape
-    _, kvh, page_size, d = store.shape
-    pages = store[tables.reshape(-1)].view(r, width, kvh, page_size, d)
-    return pages.transpose(1, 2).reshape(r, kvh, width * page_size, d)[:, :, :length]
-
-
-def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, g: int,
-                       scale: float) -> torch.Tensor:
-    """Softmax attention, q `[R, H, T, D]` over k, v `[R, KVH, L, D]` with H = KVH * G -> `[R, H, T, D]`.
-
-    k and v are each row's keys and values in one block (gathered from its pages).
-    """
-    r, h, t, d = q.shape
-    kvh, length = k.shape[1], k.shape[2]
-    qg = q.reshape(r * kvh, g * t, d)  # heads split as [KVH, G]: the G query heads of a kv head, stacked
-    keys, values = k.reshape(r * kvh, length, d), v.reshape(r * kvh, length, d)
-    # Scores as keys @ queries^T: on CPU, bf16 batched matmul is ~25% faster with the cache's
-    # rows as the left operand; turned back to [R*KVH, G*T, L] so softmax runs along memory.
-    scores = torch.bmm(keys, qg.transpose(1, 2)).transpose(1, 2).float() * scale  # [R*KVH, G*T, L]
-    if mask is not None:  # [R, 1, T, L], the same for the G heads of each kv head
-        scores = scores.view(r, kvh, g, t, length).add_(mask.unsqueeze(1)).view(r * kvh, g * t, length)
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.bmm(probs, values).view(r, h, t, d)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -439,133 +369,3 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return (x32 * weight).to(dtype)
     return weight * x32.to(dtype)
 
-
-def read_safetensors(folder: Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """The tensors (all, or those named) of a model folder's weight files, as stored."""
-    files = WeightFiles(folder)
-    return {name: files.read(name) for name in sorted(files.names()) if names is None or name in names}
-
-
-def rope_tables(cfg: ModelConfig, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 cos and sin `[length, head_dim]` of the full-attention layers' RoPE, for positions 0..length-1."""
-    return rope_tables_of(cfg.global_rope, cfg.head_dim, length, device)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding in HF's rotate-half layout: x `[..., D]` with cos/sin broadcast to it (here `[N, 1, D]`)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-class TensorSource(Protocol):
-    """Named tensors to read from: a model folder's weight files (modeling/model/weights.py) or tensors in memory."""
-
-    def names(self) -> frozenset[str]: ...
-    def shape(self, name: str) -> tuple[int, ...]: ...
-    def read_into(self, name: str, out: torch.Tensor) -> None: ...
-
-
-class TensorDict:
-    """Tensors already in memory, read like weight files."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self._tensors = tensors
-
-    def names(self) -> frozenset[str]:
-        return frozenset(self._tensors)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._tensors[name].shape)
-
-    def read_into(self, name: str, out: torch.Tensor) -> None:
-        out.copy_(self._tensors[name])
-
-
-# Tensors some checkpoints carry that the math does not read.
-_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
-
-
-def projection_parts(layer: int) -> dict[str, list[str]]:
-    """A layer's fused projections (DecoderLayer's attributes) -> the Hugging Face names of their parts, in row order."""
-    return {attr: [f"model.layers.{layer}.{part}" for part in parts] for attr, parts in PROJECTION_PARTS.items()}
-
-
-def head_parts(config: ModelConfig) -> list[str]:
-    """The Hugging Face name of the LM head's weight (the embeddings', when tied)."""
-    return ["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
-
-
-def copy_hf_weights(model: LlamaModel, source: TensorSource | dict[str, torch.Tensor], skip: Collection[str] = ()) -> None:
-    """Read every weight the config implies, under its Hugging Face name, into the model's (fused) parameters.
-
-    A missing or misshapen tensor, or one the config does not account for (a bias the config
-    does not declare, say), is a WeightError naming it: nothing is served on weights it ignores.
-    """
-    tensors = TensorDict(source) if isinstance(source, dict) else source
-    cfg = model.config
-    available = tensors.names()
-    used: set[str] = set()
-
-    def put(param: torch.Tensor, parts: list[str], *, plus_one: bool = False) -> None:
-        """Read the named tensors, stacked along rows, into `param` (its rows in order)."""
-        if parts and all(name in skip and name in available for name in parts):
-            used.update(parts)
-            return
-        row = 0
-        for name in parts:
-            if name not in available:
-                raise WeightError(f"weight {name!r} is missing")
-            shape = tensors.shape(name)
-            rows = shape[0] if shape else 0
-            if tuple(shape[1:]) != tuple(param.shape[1:]) or row + rows > param.shape[0]:
-                raise WeightError(f"weight {name!r} has shape {tuple(shape)}, the config implies "
-                                  f"{(param.shape[0] - row, *param.shape[1:]) if len(parts) == 1 else tuple(param.shape)} "
-                                  f"for {'it' if len(parts) == 1 else 'the fused ' + ', '.join(parts)}")
-            target = param[row : row + rows]
-            if plus_one:  # Gemma's norm weights: applied as 1 + w, computed in float32 as transformers does
-                staged = torch.empty(target.shape, dtype=torch.float32, device=target.device)
-                tensors.read_into(name, staged)
-                target.copy_(staged + 1.0)
-            else:
-                tensors.read_into(name, target)
-            used.add(name)
-            row += rows
-        if row != param.shape[0]:
-            raise WeightError(f"weights {parts} have {row} rows, the config implies {param.shape[0]}")
-
-    gemma = cfg.gemma
-    with torch.no_grad():
-        put(model.embed_tokens, ["model.embed_tokens.weight"])
-        put(model.norm, ["model.norm.weight"], plus_one=gemma)
-        if not cfg.tie_word_embeddings:
-            put(model.lm_head, ["lm_head.weight"])
-        elif "lm_head.weight" in available:
-            used.add("lm_head.weight")  # a tied model's saved copy of its embeddings: transformers ignores it too
-        for i, layer in enumerate(model.layers):
-            p = f"model.layers.{i}."
-            put(layer.input_norm, [p + "input_layernorm.weight"], plus_one=gemma)
-            put(layer.post_attention_norm, [p + "post_attention_layernorm.weight"], plus_one=gemma)
-            if layer.pre_mlp_norm is not None and layer.post_mlp_norm is not None:
-                put(layer.pre_mlp_norm, [p + "pre_feedforward_layernorm.weight"], plus_one=True)
-                put(layer.post_mlp_norm, [p + "post_feedforward_layernorm.weight"], plus_one=True)
-            projections = projection_parts(i)
-            put(layer.qkv_proj, projections["qkv_proj"])
-            if layer.qkv_bias is not None:
-                put(layer.qkv_bias, [p + f"self_attn.{n}_proj.bias" for n in "qkv"])
-            if layer.q_norm is not None and layer.k_norm is not None:
-                put(layer.q_norm, [p + "self_attn.q_norm.weight"], plus_one=gemma)
-                put(layer.k_norm, [p + "self_attn.k_norm.weight"], plus_one=gemma)
-            put(layer.o_proj, projections["o_proj"])
-            if layer.o_bias is not None:
-                put(layer.o_bias, [p + "self_attn.o_proj.bias"])
-            put(layer.gate_up_proj, projections["gate_up_proj"])
-            if layer.gate_up_bias is not None:
-                put(layer.gate_up_bias, [p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"])
-            put(layer.down_proj, projections["down_proj"])
-            if layer.down_bias is not None:
-                put(layer.down_bias, [p + "mlp.down_proj.bias"])
-    unused = sorted(name for name in available - used if not name.endswith(_IGNORED_SUFFIXES))
-    if unused:
-        raise WeightError(f"weight {unused[0]!r} is not part of the model config.json describes (unused weights: "
-                          f"{unused[:5]}{' ...' if len(unused) > 5 else ''})")

@@ -27,11 +27,14 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from modeling.kernels.packing import choose_ops, pack_weights, packed_for
 from modeling.model.batch import SeqSpan
+from modeling.model.checkpoint import copy_hf_weights, read_safetensors
 from modeling.model.config import ModelConfig, model_fingerprint, vocab_fingerprint
-from modeling.kernels.packing import attach_native_ops, packed_for
+from modeling.model.decoder import DecoderModel, rms_norm
 from modeling.model.kv_cache import DEFAULT_PAGE_SIZE, KVCache
-from modeling.model.decoder import LlamaModel, WeightError, apply_rope, copy_hf_weights, read_safetensors, rms_norm, rope_tables
+from modeling.model.rope import apply_rope, rope_tables
+from modeling.model.weights import WeightError
 
 ARCHITECTURE = "SpecserveEagleDraft"
 _LAYER = "model.layers.0."
@@ -138,7 +141,7 @@ class EagleHead(torch.nn.Module):
         q = (h @ self.q_proj.T).view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
         k = (h @ self.k_proj.T).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         v = (h @ self.v_proj.T).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        cos, sin = rope_tables(cfg, t, features.device)
+        cos, sin = rope_tables(cfg.global_rope, cfg.head_dim, t, features.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         g = cfg.num_queries_per_kv
         attn = F.scaled_dot_product_attention(q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1), is_causal=True)
@@ -192,7 +195,7 @@ class EagleEngine:
         self.dtype: torch.dtype = getattr(torch, dtype)
         self.num_pages, self.page_size, self.max_len = num_pages, page_size, max_len
         self._folder, self._target_folder = folder, target_folder
-        self._model: LlamaModel | None = None
+        self._model: DecoderModel | None = None
         self.ops = "not loaded"  # which ops the loaded model runs on, and why (for the owner's log)
         self._fc: torch.Tensor | None = None
         self._cache: KVCache | None = None
@@ -210,12 +213,13 @@ class EagleEngine:
         fc = weights.pop("fc.weight")
         if tuple(fc.shape) != (cfg.hidden_size, 2 * cfg.hidden_size):
             raise WeightError(f"fc.weight has shape {tuple(fc.shape)}, expected {(cfg.hidden_size, 2 * cfg.hidden_size)}")
-        model = LlamaModel(replace(cfg, tie_word_embeddings=True), self.dtype, self.device)
+        tied = replace(cfg, tie_word_embeddings=True)
+        model = DecoderModel(tied, self.dtype, self.device, choose_ops(tied, self.dtype, self.device))
         weights["model.embed_tokens.weight"] = embed
         copy_hf_weights(model, weights)
         # The LM head: the target's (tied) rows for the draft vocabulary only.
         model.lm_head = torch.nn.Parameter(embed[vocab].to(device=self.device, dtype=self.dtype), requires_grad=False)
-        self.ops = attach_native_ops(model, self.dtype, self.device)
+        self.ops = pack_weights(model)
         self._fc = packed_for(model, fc.to(device=self.device, dtype=self.dtype))
         model.set_rope_cache(self.max_len)
         model.eval()

@@ -12,16 +12,14 @@ from pathlib import Path
 
 import torch
 
-from modeling.model.batch import PageError, SeqSpan
-from modeling.model.config import ModelConfig
-from modeling.kernels.packing import PackedLinear, attach_native_ops, block_probe, native_unavailable, served_by_blocks
-from modeling.kernels.invariance import linear_rows_problem
-from modeling.model.kv_cache import DEFAULT_PAGE_SIZE, KVCache, pages_for, slot_pages
-from modeling.model.decoder import PROJECTION_PARTS, LlamaModel
 from modeling.kernels.blocks import weight_blocks
-
-
-DTYPES = ("float32", "bfloat16", "float16")
+from modeling.kernels.invariance import linear_rows_problem
+from modeling.kernels.packing import PackedLinear, block_probe, choose_ops, pack_weights, served_by_blocks
+from modeling.model.batch import PageError, SeqSpan
+from modeling.model.checkpoint import PROJECTION_PARTS
+from modeling.model.config import ModelConfig
+from modeling.model.decoder import DecoderModel
+from modeling.model.kv_cache import DEFAULT_PAGE_SIZE, KVCache, pages_for, slot_pages
 
 
 def default_dtype(device: str) -> str:
@@ -56,7 +54,7 @@ class ModelEngine:
         self._folder = folder
         self.quantization = quantization
         self._block_formats: set[str] = set()  # the GGUF block formats the loaded model's linears read
-        self._model: LlamaModel | None = None
+        self._model: DecoderModel | None = None
         self.ops = "not loaded"  # which ops the loaded model runs on, and why (for the owner's log)
         self._cache: KVCache | None = None
 
@@ -73,12 +71,12 @@ class ModelEngine:
 
     def load(self) -> None:
         blocks = weight_blocks(self._folder, self.quantization)
-        model = LlamaModel(self.config, self.dtype, self.device)
-        unavailable = native_unavailable(self.dtype, self.device)
-        skip = served_by_blocks(model, blocks) if blocks is not None and unavailable is None else set()
+        model = DecoderModel(self.config, self.dtype, self.device, choose_ops(self.config, self.dtype, self.device, blocks))
+        native = model.native is not None
+        skip = served_by_blocks(model, blocks) if blocks is not None and native else set()
         model.load_weights(self._folder, skip)
-        self.ops = attach_native_ops(model, self.dtype, self.device, blocks)
-        if blocks is not None and unavailable is not None:  # torch ops read the folder's (dequantized) weights
+        self.ops = pack_weights(model, blocks)
+        if blocks is not None and not native:  # torch ops read the folder's (dequantized) weights
             self.ops += f"; --quantization {self.quantization} not applied: the weights are read dense"
         if blocks is not None and isinstance(model.linear, PackedLinear):
             self._block_formats = model.linear.block_formats()
@@ -92,7 +90,7 @@ class ModelEngine:
         return self._model is not None and self._model.native is not None
 
     @property
-    def model(self) -> LlamaModel:
+    def model(self) -> DecoderModel:
         """The loaded model (load() comes first)."""
         if self._model is None:
             raise RuntimeError("the engine is not built: load() comes first")
@@ -125,7 +123,7 @@ class ModelEngine:
             return self._model.logits(hidden[batch.logit_rows], widen_logits), hidden
 
     def greedy_tokens(self, logits: torch.Tensor) -> list[int]:
-        """The argmax of each row of `forward`'s logits (LlamaModel.greedy)."""
+        """The argmax of each row of `forward`'s logits (DecoderModel.greedy)."""
         return self.model.greedy(logits).tolist()  # type: ignore[no-any-return]
 
     def move_positions(self, pages: tuple[int, ...], sources: list[int], first: int) -> None:

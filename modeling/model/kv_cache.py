@@ -12,13 +12,15 @@ import math
 
 import torch
 
-from modeling.model.config import ModelConfig
+from common.defaults import KV_PAGE_SIZE
+
 from modeling.kernels.huge_pages import HugePageRegion
+from modeling.model.config import ModelConfig
 
 # Positions per page, vLLM's default too: a page of one kv head (2-4 KiB) is read straight
 # through by the attention kernel, and a sequence wastes at most 15 positions. Against
 # whole-sequence slots, serving throughput is unchanged (docs/benchmarks.md).
-DEFAULT_PAGE_SIZE = 16
+DEFAULT_PAGE_SIZE = KV_PAGE_SIZE
 
 
 class KVCache:

@@ -178,3 +178,11 @@ def rope_tables(rope: Rope, head_dim: int, length: int, device: torch.device) ->
     emb = torch.cat((freqs, freqs), dim=-1)  # [L, D]
     scaling = rope.attention_scaling
     return emb.cos() * scaling, emb.sin() * scaling
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in HF's rotate-half layout: x `[..., D]` with cos/sin broadcast to it (here `[N, 1, D]`)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+

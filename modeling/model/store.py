@@ -103,7 +103,7 @@ def default_model_dir(cache_dir: Path | None = None) -> Path:
 
 def default_draft_dir() -> Path:
     """The EAGLE draft head trained for the default model by `specserve distill`, committed to the repository."""
-    return Path(__file__).resolve().parent.parent / "drafts" / DEFAULT_MODEL_NAME
+    return Path(__file__).resolve().parents[2] / "drafts" / DEFAULT_MODEL_NAME
 
 
 def ensure_default_model(cache_dir: Path | None = None) -> Path:

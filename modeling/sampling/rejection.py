@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from common.draft_rules import SparseDistLike
-from modeling.sampling.draw import SamplingLike, draw, generator_for, is_greedy, target_probs
 from common.trees import child_holding
+from modeling.sampling.draw import SamplingLike, draw, generator_for, is_greedy, target_probs
 
 # The acceptance test at a position uses its own stream, apart from the token draw there.
 _ACCEPT_STREAM = 0x5DEECE66D

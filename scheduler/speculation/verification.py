@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from modeling.proposals import branch_problem
-from modeling.trees import leading_nodes, parents_or_chain, tree_depths
+from common.draft_rules import branch_problem
+from common.trees import leading_nodes, parents_or_chain, tree_depths
 from proto import messages as m
 from scheduler.batching import StepSeq
 from scheduler.requests import Request

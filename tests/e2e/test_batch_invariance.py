@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from bench.spec_prompts import WORKLOADS
-from modeling.tokenizer import ChatMessage, Tokenizer
-from modeling.model_store import default_draft_dir
+from common.text.tokenizer import ChatMessage, Tokenizer
+from modeling.model.store import default_draft_dir
 from proto import specserve_pb2 as pb
 from specserve.stack import StackConfig
 from tests.e2e.stack import Stack, running_stack

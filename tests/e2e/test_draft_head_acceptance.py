@@ -22,13 +22,13 @@ import torch
 
 from bench.spec_prompts import CHAT, CODE
 from common.draft_spec import DraftSpec
-from modeling.batch import SeqSpan
-from modeling.config import ModelConfig
-from modeling.eagle import EagleEngine
-from modeling.engine import ModelEngine
-from modeling.kv_cache import pages_for_slots, slot_pages
-from modeling.model_store import default_draft_dir
-from modeling.tokenizer import ChatMessage, Tokenizer
+from modeling.model.batch import SeqSpan
+from modeling.model.config import ModelConfig
+from modeling.model.eagle import EagleEngine
+from modeling.model.engine import ModelEngine
+from modeling.model.kv_cache import pages_for_slots, slot_pages
+from modeling.model.store import default_draft_dir
+from common.text.tokenizer import ChatMessage, Tokenizer
 from proto import specserve_pb2 as pb
 from specserve.stack import StackConfig
 from tests.e2e.stack import running_stack

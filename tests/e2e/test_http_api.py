@@ -258,7 +258,7 @@ def _wait(condition, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_penalties_logit_bias_and_min_tokens_reach_the_model(fp32_stack: Stack, default_model_dir: Path) -> None:
-    from modeling.tokenizer import Tokenizer
+    from common.text.tokenizer import Tokenizer
 
     api = client(fp32_stack)
     (forced_id,) = Tokenizer.load(default_model_dir).encode_raw(" banana")

@@ -17,7 +17,7 @@ import openai
 import pytest
 import torch
 
-from modeling.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 from proto import specserve_pb2 as pb
 from tests.e2e.reference import ReferenceModel
 from tests.e2e.stack import Stack

@@ -23,10 +23,10 @@ import pytest
 import torch
 
 from common.draft_spec import DraftSpec
-from modeling.config import ModelConfig
-from modeling.kv_cache import DEFAULT_PAGE_SIZE, page_bytes
-from modeling.model_store import default_draft_dir
-from modeling.tokenizer import ChatMessage, Tokenizer
+from modeling.model.config import ModelConfig
+from modeling.model.kv_cache import DEFAULT_PAGE_SIZE, page_bytes
+from modeling.model.store import default_draft_dir
+from common.text.tokenizer import ChatMessage, Tokenizer
 from proto import specserve_pb2 as pb
 from specserve.stack import StackConfig
 from tests.e2e.stack import Stack, running_stack

@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from common.draft_spec import DraftKind, DraftSpec
-from modeling.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 from proto import messages as m
 from proto import specserve_pb2 as pb
 from specserve.stack import StackConfig

@@ -13,7 +13,7 @@ import pytest
 import requests
 import torch
 
-from modeling.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 from proto import specserve_pb2 as pb
 from tests.e2e.reference import ReferenceModel
 from tests.e2e.stack import Stack

@@ -21,8 +21,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from common.draft_spec import DraftSpec
-from modeling.tokenizer import ChatMessage, Tokenizer
-from modeling.model_store import default_draft_dir
+from common.text.tokenizer import ChatMessage, Tokenizer
+from modeling.model.store import default_draft_dir
 from proto import specserve_pb2 as pb
 from specserve.stack import StackConfig
 from tests.e2e.stack import GenerateResult, Stack, running_stack

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from modeling.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 from specserve.stack import StackConfig
 from tests.e2e.stack import Stack, running_stack
 from tests.e2e.test_speculation import NUM_TOKENS, prompt_ids, request, run_staggered, switch_draft

@@ -115,8 +115,8 @@ def test_an_eagle_head_service_reads_target_features_and_refuses_another_target(
 
     import torch
 
-    from modeling.config import model_fingerprint
-    from modeling.features import to_rows
+    from modeling.model.config import model_fingerprint
+    from modeling.model.features import to_rows
     from tests.eagle_helpers import tiny_head
 
     folder = tmp_path / "head"
@@ -162,7 +162,7 @@ def test_an_eagle_head_service_reads_target_features_and_refuses_another_target(
 def test_a_phrase_service_sends_token_trees_and_chains_when_told(
     tiny_llama_folder: Path, scheduler: FakeScheduler, tmp_path: Path,  # noqa: F811
 ) -> None:
-    from modeling.phrases import PhraseStore
+    from common.text.phrases import PhraseStore
     from tests.eagle_helpers import tiny_head
 
     folder = tmp_path / "draft"

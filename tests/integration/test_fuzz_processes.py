@@ -12,7 +12,7 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 
-from modeling.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 from proto import messages as m
 from proto import specserve_pb2 as pb
 from tests.fuzz_frames import malformed_frames

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import msgspec
 
-from modeling.trees import child_holding, parents_or_chain
+from common.trees import child_holding, parents_or_chain
 from proto import messages as m
 from proto.lifecycle import INIT_PHASES, State
 from scheduler.config import SchedulerConfig
@@ -82,7 +82,8 @@ class Sim:
     def __init__(self, *, rng: random.Random | None = None, **config_overrides: object) -> None:
         self.config = make_config(**config_overrides)
         self.disconnected: set[bytes] = set()  # worker socket identities whose connection is gone
-        self.core = SchedulerCore(self.config, rng=rng or random.Random(0),
+        self.wall_ns = 1_700_000_000 * 10**9  # the wall clock a hello's incarnation is checked against
+        self.core = SchedulerCore(self.config, rng=rng or random.Random(0), wall_clock_ns=lambda: self.wall_ns,
                                   peer_connected=lambda identity: identity not in self.disconnected)
         self.now_s = 100.0
         self.sent: list[Outgoing] = []

@@ -12,7 +12,7 @@ import pytest
 
 from common.defaults import HEAD_DRAFT_TOKENS
 from common.draft_spec import DraftKind, DraftSpec
-from modeling.model_store import default_draft_dir
+from modeling.model.store import default_draft_dir
 from scheduler.config import SchedulerConfig, speculation_caps
 from specserve.cli import _build_parser
 from specserve.stack import StackAddresses, service_specs
@@ -29,16 +29,16 @@ def test_the_shipped_draft_is_the_default_only_for_the_model_it_was_trained_for(
 def test_an_install_without_the_drafts_folder_falls_back_to_prompt_lookup(
     default_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import modeling.model_store
+    import modeling.model.store
 
-    monkeypatch.setattr(modeling.model_store, "default_draft_dir", lambda: tmp_path / "not-installed")
+    monkeypatch.setattr(modeling.model.store, "default_draft_dir", lambda: tmp_path / "not-installed")
     assert default_draft(default_model_dir).name == "ngram"
 
 
 def _service_argvs(*up_flags: str, model: Path) -> dict[str, list[str]]:
     """Each process's command line for `up UP_FLAGS` on a CPU, `model` standing for what up_config would find."""
     args = _build_parser().parse_args(["up", "--keys", "/keys", *up_flags])
-    draft = args.draft.proposer if args.draft else None
+    draft = parse_draft(args.draft).proposer if args.draft else None
     config = stack_config(args, model=model, max_model_len=2048, draft=draft, device="cpu", dtype="bfloat16")
     return {spec.name: spec.argv for spec in service_specs(config, StackAddresses.pick(config))}
 

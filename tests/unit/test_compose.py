@@ -22,7 +22,7 @@ import scheduler.config
 from common.defaults import MAX_MODEL_LEN
 from common.draft_spec import DraftKind, DraftSpec
 from common.lifecycle_process import EXIT_DISMISSED
-from modeling.model_store import DEFAULT_MODEL_NAME, model_dir
+from modeling.model.store import DEFAULT_MODEL_NAME, model_dir
 from specserve.cli import _build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -210,7 +210,7 @@ def test_the_image_holds_every_package_the_model_and_no_compiler() -> None:
     assert build.startswith("${BASE_IMAGE} AS build") and runtime.startswith("${BASE_IMAGE}\n")
     for name in packages:
         assert f"COPY {name} /opt/specserve/src/{name}" in build, f"the Dockerfile does not copy {name}/"
-    assert "specserve prepare-model" in build and "python -m modeling.native" in build
+    assert "specserve prepare-model" in build and "python -m modeling.kernels.native" in build
     assert "g++" in build and not re.search(r"g\+\+|gcc|clang|build-essential|-dev\b", runtime)
     assert "COPY --from=build /opt/specserve /opt/specserve" in runtime
     on_disk = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests", "bench"}

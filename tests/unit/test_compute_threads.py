@@ -1,7 +1,7 @@
 """The kernels' thread team: a row's bits never depend on how many threads computed it, nor on a busy neighbour.
 
 The native kernels share each call among the caller and helpers that join as the OS runs
-them (modeling/csrc/team.h), so which thread computes which part of a step changes from
+them (modeling/kernels/csrc/team.h), so which thread computes which part of a step changes from
 call to call, and more so while another process takes a core. Batch invariance must hold
 whatever the count and whoever did the work: each case here runs beside a process that
 keeps a core busy as well as alone, on 1, 2 and 3 threads (3: more threads than this
@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from common.cpus import cgroup_cpu_quota, usable_cpus
-from modeling.batch import SeqSpan
-from modeling.cpu_kernels import PackedLinear, block_probe
-from modeling.invariance import linear_rows_problem
-from modeling.native import KernelUnavailable, native_ops
-from modeling.threads import compute_on, compute_threads, one_thread
-from tests.unit.test_llama_model import S, _kv, _random_model, _step
+from modeling.model.batch import SeqSpan
+from modeling.kernels.packing import PackedLinear, block_probe
+from modeling.kernels.invariance import linear_rows_problem
+from modeling.kernels.native import KernelUnavailable, native_ops
+from modeling.kernels.threads import compute_on, compute_threads, one_thread
+from tests.unit.test_decoder_model import S, _kv, _random_model, _step
 
 THREAD_COUNTS = (1, 2, 3)
 
@@ -88,7 +88,7 @@ def test_a_steps_rows_have_the_same_bits_on_any_number_of_threads(ops, neighbour
 @pytest.mark.parametrize("block_format", [None, "q4_1", "q8_0"])
 def test_every_row_of_a_call_is_the_row_alone_on_any_number_of_threads(ops, neighbour: str, threads_restored: None,  # type: ignore[no-untyped-def]
                                                                        block_format: str | None) -> None:
-    """modeling/invariance.py's probe (every row count 1 .. 513, each row against itself alone), on each count."""
+    """modeling/kernels/invariance.py's probe (every row count 1 .. 513, each row against itself alone), on each count."""
     linear = PackedLinear(ops)
     pack = linear.pack if block_format is None else block_probe(linear, block_format)
     for threads in THREAD_COUNTS:

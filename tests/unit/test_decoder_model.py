@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-from modeling.batch import SeqSpan
-from modeling.config import ModelConfig
-from modeling.kv_cache import DEFAULT_PAGE_SIZE, KVCache, pages_for_slots, slot_pages
-from modeling.llama import LlamaModel
-from modeling.cpu_kernels import attach_native_ops
-from modeling.native import KernelUnavailable
+from modeling.model.batch import SeqSpan
+from modeling.model.config import ModelConfig
+from modeling.model.kv_cache import DEFAULT_PAGE_SIZE, KVCache, pages_for_slots, slot_pages
+from modeling.model.decoder import TORCH_OPS, DecoderModel
+from modeling.kernels.packing import choose_ops, pack_weights
+from modeling.kernels.native import KernelUnavailable
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,23 +51,25 @@ def _reference_logits(folder: Path, token_ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([token_ids])).logits[0]  # [T, V]
 
 
-def _ours(folder: Path, num_slots: int = 4, native: str = "torch") -> tuple[LlamaModel, KVCache]:
+def _ours(folder: Path, num_slots: int = 4, native: str = "torch",
+          dtype: torch.dtype = torch.float32) -> tuple[DecoderModel, KVCache]:
     config = ModelConfig.from_folder(folder)
-    model = LlamaModel(config)
+    ops = TORCH_OPS if native == "torch" else choose_ops(config, dtype, torch.device("cpu"))
+    model = DecoderModel(config, dtype, ops=ops)
     model.load_weights(folder)
     model.set_rope_cache(128)
     if native != "torch":
-        assert attach_native_ops(model, torch.float32, torch.device("cpu")).startswith("native")
-    return model, _kv(config, num_slots, torch.float32)
+        assert pack_weights(model).startswith("native")
+    return model, _kv(config, num_slots, dtype)
 
 
-def _step(model: LlamaModel, cache: KVCache, spans: list[SeqSpan]) -> torch.Tensor:
+def _step(model: DecoderModel, cache: KVCache, spans: list[SeqSpan]) -> torch.Tensor:
     with torch.inference_mode():
         batch = model.plan(spans, cache.page_size)
         return model.logits(model(batch, cache)[batch.logit_rows])
 
 
-# Every reference test runs on torch ops alone and on the native kernels (modeling/csrc).
+# Every reference test runs on torch ops alone and on the native kernels (modeling/kernels/csrc).
 ops_paths = pytest.mark.parametrize("native", ["torch", "native"])
 
 
@@ -172,19 +174,15 @@ def test_a_tree_whose_parents_do_not_come_first_is_refused(tiny_folder: Path, pa
 def test_native_ops_give_the_logits_of_torch_ops(tiny_folder: Path, dtype: torch.dtype) -> None:
     spans = [SeqSpan(S(0), 0, [5, 17, 3, 88, 42], 2), SeqSpan(S(1), 0, [9, 9], 1)]
     outputs = []
-    for native in (False, True):
-        model, _ = _ours(tiny_folder)
-        model = model.to(dtype)
-        model.set_rope_cache(128)
-        if native:
-            assert attach_native_ops(model, dtype, torch.device("cpu")).startswith("native")
+    for native in ("torch", "native"):
+        model, _ = _ours(tiny_folder, native=native, dtype=dtype)
         cache = _kv(model.config, 4, dtype)
         outputs.append(_step(model, cache, spans))
     tolerance = {"atol": 0.05, "rtol": 0.02} if dtype == torch.bfloat16 else {"atol": 1e-4, "rtol": 1e-4}
     torch.testing.assert_close(outputs[1], outputs[0], **tolerance)
 
 
-def _random_model(dtype: torch.dtype, max_len: int, num_layers: int = 2, **changes: Any) -> LlamaModel:
+def _random_model(dtype: torch.dtype, max_len: int, num_layers: int = 2, **changes: Any) -> DecoderModel:
     """The default model's head shape (head_dim 64, 3 query heads per kv head: the kernels' vectorised path), random
     weights, on the native kernels; `changes` to the config."""
     config = ModelConfig(vocab_size=300, hidden_size=192, intermediate_size=512, num_layers=num_layers, num_heads=3,
@@ -192,13 +190,12 @@ def _random_model(dtype: torch.dtype, max_len: int, num_layers: int = 2, **chang
                          tie_word_embeddings=True, attention_bias=False)
     config = dataclasses.replace(config, **changes)
     torch.manual_seed(0)
-    model = LlamaModel(config)
+    model = DecoderModel(config, dtype, ops=choose_ops(config, dtype, torch.device("cpu")))
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(torch.randn(param.shape) * 0.2 if param.dim() > 1 else 1 + 0.1 * torch.randn(param.shape))
-    model = model.to(dtype)
     model.set_rope_cache(max_len)
-    assert attach_native_ops(model, dtype, torch.device("cpu")).startswith("native")
+    assert pack_weights(model).startswith("native")
     return model
 
 
@@ -226,7 +223,7 @@ def test_a_prompt_gives_the_same_bits_however_it_is_chunked_and_batched(dtype: t
 
 
 def test_the_engine_reports_whether_its_steps_are_batch_invariant(tiny_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from modeling.engine import ModelEngine
+    from modeling.model.engine import ModelEngine
 
     config = ModelConfig.from_folder(tiny_folder)
     engine = ModelEngine(tiny_folder, config, device="cpu", dtype="float32", num_pages=pages_for_slots(1, 64), max_len=64)
@@ -237,7 +234,7 @@ def test_the_engine_reports_whether_its_steps_are_batch_invariant(tiny_folder: P
     def turned_off() -> None:
         raise KernelUnavailable("turned off for the test")
 
-    monkeypatch.setattr("modeling.cpu_kernels.native_ops", turned_off)
+    monkeypatch.setattr("modeling.kernels.packing.native_ops", turned_off)
     on_torch = ModelEngine(tiny_folder, config, device="cpu", dtype="float32", num_pages=pages_for_slots(1, 64), max_len=64)
     on_torch.load()
     on_torch.allocate()
@@ -285,7 +282,7 @@ def test_native_verify_rows_equal_the_decode_steps_they_stand_for(dtype: torch.d
 def test_the_model_fingerprint_tells_apart_a_model_changed_in_one_tensor_only(tiny_llama_folder: Path, tmp_path: Path) -> None:
     import shutil
 
-    from modeling.config import model_fingerprint
+    from modeling.model.config import model_fingerprint
 
     copy = tmp_path / "copy"
     shutil.copytree(tiny_llama_folder, copy)
@@ -328,7 +325,7 @@ def test_the_model_fingerprint_does_not_depend_on_how_the_files_spell_the_model(
     """The other RoPE spelling, keys in another order, the weights in shards with an index: the same model."""
     from safetensors.torch import load_file, save_file
 
-    from modeling.config import model_fingerprint
+    from modeling.model.config import model_fingerprint
 
     respelled = tmp_path / "respelled"
     respelled.mkdir()

@@ -16,15 +16,21 @@ import pytest
 import torch
 
 from distill.data import write_requests
-from distill.train import DistillArgs, ResumeMismatch, run
-from draft_service.proposers import EagleProposer, LookupThenHead, NgramProposer, PhraseProposer, ProposeInput, Proposer
-from modeling.batch import SeqSpan
-from modeling.config import ModelConfig
-from modeling.kv_cache import pages_for_slots, slot_pages
-from modeling.eagle import DraftMismatch, EagleEngine, EagleHead, check_target, unsupported_target
-from modeling.engine import ModelEngine
-from modeling.llama import read_safetensors
-from modeling.phrases import PhraseError, PhraseStore
+from distill.arguments import DistillArgs
+from distill.checkpoints import ResumeMismatch
+from distill.train import run
+from draft_service.head_proposer import EagleProposer
+from draft_service.lookup_then_head import LookupThenHead
+from draft_service.phrase_proposer import PhraseProposer
+from draft_service.prompt_lookup import NgramProposer
+from draft_service.proposer import ProposeInput, Proposer
+from modeling.model.batch import SeqSpan
+from modeling.model.config import ModelConfig
+from modeling.model.kv_cache import pages_for_slots, slot_pages
+from modeling.model.eagle import DraftMismatch, EagleEngine, EagleHead, check_target, unsupported_target
+from modeling.model.engine import ModelEngine
+from modeling.model.checkpoint import read_safetensors
+from common.text.phrases import PhraseError, PhraseStore
 from proto.messages import SamplingParams
 from tests.eagle_helpers import tiny_head
 
@@ -269,7 +275,7 @@ def test_a_head_is_refused_for_a_target_whose_layers_it_does_not_copy(tiny_llama
 
 def test_distill_refuses_arguments_that_cannot_work_before_any_work(tiny_target_with_tokenizer: Path, tmp_path: Path) -> None:
     from specserve.cli import _build_parser
-    from distill.train import check_arguments
+    from distill.arguments import check_arguments
 
     parser = _build_parser()
     target = str(tiny_target_with_tokenizer)

@@ -19,7 +19,7 @@ from gateway.cors import Cors, OriginError
 from gateway.generation import Generation
 from gateway.http_api import HttpApi
 from gateway.metrics import GatewayMetrics
-from modeling.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 # The module-wide event loop, tokenizer and log set-up are the gateway server tests' fixtures.
 from tests.unit.test_gateway_server import gateway, logs_to_stderr, run, text_script, tokenizer  # noqa: F401
 

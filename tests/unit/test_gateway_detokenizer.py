@@ -10,7 +10,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from gateway.detokenizer import IncrementalDetokenizer
-from modeling.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
 

@@ -33,15 +33,15 @@ from gateway.metrics import GatewayMetrics
 from gateway.openai_logprobs import LOGPROB_FLOOR
 from gateway.openai_request import ApiError, client_request_of
 from gateway.request import TextPrompt
-from gateway.scheduler_client import check_readable
+from gateway.request_stream import check_readable
 from gateway.server import SpecServeServicer, add_servicer
 from gateway.structured_request import GrammarCompiler, SpecError, openai_structured
 from gateway.validation import validate
-from modeling.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 from proto import messages as m
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
-from scheduler.requests import sampling_problem, token_problem
+from scheduler.admission import sampling_problem, token_problem
 from tests.fuzz_requests import (ATTACKS, BASE_BODIES, CLIENT_ERRORS, MODEL, REGEXES, SCHEMA_TEXTS, SCHEMAS, WILD,
                                  answer_problem, body_text, chat_bodies, completions_bodies, deep_schema, grpc_requests,
                                  one_field_attacks, sglang_bodies, strict_json)

@@ -22,7 +22,7 @@ from gateway.http_body import BodyLimits, check_depth, check_text
 from gateway.metrics import GatewayMetrics
 from gateway.openai_request import ApiError
 from gateway.validation import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
-from modeling.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 from proto import specserve_pb2 as pb
 # The module-wide event loop, tokenizer and log set-up are the gateway server tests' fixtures.
 from tests.unit.test_gateway_server import Harness, collect, gateway, logs_to_stderr, run, text_script, tokenizer  # noqa: F401

@@ -14,7 +14,7 @@ from gateway.openai_request import (MAX_CHOICES, MAX_PROMPTS, ApiError, ChoiceCo
                                      client_request_of, completion_prompts)
 from gateway.request import Submission, TextPrompt, TokenPrompt
 from gateway.validation import validate
-from modeling.tokenizer import Tokenizer, TokenizerLoadError
+from common.text.tokenizer import Tokenizer, TokenizerLoadError
 from proto import messages
 
 VOCAB_SIZE = 49152

@@ -27,7 +27,7 @@ from gateway.health import HealthReporter
 from gateway.metrics import GatewayMetrics
 from gateway.scheduler_client import SchedulerClient
 from gateway.server import SpecServeServicer
-from modeling.tokenizer import ChatMessage, Tokenizer
+from common.text.tokenizer import ChatMessage, Tokenizer
 from proto import messages as m
 from proto.lifecycle import State
 from proto import specserve_pb2 as pb
@@ -481,7 +481,7 @@ def test_a_request_in_flight_goes_on_from_its_tokens_when_the_scheduler_comes_ba
 
 
 def test_a_resumed_request_passes_on_each_prompt_logprob_once(run: Any) -> None:
-    from gateway.scheduler_client import RequestStream
+    from gateway.request_stream import RequestStream
 
     def scored(*positions: int) -> list[m.TokenLogprob]:
         return [m.TokenLogprob(-p / 10, []) for p in positions]

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from gateway.output import RequestOutput
 from gateway.stop_strings import StopStringMatcher, partial_match_length
-from modeling.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 
 
 def run(stop_strings: list[str], chunks: list[str]) -> tuple[list[str], str | None]:

@@ -12,8 +12,8 @@ import pytest
 from gateway.openai_request import ApiError, chat_prompt
 from gateway.output_formats import ToolCallParser
 from gateway.tools import CallGate, ToolAsk, ToolCall, call_grammar, parse_calls, tool_ask
-from modeling.structured import grammar_problem, grammar_tokenizer
-from modeling.tokenizer import Tokenizer
+from common.text.structured import grammar_problem, grammar_tokenizer
+from common.text.tokenizer import Tokenizer
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "today's weather",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

@@ -18,7 +18,7 @@ from gateway.generation import prompt_token_ids_of
 from gateway.grpc_request import GRPC_FIELDS, client_request_of, request_id_of, submission_of
 from gateway.request import ChatPrompt, Submission, TextPrompt, TokenPrompt
 from gateway.validation import validate
-from modeling.tokenizer import ChatMessage, ChatTemplateError, Tokenizer
+from common.text.tokenizer import ChatMessage, ChatTemplateError, Tokenizer
 from proto import messages
 from proto import specserve_pb2 as pb
 

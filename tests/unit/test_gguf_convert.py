@@ -16,8 +16,8 @@ from gguf.quants import dequantize
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from modeling.gguf_convert import convert_gguf, is_converted, unpermute_rope_rows
-from modeling.model_store import DEFAULT_MODEL_NAME, default_model_dir, fetch_default_gguf
+from modeling.gguf.convert import convert_gguf, is_converted, unpermute_rope_rows
+from modeling.model.store import DEFAULT_MODEL_NAME, default_model_dir, fetch_default_gguf
 
 # Nothing here may reach a model hub; set before transformers (and huggingface_hub) is imported.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -17,10 +17,10 @@ from gguf import GGMLQuantizationType
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from modeling.gguf_convert import GgufConversionError, convert_gguf
-from modeling.gguf_rope import llama3_divisors, llama3_rope_scaling
-from modeling.tokenizer import ChatMessage
-from modeling.tokenizer import Tokenizer as ServingTokenizer
+from modeling.gguf.convert import GgufConversionError, convert_gguf
+from modeling.gguf.rope import llama3_divisors, llama3_rope_scaling
+from common.text.tokenizer import ChatMessage
+from common.text.tokenizer import Tokenizer as ServingTokenizer
 from tests.gguf_files import FAMILIES, TEXTS, Shape, TinyGguf, byte_level_vocabulary, comparable
 
 # Nothing here may reach a model hub; set before transformers (and huggingface_hub) is imported.

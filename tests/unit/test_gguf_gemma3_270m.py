@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from modeling.model_store import fetch_gguf
+from modeling.model.store import fetch_gguf
 from tests.gguf_files import TEXTS, comparable
 
 # Nothing here may reach a model hub; set before transformers (and huggingface_hub) is imported.

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from gpu_worker.runner import ModelRunner
-from modeling.batch import PageError
-from modeling.config import ModelConfig
-from modeling.structured import StructuredSpec, compile_spec, grammar_tokenizer
-from modeling.tokenizer import Tokenizer
+from modeling.model.batch import PageError
+from modeling.model.config import ModelConfig
+from common.text.structured import StructuredSpec, compile_spec, grammar_tokenizer
+from common.text.tokenizer import Tokenizer
 from proto.messages import SamplingParams, SeqWork
 from tests.unit.test_verify_and_propose import runner as tiny_runner
 

@@ -1,4 +1,4 @@
-"""The region of huge pages a model's matmul weights are allocated in (modeling/huge_pages.py)."""
+"""The region of huge pages a model's matmul weights are allocated in (modeling/kernels/huge_pages.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from modeling.config import ModelConfig
-from modeling.cpu_kernels import attach_native_ops
-from modeling.huge_pages import HugePageRegion
-from modeling.kv_cache import KVCache
-from modeling.llama import PROJECTION_PARTS, LlamaModel
-from modeling.quantized import ChannelInt8
+from modeling.model.config import ModelConfig
+from modeling.kernels.packing import choose_ops, pack_weights
+from modeling.kernels.huge_pages import HugePageRegion
+from modeling.model.kv_cache import KVCache
+from modeling.model.checkpoint import PROJECTION_PARTS
+from modeling.model.decoder import DecoderModel
+from modeling.kernels.blocks import ChannelInt8
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="reads the mappings from /proc")
 
@@ -83,7 +84,8 @@ def test_a_cpu_models_matmul_weights_lie_in_one_region_and_blocks_give_it_back(t
     """Embeddings and projections are allocated in one mapping, each at a page boundary; once per-channel int8 blocks
     replace them all (the tied LM head included, so the table is read from its blocks), their memory is freed."""
     config = ModelConfig.from_folder(tiny_llama_folder)
-    model = LlamaModel(config, torch.bfloat16)
+    blocks = ChannelInt8(tiny_llama_folder)
+    model = DecoderModel(config, torch.bfloat16, ops=choose_ops(config, torch.bfloat16, torch.device("cpu"), blocks))
     weights = [model.embed_tokens] + [getattr(layer, name) for layer in model.layers for name in PROJECTION_PARTS]
     assert all(weight.data_ptr() % 4096 == 0 for weight in weights)
     assert sorted(weight.data_ptr() for weight in weights) == [weight.data_ptr() for weight in weights]
@@ -93,7 +95,7 @@ def test_a_cpu_models_matmul_weights_lie_in_one_region_and_blocks_give_it_back(t
         pytest.skip("this kernel gave the region no mapping of its own (no transparent huge pages)")
     model.load_weights(tiny_llama_folder)
     assert mapping_of(address)["Rss"] > 0
-    served = attach_native_ops(model, torch.bfloat16, torch.device("cpu"), ChannelInt8(tiny_llama_folder))
+    served = pack_weights(model, blocks)
     assert served.endswith("13 weights from int8 per-channel blocks)"), served
     assert mapping_of(address)["Rss"] == 0
 

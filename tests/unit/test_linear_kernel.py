@@ -1,4 +1,4 @@
-"""The native linear kernel (modeling/csrc/linear.cpp) on every instruction set this CPU has: rows that do not depend
+"""The native linear kernel (modeling/kernels/csrc/linear.cpp) on every instruction set this CPU has: rows that do not depend
 on the step they are in, and the products torch computes.
 
 Which paths run depends on the CPU: each test is parametrised over every path the kernel
@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from modeling.config import ModelConfig
-from modeling.cpu_kernels import (SWITCH_MARGIN, PackedLinear, PathTimings, attach_native_ops,
+from modeling.model.config import ModelConfig
+from modeling.kernels.packing import (SWITCH_MARGIN, PackedLinear, PathTimings, choose_ops, pack_weights,
                                   measure_linear_paths, same_bits)
-from modeling.llama import LlamaModel
-from modeling.invariance import linear_rows_problem
-from modeling.native import SWITCH_ENV, native_ops
+from modeling.model.decoder import DecoderModel
+from modeling.kernels.invariance import linear_rows_problem
+from modeling.kernels.native import SWITCH_ENV, native_ops
 
 ALL_PATHS = ("amx", "avx512bf16", "avx512vnni", "avx512f", "avx2", "portable")
 # Paths whose bfloat16 weights are summed by AMX tiles, in an order and with roundings of the hardware's own.
@@ -207,9 +207,9 @@ def test_a_model_runs_on_the_path_measured_fastest(ops, tiny_llama_folder: Path,
     said = str(timings)
     assert said.startswith("measured: ") and all(path in said for path in timings.seconds) and "; oneDNN " in said
     # A model says which path it runs on, and what the probe measured to choose it.
-    model = LlamaModel(config, dtype, torch.device("cpu"))
+    model = DecoderModel(config, dtype, torch.device("cpu"), choose_ops(config, dtype, torch.device("cpu")))
     model.load_weights(tiny_llama_folder)
-    ops_said = attach_native_ops(model, dtype, torch.device("cpu"))
+    ops_said = pack_weights(model)
     chosen = re.match(r"native \(linear kernel: (\w+), measured: (.+); oneDNN", ops_said)
     assert chosen and isinstance(model.linear, PackedLinear) and model.linear.path == chosen.group(1), ops_said
     # The line rounds the times to two digits, so the choice is checked on the probe's own seconds.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench import linear_kernel
-from modeling.native import KernelUnavailable, native_ops
+from modeling.kernels.native import KernelUnavailable, native_ops
 
 
 @pytest.mark.parametrize("blocks", [[], ["--blocks", "q4_1"]])

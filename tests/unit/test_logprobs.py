@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from modeling.batch import PageError, SeqSpan
-from modeling.logprobs import token_logprobs
+from modeling.model.batch import PageError, SeqSpan
+from modeling.sampling.logprobs import token_logprobs
 from proto.messages import SamplingParams, SeqWork, TokenLogprob
 from tests.unit.test_verify_and_propose import GREEDY, PROMPT, pages, plain_greedy, runner
 

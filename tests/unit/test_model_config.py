@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from modeling.batch import SeqSpan
-from modeling.config import ModelConfig, UnsupportedModel
-from modeling.cpu_kernels import attach_native_ops
-from modeling.kv_cache import DEFAULT_PAGE_SIZE, KVCache, pages_for_slots, slot_pages
-from modeling.llama import LlamaModel
+from modeling.model.batch import SeqSpan
+from modeling.model.config import ModelConfig, UnsupportedModel
+from modeling.kernels.packing import choose_ops, pack_weights
+from modeling.model.kv_cache import DEFAULT_PAGE_SIZE, KVCache, pages_for_slots, slot_pages
+from modeling.model.decoder import TORCH_OPS, DecoderModel
 
 transformers = pytest.importorskip("transformers")
 
@@ -108,11 +108,11 @@ def test_a_model_saved_with_a_large_rope_base_gives_transformers_logits(tmp_path
     reference.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["rope_parameters"]["rope_theta"] == 500000.0
     config = ModelConfig.from_folder(tmp_path)
-    ours = LlamaModel(config)
+    ours = DecoderModel(config, ops=choose_ops(config, torch.float32, torch.device("cpu")) if native else TORCH_OPS)
     ours.load_weights(tmp_path)
     ours.set_rope_cache(128)
     if native:
-        assert attach_native_ops(ours, torch.float32, torch.device("cpu")).startswith("native")
+        assert pack_weights(ours).startswith("native")
     tokens = [(17 * i + 3) % 97 for i in range(60)]  # long enough for the base to matter
     with torch.inference_mode():
         batch = ours.plan([SeqSpan(slot_pages(0, 128), 0, tokens, len(tokens))], DEFAULT_PAGE_SIZE)

@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 import torch
 
-from modeling.batch import SeqSpan
-from modeling.config import ModelConfig
-from modeling.cpu_kernels import attach_native_ops
-from modeling.engine import ModelEngine
-from modeling.kv_cache import DEFAULT_PAGE_SIZE, KVCache, pages_for
-from modeling.llama import LlamaModel
+from modeling.model.batch import SeqSpan
+from modeling.model.config import ModelConfig
+from modeling.kernels.packing import choose_ops, pack_weights
+from modeling.model.engine import ModelEngine
+from modeling.model.kv_cache import DEFAULT_PAGE_SIZE, KVCache, pages_for
+from modeling.model.decoder import TORCH_OPS, DecoderModel
 
 transformers = pytest.importorskip("transformers")
 
@@ -88,18 +88,18 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return request.param, folder, make_model(request.param, folder)
 
 
-def _ours(folder: Path, native: bool) -> tuple[LlamaModel, KVCache]:
+def _ours(folder: Path, native: bool) -> tuple[DecoderModel, KVCache]:
     config = ModelConfig.from_folder(folder)
-    model = LlamaModel(config)
+    model = DecoderModel(config, ops=choose_ops(config, torch.float32, torch.device("cpu")) if native else TORCH_OPS)
     model.load_weights(folder)
     model.set_rope_cache(MAX_LEN)
     if native:
-        assert attach_native_ops(model, torch.float32, torch.device("cpu")).startswith("native")
+        assert pack_weights(model).startswith("native")
     pages = pages_for(MAX_LEN, DEFAULT_PAGE_SIZE)
     return model, KVCache(config, pages, DEFAULT_PAGE_SIZE, torch.float32, torch.device("cpu"))
 
 
-def _logits(model: LlamaModel, cache: KVCache, spans: list[SeqSpan]) -> torch.Tensor:
+def _logits(model: DecoderModel, cache: KVCache, spans: list[SeqSpan]) -> torch.Tensor:
     with torch.inference_mode():
         batch = model.plan(spans, DEFAULT_PAGE_SIZE)
         return model.logits(model(batch, cache)[batch.logit_rows])
@@ -159,7 +159,8 @@ def test_greedy_output_through_the_engine_matches_transformers(case: tuple[str, 
 
 def test_a_draft_model_of_the_family_proposes_what_the_model_would_say(case: tuple[str, Path, Any]) -> None:
     """The draft service's model draft runs every family: the model drafting for itself proposes its greedy tokens."""
-    from draft_service.proposers import ModelProposer, ProposeInput
+    from draft_service.model_proposer import ModelProposer
+    from draft_service.proposer import ProposeInput
     from proto.messages import SamplingParams
 
     name, folder, reference = case

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from modeling.gguf_convert import is_converted
-from modeling.model_store import (
+from modeling.gguf.convert import is_converted
+from modeling.model.store import (
     DEFAULT_MODEL_NAME,
     MODEL_NAMES,
     UnknownModel,

@@ -1,4 +1,4 @@
-"""The native CPU kernels (modeling/csrc) against plain torch: attention over the paged cache, the fused elementwise ops."""
+"""The native CPU kernels (modeling/kernels/csrc) against plain torch: attention over the paged cache, the fused elementwise ops."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from modeling.llama import apply_rope, rms_norm
-from modeling.native import SWITCH_ENV, native_ops
+from modeling.model.decoder import rms_norm
+
+from modeling.model.rope import apply_rope
+from modeling.kernels.native import SWITCH_ENV, native_ops
 
 
 @pytest.fixture(scope="module")
@@ -443,10 +445,10 @@ def test_argmax_rows_refuses_what_it_cannot_read(ops) -> None:  # type: ignore[n
 
 
 def test_turned_off_the_model_runs_on_torch_ops_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
-    from modeling import native
-    from modeling.config import ModelConfig
-    from modeling.cpu_kernels import attach_native_ops
-    from modeling.llama import LlamaModel
+    from modeling.kernels import native
+    from modeling.model.config import ModelConfig
+    from modeling.kernels.packing import choose_ops, pack_weights
+    from modeling.model.decoder import DecoderModel
 
     config = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
                          head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64,
@@ -454,10 +456,11 @@ def test_turned_off_the_model_runs_on_torch_ops_and_says_why(monkeypatch: pytest
     monkeypatch.setenv(SWITCH_ENV, "0")
     native._load.cache_clear()
     try:
-        model = LlamaModel(config)
-        assert attach_native_ops(model, torch.float32, torch.device("cpu")) == f"torch (turned off by {SWITCH_ENV}=0)"
+        model = DecoderModel(config, ops=choose_ops(config, torch.float32, torch.device("cpu")))
+        assert pack_weights(model) == f"torch (turned off by {SWITCH_ENV}=0)"
         assert model.native is None
-        assert attach_native_ops(model, torch.float16, torch.device("cpu")).startswith("torch (no native ops for torch.float16")
+        said = choose_ops(config, torch.float16, torch.device("cpu")).said
+        assert said.startswith("torch (no native ops for torch.float16")
     finally:
         native._load.cache_clear()  # the next test builds (or finds) them again
 
@@ -465,8 +468,8 @@ def test_turned_off_the_model_runs_on_torch_ops_and_says_why(monkeypatch: pytest
 @pytest.mark.timeout(300)
 def test_a_build_lock_left_by_a_killed_process_does_not_block_loading(ops) -> None:  # type: ignore[no-untyped-def]
     """torch's build lock is a plain file; one left behind by a process killed mid-build must not hang later starts."""
-    from modeling import native
-    from modeling.model_store import default_cache_dir
+    from modeling.kernels import native
+    from modeling.model.store import default_cache_dir
 
     stale = default_cache_dir() / "kernels" / native._build_name() / "lock"
     stale.touch()
@@ -480,7 +483,7 @@ def test_a_build_lock_left_by_a_killed_process_does_not_block_loading(ops) -> No
 
 def test_a_build_in_the_cache_loads_without_a_compiler(ops, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     """What a container image does: kernels built in its build stage, loaded where no compiler is installed."""
-    from modeling import native
+    from modeling.kernels import native
 
     monkeypatch.setattr(native, "_compiler_version", lambda: "")
     native._load.cache_clear()
@@ -494,7 +497,7 @@ def test_a_build_in_the_cache_loads_without_a_compiler(ops, monkeypatch: pytest.
 
 
 def test_a_build_is_reused_only_whole_and_by_its_own_compiler(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from modeling.native import _reusable
+    from modeling.kernels.native import _reusable
 
     library, stamp = tmp_path / "k.so", tmp_path / "compiler.txt"
     assert not _reusable(library, stamp, "g++ 12")
@@ -506,7 +509,7 @@ def test_a_build_is_reused_only_whole_and_by_its_own_compiler(tmp_path) -> None:
 
 
 def test_an_x86_level_is_checked_against_the_cpu_and_names_the_build(monkeypatch: pytest.MonkeyPatch) -> None:
-    from modeling import native
+    from modeling.kernels import native
 
     v3 = " ".join(sorted(native.ARCH_LEVELS["x86-64-v3"]))
     monkeypatch.setattr(native, "_cpu_flags", lambda: f"flags : {v3}")

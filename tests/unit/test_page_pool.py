@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 
-from modeling.page_pool import PagePool
+from common.page_pool import PagePool
 
 
 def test_a_second_turn_reuses_the_first_turns_full_pages_but_computes_its_last_token() -> None:

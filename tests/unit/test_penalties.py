@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from modeling.batch import PageError
-from modeling.penalties import penalize
+from modeling.model.batch import PageError
+from modeling.sampling.penalties import penalize
 from proto.messages import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, Penalties, SamplingParams, SeqWork
 from tests.unit.test_verify_and_propose import GREEDY, PROMPT, pages, runner
 

@@ -1,4 +1,4 @@
-"""The phrase store (modeling/phrases.py): longest match, majority continuation, boundaries, the file."""
+"""The phrase store (common/text/phrases.py): longest match, majority continuation, boundaries, the file."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from modeling.phrases import (
+from common.text.phrases import (
     FULL_CONTEXT,
     MAX_CONTEXT,
     MAX_OCCURRENCES,

@@ -14,17 +14,17 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from modeling.batch import SeqSpan
-from modeling.config import ModelConfig
-from modeling.cpu_kernels import PackedLinear, block_probe
-from modeling.huge_pages import HugePageRegion
-from modeling.engine import ModelEngine
-from modeling.gguf_convert import convert_gguf
-from modeling.invariance import linear_rows_problem
-from modeling.llama import PROJECTION_PARTS
-from modeling.native import KernelUnavailable, native_ops
-from modeling import quantized
-from modeling.quantized import (QUANTIZATIONS, Blocks, QuantizationError, channel_int8_blocks, panel_rows, q4_k_sub_blocks,
+from modeling.model.batch import SeqSpan
+from modeling.model.config import ModelConfig
+from modeling.kernels.packing import PackedLinear, block_probe
+from modeling.kernels.huge_pages import HugePageRegion
+from modeling.model.engine import ModelEngine
+from modeling.gguf.convert import convert_gguf
+from modeling.kernels.invariance import linear_rows_problem
+from modeling.model.checkpoint import PROJECTION_PARTS
+from modeling.kernels.native import KernelUnavailable, native_ops
+from modeling.kernels import blocks as quantized
+from modeling.kernels.blocks import (QUANTIZATIONS, Blocks, QuantizationError, channel_int8_blocks, panel_rows, q4_k_sub_blocks,
                                 servable_quantization, weight_blocks)
 from specserve.cli import _build_parser
 from specserve.stack import StackAddresses, StackConfig, worker_spec
@@ -366,7 +366,7 @@ def test_embedded_model_q4_1_greedy_equals_its_float32_folder(ops: ModuleType, d
     float32): the same greedy tokens except where the folder's top-2 logit margin is below 1e-3, and the logits
     within the stated tolerance up to there."""
     dense, served = engine(default_model_dir, "float32", "none"), engine(default_model_dir, "float32", "q4_1")
-    from modeling.tokenizer import Tokenizer
+    from common.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.load(default_model_dir)
     for text in HELD_OUT_PROMPTS:
@@ -532,7 +532,7 @@ def test_worker_and_draft_refuse_what_their_model_cannot_take(tiny_llama_folder:
         add(parser)
         return parser.parse_args([*argv, "--insecure-loopback"])
 
-    with pytest.raises(ValueError, match="not one of the choices: none, q4_1, q8_0, q4_k, int8"):
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
         worker_config(parse(worker_arguments, "--model", str(q4_1_folder), "--quantization", "int4"))
     with pytest.raises(ValueError, match="holds no model.gguf"):
         worker_config(parse(worker_arguments, "--model", str(tiny_llama_folder), "--quantization", "q4_1"))
@@ -540,7 +540,7 @@ def test_worker_and_draft_refuse_what_their_model_cannot_take(tiny_llama_folder:
     assert worker_config(parse(worker_arguments, "--model", str(tiny_llama_folder),
                                "--quantization", "int8")).quantization == "int8"
     # auto: what `specserve up` chooses on the worker's device (the compose file's workers)
-    from modeling.engine import default_dtype
+    from modeling.model.engine import default_dtype
 
     auto = ("--dtype", "auto", "--quantization", "auto")
     chosen = worker_config(parse(worker_arguments, "--model", str(q4_1_folder), *auto))
@@ -558,7 +558,7 @@ def test_worker_and_draft_refuse_what_their_model_cannot_take(tiny_llama_folder:
 def test_tensor_infos_agree_with_gguf_reader(tmp_path: Path, default_model_dir: Path) -> None:
     from gguf import GGUFReader
 
-    from modeling.quantized import tensor_infos
+    from modeling.kernels.blocks import tensor_infos
 
     for path in (q4_1_file(tmp_path / "tiny.gguf"), default_model_dir / "model.gguf"):
         arch, data, infos = tensor_infos(path)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modeling.rejection import Verdict, verify, verify_greedy
-from modeling.sampling import sample, target_probs
+from modeling.sampling.rejection import Verdict, verify, verify_greedy
+from modeling.sampling.draw import sample, target_probs
 from proto.messages import SamplingParams, SparseDist
 
 # 99.9% quantiles of the chi-square distribution (scipy is not in the venv), keyed by degrees of freedom.

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from modeling.sampling import draw, generator_for, is_greedy, sample, target_probs
+from modeling.sampling.draw import draw, generator_for, is_greedy, sample, target_probs
 from proto.messages import SamplingParams
 
 

@@ -659,6 +659,15 @@ def test_a_gone_worker_is_replaced_even_by_an_incarnation_that_reads_an_earlier_
     assert not sim.worker("w0", incarnation=900).hello()  # while one lives, an older incarnation is stale
 
 
+def test_an_incarnation_more_than_a_day_ahead_of_the_schedulers_wall_clock_is_refused() -> None:
+    """The core reads no clock: the shell's wall clock is given to it, so a test sets the time a hello is judged at."""
+    sim = Sim()
+    day_ns = 24 * 3600 * 10**9
+    assert not sim.worker("w0", incarnation=sim.wall_ns + day_ns + 1).hello()
+    sim.wall_ns += 2  # the scheduler's clock catches up: the same start time is now within a day
+    assert sim.worker("w0", incarnation=sim.wall_ns + day_ns).hello()
+
+
 def test_a_dead_worker_comes_back_as_a_new_incarnation() -> None:
     sim = Sim()
     ready(sim, "w0").fail()

@@ -13,7 +13,7 @@ from proto import messages as m
 from proto.lifecycle import State
 from scheduler.batching import ScheduledSeq
 from scheduler.requests import Request
-from scheduler.speculation.link import proposal_problem
+from scheduler.speculation.proposing import proposal_problem
 from scheduler.speculation.policy import SpecLimits, draft_caps
 from tests.unit.scheduler_fakes import EOS, FINGERPRINT, FakeDraft, FakeWorker, Sim, assert_all_free, prompt
 

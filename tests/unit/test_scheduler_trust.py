@@ -228,7 +228,7 @@ def test_a_worker_caps_its_pages_at_what_the_scheduler_believes(tiny_llama_folde
     from common.process_config import ProcessConfig
     from gpu_worker.config import WorkerConfig
     from gpu_worker.memory import num_kv_pages
-    from modeling.config import ModelConfig
+    from modeling.model.config import ModelConfig
 
     process = ProcessConfig(worker_id="w", scheduler_address="inproc://x", device="cpu", dtype="float32",
                             heartbeat_interval_s=1.0, phase_timeout_s=60.0, step_timeout_s=60.0, drain_timeout_s=10.0,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from bench import step_ops
-from modeling.native import KernelUnavailable, native_ops
+from modeling.kernels.native import KernelUnavailable, native_ops
 
 
 def test_every_op_of_the_layer_loop_is_timed_and_the_linears_are_told_apart(default_model_dir: Path,

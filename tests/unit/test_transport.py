@@ -14,7 +14,7 @@ import zmq
 import zmq.auth
 import zmq.utils.monitor
 
-from common import transport
+from common import settings, transport
 from common.transport import KeyCheck, Transport, TransportError, authorized_keys, is_loopback, make_keys
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,8 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    transport.add_arguments(parser)
-    return parser.parse_args(list(argv))
+    settings.add_arguments(parser, "worker")
+    return parser.parse_args(["--model", "m", *argv])
 
 
 @pytest.mark.parametrize(("address", "loopback"), [

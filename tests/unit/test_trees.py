@@ -1,4 +1,4 @@
-"""Token trees (modeling/trees.py): their shape, the branch greedy verification follows, and the tree a draft builds."""
+"""Token trees (common/trees.py): their shape, the branch greedy verification follows, and the tree a draft builds."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 
 import torch
 
-from modeling.rejection import verify_greedy, verify_tree_greedy, verify_tree_sampled
-from modeling.sampling import draw, generator_for, target_probs
+from modeling.sampling.rejection import verify_greedy, verify_tree_greedy, verify_tree_sampled
+from modeling.sampling.draw import draw, generator_for, target_probs
 from proto.messages import SamplingParams
-from modeling.trees import best_tree, follow, is_chain, leading_nodes, tree_depths
+from common.trees import best_tree, follow, is_chain, leading_nodes, tree_depths
 
 
 def branches(token_ids: list[int], parents: list[int]) -> list[tuple[int, ...]]:

@@ -12,15 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from draft_service.proposers import ModelProposer, NgramProposer, ProposeInput
+from draft_service.model_proposer import ModelProposer
+from draft_service.prompt_lookup import NgramProposer
+from draft_service.proposer import ProposeInput
 from draft_service.sequences import SequenceStore
 from draft_service.testing_proposers import RandomProposer, ReplayProposer
 from common.process_config import ProcessConfig
 from gpu_worker.config import WorkerConfig
 from gpu_worker.runner import ModelRunner
-from modeling.config import ModelConfig
-from modeling.batch import PageError
-from modeling.kv_cache import DEFAULT_PAGE_SIZE, pages_for_slots, slot_pages
+from modeling.model.config import ModelConfig
+from modeling.model.batch import PageError
+from modeling.model.kv_cache import DEFAULT_PAGE_SIZE, pages_for_slots, slot_pages
 from proto.messages import ProposeSeq, SamplingParams, SeqWork, SparseDist
 
 GREEDY = SamplingParams()
@@ -159,7 +161,7 @@ def test_sequence_store_drops_then_appends_and_restarts_on_a_count_mismatch() ->
 
 def test_sequence_store_keeps_the_feature_rows_that_stand_as_they_grow_and_are_cut_back() -> None:
     """Rows arrive in pieces, some after a cut-back (rejected drafts); the store always holds rows 0..n-1 as sent."""
-    from modeling.features import to_rows
+    from modeling.model.features import to_rows
 
     store = SequenceStore()
     expected = torch.randn(3, 4)
@@ -241,7 +243,7 @@ def test_sequences_beyond_the_draft_slots_get_no_proposal(tiny_llama_folder: Pat
 
 def test_a_step_returns_the_features_of_the_tokens_that_stand(tiny_llama_folder: Path) -> None:
     """Prefill chunk: every row; decode: its row; verify: the last token and the accepted drafts, not the rejected."""
-    from modeling.features import from_rows
+    from modeling.model.features import from_rows
 
     r = runner(tiny_llama_folder)
     reference = plain_greedy(r, 0, PROMPT, 6)
@@ -305,7 +307,7 @@ def test_greedy_tree_verification_equals_plain_greedy_and_moves_the_accepted_bra
 
 
 def test_a_tree_returns_the_features_of_its_accepted_branch(tiny_llama_folder: Path) -> None:
-    from modeling.features import from_rows
+    from modeling.model.features import from_rows
 
     r = runner(tiny_llama_folder)
     reference = plain_greedy(r, 0, PROMPT, 6)

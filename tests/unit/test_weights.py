@@ -1,4 +1,4 @@
-"""WeightFiles (modeling/weights.py): safetensors folders of every layout, read exactly, cast, in chunks; broken ones named."""
+"""WeightFiles (modeling/model/weights.py): safetensors folders of every layout, read exactly, cast, in chunks; broken ones named."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from bench.load_memory import measure
-from modeling.weights import INDEX_NAME, WeightError, WeightFiles
+from modeling.model.weights import INDEX_NAME, WeightError, WeightFiles
 
 
 def some_tensors() -> dict[str, torch.Tensor]:
