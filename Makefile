@@ -72,6 +72,7 @@ unit: native
 lint: setup
 	$(PY) -m mypy proto/messages.py proto/frames.py proto/lifecycle.py proto/generate.py common modeling gpu_worker draft_service distill scheduler gateway specserve bench --ignore-missing-imports
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 bench: native
 	$(PY) -m bench.grpc_bench --start $(BENCH_ARGS)

@@ -41,8 +41,10 @@ def step_ms(ops, rows: int, positions: int, args: argparse.Namespace, path: str)
     generator = torch.Generator().manual_seed(0)
     shape = (rows * pages_per_row, args.kv_heads, PAGE_SIZE, args.head_dim)
     dtype = getattr(torch, args.dtype)
-    caches = [(torch.randn(shape, generator=generator).to(dtype), torch.randn(shape, generator=generator).to(dtype))
-              for _ in range(args.layers)]
+    caches = [
+        (torch.randn(shape, generator=generator).to(dtype), torch.randn(shape, generator=generator).to(dtype))
+        for _ in range(args.layers)
+    ]
     tables = torch.arange(rows * pages_per_row).view(rows, pages_per_row)
     queries = torch.randn(rows, args.heads, args.head_dim, generator=generator).to(dtype)
     row_tables = torch.arange(rows)
@@ -85,8 +87,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     ops = native_ops()
-    print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {args.dtype}, "
-          f"{args.layers} layers of {args.heads} heads / {args.kv_heads} kv heads / head_dim {args.head_dim}")
+    print(
+        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {args.dtype}, "
+        f"{args.layers} layers of {args.heads} heads / {args.kv_heads} kv heads / head_dim {args.head_dim}"
+    )
     print("| path | rows | positions | KV read per step, MB | step ms, best | median | GB/s at best |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     element = torch.tensor([], dtype=getattr(torch, args.dtype)).element_size()
@@ -97,8 +101,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                 megabytes = 2 * rows * positions * args.kv_heads * args.head_dim * element * args.layers / 1e6
                 best = min(times)
                 named = path or (ops.attention_paths()[0] if hasattr(ops, "attention_paths") else "the build's")
-                print(f"| {named} | {rows} | {positions} | {megabytes:.0f} | {best:.2f} | "
-                      f"{statistics.median(times):.2f} | {megabytes / best:.1f} |")
+                print(
+                    f"| {named} | {rows} | {positions} | {megabytes:.0f} | {best:.2f} | "
+                    f"{statistics.median(times):.2f} | {megabytes / best:.1f} |"
+                )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,9 @@ async def watch(stub: pb_grpc.SpecServeStub, peak: list[int], stop: asyncio.Even
             pass
 
 
-async def run(address: str, prompts: PromptWindows, workload: Workload, num_requests: int) -> tuple[int, pb.ServerInfoResponse,
-                                                                                                 float, float]:
+async def run(
+    address: str, prompts: PromptWindows, workload: Workload, num_requests: int
+) -> tuple[int, pb.ServerInfoResponse, float, float]:
     requests = RequestFactory(prompts, workload.output_len, prefix=f"capacity-{os.getpid()}")
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.SpecServeStub(channel)
@@ -63,8 +64,9 @@ async def run(address: str, prompts: PromptWindows, workload: Workload, num_requ
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.capacity_bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.capacity_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--slots", type=int, default=64)
     parser.add_argument("--slot-len", type=int, default=2048)
     parser.add_argument("--num-requests", type=int, default=256)
@@ -76,26 +78,46 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     model = default_model_dir()
     dtype = args.dtype or default_dtype("cpu")
-    memory = pages_for_slots(args.slots, args.slot_len) * page_bytes(ModelConfig.from_folder(model), DEFAULT_PAGE_SIZE,
-                                                                      getattr(torch, dtype))
+    memory = pages_for_slots(args.slots, args.slot_len) * page_bytes(
+        ModelConfig.from_folder(model), DEFAULT_PAGE_SIZE, getattr(torch, dtype)
+    )
     grpc_port, http_port = free_ports(2)
-    flags = ["--model", str(model), "--dtype", dtype, "--draft", "none", "--port", str(grpc_port), "--http-port",
-             str(http_port), "--kv-cache-memory", f"{memory / 2**30:.6f}", "--max-num-seqs", str(args.num_requests)]
+    flags = [
+        "--model",
+        str(model),
+        "--dtype",
+        dtype,
+        "--draft",
+        "none",
+        "--port",
+        str(grpc_port),
+        "--http-port",
+        str(http_port),
+        "--kv-cache-memory",
+        f"{memory / 2**30:.6f}",
+        "--max-num-seqs",
+        str(args.num_requests),
+    ]
     workload = Workload(args.input_len, args.output_len, args.num_requests, None, 3600.0)
     try:
         with running_up(flags) as stack:
             print(stack.ready_line, file=sys.stderr, flush=True)
             peak, info, tok_s, duration_s = asyncio.run(
-                run(stack.address, PromptWindows.from_model_folder(model, args.input_len), workload, args.num_requests))
+                run(stack.address, PromptWindows.from_model_folder(model, args.input_len), workload, args.num_requests)
+            )
     except (BenchError, StackError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     target = next(p for p in info.processes if p.role == "target")
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; dtype {dtype}")
-    print(f"KV cache: {memory / 2**30:.3f} GiB = {args.slots} slots x {args.slot_len} positions = {target.num_kv_pages} "
-          f"pages of {target.kv_page_size}")
-    print(f"{args.num_requests} requests of {args.input_len} + {args.output_len} tokens: at most {peak} running at once, "
-          f"{target.num_preemptions} preemptions, {tok_s:.1f} output tok/s, {duration_s:.0f} s")
+    print(
+        f"KV cache: {memory / 2**30:.3f} GiB = {args.slots} slots x {args.slot_len} positions = {target.num_kv_pages} "
+        f"pages of {target.kv_page_size}"
+    )
+    print(
+        f"{args.num_requests} requests of {args.input_len} + {args.output_len} tokens: at most {peak} running at once, "
+        f"{target.num_preemptions} preemptions, {tok_s:.1f} output tok/s, {duration_s:.0f} s"
+    )
     return 0
 
 

@@ -27,16 +27,30 @@ REPO = Path(__file__).resolve().parents[1]
 
 def worktree(revision: str, parent: Path) -> Path:
     folder = parent / f"rev-{revision}"
-    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(folder), revision], check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["git", "-C", str(REPO), "worktree", "add", "--detach", str(folder), revision], check=True, capture_output=True
+    )
     return folder
 
 
 def bench_once(checkout: Path, draft: str, args: argparse.Namespace, out: Path) -> dict[int, float]:
     """Output tok/s by concurrency, from `checkout`'s own grpc_bench on a stack of its own."""
-    command = [sys.executable, "-m", "bench.grpc_bench", "--start", "--draft", draft, "--json-out", str(out),
-               "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-               "--concurrency", *map(str, args.concurrency)]
+    command = [
+        sys.executable,
+        "-m",
+        "bench.grpc_bench",
+        "--start",
+        "--draft",
+        draft,
+        "--json-out",
+        str(out),
+        "--input-len",
+        str(args.input_len),
+        "--output-len",
+        str(args.output_len),
+        "--concurrency",
+        *map(str, args.concurrency),
+    ]
     if args.dtype:
         command += ["--dtype", args.dtype]
     print(f"[{checkout.name}] {' '.join(command[1:])}", file=sys.stderr, flush=True)
@@ -49,10 +63,15 @@ def bench_once(checkout: Path, draft: str, args: argparse.Namespace, out: Path) 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.compare_revisions", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.compare_revisions",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--before", required=True, help="the git revision to compare with (a commit, tag or branch)")
-    parser.add_argument("--draft", nargs="+", default=["none", "default"], help="each run's --draft (default: none default)")
+    parser.add_argument(
+        "--draft", nargs="+", default=["none", "default"], help="each run's --draft (default: none default)"
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: what `specserve up` picks")
     parser.add_argument("--input-len", type=int, default=128)
@@ -64,7 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="specserve-compare-") as temp:
         before = worktree(args.before, Path(temp))
         try:
-            subprocess.run([sys.executable, "-m", "modeling.kernels.native"], cwd=before, check=True, capture_output=True)
+            subprocess.run(
+                [sys.executable, "-m", "modeling.kernels.native"], cwd=before, check=True, capture_output=True
+            )
             checkouts = {"before": before, "after": REPO}
             figures: dict[tuple[str, str, int], list[float]] = defaultdict(list)
             for round_index in range(args.rounds):

@@ -45,40 +45,94 @@ class Figures:
 
 
 def workload_args(args: argparse.Namespace, concurrency: int) -> list[str]:
-    return ["--dataset-name", "random", "--random-input-len", str(args.input_len), "--random-output-len",
-            str(args.output_len), "--num-prompts", str(max(8, 2 * concurrency)), "--max-concurrency", str(concurrency),
-            "--ignore-eos", "--temperature", "0", "--seed", str(args.seed)]
+    return [
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(args.input_len),
+        "--random-output-len",
+        str(args.output_len),
+        "--num-prompts",
+        str(max(8, 2 * concurrency)),
+        "--max-concurrency",
+        str(concurrency),
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--seed",
+        str(args.seed),
+    ]
 
 
 def measure(server: str, base_url: str, args: argparse.Namespace, concurrency: int, work_dir: Path) -> Figures:
     result = work_dir / f"{server}-{concurrency}.json"
-    command = [args.vllm, "bench", "serve", "--backend", "vllm", "--base-url", base_url, "--endpoint", "/v1/completions",
-               "--model", args.folder.name, "--tokenizer", str(args.folder), *workload_args(args, concurrency),
-               "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
+    command = [
+        args.vllm,
+        "bench",
+        "serve",
+        "--backend",
+        "vllm",
+        "--base-url",
+        base_url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        args.folder.name,
+        "--tokenizer",
+        str(args.folder),
+        *workload_args(args, concurrency),
+        "--save-result",
+        "--result-dir",
+        str(result.parent),
+        "--result-filename",
+        result.name,
+    ]
     print(f"{server}: {shlex.join(command)}", file=sys.stderr, flush=True)
     subprocess.run(command, check=True, env=vllm_env(), stdout=sys.stderr)
     data = json.loads(result.read_text())
-    return Figures(server, concurrency, data["output_throughput"], data["median_ttft_ms"], data["median_itl_ms"],
-                   data["p99_itl_ms"], data["completed"])
+    return Figures(
+        server,
+        concurrency,
+        data["output_throughput"],
+        data["median_ttft_ms"],
+        data["median_itl_ms"],
+        data["p99_itl_ms"],
+        data["completed"],
+    )
 
 
 def format_table(figures: Sequence[Figures]) -> str:
-    rows = ["| server | concurrency | output tok/s | TTFT p50 (ms) | ITL p50 (ms) | ITL p99 (ms) | completed |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
-    rows += [f"| {f.server} | {f.concurrency} | {f.output_tok_s:.1f} | {f.ttft_p50_ms:.0f} | {f.itl_p50_ms:.1f} | "
-             f"{f.itl_p99_ms:.1f} | {f.completed} |" for f in figures]
+    rows = [
+        "| server | concurrency | output tok/s | TTFT p50 (ms) | ITL p50 (ms) | ITL p99 (ms) | completed |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    rows += [
+        f"| {f.server} | {f.concurrency} | {f.output_tok_s:.1f} | {f.ttft_p50_ms:.0f} | {f.itl_p50_ms:.1f} | "
+        f"{f.itl_p99_ms:.1f} | {f.completed} |"
+        for f in figures
+    ]
     return "\n".join(rows)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.decode_bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vllm", required=True, help="vLLM's CLI (`vllm`): the client for every server, and the peer server")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.decode_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--vllm", required=True, help="vLLM's CLI (`vllm`): the client for every server, and the peer server"
+    )
     parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
-    parser.add_argument("--model", default=None, help="a registered model name, a .gguf file or a folder (default: the "
-                                                      "embedded default model)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                        help="for every server (default: specserve's on this machine)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a registered model name, a .gguf file or a folder (default: the embedded default model)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="for every server (default: specserve's on this machine)",
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -112,9 +166,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {error} (logs in {work_dir})", file=sys.stderr)
         print(format_table(figures))
         return 1
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; model {args.folder.name}; "
-          f"dtype {args.dtype}; random prompts of {args.input_len} tokens, {args.output_len} output tokens, greedy, "
-          "num-prompts max(8, 2 x concurrency)")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; model {args.folder.name}; "
+        f"dtype {args.dtype}; random prompts of {args.input_len} tokens, {args.output_len} output tokens, greedy, "
+        "num-prompts max(8, 2 x concurrency)"
+    )
     print(format_table(figures))
     return 0
 

@@ -56,16 +56,30 @@ MAX_LEN = 1024
 
 def accuracy(target: Path, drafts: list[Path], dtype: str, output_len: int) -> None:
     tokenizer = Tokenizer.load(target)
-    engine = ModelEngine(target, ModelConfig.from_folder(target), device="cpu", dtype=dtype,
-                         num_pages=pages_for_slots(16, MAX_LEN), max_len=MAX_LEN)
+    engine = ModelEngine(
+        target,
+        ModelConfig.from_folder(target),
+        device="cpu",
+        dtype=dtype,
+        num_pages=pages_for_slots(16, MAX_LEN),
+        max_len=MAX_LEN,
+    )
     engine.load()
     engine.allocate()
     workloads = {"chat": CHAT, "code": CODE}
-    answers = {name: generate(engine, [tokenizer.encode_chat([ChatMessage("user", q)]) for q in texts], output_len,
-                              set(tokenizer.eos_token_ids))
-               for name, texts in workloads.items()}
+    answers = {
+        name: generate(
+            engine,
+            [tokenizer.encode_chat([ChatMessage("user", q)]) for q in texts],
+            output_len,
+            set(tokenizer.eos_token_ids),
+        )
+        for name, texts in workloads.items()
+    }
     for draft in drafts:
-        head = EagleEngine(draft, target, device="cpu", dtype=dtype, num_pages=pages_for_slots(1, MAX_LEN), max_len=MAX_LEN)
+        head = EagleEngine(
+            draft, target, device="cpu", dtype=dtype, num_pages=pages_for_slots(1, MAX_LEN), max_len=MAX_LEN
+        )
         head.load()
         head.allocate()
         assert head.draft_vocab is not None
@@ -75,7 +89,9 @@ def accuracy(target: Path, drafts: list[Path], dtype: str, output_len: int) -> N
             for seq in sequences:
                 n = len(seq.tokens)
                 # Row j reads (f_j, x_{j+1}) and proposes x_{j+2}; answers start at seq.first_generated.
-                logits, _ = head.forward([SeqSpan(slot_pages(0, MAX_LEN), 0, seq.tokens[1:n - 1], n - 2)], seq.features[: n - 2])
+                logits, _ = head.forward(
+                    [SeqSpan(slot_pages(0, MAX_LEN), 0, seq.tokens[1 : n - 1], n - 2)], seq.features[: n - 2]
+                )
                 proposed = head.draft_vocab[logits.argmax(-1)]
                 first = max(0, seq.first_generated - 2)
                 right += int((proposed[first:] == torch.tensor(seq.tokens[2:])[first:]).sum())
@@ -84,24 +100,45 @@ def accuracy(target: Path, drafts: list[Path], dtype: str, output_len: int) -> N
         print(f"{draft}: first-token accuracy on the answers: {', '.join(figures)}")
 
 
-def cycle(target: Path, draft: Path, dtype: str, ks: list[int], lookup_k: int, ngram_min: int, phrases: bool,
-          output_len: int) -> None:
-    process = ProcessConfig(worker_id="bench", scheduler_address="inproc://unused", device="cpu", dtype=dtype,
-                            heartbeat_interval_s=1.0, phase_timeout_s=60.0, step_timeout_s=60.0, drain_timeout_s=10.0,
-                            num_threads=0, status_file=None)
-    config = WorkerConfig(process=process, model=target, max_model_len=MAX_LEN, kv_cache_memory_gib=None,
-                          page_size=DEFAULT_PAGE_SIZE, max_num_seqs=1, max_num_batched_tokens=512, max_draft_tokens=8)
+def cycle(
+    target: Path, draft: Path, dtype: str, ks: list[int], lookup_k: int, ngram_min: int, phrases: bool, output_len: int
+) -> None:
+    process = ProcessConfig(
+        worker_id="bench",
+        scheduler_address="inproc://unused",
+        device="cpu",
+        dtype=dtype,
+        heartbeat_interval_s=1.0,
+        phase_timeout_s=60.0,
+        step_timeout_s=60.0,
+        drain_timeout_s=10.0,
+        num_threads=0,
+        status_file=None,
+    )
+    config = WorkerConfig(
+        process=process,
+        model=target,
+        max_model_len=MAX_LEN,
+        kv_cache_memory_gib=None,
+        page_size=DEFAULT_PAGE_SIZE,
+        max_num_seqs=1,
+        max_num_batched_tokens=512,
+        max_draft_tokens=8,
+    )
     runner = ModelRunner(config, ModelConfig.from_folder(target), pages_for_slots(1, MAX_LEN))
     pages = list(slot_pages(0, MAX_LEN))
     runner.load()
     runner.allocate()
-    head = EagleProposer(draft, target, device="cpu", dtype=dtype, num_seqs=1, max_len=MAX_LEN, max_draft_tokens=8,
-                         draft_top_k=8)
+    head = EagleProposer(
+        draft, target, device="cpu", dtype=dtype, num_seqs=1, max_len=MAX_LEN, max_draft_tokens=8, draft_top_k=8
+    )
     for phase in head.phases():
         phase()
     tokenizer = Tokenizer.load(target)
     workloads = {"chat": CHAT, "code": CODE}
-    prompts = {name: [tokenizer.encode_chat([ChatMessage("user", q)]) for q in texts] for name, texts in workloads.items()}
+    prompts = {
+        name: [tokenizer.encode_chat([ChatMessage("user", q)]) for q in texts] for name, texts in workloads.items()
+    }
 
     def decode(prompt: list[int], proposer: Proposer | None, k: int) -> tuple[list[int], float, int, int]:
         """-> (tokens, seconds after the prefill, verify steps, accepted draft tokens)."""
@@ -116,8 +153,16 @@ def cycle(target: Path, draft: Path, dtype: str, ks: list[int], lookup_k: int, n
             if proposer is not None:
                 (proposal,) = proposer.propose([ProposeInput("r", tokens, stable, k, GREEDY, features)])
                 drafted, parents = proposal.token_ids, proposal.parents
-            work = SeqWork("r", pages, len(tokens) - 1, [tokens[-1]] + drafted, True, GREEDY, num_draft_tokens=len(drafted),
-                           draft_parents=parents)
+            work = SeqWork(
+                "r",
+                pages,
+                len(tokens) - 1,
+                [tokens[-1]] + drafted,
+                True,
+                GREEDY,
+                num_draft_tokens=len(drafted),
+                draft_parents=parents,
+            )
             (out,), step_rows, _ = runner.execute([work], return_features=proposer is not None)  # plain steps need none
             seconds += time.perf_counter() - started
             verifies += bool(drafted)
@@ -128,7 +173,11 @@ def cycle(target: Path, draft: Path, dtype: str, ks: list[int], lookup_k: int, n
             tokens = tokens + out.token_ids
         return tokens, seconds, verifies, accepted
 
-    label = f"lookup (n >= {ngram_min}, k = {lookup_k}){', phrases' if phrases else ''}, else the head" if lookup_k else "the head"
+    label = (
+        f"lookup (n >= {ngram_min}, k = {lookup_k}){', phrases' if phrases else ''}, else the head"
+        if lookup_k
+        else "the head"
+    )
     print(f"{draft} ({dtype}), {label}")
     ngram = NgramProposer(ngram_min, 4)
     lookup: LookupProposer = ngram
@@ -149,27 +198,52 @@ def cycle(target: Path, draft: Path, dtype: str, ks: list[int], lookup_k: int, n
             same = sum(run[0][: len(base[0])] == base[0][: len(run[0])] for run, base in zip(runs, plain))
             speed_up = sum(base[1] for base in plain) / sum(run[1] for run in runs)
             per_verify = sum(run[3] for run in runs) / max(1, sum(run[2] for run in runs))
-            print(f"  head k = {k}, {name}: accepted per verify {per_verify:.2f}, speed-up {speed_up:.2f}x, "
-                  f"identical {same}/{len(group)}")
+            print(
+                f"  head k = {k}, {name}: accepted per verify {per_verify:.2f}, speed-up {speed_up:.2f}x, "
+                f"identical {same}/{len(group)}"
+            )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=("accuracy", "cycle"))
-    parser.add_argument("--draft", type=Path, action="append", required=True, help="a head folder (repeatable for accuracy)")
-    parser.add_argument("--target", type=Path, default=None, help="the target's folder (default: the embedded default model)")
+    parser.add_argument(
+        "--draft", type=Path, action="append", required=True, help="a head folder (repeatable for accuracy)"
+    )
+    parser.add_argument(
+        "--target", type=Path, default=None, help="the target's folder (default: the embedded default model)"
+    )
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
-    parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4], help="cycle: the head's draft tokens (0 with --lookup-k: the lookups alone)")
-    parser.add_argument("--lookup-k", type=int, default=0, help="cycle: prompt lookup's draft tokens before the head (0: none)")
+    parser.add_argument(
+        "--k",
+        type=int,
+        nargs="+",
+        default=[1, 2, 3, 4],
+        help="cycle: the head's draft tokens (0 with --lookup-k: the lookups alone)",
+    )
+    parser.add_argument(
+        "--lookup-k", type=int, default=0, help="cycle: prompt lookup's draft tokens before the head (0: none)"
+    )
     parser.add_argument("--ngram-min", type=int, default=2)
-    parser.add_argument("--no-phrases", action="store_true", help="cycle: with --lookup-k, leave out the folder's phrases")
+    parser.add_argument(
+        "--no-phrases", action="store_true", help="cycle: with --lookup-k, leave out the folder's phrases"
+    )
     parser.add_argument("--output-len", type=int, default=None, help="default: 128 for accuracy, 64 for cycle")
     args = parser.parse_args(argv)
     target = args.target or default_model_dir()
     if args.mode == "accuracy":
         accuracy(target, args.draft, args.dtype, args.output_len or 128)
     else:
-        cycle(target, args.draft[0], args.dtype, args.k, args.lookup_k, args.ngram_min, not args.no_phrases, args.output_len or 64)
+        cycle(
+            target,
+            args.draft[0],
+            args.dtype,
+            args.k,
+            args.lookup_k,
+            args.ngram_min,
+            not args.no_phrases,
+            args.output_len or 64,
+        )
     return 0
 
 

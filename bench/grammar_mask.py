@@ -41,8 +41,9 @@ def llguidance_costs(tokenizer: Tokenizer, tokens: list[int], schema: dict[str, 
     lltokenizer = grammar_tokenizer(tokenizer.backend_json(), tokenizer.vocab_size, tokenizer.eos_token_ids)
     tokenizer_s = time.perf_counter() - started
     started = time.perf_counter()
-    matcher = llguidance.LLMatcher(lltokenizer, compile_spec(StructuredSpec("json_schema", json.dumps(schema)),
-                                                             lltokenizer))
+    matcher = llguidance.LLMatcher(
+        lltokenizer, compile_spec(StructuredSpec("json_schema", json.dumps(schema)), lltokenizer)
+    )
     compile_s = time.perf_counter() - started
     times = []
     for token in tokens:
@@ -53,9 +54,14 @@ def llguidance_costs(tokenizer: Tokenizer, tokens: list[int], schema: dict[str, 
     started = time.perf_counter()
     assert matcher.rollback(5)
     rollback_s = time.perf_counter() - started
-    return {"tokenizer_s": round(tokenizer_s, 3), "compile_ms": round(compile_s * 1e3, 2),
-            "mask_mean_us": round(statistics.mean(times) * 1e6, 1), "mask_median_us": round(statistics.median(times) * 1e6, 1),
-            "mask_max_us": round(max(times) * 1e6, 1), "rollback_5_us": round(rollback_s * 1e6, 1)}
+    return {
+        "tokenizer_s": round(tokenizer_s, 3),
+        "compile_ms": round(compile_s * 1e3, 2),
+        "mask_mean_us": round(statistics.mean(times) * 1e6, 1),
+        "mask_median_us": round(statistics.median(times) * 1e6, 1),
+        "mask_max_us": round(max(times) * 1e6, 1),
+        "rollback_5_us": round(rollback_s * 1e6, 1),
+    }
 
 
 def outlines_costs(tokenizer: Tokenizer, tokens: list[int], schema: dict[str, Any]) -> dict[str, float] | None:
@@ -67,8 +73,10 @@ def outlines_costs(tokenizer: Tokenizer, tokens: list[int], schema: dict[str, An
     vocabulary = _byte_vocabulary(tokenizer)
     started = time.perf_counter()
     eos = tokenizer.eos_token_ids[0]
-    index = outlines_core.Index(outlines_core.json_schema.build_regex_from_schema(json.dumps(schema)),
-                                outlines_core.Vocabulary(eos, {k: v for k, v in vocabulary.items() if eos not in v}))
+    index = outlines_core.Index(
+        outlines_core.json_schema.build_regex_from_schema(json.dumps(schema)),
+        outlines_core.Vocabulary(eos, {k: v for k, v in vocabulary.items() if eos not in v}),
+    )
     compile_s = time.perf_counter() - started
     guide = outlines_core.Guide(index, max_rollback=16)
     mask = np.zeros((tokenizer.vocab_size + 31) // 32, dtype=np.int32)
@@ -78,8 +86,12 @@ def outlines_costs(tokenizer: Tokenizer, tokens: list[int], schema: dict[str, An
         guide.write_mask_into(mask.ctypes.data, mask.size, 4)
         times.append(time.perf_counter() - started)
         guide.advance(token)
-    return {"compile_ms": round(compile_s * 1e3, 2), "mask_mean_us": round(statistics.mean(times) * 1e6, 1),
-            "mask_median_us": round(statistics.median(times) * 1e6, 1), "mask_max_us": round(max(times) * 1e6, 1)}
+    return {
+        "compile_ms": round(compile_s * 1e3, 2),
+        "mask_mean_us": round(statistics.mean(times) * 1e6, 1),
+        "mask_median_us": round(statistics.median(times) * 1e6, 1),
+        "mask_max_us": round(max(times) * 1e6, 1),
+    }
 
 
 def _byte_vocabulary(tokenizer: Tokenizer) -> dict[bytes, list[int]]:
@@ -104,8 +116,11 @@ def main() -> int:
     report: dict[str, Any] = {"machine": describe_machine(None, "cpu"), "schemas": {}}
     for name, schema in SCHEMAS.items():
         tokens = tokenizer.encode_raw(json.dumps(DOCUMENTS[name], separators=(",", ":")))
-        report["schemas"][name] = {"num_tokens": len(tokens), "llguidance": llguidance_costs(tokenizer, tokens, schema),
-                                   "outlines_core": outlines_costs(tokenizer, tokens, schema)}
+        report["schemas"][name] = {
+            "num_tokens": len(tokens),
+            "llguidance": llguidance_costs(tokenizer, tokens, schema),
+            "outlines_core": outlines_costs(tokenizer, tokens, schema),
+        }
         print(name, json.dumps(report["schemas"][name]), flush=True)
     return 0
 

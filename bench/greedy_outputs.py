@@ -31,8 +31,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _post(port: int, body: dict[str, object]) -> dict[str, object]:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=300) as reply:
         answer: dict[str, object] = json.load(reply)
         return answer
@@ -41,12 +42,24 @@ def _post(port: int, body: dict[str, object]) -> dict[str, object]:
 def answers(checkout: Path, draft: str, max_tokens: int, log: Path) -> dict[str, str]:
     """Each prompt's greedy answer from `checkout`'s `specserve up --draft DRAFT`, by workload and index."""
     grpc_port, http_port = free_ports(2)
-    command = [sys.executable, "-m", "specserve.cli", "up", "--draft", draft, "--port", str(grpc_port),
-               "--http-port", str(http_port), "--insecure-loopback"]
+    command = [
+        sys.executable,
+        "-m",
+        "specserve.cli",
+        "up",
+        "--draft",
+        draft,
+        "--port",
+        str(grpc_port),
+        "--http-port",
+        str(http_port),
+        "--insecure-loopback",
+    ]
     environment = {**os.environ, "PYTHONPATH": str(checkout)}
     with log.open("w") as out:
-        process = subprocess.Popen(command, cwd=checkout, env=environment, stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            command, cwd=checkout, env=environment, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             deadline = time.monotonic() + 900
             while "specserve ready" not in log.read_text():
@@ -58,8 +71,15 @@ def answers(checkout: Path, draft: str, max_tokens: int, log: Path) -> dict[str,
             found: dict[str, str] = {}
             for workload, prompts in WORKLOADS.items():
                 for index, prompt in enumerate(prompts):
-                    reply = _post(http_port, {"model": model, "messages": [{"role": "user", "content": prompt}],
-                                              "temperature": 0, "max_tokens": max_tokens})
+                    reply = _post(
+                        http_port,
+                        {
+                            "model": model,
+                            "messages": [{"role": "user", "content": prompt}],
+                            "temperature": 0,
+                            "max_tokens": max_tokens,
+                        },
+                    )
                     found[f"{workload}/{index}"] = reply["choices"][0]["message"]["content"]  # type: ignore[index]
             return found
         finally:
@@ -73,14 +93,21 @@ def main() -> int:
     parser.add_argument("--draft", nargs="+", default=["none", "default"])
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--out", type=Path, help="where the answers go (JSON)")
-    parser.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"),
-                        help="list the answers that differ between two such files; exit 1 if any does")
+    parser.add_argument(
+        "--compare",
+        nargs=2,
+        type=Path,
+        metavar=("BEFORE", "AFTER"),
+        help="list the answers that differ between two such files; exit 1 if any does",
+    )
     args = parser.parse_args()
     if args.compare:
         before, after = (json.loads(path.read_text()) for path in args.compare)
         differ = [key for key in sorted(set(before) | set(after)) if before.get(key) != after.get(key)]
-        print(f"{len(before)} answers before, {len(after)} after, {len(differ)} differ" + "".join(
-            f"\n  {key}" for key in differ))
+        print(
+            f"{len(before)} answers before, {len(after)} after, {len(differ)} differ"
+            + "".join(f"\n  {key}" for key in differ)
+        )
         return 1 if differ else 0
     if args.out is None:
         parser.error("--out is needed (or --compare)")

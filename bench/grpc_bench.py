@@ -44,8 +44,10 @@ async def fetch_server_info(stub: pb_grpc.SpecServeStub, address: str) -> pb.Ser
     try:
         info: pb.ServerInfoResponse = await stub.GetServerInfo(pb.ServerInfoRequest(), timeout=SERVER_INFO_TIMEOUT_S)
     except grpc.aio.AioRpcError as error:
-        raise BenchError(f"no specserve gateway answers at {address} ({error.code().name}: {error.details()}); "
-                         f"start one with `specserve up`, or pass --start") from error
+        raise BenchError(
+            f"no specserve gateway answers at {address} ({error.code().name}: {error.details()}); "
+            f"start one with `specserve up`, or pass --start"
+        ) from error
     return info
 
 
@@ -53,12 +55,15 @@ def check_server(info: pb.ServerInfoResponse, workload: Workload) -> None:
     if not any(p.role == "target" and p.state == State.READY for p in info.processes):
         raise BenchError(f"the stack has no READY target worker: {[(p.process_id, p.state) for p in info.processes]}")
     if workload.input_len + workload.output_len > info.max_model_len:
-        raise BenchError(f"--input-len + --output-len = {workload.input_len + workload.output_len} exceeds the "
-                         f"server's max_model_len {info.max_model_len}")
+        raise BenchError(
+            f"--input-len + --output-len = {workload.input_len + workload.output_len} exceeds the "
+            f"server's max_model_len {info.max_model_len}"
+        )
 
 
-async def benchmark(address: str, prompts: PromptWindows, concurrencies: Sequence[int],
-                    workload: Workload) -> tuple[pb.ServerInfoResponse, list[RunSummary]]:
+async def benchmark(
+    address: str, prompts: PromptWindows, concurrencies: Sequence[int], workload: Workload
+) -> tuple[pb.ServerInfoResponse, list[RunSummary]]:
     """Warm up, then one run per concurrency; every request gets a prompt window no other request had."""
     requests = RequestFactory(prompts, workload.output_len, prefix=f"bench-{os.getpid()}")
     summaries: list[RunSummary] = []
@@ -72,8 +77,12 @@ async def benchmark(address: str, prompts: PromptWindows, concurrencies: Sequenc
             measured = requests.take(f"c{concurrency}", workload.num_requests(concurrency))
             results, duration_s = await run_requests(stub, measured, concurrency, workload)
             summaries.append(summarize(concurrency, split_results(results), duration_s))
-            print(f"concurrency {concurrency}: {len(measured)} requests in {duration_s:.1f} s, "
-                  f"{summaries[-1].output_tokens_per_s:.1f} output tok/s", file=sys.stderr, flush=True)
+            print(
+                f"concurrency {concurrency}: {len(measured)} requests in {duration_s:.1f} s, "
+                f"{summaries[-1].output_tokens_per_s:.1f} output tok/s",
+                file=sys.stderr,
+                flush=True,
+            )
     return info, summaries
 
 
@@ -81,12 +90,21 @@ async def benchmark(address: str, prompts: PromptWindows, concurrencies: Sequenc
 
 
 def format_table(summaries: Sequence[RunSummary]) -> str:
-    header = ("| concurrency | requests | output tok/s | req/s | TTFT p50 (ms) | TTFT p99 (ms) "
-              "| ITL p50 (ms) | ITL p99 (ms) | E2E p50 (s) |")
+    header = (
+        "| concurrency | requests | output tok/s | req/s | TTFT p50 (ms) | TTFT p99 (ms) "
+        "| ITL p50 (ms) | ITL p99 (ms) | E2E p50 (s) |"
+    )
     rows = [header, "|" + "---:|" * 9]
     for s in summaries:
-        figures = (s.output_tokens_per_s, s.requests_per_s, s.ttft_p50_ms, s.ttft_p99_ms, s.itl_p50_ms,
-                   s.itl_p99_ms, s.e2e_p50_s)
+        figures = (
+            s.output_tokens_per_s,
+            s.requests_per_s,
+            s.ttft_p50_ms,
+            s.ttft_p99_ms,
+            s.itl_p50_ms,
+            s.itl_p99_ms,
+            s.e2e_p50_s,
+        )
         precisions = (1, 2, 1, 1, 1, 1, 2)
         cells = [str(s.concurrency), str(s.num_requests)] + [_number(v, p) for v, p in zip(figures, precisions)]
         rows.append("| " + " | ".join(cells) + " |")
@@ -102,23 +120,38 @@ def describe_server(address: str, info: pb.ServerInfoResponse) -> dict[str, Any]
         "address": address,
         "model_name": info.model_name,
         "max_model_len": info.max_model_len,
-        "processes": [{"process_id": p.process_id, "role": p.role, "num_kv_pages": p.num_kv_pages,
-                       "kv_page_size": p.kv_page_size} for p in info.processes],
+        "processes": [
+            {"process_id": p.process_id, "role": p.role, "num_kv_pages": p.num_kv_pages, "kv_page_size": p.kv_page_size}
+            for p in info.processes
+        ],
     }
 
 
-def build_report(args: argparse.Namespace, address: str, stack: ReadyStack | None, info: pb.ServerInfoResponse,
-                 summaries: Sequence[RunSummary]) -> dict[str, Any]:
+def build_report(
+    args: argparse.Namespace,
+    address: str,
+    stack: ReadyStack | None,
+    info: pb.ServerInfoResponse,
+    summaries: Sequence[RunSummary],
+) -> dict[str, Any]:
     dtype = args.dtype or (stack.dtype if stack else None)
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join(sys.orig_argv),
         "machine": describe_machine(dtype, stack.device if stack else None),
         "server": describe_server(address, info) | {"started_by_bench": stack is not None},
-        "workload": {"input_len": args.input_len, "output_len": args.output_len, "temperature": 0.0,
-                     "ignore_eos": True, "prompts": "windows of an English essay (bench/prompts.py), as token_ids",
-                     "num_warmup_requests": NUM_WARMUP_REQUESTS},
-        "runs": [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(s).items()} for s in summaries],
+        "workload": {
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "prompts": "windows of an English essay (bench/prompts.py), as token_ids",
+            "num_warmup_requests": NUM_WARMUP_REQUESTS,
+        },
+        "runs": [
+            {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(s).items()}
+            for s in summaries
+        ],
     }
 
 
@@ -135,44 +168,79 @@ def positive_int(text: str) -> int:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.grpc_bench", description=__doc__)
     target = parser.add_mutually_exclusive_group()
-    target.add_argument("--address", default=DEFAULT_ADDRESS, help=f"a running gateway, HOST:PORT (default {DEFAULT_ADDRESS})")
-    target.add_argument("--start", action="store_true",
-                        help="start the stack `specserve up` would (same flags, same defaults), stop it at the end")
+    target.add_argument(
+        "--address", default=DEFAULT_ADDRESS, help=f"a running gateway, HOST:PORT (default {DEFAULT_ADDRESS})"
+    )
+    target.add_argument(
+        "--start",
+        action="store_true",
+        help="start the stack `specserve up` would (same flags, same defaults), stop it at the end",
+    )
     stack = parser.add_argument_group("with --start")
     stack.add_argument("--port", type=positive_int, default=None, help="the stack's gRPC port (default: a free one)")
     stack.add_argument("--num-workers", type=positive_int, default=None)
     stack.add_argument("--kv-cache-memory", type=float, default=None, help="GiB of KV cache per worker (default: up's)")
-    stack.add_argument("--max-num-seqs", type=positive_int, default=None, help="sequences each worker runs at once at most")
+    stack.add_argument(
+        "--max-num-seqs", type=positive_int, default=None, help="sequences each worker runs at once at most"
+    )
     stack.add_argument("--no-prefix-cache", action="store_true", help="the stack computes every prompt in full")
     stack.add_argument("--ready-timeout-s", type=float, default=600.0)
-    stack.add_argument("--draft", default=None,
-                       help="the stack's draft service: none, ngram, default, phrases:PATH, eagle:PATH, eagle+ngram:PATH, "
-                            "eagle+phrases:PATH or model:PATH (default: up's)")
+    stack.add_argument(
+        "--draft",
+        default=None,
+        help="the stack's draft service: none, ngram, default, phrases:PATH, eagle:PATH, eagle+ngram:PATH, "
+        "eagle+phrases:PATH or model:PATH (default: up's)",
+    )
     stack.add_argument("--num-speculative-tokens", type=int, default=None)
     stack.add_argument("--spec-disable-batch-threshold", type=int, default=None)
     stack.add_argument("--spec-draft-token-budget", type=int, default=None)
     stack.add_argument("--no-token-trees", action="store_true", help="the draft proposes chains, not token trees")
     stack.add_argument("--quantization", choices=("auto", *QUANTIZATIONS), default=None, help="up's (default: auto)")
-    stack.add_argument("--insecure-loopback", action="store_true",
-                       help="the services' sockets without CurveZMQ keys (to measure what authentication costs)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                        help="passed to `specserve up` with --start; otherwise only recorded in the JSON")
-    parser.add_argument("--model", type=Path, default=None,
-                        help="the model folder whose tokenizer makes the prompts (default: the embedded default model); "
-                             "passed to `specserve up` with --start")
+    stack.add_argument(
+        "--insecure-loopback",
+        action="store_true",
+        help="the services' sockets without CurveZMQ keys (to measure what authentication costs)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="passed to `specserve up` with --start; otherwise only recorded in the JSON",
+    )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="the model folder whose tokenizer makes the prompts (default: the embedded default model); "
+        "passed to `specserve up` with --start",
+    )
     parser.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens per request")
     parser.add_argument("--output-len", type=positive_int, default=128, help="completion tokens per request")
-    parser.add_argument("--concurrency", type=positive_int, nargs="+", default=list(DEFAULT_CONCURRENCIES),
-                        help="requests in flight at most, one run each")
-    parser.add_argument("--num-prompts", type=positive_int, default=None, help="requests per run (default: max(8, 2 * concurrency))")
+    parser.add_argument(
+        "--concurrency",
+        type=positive_int,
+        nargs="+",
+        default=list(DEFAULT_CONCURRENCIES),
+        help="requests in flight at most, one run each",
+    )
+    parser.add_argument(
+        "--num-prompts", type=positive_int, default=None, help="requests per run (default: max(8, 2 * concurrency))"
+    )
     parser.add_argument("--max-prompts", type=positive_int, default=None, help="cap on the default --num-prompts")
     parser.add_argument("--request-timeout-s", type=float, default=1800.0)
     parser.add_argument("--json-out", type=Path, default=None, help="also write the figures, machine and command here")
     args = parser.parse_args(argv)
     if not args.start:
-        given = [flag for flag, value in (("--port", args.port), ("--num-workers", args.num_workers),
-                                          ("--kv-cache-memory", args.kv_cache_memory),
-                                          ("--max-num-seqs", args.max_num_seqs)) if value is not None]
+        given = [
+            flag
+            for flag, value in (
+                ("--port", args.port),
+                ("--num-workers", args.num_workers),
+                ("--kv-cache-memory", args.kv_cache_memory),
+                ("--max-num-seqs", args.max_num_seqs),
+            )
+            if value is not None
+        ]
         if given:
             parser.error(f"{', '.join(given)} need --start")
     return args
@@ -188,24 +256,45 @@ def model_dir(args: argparse.Namespace) -> Path:
 
 def up_flags(args: argparse.Namespace) -> list[str]:
     """The `specserve up` flags of the stack --start runs: the given options, free ports for the rest."""
-    optional = {"--model": args.model, "--dtype": args.dtype, "--quantization": args.quantization,
-                "--num-workers": args.num_workers,
-                "--kv-cache-memory": args.kv_cache_memory, "--max-num-seqs": args.max_num_seqs, "--draft": args.draft,
-                "--num-speculative-tokens": args.num_speculative_tokens,
-                "--spec-disable-batch-threshold": args.spec_disable_batch_threshold,
-                "--spec-draft-token-budget": args.spec_draft_token_budget}
+    optional = {
+        "--model": args.model,
+        "--dtype": args.dtype,
+        "--quantization": args.quantization,
+        "--num-workers": args.num_workers,
+        "--kv-cache-memory": args.kv_cache_memory,
+        "--max-num-seqs": args.max_num_seqs,
+        "--draft": args.draft,
+        "--num-speculative-tokens": args.num_speculative_tokens,
+        "--spec-disable-batch-threshold": args.spec_disable_batch_threshold,
+        "--spec-draft-token-budget": args.spec_draft_token_budget,
+    }
     given = [part for flag, value in optional.items() if value is not None for part in (flag, str(value))]
     grpc_port, http_port = free_ports(2, taken=[args.port] if args.port else [])
-    return ["--host", "127.0.0.1", "--port", str(args.port or grpc_port), "--http-port", str(http_port),
-            "--ready-timeout-s", str(args.ready_timeout_s), *given, *(["--no-token-trees"] if args.no_token_trees else []),
-            *(["--no-prefix-cache"] if args.no_prefix_cache else []),
-            *(["--insecure-loopback"] if args.insecure_loopback else [])]
+    return [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(args.port or grpc_port),
+        "--http-port",
+        str(http_port),
+        "--ready-timeout-s",
+        str(args.ready_timeout_s),
+        *given,
+        *(["--no-token-trees"] if args.no_token_trees else []),
+        *(["--no-prefix-cache"] if args.no_prefix_cache else []),
+        *(["--insecure-loopback"] if args.insecure_loopback else []),
+    ]
 
 
 def run(args: argparse.Namespace) -> tuple[list[RunSummary], dict[str, Any]]:
     """The whole benchmark, stack included; returns the figures and the report for --json-out."""
-    workload = Workload(input_len=args.input_len, output_len=args.output_len, num_prompts=args.num_prompts,
-                        max_prompts=args.max_prompts, request_timeout_s=args.request_timeout_s)
+    workload = Workload(
+        input_len=args.input_len,
+        output_len=args.output_len,
+        num_prompts=args.num_prompts,
+        max_prompts=args.max_prompts,
+        request_timeout_s=args.request_timeout_s,
+    )
     try:
         prompts = PromptWindows.from_model_folder(model_dir(args), args.input_len)
     except FileNotFoundError as error:

@@ -74,8 +74,9 @@ def build_request(request_id: str, prompt_token_ids: list[int], output_len: int)
     return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt_token_ids), params=params, request_id=request_id)
 
 
-async def timed_generate(stub: pb_grpc.SpecServeStub, request: pb.GenerateRequest,
-                         timeout_s: float) -> RequestRecord | RequestFailure:
+async def timed_generate(
+    stub: pb_grpc.SpecServeStub, request: pb.GenerateRequest, timeout_s: float
+) -> RequestRecord | RequestFailure:
     """Stream one request, noting when each chunk with tokens arrived and how many it carried."""
     arrivals: list[tuple[float, int]] = []  # (perf_counter seconds, tokens in the chunk)
     start_s = time.perf_counter()
@@ -88,9 +89,13 @@ async def timed_generate(stub: pb_grpc.SpecServeStub, request: pb.GenerateReques
     end_s = time.perf_counter()
     if not arrivals:
         return RequestFailure(request.request_id, "the stream ended without a token")
-    return RequestRecord(request_id=request.request_id, ttft_s=arrivals[0][0] - start_s,
-                         itls_s=inter_token_latencies_s(arrivals), e2e_s=end_s - start_s,
-                         num_output_tokens=sum(num_tokens for _, num_tokens in arrivals))
+    return RequestRecord(
+        request_id=request.request_id,
+        ttft_s=arrivals[0][0] - start_s,
+        itls_s=inter_token_latencies_s(arrivals),
+        e2e_s=end_s - start_s,
+        num_output_tokens=sum(num_tokens for _, num_tokens in arrivals),
+    )
 
 
 def inter_token_latencies_s(arrivals: Sequence[tuple[float, int]]) -> tuple[float, ...]:
@@ -107,8 +112,9 @@ def check_length(result: RequestRecord | RequestFailure, output_len: int) -> Req
     return result
 
 
-async def run_requests(stub: pb_grpc.SpecServeStub, requests: list[pb.GenerateRequest], concurrency: int,
-                       workload: Workload) -> tuple[list[RequestRecord | RequestFailure], float]:
+async def run_requests(
+    stub: pb_grpc.SpecServeStub, requests: list[pb.GenerateRequest], concurrency: int, workload: Workload
+) -> tuple[list[RequestRecord | RequestFailure], float]:
     """Send the requests with at most `concurrency` in flight; returns the results and the run's wall time."""
     pending = iter(requests)  # shared by the clients: each takes the next request when its last one is done
     results: list[RequestRecord | RequestFailure] = []
@@ -130,11 +136,16 @@ def summarize(concurrency: int, records: list[RequestRecord], duration_s: float)
     ttfts_s = [r.ttft_s for r in records]
     itls_s = [itl for r in records for itl in r.itls_s]
     return RunSummary(
-        concurrency=concurrency, num_requests=len(records), duration_s=duration_s,
-        num_output_tokens=num_output_tokens, output_tokens_per_s=num_output_tokens / duration_s,
+        concurrency=concurrency,
+        num_requests=len(records),
+        duration_s=duration_s,
+        num_output_tokens=num_output_tokens,
+        output_tokens_per_s=num_output_tokens / duration_s,
         requests_per_s=len(records) / duration_s,
-        ttft_p50_ms=1000 * percentile(ttfts_s, 50), ttft_p99_ms=1000 * percentile(ttfts_s, 99),
-        itl_p50_ms=1000 * percentile(itls_s, 50), itl_p99_ms=1000 * percentile(itls_s, 99),
+        ttft_p50_ms=1000 * percentile(ttfts_s, 50),
+        ttft_p99_ms=1000 * percentile(ttfts_s, 99),
+        itl_p50_ms=1000 * percentile(itls_s, 50),
+        itl_p99_ms=1000 * percentile(itls_s, 99),
         e2e_p50_s=percentile([r.e2e_s for r in records], 50),
     )
 
@@ -171,5 +182,7 @@ class RequestFactory:
     def take(self, label: str, num_requests: int) -> list[pb.GenerateRequest]:
         first = self._num_taken
         self._num_taken += num_requests
-        return [build_request(f"{self._prefix}-{label}-{i}", self._prompts.prompt_token_ids(first + i), self._output_len)
-                for i in range(num_requests)]
+        return [
+            build_request(f"{self._prefix}-{label}-{i}", self._prompts.prompt_token_ids(first + i), self._output_len)
+            for i in range(num_requests)
+        ]

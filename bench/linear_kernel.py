@@ -61,13 +61,16 @@ def library_linear(weight: torch.Tensor) -> tuple[str, Callable[[torch.Tensor], 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.linear_kernel", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.linear_kernel", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
-    parser.add_argument("--blocks", choices=["q4_1", "q8_0", "q4_k"], help="time the kernel on GGUF blocks of this format")
+    parser.add_argument(
+        "--blocks", choices=["q4_1", "q8_0", "q4_k"], help="time the kernel on GGUF blocks of this format"
+    )
     parser.add_argument("--shapes", type=int, nargs="+", help="indices into the shapes (qkv, o, gate_up, down, head)")
     parser.add_argument("--path", help="the kernel's instruction-set path (default: the widest this CPU has)")
     parser.add_argument("--layers", type=int, help="time a decode step's layers: this many layers' own weights in turn")
@@ -78,8 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.path is not None and args.path not in ops.linear_paths():
         parser.error(f"--path {args.path}: this CPU's paths are {', '.join(ops.linear_paths())}")
     linear = PackedLinear(ops, args.path)
-    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"kernel path {linear.path} (this CPU has {list(ops.linear_paths())}), torch {torch.__version__}")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"kernel path {linear.path} (this CPU has {list(ops.linear_paths())}), torch {torch.__version__}"
+    )
     if args.layers:
         return layer_passes(linear, args)
     print("| dtype | weight | rows | native ms | library | library ms | native / library | native GFLOP/s |")
@@ -99,8 +104,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 x = torch.randn(rows, depth).to(dtype)
                 ours = best_ms(lambda: linear(x, packed), args.repeats)
                 theirs = best_ms(lambda: library(x), args.repeats)
-                print(f"| {str(dtype).removeprefix('torch.')} | {num_out} x {depth} | {rows} | {ours:.3f} | {name} | "
-                      f"{theirs:.3f} | {ours / theirs:.2f} | {2 * rows * num_out * depth / ours / 1e6:.0f} |", flush=True)
+                print(
+                    f"| {str(dtype).removeprefix('torch.')} | {num_out} x {depth} | {rows} | {ours:.3f} | {name} | "
+                    f"{theirs:.3f} | {ours / theirs:.2f} | {2 * rows * num_out * depth / ours / 1e6:.0f} |",
+                    flush=True,
+                )
     return 0
 
 
@@ -128,8 +136,11 @@ def layer_passes(linear: PackedLinear, args: argparse.Namespace) -> int:
                     linear(x, weight)
                 passes.append(time.perf_counter() - started)
             ms = statistics.median(passes[1:]) * 1e3
-            print(f"| {str(dtype).removeprefix('torch.')} | {args.blocks or 'dense'} | {args.layers} | {rows} | {ms:.2f} | "
-                  f"{nbytes / 1e6:.1f} | {nbytes / ms / 1e6:.1f} |", flush=True)
+            print(
+                f"| {str(dtype).removeprefix('torch.')} | {args.blocks or 'dense'} | {args.layers} | {rows} | {ms:.2f} | "
+                f"{nbytes / 1e6:.1f} | {nbytes / ms / 1e6:.1f} |",
+                flush=True,
+            )
     return 0
 
 

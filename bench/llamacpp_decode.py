@@ -30,8 +30,14 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-prompts", type=int, default=8)
     args = parser.parse_args()
-    llm = Llama(model_path=str(args.model), n_threads=args.threads, n_threads_batch=args.threads, n_ctx=1024,
-                n_batch=512, verbose=False)
+    llm = Llama(
+        model_path=str(args.model),
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+        n_ctx=1024,
+        n_batch=512,
+        verbose=False,
+    )
     text = llm.tokenize(args.prompt_file.read_text().encode(), add_bos=False)
     prompts = [text[i * 61 : i * 61 + args.input_len] for i in range(args.num_prompts + 1)]
 
@@ -49,8 +55,10 @@ def main() -> None:
     started = time.perf_counter()
     tokens = sum(generate(prompt) for prompt in prompts[1:])
     elapsed = time.perf_counter() - started
-    print(f"llama.cpp {args.model.name}, {args.threads} threads: {tokens} tokens in {elapsed:.2f} s, "
-          f"{tokens / elapsed:.1f} tok/s, {elapsed / tokens * 1e3:.2f} ms a token (prefill included)")
+    print(
+        f"llama.cpp {args.model.name}, {args.threads} threads: {tokens} tokens in {elapsed:.2f} s, "
+        f"{tokens / elapsed:.1f} tok/s, {elapsed / tokens * 1e3:.2f} ms a token (prefill included)"
+    )
 
 
 if __name__ == "__main__":

@@ -69,8 +69,14 @@ def load_with_engine(folder: Path, dtype: torch.dtype) -> object:
     from modeling.model.config import ModelConfig
     from modeling.model.engine import ModelEngine
 
-    engine = ModelEngine(folder, ModelConfig.from_folder(folder), device="cpu", dtype=str(dtype).removeprefix("torch."),
-                         num_pages=8, max_len=64)
+    engine = ModelEngine(
+        folder,
+        ModelConfig.from_folder(folder),
+        device="cpu",
+        dtype=str(dtype).removeprefix("torch."),
+        num_pages=8,
+        max_len=64,
+    )
     engine.load()
     return engine
 
@@ -97,8 +103,15 @@ def measure(folder: Path, dtype: str, loader: str = "engine") -> Measurement:
     if done.returncode != 0:
         raise RuntimeError(f"loading {folder} with {loader} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
     child = json.loads(done.stdout.strip().splitlines()[-1])
-    return Measurement(folder, dtype, loader, child["baseline_bytes"], child["peak_bytes"],
-                       weights_bytes(folder, getattr(torch, dtype)), child["peak_reset"])
+    return Measurement(
+        folder,
+        dtype,
+        loader,
+        child["baseline_bytes"],
+        child["peak_bytes"],
+        weights_bytes(folder, getattr(torch, dtype)),
+        child["peak_reset"],
+    )
 
 
 def _child(folder: Path, dtype: str, function: str, preload: Sequence[str]) -> None:
@@ -137,8 +150,14 @@ def make_sharded_llama(folder: Path, dtype: torch.dtype = torch.bfloat16, max_sh
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-        num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=False,
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
     )
     model = transformers.LlamaForCausalLM(config)
     torch.nn.Module.to(model, dtype)  # in place; transformers' own override of `to` has a signature mypy rejects
@@ -158,13 +177,16 @@ def format_row(m: Measurement) -> str:
     files = WeightFiles(m.folder)
     file_dtypes = ",".join(sorted({str(files.dtype(n)).removeprefix("torch.") for n in files.names()}))
     mib = 1 << 20
-    return (f"| {m.folder.name} | {file_dtypes} | {m.dtype} | {m.loader} | {m.weights_bytes / mib:.0f} | "
-            f"{m.baseline_bytes / mib:.0f} | {(m.peak_bytes - m.baseline_bytes) / mib:.0f} | {m.ratio:.2f} |")
+    return (
+        f"| {m.folder.name} | {file_dtypes} | {m.dtype} | {m.loader} | {m.weights_bytes / mib:.0f} | "
+        f"{m.baseline_bytes / mib:.0f} | {(m.peak_bytes - m.baseline_bytes) / mib:.0f} | {m.ratio:.2f} |"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.load_memory", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.load_memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--loader", default="engine", help="engine, reader-only, or MODULE:FUNCTION")
     parser.add_argument("--reader-only", action="store_true", help="the same as --loader reader-only")
     parser.add_argument("--folder", type=Path, help="measure this model folder (default: the cases above)")
@@ -178,7 +200,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     loader = "reader-only" if args.reader_only else args.loader
     with tempfile.TemporaryDirectory(prefix="load_memory_") as scratch:
         cases = [(args.folder, d) for d in args.dtype] if args.folder else default_cases(Path(scratch))
-        print("| model | file dtype | serving dtype | loader | weights MiB | baseline MiB | peak - baseline MiB | ratio |")
+        print(
+            "| model | file dtype | serving dtype | loader | weights MiB | baseline MiB | peak - baseline MiB | ratio |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         for folder, dtype in cases:
             m = measure(folder, dtype, loader)

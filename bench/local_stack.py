@@ -37,5 +37,10 @@ def running_up(up_flags: Sequence[str]) -> Iterator[ReadyStack]:
         raise StackError(f"specserve up: {refusal}") from refusal
     log_dir = Path(tempfile.mkdtemp(prefix="specserve-bench-"))
     with running(LocalStack(config.stack, log_dir), timeout_s=config.ready_timeout_s) as stack:
-        yield ReadyStack(address=f"127.0.0.1:{stack.addresses.grpc_port}", ready_line=ready_line(config),
-                         dtype=config.stack.dtype, device=config.stack.device, log_dir=log_dir)
+        yield ReadyStack(
+            address=f"127.0.0.1:{stack.addresses.grpc_port}",
+            ready_line=ready_line(config),
+            dtype=config.stack.dtype,
+            device=config.stack.device,
+            log_dir=log_dir,
+        )

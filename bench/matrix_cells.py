@@ -77,8 +77,9 @@ async def _generate(stub: pb_grpc.SpecServeStub, request: pb.GenerateRequest) ->
     return tokens
 
 
-async def _send_all(stub: pb_grpc.SpecServeStub, requests: Sequence[pb.GenerateRequest],
-                    concurrency: int) -> tuple[list[list[int]], float]:
+async def _send_all(
+    stub: pb_grpc.SpecServeStub, requests: Sequence[pb.GenerateRequest], concurrency: int
+) -> tuple[list[list[int]], float]:
     """The requests from `concurrency` clients (as bench/grpc_load.py's run_requests); outputs in request order."""
     outputs: list[list[int]] = [[] for _ in requests]
     pending = iter(enumerate(requests))  # shared by the clients: each takes the next request when its last one is done
@@ -110,8 +111,14 @@ async def _warm_up(stack: _Served, prompt_set: PromptSet) -> None:
     await _send_all(stack.stub, warm_up, len(warm_up))
 
 
-async def _run_cell(stack: _Served, prompt_set: PromptSet, concurrency: int, output_len: int,
-                    requests_per_cell: int | None, round_index: int) -> CellResult:
+async def _run_cell(
+    stack: _Served,
+    prompt_set: PromptSet,
+    concurrency: int,
+    output_len: int,
+    requests_per_cell: int | None,
+    round_index: int,
+) -> CellResult:
     num_requests = requests_in_cell(concurrency, len(prompt_set.prompts), requests_per_cell)
     requests = [prompt_set.request(i % len(prompt_set.prompts), output_len) for i in range(num_requests)]
     before = (await stack.stub.GetServerInfo(pb.ServerInfoRequest(), timeout=SERVER_INFO_TIMEOUT_S)).speculation
@@ -121,29 +128,51 @@ async def _run_cell(stack: _Served, prompt_set: PromptSet, concurrency: int, out
     steps_after = await asyncio.to_thread(read_steps_by_k, stack.metrics_url, SERVER_INFO_TIMEOUT_S)
     num_tokens = sum(len(o) for o in outputs)
     result = CellResult(
-        config=stack.label, workload=prompt_set.name, concurrency=concurrency, round=round_index,
-        num_requests=num_requests, num_output_tokens=num_tokens, duration_s=duration_s,
-        tokens_per_s=num_tokens / duration_s, speculation=speculation_delta(before, after),
-        steps_by_k=steps_delta(steps_before, steps_after), outputs=outputs)
-    print(f"  {stack.label:>20} {prompt_set.name:>8} c={concurrency:<3}: {result.tokens_per_s:7.1f} tok/s "
-          f"({num_requests} requests, {duration_s:5.1f} s), acceptance {result.speculation.acceptance_rate:.2f}",
-          file=sys.stderr, flush=True)
+        config=stack.label,
+        workload=prompt_set.name,
+        concurrency=concurrency,
+        round=round_index,
+        num_requests=num_requests,
+        num_output_tokens=num_tokens,
+        duration_s=duration_s,
+        tokens_per_s=num_tokens / duration_s,
+        speculation=speculation_delta(before, after),
+        steps_by_k=steps_delta(steps_before, steps_after),
+        outputs=outputs,
+    )
+    print(
+        f"  {stack.label:>20} {prompt_set.name:>8} c={concurrency:<3}: {result.tokens_per_s:7.1f} tok/s "
+        f"({num_requests} requests, {duration_s:5.1f} s), acceptance {result.speculation.acceptance_rate:.2f}",
+        file=sys.stderr,
+        flush=True,
+    )
     return result
 
 
-async def run_round(served: Sequence[tuple[str, str, str]], prompt_sets: Sequence[PromptSet],
-                     concurrencies: Sequence[int], output_len: int, requests_per_cell: int | None,
-                     round_index: int) -> tuple[list[CellResult], list[pb.ServerInfoResponse]]:
+async def run_round(
+    served: Sequence[tuple[str, str, str]],
+    prompt_sets: Sequence[PromptSet],
+    concurrencies: Sequence[int],
+    output_len: int,
+    requests_per_cell: int | None,
+    round_index: int,
+) -> tuple[list[CellResult], list[pb.ServerInfoResponse]]:
     """Every cell of one round, each run on every stack in turn ((label, gRPC address, metrics URL) per stack), the
     order of the stacks rotated from cell to cell and round to round, so that a cell's ratios compare runs seconds
     apart and no configuration always runs first."""
     channels = [grpc.aio.insecure_channel(address) for _, address, _ in served]
     try:
-        stacks = [_Served(label, pb_grpc.SpecServeStub(channel), metrics_url)
-                  for (label, _, metrics_url), channel in zip(served, channels)]
+        stacks = [
+            _Served(label, pb_grpc.SpecServeStub(channel), metrics_url)
+            for (label, _, metrics_url), channel in zip(served, channels)
+        ]
         for stack in stacks:
-            await _generate(stack.stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]),
-                                                           params=pb.SamplingParams(max_tokens=8, ignore_eos=True)))
+            await _generate(
+                stack.stub,
+                pb.GenerateRequest(
+                    token_ids=pb.TokenIds(ids=[1, 2, 3]), params=pb.SamplingParams(max_tokens=8, ignore_eos=True)
+                ),
+            )
         results = []
         turn = round_index
         for prompt_set in prompt_sets:
@@ -152,11 +181,13 @@ async def run_round(served: Sequence[tuple[str, str, str]], prompt_sets: Sequenc
             for concurrency in concurrencies:
                 for offset in range(len(stacks)):
                     stack = stacks[(turn + offset) % len(stacks)]
-                    results.append(await _run_cell(stack, prompt_set, concurrency, output_len, requests_per_cell,
-                                                   round_index))
+                    results.append(
+                        await _run_cell(stack, prompt_set, concurrency, output_len, requests_per_cell, round_index)
+                    )
                 turn += 1
-        infos = [await stack.stub.GetServerInfo(pb.ServerInfoRequest(), timeout=SERVER_INFO_TIMEOUT_S)
-                 for stack in stacks]
+        infos = [
+            await stack.stub.GetServerInfo(pb.ServerInfoRequest(), timeout=SERVER_INFO_TIMEOUT_S) for stack in stacks
+        ]
         return results, infos
     finally:
         for channel in channels:

@@ -23,8 +23,9 @@ def first_differences(result: CellResult, baselines: dict[tuple[str, int, int], 
     found = []
     for index, (ours, theirs) in enumerate(zip(result.outputs, reference)):
         if ours != theirs:
-            found.append((index, next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
-                                      min(len(ours), len(theirs)))))
+            found.append(
+                (index, next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs))))
+            )
     return found
 
 
@@ -73,14 +74,25 @@ def format_tables(results: Sequence[CellResult]) -> str:
                 row.append(f"{statistics.median(ratios):.2f}x{spread}")
             row += [_format_acceptance(rounds), f"{differing}/{last.num_requests}"]
         lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "acceptance: accepted / drafted tokens over all rounds (in brackets: the share of sequence steps that "
-              "carried a draft); differing: outputs not token-identical to the first configuration's in the same cell, "
-              "in the round with the most"]
+    lines += [
+        "",
+        "acceptance: accepted / drafted tokens over all rounds (in brackets: the share of sequence steps that "
+        "carried a draft); differing: outputs not token-identical to the first configuration's in the same cell, "
+        "in the round with the most",
+    ]
     if len(configs) < 2 or all(r.steps_by_k is None for r in results):
         return "\n".join(lines)
-    lines += ["", "Target steps by the k chosen (0: decoded plainly), last round:", "",
-              "| workload | c | " + " | ".join(configs[1:]) + " |", "| --- | ---: |" + " --- |" * (len(configs) - 1)]
+    lines += [
+        "",
+        "Target steps by the k chosen (0: decoded plainly), last round:",
+        "",
+        "| workload | c | " + " | ".join(configs[1:]) + " |",
+        "| --- | ---: |" + " --- |" * (len(configs) - 1),
+    ]
     for workload, concurrency in cells:
-        lines.append(f"| {workload} | {concurrency} | " + " | ".join(
-            _format_k(by_cell[(config, workload, concurrency)][-1].steps_by_k) for config in configs[1:]) + " |")
+        lines.append(
+            f"| {workload} | {concurrency} | "
+            + " | ".join(_format_k(by_cell[(config, workload, concurrency)][-1].steps_by_k) for config in configs[1:])
+            + " |"
+        )
     return "\n".join(lines)

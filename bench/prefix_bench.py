@@ -48,17 +48,51 @@ class Figures:
 
 
 def workload_args(args: argparse.Namespace) -> list[str]:
-    return ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(args.prefix_len),
-            "--prefix-repetition-suffix-len", str(args.suffix_len), "--prefix-repetition-num-prefixes",
-            str(args.num_prefixes), "--prefix-repetition-output-len", str(args.output_len),
-            "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency),
-            "--ignore-eos", "--temperature", "0", "--seed", str(args.seed)]
+    return [
+        "--dataset-name",
+        "prefix_repetition",
+        "--prefix-repetition-prefix-len",
+        str(args.prefix_len),
+        "--prefix-repetition-suffix-len",
+        str(args.suffix_len),
+        "--prefix-repetition-num-prefixes",
+        str(args.num_prefixes),
+        "--prefix-repetition-output-len",
+        str(args.output_len),
+        "--num-prompts",
+        str(args.num_prompts),
+        "--max-concurrency",
+        str(args.concurrency),
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--seed",
+        str(args.seed),
+    ]
 
 
 def client_command(vllm: str, base_url: str, model: Path, args: argparse.Namespace, result: Path) -> list[str]:
-    return [vllm, "bench", "serve", "--backend", "vllm", "--base-url", base_url, "--endpoint", "/v1/completions",
-            "--model", SERVED_NAME, "--tokenizer", str(model), *workload_args(args),
-            "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name]
+    return [
+        vllm,
+        "bench",
+        "serve",
+        "--backend",
+        "vllm",
+        "--base-url",
+        base_url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        SERVED_NAME,
+        "--tokenizer",
+        str(model),
+        *workload_args(args),
+        "--save-result",
+        "--result-dir",
+        str(result.parent),
+        "--result-filename",
+        result.name,
+    ]
 
 
 def measure(server: str, base_url: str, model: Path, args: argparse.Namespace, work_dir: Path) -> Figures:
@@ -67,8 +101,14 @@ def measure(server: str, base_url: str, model: Path, args: argparse.Namespace, w
     print(f"{server}: {shlex.join(command)}", file=sys.stderr, flush=True)
     subprocess.run(command, check=True, env=vllm_env(), stdout=sys.stderr)
     data = json.loads(result.read_text())
-    return Figures(server, data["median_ttft_ms"], data["p99_ttft_ms"], data["output_throughput"], data["completed"],
-                   None if server == "vllm" else _hit_share(base_url))
+    return Figures(
+        server,
+        data["median_ttft_ms"],
+        data["p99_ttft_ms"],
+        data["output_throughput"],
+        data["completed"],
+        None if server == "vllm" else _hit_share(base_url),
+    )
 
 
 def _hit_share(base_url: str) -> float:
@@ -87,8 +127,21 @@ def _hit_share(base_url: str) -> float:
 @contextmanager
 def specserve_server(model: Path | str, dtype: str, prefix_cache: bool, num_workers: int) -> Iterator[str]:
     grpc_port, http_port = free_ports(2)
-    flags = ["--model", str(model), "--dtype", dtype, "--draft", "none", "--port", str(grpc_port),
-             "--http-port", str(http_port), "--num-workers", str(num_workers), *([] if prefix_cache else ["--no-prefix-cache"])]
+    flags = [
+        "--model",
+        str(model),
+        "--dtype",
+        dtype,
+        "--draft",
+        "none",
+        "--port",
+        str(grpc_port),
+        "--http-port",
+        str(http_port),
+        "--num-workers",
+        str(num_workers),
+        *([] if prefix_cache else ["--no-prefix-cache"]),
+    ]
     print(f"starting: specserve up {shlex.join(flags)}", file=sys.stderr, flush=True)
     with running_up(flags) as stack:
         print(stack.ready_line, file=sys.stderr, flush=True)
@@ -98,8 +151,21 @@ def specserve_server(model: Path | str, dtype: str, prefix_cache: bool, num_work
 @contextmanager
 def vllm_server(vllm: str, model: Path, dtype: str, log_dir: Path, served_name: str = SERVED_NAME) -> Iterator[str]:
     port = free_port()
-    command = [vllm, "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
-               "--max-model-len", "2048", "--served-model-name", served_name]
+    command = [
+        vllm,
+        "serve",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        "2048",
+        "--served-model-name",
+        served_name,
+    ]
     with served(command, port, log_dir / "vllm.log", vllm_env()):
         yield f"http://127.0.0.1:{port}"
 
@@ -124,8 +190,14 @@ def served(command: list[str], port: int, log: Path, env: dict[str, str]) -> Ite
 
 def vllm_env() -> dict[str, str]:
     """vLLM's CPU build on both cores, offline."""
-    return {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    return {
+        **os.environ,
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    }
 
 
 def _wait_healthy(port: int, process: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -145,21 +217,33 @@ def _wait_healthy(port: int, process: subprocess.Popen[bytes], timeout_s: float)
 
 
 def format_table(figures: Sequence[Figures]) -> str:
-    rows = ["| server | TTFT p50 (ms) | TTFT p99 (ms) | output tok/s | completed | prompt tokens cached |",
-            "|---|---:|---:|---:|---:|---:|"]
-    rows += [f"| {f.server} | {f.ttft_p50_ms:.0f} | {f.ttft_p99_ms:.0f} | {f.output_tok_s:.1f} | {f.completed} | "
-             f"{'-' if f.hit_share is None else f'{f.hit_share:.0%}'} |" for f in figures]
+    rows = [
+        "| server | TTFT p50 (ms) | TTFT p99 (ms) | output tok/s | completed | prompt tokens cached |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    rows += [
+        f"| {f.server} | {f.ttft_p50_ms:.0f} | {f.ttft_p99_ms:.0f} | {f.output_tok_s:.1f} | {f.completed} | "
+        f"{'-' if f.hit_share is None else f'{f.hit_share:.0%}'} |"
+        for f in figures
+    ]
     return "\n".join(rows)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.prefix_bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vllm", required=True, help="vLLM's CLI (`vllm`): the client for every server, and the peer server")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.prefix_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--vllm", required=True, help="vLLM's CLI (`vllm`): the client for every server, and the peer server"
+    )
     parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
     parser.add_argument("--model", type=Path, default=None, help="default: the embedded default model")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                        help="for every server (default: specserve's on this machine)")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="for every server (default: specserve's on this machine)",
+    )
     parser.add_argument("--prefix-len", type=int, default=1024)
     parser.add_argument("--suffix-len", type=int, default=64)
     parser.add_argument("--num-prefixes", type=int, default=4)
@@ -188,15 +272,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             if server == "vllm":
                 context = vllm_server(args.vllm, args.model, args.dtype, work_dir)
             else:
-                context = specserve_server(args.model, args.dtype, prefix_cache=server == "specserve",
-                                           num_workers=args.num_workers)
+                context = specserve_server(
+                    args.model, args.dtype, prefix_cache=server == "specserve", num_workers=args.num_workers
+                )
             with context as base_url:
                 figures.append(measure(server, base_url, args.model, args, work_dir))
     except (StackError, subprocess.CalledProcessError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; dtype {args.dtype}; "
-          f"workload: {shlex.join(workload_args(args))}")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; dtype {args.dtype}; "
+        f"workload: {shlex.join(workload_args(args))}"
+    )
     print(format_table(figures))
     return 0
 

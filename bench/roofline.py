@@ -71,7 +71,11 @@ class StepCost:
         return max(self.bytes / (bounds.read_gb_s * 1e9), self.flops / (bounds.matmul_tflop_s * 1e12)) * 1e3
 
     def limited_by(self, bounds: Bounds) -> str:
-        return "memory" if self.bytes / (bounds.read_gb_s * 1e9) >= self.flops / (bounds.matmul_tflop_s * 1e12) else "compute"
+        return (
+            "memory"
+            if self.bytes / (bounds.read_gb_s * 1e9) >= self.flops / (bounds.matmul_tflop_s * 1e12)
+            else "compute"
+        )
 
 
 def read_gb_s(data: torch.Tensor, repeats: int) -> float:
@@ -96,7 +100,9 @@ def matmul_params(config: ModelConfig) -> int:
     return config.num_layers * per_layer + config.vocab_size * hidden
 
 
-def step_cost(config: ModelConfig, batch: int, context: int, itemsize: int, weight_bytes: int | None = None) -> StepCost:
+def step_cost(
+    config: ModelConfig, batch: int, context: int, itemsize: int, weight_bytes: int | None = None
+) -> StepCost:
     """`weight_bytes`: what the matmul weights take as served (default: `itemsize` each)."""
     params = matmul_params(config)
     kv_bytes = batch * context * config.num_layers * 2 * config.num_kv_heads * config.head_dim * itemsize
@@ -110,8 +116,11 @@ def prefill_flops(config: ModelConfig, num_tokens: int) -> float:
     only (its logits are all a prefill asks for), and causal attention's 4 per attended position, head and head dim."""
     head = config.vocab_size * config.hidden_size
     attended = num_tokens * (num_tokens + 1) / 2
-    return (2 * (matmul_params(config) - head) * num_tokens + 2 * head
-            + 4 * attended * config.num_layers * config.num_heads * config.head_dim)
+    return (
+        2 * (matmul_params(config) - head) * num_tokens
+        + 2 * head
+        + 4 * attended * config.num_layers * config.num_heads * config.head_dim
+    )
 
 
 def prefill_ms(engine: ModelEngine, num_tokens: int, repeats: int) -> float:
@@ -136,8 +145,9 @@ def filled_tables(engine: ModelEngine, batch: int, context: int, repeats: int) -
     return tables
 
 
-def decode_step_ms(engine: ModelEngine, batch: int, context: int, repeats: int,
-                   tables: list[tuple[int, ...]] | None = None) -> float:
+def decode_step_ms(
+    engine: ModelEngine, batch: int, context: int, repeats: int, tables: list[tuple[int, ...]] | None = None
+) -> float:
     """The median time of a step in which `batch` sequences of `context` positions each take one new token (the
     sequences of `tables`, filled by `filled_tables`, or filled here); `repeats` + 1 steps run, the first untimed."""
     if tables is None:
@@ -162,14 +172,30 @@ def torch_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def decode_engine(folder: Path, config: ModelConfig, dtype: str, quantization: str, batches: Sequence[int], context: int,
-                  repeats: int, threads: int, prompt_len: int = 0) -> ModelEngine:
+def decode_engine(
+    folder: Path,
+    config: ModelConfig,
+    dtype: str,
+    quantization: str,
+    batches: Sequence[int],
+    context: int,
+    repeats: int,
+    threads: int,
+    prompt_len: int = 0,
+) -> ModelEngine:
     """The model on the CPU, built on `threads` threads as a worker computes, and with a cache for the sequences
     decode_step_ms runs at the largest batch (and a prompt of `prompt_len` tokens)."""
     length = max(context + repeats + 2, prompt_len + 1)
     torch.set_num_threads(threads)  # loading: torch's ops on every thread, as a worker loads
-    engine = ModelEngine(folder, config, device="cpu", dtype=dtype, max_len=length, quantization=quantization,
-                         num_pages=max(batches) * pages_for(length, 16) + 8)
+    engine = ModelEngine(
+        folder,
+        config,
+        device="cpu",
+        dtype=dtype,
+        max_len=length,
+        quantization=quantization,
+        num_pages=max(batches) * pages_for(length, 16) + 8,
+    )
     engine.load()
     # As a worker does: torch's ops on one thread beside the kernels' team. On torch's own threads, the ops that go
     # parallel from 6 rows up leave OpenMP's threads spinning on the team's cores, and a step takes up to twice its
@@ -181,7 +207,9 @@ def decode_engine(folder: Path, config: ModelConfig, dtype: str, quantization: s
 
 def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     """The model and the decode steps to run: --model, --batch, --context, --repeats, --threads."""
-    parser.add_argument("--model", default=None, help="what `specserve up --model` takes (default: the embedded default)")
+    parser.add_argument(
+        "--model", default=None, help="what `specserve up --model` takes (default: the embedded default)"
+    )
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--context", type=int, default=160, help="cached positions of each sequence")
     parser.add_argument("--repeats", type=int, default=20)
@@ -211,19 +239,27 @@ def cpu_flags() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     from specserve.up import resolve_model
 
-    parser = argparse.ArgumentParser(prog="python -m bench.roofline", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.roofline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_step_arguments(parser)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), nargs="+", default=["float32"])
     parser.add_argument("--quantization", choices=QUANTIZATIONS, nargs="+", default=["none"])
-    parser.add_argument("--prefill", type=int, nargs="*", default=[],
-                        help="also time prompts of these many tokens computed in one step, against the matmul peak")
+    parser.add_argument(
+        "--prefill",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time prompts of these many tokens computed in one step, against the matmul peak",
+    )
     args = parser.parse_args(argv)
     threads = args.threads or usable_cpus()
     folder = resolve_model(args.model)
     config = ModelConfig.from_folder(folder)
-    print(f"{cpu_name()} ({cpu_flags()}), {threads} threads, torch {torch.__version__}, "
-          f"{folder.name}, context {args.context}")
+    print(
+        f"{cpu_name()} ({cpu_flags()}), {threads} threads, torch {torch.__version__}, "
+        f"{folder.name}, context {args.context}"
+    )
     print()
     print("| dtype | weights | read GB/s | matmul TFLOP/s | B | step ms | bound ms | limited by | step / bound |")
     print("|---|---|---:|---:|---:|---:|---:|---|---:|")
@@ -235,8 +271,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         with torch_threads(threads):
             peak = matmul_tflop_s(dtype, probe_repeats)
         for quantization in args.quantization:
-            engine = decode_engine(folder, config, dtype_name, quantization, args.batch, args.context, args.repeats,
-                                   threads, max(args.prefill, default=0))
+            engine = decode_engine(
+                folder,
+                config,
+                dtype_name,
+                quantization,
+                args.batch,
+                args.context,
+                args.repeats,
+                threads,
+                max(args.prefill, default=0),
+            )
             weights = "dense" if quantization == "none" else quantization
             for batch in args.batch:
                 cost = step_cost(config, batch, args.context, dtype.itemsize, engine.linear_weight_bytes())
@@ -244,14 +289,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                     bounds = Bounds(read_gb_s=read_gb_s(probe, probe_repeats), matmul_tflop_s=peak)
                 step_ms = decode_step_ms(engine, batch, args.context, args.repeats)
                 bound_ms = cost.bound_ms(bounds)
-                print(f"| {dtype_name} | {weights} | {bounds.read_gb_s:.1f} | {bounds.matmul_tflop_s:.2f} | {batch} | "
-                      f"{step_ms:.1f} | {bound_ms:.1f} | {cost.limited_by(bounds)} | {step_ms / bound_ms:.2f} |",
-                      flush=True)
+                print(
+                    f"| {dtype_name} | {weights} | {bounds.read_gb_s:.1f} | {bounds.matmul_tflop_s:.2f} | {batch} | "
+                    f"{step_ms:.1f} | {bound_ms:.1f} | {cost.limited_by(bounds)} | {step_ms / bound_ms:.2f} |",
+                    flush=True,
+                )
             for num_tokens in args.prefill:
                 taken_ms = prefill_ms(engine, num_tokens, args.repeats)
                 tflop_s = prefill_flops(config, num_tokens) / (taken_ms / 1e3) / 1e12
-                prefills.append(f"| {dtype_name} | {weights} | {num_tokens} | {taken_ms:.1f} | "
-                                f"{num_tokens / taken_ms * 1e3:.0f} | {tflop_s:.3f} | {peak:.2f} | {tflop_s / peak:.2f} |")
+                prefills.append(
+                    f"| {dtype_name} | {weights} | {num_tokens} | {taken_ms:.1f} | "
+                    f"{num_tokens / taken_ms * 1e3:.0f} | {tflop_s:.3f} | {peak:.2f} | {tflop_s / peak:.2f} |"
+                )
             del engine
     if prefills:
         print("\nPrefill: one prompt computed in one step, against the matmul peak in the dtype\n")

@@ -82,8 +82,16 @@ class Client:
 
     def _one(self, prompt: str, deadline: float) -> tuple[str, bool]:
         """The text the server streamed for `prompt`, and whether it ended before `deadline`."""
-        body = json.dumps({"model": SERVED_NAME, "messages": [{"role": "user", "content": prompt}],
-                           "max_tokens": self._output_len, "temperature": 0, "ignore_eos": True, "stream": True})
+        body = json.dumps(
+            {
+                "model": SERVED_NAME,
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": self._output_len,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+        )
         connection = http.client.HTTPConnection("127.0.0.1", self._port, timeout=max(1.0, deadline - time.monotonic()))
         pieces: list[str] = []
         try:
@@ -146,8 +154,9 @@ class Client:
 @contextmanager
 def neighbours(busy: int, nice: int) -> Iterator[None]:
     """`busy` processes spinning at `nice`, from here to the end of the block."""
-    processes = [subprocess.Popen(["nice", "-n", str(nice), sys.executable, "-c", "while True: pass"])
-                 for _ in range(busy)]
+    processes = [
+        subprocess.Popen(["nice", "-n", str(nice), sys.executable, "-c", "while True: pass"]) for _ in range(busy)
+    ]
     try:
         time.sleep(0.5 if busy else 0)
         yield
@@ -160,8 +169,19 @@ def neighbours(busy: int, nice: int) -> Iterator[None]:
 @contextmanager
 def specserve_server(folder: Path, dtype: str, draft: str, extra: Sequence[str]) -> Iterator[int]:
     grpc_port, http_port = free_ports(2)
-    flags = ["--model", str(folder), "--dtype", dtype, "--draft", draft, "--port", str(grpc_port),
-             "--http-port", str(http_port), *extra]
+    flags = [
+        "--model",
+        str(folder),
+        "--dtype",
+        dtype,
+        "--draft",
+        draft,
+        "--port",
+        str(grpc_port),
+        "--http-port",
+        str(http_port),
+        *extra,
+    ]
     print(f"starting: specserve up {shlex.join(flags)}", file=sys.stderr, flush=True)
     with running_up(flags) as stack:
         print(stack.ready_line, file=sys.stderr, flush=True)
@@ -171,8 +191,21 @@ def specserve_server(folder: Path, dtype: str, draft: str, extra: Sequence[str])
 @contextmanager
 def vllm_server(vllm: str, folder: Path, dtype: str, log_dir: Path) -> Iterator[int]:
     port = free_port()
-    command = [vllm, "serve", str(folder), "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
-               "--max-model-len", "2048", "--served-model-name", SERVED_NAME]
+    command = [
+        vllm,
+        "serve",
+        str(folder),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        "2048",
+        "--served-model-name",
+        SERVED_NAME,
+    ]
     with served(command, port, log_dir / "vllm.log", vllm_env()):
         yield port
 
@@ -180,8 +213,23 @@ def vllm_server(vllm: str, folder: Path, dtype: str, log_dir: Path) -> Iterator[
 @contextmanager
 def llamacpp_server(binary: str, gguf: Path, threads: int, slots: int, log_dir: Path) -> Iterator[int]:
     port = free_port()
-    command = [binary, "--model", str(gguf), "--threads", str(threads), "--parallel", str(slots), "--ctx-size",
-               str(2048 * slots), "--host", "127.0.0.1", "--port", str(port), "--alias", SERVED_NAME]
+    command = [
+        binary,
+        "--model",
+        str(gguf),
+        "--threads",
+        str(threads),
+        "--parallel",
+        str(slots),
+        "--ctx-size",
+        str(2048 * slots),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--alias",
+        SERVED_NAME,
+    ]
     with served(command, port, log_dir / "llamacpp.log", dict(os.environ)):
         yield port
 
@@ -196,7 +244,9 @@ def server_context(server: str, args: argparse.Namespace, work_dir: Path) -> Abs
     return llamacpp_server(args.llama_server, args.gguf, os.cpu_count() or 1, args.llama_slots, work_dir)
 
 
-def measure_server(server: str, args: argparse.Namespace, work_dir: Path, count_tokens: Callable[[str], int]) -> list[Cell]:
+def measure_server(
+    server: str, args: argparse.Namespace, work_dir: Path, count_tokens: Callable[[str], int]
+) -> list[Cell]:
     cells: list[Cell] = []
     texts = prompts()
     with server_context(server, args, work_dir) as port:
@@ -208,8 +258,11 @@ def measure_server(server: str, args: argparse.Namespace, work_dir: Path, count_
                 with neighbours(busy, nice):
                     tok_s, completed = client.run(sent, concurrency, args.cell_timeout_s)
                 cell = Cell(server, concurrency, busy, nice, tok_s, completed, len(sent))
-                print(f"{server} c={concurrency} {cell.neighbour}: {tok_s:.1f} tok/s, {completed}/{len(sent)} ended",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"{server} c={concurrency} {cell.neighbour}: {tok_s:.1f} tok/s, {completed}/{len(sent)} ended",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 cells.append(cell)
     return cells
 
@@ -217,8 +270,11 @@ def measure_server(server: str, args: argparse.Namespace, work_dir: Path, count_
 def format_table(cells: Sequence[Cell]) -> str:
     """One row per server and concurrency: tok/s alone (before, after), then each neighbour's as a share of alone."""
     crowded = list(dict.fromkeys((cell.busy, cell.nice) for cell in cells if cell.busy))
-    header = "| server | c | alone tok/s (before, after) | " + " | ".join(
-        f"{busy} busy, nice {nice}" for busy, nice in crowded) + " |"
+    header = (
+        "| server | c | alone tok/s (before, after) | "
+        + " | ".join(f"{busy} busy, nice {nice}" for busy, nice in crowded)
+        + " |"
+    )
     rows = [header, "|---|---:|---:|" + "---:|" * len(crowded)]
     for server in dict.fromkeys(cell.server for cell in cells):
         for concurrency in dict.fromkeys(cell.concurrency for cell in cells if cell.server == server):
@@ -230,7 +286,9 @@ def format_table(cells: Sequence[Cell]) -> str:
                 cell = next(c for c in mine if (c.busy, c.nice) == (busy, nice))
                 late = "" if cell.completed == cell.sent else f", {cell.completed}/{cell.sent} ended"
                 shares.append(f"{cell.output_tok_s:.1f} ({cell.output_tok_s / base:.2f}x{late})")
-            rows.append(f"| {server} | {concurrency} | {', '.join(f'{a:.1f}' for a in alone)} | " + " | ".join(shares) + " |")
+            rows.append(
+                f"| {server} | {concurrency} | {', '.join(f'{a:.1f}' for a in alone)} | " + " | ".join(shares) + " |"
+            )
     return "\n".join(rows)
 
 
@@ -246,18 +304,31 @@ def neighbour(text: str) -> tuple[int, int]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.shared_machine", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.shared_machine", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--servers", nargs="+", choices=SERVERS, default=["specserve", "specserve-draft"])
     parser.add_argument("--vllm", default=None, help="vLLM's CLI, for the vllm server")
     parser.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary, for the llamacpp server")
     parser.add_argument("--llama-slots", type=int, default=16, help="llama-server's parallel slots")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                        help="for specserve and vLLM (default: specserve's on this machine)")
-    parser.add_argument("--specserve-args", default="", help="more flags for `specserve up`, e.g. '--quantization q4_1'")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="for specserve and vLLM (default: specserve's on this machine)",
+    )
+    parser.add_argument(
+        "--specserve-args", default="", help="more flags for `specserve up`, e.g. '--quantization q4_1'"
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--neighbours", type=neighbour, nargs="+", default=list(NEIGHBOURS), metavar="COUNT@NICE",
-                        help="busy processes and their nice value, e.g. 1@0 1@19 (default: 1@0 1@19 2@0 2@19)")
+    parser.add_argument(
+        "--neighbours",
+        type=neighbour,
+        nargs="+",
+        default=list(NEIGHBOURS),
+        metavar="COUNT@NICE",
+        help="busy processes and their nice value, e.g. 1@0 1@19 (default: 1@0 1@19 2@0 2@19)",
+    )
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--cell-timeout-s", type=float, default=120.0)
     args = parser.parse_args(argv)
@@ -287,9 +358,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {error} (logs in {work_dir})", file=sys.stderr)
         print(format_table(cells))
         return 1
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; model {args.folder.name}, "
-          f"dtype {args.dtype}; chat prompts, {args.output_len} output tokens each, greedy, end of sequence ignored; "
-          f"tok/s, and as a share of the server's own alone (the mean of before and after)")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; model {args.folder.name}, "
+        f"dtype {args.dtype}; chat prompts, {args.output_len} output tokens each, greedy, end of sequence ignored; "
+        f"tok/s, and as a share of the server's own alone (the mean of before and after)"
+    )
     print(format_table(cells))
     return 0
 

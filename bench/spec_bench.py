@@ -62,8 +62,14 @@ class WorkloadResult:
 SEED = 1000  # prompt i of a workload is sampled with seed SEED + i
 
 
-async def _one(stub: pb_grpc.SpecServeStub, prompt_ids: list[int], output_len: int, temperature: float = 0.0,
-               top_p: float = 1.0, seed: int = 0) -> list[int]:
+async def _one(
+    stub: pb_grpc.SpecServeStub,
+    prompt_ids: list[int],
+    output_len: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> list[int]:
     params = pb.SamplingParams(max_tokens=output_len, temperature=temperature, top_p=top_p, seed=seed, ignore_eos=True)
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt_ids), params=params)
     tokens: list[int] = []
@@ -72,8 +78,16 @@ async def _one(stub: pb_grpc.SpecServeStub, prompt_ids: list[int], output_len: i
     return tokens
 
 
-async def _run_config(address: str, config: str, prompts_of: dict[str, list[list[int]]], output_len: int,
-                      repeats: int, round_index: int, temperature: float = 0.0, top_p: float = 1.0) -> list[WorkloadResult]:
+async def _run_config(
+    address: str,
+    config: str,
+    prompts_of: dict[str, list[list[int]]],
+    output_len: int,
+    repeats: int,
+    round_index: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+) -> list[WorkloadResult]:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.SpecServeStub(channel)
         await _one(stub, [1, 2, 3], 8)  # warm-up
@@ -84,24 +98,39 @@ async def _run_config(address: str, config: str, prompts_of: dict[str, list[list
             started = time.perf_counter()
             for _ in range(repeats):
                 # Sampled: each prompt its own seed, the same in every configuration (the outputs are compared).
-                outputs = [await _one(stub, ids, output_len, temperature, top_p, SEED + index)
-                           for index, ids in enumerate(prompts)]
+                outputs = [
+                    await _one(stub, ids, output_len, temperature, top_p, SEED + index)
+                    for index, ids in enumerate(prompts)
+                ]
             duration_s = time.perf_counter() - started
             after = (await stub.GetServerInfo(pb.ServerInfoRequest(), timeout=10)).speculation
             proposed = after.num_draft_tokens - before.num_draft_tokens
             accepted = after.num_accepted_draft_tokens - before.num_accepted_draft_tokens
             verify_steps = after.num_verify_steps - before.num_verify_steps
             num_tokens = repeats * sum(len(o) for o in outputs)
-            results.append(WorkloadResult(
-                config=config, workload=workload, round=round_index, num_requests=repeats * len(prompts), num_output_tokens=num_tokens,
-                duration_s=duration_s, tokens_per_s=num_tokens / duration_s, num_draft_tokens=proposed,
-                num_accepted_draft_tokens=accepted, num_verify_steps=verify_steps,
-                acceptance_rate=accepted / proposed if proposed else 0.0,
-                mean_accepted_length=accepted / verify_steps if verify_steps else 0.0, outputs=outputs,
-            ))
-            print(f"  {config:>28} {workload:>8}: {num_tokens / duration_s:6.1f} tok/s, "
-                  f"acceptance {results[-1].acceptance_rate:.2f}, accepted/verify {results[-1].mean_accepted_length:.2f}",
-                  file=sys.stderr, flush=True)
+            results.append(
+                WorkloadResult(
+                    config=config,
+                    workload=workload,
+                    round=round_index,
+                    num_requests=repeats * len(prompts),
+                    num_output_tokens=num_tokens,
+                    duration_s=duration_s,
+                    tokens_per_s=num_tokens / duration_s,
+                    num_draft_tokens=proposed,
+                    num_accepted_draft_tokens=accepted,
+                    num_verify_steps=verify_steps,
+                    acceptance_rate=accepted / proposed if proposed else 0.0,
+                    mean_accepted_length=accepted / verify_steps if verify_steps else 0.0,
+                    outputs=outputs,
+                )
+            )
+            print(
+                f"  {config:>28} {workload:>8}: {num_tokens / duration_s:6.1f} tok/s, "
+                f"acceptance {results[-1].acceptance_rate:.2f}, accepted/verify {results[-1].mean_accepted_length:.2f}",
+                file=sys.stderr,
+                flush=True,
+            )
         return results
 
 
@@ -136,8 +165,9 @@ def find_divergences(results: Sequence[WorkloadResult]) -> list[tuple[WorkloadRe
     return found
 
 
-def explain_divergences(results: Sequence[WorkloadResult], prompts_of: dict[str, list[list[int]]], dtype: str,
-                        model: Path) -> list[Divergence]:
+def explain_divergences(
+    results: Sequence[WorkloadResult], prompts_of: dict[str, list[list[int]]], dtype: str, model: Path
+) -> list[Divergence]:
     """The target's top-2 logit margin at each divergence: a near-tie means rounding, not a wrong token."""
     import torch
 
@@ -149,8 +179,14 @@ def explain_divergences(results: Sequence[WorkloadResult], prompts_of: dict[str,
     found = find_divergences(results)
     if not found:
         return []
-    engine = ModelEngine(model, ModelConfig.from_folder(model), device="cpu", dtype=dtype,
-                         num_pages=pages_for_slots(1, 2048), max_len=2048)
+    engine = ModelEngine(
+        model,
+        ModelConfig.from_folder(model),
+        device="cpu",
+        dtype=dtype,
+        num_pages=pages_for_slots(1, 2048),
+        max_len=2048,
+    )
     engine.load()
     engine.allocate()
     first = _first_outputs(results)
@@ -170,34 +206,55 @@ def format_table(results: Sequence[WorkloadResult]) -> str:
     rows: dict[tuple[str, str], list[WorkloadResult]] = {}
     for r in results:
         rows.setdefault((r.config, r.workload), []).append(r)
-    lines = ["| config | workload | tok/s (each round) | vs first (median) | acceptance | accepted per verify | identical to first |",
-             "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    lines = [
+        "| config | workload | tok/s (each round) | vs first (median) | acceptance | accepted per verify | identical to first |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
     for (config, workload), rounds in rows.items():
         ratios = [r.tokens_per_s / baselines[(workload, r.round)].tokens_per_s for r in rounds]
         last = rounds[-1]
         same = min(sum(1 for a, b in zip(r.outputs, first_outputs[workload]) if a == b) for r in rounds)
         speeds = ", ".join(f"{r.tokens_per_s:.1f}" for r in rounds)
         spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
-        lines.append(f"| {config} | {workload} | {speeds} | {statistics.median(ratios):.2f}x{spread} | "
-                     f"{last.acceptance_rate:.2f} | {last.mean_accepted_length:.2f} | {same}/{len(last.outputs)} |")
+        lines.append(
+            f"| {config} | {workload} | {speeds} | {statistics.median(ratios):.2f}x{spread} | "
+            f"{last.acceptance_rate:.2f} | {last.mean_accepted_length:.2f} | {same}/{len(last.outputs)} |"
+        )
     return "\n".join(lines)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", action="append", default=None,
-                        help="`specserve up` speculation options for one stack, e.g. 'none' or 'ngram' or "
-                             "'ngram --num-speculative-tokens 6' or 'default' (prompt lookup, then the shipped phrases) or "
-                             "'eagle:drafts/SmolLM2-135M-Instruct' (the head alone) (repeatable; default: none, ngram)")
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=None,
+        help="`specserve up` speculation options for one stack, e.g. 'none' or 'ngram' or "
+        "'ngram --num-speculative-tokens 6' or 'default' (prompt lookup, then the shipped phrases) or "
+        "'eagle:drafts/SmolLM2-135M-Instruct' (the head alone) (repeatable; default: none, ngram)",
+    )
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1, help="passes over each workload's prompts")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="times the configurations take turns; each speed-up is the median of the rounds' ratios")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="times the configurations take turns; each speed-up is the median of the rounds' ratios",
+    )
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
-    parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS), default=None,
-                        help="workloads to run (repeatable; default: all)")
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help="sample at this temperature (0: greedy), each prompt with its own fixed seed")
+    parser.add_argument(
+        "--workload",
+        action="append",
+        choices=sorted(WORKLOADS),
+        default=None,
+        help="workloads to run (repeatable; default: all)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sample at this temperature (0: greedy), each prompt with its own fixed seed",
+    )
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--json-out", type=Path, default=None)
     return parser.parse_args(argv)
@@ -213,30 +270,61 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     model = default_model_dir()
     tokenizer = Tokenizer.load(model)
-    prompts_of = {name: [tokenizer.encode_chat([ChatMessage("user", text)]) for text in texts] for name, texts in WORKLOADS.items()
-                  if args.workload is None or name in args.workload}
+    prompts_of = {
+        name: [tokenizer.encode_chat([ChatMessage("user", text)]) for text in texts]
+        for name, texts in WORKLOADS.items()
+        if args.workload is None or name in args.workload
+    }
     results: list[WorkloadResult] = []
     for round_index in range(args.rounds):
         for config in configs:
             draft, *rest = shlex.split(config)
             grpc_port, http_port = free_ports(2)
-            flags = ["--host", "127.0.0.1", "--port", str(grpc_port), "--http-port", str(http_port),
-                     *(["--dtype", args.dtype] if args.dtype else []), "--draft", draft, *rest]
-            print(f"round {round_index + 1}/{args.rounds}, starting: specserve up {shlex.join(flags)}", file=sys.stderr,
-                  flush=True)
+            flags = [
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(grpc_port),
+                "--http-port",
+                str(http_port),
+                *(["--dtype", args.dtype] if args.dtype else []),
+                "--draft",
+                draft,
+                *rest,
+            ]
+            print(
+                f"round {round_index + 1}/{args.rounds}, starting: specserve up {shlex.join(flags)}",
+                file=sys.stderr,
+                flush=True,
+            )
             with running_up(flags) as stack:
                 dtype = stack.dtype
-                results += asyncio.run(_run_config(stack.address, config, prompts_of, args.output_len, args.repeats,
-                                                   round_index, args.temperature, args.top_p))
+                results += asyncio.run(
+                    _run_config(
+                        stack.address,
+                        config,
+                        prompts_of,
+                        args.output_len,
+                        args.repeats,
+                        round_index,
+                        args.temperature,
+                        args.top_p,
+                    )
+                )
     print(format_table(results))
     divergences = explain_divergences(results, prompts_of, dtype, model) if args.temperature == 0 else []
     for d in divergences:
-        print(f"{d.config} / {d.workload} prompt {d.prompt_index}: first different token at {d.position}, "
-              f"where the target's top-2 logit margin is {d.top2_margin:.4f}")
+        print(
+            f"{d.config} / {d.workload} prompt {d.prompt_index}: first different token at {d.position}, "
+            f"where the target's top-2 logit margin is {d.top2_margin:.4f}"
+        )
     if args.json_out is not None:
-        report: dict[str, Any] = {"command": shlex.join(sys.argv), "machine": describe_machine(args.dtype, None),
-                                  "results": [asdict(r) | {"outputs": None} for r in results],
-                                  "divergences": [asdict(d) for d in divergences]}
+        report: dict[str, Any] = {
+            "command": shlex.join(sys.argv),
+            "machine": describe_machine(args.dtype, None),
+            "results": [asdict(r) | {"outputs": None} for r in results],
+            "divergences": [asdict(d) for d in divergences],
+        }
         args.json_out.write_text(json.dumps(report, indent=2) + "\n")
     return 0
 

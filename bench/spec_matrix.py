@@ -60,8 +60,10 @@ KV_CACHE_GIB = 2  # per stack unless --extra-up-args says: ample for 64 clients,
 def _labels(configs: Sequence[str]) -> list[str]:
     """Each configuration's name in the tables, numbered where it is given more than once (e.g. 'none' twice, to
     measure the noise of a ratio)."""
-    return [config if configs.count(config) == 1 else f"{config} #{configs[:i + 1].count(config)}"
-            for i, config in enumerate(configs)]
+    return [
+        config if configs.count(config) == 1 else f"{config} #{configs[: i + 1].count(config)}"
+        for i, config in enumerate(configs)
+    ]
 
 
 def _batch_invariant(info: pb.ServerInfoResponse) -> bool | None:
@@ -72,22 +74,47 @@ def _batch_invariant(info: pb.ServerInfoResponse) -> bool | None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", action="append", default=None,
-                        help="`specserve up` speculation options for one stack, the first the baseline, e.g. 'none' or "
-                             "'ngram --num-speculative-tokens 6' (repeatable; default: none, ngram, default)")
-    parser.add_argument("--workload", action="append", choices=ALL_WORKLOADS, default=None,
-                        help="workloads to run (repeatable; default: all)")
-    parser.add_argument("--concurrency", action="append", type=int, default=None,
-                        help=f"clients sending at once (repeatable; default: {', '.join(map(str, DEFAULT_CONCURRENCIES))})")
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=None,
+        help="`specserve up` speculation options for one stack, the first the baseline, e.g. 'none' or "
+        "'ngram --num-speculative-tokens 6' (repeatable; default: none, ngram, default)",
+    )
+    parser.add_argument(
+        "--workload",
+        action="append",
+        choices=ALL_WORKLOADS,
+        default=None,
+        help="workloads to run (repeatable; default: all)",
+    )
+    parser.add_argument(
+        "--concurrency",
+        action="append",
+        type=int,
+        default=None,
+        help=f"clients sending at once (repeatable; default: {', '.join(map(str, DEFAULT_CONCURRENCIES))})",
+    )
     parser.add_argument("--output-len", type=int, default=64, help="completion tokens per request at most")
-    parser.add_argument("--requests-per-cell", type=int, default=None,
-                        help="requests per cell, at least one per client (default: every prompt equally often, at "
-                             "least twice the concurrency)")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="times the configurations take turns; each ratio is the median of the rounds' ratios")
-    parser.add_argument("--extra-up-args", default="",
-                        help="more `specserve up` flags for every stack, as one string, e.g. '--dtype bfloat16' or "
-                             "'--speculation-policy fixed'")
+    parser.add_argument(
+        "--requests-per-cell",
+        type=int,
+        default=None,
+        help="requests per cell, at least one per client (default: every prompt equally often, at "
+        "least twice the concurrency)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="times the configurations take turns; each ratio is the median of the rounds' ratios",
+    )
+    parser.add_argument(
+        "--extra-up-args",
+        default="",
+        help="more `specserve up` flags for every stack, as one string, e.g. '--dtype bfloat16' or "
+        "'--speculation-policy fixed'",
+    )
     parser.add_argument("--json-out", type=Path, default=None, help="write every round's results here")
     return parser.parse_args(argv)
 
@@ -115,33 +142,69 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for label, config in zip(labels, configs):
                     draft, *rest = shlex.split(config)
                     grpc_port, http_port = free_ports(2)
-                    flags = ["--host", "127.0.0.1", "--port", str(grpc_port), "--http-port", str(http_port), *extra,
-                             "--draft", draft, *rest]
-                    print(f"round {round_index + 1}/{args.rounds}, starting: specserve up {shlex.join(flags)}",
-                          file=sys.stderr, flush=True)
+                    flags = [
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(grpc_port),
+                        "--http-port",
+                        str(http_port),
+                        *extra,
+                        "--draft",
+                        draft,
+                        *rest,
+                    ]
+                    print(
+                        f"round {round_index + 1}/{args.rounds}, starting: specserve up {shlex.join(flags)}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     stack = running_stacks.enter_context(running_up(flags))
                     served.append((label, stack, f"http://127.0.0.1:{http_port}/metrics"))
-                cells, infos = asyncio.run(run_round(
-                    [(label, stack.address, metrics_url) for label, stack, metrics_url in served],
-                    prompt_sets, concurrencies, args.output_len, args.requests_per_cell, round_index))
+                cells, infos = asyncio.run(
+                    run_round(
+                        [(label, stack.address, metrics_url) for label, stack, metrics_url in served],
+                        prompt_sets,
+                        concurrencies,
+                        args.output_len,
+                        args.requests_per_cell,
+                        round_index,
+                    )
+                )
         except StackError as error:
             print(f"error: {error}", file=sys.stderr)
             return 1
         results += cells
-        stacks += [{"config": label, "round": round_index, "ready_line": stack.ready_line, "dtype": stack.dtype,
-                    "device": stack.device, "batch_invariant": _batch_invariant(info), "policy": info.speculation.policy}
-                   for (label, stack, _), info in zip(served, infos)]
+        stacks += [
+            {
+                "config": label,
+                "round": round_index,
+                "ready_line": stack.ready_line,
+                "dtype": stack.dtype,
+                "device": stack.device,
+                "batch_invariant": _batch_invariant(info),
+                "policy": info.speculation.policy,
+            }
+            for (label, stack, _), info in zip(served, infos)
+        ]
     machine = describe_machine(stacks[0]["dtype"], stacks[0]["device"])
     print(f"command: {shlex.join(sys.argv)}")
     print(f"machine: {json.dumps(machine)}")
-    print(f"target batch invariant: {sorted({str(s['batch_invariant']) for s in stacks})}; "
-          f"{args.rounds} round(s) in {time.perf_counter() - started:.0f} s\n")
+    print(
+        f"target batch invariant: {sorted({str(s['batch_invariant']) for s in stacks})}; "
+        f"{args.rounds} round(s) in {time.perf_counter() - started:.0f} s\n"
+    )
     print(format_tables(results))
     if args.json_out is not None:
         baselines = baseline_results(results)
-        report = {"command": shlex.join(sys.argv), "machine": machine, "stacks": stacks,
-                  "results": [asdict(r) | {"outputs": None, "first_differences": first_differences(r, baselines)}
-                              for r in results]}
+        report = {
+            "command": shlex.join(sys.argv),
+            "machine": machine,
+            "stacks": stacks,
+            "results": [
+                asdict(r) | {"outputs": None, "first_differences": first_differences(r, baselines)} for r in results
+            ],
+        }
         args.json_out.write_text(json.dumps(report, indent=2) + "\n")
     return 0
 

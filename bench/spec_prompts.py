@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-_FUNCTION_1 = '''def merge_intervals(intervals):
+_FUNCTION_1 = """def merge_intervals(intervals):
     if not intervals:
         return []
     intervals = sorted(intervals, key=lambda pair: pair[0])
@@ -22,9 +22,9 @@ _FUNCTION_1 = '''def merge_intervals(intervals):
         else:
             merged.append([start, end])
     return [tuple(pair) for pair in merged]
-'''
+"""
 
-_FUNCTION_2 = '''def word_counts(path, min_length, ignore_case):
+_FUNCTION_2 = """def word_counts(path, min_length, ignore_case):
     counts = {}
     with open(path) as handle:
         for line in handle:
@@ -36,9 +36,9 @@ _FUNCTION_2 = '''def word_counts(path, min_length, ignore_case):
                     continue
                 counts[word] = counts.get(word, 0) + 1
     return sorted(counts.items(), key=lambda item: item[1], reverse=True)
-'''
+"""
 
-_FUNCTION_3 = '''class Inventory:
+_FUNCTION_3 = """class Inventory:
     def __init__(self):
         self.items = {}
 
@@ -57,7 +57,7 @@ _FUNCTION_3 = '''class Inventory:
 
     def total_value(self):
         return sum(item["quantity"] * item["price"] for item in self.items.values())
-'''
+"""
 
 _PARAGRAPH_1 = (
     "The comittee met on tuesday to discus the new budjet for the libary. Most members agred that the "
@@ -157,40 +157,97 @@ def _text(max_length: int) -> dict[str, Any]:
 # Small schemas, each answer a few dozen tokens: free values (titles, names, numbers) between
 # the keys and punctuation the grammar forces.
 JSON_BY_SCHEMA: list[SchemaPrompt] = [
-    SchemaPrompt("Give a JSON object describing a well-known novel, with its title, author and year of publication.",
-                 _object({"title": _text(60), "author": _text(40),
-                          "year": {"type": "integer", "minimum": 1500, "maximum": 2030}})),
-    SchemaPrompt("Describe the city of Lisbon as a JSON object: its name, its country, its population and whether "
-                 "it is a capital.",
-                 _object({"name": _text(30), "country": _text(30), "population": {"type": "integer", "minimum": 0},
-                          "is_capital": {"type": "boolean"}})),
-    SchemaPrompt("Write a JSON object for a simple pancake recipe with its name, the number of servings and up to "
-                 "five ingredients.",
-                 _object({"name": _text(40), "servings": {"type": "integer", "minimum": 1, "maximum": 12},
-                          "ingredients": {"type": "array", "items": _text(30), "minItems": 1, "maxItems": 5}})),
-    SchemaPrompt("Return a JSON object about the planet Saturn: its name, how many moons it has, whether it has "
-                 "rings, and what kind of planet it is.",
-                 _object({"name": _text(20), "moons": {"type": "integer", "minimum": 0, "maximum": 500},
-                          "has_rings": {"type": "boolean"},
-                          "kind": {"enum": ["rocky", "gas giant", "ice giant", "dwarf"]}})),
-    SchemaPrompt("Make up a weather report for Oslo as JSON, with the city, the temperature in degrees Celsius, "
-                 "the conditions and the wind speed in km/h.",
-                 _object({"city": _text(30), "temperature_c": {"type": "number", "minimum": -60, "maximum": 60},
-                          "conditions": {"enum": ["sunny", "cloudy", "rain", "snow", "fog"]},
-                          "wind_kmh": {"type": "integer", "minimum": 0, "maximum": 250}})),
-    SchemaPrompt("Describe a software engineer called Priya as a JSON object with her name, her job title, her "
-                 "years of experience and three of her skills.",
-                 _object({"name": _text(30), "job_title": _text(40),
-                          "years_of_experience": {"type": "integer", "minimum": 0, "maximum": 50},
-                          "skills": {"type": "array", "items": _text(25), "minItems": 1, "maxItems": 3}})),
-    SchemaPrompt("Give a JSON object for a classic film: its title, its director, the year it came out and up to "
-                 "three genres.",
-                 _object({"title": _text(60), "director": _text(40),
-                          "year": {"type": "integer", "minimum": 1890, "maximum": 2030},
-                          "genres": {"type": "array", "maxItems": 3, "items": {"enum": [
-                              "drama", "comedy", "action", "science fiction", "animation", "thriller"]}}})),
-    SchemaPrompt("Create a JSON object describing a laptop for sale: the brand, the model, the price in euros, the "
-                 "memory in gigabytes and whether it is new.",
-                 _object({"brand": _text(20), "model": _text(30), "price_eur": {"type": "number", "minimum": 0},
-                          "memory_gb": {"type": "integer", "minimum": 1, "maximum": 256}, "new": {"type": "boolean"}})),
+    SchemaPrompt(
+        "Give a JSON object describing a well-known novel, with its title, author and year of publication.",
+        _object(
+            {"title": _text(60), "author": _text(40), "year": {"type": "integer", "minimum": 1500, "maximum": 2030}}
+        ),
+    ),
+    SchemaPrompt(
+        "Describe the city of Lisbon as a JSON object: its name, its country, its population and whether "
+        "it is a capital.",
+        _object(
+            {
+                "name": _text(30),
+                "country": _text(30),
+                "population": {"type": "integer", "minimum": 0},
+                "is_capital": {"type": "boolean"},
+            }
+        ),
+    ),
+    SchemaPrompt(
+        "Write a JSON object for a simple pancake recipe with its name, the number of servings and up to "
+        "five ingredients.",
+        _object(
+            {
+                "name": _text(40),
+                "servings": {"type": "integer", "minimum": 1, "maximum": 12},
+                "ingredients": {"type": "array", "items": _text(30), "minItems": 1, "maxItems": 5},
+            }
+        ),
+    ),
+    SchemaPrompt(
+        "Return a JSON object about the planet Saturn: its name, how many moons it has, whether it has "
+        "rings, and what kind of planet it is.",
+        _object(
+            {
+                "name": _text(20),
+                "moons": {"type": "integer", "minimum": 0, "maximum": 500},
+                "has_rings": {"type": "boolean"},
+                "kind": {"enum": ["rocky", "gas giant", "ice giant", "dwarf"]},
+            }
+        ),
+    ),
+    SchemaPrompt(
+        "Make up a weather report for Oslo as JSON, with the city, the temperature in degrees Celsius, "
+        "the conditions and the wind speed in km/h.",
+        _object(
+            {
+                "city": _text(30),
+                "temperature_c": {"type": "number", "minimum": -60, "maximum": 60},
+                "conditions": {"enum": ["sunny", "cloudy", "rain", "snow", "fog"]},
+                "wind_kmh": {"type": "integer", "minimum": 0, "maximum": 250},
+            }
+        ),
+    ),
+    SchemaPrompt(
+        "Describe a software engineer called Priya as a JSON object with her name, her job title, her "
+        "years of experience and three of her skills.",
+        _object(
+            {
+                "name": _text(30),
+                "job_title": _text(40),
+                "years_of_experience": {"type": "integer", "minimum": 0, "maximum": 50},
+                "skills": {"type": "array", "items": _text(25), "minItems": 1, "maxItems": 3},
+            }
+        ),
+    ),
+    SchemaPrompt(
+        "Give a JSON object for a classic film: its title, its director, the year it came out and up to three genres.",
+        _object(
+            {
+                "title": _text(60),
+                "director": _text(40),
+                "year": {"type": "integer", "minimum": 1890, "maximum": 2030},
+                "genres": {
+                    "type": "array",
+                    "maxItems": 3,
+                    "items": {"enum": ["drama", "comedy", "action", "science fiction", "animation", "thriller"]},
+                },
+            }
+        ),
+    ),
+    SchemaPrompt(
+        "Create a JSON object describing a laptop for sale: the brand, the model, the price in euros, the "
+        "memory in gigabytes and whether it is new.",
+        _object(
+            {
+                "brand": _text(20),
+                "model": _text(30),
+                "price_eur": {"type": "number", "minimum": 0},
+                "memory_gb": {"type": "integer", "minimum": 1, "maximum": 256},
+                "new": {"type": "boolean"},
+            }
+        ),
+    ),
 ]

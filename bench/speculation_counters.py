@@ -42,7 +42,9 @@ def speculation_delta(before: pb.Speculation, after: pb.Speculation) -> Speculat
         num_draft_tokens=after.num_draft_tokens - before.num_draft_tokens,
         num_accepted_draft_tokens=after.num_accepted_draft_tokens - before.num_accepted_draft_tokens,
         num_verify_steps=after.num_verify_steps - before.num_verify_steps,
-        num_plain_decode_steps=after.num_plain_decode_steps - before.num_plain_decode_steps, by_source=by_source)
+        num_plain_decode_steps=after.num_plain_decode_steps - before.num_plain_decode_steps,
+        by_source=by_source,
+    )
 
 
 def read_steps_by_k(metrics_url: str, timeout_s: float) -> dict[int, int] | None:

@@ -27,8 +27,15 @@ if not __package__:
 
 import torch
 
-from bench.roofline import (QUANTIZATIONS, add_step_arguments, cpu_flags, cpu_name, decode_engine, decode_step_ms,
-                            filled_tables)
+from bench.roofline import (
+    QUANTIZATIONS,
+    add_step_arguments,
+    cpu_flags,
+    cpu_name,
+    decode_engine,
+    decode_step_ms,
+    filled_tables,
+)
 from common.cpus import usable_cpus
 from modeling.model.batch import SeqSpan
 from modeling.model.config import ModelConfig
@@ -47,7 +54,9 @@ class _TimedOps:
         return _timed(target, self._times, lambda _: name)
 
 
-def _timed(call: Callable[..., Any], times: dict[str, list[float]], name_of: Callable[[Any], str]) -> Callable[..., Any]:
+def _timed(
+    call: Callable[..., Any], times: dict[str, list[float]], name_of: Callable[[Any], str]
+) -> Callable[..., Any]:
     def timed(*args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
         result = call(*args, **kwargs)
@@ -60,8 +69,9 @@ def _timed(call: Callable[..., Any], times: dict[str, list[float]], name_of: Cal
 def main(argv: Sequence[str] | None = None) -> int:
     from specserve.up import resolve_model
 
-    parser = argparse.ArgumentParser(prog="python -m bench.step_ops", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.step_ops", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_step_arguments(parser)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default="q4_1")
@@ -69,8 +79,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     threads = args.threads or usable_cpus()
     folder = resolve_model(args.model)
-    engine = decode_engine(folder, ModelConfig.from_folder(folder), args.dtype, args.quantization, args.batch,
-                           args.context, args.repeats, threads)
+    engine = decode_engine(
+        folder,
+        ModelConfig.from_folder(folder),
+        args.dtype,
+        args.quantization,
+        args.batch,
+        args.context,
+        args.repeats,
+        threads,
+    )
     model = engine.model
     if model.native is None:
         print(f"no native kernels here ({engine.ops}): nothing to time", file=sys.stderr)
@@ -79,8 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     model.fused_layers = None  # the layer loop, op by op
     setattr(model, "native", _TimedOps(model.native, times))  # a stand-in for the module, as the loop calls it
     model.linear = _timed(model.linear, times, lambda out: f"linear to {out.shape[-1]}")
-    print(f"{cpu_name()} ({cpu_flags()}), {threads} threads, torch {torch.__version__}, "
-          f"{folder.name}, {args.dtype}, {args.quantization}, {engine.ops}, context {args.context}")
+    print(
+        f"{cpu_name()} ({cpu_flags()}), {threads} threads, torch {torch.__version__}, "
+        f"{folder.name}, {args.dtype}, {args.quantization}, {engine.ops}, context {args.context}"
+    )
     for batch in args.batch:
         tables = filled_tables(engine, batch, args.context, args.repeats)
         times.clear()
@@ -91,8 +111,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("|---|---:|---:|---:|---:|")
         for name, taken in sorted(times.items(), key=lambda item: -sum(item[1])):
             per_step = sum(taken) / steps * 1e3
-            print(f"| {name} | {len(taken) / steps:.0f} | {per_step:.3f} | {per_step / step_ms:.0%} | "
-                  f"{statistics.median(taken) * 1e6:.1f} |")
+            print(
+                f"| {name} | {len(taken) / steps:.0f} | {per_step:.3f} | {per_step / step_ms:.0%} | "
+                f"{statistics.median(taken) * 1e6:.1f} |"
+            )
         spans = [SeqSpan(table, args.context, [42], 1) for table in tables]
         logits = engine.forward_with_features(spans, widen_logits=False)[0]
         print(f"\nB = {batch}, the greedy tokens of the step's logits: {greedy_costs(model, logits, args.repeats)}")

@@ -34,28 +34,63 @@ from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 
 SCHEMAS: dict[str, dict[str, Any]] = {
-    "person": {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "email": {"type": "string", "maxLength": 30}}, "required": ["name", "age", "email"],
-        "additionalProperties": False},
-    "order": {"type": "object", "properties": {
-        "id": {"type": "integer", "minimum": 1, "maximum": 9999},
-        "status": {"type": "string", "enum": ["new", "paid", "shipped"]},
-        "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "object", "properties": {
-            "sku": {"type": "string", "maxLength": 8}, "quantity": {"type": "integer", "minimum": 1, "maximum": 9}},
-            "required": ["sku", "quantity"], "additionalProperties": False}}},
-        "required": ["id", "status", "items"], "additionalProperties": False},
-    "profile": {"type": "object", "properties": {
-        "user": {"type": "object", "properties": {
-            "handle": {"type": "string", "maxLength": 12},
-            "favourite_colours": {"type": "array", "maxItems": 3, "items": {"enum": ["red", "green", "blue"]}}},
-            "required": ["handle", "favourite_colours"], "additionalProperties": False},
-        "active": {"type": "boolean"}, "member_since": {"type": "integer", "minimum": 1990, "maximum": 2030}},
-        "required": ["user", "active", "member_since"], "additionalProperties": False},
+    "person": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "email": {"type": "string", "maxLength": 30},
+        },
+        "required": ["name", "age", "email"],
+        "additionalProperties": False,
+    },
+    "order": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 1, "maximum": 9999},
+            "status": {"type": "string", "enum": ["new", "paid", "shipped"]},
+            "items": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 3,
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "sku": {"type": "string", "maxLength": 8},
+                        "quantity": {"type": "integer", "minimum": 1, "maximum": 9},
+                    },
+                    "required": ["sku", "quantity"],
+                    "additionalProperties": False,
+                },
+            },
+        },
+        "required": ["id", "status", "items"],
+        "additionalProperties": False,
+    },
+    "profile": {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {
+                    "handle": {"type": "string", "maxLength": 12},
+                    "favourite_colours": {"type": "array", "maxItems": 3, "items": {"enum": ["red", "green", "blue"]}},
+                },
+                "required": ["handle", "favourite_colours"],
+                "additionalProperties": False,
+            },
+            "active": {"type": "boolean"},
+            "member_since": {"type": "integer", "minimum": 1990, "maximum": 2030},
+        },
+        "required": ["user", "active", "member_since"],
+        "additionalProperties": False,
+    },
 }
-PROMPTS = {"person": "Describe a person called Ada, aged 36, as JSON.",
-           "order": "Write an order for two apples and a pear as JSON.",
-           "profile": "Make up a user profile as JSON."}
+PROMPTS = {
+    "person": "Describe a person called Ada, aged 36, as JSON.",
+    "order": "Write an order for two apples and a pear as JSON.",
+    "profile": "Make up a user profile as JSON.",
+}
 MAX_TOKENS = 120
 
 
@@ -63,8 +98,9 @@ def request(name: str, structured: bool) -> pb.GenerateRequest:
     params = pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
     if structured:
         params.structured_output.json_schema = json.dumps(SCHEMAS[name])
-    return pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=PROMPTS[name])]),
-                              params=params)
+    return pb.GenerateRequest(
+        chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=PROMPTS[name])]), params=params
+    )
 
 
 async def run_one(stub: pb_grpc.SpecServeStub, name: str, structured: bool) -> tuple[int, int, int, bool]:
@@ -95,16 +131,24 @@ async def workload(address: str, structured: bool, concurrency: int, repeat: int
             results += await asyncio.gather(*(run_one(stub, name, structured) for name in batch))
         duration = time.perf_counter() - started
     tokens = sum(r[0] for r in results)
-    return {"structured": structured, "concurrency": concurrency, "num_requests": len(results),
-            "completion_tokens": tokens, "duration_s": round(duration, 2), "tokens_per_s": round(tokens / duration, 1),
-            "draft_tokens": sum(r[1] for r in results), "accepted_draft_tokens": sum(r[2] for r in results),
-            "all_valid": all(r[3] for r in results)}
+    return {
+        "structured": structured,
+        "concurrency": concurrency,
+        "num_requests": len(results),
+        "completion_tokens": tokens,
+        "duration_s": round(duration, 2),
+        "tokens_per_s": round(tokens / duration, 1),
+        "draft_tokens": sum(r[1] for r in results),
+        "accepted_draft_tokens": sum(r[2] for r in results),
+        "all_valid": all(r[3] for r in results),
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", action="append", default=None,
-                        help="`specserve up` flags for one configuration (repeatable)")
+    parser.add_argument(
+        "--config", action="append", default=None, help="`specserve up` flags for one configuration (repeatable)"
+    )
     parser.add_argument("--repeat", type=int, default=8, help="requests per schema and workload")
     parser.add_argument("--output", type=Path, default=None, help="write the results here as JSON")
     args = parser.parse_args()
@@ -116,8 +160,10 @@ def main() -> int:
             print(f"# {stack.ready_line}", flush=True)
             for concurrency in (1, 8):
                 for structured in (False, True):
-                    result = {"config": config or "(up's defaults)", **asyncio.run(
-                        workload(stack.address, structured, concurrency, args.repeat))}
+                    result = {
+                        "config": config or "(up's defaults)",
+                        **asyncio.run(workload(stack.address, structured, concurrency, args.repeat)),
+                    }
                     report["runs"].append(result)
                     print(json.dumps(result), flush=True)
     if args.output:

@@ -38,8 +38,9 @@ def sparse_dist_problem(dist: SparseDistLike, vocab_size: int) -> str:
     return ""
 
 
-def drafts_problem(token_ids: Sequence[int], parents: Sequence[int] | None, dists: Sequence[SparseDistLike] | None,
-                   vocab_size: int) -> str:
+def drafts_problem(
+    token_ids: Sequence[int], parents: Sequence[int] | None, dists: Sequence[SparseDistLike] | None, vocab_size: int
+) -> str:
     """Why these draft tokens cannot be verified ("" when they can).
 
     `parents` makes them a token tree (common.trees), whose tokens must be point masses;
@@ -69,8 +70,9 @@ def drafts_problem(token_ids: Sequence[int], parents: Sequence[int] | None, dist
     return ""
 
 
-def branch_problem(parents: Sequence[int], token_ids: Sequence[int], nodes: Sequence[int],
-                   branch_tokens: Sequence[int]) -> str:
+def branch_problem(
+    parents: Sequence[int], token_ids: Sequence[int], nodes: Sequence[int], branch_tokens: Sequence[int]
+) -> str:
     """Why `nodes` are not a branch of the tree from its root down that holds `branch_tokens` ("" when they are)."""
     if len(nodes) != len(branch_tokens):
         return f"{len(nodes)} accepted nodes for {len(branch_tokens)} accepted tokens"

@@ -29,7 +29,10 @@ class DraftKind(enum.StrEnum):
 HEAD_KINDS = frozenset({DraftKind.EAGLE, DraftKind.EAGLE_NGRAM, DraftKind.EAGLE_PHRASES})
 DISTILLED_KINDS = frozenset({DraftKind.PHRASES, *HEAD_KINDS})
 MODEL_KINDS = frozenset({DraftKind.MODEL, *HEAD_KINDS})
-LOOKUP_THEN_HEAD_KINDS = (DraftKind.EAGLE_NGRAM, DraftKind.EAGLE_PHRASES)  # the head proposes only where no lookup matches
+LOOKUP_THEN_HEAD_KINDS = (
+    DraftKind.EAGLE_NGRAM,
+    DraftKind.EAGLE_PHRASES,
+)  # the head proposes only where no lookup matches
 TEST_KINDS = frozenset({DraftKind.RANDOM, DraftKind.REPLAY})
 SERVING_KINDS = tuple(kind for kind in DraftKind if kind not in TEST_KINDS)  # what `specserve up --draft` offers
 
@@ -37,7 +40,9 @@ SERVING_KINDS = tuple(kind for kind in DraftKind if kind not in TEST_KINDS)  # w
 @dataclass(frozen=True)
 class DraftSpec:
     kind: DraftKind
-    path: Path | None = None  # the folder (model, the distilled kinds) or file (replay) it reads; None for ngram, random
+    path: Path | None = (
+        None  # the folder (model, the distilled kinds) or file (replay) it reads; None for ngram, random
+    )
     vocab_size: int | None = None  # random only
 
     @classmethod
@@ -52,8 +57,10 @@ class DraftSpec:
                 raise ValueError(f"{flag} {text!r}: ngram takes no argument")
             return cls(kind)
         if not argument:
-            raise ValueError(f"{flag} {text!r}: {kind} needs {'the vocabulary size' if kind is DraftKind.RANDOM else 'a path'}, "
-                             f"{kind}:{'VOCAB_SIZE' if kind is DraftKind.RANDOM else 'PATH'}")
+            raise ValueError(
+                f"{flag} {text!r}: {kind} needs {'the vocabulary size' if kind is DraftKind.RANDOM else 'a path'}, "
+                f"{kind}:{'VOCAB_SIZE' if kind is DraftKind.RANDOM else 'PATH'}"
+            )
         if kind is DraftKind.RANDOM:
             if not argument.isdigit():
                 raise ValueError(f"{flag} {text!r}: random needs the vocabulary size, e.g. random:49152")

@@ -29,7 +29,7 @@ def nests_deeper_than(text: str, max_depth: int) -> bool:
     data = np.frombuffer(unescaped, dtype=np.uint8)
     num_quotes, depth = 0, 0
     for start in range(0, len(data), _DEPTH_CHUNK):
-        chunk = data[start:start + _DEPTH_CHUNK]  # [C] bytes
+        chunk = data[start : start + _DEPTH_CHUNK]  # [C] bytes
         quotes = np.cumsum(chunk == _QUOTE, dtype=np.int64) + num_quotes  # [C] quotes up to each byte
         steps = np.where(quotes % 2 == 0, _DEPTH_STEPS[chunk], 0)  # [C] an opening quote is odd: inside
         depths = np.cumsum(steps, dtype=np.int64) + depth  # [C]

@@ -56,8 +56,12 @@ class ReadyDetails:
     step_timings: list[m.StepTiming] = field(default_factory=list)  # a target: steps it timed while warming up
 
     def fields(self) -> dict[str, Any]:
-        return {"max_draft_tokens": self.max_draft_tokens, "kernels": self.kernels[:m.MAX_KERNELS_CHARS],
-                "batch_invariant": self.batch_invariant, "step_timings": self.step_timings}
+        return {
+            "max_draft_tokens": self.max_draft_tokens,
+            "kernels": self.kernels[: m.MAX_KERNELS_CHARS],
+            "batch_invariant": self.batch_invariant,
+            "step_timings": self.step_timings,
+        }
 
 
 class LifecycleProcess(abc.ABC, Generic[T]):
@@ -77,7 +81,9 @@ class LifecycleProcess(abc.ABC, Generic[T]):
         self._lifecycle = Lifecycle(self._on_transition)
         self._codec: m.Codec[T] = m.Codec(inbound)
         self._codec_out: m.Codec[m.WorkerToScheduler] = m.Codec(m.WorkerToScheduler)
-        self._heartbeat_codec: m.Codec[m.WorkerToScheduler] = m.Codec(m.WorkerToScheduler)  # its own encoder, its own thread
+        self._heartbeat_codec: m.Codec[m.WorkerToScheduler] = m.Codec(
+            m.WorkerToScheduler
+        )  # its own encoder, its own thread
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
         self._send_lock = threading.Lock()
@@ -87,7 +93,9 @@ class LifecycleProcess(abc.ABC, Generic[T]):
         self._drain_timeout_s = process.drain_timeout_s
         self._phase_timeout_s = process.phase_timeout_s
         self._step_timeout_s = process.step_timeout_s
-        self._deadline: tuple[str, float, str] | None = None  # (what runs, when it must end, the setting), for the watchdog
+        self._deadline: tuple[str, float, str] | None = (
+            None  # (what runs, when it must end, the setting), for the watchdog
+        )
         self.faults: FaultInjector | None = None
 
     # ------------------------------------------------------------------ what a subclass provides
@@ -148,9 +156,12 @@ class LifecycleProcess(abc.ABC, Generic[T]):
 
     def _exit_status(self) -> int:
         if self._dismissed:
-            self.log.warning("process.dismissed", exit_status=EXIT_DISMISSED,
-                             note="the scheduler told this process to stop without a signal (it gave up on it or "
-                                  "refused it); exiting non-zero so that a supervisor starts a fresh one")
+            self.log.warning(
+                "process.dismissed",
+                exit_status=EXIT_DISMISSED,
+                note="the scheduler told this process to stop without a signal (it gave up on it or "
+                "refused it); exiting non-zero so that a supervisor starts a fresh one",
+            )
             return EXIT_DISMISSED
         return 0
 
@@ -202,10 +213,15 @@ class LifecycleProcess(abc.ABC, Generic[T]):
     def _fail(self, exc: BaseException) -> int:
         phase = self._lifecycle.state
         self.log.error("process.failed", phase=phase, error_type=type(exc).__name__, error=str(exc), exc_info=exc)
-        self.send(m.WorkerFailed(
-            worker_id=self.process_id, incarnation=self.incarnation, phase=phase,
-            error_type=type(exc).__name__[:m.MAX_NAME_CHARS], message=str(exc)[:m.MAX_REASON_CHARS],
-        ))
+        self.send(
+            m.WorkerFailed(
+                worker_id=self.process_id,
+                incarnation=self.incarnation,
+                phase=phase,
+                error_type=type(exc).__name__[: m.MAX_NAME_CHARS],
+                message=str(exc)[: m.MAX_REASON_CHARS],
+            )
+        )
         if self._lifecycle.state not in (State.FAILED, State.STOPPED):
             self._lifecycle.move_to(State.FAILED)
         self._close()
@@ -222,8 +238,11 @@ class LifecycleProcess(abc.ABC, Generic[T]):
                 self._lifecycle.move_to(State.DRAINING)
                 drain_until_s = time.monotonic() + self._drain_timeout_s
             if time.monotonic() > drain_until_s:
-                self.log.warning("process.drain_timeout", drain_timeout_s=self._drain_timeout_s,
-                                 note="stopping with work left; the scheduler recomputes it elsewhere")
+                self.log.warning(
+                    "process.drain_timeout",
+                    drain_timeout_s=self._drain_timeout_s,
+                    note="stopping with work left; the scheduler recomputes it elsewhere",
+                )
                 break
             if poller.poll(_POLL_MS):
                 self._handle_frame(self._socket.recv())
@@ -257,11 +276,16 @@ class LifecycleProcess(abc.ABC, Generic[T]):
         if self._status_file is not None:
             write_status_file(self._status_file, new)
         ready = new is State.READY
-        self.send(m.LifecycleReport(
-            worker_id=self.process_id, incarnation=self.incarnation, state=new,
-            previous_state=old, previous_duration_s=duration_s,
-            **(self.ready_details().fields() if ready else {}),
-        ))
+        self.send(
+            m.LifecycleReport(
+                worker_id=self.process_id,
+                incarnation=self.incarnation,
+                state=new,
+                previous_state=old,
+                previous_duration_s=duration_s,
+                **(self.ready_details().fields() if ready else {}),
+            )
+        )
 
     def _heartbeat_loop(self) -> None:
         """Runs on its own thread and socket, so heartbeats go on during long phases and steps."""
@@ -285,35 +309,59 @@ class LifecycleProcess(abc.ABC, Generic[T]):
                     self._scheduler_lost()
                 elif (refused := self._transport.handshake_failure(event, "worker")) is not None:
                     self._refused_by_scheduler(refused)
-            socket.send(self._heartbeat_codec.encode(m.Heartbeat(
-                worker_id=self.process_id, incarnation=self.incarnation, state=self._lifecycle.state,
-                num_used_kv_pages=self.num_used_kv_pages(), num_steps=self.num_steps, protocol_errors=dict(self.errors.counts),
-            )))
+            socket.send(
+                self._heartbeat_codec.encode(
+                    m.Heartbeat(
+                        worker_id=self.process_id,
+                        incarnation=self.incarnation,
+                        state=self._lifecycle.state,
+                        num_used_kv_pages=self.num_used_kv_pages(),
+                        num_steps=self.num_steps,
+                        protocol_errors=dict(self.errors.counts),
+                    )
+                )
+            )
             time.sleep(self._heartbeat_interval_s)
         socket.close()
 
     def _scheduler_lost(self) -> None:
         """The connection to the scheduler dropped: the scheduler this process registered with is gone (a restarted
         one would never know it, and nothing it holds is wanted any more). End now, for a fresh start to register."""
-        self.log.error("process.scheduler_lost", address=self._scheduler_address, exit_status=EXIT_DISMISSED,
-                       note="the connection to the scheduler dropped; exiting so that a fresh start registers anew")
+        self.log.error(
+            "process.scheduler_lost",
+            address=self._scheduler_address,
+            exit_status=EXIT_DISMISSED,
+            note="the connection to the scheduler dropped; exiting so that a fresh start registers anew",
+        )
         self._end_now(EXIT_DISMISSED)
 
     def _refused_by_scheduler(self, reason: str) -> None:
         """The scheduler refused the handshake: nothing this process says can reach it, and trying again will not
         change that until its keys do. End now, FAILED, with the cause."""
-        self.log.error("process.refused_by_scheduler", address=self._scheduler_address, transport=self._transport.describe(),
-                       reason=reason, exit_status=1)
+        self.log.error(
+            "process.refused_by_scheduler",
+            address=self._scheduler_address,
+            transport=self._transport.describe(),
+            reason=reason,
+            exit_status=1,
+        )
         self._end_now(1)
 
     def _give_up(self, socket: zmq.Socket[bytes], what: str, _: float, limit: str) -> None:
         """The watchdog: a phase or step ran past its deadline; report it and end the process now."""
         message = f"{what} ran past its deadline ({limit})"
         self.log.error("process.deadline_exceeded", what=what, limit=limit)
-        socket.send(self._heartbeat_codec.encode(m.WorkerFailed(
-            worker_id=self.process_id, incarnation=self.incarnation, phase=self._lifecycle.state,
-            error_type="DeadlineExceeded", message=message,
-        )))
+        socket.send(
+            self._heartbeat_codec.encode(
+                m.WorkerFailed(
+                    worker_id=self.process_id,
+                    incarnation=self.incarnation,
+                    phase=self._lifecycle.state,
+                    error_type="DeadlineExceeded",
+                    message=message,
+                )
+            )
+        )
         time.sleep(0.3)  # let ZeroMQ's I/O thread put the report on the wire; exiting skips the usual flush
         self._end_now(1)
 
@@ -339,9 +387,14 @@ class LifecycleProcess(abc.ABC, Generic[T]):
         self._socket.close(linger=2000)
 
 
-def process_main(argv: list[str] | None, *, prog: str, description: str,
-                 add_arguments: Callable[[argparse.ArgumentParser], None],
-                 build: Callable[[argparse.Namespace], LifecycleProcess[Any]]) -> int:
+def process_main(
+    argv: list[str] | None,
+    *,
+    prog: str,
+    description: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    build: Callable[[argparse.Namespace], LifecycleProcess[Any]],
+) -> int:
     """`python -m <service>`: parse and check the arguments (a bad one is a usage error), configure logs, run."""
     from common import logs, slots
 

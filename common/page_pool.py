@@ -56,13 +56,17 @@ class PagePool:
     def __init__(self, num_pages: int, page_size: int, *, prefix_cache: bool = True) -> None:
         """`prefix_cache` False: pages are never shared, and a sequence's pages are free again as it ends."""
         if num_pages < 1 or page_size < 1:
-            raise ValueError(f"a page pool needs at least one page of at least one position, got {num_pages} x {page_size}")
+            raise ValueError(
+                f"a page pool needs at least one page of at least one position, got {num_pages} x {page_size}"
+            )
         self.page_size = page_size
         self.num_pages = num_pages
         self.prefix_cache = prefix_cache
         self._pages = [_Page() for _ in range(num_pages)]
         self._free = list(range(num_pages - 1, -1, -1))  # hold nothing worth keeping; popped from the end: page 0 first
-        self._cached: OrderedDict[int, None] = OrderedDict()  # registered, held by nobody: least recently released first
+        self._cached: OrderedDict[int, None] = (
+            OrderedDict()
+        )  # registered, held by nobody: least recently released first
         self._index: dict[tuple[Prefix, tuple[int, ...]], int] = {}  # registered pages by key
         self._tables: dict[str, _Table] = {}
         self._next_prefix_id = 1
@@ -105,7 +109,7 @@ class PagePool:
             return pages
         prefix_id: Prefix = salt
         for start in range(0, len(token_ids) - 1 - self.page_size + 1, self.page_size):
-            page = self._index.get((prefix_id, tuple(token_ids[start:start + self.page_size])))
+            page = self._index.get((prefix_id, tuple(token_ids[start : start + self.page_size])))
             if page is None:
                 break
             pages.append(page)
@@ -123,8 +127,9 @@ class PagePool:
 
     # ------------------------------------------------------------------ sequences
 
-    def admit(self, seq_id: str, token_ids: Sequence[int], *, keep_free: int = 0, share: bool = True,
-              salt: str = UNSALTED) -> int | None:
+    def admit(
+        self, seq_id: str, token_ids: Sequence[int], *, keep_free: int = 0, share: bool = True, salt: str = UNSALTED
+    ) -> int | None:
         """Give a new sequence pages for `token_ids`, sharing its cached prefix under `salt` (its own full pages are
         registered under it too); returns how many tokens were cached.
 
@@ -162,7 +167,9 @@ class PagePool:
         table = self._tables[seq_id]
         keep = self.pages_for(num_tokens)
         if keep < table.num_registered:
-            raise ValueError(f"sequence {seq_id!r}: cutting to {num_tokens} tokens would drop computed, registered pages")
+            raise ValueError(
+                f"sequence {seq_id!r}: cutting to {num_tokens} tokens would drop computed, registered pages"
+            )
         for page in table.pages[keep:]:
             self._release(page)
         del table.pages[keep:]
@@ -179,7 +186,7 @@ class PagePool:
             return
         num_full = min(len(token_ids) // self.page_size, len(table.pages))
         for i in range(table.num_registered, num_full):
-            key = (table.prefix_id, tuple(token_ids[i * self.page_size:(i + 1) * self.page_size]))
+            key = (table.prefix_id, tuple(token_ids[i * self.page_size : (i + 1) * self.page_size]))
             cached = self._index.get(key)
             if cached is None:
                 page = self._pages[table.pages[i]]

@@ -36,7 +36,9 @@ class ProcessConfig:
 
 def check_process_arguments(args: argparse.Namespace) -> None:
     """Raises ValueError naming the setting."""
-    if problem := not_positive_problem(args, ("heartbeat_interval_s", "phase_timeout_s", "step_timeout_s", "drain_timeout_s")):
+    if problem := not_positive_problem(
+        args, ("heartbeat_interval_s", "phase_timeout_s", "step_timeout_s", "drain_timeout_s")
+    ):
         raise ValueError(problem)
     if not (args.device == "cpu" or args.device.startswith("cuda")):
         raise ValueError(f"--device must be 'cpu' or 'cuda:N', got {args.device!r}")
@@ -47,8 +49,15 @@ def from_arguments(args: argparse.Namespace) -> ProcessConfig:
     check_process_arguments(args)
     secured = transport_from_arguments(args, "worker", (("--scheduler-address", args.scheduler_address),))
     return ProcessConfig(
-        worker_id=args.worker_id, scheduler_address=args.scheduler_address, device=args.device, dtype=args.dtype,
-        heartbeat_interval_s=args.heartbeat_interval_s, phase_timeout_s=args.phase_timeout_s,
-        step_timeout_s=args.step_timeout_s, drain_timeout_s=args.drain_timeout_s, num_threads=args.num_threads,
-        status_file=args.status_file, transport=secured,
+        worker_id=args.worker_id,
+        scheduler_address=args.scheduler_address,
+        device=args.device,
+        dtype=args.dtype,
+        heartbeat_interval_s=args.heartbeat_interval_s,
+        phase_timeout_s=args.phase_timeout_s,
+        step_timeout_s=args.step_timeout_s,
+        drain_timeout_s=args.drain_timeout_s,
+        num_threads=args.num_threads,
+        status_file=args.status_file,
+        transport=secured,
     )

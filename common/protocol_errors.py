@@ -22,4 +22,10 @@ class ProtocolErrors:
         """Count one dropped message of `kind` ("decode", "unknown_sender", ...)."""
         self.counts[kind] += 1
         if self.counts[kind] == 1:
-            log.warning("protocol.error", socket=self._socket_name, kind=kind, note="later ones of this kind are only counted", **context)
+            log.warning(
+                "protocol.error",
+                socket=self._socket_name,
+                kind=kind,
+                note="later ones of this kind are only counted",
+                **context,
+            )

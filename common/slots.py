@@ -49,6 +49,8 @@ def apply(args: argparse.Namespace) -> None:
     if args.device == f"cuda:{SLOT}":
         visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
         if visible and slot >= len(visible):
-            raise ValueError(f"--device cuda:{SLOT}: slot {slot}, but CUDA_VISIBLE_DEVICES names {len(visible)} devices")
+            raise ValueError(
+                f"--device cuda:{SLOT}: slot {slot}, but CUDA_VISIBLE_DEVICES names {len(visible)} devices"
+            )
         os.environ["CUDA_VISIBLE_DEVICES"] = visible[slot] if visible else str(slot)
         args.device = "cuda:0"

@@ -16,7 +16,9 @@ from pathlib import Path
 from proto.lifecycle import State
 
 LISTENING = "LISTENING"  # the scheduler's only status
-HEALTHY = frozenset({State.READY.value, LISTENING})  # what a health check accepts: a READY process, a listening scheduler
+HEALTHY = frozenset(
+    {State.READY.value, LISTENING}
+)  # what a health check accepts: a READY process, a listening scheduler
 
 
 def _started(pid: int) -> str | None:
@@ -26,7 +28,7 @@ def _started(pid: int) -> str | None:
     except OSError:
         return None
     # The command name (field 2) is in parentheses and may hold spaces: count fields after the last ")".
-    return stat[stat.rindex(")") + 2:].split()[19]
+    return stat[stat.rindex(")") + 2 :].split()[19]
 
 
 def write_status_file(path: Path, state: str) -> None:

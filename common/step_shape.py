@@ -28,8 +28,13 @@ class StepShape:
 
     def terms(self) -> tuple[float, ...]:
         """(1, the decode rows split at ROW_KNOTS, constrained rows, prefill tokens, thousands of attended positions)."""
-        return (1.0, *row_terms(self.decode_rows), float(self.constrained_rows), float(self.prefill_tokens),
-                self.attended / 1000.0)
+        return (
+            1.0,
+            *row_terms(self.decode_rows),
+            float(self.constrained_rows),
+            float(self.prefill_tokens),
+            self.attended / 1000.0,
+        )
 
 
 def step_shape(seqs: Sequence[tuple[int, int, int, bool]]) -> StepShape:

@@ -42,14 +42,19 @@ AUTHORIZED = "authorized"
 # Why a client's CURVE handshake with the scheduler failed, by libzmq's monitor event.
 HANDSHAKE_FAILURES: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the scheduler does not authorize this process's key (its public key is not in "
-                                     "the scheduler's {keys}/authorized/{role}/)",
+    "the scheduler's {keys}/authorized/{role}/)",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the scheduler speaks another security mechanism: one side has keys "
-                                         "(--keys) and the other runs --insecure-loopback",
+    "(--keys) and the other runs --insecure-loopback",
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the handshake with the scheduler failed: the scheduler's key is not the "
-                                          "one in {keys}/scheduler.key, or one side runs without keys",
+    "one in {keys}/scheduler.key, or one side runs without keys",
 }
-HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_DISCONNECTED)
+HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_DISCONNECTED
+)
 
 
 class TransportError(ValueError):
@@ -94,7 +99,9 @@ class Transport:
         return None if reason is None else reason.format(keys=self.keys, role=role)
 
 
-def from_arguments(args: argparse.Namespace, role: Role | Literal["scheduler"], addresses: Iterable[tuple[str, str]]) -> Transport:
+def from_arguments(
+    args: argparse.Namespace, role: Role | Literal["scheduler"], addresses: Iterable[tuple[str, str]]
+) -> Transport:
     """The transport of a process of `role` whose sockets use `addresses` ((flag, address) pairs).
 
     Raises TransportError naming the flag or the key file."""
@@ -102,13 +109,17 @@ def from_arguments(args: argparse.Namespace, role: Role | Literal["scheduler"], 
     if keys is not None and args.insecure_loopback:
         raise TransportError("--keys and --insecure-loopback exclude each other: give one")
     if keys is None and not args.insecure_loopback:
-        raise TransportError(f"no keys: give --keys FOLDER (made by `specserve keys FOLDER`, or set ${ENV_VAR}), or "
-                             "--insecure-loopback to run unauthenticated with every address on 127.0.0.1")
+        raise TransportError(
+            f"no keys: give --keys FOLDER (made by `specserve keys FOLDER`, or set ${ENV_VAR}), or "
+            "--insecure-loopback to run unauthenticated with every address on 127.0.0.1"
+        )
     if keys is None:
         for flag, address in addresses:
             if not is_loopback(address):
-                raise TransportError(f"{flag} {address}: --insecure-loopback serves on loopback only "
-                                     "(127.0.0.1, ::1, ipc://); give --keys to use another address")
+                raise TransportError(
+                    f"{flag} {address}: --insecure-loopback serves on loopback only "
+                    "(127.0.0.1, ::1, ipc://); give --keys to use another address"
+                )
         return Transport(None)
     check_keys(keys, role)
     return Transport(keys)
@@ -221,5 +232,6 @@ def _check_private(keys: Path, path: Path) -> None:
     except OSError:
         return
     if mode & 0o077:
-        raise TransportError(f"--keys {keys}: the secret key {path} is open to its group or others (mode {mode:04o}); "
-                             f"chmod 600 it")
+        raise TransportError(
+            f"--keys {keys}: the secret key {path} is open to its group or others (mode {mode:04o}); chmod 600 it"
+        )

@@ -17,7 +17,9 @@ def tree_depths(parents: Sequence[int]) -> list[int]:
     depths: list[int] = []
     for node, parent in enumerate(parents):
         if not -1 <= parent < node:
-            raise ValueError(f"tree node {node} has parent {parent}: parents must come before their children (-1: the root)")
+            raise ValueError(
+                f"tree node {node} has parent {parent}: parents must come before their children (-1: the root)"
+            )
         depths.append(1 if parent < 0 else depths[parent] + 1)
     return depths
 
@@ -33,7 +35,9 @@ def parents_or_chain(parents: Sequence[int] | None, num_nodes: int) -> Sequence[
 
 def child_holding(parents: Sequence[int], token_ids: Sequence[int], at: int, token: int) -> int | None:
     """The first child of node `at` (-1: the root) that holds `token`, if any."""
-    return next((node for node in range(at + 1, len(parents)) if parents[node] == at and token_ids[node] == token), None)
+    return next(
+        (node for node in range(at + 1, len(parents)) if parents[node] == at and token_ids[node] == token), None
+    )
 
 
 def follow(parents: Sequence[int], token_ids: Sequence[int], branch_tokens: Sequence[int]) -> list[int] | None:
@@ -66,7 +70,9 @@ def leading_nodes(branch: Sequence[int]) -> int:
     return count
 
 
-def best_tree(chances: dict[tuple[int, ...], float], budget: int, min_chance: float = 0.0) -> tuple[list[int], list[int]]:
+def best_tree(
+    chances: dict[tuple[int, ...], float], budget: int, min_chance: float = 0.0
+) -> tuple[list[int], list[int]]:
     """The `budget` likeliest branches' nodes, none less likely than `min_chance`, as a tree: (tokens, parents).
 
     `chances` maps a branch (its tokens from the root) to the chance that the target
@@ -82,8 +88,10 @@ def best_tree(chances: dict[tuple[int, ...], float], budget: int, min_chance: fl
         if shorter and shorter not in capped:
             continue
         capped[branch] = min(chances[branch], capped[shorter]) if shorter else chances[branch]
-    ranked = sorted((branch for branch in capped if capped[branch] >= min_chance),
-                    key=lambda branch: (-capped[branch], len(branch), branch))
+    ranked = sorted(
+        (branch for branch in capped if capped[branch] >= min_chance),
+        key=lambda branch: (-capped[branch], len(branch), branch),
+    )
     children: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
     for branch in ranked[:budget]:  # in rank order: each node's children likeliest first
         children.setdefault(branch[:-1], []).append(branch)

@@ -39,13 +39,28 @@ class DistillArgs:
 
     def record(self) -> dict[str, object]:
         """The arguments that decide the result (recorded in the draft's config.json)."""
-        return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()
-                if k not in ("out", "resume", "num_threads", "device")}
+        return {
+            k: str(v) if isinstance(v, Path) else v
+            for k, v in asdict(self).items()
+            if k not in ("out", "resume", "num_threads", "device")
+        }
 
     def data_record(self) -> dict[str, object]:
         """The arguments that decide the training data."""
         record = self.record()
-        return {k: record[k] for k in ("target", "dtype", "num_prompts", "self_prompts", "request_tokens", "max_new_tokens", "text_tokens", "seed")}
+        return {
+            k: record[k]
+            for k in (
+                "target",
+                "dtype",
+                "num_prompts",
+                "self_prompts",
+                "request_tokens",
+                "max_new_tokens",
+                "text_tokens",
+                "seed",
+            )
+        }
 
     def resume_record(self) -> dict[str, object]:
         """What --resume checks: the arguments that decide the result, with the target by its fingerprints (the same
@@ -64,39 +79,88 @@ def _target_identity(target: Path) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = DistillArgs(Path(), Path())
     parser.add_argument("--target", type=Path, required=True, help="the target's Hugging Face folder")
-    parser.add_argument("--out", type=Path, required=True, help="the draft folder to write (data and checkpoints go there too)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype, help="the target's dtype while it makes the data")
-    parser.add_argument("--num-prompts", type=int, default=d.num_prompts, help="shipped chat requests the target answers")
-    parser.add_argument("--self-prompts", type=int, default=d.self_prompts,
-                        help="requests the target writes itself (sampled from its chat template's user turn) and then answers")
+    parser.add_argument(
+        "--out", type=Path, required=True, help="the draft folder to write (data and checkpoints go there too)"
+    )
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default=d.dtype, help="the target's dtype while it makes the data"
+    )
+    parser.add_argument(
+        "--num-prompts", type=int, default=d.num_prompts, help="shipped chat requests the target answers"
+    )
+    parser.add_argument(
+        "--self-prompts",
+        type=int,
+        default=d.self_prompts,
+        help="requests the target writes itself (sampled from its chat template's user turn) and then answers",
+    )
     parser.add_argument("--request-tokens", type=int, default=d.request_tokens, help="the longest self-written request")
     parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="the longest answer")
-    parser.add_argument("--text-tokens", type=int, default=d.text_tokens, help="tokens of local Python source the target reads")
-    parser.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size, help="the ids the draft may propose")
+    parser.add_argument(
+        "--text-tokens", type=int, default=d.text_tokens, help="tokens of local Python source the target reads"
+    )
+    parser.add_argument(
+        "--draft-vocab-size", type=int, default=d.draft_vocab_size, help="the ids the draft may propose"
+    )
     parser.add_argument("--steps", type=int, default=d.steps)
     parser.add_argument("--batch-sequences", type=int, default=d.batch_sequences)
     parser.add_argument("--lr", type=float, default=d.lr)
-    parser.add_argument("--feature-noise", type=float, default=d.feature_noise,
-                        help="std of the noise on input features, relative to their RMS")
-    parser.add_argument("--cls-weight", type=float, default=d.cls_weight,
-                        help="weight of the next-token loss against the feature regression (EAGLE used 0.1)")
-    parser.add_argument("--unroll", type=int, default=d.unroll,
-                        help="draft steps trained per position: step 2 reads the head's own step-1 prediction, as when it chains")
+    parser.add_argument(
+        "--feature-noise",
+        type=float,
+        default=d.feature_noise,
+        help="std of the noise on input features, relative to their RMS",
+    )
+    parser.add_argument(
+        "--cls-weight",
+        type=float,
+        default=d.cls_weight,
+        help="weight of the next-token loss against the feature regression (EAGLE used 0.1)",
+    )
+    parser.add_argument(
+        "--unroll",
+        type=int,
+        default=d.unroll,
+        help="draft steps trained per position: step 2 reads the head's own step-1 prediction, as when it chains",
+    )
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from OUT/training/checkpoint.pt and reuse OUT/training/data.pt (made with the same arguments)")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from OUT/training/checkpoint.pt and reuse OUT/training/data.pt (made with the same arguments)",
+    )
     parser.add_argument("--num-threads", type=int, default=d.num_threads, help="torch threads (0: torch's default)")
-    parser.add_argument("--device", default=None,
-                        help="where the target makes the data and the head trains: cpu, or cuda[:N] (default: cuda when "
-                             "there is a GPU, else cpu)")
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="where the target makes the data and the head trains: cpu, or cuda[:N] (default: cuda when "
+        "there is a GPU, else cpu)",
+    )
 
 
 def check_arguments(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> DistillArgs:
-    if problem := not_positive_problem(ns, ("num_prompts", "request_tokens", "max_new_tokens", "draft_vocab_size", "steps",
-                                            "batch_sequences", "checkpoint_every", "unroll")):
+    if problem := not_positive_problem(
+        ns,
+        (
+            "num_prompts",
+            "request_tokens",
+            "max_new_tokens",
+            "draft_vocab_size",
+            "steps",
+            "batch_sequences",
+            "checkpoint_every",
+            "unroll",
+        ),
+    ):
         parser.error(problem)
-    if ns.text_tokens < 0 or ns.self_prompts < 0 or not ns.lr > 0 or not ns.feature_noise >= 0 or not ns.cls_weight >= 0:
+    if (
+        ns.text_tokens < 0
+        or ns.self_prompts < 0
+        or not ns.lr > 0
+        or not ns.feature_noise >= 0
+        or not ns.cls_weight >= 0
+    ):
         parser.error("--text-tokens, --self-prompts, --feature-noise and --cls-weight must be >= 0 and --lr > 0")
     if not (ns.target / "config.json").exists():
         parser.error(f"--target {ns.target}: no config.json there")
@@ -107,8 +171,10 @@ def check_arguments(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> 
         parser.error("--out must not be --target: the draft's files would replace the target's")
     longest = data_max_len(config) - 1 - _MIN_PROMPT_TOKENS
     if ns.max_new_tokens > longest:
-        parser.error(f"--max-new-tokens {ns.max_new_tokens}: at most {longest} with this target (its "
-                     f"{data_max_len(config)} positions hold the request too)")
+        parser.error(
+            f"--max-new-tokens {ns.max_new_tokens}: at most {longest} with this target (its "
+            f"{data_max_len(config)} positions hold the request too)"
+        )
     try:
         training_prompts(ns.num_prompts, ns.seed)
     except ValueError as error:

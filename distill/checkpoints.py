@@ -18,14 +18,20 @@ def load_saved(path: Path, wanted: dict[str, object], map_location: str = "cpu")
     try:
         saved: dict[str, Any] = torch.load(path, weights_only=False, map_location=map_location)
     except Exception as error:  # noqa: BLE001 - a truncated or foreign file: say which, not a pickle trace
-        raise ResumeMismatch(f"{path} cannot be read ({type(error).__name__}: {error}); delete it to start over") from error
+        raise ResumeMismatch(
+            f"{path} cannot be read ({type(error).__name__}: {error}); delete it to start over"
+        ) from error
     recorded = saved.get("arguments")
     if recorded != wanted:
         given = recorded if isinstance(recorded, dict) else {}
-        differ = [f"{k}: {given.get(k)!r} there, {wanted.get(k)!r} now" for k in sorted(set(given) | set(wanted))
-                  if given.get(k) != wanted.get(k)]
-        raise ResumeMismatch(f"{path} was made with other arguments ({'; '.join(differ)}); run with them, or delete it "
-                             "to start over")
+        differ = [
+            f"{k}: {given.get(k)!r} there, {wanted.get(k)!r} now"
+            for k in sorted(set(given) | set(wanted))
+            if given.get(k) != wanted.get(k)
+        ]
+        raise ResumeMismatch(
+            f"{path} was made with other arguments ({'; '.join(differ)}); run with them, or delete it to start over"
+        )
     return saved
 
 

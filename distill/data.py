@@ -31,11 +31,18 @@ class Sequence:
 
     def __post_init__(self) -> None:
         if self.features.shape[0] != len(self.tokens) - 1:
-            raise ValueError(f"{len(self.tokens)} tokens need {len(self.tokens) - 1} features, not {self.features.shape[0]}")
+            raise ValueError(
+                f"{len(self.tokens)} tokens need {len(self.tokens) - 1} features, not {self.features.shape[0]}"
+            )
 
 
-def generate(engine: ModelEngine, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
-             on_sequence: Callable[[], None] = lambda: None) -> list[Sequence]:
+def generate(
+    engine: ModelEngine,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    stop_ids: set[int],
+    on_sequence: Callable[[], None] = lambda: None,
+) -> list[Sequence]:
     """Greedy answers of the target to `prompts`, as many at once as the engine has slots; each with its features."""
     out: list[Sequence] = []
     for start in range(0, len(prompts), engine.num_slots):
@@ -47,8 +54,16 @@ def generate(engine: ModelEngine, prompts: list[list[int]], max_new_tokens: int,
     return out
 
 
-def write_requests(engine: ModelEngine, starts: list[list[int]], max_tokens: int, stop_ids: set[int], seed: int,
-                   temperature: float = 1.0, top_p: float = 0.95, on_request: Callable[[], None] = lambda: None) -> list[list[int]]:
+def write_requests(
+    engine: ModelEngine,
+    starts: list[list[int]],
+    max_tokens: int,
+    stop_ids: set[int],
+    seed: int,
+    temperature: float = 1.0,
+    top_p: float = 0.95,
+    on_request: Callable[[], None] = lambda: None,
+) -> list[list[int]]:
     """Requests the target writes itself: a sampled continuation of each start (its chat template's user turn, often
     with an opening such as "Write a Python function"), up to a stop id or `max_tokens`; the stop id is left out.
 
@@ -73,11 +88,19 @@ def write_requests(engine: ModelEngine, starts: list[list[int]], max_tokens: int
     return out
 
 
-def _decode(engine: ModelEngine, group: list[list[int]], max_new_tokens: int, stop_ids: set[int],
-            pick: Callable[[torch.Tensor], torch.Tensor], with_features: bool) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+def _decode(
+    engine: ModelEngine,
+    group: list[list[int]],
+    max_new_tokens: int,
+    stop_ids: set[int],
+    pick: Callable[[torch.Tensor], torch.Tensor],
+    with_features: bool,
+) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
     """Continue each prompt of `group` (one slot each) with `pick`'s tokens until a stop id, `max_new_tokens` or the
     engine's length; -> the prompts with their continuations, and (with_features) the target's features by position."""
-    logits, hidden = engine.forward_with_features([SeqSpan(engine.slot_pages(slot), 0, ids, 1) for slot, ids in enumerate(group)])
+    logits, hidden = engine.forward_with_features(
+        [SeqSpan(engine.slot_pages(slot), 0, ids, 1) for slot, ids in enumerate(group)]
+    )
     tokens = [list(ids) for ids in group]
     features: list[list[torch.Tensor]] = [[] for _ in group]
     if with_features:
@@ -90,11 +113,14 @@ def _decode(engine: ModelEngine, group: list[list[int]], max_new_tokens: int, st
     for _ in range(max_new_tokens):
         for row, slot in enumerate(active):
             tokens[slot].append(next_ids[row])
-        active = [s for row, s in enumerate(active) if next_ids[row] not in stop_ids and len(tokens[s]) < engine.max_len]
+        active = [
+            s for row, s in enumerate(active) if next_ids[row] not in stop_ids and len(tokens[s]) < engine.max_len
+        ]
         if not active or len(tokens[active[0]]) - len(group[active[0]]) >= max_new_tokens:
             break
-        logits, hidden = engine.forward_with_features([SeqSpan(engine.slot_pages(s), len(tokens[s]) - 1, [tokens[s][-1]], 1)
-                                                      for s in active])
+        logits, hidden = engine.forward_with_features(
+            [SeqSpan(engine.slot_pages(s), len(tokens[s]) - 1, [tokens[s][-1]], 1) for s in active]
+        )
         if with_features:
             for row, slot in enumerate(active):
                 features[slot].append(hidden[row : row + 1].cpu().clone())
@@ -102,7 +128,9 @@ def _decode(engine: ModelEngine, group: list[list[int]], max_new_tokens: int, st
     return tokens, features
 
 
-def read_text(engine: ModelEngine, chunks: list[list[int]], on_sequence: Callable[[], None] = lambda: None) -> list[Sequence]:
+def read_text(
+    engine: ModelEngine, chunks: list[list[int]], on_sequence: Callable[[], None] = lambda: None
+) -> list[Sequence]:
     """The target's features over each chunk of text, read in one prefill each (slot 0)."""
     out: list[Sequence] = []
     for chunk in chunks:

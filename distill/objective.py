@@ -29,7 +29,9 @@ def pad_batch(batch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.
     return feats, tokens, targets, mask
 
 
-def head_losses(head: EagleHead, batch: list[Sequence], noise: float, unroll: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def head_losses(
+    head: EagleHead, batch: list[Sequence], noise: float, unroll: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Feature regression, next-token cross-entropy and top-1 agreement (of the first step), averaged over `unroll` steps.
 
     Step 1 reads the target's features; step d reads, at every position j > 0, what
@@ -60,7 +62,9 @@ def head_losses(head: EagleHead, batch: list[Sequence], noise: float, unroll: in
     return torch.stack(regs).mean(), torch.stack(clss).mean(), acc
 
 
-def training_figures(head: EagleHead, held: list[Sequence], history: list[tuple[float, float, float]]) -> dict[str, float]:
+def training_figures(
+    head: EagleHead, held: list[Sequence], history: list[tuple[float, float, float]]
+) -> dict[str, float]:
     head.eval()
     with torch.no_grad():
         reg, cls, acc = head_losses(head, held, 0.0) if held else (torch.tensor(0.0),) * 3

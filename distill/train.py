@@ -98,9 +98,18 @@ def run(args: DistillArgs, log: Callable[[str], None] = print, stop_after: int |
         bar.update(1)
         bar.set_postfix(reg=f"{losses[0]:.3f}", cls=f"{losses[1]:.3f}", top1=f"{losses[2]:.2f}")
         if step % args.checkpoint_every == 0 or step == args.steps or step == stop_after:
-            save_checkpoint(checkpoint, {"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                                          "history": history, "arguments": resume_record,
-                                          "torch_rng": torch.get_rng_state(), "sampler": rng.getstate()})
+            save_checkpoint(
+                checkpoint,
+                {
+                    "head": head.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "step": step,
+                    "history": history,
+                    "arguments": resume_record,
+                    "torch_rng": torch.get_rng_state(),
+                    "sampler": rng.getstate(),
+                },
+            )
         if step == stop_after:
             bar.close()
             return {}
@@ -134,15 +143,30 @@ def _data(args: DistillArgs, log: Callable[[str], None]) -> list[Sequence]:
     config = ModelConfig.from_folder(args.target)
     tokenizer = Tokenizer.load(args.target)
     max_len = data_max_len(config)
-    engine = ModelEngine(args.target, config, device=args.device, dtype=args.dtype, num_pages=pages_for_slots(_DATA_SLOTS, max_len),
-                         max_len=max_len)
+    engine = ModelEngine(
+        args.target,
+        config,
+        device=args.device,
+        dtype=args.dtype,
+        num_pages=pages_for_slots(_DATA_SLOTS, max_len),
+        max_len=max_len,
+    )
     engine.load()
     engine.allocate()
     stop_ids = set(tokenizer.eos_token_ids)
-    text = chunk_tokens([tokenizer.encode(t) for t in stdlib_sources(args.text_tokens * 8)], min(256, max_len), args.text_tokens)
-    bar = tqdm(total=args.self_prompts + args.num_prompts + args.self_prompts + len(text), desc="target data", unit="seq",
-               file=sys.stderr, dynamic_ncols=True)
-    requests = training_prompts(args.num_prompts, args.seed) + _self_written(engine, tokenizer, args, stop_ids, lambda: bar.update(1))
+    text = chunk_tokens(
+        [tokenizer.encode(t) for t in stdlib_sources(args.text_tokens * 8)], min(256, max_len), args.text_tokens
+    )
+    bar = tqdm(
+        total=args.self_prompts + args.num_prompts + args.self_prompts + len(text),
+        desc="target data",
+        unit="seq",
+        file=sys.stderr,
+        dynamic_ncols=True,
+    )
+    requests = training_prompts(args.num_prompts, args.seed) + _self_written(
+        engine, tokenizer, args, stop_ids, lambda: bar.update(1)
+    )
     chat = tokenizer.has_chat_template
     prompts = [tokenizer.encode_chat([ChatMessage("user", r)]) if chat else tokenizer.encode(r) for r in requests]
     prompts = [p[: max_len - args.max_new_tokens - 1] for p in prompts]
@@ -150,15 +174,22 @@ def _data(args: DistillArgs, log: Callable[[str], None]) -> list[Sequence]:
     sequences = generate(engine, prompts, args.max_new_tokens, stop_ids, lambda: bar.update(1))
     sequences += read_text(engine, text, lambda: bar.update(1))
     bar.close()
-    save_checkpoint(path, {"arguments": args.resume_data_record(),  # ~1.4 GB: written whole or not at all
-                            "sequences": [{"tokens": s.tokens, "features": s.features, "first_generated": s.first_generated}
-                                          for s in sequences]})
+    save_checkpoint(
+        path,
+        {
+            "arguments": args.resume_data_record(),  # ~1.4 GB: written whole or not at all
+            "sequences": [
+                {"tokens": s.tokens, "features": s.features, "first_generated": s.first_generated} for s in sequences
+            ],
+        },
+    )
     log(f"target data: {len(sequences)} sequences, {sum(len(s.tokens) for s in sequences)} tokens")
     return sequences
 
 
-def _self_written(engine: ModelEngine, tokenizer: Tokenizer, args: DistillArgs, stop_ids: set[int],
-                  on_request: Callable[[], None]) -> list[str]:
+def _self_written(
+    engine: ModelEngine, tokenizer: Tokenizer, args: DistillArgs, stop_ids: set[int], on_request: Callable[[], None]
+) -> list[str]:
     """`args.self_prompts` requests written by the target (distinct, non-empty; fewer when it repeats itself).
 
     With a chat template each starts as the template's user turn plus an opening; a

@@ -15,8 +15,13 @@ from draft_service.service import DraftService  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    return process_main(argv, prog="draft_service", description="the specserve draft service: proposes speculative tokens",
-                        add_arguments=add_arguments, build=lambda args: DraftService(from_arguments(args)))
+    return process_main(
+        argv,
+        prog="draft_service",
+        description="the specserve draft service: proposes speculative tokens",
+        add_arguments=add_arguments,
+        build=lambda args: DraftService(from_arguments(args)),
+    )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from modeling.model.engine import default_dtype
 from modeling.kernels.blocks import QuantizationError, weight_blocks
 from proto.messages import MAX_SPARSE_DIST_TOKENS
 
+
 @dataclass(frozen=True)
 class DraftConfig:
     process: ProcessConfig  # id, scheduler address, device, dtype, deadlines, threads, status file
@@ -55,8 +56,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def from_arguments(args: argparse.Namespace) -> DraftConfig:
     """Raises ValueError naming the setting."""
-    if problem := below_problem(args, ("max_draft_tokens", "head_draft_tokens", "ngram_min", "max_model_len", "num_seqs",
-                                       "num_targets", "draft_top_k"), 1):
+    if problem := below_problem(
+        args,
+        (
+            "max_draft_tokens",
+            "head_draft_tokens",
+            "ngram_min",
+            "max_model_len",
+            "num_seqs",
+            "num_targets",
+            "draft_top_k",
+        ),
+        1,
+    ):
         raise ValueError(problem)
     if args.draft_top_k > MAX_SPARSE_DIST_TOKENS:  # the scheduler and the targets refuse a larger distribution
         raise ValueError(f"--draft-top-k {args.draft_top_k}: at most {MAX_SPARSE_DIST_TOKENS}")
@@ -65,21 +77,35 @@ def from_arguments(args: argparse.Namespace) -> DraftConfig:
     process = process_config.from_arguments(args)
     if args.ngram_max < args.ngram_min:
         raise ValueError(f"--ngram-max ({args.ngram_max}) is below --ngram-min ({args.ngram_min})")
-    proposer = (default_proposer(args.target_model) if args.proposer == DEFAULT_PROPOSER
-                else DraftSpec.parse(args.proposer, flag="--proposer"))
+    proposer = (
+        default_proposer(args.target_model)
+        if args.proposer == DEFAULT_PROPOSER
+        else DraftSpec.parse(args.proposer, flag="--proposer")
+    )
     if proposer.needs_target_model and args.target_model is None:
-        raise ValueError(f"--proposer {proposer.kind}:PATH needs --target-model (the target's folder: the draft is checked against it)")
+        raise ValueError(
+            f"--proposer {proposer.kind}:PATH needs --target-model (the target's folder: the draft is checked against it)"
+        )
     if args.quantization != "none" and proposer.kind is not DraftKind.MODEL:
-        raise ValueError(f"--quantization {args.quantization} is for a draft model (--proposer model:PATH), "
-                         f"not --proposer {proposer.kind}: the choice for it is none")
+        raise ValueError(
+            f"--quantization {args.quantization} is for a draft model (--proposer model:PATH), "
+            f"not --proposer {proposer.kind}: the choice for it is none"
+        )
     try:
         weight_blocks(proposer.path or Path("."), args.quantization)
     except QuantizationError as exc:
         raise ValueError(f"--quantization {exc}") from exc
     return DraftConfig(
-        process=process, proposer=proposer, target_model=args.target_model,
-        max_draft_tokens=args.max_draft_tokens, head_draft_tokens=args.head_draft_tokens, token_trees=args.token_trees,
-        ngram_min=args.ngram_min, ngram_max=args.ngram_max, max_model_len=args.max_model_len,
+        process=process,
+        proposer=proposer,
+        target_model=args.target_model,
+        max_draft_tokens=args.max_draft_tokens,
+        head_draft_tokens=args.head_draft_tokens,
+        token_trees=args.token_trees,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
+        max_model_len=args.max_model_len,
         num_seqs=args.num_seqs * args.num_targets,
-        draft_top_k=args.draft_top_k, quantization=args.quantization,
+        draft_top_k=args.draft_top_k,
+        quantization=args.quantization,
     )

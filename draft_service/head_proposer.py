@@ -27,15 +27,34 @@ class EagleProposer(SlottedModelProposer[EagleEngine]):
 
     source = "head"
 
-    def __init__(self, folder: Path, target_folder: Path, *, device: str, dtype: str, num_seqs: int, max_len: int,
-                 max_draft_tokens: int, draft_top_k: int) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        target_folder: Path,
+        *,
+        device: str,
+        dtype: str,
+        num_seqs: int,
+        max_len: int,
+        max_draft_tokens: int,
+        draft_top_k: int,
+    ) -> None:
         self._pages = SequencePages(num_seqs, max_len, DEFAULT_PAGE_SIZE)
-        self._engine = EagleEngine(folder, target_folder, device=device, dtype=dtype, num_pages=self._pages.pool.num_pages,
-                                   max_len=max_len, page_size=DEFAULT_PAGE_SIZE)
+        self._engine = EagleEngine(
+            folder,
+            target_folder,
+            device=device,
+            dtype=dtype,
+            num_pages=self._pages.pool.num_pages,
+            max_len=max_len,
+            page_size=DEFAULT_PAGE_SIZE,
+        )
         self._num_seqs = num_seqs
         config = self._engine.config
         if max_len > config.max_position_embeddings:
-            raise ValueError(f"--max-model-len {max_len} exceeds the target's {config.max_position_embeddings} positions")
+            raise ValueError(
+                f"--max-model-len {max_len} exceeds the target's {config.max_position_embeddings} positions"
+            )
         self.vocab_size = config.vocab_size
         self.vocab_fingerprint = self._engine.meta.vocab_fingerprint
         self.target_fingerprint = self._engine.meta.target_fingerprint
@@ -79,8 +98,14 @@ class EagleProposer(SlottedModelProposer[EagleEngine]):
             for row, (item, span) in enumerate(zip(active, spans)):
                 position = span.start + len(span.token_ids)
                 self._pages.set_length(item.request_id, position)
-                token = draw(logits[row], item.sampling, len(item.token_ids) + len(tokens[item.request_id]), dists[item.request_id],
-                             self._draft_top_k, self._engine.draft_vocab)
+                token = draw(
+                    logits[row],
+                    item.sampling,
+                    len(item.token_ids) + len(tokens[item.request_id]),
+                    dists[item.request_id],
+                    self._draft_top_k,
+                    self._engine.draft_vocab,
+                )
                 tokens[item.request_id].append(token)
                 if len(tokens[item.request_id]) < item.num_tokens and position + 1 < self._engine.max_len:
                     next_active.append(item)
@@ -88,7 +113,10 @@ class EagleProposer(SlottedModelProposer[EagleEngine]):
                     next_rows.append(predicted[row : row + 1])
             active, spans, rows = next_active, next_spans, next_rows
         return [
-            Proposed(tokens.get(item.request_id, []), None if is_greedy(item.sampling) else dists.get(item.request_id, []),
-                     source=self.source)
+            Proposed(
+                tokens.get(item.request_id, []),
+                None if is_greedy(item.sampling) else dists.get(item.request_id, []),
+                source=self.source,
+            )
             for item in batch
         ]

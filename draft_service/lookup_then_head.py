@@ -51,8 +51,11 @@ class LookupThenHead:
 
     def propose(self, batch: list[ProposeInput]) -> list[Proposed]:
         found = [self._lookup.find(item.token_ids, item.num_tokens) for item in batch]
-        rest = [replace(item, num_tokens=min(item.num_tokens, self._head_tokens))
-                for item, proposed in zip(batch, found) if not proposed.token_ids]
+        rest = [
+            replace(item, num_tokens=min(item.num_tokens, self._head_tokens))
+            for item, proposed in zip(batch, found)
+            if not proposed.token_ids
+        ]
         from_head = iter(self._head.propose(rest) if rest else [])
         return [proposed if proposed.token_ids else next(from_head) for proposed in found]
 

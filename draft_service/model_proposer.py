@@ -24,16 +24,36 @@ class ModelProposer(SlottedModelProposer[ModelEngine]):
     target_fingerprint = ""
     source = "model"
 
-    def __init__(self, folder: Path, *, device: str, dtype: str, num_seqs: int, max_len: int, max_draft_tokens: int,
-                 draft_top_k: int, quantization: str = "none") -> None:
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        device: str,
+        dtype: str,
+        num_seqs: int,
+        max_len: int,
+        max_draft_tokens: int,
+        draft_top_k: int,
+        quantization: str = "none",
+    ) -> None:
         self._config = ModelConfig.from_folder(folder)
         if max_len > self._config.max_position_embeddings:
-            raise ValueError(f"--max-model-len {max_len} exceeds the draft model's {self._config.max_position_embeddings} positions")
+            raise ValueError(
+                f"--max-model-len {max_len} exceeds the draft model's {self._config.max_position_embeddings} positions"
+            )
         self.vocab_size = self._config.vocab_size
         self.vocab_fingerprint = vocab_fingerprint(folder)
         self._pages = SequencePages(num_seqs, max_len, DEFAULT_PAGE_SIZE)
-        self._engine = ModelEngine(folder, self._config, device=device, dtype=dtype, num_pages=self._pages.pool.num_pages,
-                                   max_len=max_len, page_size=DEFAULT_PAGE_SIZE, quantization=quantization)
+        self._engine = ModelEngine(
+            folder,
+            self._config,
+            device=device,
+            dtype=dtype,
+            num_pages=self._pages.pool.num_pages,
+            max_len=max_len,
+            page_size=DEFAULT_PAGE_SIZE,
+            quantization=quantization,
+        )
         self._num_seqs = num_seqs
         self._max_draft_tokens = max_draft_tokens
         self._draft_top_k = draft_top_k
@@ -53,7 +73,11 @@ class ModelProposer(SlottedModelProposer[ModelEngine]):
         spans: list[SeqSpan] = []
         for item in batch:
             n = len(item.token_ids)
-            pages = self._pages.reserve(item.request_id, min(n + item.num_tokens, self._engine.max_len)) if n < self._engine.max_len else None
+            pages = (
+                self._pages.reserve(item.request_id, min(n + item.num_tokens, self._engine.max_len))
+                if n < self._engine.max_len
+                else None
+            )
             if pages is None:
                 continue
             # The keys and values stand where the sequence did not change; catch up from there.
@@ -77,8 +101,11 @@ class ModelProposer(SlottedModelProposer[ModelEngine]):
                     next_spans.append(SeqSpan(span.pages, position, [token], 1))
             active, spans = next_active, next_spans
         return [
-            Proposed(tokens.get(item.request_id, []), None if is_greedy(item.sampling) else dists.get(item.request_id, []),
-                     source=self.source)
+            Proposed(
+                tokens.get(item.request_id, []),
+                None if is_greedy(item.sampling) else dists.get(item.request_id, []),
+                source=self.source,
+            )
             for item in batch
         ]
 

@@ -34,8 +34,14 @@ class PhraseProposer(LookupProposer):
     than a short match's).
     """
 
-    def __init__(self, folder: Path, target_folder: Path, prompt_lookup: NgramProposer,
-                 min_context: int = PHRASE_MIN_CONTEXT, trees: bool = True) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        target_folder: Path,
+        prompt_lookup: NgramProposer,
+        min_context: int = PHRASE_MIN_CONTEXT,
+        trees: bool = True,
+    ) -> None:
         meta = check_target(folder, target_folder)  # refuses a folder made for another target, as a head does
         self.vocab_size = ModelConfig.from_folder(target_folder).vocab_size
         self.vocab_fingerprint = meta.vocab_fingerprint
@@ -49,7 +55,9 @@ class PhraseProposer(LookupProposer):
     def _load(self) -> None:
         self._phrases = PhraseStore.load(self._folder, self.vocab_size)
         if self._phrases is None:
-            raise FileNotFoundError(f"{self._folder} has no {PHRASE_FILE} (`specserve distill` writes one beside the head)")
+            raise FileNotFoundError(
+                f"{self._folder} has no {PHRASE_FILE} (`specserve distill` writes one beside the head)"
+            )
 
     @property
     def num_phrase_tokens(self) -> int:
@@ -73,8 +81,12 @@ class PhraseProposer(LookupProposer):
         nothing, but in a step of many every row costs its share.
         """
         min_chance = PHRASE_MIN_CHANCE * len(batch)
-        return [self.tree(item.token_ids, item.num_tokens, min_chance) if self._trees
-                else self.find(item.token_ids, item.num_tokens) for item in batch]
+        return [
+            self.tree(item.token_ids, item.num_tokens, min_chance)
+            if self._trees
+            else self.find(item.token_ids, item.num_tokens)
+            for item in batch
+        ]
 
     def tree(self, tokens: list[int], k: int, min_chance: float = PHRASE_MIN_CHANCE) -> Proposed:
         """The k likeliest guesses (none less likely than min_chance) of the phrases' branches and prompt lookup's
@@ -88,4 +100,6 @@ class PhraseProposer(LookupProposer):
             branch = tuple(lookup[: depth + 1])
             chances[branch] = max(chances.get(branch, 0.0), chance)
         token_ids, parents = best_tree(chances, k, min_chance)
-        return Proposed(token_ids, parents=None if is_chain(parents) else parents, source="lookup" if lookup else "phrases")
+        return Proposed(
+            token_ids, parents=None if is_chain(parents) else parents, source="lookup" if lookup else "phrases"
+        )

@@ -39,12 +39,12 @@ class NgramProposer(LookupProposer):
         """The k tokens after the latest earlier occurrence of the last n tokens, trying the longest n first."""
         length = len(tokens)
         for n in range(min(self._ngram_max, length - 1), self._ngram_min - 1, -1):
-            pattern = tokens[length - n:]
+            pattern = tokens[length - n :]
             last = pattern[-1]
             # Candidate ends of an earlier occurrence, latest first: positions < length - 1 holding `last`.
             end = length - 2
             while end >= n - 1:
-                if tokens[end] == last and tokens[end - n + 1:end + 1] == pattern:
-                    return tokens[end + 1:end + 1 + k]
+                if tokens[end] == last and tokens[end - n + 1 : end + 1] == pattern:
+                    return tokens[end + 1 : end + 1 + k]
                 end -= 1
         return []

@@ -80,7 +80,11 @@ class SequenceStore:
                 rows = from_rows(seq.features)
             except FeatureError:
                 rows = None
-            if rows is None or seq.features.start_position > have or (features is not None and tuple(rows.shape[1:]) != features.row_shape):
+            if (
+                rows is None
+                or seq.features.start_position > have
+                or (features is not None and tuple(rows.shape[1:]) != features.row_shape)
+            ):
                 self.forget(seq.request_id)  # rows that do not fit what is held: start over, the scheduler resends
                 return Update([], 0, restarted=True)
             start = seq.features.start_position

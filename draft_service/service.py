@@ -40,9 +40,16 @@ def make_proposer(config: DraftConfig) -> Proposer:
             return PhraseProposer(path, config.target_model, prompt_lookup, trees=config.token_trees)
         case DraftKind.EAGLE | DraftKind.EAGLE_NGRAM | DraftKind.EAGLE_PHRASES:
             assert path is not None and config.target_model is not None  # checked with the arguments
-            head = EagleProposer(path, config.target_model, device=config.process.device, dtype=config.process.dtype,
-                                 num_seqs=config.num_seqs, max_len=config.max_model_len,
-                                 max_draft_tokens=config.max_draft_tokens, draft_top_k=config.draft_top_k)
+            head = EagleProposer(
+                path,
+                config.target_model,
+                device=config.process.device,
+                dtype=config.process.dtype,
+                num_seqs=config.num_seqs,
+                max_len=config.max_model_len,
+                max_draft_tokens=config.max_draft_tokens,
+                draft_top_k=config.draft_top_k,
+            )
             if spec.kind is DraftKind.EAGLE:
                 return head
             if spec.kind is DraftKind.EAGLE_NGRAM:
@@ -51,10 +58,16 @@ def make_proposer(config: DraftConfig) -> Proposer:
             return LookupThenHead(head, phrases, config.head_draft_tokens)
         case DraftKind.MODEL:
             assert path is not None  # checked with the arguments
-            return ModelProposer(path, device=config.process.device, dtype=config.process.dtype,
-                                 num_seqs=config.num_seqs, max_len=config.max_model_len,
-                                 max_draft_tokens=config.max_draft_tokens, draft_top_k=config.draft_top_k,
-                                 quantization=config.quantization)
+            return ModelProposer(
+                path,
+                device=config.process.device,
+                dtype=config.process.dtype,
+                num_seqs=config.num_seqs,
+                max_len=config.max_model_len,
+                max_draft_tokens=config.max_draft_tokens,
+                draft_top_k=config.draft_top_k,
+                quantization=config.quantization,
+            )
         case DraftKind.RANDOM:
             assert spec.vocab_size is not None  # checked with the arguments
             return RandomProposer(spec.vocab_size)
@@ -78,13 +91,23 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
         model = cfg.proposer.model_path
         runs_model = cfg.proposer.runs_model
         return m.WorkerHello(
-            worker_id=cfg.process.worker_id, role="draft", incarnation=self.incarnation, protocol_version=m.PROTOCOL_VERSION,
-            pid=os.getpid(), model_name=model.name if model else str(cfg.proposer), model_fingerprint="",
-            vocab_size=self._proposer.vocab_size, max_model_len=cfg.max_model_len, num_kv_pages=self._proposer.num_kv_pages,
+            worker_id=cfg.process.worker_id,
+            role="draft",
+            incarnation=self.incarnation,
+            protocol_version=m.PROTOCOL_VERSION,
+            pid=os.getpid(),
+            model_name=model.name if model else str(cfg.proposer),
+            model_fingerprint="",
+            vocab_size=self._proposer.vocab_size,
+            max_model_len=cfg.max_model_len,
+            num_kv_pages=self._proposer.num_kv_pages,
             kv_page_size=DEFAULT_PAGE_SIZE,
-            dtype=cfg.process.dtype if runs_model else "", device=cfg.process.device if runs_model else "",
-            vocab_fingerprint=self._proposer.vocab_fingerprint, max_draft_tokens=cfg.max_draft_tokens,
-            feature_width=self._proposer.feature_width, target_fingerprint=self._proposer.target_fingerprint,
+            dtype=cfg.process.dtype if runs_model else "",
+            device=cfg.process.device if runs_model else "",
+            vocab_fingerprint=self._proposer.vocab_fingerprint,
+            max_draft_tokens=cfg.max_draft_tokens,
+            feature_width=self._proposer.feature_width,
+            target_fingerprint=self._proposer.target_fingerprint,
             draft_kind=cfg.proposer.kind.value,
         )
 
@@ -100,7 +123,9 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
         def load() -> None:
             load_proposer()
             if on_cpu and self._config.proposer.runs_model:
-                compute_on(threads, native=native_unavailable(getattr(torch, process.dtype), torch.device("cpu")) is None)
+                compute_on(
+                    threads, native=native_unavailable(getattr(torch, process.dtype), torch.device("cpu")) is None
+                )
 
         return [(State.LOADING, load), (State.ALLOCATING, allocate), (State.WARMING, warm_up)]
 
@@ -109,9 +134,16 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
         its feature rows (the scheduler asks for fewer, up to its --spec-disable-batch-threshold)."""
         cfg = self._config
         width = self._proposer.feature_width if self._proposer is not None else 0  # None: its hello failed
-        return frames.scheduler_to_draft(frames.FrameLimits(
-            max_model_len=cfg.max_model_len, max_num_seqs=cfg.num_seqs, max_num_batched_tokens=0,
-            max_draft_tokens=cfg.max_draft_tokens, max_propose_seqs=cfg.num_seqs, feature_width=width))
+        return frames.scheduler_to_draft(
+            frames.FrameLimits(
+                max_model_len=cfg.max_model_len,
+                max_num_seqs=cfg.num_seqs,
+                max_num_batched_tokens=0,
+                max_draft_tokens=cfg.max_draft_tokens,
+                max_propose_seqs=cfg.num_seqs,
+                feature_width=width,
+            )
+        )
 
     def num_used_kv_pages(self) -> int:
         """The draft KV pages its proposer holds (a lookup proposer holds none, whatever sequences it keeps)."""
@@ -148,8 +180,15 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
         problem = self._problem(request)
         if problem:
             self.log.warning("propose.refused", propose_id=request.propose_id, reason=problem)
-            self.send(m.ProposeRefused(worker_id=self.process_id, incarnation=self.incarnation,
-                                       propose_id=request.propose_id, state=self.state, reason=problem[:m.MAX_REASON_CHARS]))
+            self.send(
+                m.ProposeRefused(
+                    worker_id=self.process_id,
+                    incarnation=self.incarnation,
+                    propose_id=request.propose_id,
+                    state=self.state,
+                    reason=problem[: m.MAX_REASON_CHARS],
+                )
+            )
             return
         self.run_step(lambda: self._propose(request))
 
@@ -166,10 +205,15 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
                 self.log.warning("propose.sequence_restarted", request_id=seq.request_id, expected=seq.num_held)
                 continue
             num_held[seq.request_id] = len(update.token_ids)
-            num_tokens = min(seq.num_tokens, self._config.max_draft_tokens, self._config.max_model_len - len(update.token_ids))
+            num_tokens = min(
+                seq.num_tokens, self._config.max_draft_tokens, self._config.max_model_len - len(update.token_ids)
+            )
             if num_tokens > 0:
-                inputs.append(ProposeInput(seq.request_id, update.token_ids, update.num_stable, num_tokens, seq.sampling,
-                                           update.features))
+                inputs.append(
+                    ProposeInput(
+                        seq.request_id, update.token_ids, update.num_stable, num_tokens, seq.sampling, update.features
+                    )
+                )
         proposed = dict(zip((i.request_id for i in inputs), self._proposer.propose(inputs)))
         proposals = []
         for seq in request.seqs:
@@ -177,11 +221,26 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
             tokens = made.token_ids if made else []
             if seq.request_id in num_held:
                 self._sequences.record_proposal(seq.request_id, tokens)
-            proposals.append(m.Proposal(seq.request_id, num_held.get(seq.request_id, 0), tokens, made.dists if made else None,
-                                        made.parents if made else None, made.source[:m.MAX_NAME_CHARS] if made else ""))
+            proposals.append(
+                m.Proposal(
+                    seq.request_id,
+                    num_held.get(seq.request_id, 0),
+                    tokens,
+                    made.dists if made else None,
+                    made.parents if made else None,
+                    made.source[: m.MAX_NAME_CHARS] if made else "",
+                )
+            )
         self.num_steps += 1
-        self.send(m.ProposeResult(worker_id=self.process_id, incarnation=self.incarnation, propose_id=request.propose_id,
-                                  proposals=proposals, duration_ms=(time.perf_counter() - started) * 1000))
+        self.send(
+            m.ProposeResult(
+                worker_id=self.process_id,
+                incarnation=self.incarnation,
+                propose_id=request.propose_id,
+                proposals=proposals,
+                duration_ms=(time.perf_counter() - started) * 1000,
+            )
+        )
 
     def _problem(self, request: m.ProposeRequest) -> str:
         if self.state is not State.READY or self._proposer is None:

@@ -27,8 +27,10 @@ def warm_up_sequences(proposer: Proposer, num_slots: int, k: int, feature_width:
     features = None
     if feature_width:
         features = torch.randn(len(prompt) - 1, feature_width, generator=torch.Generator().manual_seed(0))
-    batch = [ProposeInput(f"warm-up-{i}", prompt, 0, k, SamplingParams(temperature=float(i % 2), seed=i), features)
-             for i in range(num_slots)]
+    batch = [
+        ProposeInput(f"warm-up-{i}", prompt, 0, k, SamplingParams(temperature=float(i % 2), seed=i), features)
+        for i in range(num_slots)
+    ]
     if any(len(p.token_ids) != k for p in proposer.propose(batch)):
         raise RuntimeError(f"warm-up: the {type(proposer).__name__} did not propose k tokens for every sequence")
     for item in batch:
@@ -70,8 +72,14 @@ class SlottedModelProposer(Generic[EngineT]):
         raise NotImplementedError
 
 
-def draw(logits: torch.Tensor, params: SamplingParams, position: int, dists: list[SparseDist], top_k: int,
-         token_ids: torch.Tensor | None) -> int:
+def draw(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    position: int,
+    dists: list[SparseDist],
+    top_k: int,
+    token_ids: torch.Tensor | None,
+) -> int:
     """The draft's token from its logits: the argmax when greedy, else a draw from its `top_k` most likely (the
     distribution drawn from is appended to `dists`). `token_ids` maps logit columns to vocabulary ids (None: the same)."""
     if is_greedy(params):

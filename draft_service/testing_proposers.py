@@ -42,7 +42,9 @@ class ReplayProposer(StatelessProposer):
 
     def _load(self) -> None:
         references = json.loads(self._path.read_text())
-        if not isinstance(references, list) or not all(isinstance(r, list) and all(isinstance(t, int) for t in r) for r in references):
+        if not isinstance(references, list) or not all(
+            isinstance(r, list) and all(isinstance(t, int) for t in r) for r in references
+        ):
             raise ValueError(f"{self._path}: expected a JSON list of token-id lists")
         self._references = references
 
@@ -51,5 +53,5 @@ class ReplayProposer(StatelessProposer):
         for item in batch:
             n = len(item.token_ids)
             match = next((r for r in self._references if len(r) > n and r[:n] == item.token_ids), None)
-            proposals.append(Proposed(match[n:n + item.num_tokens] if match else []))
+            proposals.append(Proposed(match[n : n + item.num_tokens] if match else []))
         return proposals

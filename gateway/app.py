@@ -88,8 +88,13 @@ class Gateway:
                 reporter = HealthReporter(
                     health.aio.HealthServicer(), scheduler, poll_interval_s=self._config.health_poll_interval_s
                 )
-                generation = Generation(tokenizer, scheduler, GatewayMetrics(), GrammarCompiler(tokenizer),
-                                        cache_scope=self._config.prefix_cache_scope)
+                generation = Generation(
+                    tokenizer,
+                    scheduler,
+                    GatewayMetrics(),
+                    GrammarCompiler(tokenizer),
+                    cache_scope=self._config.prefix_cache_scope,
+                )
                 add_services(server, SpecServeServicer(generation, self._config.api_keys), reporter.servicer)
                 port = self._bind(server)
                 await reporter.start()
@@ -97,35 +102,57 @@ class Gateway:
                 resources.push_async_callback(server.stop, None)
             with self._phase("start_http"):
                 limits = BodyLimits(self._config.http_max_body_bytes, self._config.http_read_timeout_s)
-                http = HttpApi(generation, reporter, self._config.model_dir.name, limits, self._config.api_keys,
-                               self._config.cors, self._config.reasoning_parser, self._config.tool_call_parser,
-                               client_certificates=self._config.tls is not None and self._config.tls.mutual)
+                http = HttpApi(
+                    generation,
+                    reporter,
+                    self._config.model_dir.name,
+                    limits,
+                    self._config.api_keys,
+                    self._config.cors,
+                    self._config.reasoning_parser,
+                    self._config.tool_call_parser,
+                    client_certificates=self._config.tls is not None and self._config.tls.mutual,
+                )
                 runner = http.runner()
                 await runner.setup()
                 resources.push_async_callback(runner.cleanup)
                 http_port = await self._bind_http(runner)
-            self._log.info("gateway.listening", host=self._config.host, port=port, http_port=http_port,
-                           model=str(self._config.model_dir), api_keys=len(self._config.api_keys.digests),
-                           tls="off" if self._config.tls is None else "mutual" if self._config.tls.mutual else "on",
-                           prefix_cache_scope=self._config.prefix_cache_scope)
+            self._log.info(
+                "gateway.listening",
+                host=self._config.host,
+                port=port,
+                http_port=http_port,
+                model=str(self._config.model_dir),
+                api_keys=len(self._config.api_keys.digests),
+                tls="off" if self._config.tls is None else "mutual" if self._config.tls.mutual else "on",
+                prefix_cache_scope=self._config.prefix_cache_scope,
+            )
             await self._serve(server, scheduler, reporter, http)
         self._log.info("gateway.stopped")
 
     async def _bind_http(self, runner: web.AppRunner) -> int:
         tls = self._config.tls
-        site = web.TCPSite(runner, self._config.host, self._config.http_port, reuse_port=False,
-                           ssl_context=None if tls is None else tls.ssl_context())
+        site = web.TCPSite(
+            runner,
+            self._config.host,
+            self._config.http_port,
+            reuse_port=False,
+            ssl_context=None if tls is None else tls.ssl_context(),
+        )
         try:
             await site.start()
         except OSError as error:
-            raise StartupError(f"cannot listen on {self._config.host}:{self._config.http_port}: {error} "
-                               "(is the port in use? see --http-port)") from error
+            raise StartupError(
+                f"cannot listen on {self._config.host}:{self._config.http_port}: {error} "
+                "(is the port in use? see --http-port)"
+            ) from error
         server = site._server  # the bound socket tells the port that 0 picked
         sockets = getattr(server, "sockets", None) or []
         return int(sockets[0].getsockname()[1]) if sockets else self._config.http_port
 
-    async def _serve(self, server: grpc.aio.Server, scheduler: SchedulerClient, reporter: HealthReporter,
-                     http: HttpApi) -> None:
+    async def _serve(
+        self, server: grpc.aio.Server, scheduler: SchedulerClient, reporter: HealthReporter, http: HttpApi
+    ) -> None:
         async with asyncio.TaskGroup() as tasks:
             background = [
                 tasks.create_task(scheduler.run(), name="scheduler_client"),
@@ -160,8 +187,11 @@ class Gateway:
         address = f"{self._config.host}:{self._config.port}"
         try:
             tls = self._config.tls
-            port: int = (server.add_insecure_port(address) if tls is None
-                         else server.add_secure_port(address, tls.grpc_credentials()))
+            port: int = (
+                server.add_insecure_port(address)
+                if tls is None
+                else server.add_secure_port(address, tls.grpc_credentials())
+            )
         except RuntimeError as error:
             raise StartupError(f"cannot listen on {address}: {error} (is the port in use? see --port)") from error
         if port == 0:
@@ -181,13 +211,13 @@ class Gateway:
         self._log.info("gateway.phase_done", phase=name, duration_s=round(time.monotonic() - started_at, 3))
 
 
-def add_services(server: grpc.aio.Server, servicer: SpecServeServicer, health_servicer: health.aio.HealthServicer) -> None:
+def add_services(
+    server: grpc.aio.Server, servicer: SpecServeServicer, health_servicer: health.aio.HealthServicer
+) -> None:
     """SpecServe, grpc.health.v1.Health and server reflection (so `grpcurl list` works)."""
     add_servicer(server, servicer)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SPECSERVE_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    reflection.enable_server_reflection((SPECSERVE_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
 
 
 def load_tokenizer(model_dir: Path, chat_template: Path | None = None) -> Tokenizer:

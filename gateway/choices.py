@@ -33,8 +33,12 @@ def sibling(submission: Submission, copy: int, request_id: str, *, scores_prompt
     sampling = submission.sampling
     if copy and submission.seed_given:
         sampling = msgspec.structs.replace(sampling, seed=(sampling.seed + copy * SEED_STRIDE) % 2**63)
-    return dataclasses.replace(submission, request_id=request_id, sampling=sampling,
-                               prompt_logprobs=submission.prompt_logprobs if scores_prompt else None)
+    return dataclasses.replace(
+        submission,
+        request_id=request_id,
+        sampling=sampling,
+        prompt_logprobs=submission.prompt_logprobs if scores_prompt else None,
+    )
 
 
 class Copy:
@@ -59,7 +63,9 @@ class Copy:
             self.prompt_computed.set()
 
 
-async def interleaved(copies: Sequence[Copy], generation: Generation, api: str) -> AsyncGenerator[tuple[int, Chunk], None]:
+async def interleaved(
+    copies: Sequence[Copy], generation: Generation, api: str
+) -> AsyncGenerator[tuple[int, Chunk], None]:
     """Every copy's chunks as they come, each with its copy's index, until every copy has ended. The first failure is
     raised; leaving early (a failure, a client gone) cancels the copies still running, which aborts their requests."""
     events: asyncio.Queue[tuple[int, Chunk | RequestFailed | None]] = asyncio.Queue()

@@ -65,9 +65,17 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
     for name in ("port", "http_port"):
         if not 0 <= getattr(args, name) <= 65535:
             parser.error(f"{flag(name)} {getattr(args, name)}: must be in [0, 65535]")
-    if problem := not_positive_problem(args, ("scheduler_timeout_s", "scheduler_restart_window_s",
-                                              "health_poll_interval_s", "shutdown_grace_s", "http_max_body_bytes",
-                                              "http_read_timeout_s")):
+    if problem := not_positive_problem(
+        args,
+        (
+            "scheduler_timeout_s",
+            "scheduler_restart_window_s",
+            "health_poll_interval_s",
+            "shutdown_grace_s",
+            "http_max_body_bytes",
+            "http_read_timeout_s",
+        ),
+    ):
         parser.error(problem)
     try:
         keys = api_keys(args.api_key, args.api_key_file)
@@ -82,8 +90,10 @@ def parse_config(argv: Sequence[str] | None = None) -> GatewayConfig:
     except TlsError as error:
         parser.error(str(error))
     if args.prefix_cache_scope == "tenant" and not keys.required:
-        parser.error(f"--prefix-cache-scope tenant: tenants are told apart by their API keys, and none is given "
-                     f"(--api-key, --api-key-file or {API_KEY_ENV_VAR})")
+        parser.error(
+            f"--prefix-cache-scope tenant: tenants are told apart by their API keys, and none is given "
+            f"(--api-key, --api-key-file or {API_KEY_ENV_VAR})"
+        )
     try:
         secured = transport_from_arguments(args, "gateway", (("--scheduler-address", args.scheduler_address),))
     except TransportError as exc:

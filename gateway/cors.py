@@ -54,8 +54,9 @@ class Cors:
         return origin is not None and (ANY in self.origins or origin in self.origins)
 
     @web.middleware
-    async def preflight(self, request: web.Request,
-                        handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    async def preflight(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
         """A browser's preflight, answered here (before any key is asked for); every other request passes on."""
         if not (self.origins and request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers):
             return await handler(request)

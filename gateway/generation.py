@@ -32,8 +32,15 @@ from proto import messages
 
 
 class Generation:
-    def __init__(self, tokenizer: Tokenizer, scheduler: SchedulerClient, metrics: GatewayMetrics,
-                 grammars: GrammarCompiler | None = None, *, cache_scope: CacheScope = "global") -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        scheduler: SchedulerClient,
+        metrics: GatewayMetrics,
+        grammars: GrammarCompiler | None = None,
+        *,
+        cache_scope: CacheScope = "global",
+    ) -> None:
         self.tokenizer = tokenizer
         self.cache_scope = cache_scope
         self.grammars = grammars  # None: structured output is refused
@@ -47,8 +54,9 @@ class Generation:
         outcome = "error"
         try:
             prompt_token_ids = await self._prompt_token_ids(submission)
-            submit = submission.to_submit_request(prompt_token_ids, self.tokenizer.eos_token_ids,
-                                                  page_salt(self.cache_scope, submission))
+            submit = submission.to_submit_request(
+                prompt_token_ids, self.tokenizer.eos_token_ids, page_salt(self.cache_scope, submission)
+            )
             output = RequestOutput(self.tokenizer, prompt_token_ids, submission.stop_strings)
             self._log_received(submission, submit)
             self.metrics.prompt_tokens.labels(api).inc(len(prompt_token_ids))
@@ -60,8 +68,9 @@ class Generation:
                     chunk = await self._next_chunk(stream, output)
                     if chunk.token_ids:
                         now = time.monotonic()
-                        self.metrics.observe_tokens(api, len(chunk.token_ids), now - (last_token_at or started_at),
-                                                    first=last_token_at is None)
+                        self.metrics.observe_tokens(
+                            api, len(chunk.token_ids), now - (last_token_at or started_at), first=last_token_at is None
+                        )
                         last_token_at = now
                     if chunk.finish_reason is not None:
                         break
@@ -70,9 +79,13 @@ class Generation:
                     await stream.abort("stop_string")  # sends nothing if the scheduler had finished anyway
             outcome = chunk.finish_reason or "error"
             self._log.info(
-                "request.finished", finish_reason=chunk.finish_reason, stop_string=chunk.stop_string,
-                num_prompt_tokens=chunk.num_prompt_tokens, num_completion_tokens=chunk.num_completion_tokens,
-                num_cached_tokens=chunk.num_cached_tokens, num_draft_tokens=chunk.speculation.num_draft_tokens,
+                "request.finished",
+                finish_reason=chunk.finish_reason,
+                stop_string=chunk.stop_string,
+                num_prompt_tokens=chunk.num_prompt_tokens,
+                num_completion_tokens=chunk.num_completion_tokens,
+                num_cached_tokens=chunk.num_cached_tokens,
+                num_draft_tokens=chunk.speculation.num_draft_tokens,
                 num_accepted_draft_tokens=chunk.speculation.num_accepted_draft_tokens,
                 duration_s=round(time.monotonic() - started_at, 3),
             )
@@ -95,9 +108,12 @@ class Generation:
         max_bytes = await self.scheduler.max_model_len() * self.tokenizer.longest_token_bytes
         if (size := prompt_bytes(prompt, max_bytes)) > max_bytes:
             longest = self.tokenizer.longest_token_bytes
-            raise InvalidArgument(field, f"holds at least {size} bytes of text: more than a context of "
-                                  f"{max_bytes // longest} tokens can hold (no token of this model stands for more "
-                                  f"than {longest} bytes)")
+            raise InvalidArgument(
+                field,
+                f"holds at least {size} bytes of text: more than a context of "
+                f"{max_bytes // longest} tokens can hold (no token of this model stands for more "
+                f"than {longest} bytes)",
+            )
         async with self._tokenizing:
             return await asyncio.to_thread(prompt_token_ids_of, self.tokenizer, prompt, field, special_tokens)
 
@@ -109,10 +125,17 @@ class Generation:
                 case messages.RequestError():
                     raise RequestFailed.from_scheduler(message)
                 case messages.TokenDelta():
-                    speculation = SpecUsage(message.num_draft_tokens, message.num_accepted_draft_tokens,
-                                            message.num_verify_steps)
-                    chunk = output.add(message.token_ids, message.finish_reason, speculation, message.num_cached_tokens,
-                                       logprobs=message.logprobs, prompt_logprobs=message.prompt_logprobs)
+                    speculation = SpecUsage(
+                        message.num_draft_tokens, message.num_accepted_draft_tokens, message.num_verify_steps
+                    )
+                    chunk = output.add(
+                        message.token_ids,
+                        message.finish_reason,
+                        speculation,
+                        message.num_cached_tokens,
+                        logprobs=message.logprobs,
+                        prompt_logprobs=message.prompt_logprobs,
+                    )
                     if chunk.text or chunk.token_ids or chunk.finish_reason is not None or chunk.prompt_logprobs:
                         return chunk
                 case _:
@@ -153,8 +176,9 @@ def prompt_bytes(prompt: Prompt, max_bytes: int) -> int:
     return sum(len(text.encode()) for text in texts)
 
 
-def prompt_token_ids_of(tokenizer: Tokenizer, prompt: Prompt, field: str,
-                        special_tokens: bool | None = None) -> list[int]:
+def prompt_token_ids_of(
+    tokenizer: Tokenizer, prompt: Prompt, field: str, special_tokens: bool | None = None
+) -> list[int]:
     """The prompt as token ids; raises InvalidArgument naming the client's prompt field. `special_tokens`: None as a
     request's prompt is tokenized (text with the tokenizer's own special tokens, a chat without: its template writes
     them), else with or without them."""
@@ -162,9 +186,14 @@ def prompt_token_ids_of(tokenizer: Tokenizer, prompt: Prompt, field: str,
         case TextPrompt(text=text):
             token_ids = tokenizer.encode_raw(text) if special_tokens is False else tokenizer.encode(text)
         case ChatPrompt(messages=chat_messages, template_kwargs=template_kwargs, tools=tools):
-            token_ids = chat_token_ids(tokenizer, chat_messages, field, special_tokens is True,
-                                       json.loads(template_kwargs) if template_kwargs else None,
-                                       json.loads(tools) if tools else None)
+            token_ids = chat_token_ids(
+                tokenizer,
+                chat_messages,
+                field,
+                special_tokens is True,
+                json.loads(template_kwargs) if template_kwargs else None,
+                json.loads(tools) if tools else None,
+            )
         case TokenPrompt(token_ids=ids):
             token_ids = list(ids)
         case _:
@@ -174,9 +203,14 @@ def prompt_token_ids_of(tokenizer: Tokenizer, prompt: Prompt, field: str,
     return token_ids
 
 
-def chat_token_ids(tokenizer: Tokenizer, chat_messages: Sequence[ChatMessage], field: str,
-                   special_tokens: bool = False, template_kwargs: dict[str, Any] | None = None,
-                   tools: list[dict[str, Any]] | None = None) -> list[int]:
+def chat_token_ids(
+    tokenizer: Tokenizer,
+    chat_messages: Sequence[ChatMessage],
+    field: str,
+    special_tokens: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
     if not tokenizer.has_chat_template:
         raise InvalidArgument(field, "the model has no chat template; send prompt or token_ids instead")
     try:

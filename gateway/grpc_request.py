@@ -48,19 +48,24 @@ def request_id_of(request: pb.GenerateRequest, generated_id: str) -> str:
     return checked_request_id(request.request_id, field="request_id")
 
 
-def submission_of(request: pb.GenerateRequest, *, request_id: str, vocab_size: int,
-                  grammars: Grammars | None = None) -> Submission:
+def submission_of(
+    request: pb.GenerateRequest, *, request_id: str, vocab_size: int, grammars: Grammars | None = None
+) -> Submission:
     """Every field of the request checked; raises InvalidArgument naming the first bad one as the message does."""
     refuse_unknown_fields(request)
-    return validate(client_request_of(request), fields=GRPC_FIELDS, request_id=request_id, vocab_size=vocab_size,
-                    grammars=grammars)
+    return validate(
+        client_request_of(request), fields=GRPC_FIELDS, request_id=request_id, vocab_size=vocab_size, grammars=grammars
+    )
 
 
 def refuse_unknown_fields(message: Message) -> None:
     """Raises InvalidArgument naming the first field the message carries that this server's schema lacks."""
     if unknown := unknown_field(message):
-        raise InvalidArgument(unknown, "is a field this server does not know (a client built from a newer "
-                                       "specserve.proto?): it would be ignored, so the request is refused")
+        raise InvalidArgument(
+            unknown,
+            "is a field this server does not know (a client built from a newer "
+            "specserve.proto?): it would be ignored, so the request is refused",
+        )
 
 
 def unknown_field(message: Message, path: str = "") -> str:
@@ -72,7 +77,9 @@ def unknown_field(message: Message, path: str = "") -> str:
         if descriptor.message_type is None or descriptor.message_type.GetOptions().map_entry:
             continue
         name = f"{path}{descriptor.name}"
-        items = [(f"{name}.", value)] if isinstance(value, Message) else [(f"{name}[{i}].", v) for i, v in enumerate(value)]
+        items = (
+            [(f"{name}.", value)] if isinstance(value, Message) else [(f"{name}[{i}].", v) for i, v in enumerate(value)]
+        )
         for at, item in items:
             if found := unknown_field(item, at):
                 return found
@@ -114,7 +121,9 @@ def structured_of(params: pb.SamplingParams) -> tuple[str, StructuredSpec] | Non
     field = f"params.structured_output.{kind}"
     match kind:
         case None:
-            raise InvalidArgument("params.structured_output", "set one of json_object, json_schema, regex, choice, grammar")
+            raise InvalidArgument(
+                "params.structured_output", "set one of json_object, json_schema, regex, choice, grammar"
+            )
         case "json_object":
             return (field, StructuredSpec("json_object")) if output.json_object else None
         case "json_schema":
@@ -136,8 +145,12 @@ def prompt_of(request: pb.GenerateRequest | pb.TokenizeRequest) -> Prompt:
     if request.HasField("prompt"):
         return TextPrompt(request.prompt)
     if request.HasField("chat"):
-        return ChatPrompt(tuple(ChatMessage(role=message.role, content=message.content) for message in request.chat.messages))
+        return ChatPrompt(
+            tuple(ChatMessage(role=message.role, content=message.content) for message in request.chat.messages)
+        )
     if isinstance(request, pb.GenerateRequest) and request.HasField("token_ids"):
         return TokenPrompt(tuple(request.token_ids.ids))
-    raise InvalidArgument("input", "set one of prompt, chat or token_ids" if isinstance(request, pb.GenerateRequest)
-                          else "set prompt or chat")
+    raise InvalidArgument(
+        "input",
+        "set one of prompt, chat or token_ids" if isinstance(request, pb.GenerateRequest) else "set prompt or chat",
+    )

@@ -46,10 +46,18 @@ from common.text.structured import StructuredSpec
 
 
 class HttpApi:
-    def __init__(self, generation: Generation, reporter: HealthReporter, model_name: str,
-                 limits: BodyLimits = BodyLimits(), keys: ApiKeys = ApiKeys(), cors: Cors = Cors(),
-                 reasoning: ReasoningParser | None = None, tool_parser: ToolCallParser | None = None,
-                 client_certificates: bool = False) -> None:
+    def __init__(
+        self,
+        generation: Generation,
+        reporter: HealthReporter,
+        model_name: str,
+        limits: BodyLimits = BodyLimits(),
+        keys: ApiKeys = ApiKeys(),
+        cors: Cors = Cors(),
+        reasoning: ReasoningParser | None = None,
+        tool_parser: ToolCallParser | None = None,
+        client_certificates: bool = False,
+    ) -> None:
         self._generation = generation
         # Mutual TLS (gateway/tls.py): the handshake checked any certificate given; a connection without one is
         # for the probes' routes only.
@@ -77,12 +85,17 @@ class HttpApi:
     def runner(self) -> web.AppRunner:
         """The application ready to set up and bind. Its keep-alive timer runs from the connection's start (and from
         each response) until a request's headers are all in: the read timeout bounds headers sent slowly too."""
-        return web.AppRunner(self.application(), handler_cancellation=True, access_log=None,
-                             keepalive_timeout=self._limits.read_timeout_s)
+        return web.AppRunner(
+            self.application(),
+            handler_cancellation=True,
+            access_log=None,
+            keepalive_timeout=self._limits.read_timeout_s,
+        )
 
     def application(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors, self._cors.preflight, self._access],
-                              client_max_size=self._limits.max_body_bytes)
+        app = web.Application(
+            middlewares=[self._errors, self._cors.preflight, self._access], client_max_size=self._limits.max_body_bytes
+        )
         app.on_response_prepare.append(self._cors.on_prepare)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -96,7 +109,9 @@ class HttpApi:
         return app
 
     @web.middleware
-    async def _errors(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    async def _errors(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
         try:
             return await handler(request)
         except ApiError as error:
@@ -112,20 +127,29 @@ class HttpApi:
             return error_response(ApiError(500, f"internal error in the gateway: {type(error).__name__}"))
 
     @web.middleware
-    async def _access(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    async def _access(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
         """With API keys, every route but the probes' wants one (gateway/access.py); the caller's tenant is kept in
         the request for the handlers. A missing key and a wrong one get the same 401. With mutual TLS, every route but
         the probes' wants the connection to have presented a client certificate (the handshake verified it)."""
         if request.path in OPEN_PATHS:
             return await handler(request)
         if self._client_certificates and not (request.transport and request.transport.get_extra_info("peercert")):
-            return error_response(ApiError(401, "a client certificate is required: this port serves mutual TLS, and "
-                                                "this connection presented none", None, "client_certificate_required"))
+            return error_response(
+                ApiError(
+                    401,
+                    "a client certificate is required: this port serves mutual TLS, and this connection presented none",
+                    None,
+                    "client_certificate_required",
+                )
+            )
         if self._keys.required:
             tenant = self._keys.tenant(request.headers.get(HEADER))
             if tenant is None:
-                error = error_response(ApiError(401, "a valid API key is required: Authorization: Bearer KEY", None,
-                                                "invalid_api_key"))
+                error = error_response(
+                    ApiError(401, "a valid API key is required: Authorization: Bearer KEY", None, "invalid_api_key")
+                )
                 error.headers["WWW-Authenticate"] = "Bearer"
                 return error
             request[TENANT] = tenant
@@ -173,8 +197,9 @@ class HttpApi:
         body = await json_body(request, self._limits)
         return web.json_response(await detokenize_body(self._generation, body), dumps=reply_json)
 
-    async def _run(self, request: web.Request, body: dict[str, Any], prompts: list[Prompt], *,
-                   chat: bool) -> web.StreamResponse:
+    async def _run(
+        self, request: web.Request, body: dict[str, Any], prompts: list[Prompt], *, chat: bool
+    ) -> web.StreamResponse:
         return await self._counted(self._generate(request, body, prompts, chat=chat))
 
     async def _counted(self, generation: Coroutine[Any, Any, web.StreamResponse]) -> web.StreamResponse:
@@ -191,15 +216,20 @@ class HttpApi:
             if not self._num_generating:
                 self._idle.set()
 
-    async def _generate(self, request: web.Request, body: dict[str, Any], prompts: list[Prompt], *,
-                        chat: bool) -> web.StreamResponse:
+    async def _generate(
+        self, request: web.Request, body: dict[str, Any], prompts: list[Prompt], *, chat: bool
+    ) -> web.StreamResponse:
         """Every request checked before any starts: `best_of` (else `n`) of each prompt, each a choice of the answer."""
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise ApiError(400, "model must be a string", "model")
         if model is not None and model != self._model_name:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self._model_name!r}", "model",
-                           "model_not_found")
+            raise ApiError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self._model_name!r}",
+                "model",
+                "model_not_found",
+            )
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, "stream must be a boolean", "stream")
@@ -218,30 +248,54 @@ class HttpApi:
             client_request, fields = client_request_of(body, prompt, chat=chat)
             if tools is not None and tools.constrained:
                 if client_request.structured is not None:
-                    raise ApiError(400, f"tool_choice {tools.choice!r} makes the answer a call: it cannot follow "
-                                        f"{client_request.structured[0]} too", "tool_choice")
+                    raise ApiError(
+                        400,
+                        f"tool_choice {tools.choice!r} makes the answer a call: it cannot follow "
+                        f"{client_request.structured[0]} too",
+                        "tool_choice",
+                    )
                 assert self._tool_parser is not None  # _tools checked it
                 grammar = StructuredSpec("grammar", call_grammar(tools, self._tool_parser))
                 client_request = dataclasses.replace(client_request, structured=("tool_choice", grammar))
             shown = client_request.logprobs is not None
             if counts.ranks and not shown:  # the best are chosen by their log-probabilities
                 client_request = dataclasses.replace(client_request, logprobs=0)
-            submission = validate(client_request, fields=fields, request_id=request_id,
-                                  vocab_size=self._generation.tokenizer.vocab_size, grammars=self._generation.grammars)
+            submission = validate(
+                client_request,
+                fields=fields,
+                request_id=request_id,
+                vocab_size=self._generation.tokenizer.vocab_size,
+                grammars=self._generation.grammars,
+            )
             submission = dataclasses.replace(submission, tenant=request.get(TENANT))
             echo = self._echo_text(prompt) if not chat and body.get("echo") is True else None
             lead: Choice | None = None
             for copy in range(counts.best_of):
                 ordinal = len(choices)
                 one_request = len(prompts) == 1 and counts.best_of == 1
-                choice = Choice(prompt_index * counts.n + copy, prompt_index,
-                                 sibling(submission, copy, request_id if one_request else f"{request_id}-{ordinal}",
-                                         scores_prompt=lead is None or client_request.max_tokens == 0),
-                                 shown, self._texts, echo=echo, lead=lead)
+                choice = Choice(
+                    prompt_index * counts.n + copy,
+                    prompt_index,
+                    sibling(
+                        submission,
+                        copy,
+                        request_id if one_request else f"{request_id}-{ordinal}",
+                        scores_prompt=lead is None or client_request.max_tokens == 0,
+                    ),
+                    shown,
+                    self._texts,
+                    echo=echo,
+                    lead=lead,
+                )
                 lead = lead or choice
                 choices.append(choice)
-        shape = Shape(request_id, self._model_name, chat, self._reasoning if chat else None,
-                       None if tools is None or self._tool_parser is None else (tools, self._tool_parser))
+        shape = Shape(
+            request_id,
+            self._model_name,
+            chat,
+            self._reasoning if chat else None,
+            None if tools is None or self._tool_parser is None else (tools, self._tool_parser),
+        )
         if stream:
             return await self._stream(request, choices, shape, bool(options.get("include_usage", False)))
         return await self._whole(choices, shape, counts.n)
@@ -252,11 +306,16 @@ class HttpApi:
         if tools is None:
             return None
         if self._tool_parser is None:
-            raise ApiError(400, "tools: this server reads no tool calls (its gateway runs without --tool-call-parser)",
-                           "tools")
+            raise ApiError(
+                400, "tools: this server reads no tool calls (its gateway runs without --tool-call-parser)", "tools"
+            )
         if not self._generation.tokenizer.template_takes_tools:
-            raise ApiError(400, "tools: the model's chat template takes no tools (a template that does can be given "
-                                "with the gateway's --chat-template)", "tools")
+            raise ApiError(
+                400,
+                "tools: the model's chat template takes no tools (a template that does can be given "
+                "with the gateway's --chat-template)",
+                "tools",
+            )
         return tools
 
     def _echo_text(self, prompt: Prompt) -> str:
@@ -277,8 +336,9 @@ class HttpApi:
         await run_all([collect(choice) for choice in choices])
         return web.json_response(shape.whole(best_choices(choices, n), choices), dumps=reply_json)
 
-    async def _stream(self, request: web.Request, choices: list[Choice], shape: Shape,
-                      include_usage: bool) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, choices: list[Choice], shape: Shape, include_usage: bool
+    ) -> web.StreamResponse:
         events = interleaved([choice.copy for choice in choices], self._generation, "http")
         try:
             # The first chunk comes before the answer's 200, so an early failure (bad prompt, queue full, no worker)
@@ -289,8 +349,9 @@ class HttpApi:
             try:
                 if shape.chat:
                     for each in choices:
-                        await _send_event(response, shape.delta_event(each.index, {"role": "assistant", "content": ""},
-                                                                      None, None))
+                        await _send_event(
+                            response, shape.delta_event(each.index, {"role": "assistant", "content": ""}, None, None)
+                        )
                 for payload in shape.stream_events(choices[index], first):
                     await _send_event(response, payload)
                 async for index, chunk in events:

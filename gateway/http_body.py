@@ -36,7 +36,9 @@ _SURROGATE = re.compile("[\ud800-\udfff]")  # only a JSON escape (or an escaping
 # An escape of one (pairs too). Searched apart from _SURROGATE: a regex of either runs 10x slower than both.
 _ESCAPED_SURROGATE = re.compile("\\\\u[dD][89a-fA-F]")
 _PARSE_INLINE_BYTES = 256 * 1024  # a smaller body is parsed on the event loop (a millisecond or two)
-_parsing = asyncio.Semaphore(usable_cpus())  # large bodies parsed at once; the others wait (their memory is read already)
+_parsing = asyncio.Semaphore(
+    usable_cpus()
+)  # large bodies parsed at once; the others wait (their memory is read already)
 _MAX_WALKED_CONTAINERS = 10_000  # to name the field holding a lone surrogate; past it, the top-level key
 _SCAN_FROM_ITEMS = 64  # an array longer than this is scanned at C speed for strings and containers
 
@@ -83,8 +85,9 @@ def parsed(raw: bytes | bytearray, charset: str | None, limits: BodyLimits) -> d
 
 
 async def _read(request: web.Request, limits: BodyLimits) -> bytearray:
-    too_large = ApiError(413, f"the body is larger than {limits.max_body_bytes} bytes (see --http-max-body-bytes)",
-                         code="body_too_large")
+    too_large = ApiError(
+        413, f"the body is larger than {limits.max_body_bytes} bytes (see --http-max-body-bytes)", code="body_too_large"
+    )
     if request.content_length is not None and request.content_length > limits.max_body_bytes:
         raise too_large  # refused before a byte of it is read
     # Read here rather than by request.read(), which keeps a copy on the request: aiohttp holds a keep-alive
@@ -98,8 +101,11 @@ async def _read(request: web.Request, limits: BodyLimits) -> bytearray:
                     raise too_large
             return body
     except TimeoutError as error:
-        raise ApiError(408, f"the body was not received within {limits.read_timeout_s} s (see --http-read-timeout-s)",
-                       code="body_timeout") from error
+        raise ApiError(
+            408,
+            f"the body was not received within {limits.read_timeout_s} s (see --http-read-timeout-s)",
+            code="body_timeout",
+        ) from error
     except web.HTTPRequestEntityTooLarge as error:
         raise too_large from error
 
@@ -112,8 +118,11 @@ def decoded(raw: bytes | bytearray, charset: str | None) -> str:
     except (LookupError, ValueError) as error:  # ValueError: a name Python cannot look up at all (a NUL in it)
         if isinstance(error, UnicodeError):
             raise ApiError(400, f"the body is not valid {encoding}: {error}") from error
-        raise ApiError(415, f"the charset {encoding!r} in Content-Type is not a known text encoding (send UTF-8)",
-                       code="unsupported_charset") from error
+        raise ApiError(
+            415,
+            f"the charset {encoding!r} in Content-Type is not a known text encoding (send UTF-8)",
+            code="unsupported_charset",
+        ) from error
 
 
 def check_depth(text: str, max_depth: int) -> None:
@@ -131,8 +140,9 @@ def check_text(body: dict[str, Any]) -> None:
         return
     _walk_to_surrogate(body)
     if len(body) <= _MAX_WALKED_CONTAINERS and not _SURROGATE.search("".join(body)):
-        raise _surrogate_in(next(key for key, value in body.items()
-                                 if _SURROGATE.search(json.dumps(value, ensure_ascii=False))))
+        raise _surrogate_in(
+            next(key for key, value in body.items() if _SURROGATE.search(json.dumps(value, ensure_ascii=False)))
+        )
     raise ApiError(400, "the body holds a lone surrogate (\\ud800-\\udfff), which is not a character")
 
 
@@ -146,8 +156,9 @@ def _walk_to_surrogate(body: dict[str, Any]) -> None:
         path, value = pending.pop()
         if isinstance(value, dict):
             if _SURROGATE.search("".join(value)):
-                raise ApiError(400, f"a key in {path or 'the body'} holds a lone surrogate (\\ud800-\\udfff)",
-                               path or None)
+                raise ApiError(
+                    400, f"a key in {path or 'the body'} holds a lone surrogate (\\ud800-\\udfff)", path or None
+                )
             children = [(f"{path}.{key}" if path else key, item) for key, item in value.items()]
         elif isinstance(value, list) and len(value) > _SCAN_FROM_ITEMS:
             bad, containers = _scan(value)
@@ -181,6 +192,10 @@ def _scan(items: list[object]) -> tuple[int | None, list[int]]:
     if found:
         ends = list(accumulate(map(len, strings)))  # string k is "".join(strings)[ends[k-1]:ends[k]]
         bad = list(compress(range(len(items)), is_string))[bisect_right(ends, found.start())]
-    containers = [index for kind in (dict, list) if kind in kinds
-                  for index in compress(range(len(items)), map(operator.is_, kinds, repeat(kind)))]
+    containers = [
+        index
+        for kind in (dict, list)
+        if kind in kinds
+        for index in compress(range(len(items)), map(operator.is_, kinds, repeat(kind)))
+    ]
     return bad, sorted(containers)

@@ -37,8 +37,17 @@ class Choice:
     prompt is computed (`lead`); an echoed prompt's log-probabilities are the first copy's.
     """
 
-    def __init__(self, index: int, prompt_index: int, submission: Submission, logprobs: bool, texts: TokenTexts, *,
-                 echo: str | None, lead: Choice | None) -> None:
+    def __init__(
+        self,
+        index: int,
+        prompt_index: int,
+        submission: Submission,
+        logprobs: bool,
+        texts: TokenTexts,
+        *,
+        echo: str | None,
+        lead: Choice | None,
+    ) -> None:
         self.index = index
         self.prompt_index = prompt_index
         self.submission = submission
@@ -85,8 +94,14 @@ class Choice:
 class Shape:
     """How OpenAI's responses look for one request."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, reasoning: ReasoningParser | None = None,
-                 tools: tuple[ToolAsk, ToolCallParser] | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        chat: bool,
+        reasoning: ReasoningParser | None = None,
+        tools: tuple[ToolAsk, ToolCallParser] | None = None,
+    ) -> None:
         self.request_id, self.model, self.chat = request_id, model, chat
         self.reasoning = reasoning  # a chat answer's reasoning goes to reasoning_content
         self.tools = tools  # the tools offered, and the format calls are read in
@@ -125,18 +140,31 @@ class Shape:
             logprobs = choice.logprobs_object(entries, self.chat)
             if self.chat:
                 message, finish_reason = self.message(text, choice.last.finish_reason)
-                answers.append({"index": choice.index, "message": message, "finish_reason": finish_reason,
-                                "logprobs": logprobs})
+                answers.append(
+                    {"index": choice.index, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}
+                )
             else:
-                answers.append({"index": choice.index, "text": text, "finish_reason": choice.last.finish_reason,
-                                "logprobs": logprobs})
-        return {**self._envelope("chat.completion" if self.chat else "text_completion"), "choices": answers,
-                "usage": usage(every)}
+                answers.append(
+                    {
+                        "index": choice.index,
+                        "text": text,
+                        "finish_reason": choice.last.finish_reason,
+                        "logprobs": logprobs,
+                    }
+                )
+        return {
+            **self._envelope("chat.completion" if self.chat else "text_completion"),
+            "choices": answers,
+            "usage": usage(every),
+        }
 
-    def delta_event(self, index: int, delta: dict[str, Any], finish_reason: str | None,
-                    logprobs: dict[str, Any] | None) -> dict[str, Any]:
-        return {**self._envelope("chat.completion.chunk"),
-                "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]}
+    def delta_event(
+        self, index: int, delta: dict[str, Any], finish_reason: str | None, logprobs: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        return {
+            **self._envelope("chat.completion.chunk"),
+            "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}],
+        }
 
     def stream_events(self, choice: Choice, chunk: Chunk) -> list[dict[str, Any]]:
         """The events one chunk of a choice makes: none while an echoed prompt's log-probabilities still come in, then
@@ -152,7 +180,9 @@ class Shape:
             assert choice.echo is not None
             if not choice.logprobs:
                 choice.completion_logprobs.skip(choice.echo)
-            events.append(self._text_event(choice, choice.echo, None, choice.logprobs_object(choice.echoed_scores, False)))
+            events.append(
+                self._text_event(choice, choice.echo, None, choice.logprobs_object(choice.echoed_scores, False))
+            )
             choice.echoed = True
         if not chunk.text and not chunk.token_ids and chunk.finish_reason is None:
             return events
@@ -175,11 +205,18 @@ class Shape:
                 arguments = opening["function"]["arguments"]
                 opening["function"]["arguments"] = ""
                 events.append(self.delta_event(choice.index, {"tool_calls": [opening]}, None, None))
-                events.append(self.delta_event(choice.index, {"tool_calls": [
-                    {"index": index, "function": {"arguments": arguments}}]}, None, None))
+                events.append(
+                    self.delta_event(
+                        choice.index,
+                        {"tool_calls": [{"index": index, "function": {"arguments": arguments}}]},
+                        None,
+                        None,
+                    )
+                )
             if chunk.finish_reason is not None:
-                finish_reason = ("tool_calls" if choice.gate.num_calls and chunk.finish_reason == "stop"
-                                 else chunk.finish_reason)
+                finish_reason = (
+                    "tool_calls" if choice.gate.num_calls and chunk.finish_reason == "stop" else chunk.finish_reason
+                )
                 events.append(self.delta_event(choice.index, {}, finish_reason, None))
         elif self.chat and self.tools is not None:
             # With a reasoning parser too, the answer is read whole at its end (its reasoning, then its calls).
@@ -194,7 +231,9 @@ class Shape:
                 whole["tool_calls"] = [{"index": index, **call} for index, call in enumerate(whole["tool_calls"])]
             events.append(self.delta_event(choice.index, whole, finish, logprobs))
         elif self.chat:
-            events.append(self.delta_event(choice.index, self._chat_delta(choice, chunk), chunk.finish_reason, logprobs))
+            events.append(
+                self.delta_event(choice.index, self._chat_delta(choice, chunk), chunk.finish_reason, logprobs)
+            )
         else:
             events.append(self._text_event(choice, chunk.text, chunk.finish_reason, logprobs))
         return events
@@ -213,14 +252,20 @@ class Shape:
         delta = {"reasoning_content": split.reasoning} if split.reasoning is not None else {}
         return delta | ({"content": split.content} if split.content is not None else {})
 
-    def _text_event(self, choice: Choice, text: str, finish_reason: str | None,
-                    logprobs: dict[str, Any] | None) -> dict[str, Any]:
-        return {**self._envelope("text_completion"),
-                "choices": [{"index": choice.index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}]}
+    def _text_event(
+        self, choice: Choice, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        return {
+            **self._envelope("text_completion"),
+            "choices": [{"index": choice.index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
+        }
 
     def usage_event(self, choices: list[Choice]) -> dict[str, Any]:
-        return {**self._envelope("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": usage(choices)}
+        return {
+            **self._envelope("chat.completion.chunk" if self.chat else "text_completion"),
+            "choices": [],
+            "usage": usage(choices),
+        }
 
 
 def usage(choices: list[Choice]) -> dict[str, Any]:
@@ -230,8 +275,14 @@ def usage(choices: list[Choice]) -> dict[str, Any]:
     leads = [choice.last for choice in choices if choice.lead is None and choice.last is not None]
     prompt = sum(last.num_prompt_tokens for last in leads)
     completion = sum(last.num_completion_tokens for last in lasts)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(last.num_cached_tokens for last in leads)},
-            "speculation": {"draft_tokens": sum(last.speculation.num_draft_tokens for last in lasts),
-                            "accepted_draft_tokens": sum(last.speculation.num_accepted_draft_tokens for last in lasts),
-                            "verify_steps": sum(last.speculation.num_verify_steps for last in lasts)}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(last.num_cached_tokens for last in leads)},
+        "speculation": {
+            "draft_tokens": sum(last.speculation.num_draft_tokens for last in lasts),
+            "accepted_draft_tokens": sum(last.speculation.num_accepted_draft_tokens for last in lasts),
+            "verify_steps": sum(last.speculation.num_verify_steps for last in lasts),
+        },
+    }

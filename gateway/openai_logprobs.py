@@ -72,8 +72,12 @@ class CompletionLogprobs:
             top = {self._texts(t.token_id): finite(t.logprob) for t in entry.top}
             top.setdefault(text, finite(entry.logprob))
             top_logprobs.append(top)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-                "text_offset": text_offset}
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": text_offset,
+        }
 
     def skip(self, text: str) -> None:
         """Text of the choice that carries no log-probabilities (an echoed prompt without them)."""

@@ -28,28 +28,73 @@ HTTP_STATUS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.INTERNAL: 500,
 }
-ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
-               408: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
-               429: "rate_limit_error", 503: "service_unavailable", 500: "internal_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "not_found_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+    500: "internal_error",
+}
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # The body fields each endpoint reads: OpenAI's own and the extensions vLLM added that are implemented here. `user`
 # (OpenAI's id of the client's own end user) is taken and changes nothing, as at OpenAI.
-_BOTH_FIELDS = frozenset({
-    "model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "seed", "stop", "logprobs",
-    "presence_penalty", "frequency_penalty", "logit_bias", "response_format", "user",
-    # vLLM's extensions
-    "top_k", "min_p", "priority", "stop_token_ids", "ignore_eos", "repetition_penalty", "min_tokens",
-    "structured_outputs", "cache_salt", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-})
+_BOTH_FIELDS = frozenset(
+    {
+        "model",
+        "stream",
+        "stream_options",
+        "n",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "response_format",
+        "user",
+        # vLLM's extensions
+        "top_k",
+        "min_p",
+        "priority",
+        "stop_token_ids",
+        "ignore_eos",
+        "repetition_penalty",
+        "min_tokens",
+        "structured_outputs",
+        "cache_salt",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+    }
+)
 COMPLETION_FIELDS = _BOTH_FIELDS | {"prompt", "best_of", "echo"}
-CHAT_FIELDS = _BOTH_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs", "tools",
-                              "tool_choice", "parallel_tool_calls"}
+CHAT_FIELDS = _BOTH_FIELDS | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "chat_template_kwargs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+}
 CHAT_MESSAGE_FIELDS = frozenset({"role", "content", "tool_calls", "tool_call_id"})
 # Fields of OpenAI's (and vLLM's) bodies this server does not implement, with the values that ask for nothing. Any
 # other value, and any field neither here nor read, is refused naming the field: dropped without a word it would
 # change the output the client expects (tools offered, and a plain answer back).
 UNSUPPORTED: dict[str, tuple[object, ...]] = {
-    "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "suffix": ("",),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
     "parallel_tool_calls": (True, False),  # what it says matters only with tools, which are refused
 }
 MAX_CHOICES = 64  # requests one answer runs: prompts times best_of (or n)
@@ -94,8 +139,14 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "error"), "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": ERROR_TYPES.get(self.status, "error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     @classmethod
     def from_failure(cls, failure: RequestFailed) -> ApiError:
@@ -110,13 +161,17 @@ def completion_prompts(body: dict[str, Any]) -> list[Prompt]:
         return [_one_prompt(prompt)]
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
         if len(prompt) > MAX_PROMPTS:
-            raise ApiError(400, f"prompt holds {len(prompt)} prompts, at most {MAX_PROMPTS} are served at once", "prompt")
+            raise ApiError(
+                400, f"prompt holds {len(prompt)} prompts, at most {MAX_PROMPTS} are served at once", "prompt"
+            )
         return [_one_prompt(p) for p in prompt]
     raise ApiError(400, "prompt must be a string or a list of token ids, or a list of those", "prompt")
 
 
 def _is_token_ids(value: object) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return (
+        isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
 
 
 def _one_prompt(prompt: str | list[int]) -> Prompt:
@@ -128,8 +183,10 @@ def chat_prompt(body: dict[str, Any]) -> ChatPrompt:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of {role, content}", "messages")
-    return ChatPrompt(tuple(_chat_message(index, item) for index, item in enumerate(messages)),
-                      template_kwargs=_template_kwargs(body.get("chat_template_kwargs")))
+    return ChatPrompt(
+        tuple(_chat_message(index, item) for index, item in enumerate(messages)),
+        template_kwargs=_template_kwargs(body.get("chat_template_kwargs")),
+    )
 
 
 def _template_kwargs(value: object) -> str:
@@ -140,8 +197,11 @@ def _template_kwargs(value: object) -> str:
         raise ApiError(400, "chat_template_kwargs must be an object of template variables", "chat_template_kwargs")
     for key in value:
         if key in RESERVED_TEMPLATE_KEYS:
-            raise ApiError(400, f"chat_template_kwargs.{key}: the server sets this template variable itself",
-                           f"chat_template_kwargs.{key}")
+            raise ApiError(
+                400,
+                f"chat_template_kwargs.{key}: the server sets this template variable itself",
+                f"chat_template_kwargs.{key}",
+            )
     return json.dumps(value, sort_keys=True) if value else ""
 
 
@@ -149,9 +209,12 @@ def _chat_message(index: int, item: object) -> ChatMessage:
     if isinstance(item, dict):
         for key in item:
             if key not in CHAT_MESSAGE_FIELDS:
-                raise ApiError(400, f"messages[{index}].{key} is not supported by this server (a message is its role, "
-                                    "its content, an assistant's tool_calls and a tool's tool_call_id)",
-                               f"messages[{index}].{key}")
+                raise ApiError(
+                    400,
+                    f"messages[{index}].{key} is not supported by this server (a message is its role, "
+                    "its content, an assistant's tool_calls and a tool's tool_call_id)",
+                    f"messages[{index}].{key}",
+                )
     content = item.get("content") if isinstance(item, dict) else None
     if isinstance(content, list):  # content parts: text only
         texts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
@@ -179,19 +242,30 @@ def _message_tool_calls(index: int, calls: object) -> str:
     for at, call in enumerate(calls):
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(call, dict) or not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise ApiError(400, f'{field}[{at}] must be {{"type": "function", "function": {{"name": ..., "arguments": '
-                                f'...}}}}', f"{field}[{at}]")
+            raise ApiError(
+                400,
+                f'{field}[{at}] must be {{"type": "function", "function": {{"name": ..., "arguments": ...}}}}',
+                f"{field}[{at}]",
+            )
         arguments = function.get("arguments")
         try:
             parsed = json.loads(arguments) if isinstance(arguments, str) else None
         except ValueError:
             parsed = None
         if not isinstance(parsed, dict):
-            raise ApiError(400, f"{field}[{at}].function.arguments must be a JSON object's text",
-                           f"{field}[{at}].function.arguments")
+            raise ApiError(
+                400,
+                f"{field}[{at}].function.arguments must be a JSON object's text",
+                f"{field}[{at}].function.arguments",
+            )
         call_id = call.get("id")
-        checked.append({"id": call_id if isinstance(call_id, str) else f"call_{at}", "type": "function",
-                        "function": {"name": function["name"], "arguments": arguments}})
+        checked.append(
+            {
+                "id": call_id if isinstance(call_id, str) else f"call_{at}",
+                "type": "function",
+                "function": {"name": function["name"], "arguments": arguments},
+            }
+        )
     return json.dumps(checked)
 
 
@@ -208,8 +282,11 @@ def client_request_of(body: dict[str, Any], prompt: Prompt, *, chat: bool) -> tu
     checked_top_k = _int_param("top_k", None if top_k == -1 else top_k, at_most=_INT32_MAX)  # -1: no cut, as in vLLM
     checked_seed = _int_param("seed", seed % 2**63 if isinstance(seed, int) and not isinstance(seed, bool) else seed)
     stop_strings = _stop_strings(body.get("stop"))
-    logprobs = _chat_logprobs(body) if chat else _int_param("logprobs", None if body.get("logprobs") is False
-                                                             else body.get("logprobs"))
+    logprobs = (
+        _chat_logprobs(body)
+        if chat
+        else _int_param("logprobs", None if body.get("logprobs") is False else body.get("logprobs"))
+    )
     echo = not chat and _bool_param("echo", body.get("echo"))
     # An echoed prompt comes with its log-probabilities when they are asked; max_tokens 0 then scores it alone.
     scores_only = checked_max_tokens is not None and checked_max_tokens <= 0
@@ -229,15 +306,18 @@ def client_request_of(body: dict[str, Any], prompt: Prompt, *, chat: bool) -> tu
         prompt_logprobs=prompt_logprobs,
         presence_penalty=_float_param("presence_penalty", body.get("presence_penalty")),
         frequency_penalty=_float_param("frequency_penalty", body.get("frequency_penalty")),
-        repetition_penalty=_float_param("repetition_penalty", body.get("repetition_penalty")),  # an extension, as in vLLM
+        repetition_penalty=_float_param(
+            "repetition_penalty", body.get("repetition_penalty")
+        ),  # an extension, as in vLLM
         logit_bias=_logit_bias(body.get("logit_bias")),
         min_tokens=_int_param("min_tokens", body.get("min_tokens"), at_most=_INT32_MAX),  # an extension, as in vLLM
         structured=_structured(body),
         cache_salt=_string_param("cache_salt", body.get("cache_salt")),  # an extension, as in vLLM
         priority=_int_param("priority", body.get("priority")),  # an extension, as in vLLM
     )
-    return request, dataclasses.replace(OPENAI_FIELDS, max_tokens=max_tokens_as,
-                                        logprobs="top_logprobs" if chat else "logprobs")
+    return request, dataclasses.replace(
+        OPENAI_FIELDS, max_tokens=max_tokens_as, logprobs="top_logprobs" if chat else "logprobs"
+    )
 
 
 def check_fields(body: dict[str, Any], known: frozenset[str]) -> None:
@@ -279,8 +359,12 @@ def choice_counts(body: dict[str, Any], *, chat: bool, stream: bool, num_prompts
     if best_of > n and stream:
         raise ApiError(400, "best_of greater than n cannot be streamed", "best_of")
     if num_prompts * best_of > MAX_CHOICES:
-        raise ApiError(400, f"{num_prompts} prompts times {best_of} choices each is more than the {MAX_CHOICES} "
-                            "this server runs for one request", "best_of" if best_of > n else "n")
+        raise ApiError(
+            400,
+            f"{num_prompts} prompts times {best_of} choices each is more than the {MAX_CHOICES} "
+            "this server runs for one request",
+            "best_of" if best_of > n else "n",
+        )
     return ChoiceCounts(n, best_of)
 
 

@@ -56,10 +56,16 @@ class RequestOutput:
     def finish_reason(self) -> messages.FinishReason | None:
         return self._finish_reason
 
-    def add(self, token_ids: Sequence[int], finish_reason: messages.FinishReason | None,
-            speculation: SpecUsage | None = None, num_cached_tokens: int | None = None, *,
-            logprobs: Sequence[messages.TokenLogprob] | None = None,
-            prompt_logprobs: Sequence[messages.TokenLogprob] | None = None) -> Chunk:
+    def add(
+        self,
+        token_ids: Sequence[int],
+        finish_reason: messages.FinishReason | None,
+        speculation: SpecUsage | None = None,
+        num_cached_tokens: int | None = None,
+        *,
+        logprobs: Sequence[messages.TokenLogprob] | None = None,
+        prompt_logprobs: Sequence[messages.TokenLogprob] | None = None,
+    ) -> Chunk:
         """The chunk for one delta; finish_reason is the scheduler's (None: more deltas follow). `logprobs` go with
         token_ids (cut where they are); `prompt_logprobs` pass through."""
         if self._finish_reason is not None:
@@ -85,15 +91,25 @@ class RequestOutput:
             scored = [(self._prompt_token_ids[0], None)] if first == 1 else []
             scored += zip(self._prompt_token_ids[first : first + len(prompt_logprobs)], prompt_logprobs, strict=True)
             self._num_prompt_scored += len(prompt_logprobs)
-        return self._chunk("".join(text_parts), sent_ids, finish_reason,
-                           None if logprobs is None else list(logprobs[: len(sent_ids)]), scored)
+        return self._chunk(
+            "".join(text_parts),
+            sent_ids,
+            finish_reason,
+            None if logprobs is None else list(logprobs[: len(sent_ids)]),
+            scored,
+        )
 
     def _feed(self, text: str) -> str:
         return self._matcher.feed(text).text if text else ""
 
-    def _chunk(self, text: str, token_ids: list[int], finish_reason: messages.FinishReason | None,
-               logprobs: list[messages.TokenLogprob] | None,
-               prompt_logprobs: list[tuple[int, messages.TokenLogprob | None]] | None) -> Chunk:
+    def _chunk(
+        self,
+        text: str,
+        token_ids: list[int],
+        finish_reason: messages.FinishReason | None,
+        logprobs: list[messages.TokenLogprob] | None,
+        prompt_logprobs: list[tuple[int, messages.TokenLogprob | None]] | None,
+    ) -> Chunk:
         self._num_completion_tokens += len(token_ids)
         if self._matcher.matched is not None:
             finish_reason = "stop"

@@ -59,7 +59,7 @@ class ReasoningSplitter:
                 stripped = text.lstrip()
                 if stripped.startswith(OPEN):
                     self._state = "inside"
-                    text = stripped[len(OPEN):]
+                    text = stripped[len(OPEN) :]
                 elif OPEN.startswith(stripped):  # white space, or the tag begun: wait for more
                     self._held = text
                     return reasoning, content
@@ -69,12 +69,12 @@ class ReasoningSplitter:
                 at = text.find(CLOSE)
                 if at >= 0:
                     reasoning += text[:at]
-                    text = text[at + len(CLOSE):]
+                    text = text[at + len(CLOSE) :]
                     self._state = "after"
                     continue
                 keep = partial_suffix(text, CLOSE)
-                reasoning += text[:len(text) - keep]
-                self._held = text[len(text) - keep:]
+                reasoning += text[: len(text) - keep]
+                self._held = text[len(text) - keep :]
                 return reasoning, content
             else:
                 content += text

@@ -90,8 +90,9 @@ class Submission:
     # (--prefix-cache-scope salt), what an unsalted request's pages are shared under.
     own_salt: str = field(default_factory=lambda: uuid.uuid4().hex)
 
-    def to_submit_request(self, prompt_token_ids: list[int], eos_token_ids: Sequence[int],
-                          cache_salt: str = "") -> messages.SubmitRequest:
+    def to_submit_request(
+        self, prompt_token_ids: list[int], eos_token_ids: Sequence[int], cache_salt: str = ""
+    ) -> messages.SubmitRequest:
         """The scheduler's message: eos ids stop the request unless ignore_eos, then the client's stop ids (which
         min_tokens holds back); `cache_salt` is the salt its prefix-cache pages are keyed under (gateway/cache_scope.py)."""
         # A grammar says when end-of-sequence may come: then it ends the output, ignore_eos or not.
@@ -100,7 +101,8 @@ class Submission:
         sampling = self.sampling
         if sampling.penalties is not None and sampling.penalties.min_tokens:
             sampling = msgspec.structs.replace(
-                sampling, penalties=msgspec.structs.replace(sampling.penalties, stop_token_ids=stop_token_ids))
+                sampling, penalties=msgspec.structs.replace(sampling.penalties, stop_token_ids=stop_token_ids)
+            )
         return messages.SubmitRequest(
             request_id=self.request_id,
             prompt_token_ids=prompt_token_ids,

@@ -22,7 +22,9 @@ from proto import messages
 STREAM_LIVENESS_CHECK_S = 5.0
 
 RequestMessage = messages.TokenDelta | messages.RequestError
-_SCHEDULER_DECODER = msgspec.msgpack.Decoder(messages.GatewayToScheduler)  # as strict as the scheduler's (check_readable)
+_SCHEDULER_DECODER = msgspec.msgpack.Decoder(
+    messages.GatewayToScheduler
+)  # as strict as the scheduler's (check_readable)
 
 
 class StreamState(enum.Enum):
@@ -100,20 +102,28 @@ class RequestStream:
                 self._received.extend(message.token_ids)
                 if message.prompt_logprobs:  # a request resumed before its first token is scored again from the start
                     entries = message.prompt_logprobs
-                    new = entries[max(0, self._num_prompt_scored - self._num_prompt_scored_in_run):]
+                    new = entries[max(0, self._num_prompt_scored - self._num_prompt_scored_in_run) :]
                     self._num_prompt_scored_in_run += len(entries)
                     self._num_prompt_scored += len(new)
                     message = msgspec.structs.replace(message, prompt_logprobs=new or None)
                 before = self._spec_before
-                self._spec_now = (before[0] + message.num_draft_tokens, before[1] + message.num_accepted_draft_tokens,
-                                  before[2] + message.num_verify_steps)
+                self._spec_now = (
+                    before[0] + message.num_draft_tokens,
+                    before[1] + message.num_accepted_draft_tokens,
+                    before[2] + message.num_verify_steps,
+                )
                 if self._num_resumptions:
                     assert self._submitted is not None  # only a submitted request is resumed
                     message = msgspec.structs.replace(
-                        message, request_id=self.request_id, num_completion_tokens=len(self._received),
-                        num_prompt_tokens=len(self._submitted.prompt_token_ids), num_draft_tokens=self._spec_now[0],
-                        num_accepted_draft_tokens=self._spec_now[1], num_verify_steps=self._spec_now[2],
-                        num_cached_tokens=self._num_cached_tokens)
+                        message,
+                        request_id=self.request_id,
+                        num_completion_tokens=len(self._received),
+                        num_prompt_tokens=len(self._submitted.prompt_token_ids),
+                        num_draft_tokens=self._spec_now[0],
+                        num_accepted_draft_tokens=self._spec_now[1],
+                        num_verify_steps=self._spec_now[2],
+                        num_cached_tokens=self._num_cached_tokens,
+                    )
                 else:
                     self._num_cached_tokens = message.num_cached_tokens
                     message = msgspec.structs.replace(message, request_id=self.request_id)
@@ -139,9 +149,13 @@ class RequestStream:
         max_tokens = None if submitted.max_tokens is None else submitted.max_tokens - len(self._received)
         # Once a token came, the prompt's log-probabilities have all come; those received before are not sent twice.
         submit = msgspec.structs.replace(
-            submitted, request_id=self.scheduler_id, prompt_token_ids=submitted.prompt_token_ids + self._received,
-            max_tokens=max_tokens, resumed_tokens=submitted.resumed_tokens + len(self._received),
-            prompt_logprobs=None if self._received else submitted.prompt_logprobs)
+            submitted,
+            request_id=self.scheduler_id,
+            prompt_token_ids=submitted.prompt_token_ids + self._received,
+            max_tokens=max_tokens,
+            resumed_tokens=submitted.resumed_tokens + len(self._received),
+            prompt_logprobs=None if self._received else submitted.prompt_logprobs,
+        )
         self._log.info("request.resumed", request_id=self.request_id, num_tokens_received=len(self._received))
         return abort, submit
 
@@ -193,8 +207,9 @@ def check_readable(submit: messages.SubmitRequest) -> None:
     try:
         _SCHEDULER_DECODER.decode(msgspec.msgpack.encode(submit))
     except (msgspec.DecodeError, OverflowError, TypeError) as error:  # DecodeError: ValidationError too
-        raise UnreadableRequest(f"the gateway built a request the scheduler cannot read ({error}); it was not "
-                                "sent") from error
+        raise UnreadableRequest(
+            f"the gateway built a request the scheduler cannot read ({error}); it was not sent"
+        ) from error
 
 
 def next_state(message: RequestMessage) -> StreamState:
@@ -208,4 +223,3 @@ def next_state(message: RequestMessage) -> StreamState:
             return StreamState.FAILED
         case _:
             assert_never(message)
-

@@ -32,8 +32,15 @@ class SchedulerClient:
     query waiting for its query_id. A malformed frame is counted, logged (the first of its kind) and dropped.
     """
 
-    def __init__(self, address: str, gateway_id: str, *, reply_timeout_s: float, restart_window_s: float = 60.0,
-                 transport: Transport = Transport(None)) -> None:
+    def __init__(
+        self,
+        address: str,
+        gateway_id: str,
+        *,
+        reply_timeout_s: float,
+        restart_window_s: float = 60.0,
+        transport: Transport = Transport(None),
+    ) -> None:
         self.address = address
         self.gateway_id = gateway_id
         self.transport = transport
@@ -58,7 +65,9 @@ class SchedulerClient:
         self._query_ids = itertools.count(1)
         self._last_heard_at = -float("inf")  # time.monotonic() of the last frame received
         self._max_model_len: int | None = None  # the scheduler's, as its last InfoReply said
-        self._connected = asyncio.Event()  # set while the connection is up and its handshake done, per the socket monitor
+        self._connected = (
+            asyncio.Event()
+        )  # set while the connection is up and its handshake done, per the socket monitor
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -131,9 +140,12 @@ class SchedulerClient:
             return
         max_model_len = await self.max_model_len()
         if len(frame) > (limit := frames.gateway_to_scheduler(max_model_len)):
-            raise InvalidArgument("prompt", f"the request is {len(frame)} bytes as the scheduler reads it, more than "
-                                            f"the {limit} it takes: the prompt is longer than the context of "
-                                            f"{max_model_len} tokens")
+            raise InvalidArgument(
+                "prompt",
+                f"the request is {len(frame)} bytes as the scheduler reads it, more than "
+                f"the {limit} it takes: the prompt is longer than the context of "
+                f"{max_model_len} tokens",
+            )
 
     async def query_info(self, *, flush_prefix_cache: bool = False) -> messages.InfoReply:
         """The scheduler's InfoReply (after it forgot the prefix cache's unheld pages, with `flush_prefix_cache`);
@@ -179,8 +191,10 @@ class SchedulerClient:
                 return
             except SchedulerUnavailable as error:
                 if time.monotonic() >= deadline:
-                    raise SchedulerUnavailable(f"{error.message}; it did not come back within {self.restart_window_s:g} s "
-                                               "(--scheduler-restart-window-s)") from error
+                    raise SchedulerUnavailable(
+                        f"{error.message}; it did not come back within {self.restart_window_s:g} s "
+                        "(--scheduler-restart-window-s)"
+                    ) from error
             await asyncio.sleep(min(pause_s, max(0.0, deadline - time.monotonic())))
             pause_s = min(2 * pause_s, 2.0)
 
@@ -254,8 +268,12 @@ class SchedulerClient:
                 self._connected.clear()
             elif (refused := self.transport.handshake_failure(event["event"], "gateway")) is not None:
                 if refused != self.handshake_problem:  # ZeroMQ retries every few seconds: logged once per cause
-                    self._log.error("scheduler.refused_handshake", address=self.address,
-                                    transport=self.transport.describe(), reason=refused)
+                    self._log.error(
+                        "scheduler.refused_handshake",
+                        address=self.address,
+                        transport=self.transport.describe(),
+                        reason=refused,
+                    )
                 self.handshake_problem = refused
 
     async def _resume_streams(self) -> None:
@@ -282,20 +300,25 @@ class SchedulerClient:
                 continue
             resumed += 1
         if resumed:
-            self._log.warning("scheduler.requests_resumed", num_requests=resumed,
-                              note="the scheduler connection came back; requests in flight go on from their tokens")
+            self._log.warning(
+                "scheduler.requests_resumed",
+                num_requests=resumed,
+                note="the scheduler connection came back; requests in flight go on from their tokens",
+            )
 
     async def _send_hello(self) -> None:
-        hello = messages.GatewayHello(gateway_id=self.gateway_id, protocol_version=messages.PROTOCOL_VERSION,
-                                      incarnation=self._incarnation)
+        hello = messages.GatewayHello(
+            gateway_id=self.gateway_id, protocol_version=messages.PROTOCOL_VERSION, incarnation=self._incarnation
+        )
         await self.send(hello)
 
     async def _heartbeat_loop(self) -> None:
         """While connected: a scheduler that hears nothing from this gateway for its --heartbeat-timeout-s counts it
         missing, and after its --gateway-gone-grace-s aborts its requests. None is queued while disconnected: the
         hello says it all on reconnecting."""
-        heartbeat = messages.GatewayHeartbeat(gateway_id=self.gateway_id, protocol_version=messages.PROTOCOL_VERSION,
-                                              incarnation=self._incarnation)
+        heartbeat = messages.GatewayHeartbeat(
+            gateway_id=self.gateway_id, protocol_version=messages.PROTOCOL_VERSION, incarnation=self._incarnation
+        )
         while True:
             await asyncio.sleep(messages.GATEWAY_HEARTBEAT_INTERVAL_S)
             if not self._connected.is_set():

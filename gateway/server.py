@@ -67,7 +67,9 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
             self._log.exception("request.internal_error", error_type=type(error).__name__)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error in the gateway: {type(error).__name__}")
 
-    async def GetServerInfo(self, request: pb.ServerInfoRequest, context: grpc.aio.ServicerContext) -> pb.ServerInfoResponse:
+    async def GetServerInfo(
+        self, request: pb.ServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerInfoResponse:
         await self._caller(context)
         async with failures_as_status(context):
             return to_server_info(await self._scheduler.query_info())
@@ -82,11 +84,15 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
             special = request.add_special_tokens if request.HasField("add_special_tokens") else None
             token_ids = await self._generation.tokenize(prompt, field, special_tokens=special)
             return pb.TokenizeResponse(
-                token_ids=token_ids, max_model_len=await self._scheduler.max_model_len(),
-                token_strs=token_strs(self._generation, token_ids) if request.return_token_strs else [])
+                token_ids=token_ids,
+                max_model_len=await self._scheduler.max_model_len(),
+                token_strs=token_strs(self._generation, token_ids) if request.return_token_strs else [],
+            )
         raise AssertionError("not reached: a failure aborts the call")
 
-    async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
+    async def Detokenize(
+        self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DetokenizeResponse:
         await self._caller(context)
         async with failures_as_status(context):
             refuse_unknown_fields(request)
@@ -101,14 +107,20 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
         presented = [value for key, value in context.invocation_metadata() or () if key == HEADER]
         tenant = self._keys.tenant(presented[0] if len(presented) == 1 and isinstance(presented[0], str) else None)
         if tenant is None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "a valid API key is required: metadata authorization: Bearer KEY")
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, "a valid API key is required: metadata authorization: Bearer KEY"
+            )
         return tenant
 
-    async def _generate(self, request: pb.GenerateRequest, request_id: str, tenant: str | None,
-                        context: grpc.aio.ServicerContext) -> None:
-        submission = submission_of(request, request_id=request_id, vocab_size=self._generation.tokenizer.vocab_size,
-                                   grammars=self._generation.grammars)
+    async def _generate(
+        self, request: pb.GenerateRequest, request_id: str, tenant: str | None, context: grpc.aio.ServicerContext
+    ) -> None:
+        submission = submission_of(
+            request,
+            request_id=request_id,
+            vocab_size=self._generation.tokenizer.vocab_size,
+            grammars=self._generation.grammars,
+        )
         submission = dataclasses.replace(submission, tenant=tenant)
         n = request.n if request.HasField("n") else 1
         if not 1 <= n <= MAX_CHOICES:
@@ -121,8 +133,12 @@ class SpecServeServicer(pb_grpc.SpecServeServicer):
         copies: list[Copy] = []
         for index in range(n):
             scores = not copies or submission.max_tokens == 0
-            copies.append(Copy(sibling(submission, index, f"{request_id}-{index}", scores_prompt=scores),
-                               copies[0] if copies else None))
+            copies.append(
+                Copy(
+                    sibling(submission, index, f"{request_id}-{index}", scores_prompt=scores),
+                    copies[0] if copies else None,
+                )
+            )
         async with contextlib.aclosing(interleaved(copies, self._generation, "grpc")) as chunks:
             async for index, chunk in chunks:
                 response = to_response(chunk, request_id)
@@ -144,31 +160,40 @@ def add_servicer(server: grpc.aio.Server, servicer: SpecServeServicer) -> None:
     call: grpc turns a deserializer's exception into UNKNOWN, and bytes that are no request are INVALID_ARGUMENT."""
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
-            decoding(pb.GenerateRequest, servicer.Generate), response_serializer=pb.GenerateResponse.SerializeToString),
+            decoding(pb.GenerateRequest, servicer.Generate), response_serializer=pb.GenerateResponse.SerializeToString
+        ),
         "GetServerInfo": grpc.unary_unary_rpc_method_handler(
             decoding(pb.ServerInfoRequest, servicer.GetServerInfo),
-            response_serializer=pb.ServerInfoResponse.SerializeToString),
+            response_serializer=pb.ServerInfoResponse.SerializeToString,
+        ),
         "Tokenize": grpc.unary_unary_rpc_method_handler(
-            decoding(pb.TokenizeRequest, servicer.Tokenize), response_serializer=pb.TokenizeResponse.SerializeToString),
+            decoding(pb.TokenizeRequest, servicer.Tokenize), response_serializer=pb.TokenizeResponse.SerializeToString
+        ),
         "Detokenize": grpc.unary_unary_rpc_method_handler(
             decoding(pb.DetokenizeRequest, servicer.Detokenize),
-            response_serializer=pb.DetokenizeResponse.SerializeToString),
+            response_serializer=pb.DetokenizeResponse.SerializeToString,
+        ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
-def decoding(request_type: type[RequestT], method: Callable[[RequestT, grpc.aio.ServicerContext], Awaitable[ReplyT]]
-             ) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[ReplyT]]:
+def decoding(
+    request_type: type[RequestT], method: Callable[[RequestT, grpc.aio.ServicerContext], Awaitable[ReplyT]]
+) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[ReplyT]]:
     """`method` called with the request decoded from its bytes; bytes that do not decode abort INVALID_ARGUMENT."""
+
     async def call(raw: bytes, context: grpc.aio.ServicerContext) -> ReplyT:
         try:
             request = request_type.FromString(raw)
         except DecodeError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"the request is not a valid {request_type.DESCRIPTOR.full_name}: {error}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the request is not a valid {request_type.DESCRIPTOR.full_name}: {error}",
+            )
             raise  # not reached: abort raises
         return await method(request, context)
+
     return call
 
 
@@ -194,8 +219,11 @@ def to_response(chunk: Chunk, request_id: str) -> pb.GenerateResponse:
 
 
 def to_token_logprob(token_id: int, entry: messages.TokenLogprob) -> pb.TokenLogprob:
-    return pb.TokenLogprob(token_id=token_id, logprob=entry.logprob,
-                           top_logprobs=[pb.TopLogprob(token_id=top.token_id, logprob=top.logprob) for top in entry.top])
+    return pb.TokenLogprob(
+        token_id=token_id,
+        logprob=entry.logprob,
+        top_logprobs=[pb.TopLogprob(token_id=top.token_id, logprob=top.logprob) for top in entry.top],
+    )
 
 
 def to_server_info(reply: messages.InfoReply) -> pb.ServerInfoResponse:
@@ -211,7 +239,9 @@ def to_server_info(reply: messages.InfoReply) -> pb.ServerInfoResponse:
 
 def to_speculation(spec: messages.SpeculationInfo) -> pb.Speculation:
     """Every counter the gRPC message holds (steps_by_k is in /metrics only)."""
-    sources = [pb.SourceAcceptance(source=name, **msgspec.structs.asdict(entry)) for name, entry in spec.sources.items()]
+    sources = [
+        pb.SourceAcceptance(source=name, **msgspec.structs.asdict(entry)) for name, entry in spec.sources.items()
+    ]
     return pb.Speculation(**{**_fields_for(pb.Speculation, spec), "sources": sources})
 
 

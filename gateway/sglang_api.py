@@ -40,25 +40,74 @@ from proto.messages import MAX_TOP_LOGPROBS
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
 MAX_PROMPTS = 64
 SGLANG_FIELDS = FieldNames(
-    text_prompt="text", chat="text", chat_messages="text", chat_role="text", token_ids="input_ids",
-    token_id="input_ids", max_tokens="sampling_params.max_new_tokens", temperature="sampling_params.temperature",
-    top_p="sampling_params.top_p", top_k="sampling_params.top_k", min_p="sampling_params.min_p",
+    text_prompt="text",
+    chat="text",
+    chat_messages="text",
+    chat_role="text",
+    token_ids="input_ids",
+    token_id="input_ids",
+    max_tokens="sampling_params.max_new_tokens",
+    temperature="sampling_params.temperature",
+    top_p="sampling_params.top_p",
+    top_k="sampling_params.top_k",
+    min_p="sampling_params.min_p",
     seed="sampling_params.sampling_seed",
-    stop_strings="sampling_params.stop", stop_string="sampling_params.stop[{index}]",
-    stop_token_id="sampling_params.stop_token_ids[{index}]", logprobs="top_logprobs_num",
-    prompt_logprobs="top_logprobs_num", presence_penalty="sampling_params.presence_penalty",
-    frequency_penalty="sampling_params.frequency_penalty", repetition_penalty="sampling_params.repetition_penalty",
-    logit_bias="sampling_params.logit_bias", min_tokens="sampling_params.min_new_tokens",
+    stop_strings="sampling_params.stop",
+    stop_string="sampling_params.stop[{index}]",
+    stop_token_id="sampling_params.stop_token_ids[{index}]",
+    logprobs="top_logprobs_num",
+    prompt_logprobs="top_logprobs_num",
+    presence_penalty="sampling_params.presence_penalty",
+    frequency_penalty="sampling_params.frequency_penalty",
+    repetition_penalty="sampling_params.repetition_penalty",
+    logit_bias="sampling_params.logit_bias",
+    min_tokens="sampling_params.min_new_tokens",
 )
 # Sampling parameters SGLang's frontend sends that change nothing here (special tokens are always left out of text).
 _IGNORED = frozenset({"skip_special_tokens", "spaces_between_special_tokens"})
 # The /generate body's own fields read here; any other (image_data, lora_path, return_hidden_states ...) is refused
 # naming it, as the sampling parameters are.
-_BODY_FIELDS = frozenset({"text", "input_ids", "sampling_params", "return_logprob", "return_text_in_logprobs",
-                          "top_logprobs_num", "logprob_start_len", "stream", "cache_salt", "rid", "priority"})
-_KNOWN = frozenset({"max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p",
-                    "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos",
-                    "regex", "json_schema", "ebnf", "sampling_seed", "n", "no_stop_trim"}) | _IGNORED
+_BODY_FIELDS = frozenset(
+    {
+        "text",
+        "input_ids",
+        "sampling_params",
+        "return_logprob",
+        "return_text_in_logprobs",
+        "top_logprobs_num",
+        "logprob_start_len",
+        "stream",
+        "cache_salt",
+        "rid",
+        "priority",
+    }
+)
+_KNOWN = (
+    frozenset(
+        {
+            "max_new_tokens",
+            "min_new_tokens",
+            "stop",
+            "stop_token_ids",
+            "stop_regex",
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "frequency_penalty",
+            "presence_penalty",
+            "repetition_penalty",
+            "ignore_eos",
+            "regex",
+            "json_schema",
+            "ebnf",
+            "sampling_seed",
+            "n",
+            "no_stop_trim",
+        }
+    )
+    | _IGNORED
+)
 
 
 class SglangApi:
@@ -68,8 +117,11 @@ class SglangApi:
         self._limits = limits
         self._texts = TokenTexts(generation.tokenizer)
 
-    def add_routes(self, app: web.Application,
-                   counted: Callable[[Coroutine[Any, Any, web.StreamResponse]], Awaitable[web.StreamResponse]]) -> None:
+    def add_routes(
+        self,
+        app: web.Application,
+        counted: Callable[[Coroutine[Any, Any, web.StreamResponse]], Awaitable[web.StreamResponse]],
+    ) -> None:
         """The routes; `counted` admits a generation (refused while draining, counted in flight)."""
 
         async def generate(request: web.Request) -> web.StreamResponse:
@@ -82,17 +134,33 @@ class SglangApi:
         app.router.add_get("/flush_cache", self.flush_cache)
 
     async def model_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"model_path": self._model_name, "tokenizer_path": self._model_name,
-                                  "is_generation": True, "preferred_sampling_params": None, "weight_version": "default"})
+        return web.json_response(
+            {
+                "model_path": self._model_name,
+                "tokenizer_path": self._model_name,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+            }
+        )
 
     async def server_info(self, request: web.Request) -> web.Response:
         info = await self._generation.scheduler.query_info()
-        return web.json_response({"model_path": self._model_name, "served_model_name": self._model_name,
-                                  "max_total_num_tokens": None, "context_length": info.max_model_len,
-                                  "num_waiting": info.num_waiting, "num_running": info.num_running,
-                                  "processes": [{"process_id": p.process_id, "role": p.role, "state": p.state,
-                                                 "kernels": p.kernels} for p in info.processes],
-                                  "version": "specserve"})
+        return web.json_response(
+            {
+                "model_path": self._model_name,
+                "served_model_name": self._model_name,
+                "max_total_num_tokens": None,
+                "context_length": info.max_model_len,
+                "num_waiting": info.num_waiting,
+                "num_running": info.num_running,
+                "processes": [
+                    {"process_id": p.process_id, "role": p.role, "state": p.state, "kernels": p.kernels}
+                    for p in info.processes
+                ],
+                "version": "specserve",
+            }
+        )
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         await self._generation.scheduler.query_info(flush_prefix_cache=True)
@@ -123,11 +191,17 @@ class SglangApi:
         request_ids = _request_ids(body.get("rid"), len(prompts), single)
         jobs = []
         for index, prompt in enumerate(prompts):
-            client_request = _client_request(params, prompt, logprobs=top if return_logprob else None,
-                                             scores_prompt=return_logprob and start >= 0)
+            client_request = _client_request(
+                params, prompt, logprobs=top if return_logprob else None, scores_prompt=return_logprob and start >= 0
+            )
             client_request = dataclasses.replace(client_request, cache_salt=cache_salt, priority=priority)
-            submission = validate(client_request, fields=SGLANG_FIELDS, vocab_size=self._generation.tokenizer.vocab_size,
-                                  request_id=request_ids[index], grammars=self._generation.grammars)
+            submission = validate(
+                client_request,
+                fields=SGLANG_FIELDS,
+                vocab_size=self._generation.tokenizer.vocab_size,
+                request_id=request_ids[index],
+                grammars=self._generation.grammars,
+            )
             submission = dataclasses.replace(submission, tenant=request.get(TENANT))
             jobs.append(_Job(submission.request_id, return_logprob, with_text, max(start, 0), self._texts, submission))
         if stream:
@@ -166,8 +240,9 @@ class SglangApi:
 class _Job:
     """One prompt's request and what came back, in SGLang's shape."""
 
-    def __init__(self, request_id: str, return_logprob: bool, with_text: bool, start: int, texts: TokenTexts,
-                 submission: Any) -> None:
+    def __init__(
+        self, request_id: str, return_logprob: bool, with_text: bool, start: int, texts: TokenTexts, submission: Any
+    ) -> None:
         self.request_id, self.return_logprob, self.with_text, self.start = request_id, return_logprob, with_text, start
         self.texts, self.submission = texts, submission
         self.text: list[str] = []
@@ -193,7 +268,7 @@ class _Job:
             "finish_reason": _finish_reason(last),
         }
         if self.return_logprob:
-            prompt = self.prompt[self.start:]
+            prompt = self.prompt[self.start :]
             meta["input_token_logprobs"] = [self._entry(token, entry) for token, entry in prompt]
             meta["output_token_logprobs"] = [self._entry(token, entry) for token, entry in self.output]
             meta["input_top_logprobs"] = [self._top(entry) for _, entry in prompt]
@@ -215,8 +290,12 @@ def _finish_reason(last: Chunk | None) -> dict[str, Any] | None:
     if last.finish_reason == "length":
         return {"type": "length", "length": last.num_completion_tokens}
     if last.finish_reason == "stop":
-        return {"type": "stop", "matched": last.stop_string if last.stop_string is not None else
-                (last.token_ids[-1] if last.token_ids else None)}
+        return {
+            "type": "stop",
+            "matched": last.stop_string
+            if last.stop_string is not None
+            else (last.token_ids[-1] if last.token_ids else None),
+        }
     return {"type": "abort"}
 
 
@@ -257,25 +336,37 @@ def _request_ids(rid: object, num_prompts: int, single: bool) -> list[str]:
 
 
 def _is_ids(value: object) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return (
+        isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
 
 
-def _client_request(params: dict[str, Any], prompt: Prompt, *, logprobs: int | None,
-                    scores_prompt: bool) -> ClientRequest:
+def _client_request(
+    params: dict[str, Any], prompt: Prompt, *, logprobs: int | None, scores_prompt: bool
+) -> ClientRequest:
     for key, value in params.items():
         if key not in _KNOWN:
             raise ApiError(400, f"sampling_params.{key} is not supported by this server", f"sampling_params.{key}")
     for key, harmless in (("stop_regex", None), ("ebnf", None), ("n", 1), ("no_stop_trim", False)):
         if params.get(key) not in (harmless, None, [], ()):
-            raise ApiError(400, f"sampling_params.{key} is not supported by this server (only {harmless!r})",
-                           f"sampling_params.{key}")
+            raise ApiError(
+                400,
+                f"sampling_params.{key} is not supported by this server (only {harmless!r})",
+                f"sampling_params.{key}",
+            )
     max_new_tokens = params.get("max_new_tokens")
     max_new_tokens = DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
     top_k = params.get("top_k")
-    numbers = {name: params.get(name) for name in ("temperature", "top_p", "min_p", "frequency_penalty",
-                                                    "presence_penalty", "repetition_penalty")}
-    integers = {"max_new_tokens": max_new_tokens, "top_k": top_k, "min_new_tokens": params.get("min_new_tokens"),
-                "sampling_seed": params.get("sampling_seed")}
+    numbers = {
+        name: params.get(name)
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
+    }
+    integers = {
+        "max_new_tokens": max_new_tokens,
+        "top_k": top_k,
+        "min_new_tokens": params.get("min_new_tokens"),
+        "sampling_seed": params.get("sampling_seed"),
+    }
     # Only the types here; the values (NaN, infinities, ranges) are checked by `validate`, which names these fields too.
     for name, value in [*numbers.items(), *integers.items()]:
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
@@ -291,19 +382,31 @@ def _client_request(params: dict[str, Any], prompt: Prompt, *, logprobs: int | N
         raise ApiError(400, "sampling_params.stop must be a string or a list of strings", "sampling_params.stop")
     stop_ids = params.get("stop_token_ids")
     stop_ids = () if stop_ids is None else stop_ids
-    if not isinstance(stop_ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-        raise ApiError(400, "sampling_params.stop_token_ids must be a list of token ids", "sampling_params.stop_token_ids")
+    if not isinstance(stop_ids, (list, tuple)) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in stop_ids
+    ):
+        raise ApiError(
+            400, "sampling_params.stop_token_ids must be a list of token ids", "sampling_params.stop_token_ids"
+        )
     # max_new_tokens 0 scores the prompt (what the frontend sends to cache a prefix or to select among choices).
     scoring = scores_prompt or max_new_tokens == 0
     return ClientRequest(
-        prompt=prompt, max_tokens=max_new_tokens, temperature=1.0 if numbers["temperature"] is None else
-        numbers["temperature"], top_p=numbers["top_p"], top_k=None if top_k in (None, -1) else top_k,
+        prompt=prompt,
+        max_tokens=max_new_tokens,
+        temperature=1.0 if numbers["temperature"] is None else numbers["temperature"],
+        top_p=numbers["top_p"],
+        top_k=None if top_k in (None, -1) else top_k,
         min_p=numbers["min_p"],
-        seed=params.get("sampling_seed"), stop_strings=tuple(stop), stop_token_ids=tuple(stop_ids),
-        ignore_eos=params.get("ignore_eos") is True, logprobs=logprobs,
+        seed=params.get("sampling_seed"),
+        stop_strings=tuple(stop),
+        stop_token_ids=tuple(stop_ids),
+        ignore_eos=params.get("ignore_eos") is True,
+        logprobs=logprobs,
         prompt_logprobs=(logprobs or 0) if scoring else None,
-        presence_penalty=numbers["presence_penalty"], frequency_penalty=numbers["frequency_penalty"],
-        repetition_penalty=numbers["repetition_penalty"], min_tokens=params.get("min_new_tokens") or None,
+        presence_penalty=numbers["presence_penalty"],
+        frequency_penalty=numbers["frequency_penalty"],
+        repetition_penalty=numbers["repetition_penalty"],
+        min_tokens=params.get("min_new_tokens") or None,
         structured=_structured(params),
     )
 
@@ -342,4 +445,3 @@ def _integer(body: dict[str, Any], name: str, default: int) -> int:
     if name == "top_logprobs_num" and not 0 <= value <= MAX_TOP_LOGPROBS:
         raise ApiError(400, f"{name} must be 0 to {MAX_TOP_LOGPROBS}, got {value}", name)
     return value
-

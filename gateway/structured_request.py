@@ -15,8 +15,14 @@ from collections import OrderedDict
 from typing import Any
 
 from gateway.errors import InvalidArgument
-from common.text.structured import (MAX_SPEC_CHARS, GrammarError, StructuredSpec, compile_spec, grammar_tokenizer,
-                                 schema_of)
+from common.text.structured import (
+    MAX_SPEC_CHARS,
+    GrammarError,
+    StructuredSpec,
+    compile_spec,
+    grammar_tokenizer,
+    schema_of,
+)
 from common.text.tokenizer import Tokenizer
 
 _COMPILED_KEPT = 256  # grammars kept compiled (clients repeat their schemas)
@@ -61,8 +67,11 @@ def openai_structured(body: dict[str, Any]) -> Asked | None:
     asked: list[Asked] = []
     response_format = body.get("response_format")
     if response_format is not None:
-        if not isinstance(response_format, dict) or response_format.get("type") not in ("text", "json_object",
-                                                                                           "json_schema"):
+        if not isinstance(response_format, dict) or response_format.get("type") not in (
+            "text",
+            "json_object",
+            "json_schema",
+        ):
             raise SpecError("response_format", 'must be {"type": "text" | "json_object" | "json_schema", ...}')
         if response_format["type"] == "json_object":
             asked.append(("response_format", StructuredSpec("json_object")))
@@ -70,8 +79,12 @@ def openai_structured(body: dict[str, Any]) -> Asked | None:
             inner = response_format.get("json_schema")
             if not isinstance(inner, dict) or "schema" not in inner:
                 raise SpecError("response_format.json_schema", "must be an object with a schema")
-            asked.append(("response_format.json_schema.schema", _json_spec("response_format.json_schema.schema",
-                                                                           inner["schema"])))
+            asked.append(
+                (
+                    "response_format.json_schema.schema",
+                    _json_spec("response_format.json_schema.schema", inner["schema"]),
+                )
+            )
     options = body.get("structured_outputs")
     if options is not None and not isinstance(options, dict):
         raise SpecError("structured_outputs", "must be an object")

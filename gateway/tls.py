@@ -40,13 +40,21 @@ class Tls:
         serve (unreadable, not PEM, a key that is not the certificate's)."""
         if certfile is None and keyfile is None:
             if client_ca is not None:
-                raise TlsError("--tls-ca-certfile asks clients for certificates over TLS: give --tls-certfile and "
-                               "--tls-keyfile too")
+                raise TlsError(
+                    "--tls-ca-certfile asks clients for certificates over TLS: give --tls-certfile and "
+                    "--tls-keyfile too"
+                )
             return None
         if certfile is None or keyfile is None:
             raise TlsError("--tls-certfile and --tls-keyfile go together: give both")
-        tls = cls(certfile, keyfile, client_ca, _read(certfile, "--tls-certfile"), _read(keyfile, "--tls-keyfile"),
-                  None if client_ca is None else _read(client_ca, "--tls-ca-certfile"))
+        tls = cls(
+            certfile,
+            keyfile,
+            client_ca,
+            _read(certfile, "--tls-certfile"),
+            _read(keyfile, "--tls-keyfile"),
+            None if client_ca is None else _read(client_ca, "--tls-ca-certfile"),
+        )
         tls.ssl_context()  # every file parsed, and the key checked against the certificate, now
         return tls
 
@@ -63,8 +71,10 @@ class Tls:
         try:
             context.load_cert_chain(self.certfile, self.keyfile)
         except (ssl.SSLError, OSError) as error:
-            raise TlsError(f"--tls-certfile {self.certfile} with --tls-keyfile {self.keyfile}: {error} (is the key "
-                           "the certificate's, both PEM?)") from error
+            raise TlsError(
+                f"--tls-certfile {self.certfile} with --tls-keyfile {self.keyfile}: {error} (is the key "
+                "the certificate's, both PEM?)"
+            ) from error
         if self.client_ca_certificates is not None:
             try:
                 context.load_verify_locations(cadata=self.client_ca_certificates.decode("ascii"))
@@ -75,8 +85,11 @@ class Tls:
 
     def grpc_credentials(self) -> grpc.ServerCredentials:
         """The gRPC port's: the same certificate and key, and the same demand for client certificates."""
-        return grpc.ssl_server_credentials([(self.key, self.certificate)], root_certificates=self.client_ca_certificates,
-                                           require_client_auth=self.mutual)
+        return grpc.ssl_server_credentials(
+            [(self.key, self.certificate)],
+            root_certificates=self.client_ca_certificates,
+            require_client_auth=self.mutual,
+        )
 
 
 def _read(path: Path, flag: str) -> bytes:

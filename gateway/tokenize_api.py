@@ -22,8 +22,9 @@ from gateway.request import Prompt, TextPrompt
 from gateway.validation import token_ids_in_vocab
 
 TOKENIZE_TEXT_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
-TOKENIZE_CHAT_FIELDS = frozenset({"model", "messages", "add_special_tokens", "add_generation_prompt",
-                                  "return_token_strs", "chat_template_kwargs"})
+TOKENIZE_CHAT_FIELDS = frozenset(
+    {"model", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs", "chat_template_kwargs"}
+)
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 
 
@@ -34,8 +35,11 @@ async def tokenize_body(generation: Generation, body: dict[str, Any]) -> dict[st
     special = _flag(body, "add_special_tokens")
     if chat:
         if _flag(body, "add_generation_prompt") is False:
-            raise ApiError(400, "add_generation_prompt: only true is served (the prompt a chat request is given)",
-                           "add_generation_prompt")
+            raise ApiError(
+                400,
+                "add_generation_prompt: only true is served (the prompt a chat request is given)",
+                "add_generation_prompt",
+            )
         prompt: Prompt = chat_prompt(body)
     else:
         text = body.get("prompt")
@@ -43,8 +47,12 @@ async def tokenize_body(generation: Generation, body: dict[str, Any]) -> dict[st
             raise ApiError(400, "prompt must be a string (or send messages)", "prompt")
         prompt = TextPrompt(text)
     token_ids = await generation.tokenize(prompt, "messages" if chat else "prompt", special_tokens=special)
-    return {"count": len(token_ids), "max_model_len": await generation.scheduler.max_model_len(), "tokens": token_ids,
-            "token_strs": token_strs(generation, token_ids) if _flag(body, "return_token_strs") else None}
+    return {
+        "count": len(token_ids),
+        "max_model_len": await generation.scheduler.max_model_len(),
+        "tokens": token_ids,
+        "token_strs": token_strs(generation, token_ids) if _flag(body, "return_token_strs") else None,
+    }
 
 
 async def detokenize_body(generation: Generation, body: dict[str, Any]) -> dict[str, Any]:

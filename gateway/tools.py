@@ -67,8 +67,11 @@ class ToolCall:
     arguments: str  # a JSON object's text
 
     def as_openai(self, index: int | None = None) -> dict[str, Any]:
-        call: dict[str, Any] = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                                "function": {"name": self.name, "arguments": self.arguments}}
+        call: dict[str, Any] = {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
         return call if index is None else {"index": index, **call}
 
 
@@ -94,14 +97,22 @@ def tool_ask(body: dict[str, Any]) -> ToolAsk | None:
         function = choice.get("function")
         name = function.get("name") if isinstance(function, dict) else None
         if choice.get("type") != "function" or not isinstance(name, str):
-            raise ApiError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
-                                '{"name": ...}}', "tool_choice")
+            raise ApiError(
+                400,
+                'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+                "tool_choice",
+            )
         if name not in names:
-            raise ApiError(400, f"tool_choice names {name!r}, which is not one of the tools", "tool_choice.function.name")
+            raise ApiError(
+                400, f"tool_choice names {name!r}, which is not one of the tools", "tool_choice.function.name"
+            )
         choice = name
     elif choice not in ("none", "auto", "required"):
-        raise ApiError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
-                            '{"name": ...}}', "tool_choice")
+        raise ApiError(
+            400,
+            'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
     if choice == "none":
         return None
     return ToolAsk(checked, choice, parallel is not False)
@@ -111,8 +122,9 @@ def _tool(index: int, tool: object) -> dict[str, Any]:
     field = f"tools[{index}]"
     function = tool.get("function") if isinstance(tool, dict) else None
     if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
-        raise ApiError(400, f'{field} must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}',
-                       field)
+        raise ApiError(
+            400, f'{field} must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}', field
+        )
     name = function.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ApiError(400, f"{field}.function.name must be 1 to 64 letters, digits, _ or -", f"{field}.function.name")
@@ -132,9 +144,20 @@ def call_grammar(ask: ToolAsk, parser: ToolCallParser) -> str:
     """llguidance's Lark grammar of an answer that is one call (or, with parallel calls, several) to the tool named,
     or any of them, in the parser's format."""
     arguments_key = "arguments" if parser == "hermes" else "parameters"
-    chosen = [tool["function"] for tool in ask.tools if ask.choice == "required" or tool["function"]["name"] == ask.choice]
-    call_schema = {"anyOf": [{"type": "object", "properties": {"name": {"const": f["name"]}, arguments_key: f["parameters"]},
-                              "required": ["name", arguments_key], "additionalProperties": False} for f in chosen]}
+    chosen = [
+        tool["function"] for tool in ask.tools if ask.choice == "required" or tool["function"]["name"] == ask.choice
+    ]
+    call_schema = {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": f["name"]}, arguments_key: f["parameters"]},
+                "required": ["name", arguments_key],
+                "additionalProperties": False,
+            }
+            for f in chosen
+        ]
+    }
     body = "call: %json " + json.dumps(call_schema)
     if parser == "hermes":
         one = '"<tool_call>\\n" call "\\n</tool_call>"'
@@ -164,7 +187,7 @@ def _hermes(text: str, ask: ToolAsk) -> tuple[str, list[ToolCall]]:
     at = 0
     for block in _HERMES_CALL.finditer(text):
         call = _call(block.group(1), ask, "arguments")
-        content.append(text[at:block.start()] if call is not None else text[at:block.end()])
+        content.append(text[at : block.start()] if call is not None else text[at : block.end()])
         at = block.end()
         if call is not None and (ask.parallel or not calls):
             calls.append(call)
@@ -174,7 +197,7 @@ def _hermes(text: str, ask: ToolAsk) -> tuple[str, list[ToolCall]]:
 
 def _llama3(text: str, ask: ToolAsk) -> list[ToolCall] | None:
     stripped = text.strip()
-    stripped = stripped[len(_PYTHON_TAG):].strip() if stripped.startswith(_PYTHON_TAG) else stripped
+    stripped = stripped[len(_PYTHON_TAG) :].strip() if stripped.startswith(_PYTHON_TAG) else stripped
     if not stripped.startswith("{"):
         return None
     decoder, calls, rest = json.JSONDecoder(), [], stripped
@@ -272,12 +295,12 @@ class CallGate:
                 elif self.ask.parallel or self.num_calls == 0:
                     calls.append(call)
                     self.num_calls += 1
-                pending = pending[block.end():]
+                pending = pending[block.end() :]
             at = pending.find(_HERMES_OPEN)
             if at < 0:
                 keep = partial_suffix(pending, _HERMES_OPEN)
-                self.held = pending[len(pending) - keep:]
-                content.append(pending[:len(pending) - keep])
+                self.held = pending[len(pending) - keep :]
+                content.append(pending[: len(pending) - keep])
                 return self._out("".join(content)), calls
             content.append(pending[:at])
             self._in_call = True

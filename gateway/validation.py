@@ -85,8 +85,9 @@ class Grammars(Protocol):
     def grammar(self, asked: tuple[str, StructuredSpec]) -> str: ...
 
 
-def validate(request: ClientRequest, *, fields: FieldNames, request_id: str, vocab_size: int,
-             grammars: Grammars | None = None) -> Submission:
+def validate(
+    request: ClientRequest, *, fields: FieldNames, request_id: str, vocab_size: int, grammars: Grammars | None = None
+) -> Submission:
     """Every field of the request checked; raises InvalidArgument for the first bad one. A structured-output ask
     is compiled by `grammars` (gateway/structured_request.py)."""
     check_prompt(request.prompt, fields, vocab_size)
@@ -183,8 +184,10 @@ def _not_a_token(token_id: object, vocab_size: int) -> str:
 
 def stop_token_ids_of(stop_token_ids: Sequence[int], fields: FieldNames, vocab_size: int) -> tuple[int, ...]:
     if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidArgument(fields.stop_token_id.format(index=MAX_STOP_TOKEN_IDS),
-                              f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(stop_token_ids)}")
+        raise InvalidArgument(
+            fields.stop_token_id.format(index=MAX_STOP_TOKEN_IDS),
+            f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(stop_token_ids)}",
+        )
     return token_ids_in_vocab(fields.stop_token_id, stop_token_ids, vocab_size)
 
 
@@ -202,7 +205,9 @@ def max_tokens_of(max_tokens: int | None, fields: FieldNames, *, scoring: bool =
 
 def sampling_of(request: ClientRequest, fields: FieldNames, vocab_size: int) -> messages.SamplingParams:
     defaults = messages.SamplingParams()
-    temperature = defaults.temperature if request.temperature is None else _real(request.temperature, fields.temperature)
+    temperature = (
+        defaults.temperature if request.temperature is None else _real(request.temperature, fields.temperature)
+    )
     top_p = defaults.top_p if request.top_p is None else _real(request.top_p, fields.top_p)
     top_k = defaults.top_k if request.top_k is None else _integer(request.top_k, fields.top_k)
     min_p = defaults.min_p if request.min_p is None else _real(request.min_p, fields.min_p)
@@ -221,35 +226,54 @@ def sampling_of(request: ClientRequest, fields: FieldNames, vocab_size: int) -> 
         raise InvalidArgument(fields.min_p, f"must be in [0, 1], got {min_p}")
     if not 0 <= seed < SEED_LIMIT:
         raise InvalidArgument(fields.seed, f"must be in [0, 2^64), got {seed}")
-    return messages.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                                   penalties=penalties_of(request, fields, vocab_size))
+    return messages.SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        seed=seed,
+        penalties=penalties_of(request, fields, vocab_size),
+    )
 
 
 def penalties_of(request: ClientRequest, fields: FieldNames, vocab_size: int) -> messages.Penalties | None:
     """The request's penalties, None when it asks for none (the logits as the model gives them)."""
     presence = _penalty(request.presence_penalty, fields.presence_penalty)
     frequency = _penalty(request.frequency_penalty, fields.frequency_penalty)
-    repetition = 1.0 if request.repetition_penalty is None else _real(request.repetition_penalty,
-                                                                       fields.repetition_penalty)
+    repetition = (
+        1.0 if request.repetition_penalty is None else _real(request.repetition_penalty, fields.repetition_penalty)
+    )
     least, most = messages.MIN_REPETITION_PENALTY, messages.MAX_REPETITION_PENALTY
     if not (math.isfinite(repetition) and least <= repetition <= most):
         raise InvalidArgument(fields.repetition_penalty, f"must be in [{least:g}, {most:g}], got {repetition}")
     if len(request.logit_bias) > messages.MAX_LOGIT_BIAS_ENTRIES:
-        raise InvalidArgument(fields.logit_bias, f"at most {messages.MAX_LOGIT_BIAS_ENTRIES} entries, got {len(request.logit_bias)}")
+        raise InvalidArgument(
+            fields.logit_bias, f"at most {messages.MAX_LOGIT_BIAS_ENTRIES} entries, got {len(request.logit_bias)}"
+        )
     for token, bias in request.logit_bias:
         if type(token) is not int or not 0 <= token < vocab_size:
             raise InvalidArgument(f"{fields.logit_bias}[{token}]", _not_a_token(token, vocab_size))
         bias = _real(bias, f"{fields.logit_bias}[{token}]")
         if not (math.isfinite(bias) and -messages.MAX_LOGIT_BIAS <= bias <= messages.MAX_LOGIT_BIAS):
-            raise InvalidArgument(f"{fields.logit_bias}[{token}]", f"must be in [-{messages.MAX_LOGIT_BIAS:g}, {messages.MAX_LOGIT_BIAS:g}], got {bias}")
+            raise InvalidArgument(
+                f"{fields.logit_bias}[{token}]",
+                f"must be in [-{messages.MAX_LOGIT_BIAS:g}, {messages.MAX_LOGIT_BIAS:g}], got {bias}",
+            )
     min_tokens = 0 if request.min_tokens is None else _integer(request.min_tokens, fields.min_tokens)
     if not 0 <= min_tokens <= MAX_INT32:
-        raise InvalidArgument(fields.min_tokens, f"must be >= 0, got {min_tokens}" if min_tokens < 0 else
-                              f"must be at most {MAX_INT32}, got {min_tokens}")
+        raise InvalidArgument(
+            fields.min_tokens,
+            f"must be >= 0, got {min_tokens}" if min_tokens < 0 else f"must be at most {MAX_INT32}, got {min_tokens}",
+        )
     if request.max_tokens is not None and min_tokens > request.max_tokens:
         raise InvalidArgument(fields.min_tokens, f"must be at most max_tokens ({request.max_tokens}), got {min_tokens}")
-    penalties = messages.Penalties(presence=presence, frequency=frequency, repetition=repetition,
-                                   logit_bias=dict(request.logit_bias), min_tokens=min_tokens)
+    penalties = messages.Penalties(
+        presence=presence,
+        frequency=frequency,
+        repetition=repetition,
+        logit_bias=dict(request.logit_bias),
+        min_tokens=min_tokens,
+    )
     return None if penalties == messages.Penalties() else penalties
 
 
@@ -265,6 +289,7 @@ def _penalty(value: float | None, field: str) -> float:
 # A front end passes each value as its wire gave it. One that passed a float or a bool where an integer belongs, or a
 # string where a number does, would make a message the scheduler cannot read (it drops it, and the client waits
 # forever): every value's type is checked here too, so such a slip is a 400 naming the field.
+
 
 def _integer(value: int, field: str) -> int:
     if type(value) is not int:  # a bool is an int to isinstance
@@ -290,6 +315,8 @@ def stop_strings_of(stop_strings: Sequence[str], fields: FieldNames) -> tuple[st
         if not stop:
             raise InvalidArgument(fields.stop_string.format(index=index), "must not be empty")
         if len(stop) > MAX_STOP_STRING_CHARS:
-            raise InvalidArgument(fields.stop_string.format(index=index),
-                                  f"must be at most {MAX_STOP_STRING_CHARS} characters, got {len(stop)}")
+            raise InvalidArgument(
+                fields.stop_string.format(index=index),
+                f"must be at most {MAX_STOP_STRING_CHARS} characters, got {len(stop)}",
+            )
     return tuple(stop_strings)

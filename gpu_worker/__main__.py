@@ -19,8 +19,13 @@ from gpu_worker.worker import Worker  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    return process_main(argv, prog="gpu_worker", description="a specserve target worker process",
-                        add_arguments=add_arguments, build=lambda args: Worker(from_arguments(args)))
+    return process_main(
+        argv,
+        prog="gpu_worker",
+        description="a specserve target worker process",
+        add_arguments=add_arguments,
+        build=lambda args: Worker(from_arguments(args)),
+    )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from common.settings.choices import AUTO
 from modeling.model.engine import default_dtype
 from modeling.kernels.blocks import QuantizationError, auto_quantization, weight_blocks
 
+
 @dataclass(frozen=True)
 class WorkerConfig:
     process: ProcessConfig  # id, scheduler address, device, dtype, deadlines, threads, status file

@@ -52,7 +52,7 @@ class GrammarMasks:
         """Which tokens each sampling row of the sequence allows (bool `[V]`); None: the row is never used."""
         assert w.grammar is not None and w.history is not None
         num_standing = len(w.token_ids) - w.num_draft_tokens
-        state = self._matcher(w.request_id, w.grammar, [*w.history, *w.token_ids[:num_standing]][w.num_prompt_tokens:])
+        state = self._matcher(w.request_id, w.grammar, [*w.history, *w.token_ids[:num_standing]][w.num_prompt_tokens :])
         masks: list[torch.Tensor | None] = [self._mask(state.matcher)]
         drafts = w.token_ids[num_standing:]
         parents = parents_or_chain(w.draft_parents, len(drafts))
@@ -100,7 +100,7 @@ class GrammarMasks:
             state = _Matcher(grammar, llguidance.LLMatcher(self.tokenizer, grammar))
             if state.matcher.is_error():
                 raise GrammarFailure(f"the grammar cannot be used: {state.matcher.get_error()}")
-        rest = completion[len(state.consumed):]
+        rest = completion[len(state.consumed) :]
         followed, _, _ = self._follow(state.matcher, rest)
         if followed < len(rest):
             raise GrammarFailure(f"the completion does not follow its grammar: {state.matcher.get_error()}")

@@ -42,7 +42,11 @@ def kv_cache_budget_bytes(config: WorkerConfig, model: ModelConfig) -> tuple[int
     share = CUDA_SHARE if device.startswith("cuda") else CPU_SHARE
     budget = int(available_memory_bytes(device) * share)
     dtype: torch.dtype = getattr(torch, config.process.dtype)
-    most = config.max_num_seqs * pages_for(config.max_model_len, config.page_size) * page_bytes(model, config.page_size, dtype)
+    most = (
+        config.max_num_seqs
+        * pages_for(config.max_model_len, config.page_size)
+        * page_bytes(model, config.page_size, dtype)
+    )
     if budget > most:
         return most, f"what {config.max_num_seqs} sequences of {config.max_model_len} tokens need (--max-num-seqs)"
     return budget, f"{share:.0%} of the memory available on {device} at start"
@@ -61,5 +65,6 @@ def num_kv_pages(config: WorkerConfig, model: ModelConfig) -> tuple[int, str]:
     if pages * config.page_size < MIN_POSITIONS:
         raise MemoryBudgetError(
             f"the KV cache budget of {budget / GIB:.4f} GiB ({why}) holds {pages} pages of {config.page_size} positions "
-            f"({per_page} bytes each): fewer than {MIN_POSITIONS} positions")
+            f"({per_page} bytes each): fewer than {MIN_POSITIONS} positions"
+        )
     return pages, why

@@ -25,7 +25,6 @@ from common.trees import branch_to, leading_nodes, parents_or_chain
 from proto.messages import MAX_TOP_LOGPROBS, Penalties, PromptLogprobs, SeqFeatures, SeqOutput, SeqWork, StepTiming
 
 
-
 _WARM_UP_TIMINGS = 3  # runs of each timed shape; the median is reported
 _WARM_UP_ROWS = 32  # sequences in the warm-up's decode and verify steps at most (more only lengthen the start)
 _GRAMMARS_PER_SEQ = 4  # grammar matchers kept per sequence the worker may run (a cache: more are rebuilt)
@@ -44,11 +43,19 @@ class ModelRunner:
         self._config = config
         self._model_config = model_config
         self._num_pages = num_pages
-        self._engine = ModelEngine(config.model, model_config, device=config.process.device, dtype=config.process.dtype,
-                                   num_pages=num_pages, max_len=config.max_model_len, page_size=config.page_size,
-                                   quantization=config.quantization)
-        self._grammars = GrammarMasks(self._grammar_tokenizer, model_config.vocab_size,
-                                      _GRAMMARS_PER_SEQ * config.max_num_seqs)
+        self._engine = ModelEngine(
+            config.model,
+            model_config,
+            device=config.process.device,
+            dtype=config.process.dtype,
+            num_pages=num_pages,
+            max_len=config.max_model_len,
+            page_size=config.page_size,
+            quantization=config.quantization,
+        )
+        self._grammars = GrammarMasks(
+            self._grammar_tokenizer, model_config.vocab_size, _GRAMMARS_PER_SEQ * config.max_num_seqs
+        )
 
     # ------------------------------------------------------------------ phases
 
@@ -83,8 +90,10 @@ class ModelRunner:
         num_verify = min(cfg.max_draft_tokens + 1, cfg.max_model_len - 1)
         per_row = pages_for(1 + num_verify, size)
         # Warm-up rows may share pages (a small pool): what they write is never read as anyone's.
-        tables = [tuple((row * per_row + i) % self._num_pages for i in range(per_row))
-                  for row in range(min(cfg.max_num_seqs, _WARM_UP_ROWS))]
+        tables = [
+            tuple((row * per_row + i) % self._num_pages for i in range(per_row))
+            for row in range(min(cfg.max_num_seqs, _WARM_UP_ROWS))
+        ]
         long_table = tuple(range(pages_for(prompt_len, size)))
         shapes = [
             [SeqSpan(long_table, 0, [0] * prompt_len, 1)],
@@ -96,8 +105,10 @@ class ModelRunner:
         if prompt_len > 2 * num_verify:
             # The same rows after the prompt's positions: what attending to a long context costs, apart from the rows
             # (with short contexts alone the two move together, and the fit cannot tell them apart).
-            shapes += [[SeqSpan(long_table, prompt_len - 1, [0], 1)],
-                       [SeqSpan(long_table, prompt_len - num_verify, [0] * num_verify, num_verify)]]
+            shapes += [
+                [SeqSpan(long_table, prompt_len - 1, [0], 1)],
+                [SeqSpan(long_table, prompt_len - num_verify, [0] * num_verify, num_verify)],
+            ]
         for spans in shapes:
             self._engine.forward(spans)
         # After a first run of each (its first-run costs left out), the median of a few: the scheduler keeps these for
@@ -112,8 +123,12 @@ class ModelRunner:
         if self._config.process.device.startswith("cuda"):
             torch.cuda.synchronize()
         duration_ms = (time.perf_counter() - started) * 1000
-        shape = step_shape([(len(s.token_ids), 0, s.start, False) if s.start == 0 else (1, len(s.token_ids) - 1, s.start, False)
-                            for s in spans])
+        shape = step_shape(
+            [
+                (len(s.token_ids), 0, s.start, False) if s.start == 0 else (1, len(s.token_ids) - 1, s.start, False)
+                for s in spans
+            ]
+        )
         return StepTiming(shape.decode_rows, shape.prefill_tokens, shape.attended, duration_ms)
 
     # ------------------------------------------------------------------ serving
@@ -122,8 +137,9 @@ class ModelRunner:
         tokenizer = Tokenizer.load(self._config.model)
         return grammar_tokenizer(tokenizer.backend_json(), self._model_config.vocab_size, tokenizer.eos_token_ids)
 
-    def execute(self, seqs: list[SeqWork], return_features: bool = False
-                ) -> tuple[list[SeqOutput], list[SeqFeatures], list[PromptLogprobs]]:
+    def execute(
+        self, seqs: list[SeqWork], return_features: bool = False
+    ) -> tuple[list[SeqOutput], list[SeqFeatures], list[PromptLogprobs]]:
         """Run one step; raises PageError, before touching any state, if it is inconsistent.
 
         A sampling sequence with k draft tokens gets k+1 rows of logits (after its last
@@ -136,12 +152,22 @@ class ModelRunner:
         """
         self._check(seqs)
         masks = self._grammar_masks(seqs)
-        spans = [SeqSpan(tuple(w.pages), w.start_position, w.token_ids, _num_logit_rows(w),
-                         None if w.draft_parents is None else tuple(w.draft_parents)) for w in seqs]
+        spans = [
+            SeqSpan(
+                tuple(w.pages),
+                w.start_position,
+                w.token_ids,
+                _num_logit_rows(w),
+                None if w.draft_parents is None else tuple(w.draft_parents),
+            )
+            for w in seqs
+        ]
         # Logits [M, V]: the rows asked for, in step order; widened to float32 only for what reads more than their
         # argmax (sampling, log-probabilities; penalties and grammars widen them in _constrained): widening is a copy
         # of all a step's [rows, vocabulary] logits, as large as the LM head's output.
-        widen = any(w.prompt_logprobs >= 0 or (w.sample and (not w.sampling.is_greedy or w.logprobs >= 0)) for w in seqs)
+        widen = any(
+            w.prompt_logprobs >= 0 or (w.sample and (not w.sampling.is_greedy or w.logprobs >= 0)) for w in seqs
+        )
         logits, hidden = self._engine.forward_with_features(spans, widen_logits=widen)
         logits = self._constrained(seqs, logits, masks)
         best = self._engine.greedy_tokens(logits)  # one batched argmax serves every greedy sequence
@@ -164,8 +190,9 @@ class ModelRunner:
                 if w.sampling.is_greedy:
                     verdict, accepted = verify_tree_greedy(best[rows], drafts, parents)
                 elif w.draft_dists is None:  # point masses (lookups): the target's own draws, as plain sampling's
-                    verdict, accepted = verify_tree_sampled(logits[rows], drafts, parents, w.sampling,
-                                                            w.start_position + num_standing)
+                    verdict, accepted = verify_tree_sampled(
+                        logits[rows], drafts, parents, w.sampling, w.start_position + num_standing
+                    )
                 else:  # a sampled chain: its first nodes
                     verdict = verify(logits[rows], drafts, w.draft_dists, w.sampling, w.start_position + num_standing)
                     accepted = list(range(verdict.num_accepted))
@@ -213,8 +240,9 @@ class ModelRunner:
         except GrammarFailure as error:
             raise PageError(f"request {w.request_id}: {error}", request_id=w.request_id) from error
 
-    def _constrained(self, seqs: list[SeqWork], logits: torch.Tensor,
-                     masks: dict[str, list[torch.Tensor | None]]) -> torch.Tensor:
+    def _constrained(
+        self, seqs: list[SeqWork], logits: torch.Tensor, masks: dict[str, list[torch.Tensor | None]]
+    ) -> torch.Tensor:
         """The logits with each sampling row of a sequence with penalties or a grammar changed after its own prefix:
         the tokens that stand, then its draft branch (modeling/sampling/penalties.py, then the grammar's mask). In float32 when
         any is (a widening: exact)."""
@@ -223,8 +251,9 @@ class ModelRunner:
         with torch.inference_mode():  # the logits are an inference tensor: changed in place only in this mode
             return self._constrain(seqs, logits.float(), masks)
 
-    def _constrain(self, seqs: list[SeqWork], logits: torch.Tensor,
-                   masks: dict[str, list[torch.Tensor | None]]) -> torch.Tensor:
+    def _constrain(
+        self, seqs: list[SeqWork], logits: torch.Tensor, masks: dict[str, list[torch.Tensor | None]]
+    ) -> torch.Tensor:
         row = 0
         for w in seqs:
             num_rows = _num_logit_rows(w)
@@ -239,8 +268,9 @@ class ModelRunner:
                 standing = [*w.history, *w.token_ids[:num_standing]]
                 drafts = w.token_ids[num_standing:]
                 parents = parents_or_chain(w.draft_parents, len(drafts))
-                prefixes = [standing] + [standing + [drafts[n] for n in branch_to(parents, node)]
-                                         for node in range(len(drafts))]
+                prefixes = [standing] + [
+                    standing + [drafts[n] for n in branch_to(parents, node)] for node in range(len(drafts))
+                ]
                 penalize_rows(logits[first : row + num_rows], prefixes, w.num_prompt_tokens, penalties)
             row += num_rows
         return logits
@@ -264,25 +294,35 @@ class ModelRunner:
             request_ids.add(w.request_id)
             end = w.start_position + len(w.token_ids)
             if not w.token_ids or w.start_position < 0 or end > self._config.max_model_len:
-                raise PageError(f"request {w.request_id}: {len(w.token_ids)} new tokens at {w.start_position} do not fit "
-                                f"in {self._config.max_model_len} positions")
+                raise PageError(
+                    f"request {w.request_id}: {len(w.token_ids)} new tokens at {w.start_position} do not fit "
+                    f"in {self._config.max_model_len} positions"
+                )
             if any(not 0 <= page < self._num_pages for page in w.pages):
                 raise PageError(f"request {w.request_id}: a page is outside the cache's 0..{self._num_pages - 1}")
             if len(w.pages) * size < end:
-                raise PageError(f"request {w.request_id}: {len(w.pages)} pages of {size} positions cannot hold {end} positions")
+                raise PageError(
+                    f"request {w.request_id}: {len(w.pages)} pages of {size} positions cannot hold {end} positions"
+                )
             if any(not 0 <= t < vocab for t in w.token_ids):
-                raise PageError(f"request {w.request_id}: a token id is outside the vocabulary 0..{vocab - 1}",
-                                request_id=w.request_id)
+                raise PageError(
+                    f"request {w.request_id}: a token id is outside the vocabulary 0..{vocab - 1}",
+                    request_id=w.request_id,
+                )
             for page in w.pages[w.start_position // size : pages_for(end, size)]:
                 if written.setdefault(page, w.request_id) != w.request_id:
-                    raise PageError(f"page {page} is written by requests {written[page]} and {w.request_id} in one step")
+                    raise PageError(
+                        f"page {page} is written by requests {written[page]} and {w.request_id} in one step"
+                    )
             self._check_drafts(w)
             self._check_logprobs(w)
             self._check_penalties(w)
         for w in seqs:  # a page one sequence writes is read by no other
             for page in w.pages[: w.start_position // size]:
                 if written.get(page, w.request_id) != w.request_id:
-                    raise PageError(f"page {page} is written by request {written[page]} while request {w.request_id} reads it")
+                    raise PageError(
+                        f"page {page} is written by request {written[page]} while request {w.request_id} reads it"
+                    )
 
     def _check_penalties(self, w: SeqWork) -> None:
         if not w.sample or (w.sampling.penalties is None and w.grammar is None):
@@ -290,31 +330,47 @@ class ModelRunner:
         vocab = self._model_config.vocab_size
         penalties = w.sampling.penalties or Penalties()
         num_standing = len(w.token_ids) - w.num_draft_tokens
-        if (w.history is None or len(w.history) != w.start_position
-                or not 0 <= w.num_prompt_tokens <= w.start_position + num_standing):
-            raise PageError(f"request {w.request_id}: penalties and grammars need the {w.start_position} tokens before "
-                            f"the step and where its prompt ends", request_id=w.request_id)
+        if (
+            w.history is None
+            or len(w.history) != w.start_position
+            or not 0 <= w.num_prompt_tokens <= w.start_position + num_standing
+        ):
+            raise PageError(
+                f"request {w.request_id}: penalties and grammars need the {w.start_position} tokens before "
+                f"the step and where its prompt ends",
+                request_id=w.request_id,
+            )
         ids = [*w.history, *penalties.logit_bias, *penalties.stop_token_ids]
         if any(not 0 <= t < vocab for t in ids):
-            raise PageError(f"request {w.request_id}: a token id of its penalties is outside the vocabulary 0..{vocab - 1}",
-                            request_id=w.request_id)
+            raise PageError(
+                f"request {w.request_id}: a token id of its penalties is outside the vocabulary 0..{vocab - 1}",
+                request_id=w.request_id,
+            )
 
     def _check_logprobs(self, w: SeqWork) -> None:
         if not -1 <= w.logprobs <= MAX_TOP_LOGPROBS or not -1 <= w.prompt_logprobs <= MAX_TOP_LOGPROBS:
-            raise PageError(f"request {w.request_id}: logprobs {w.logprobs} and prompt_logprobs {w.prompt_logprobs} "
-                            f"must be -1 (none) to {MAX_TOP_LOGPROBS}", request_id=w.request_id)
+            raise PageError(
+                f"request {w.request_id}: logprobs {w.logprobs} and prompt_logprobs {w.prompt_logprobs} "
+                f"must be -1 (none) to {MAX_TOP_LOGPROBS}",
+                request_id=w.request_id,
+            )
         if w.after_token_id >= 0 and (w.prompt_logprobs < 0 or w.after_token_id >= self._model_config.vocab_size):
-            raise PageError(f"request {w.request_id}: after_token_id {w.after_token_id} without prompt_logprobs, or "
-                            f"outside the vocabulary", request_id=w.request_id)
+            raise PageError(
+                f"request {w.request_id}: after_token_id {w.after_token_id} without prompt_logprobs, or "
+                f"outside the vocabulary",
+                request_id=w.request_id,
+            )
 
     def _check_drafts(self, w: SeqWork) -> None:
         k = w.num_draft_tokens
         if k == 0 and w.draft_dists is None:
             return
         if not w.sample or not 0 <= k < len(w.token_ids) or k > self._config.max_draft_tokens:
-            raise PageError(f"request {w.request_id}: {k} draft tokens in a step of {len(w.token_ids)} tokens "
-                            f"(sample={w.sample}, --max-draft-tokens {self._config.max_draft_tokens})")
-        drafts = w.token_ids[len(w.token_ids) - k:]
+            raise PageError(
+                f"request {w.request_id}: {k} draft tokens in a step of {len(w.token_ids)} tokens "
+                f"(sample={w.sample}, --max-draft-tokens {self._config.max_draft_tokens})"
+            )
+        drafts = w.token_ids[len(w.token_ids) - k :]
         if problem := drafts_problem(drafts, w.draft_parents, w.draft_dists, self._model_config.vocab_size):
             raise PageError(f"request {w.request_id}: {problem}")
 
@@ -325,4 +381,6 @@ def _num_logit_rows(w: SeqWork) -> int:
     if w.prompt_logprobs < 0:
         return num_sampling
     num_standing = len(w.token_ids) - w.num_draft_tokens
-    return num_standing + num_sampling - (1 if w.sample else 0)  # the last standing token's row is also sampling's first
+    return (
+        num_standing + num_sampling - (1 if w.sample else 0)
+    )  # the last standing token's row is also sampling's first

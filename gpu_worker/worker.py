@@ -33,24 +33,42 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
         cfg = self._config
         self._model_config = ModelConfig.from_folder(cfg.model)
         if cfg.max_model_len > self._model_config.max_position_embeddings:
-            raise ValueError(f"--max-model-len {cfg.max_model_len} exceeds the model's {self._model_config.max_position_embeddings} positions")
+            raise ValueError(
+                f"--max-model-len {cfg.max_model_len} exceeds the model's {self._model_config.max_position_embeddings} positions"
+            )
         self._num_pages, budget = num_kv_pages(cfg, self._model_config)
         self.log.info("kv_cache.sized", num_pages=self._num_pages, page_size=cfg.page_size, budget=budget)
         return m.WorkerHello(
-            worker_id=cfg.process.worker_id, role="target", incarnation=self.incarnation, protocol_version=m.PROTOCOL_VERSION,
-            pid=os.getpid(), model_name=cfg.model.name, model_fingerprint=model_fingerprint(cfg.model),
-            vocab_size=self._model_config.vocab_size, max_model_len=cfg.max_model_len, num_kv_pages=self._num_pages,
+            worker_id=cfg.process.worker_id,
+            role="target",
+            incarnation=self.incarnation,
+            protocol_version=m.PROTOCOL_VERSION,
+            pid=os.getpid(),
+            model_name=cfg.model.name,
+            model_fingerprint=model_fingerprint(cfg.model),
+            vocab_size=self._model_config.vocab_size,
+            max_model_len=cfg.max_model_len,
+            num_kv_pages=self._num_pages,
             kv_page_size=cfg.page_size,
-            dtype=cfg.process.dtype, device=cfg.process.device, vocab_fingerprint=vocab_fingerprint(cfg.model),
-            max_draft_tokens=cfg.max_draft_tokens, feature_width=self._model_config.hidden_size,
+            dtype=cfg.process.dtype,
+            device=cfg.process.device,
+            vocab_fingerprint=vocab_fingerprint(cfg.model),
+            max_draft_tokens=cfg.max_draft_tokens,
+            feature_width=self._model_config.hidden_size,
         )
 
     def max_frame_bytes(self) -> int:
         """A step at its largest, as this worker's settings allow (the scheduler's of the same names are no larger)."""
         cfg = self._config
-        return frames.scheduler_to_target(frames.FrameLimits(
-            max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_draft_tokens=cfg.max_draft_tokens, kv_page_size=cfg.page_size))
+        return frames.scheduler_to_target(
+            frames.FrameLimits(
+                max_model_len=cfg.max_model_len,
+                max_num_seqs=cfg.max_num_seqs,
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                max_draft_tokens=cfg.max_draft_tokens,
+                kv_page_size=cfg.page_size,
+            )
+        )
 
     def phases(self) -> list[Phase]:
         process = self._config.process
@@ -73,16 +91,26 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
             if not invariant:
                 if self._config.require_batch_invariance:
                     max_draft_tokens = 0
-                    self.log.warning("speculation.off", reason=f"steps are not batch invariant: {problem}",
-                                     note="--require-batch-invariance: this worker serves without drafts")
+                    self.log.warning(
+                        "speculation.off",
+                        reason=f"steps are not batch invariant: {problem}",
+                        note="--require-batch-invariance: this worker serves without drafts",
+                    )
                 else:
-                    self.log.warning("steps.not_batch_invariant", reason=problem,
-                                     note="drafts are verified lossless in distribution; a greedy answer may differ "
-                                          "from plain decoding's where two logits are within rounding")
-            self._ready = ReadyDetails(max_draft_tokens=max_draft_tokens, kernels=runner.ops, batch_invariant=invariant,
-                                       step_timings=timings)
-            self.log.info("steps.timed", batch_invariant=invariant,
-                          timings=[(t.decode_rows, round(t.duration_ms, 2)) for t in timings])
+                    self.log.warning(
+                        "steps.not_batch_invariant",
+                        reason=problem,
+                        note="drafts are verified lossless in distribution; a greedy answer may differ "
+                        "from plain decoding's where two logits are within rounding",
+                    )
+            self._ready = ReadyDetails(
+                max_draft_tokens=max_draft_tokens, kernels=runner.ops, batch_invariant=invariant, step_timings=timings
+            )
+            self.log.info(
+                "steps.timed",
+                batch_invariant=invariant,
+                timings=[(t.decode_rows, round(t.duration_ms, 2)) for t in timings],
+            )
             self._runner = runner
 
         return [(State.LOADING, load), (State.ALLOCATING, runner.allocate), (State.WARMING, warm_up)]
@@ -128,18 +156,38 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
         duration_ms = (time.perf_counter() - started) * 1000
         for work in step.seqs:
             if work.start_position == 0:  # one line per request on this worker, so a grep finds it here too
-                self.log.info("seq.started", request_id=work.request_id, num_pages=len(work.pages), step_id=step.step_id)
-        self.send(m.StepResult(
-            worker_id=self.process_id, incarnation=self.incarnation, step_id=step.step_id,
-            outputs=outputs, duration_ms=duration_ms, features=features, prompt_logprobs=prompt_logprobs,
-        ))
-        self.log.debug("step.done", step_id=step.step_id, num_seqs=len(step.seqs),
-                       num_tokens=sum(len(work.token_ids) for work in step.seqs), duration_ms=round(duration_ms, 2),
-                       request_ids=[w.request_id for w in step.seqs])
+                self.log.info(
+                    "seq.started", request_id=work.request_id, num_pages=len(work.pages), step_id=step.step_id
+                )
+        self.send(
+            m.StepResult(
+                worker_id=self.process_id,
+                incarnation=self.incarnation,
+                step_id=step.step_id,
+                outputs=outputs,
+                duration_ms=duration_ms,
+                features=features,
+                prompt_logprobs=prompt_logprobs,
+            )
+        )
+        self.log.debug(
+            "step.done",
+            step_id=step.step_id,
+            num_seqs=len(step.seqs),
+            num_tokens=sum(len(work.token_ids) for work in step.seqs),
+            duration_ms=round(duration_ms, 2),
+            request_ids=[w.request_id for w in step.seqs],
+        )
 
     def _refuse(self, step: m.StepRequest, reason: str, request_id: str = "") -> None:
         self.log.warning("step.refused", step_id=step.step_id, reason=reason, request_id=request_id)
-        self.send(m.StepRefused(
-            worker_id=self.process_id, incarnation=self.incarnation, step_id=step.step_id,
-            state=self.state, reason=reason[:m.MAX_REASON_CHARS], request_id=request_id,
-        ))
+        self.send(
+            m.StepRefused(
+                worker_id=self.process_id,
+                incarnation=self.incarnation,
+                step_id=step.step_id,
+                state=self.state,
+                reason=reason[: m.MAX_REASON_CHARS],
+                request_id=request_id,
+            )
+        )

@@ -75,78 +75,144 @@ class FrameLimits:
 def gateway_to_scheduler(max_model_len: int) -> int:
     """The scheduler's gateway socket, for a scheduler of `max_model_len` (a gateway checks what it sends against it:
     a frame over it is a request the scheduler would refuse anyway)."""
-    return _bound(m.GatewayToScheduler, {
-        m.SubmitRequest: _struct(m.SubmitRequest, request_id=_REQUEST_ID, prompt_token_ids=_ints(max_model_len),
-                                 sampling=_sampling(), stop_token_ids=_ints(m.MAX_STOP_TOKEN_IDS),
-                                 grammar=_text(m.MAX_GRAMMAR_CHARS), cache_salt=_text(m.MAX_CACHE_SALT_CHARS)),
-        m.AbortRequest: _struct(m.AbortRequest, request_id=_REQUEST_ID, reason=_REASON),
-        m.InfoQuery: _struct(m.InfoQuery),
-        # gateway_id is a ZeroMQ routing id (255 bytes at most), incarnation a name the gateway makes at its start.
-        m.GatewayHello: _struct(m.GatewayHello, gateway_id=_NAME, incarnation=_NAME),
-        m.GatewayHeartbeat: _struct(m.GatewayHeartbeat, gateway_id=_NAME, incarnation=_NAME),
-    })
+    return _bound(
+        m.GatewayToScheduler,
+        {
+            m.SubmitRequest: _struct(
+                m.SubmitRequest,
+                request_id=_REQUEST_ID,
+                prompt_token_ids=_ints(max_model_len),
+                sampling=_sampling(),
+                stop_token_ids=_ints(m.MAX_STOP_TOKEN_IDS),
+                grammar=_text(m.MAX_GRAMMAR_CHARS),
+                cache_salt=_text(m.MAX_CACHE_SALT_CHARS),
+            ),
+            m.AbortRequest: _struct(m.AbortRequest, request_id=_REQUEST_ID, reason=_REASON),
+            m.InfoQuery: _struct(m.InfoQuery),
+            # gateway_id is a ZeroMQ routing id (255 bytes at most), incarnation a name the gateway makes at its start.
+            m.GatewayHello: _struct(m.GatewayHello, gateway_id=_NAME, incarnation=_NAME),
+            m.GatewayHeartbeat: _struct(m.GatewayHeartbeat, gateway_id=_NAME, incarnation=_NAME),
+        },
+    )
 
 
 @functools.cache
 def scheduler_to_gateway() -> int:
     """A gateway's socket: only the protocol's per-frame limits bound it (the scheduler keeps to them)."""
     num_tokens = m.MAX_DRAFT_TOKENS + 1  # a step's new tokens of one request: its accepted drafts and one more
-    delta = _struct(m.TokenDelta, request_id=_REQUEST_ID, token_ids=_ints(num_tokens), logprobs=_logprobs(num_tokens),
-                    prompt_logprobs=_logprobs(m.MAX_PROMPT_LOGPROBS_PER_DELTA))
-    process = _struct(m.ProcessInfo, process_id=_NAME, failure=_REASON, protocol_errors=_ERROR_COUNTS,
-                      kernels=_text(m.MAX_KERNELS_CHARS), step_ms_per_row_by_range=_ints(len(ROW_KNOTS) + 1))
+    delta = _struct(
+        m.TokenDelta,
+        request_id=_REQUEST_ID,
+        token_ids=_ints(num_tokens),
+        logprobs=_logprobs(num_tokens),
+        prompt_logprobs=_logprobs(m.MAX_PROMPT_LOGPROBS_PER_DELTA),
+    )
+    process = _struct(
+        m.ProcessInfo,
+        process_id=_NAME,
+        failure=_REASON,
+        protocol_errors=_ERROR_COUNTS,
+        kernels=_text(m.MAX_KERNELS_CHARS),
+        step_ms_per_row_by_range=_ints(len(ROW_KNOTS) + 1),
+    )
     by_draft_position = _HEAD + (m.MAX_DRAFT_TOKENS + 1) * 2 * _NUMBER
     source = _struct(m.SourceAcceptance, recent_rates=_ints(m.MAX_DRAFT_TOKENS))
     sources = _HEAD + len(m.PROPOSAL_SOURCES) * (_text(max(map(len, m.PROPOSAL_SOURCES))) + source)
-    speculation = _struct(m.SpeculationInfo, steps_by_k=by_draft_position, proposed_by_position=by_draft_position,
-                          accepted_by_position=by_draft_position, sources=sources, policy=_NAME)
-    return _bound(m.SchedulerToGateway, {
-        m.TokenDelta: delta,
-        m.TokenDeltas: _struct(m.TokenDeltas, deltas=_list(m.MAX_DELTAS_PER_FRAME, delta)),
-        m.RequestError: _struct(m.RequestError, request_id=_REQUEST_ID, message=_REASON),
-        # The scheduler's own protocol errors are a few kinds named in its code, as MAX_ERROR_KINDS bounds a process's.
-        m.InfoReply: _struct(m.InfoReply, model_name=_NAME, processes=_list(m.MAX_LISTED_PROCESSES, process),
-                             speculation=speculation, protocol_errors=_ERROR_COUNTS),
-        m.Probe: _struct(m.Probe),
-    })
+    speculation = _struct(
+        m.SpeculationInfo,
+        steps_by_k=by_draft_position,
+        proposed_by_position=by_draft_position,
+        accepted_by_position=by_draft_position,
+        sources=sources,
+        policy=_NAME,
+    )
+    return _bound(
+        m.SchedulerToGateway,
+        {
+            m.TokenDelta: delta,
+            m.TokenDeltas: _struct(m.TokenDeltas, deltas=_list(m.MAX_DELTAS_PER_FRAME, delta)),
+            m.RequestError: _struct(m.RequestError, request_id=_REQUEST_ID, message=_REASON),
+            # The scheduler's own protocol errors are a few kinds named in its code, as MAX_ERROR_KINDS bounds a process's.
+            m.InfoReply: _struct(
+                m.InfoReply,
+                model_name=_NAME,
+                processes=_list(m.MAX_LISTED_PROCESSES, process),
+                speculation=speculation,
+                protocol_errors=_ERROR_COUNTS,
+            ),
+            m.Probe: _struct(m.Probe),
+        },
+    )
 
 
 @functools.cache
 def worker_to_scheduler(limits: FrameLimits) -> int:
     """The scheduler's worker socket: a step's result (its feature rows the largest part), a proposal, a report."""
     k = limits.max_draft_tokens
-    output = _struct(m.SeqOutput, request_id=_REQUEST_ID, token_ids=_ints(k + 1), accepted_nodes=_ints(k),
-                     logprobs=_logprobs(k + 1), forced_token_ids=_ints(m.MAX_DRAFT_TOKENS))  # a worker cuts those
+    output = _struct(
+        m.SeqOutput,
+        request_id=_REQUEST_ID,
+        token_ids=_ints(k + 1),
+        accepted_nodes=_ints(k),
+        logprobs=_logprobs(k + 1),
+        forced_token_ids=_ints(m.MAX_DRAFT_TOKENS),
+    )  # a worker cuts those
     rows = _struct(m.FeatureRows, dtype=_DTYPE, data=_HEAD)  # the data counted for the whole step below
     feature_bytes = limits.max_step_tokens * limits.feature_width * FEATURE_ITEM_BYTES
     prompt_entries = limits.max_num_batched_tokens * _logprob()  # a chunk's tokens, each scored once
     step_result = _struct(
-        m.StepResult, worker_id=_NAME, outputs=_list(limits.max_num_seqs, output),
+        m.StepResult,
+        worker_id=_NAME,
+        outputs=_list(limits.max_num_seqs, output),
         features=_list(limits.max_num_seqs, _struct(m.SeqFeatures, request_id=_REQUEST_ID, rows=rows)) + feature_bytes,
         prompt_logprobs=_list(limits.max_num_seqs, _struct(m.PromptLogprobs, request_id=_REQUEST_ID, entries=_HEAD))
-        + prompt_entries)
-    proposal = _struct(m.Proposal, request_id=_REQUEST_ID, token_ids=_ints(k), dists=_list(k, _sparse_dist()),
-                       parents=_ints(k), source=_NAME)
-    return _bound(m.WorkerToScheduler, {
-        m.WorkerHello: _struct(m.WorkerHello, **{name: _NAME for name in m.HELLO_NAMES}),
-        m.LifecycleReport: _struct(m.LifecycleReport, worker_id=_NAME, kernels=_text(m.MAX_KERNELS_CHARS),
-                                   step_timings=_list(m.MAX_STEP_TIMINGS, _struct(m.StepTiming))),
-        m.WorkerFailed: _struct(m.WorkerFailed, worker_id=_NAME, error_type=_NAME, message=_REASON),
-        m.Heartbeat: _struct(m.Heartbeat, worker_id=_NAME, protocol_errors=_ERROR_COUNTS),
-        m.StepResult: step_result,
-        m.StepRefused: _struct(m.StepRefused, worker_id=_NAME, reason=_REASON, request_id=_REQUEST_ID),
-        m.ProposeResult: _struct(m.ProposeResult, worker_id=_NAME, proposals=_list(limits.max_propose_seqs, proposal)),
-        m.ProposeRefused: _struct(m.ProposeRefused, worker_id=_NAME, reason=_REASON),
-    })
+        + prompt_entries,
+    )
+    proposal = _struct(
+        m.Proposal,
+        request_id=_REQUEST_ID,
+        token_ids=_ints(k),
+        dists=_list(k, _sparse_dist()),
+        parents=_ints(k),
+        source=_NAME,
+    )
+    return _bound(
+        m.WorkerToScheduler,
+        {
+            m.WorkerHello: _struct(m.WorkerHello, **{name: _NAME for name in m.HELLO_NAMES}),
+            m.LifecycleReport: _struct(
+                m.LifecycleReport,
+                worker_id=_NAME,
+                kernels=_text(m.MAX_KERNELS_CHARS),
+                step_timings=_list(m.MAX_STEP_TIMINGS, _struct(m.StepTiming)),
+            ),
+            m.WorkerFailed: _struct(m.WorkerFailed, worker_id=_NAME, error_type=_NAME, message=_REASON),
+            m.Heartbeat: _struct(m.Heartbeat, worker_id=_NAME, protocol_errors=_ERROR_COUNTS),
+            m.StepResult: step_result,
+            m.StepRefused: _struct(m.StepRefused, worker_id=_NAME, reason=_REASON, request_id=_REQUEST_ID),
+            m.ProposeResult: _struct(
+                m.ProposeResult, worker_id=_NAME, proposals=_list(limits.max_propose_seqs, proposal)
+            ),
+            m.ProposeRefused: _struct(m.ProposeRefused, worker_id=_NAME, reason=_REASON),
+        },
+    )
 
 
 @functools.cache
 def scheduler_to_target(limits: FrameLimits) -> int:
     """A target worker's socket: a step, each sequence with its sampling, block table, history and grammar."""
     k = limits.max_draft_tokens
-    seq = _struct(m.SeqWork, request_id=_REQUEST_ID, pages=_ints(limits.max_block_table_pages),
-                  token_ids=_HEAD, sampling=_sampling(), draft_dists=_list(k, _sparse_dist()), draft_parents=_ints(k),
-                  history=_ints(limits.max_model_len), grammar=_text(m.MAX_GRAMMAR_CHARS))
+    seq = _struct(
+        m.SeqWork,
+        request_id=_REQUEST_ID,
+        pages=_ints(limits.max_block_table_pages),
+        token_ids=_HEAD,
+        sampling=_sampling(),
+        draft_dists=_list(k, _sparse_dist()),
+        draft_parents=_ints(k),
+        history=_ints(limits.max_model_len),
+        grammar=_text(m.MAX_GRAMMAR_CHARS),
+    )
     step = _struct(m.StepRequest, seqs=_list(limits.max_num_seqs, seq) + limits.max_step_tokens * _NUMBER)
     return _bound(m.SchedulerToWorker, {m.StepRequest: step, m.Drain: _struct(m.Drain), m.Probe: _struct(m.Probe)})
 
@@ -154,16 +220,25 @@ def scheduler_to_target(limits: FrameLimits) -> int:
 @functools.cache
 def scheduler_to_draft(limits: FrameLimits) -> int:
     """The draft service's socket: a propose request, each sequence with its tokens and the feature rows it lacks."""
-    rows = _struct(m.FeatureRows, dtype=_DTYPE,
-                   data=_HEAD + limits.max_model_len * limits.feature_width * FEATURE_ITEM_BYTES)
-    seq = _struct(m.ProposeSeq, request_id=_REQUEST_ID, new_token_ids=_ints(limits.max_model_len), sampling=_sampling(),
-                  features=rows)
-    return _bound(m.SchedulerToDraft, {
-        m.ProposeRequest: _struct(m.ProposeRequest, seqs=_list(limits.max_propose_seqs, seq)),
-        m.ReleaseSequences: _struct(m.ReleaseSequences, request_ids=_list(m.MAX_RELEASE_IDS, _REQUEST_ID)),
-        m.Drain: _struct(m.Drain),
-        m.Probe: _struct(m.Probe),
-    })
+    rows = _struct(
+        m.FeatureRows, dtype=_DTYPE, data=_HEAD + limits.max_model_len * limits.feature_width * FEATURE_ITEM_BYTES
+    )
+    seq = _struct(
+        m.ProposeSeq,
+        request_id=_REQUEST_ID,
+        new_token_ids=_ints(limits.max_model_len),
+        sampling=_sampling(),
+        features=rows,
+    )
+    return _bound(
+        m.SchedulerToDraft,
+        {
+            m.ProposeRequest: _struct(m.ProposeRequest, seqs=_list(limits.max_propose_seqs, seq)),
+            m.ReleaseSequences: _struct(m.ReleaseSequences, request_ids=_list(m.MAX_RELEASE_IDS, _REQUEST_ID)),
+            m.Drain: _struct(m.Drain),
+            m.Probe: _struct(m.Probe),
+        },
+    )
 
 
 # ---------------------------------------------------------------- counting
@@ -197,8 +272,11 @@ def _logprobs(count: int) -> int:
 
 
 def _sampling() -> int:
-    penalties = _struct(m.Penalties, logit_bias=_HEAD + m.MAX_LOGIT_BIAS_ENTRIES * 2 * _NUMBER,
-                        stop_token_ids=_ints(m.MAX_STOP_TOKEN_IDS))
+    penalties = _struct(
+        m.Penalties,
+        logit_bias=_HEAD + m.MAX_LOGIT_BIAS_ENTRIES * 2 * _NUMBER,
+        stop_token_ids=_ints(m.MAX_STOP_TOKEN_IDS),
+    )
     return _struct(m.SamplingParams, penalties=penalties)
 
 

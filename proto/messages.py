@@ -55,8 +55,12 @@ MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1  # a request's priority: what t
 MAX_GRAMMAR_CHARS = 1 << 20
 MAX_CACHE_SALT_CHARS = 512  # a client's salt (at most 256) with the gateway's own before it
 MAX_NAME_CHARS = 256  # a hello's ids, names, fingerprints, dtype and device
-MAX_KERNELS_CHARS = 1024  # a READY report's kernels beyond this are cut (they go into GetServerInfo and /metrics labels)
-MAX_REASON_CHARS = 2048  # a failure's or a refusal's text: its sender cuts it here, and so does the scheduler relaying it
+MAX_KERNELS_CHARS = (
+    1024  # a READY report's kernels beyond this are cut (they go into GetServerInfo and /metrics labels)
+)
+MAX_REASON_CHARS = (
+    2048  # a failure's or a refusal's text: its sender cuts it here, and so does the scheduler relaying it
+)
 # Proposal.source values the scheduler keeps apart ("other": any it does not know; "": unsaid).
 PROPOSAL_SOURCES = ("", "lookup", "phrases", "head", "model", "grammar", "other")
 MAX_STEP_TIMINGS = 16  # warm-up step timings a READY report carries at most
@@ -479,8 +483,16 @@ class WorkerHello(msgspec.Struct, tag="hello", frozen=True, forbid_unknown_field
 
 
 # The hello's text fields, each at most MAX_NAME_CHARS (the scheduler refuses a longer one; proto/frames.py sizes them).
-HELLO_NAMES = ("worker_id", "model_name", "model_fingerprint", "dtype", "device", "vocab_fingerprint",
-               "target_fingerprint", "draft_kind")
+HELLO_NAMES = (
+    "worker_id",
+    "model_name",
+    "model_fingerprint",
+    "dtype",
+    "device",
+    "vocab_fingerprint",
+    "target_fingerprint",
+    "draft_kind",
+)
 
 
 class StepTiming(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

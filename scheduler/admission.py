@@ -23,8 +23,9 @@ class RequestRejected(Exception):
         self.message = message
 
 
-def submit_problem(submit: m.SubmitRequest, ids_in_use: Container[str], max_model_len: int, vocab_size: int, *,
-                   by_priority: bool) -> str:
+def submit_problem(
+    submit: m.SubmitRequest, ids_in_use: Container[str], max_model_len: int, vocab_size: int, *, by_priority: bool
+) -> str:
     """Why a submitted request cannot be served ("" when it can).
 
     Everything is checked: its id (not one in `ids_in_use`), token ids against the targets'
@@ -57,11 +58,14 @@ def submit_problem(submit: m.SubmitRequest, ids_in_use: Container[str], max_mode
         return f"max_tokens must be at least {least}, got {submit.max_tokens}"
     max_tokens = granted_max_tokens(submit, max_model_len)
     if num_prompt + max(max_tokens, 1) > max_model_len:
-        return (f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds the context of {max_model_len} "
-                "tokens")
+        return (
+            f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds the context of {max_model_len} tokens"
+        )
     if submit.priority and not by_priority:
-        return (f"priority {submit.priority}: this scheduler serves requests in the order they come "
-                "(--scheduling-policy fcfs); only 0 is taken")
+        return (
+            f"priority {submit.priority}: this scheduler serves requests in the order they come "
+            "(--scheduling-policy fcfs); only 0 is taken"
+        )
     if not m.MIN_PRIORITY <= submit.priority <= m.MAX_PRIORITY:
         return f"priority must be in [{m.MIN_PRIORITY}, {m.MAX_PRIORITY}], got {submit.priority}"
     return ""
@@ -92,10 +96,14 @@ def penalties_problem(penalties: m.Penalties) -> str:
     for name, value in (("presence_penalty", penalties.presence), ("frequency_penalty", penalties.frequency)):
         if not (math.isfinite(value) and -m.MAX_PENALTY <= value <= m.MAX_PENALTY):
             return f"{name} {value} is outside -{m.MAX_PENALTY} .. {m.MAX_PENALTY}"
-    if not (math.isfinite(penalties.repetition)
-            and m.MIN_REPETITION_PENALTY <= penalties.repetition <= m.MAX_REPETITION_PENALTY):
-        return (f"repetition_penalty {penalties.repetition} is outside "
-                f"{m.MIN_REPETITION_PENALTY} .. {m.MAX_REPETITION_PENALTY}")
+    if not (
+        math.isfinite(penalties.repetition)
+        and m.MIN_REPETITION_PENALTY <= penalties.repetition <= m.MAX_REPETITION_PENALTY
+    ):
+        return (
+            f"repetition_penalty {penalties.repetition} is outside "
+            f"{m.MIN_REPETITION_PENALTY} .. {m.MAX_REPETITION_PENALTY}"
+        )
     if len(penalties.logit_bias) > m.MAX_LOGIT_BIAS_ENTRIES:
         return f"logit_bias has {len(penalties.logit_bias)} entries, at most {m.MAX_LOGIT_BIAS_ENTRIES}"
     for token, bias in penalties.logit_bias.items():
@@ -111,8 +119,12 @@ def penalties_problem(penalties: m.Penalties) -> str:
 def token_problem(submit: m.SubmitRequest | Request, vocab_size: int) -> str:
     """A prompt or stop token id outside the vocabulary of `vocab_size` ids (any negative one when it is not known)."""
     penalties = submit.sampling.penalties or m.Penalties()
-    for field_name, ids in (("prompt_token_ids", list(submit.prompt_token_ids)), ("stop_token_ids", list(submit.stop_token_ids)),
-                            ("logit_bias", list(penalties.logit_bias)), ("min_tokens' stop_token_ids", penalties.stop_token_ids)):
+    for field_name, ids in (
+        ("prompt_token_ids", list(submit.prompt_token_ids)),
+        ("stop_token_ids", list(submit.stop_token_ids)),
+        ("logit_bias", list(penalties.logit_bias)),
+        ("min_tokens' stop_token_ids", penalties.stop_token_ids),
+    ):
         if ids and (min(ids) < 0 or (vocab_size and max(ids) >= vocab_size)):
             bad = next(i for i in ids if i < 0 or (vocab_size and i >= vocab_size))
             return f"{field_name} holds {bad}, outside the vocabulary of {vocab_size or 'the model'} ids"

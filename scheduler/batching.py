@@ -60,8 +60,9 @@ def select_seqs(running: Sequence[Request], limits: BatchLimits) -> list[Schedul
     return seqs
 
 
-def plan_step(running: Sequence[Request], limits: BatchLimits,
-              draft_tokens: Callable[[list[ScheduledSeq]], Mapping[str, int]]) -> StepPlan | None:
+def plan_step(
+    running: Sequence[Request], limits: BatchLimits, draft_tokens: Callable[[list[ScheduledSeq]], Mapping[str, int]]
+) -> StepPlan | None:
     """The next step of a worker running `running`, or None when none of them needs one.
 
     `draft_tokens` is the speculation decision for the chosen sequences (k per request id).

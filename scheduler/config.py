@@ -58,18 +58,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def from_arguments(args: argparse.Namespace) -> SchedulerConfig:
-    positive = ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "max_queue_len",
-                "no_worker_timeout_s", "heartbeat_timeout_s", "step_timeout_s", "propose_timeout_s", "phase_timeout_s",
-                "gone_listed_s")
-    given = [name for name in ("num_speculative_tokens", "spec_disable_batch_threshold") if getattr(args, name) is not None]
+    positive = (
+        "max_model_len",
+        "max_num_batched_tokens",
+        "max_num_seqs",
+        "max_queue_len",
+        "no_worker_timeout_s",
+        "heartbeat_timeout_s",
+        "step_timeout_s",
+        "propose_timeout_s",
+        "phase_timeout_s",
+        "gone_listed_s",
+    )
+    given = [
+        name for name in ("num_speculative_tokens", "spec_disable_batch_threshold") if getattr(args, name) is not None
+    ]
     if problem := not_positive_problem(args, positive) or below_problem(
-            args, (*given, "spec_draft_token_budget", "max_request_retries", "gateway_gone_grace_s"), 0):
+        args, (*given, "spec_draft_token_budget", "max_request_retries", "gateway_gone_grace_s"), 0
+    ):
         raise ValueError(problem)
     if len(args.model_name) > MAX_NAME_CHARS:  # it goes to every gateway (proto/frames.py)
         raise ValueError(f"--model-name: at most {MAX_NAME_CHARS} characters, got {len(args.model_name)}")
-    transport_from_arguments(args, "scheduler", (("--gateway-address", args.gateway_address),
-                                                ("--worker-address", args.worker_address)))
-    return SchedulerConfig(**{field.name: getattr(args, field.name) for field in fields(SchedulerConfig)})  # one flag each
+    transport_from_arguments(
+        args, "scheduler", (("--gateway-address", args.gateway_address), ("--worker-address", args.worker_address))
+    )
+    return SchedulerConfig(
+        **{field.name: getattr(args, field.name) for field in fields(SchedulerConfig)}
+    )  # one flag each
 
 
 def speculation_caps(config: SchedulerConfig, draft_kind: str) -> tuple[int, int]:
@@ -80,6 +95,9 @@ def speculation_caps(config: SchedulerConfig, draft_kind: str) -> tuple[int, int
     except ValueError:
         spec = DraftSpec(DraftKind.NGRAM)
     k = spec.num_speculative_tokens if config.num_speculative_tokens is None else config.num_speculative_tokens
-    threshold = (spec.spec_batch_threshold if config.spec_disable_batch_threshold is None
-                 else config.spec_disable_batch_threshold)
+    threshold = (
+        spec.spec_batch_threshold
+        if config.spec_disable_batch_threshold is None
+        else config.spec_disable_batch_threshold
+    )
     return k, threshold

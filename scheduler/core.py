@@ -40,24 +40,46 @@ class SchedulerCore:
     """`peer_connected(identity)`: whether a worker socket with that routing identity is connected now (the shell asks
     ZeroMQ); it decides whether a second hello for a worker id comes from a restarted process or from an impostor."""
 
-    def __init__(self, config: SchedulerConfig, *, wall_clock_ns: Callable[[], int], rng: random.Random | None = None,
-                 peer_connected: Callable[[bytes], bool] = lambda identity: True) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        *,
+        wall_clock_ns: Callable[[], int],
+        rng: random.Random | None = None,
+        peer_connected: Callable[[bytes], bool] = lambda identity: True,
+    ) -> None:
         self._config = config
-        self._requests = RequestTable(config.max_model_len, config.max_queue_len, rng or random.Random(),
-                                      by_priority=config.scheduling_policy == "priority")
+        self._requests = RequestTable(
+            config.max_model_len,
+            config.max_queue_len,
+            rng or random.Random(),
+            by_priority=config.scheduling_policy == "priority",
+        )
         self._workers = WorkerRegistry(config.max_model_len)
         self._drafts = DraftLink(config)
         self.outbox = Outbox()
         # What the shell drops from each socket before (or after) the core sees it, exported with info().
-        self.protocol_errors = {"gateway": ProtocolErrors("scheduler.gateway"), "worker": ProtocolErrors("scheduler.worker")}
+        self.protocol_errors = {
+            "gateway": ProtocolErrors("scheduler.gateway"),
+            "worker": ProtocolErrors("scheduler.worker"),
+        }
         self._finisher = Finisher(self._requests, self._workers, self._drafts, self.outbox)
         self._steps = StepCycle(config, self._requests, self._workers, self._drafts, self._finisher, self.outbox)
         self._results = StepResults(config, self._requests, self._drafts, self._finisher, self.outbox)
         self._gateways = GatewayRegistry(config.heartbeat_timeout_s, config.gateway_gone_grace_s)
         self._endings = Endings(config, self._requests, self._drafts, self._finisher, self._steps, self.outbox)
-        self._lifecycle = WorkerLifecycle(config, self._workers, self._requests, self._drafts, self._finisher,
-                                          self._endings, self.outbox, self.protocol_errors["worker"], peer_connected,
-                                          wall_clock_ns)
+        self._lifecycle = WorkerLifecycle(
+            config,
+            self._workers,
+            self._requests,
+            self._drafts,
+            self._finisher,
+            self._endings,
+            self.outbox,
+            self.protocol_errors["worker"],
+            peer_connected,
+            wall_clock_ns,
+        )
 
     # ------------------------------------------------------------------ views
 
@@ -87,14 +109,24 @@ class SchedulerCore:
 
     def info(self, query_id: int, now_s: float) -> m.InfoReply:
         return m.InfoReply(
-            query_id=query_id, model_name=self._config.model_name, max_model_len=self._config.max_model_len,
-            num_waiting=self.num_waiting, num_running=self.num_running,
-            processes=[w.info(now_s) for w in self._workers  # at most what a gateway takes (proto/frames.py)
-                       if w.is_live or now_s - w.state_since_s <= self._config.gone_listed_s][: m.MAX_LISTED_PROCESSES],
+            query_id=query_id,
+            model_name=self._config.model_name,
+            max_model_len=self._config.max_model_len,
+            num_waiting=self.num_waiting,
+            num_running=self.num_running,
+            processes=[
+                w.info(now_s)
+                for w in self._workers  # at most what a gateway takes (proto/frames.py)
+                if w.is_live or now_s - w.state_since_s <= self._config.gone_listed_s
+            ][: m.MAX_LISTED_PROCESSES],
             speculation=self._drafts.counters.info(),
-            protocol_errors={f"{socket}.{kind}": count for socket, errors in self.protocol_errors.items()
-                             for kind, count in errors.counts.items()},
-            num_gateways=len(self._gateways), num_gone_gateways=self._endings.num_gone_gateways,
+            protocol_errors={
+                f"{socket}.{kind}": count
+                for socket, errors in self.protocol_errors.items()
+                for kind, count in errors.counts.items()
+            },
+            num_gateways=len(self._gateways),
+            num_gone_gateways=self._endings.num_gone_gateways,
             num_orphaned_requests=self._endings.num_orphaned_requests,
         )
 
@@ -112,8 +144,9 @@ class SchedulerCore:
                 if request is not None and request.gateway != identity:  # a gateway ends only its own requests
                     self.protocol_errors["gateway"].record("not_owner", message="abort", request_id=message.request_id)
                 elif request is not None:  # else already finished
-                    self._finisher.finish(request, RequestStatus.FINISHED_ABORTED, notify=False,
-                                          reason=message.reason[:200])
+                    self._finisher.finish(
+                        request, RequestStatus.FINISHED_ABORTED, notify=False, reason=message.reason[:200]
+                    )
             case m.InfoQuery():
                 if message.flush_prefix_cache:
                     flushed = sum(w.pages.flush() for w in self._workers if w.pages is not None)
@@ -136,22 +169,32 @@ class SchedulerCore:
 
     def check_timeouts(self, now_s: float) -> None:
         cfg = self._config
-        for worker, verdict, failure in self._workers.overdue(now_s, cfg.phase_timeout_s, cfg.heartbeat_timeout_s,
-                                                              cfg.step_timeout_s):
+        for worker, verdict, failure in self._workers.overdue(
+            now_s, cfg.phase_timeout_s, cfg.heartbeat_timeout_s, cfg.step_timeout_s
+        ):
             worker.failure = failure
             self._endings.lose_worker(worker, verdict, now_s)
         for pending in self._drafts.proposals.timed_out(now_s):
-            log.warning("propose.timeout", propose_id=pending.propose_id, waited_s=round(now_s - pending.sent_at_s, 3),
-                        note="the step runs without proposals (--propose-timeout-s)")
+            log.warning(
+                "propose.timeout",
+                propose_id=pending.propose_id,
+                waited_s=round(now_s - pending.sent_at_s, 3),
+                note="the step runs without proposals (--propose-timeout-s)",
+            )
             self._steps.give_up_proposal(pending, now_s, answer_may_come=True)
         for gateway in self._gateways.gone(now_s):
-            self._endings.orphan_requests(gateway, now_s, f"the gateway was {gateway.missing_because} for more than "
-                                                  f"{self._config.gateway_gone_grace_s:g} s (--gateway-gone-grace-s)")
+            self._endings.orphan_requests(
+                gateway,
+                now_s,
+                f"the gateway was {gateway.missing_because} for more than "
+                f"{self._config.gateway_gone_grace_s:g} s (--gateway-gone-grace-s)",
+            )
         self._drafts.log_stats(now_s)
         if (since_s := self._lifecycle.without_target_since_s(now_s)) is not None:
             failure = f"no READY worker within {cfg.no_worker_timeout_s} s (--no-worker-timeout-s)"
-            for request in [r for r in self._requests.waiting
-                            if now_s - max(since_s, r.waiting_since_s) > cfg.no_worker_timeout_s]:
+            for request in [
+                r for r in self._requests.waiting if now_s - max(since_s, r.waiting_since_s) > cfg.no_worker_timeout_s
+            ]:
                 self._finisher.fail(request, "UNAVAILABLE", failure)
         self._end_event(now_s)
 
@@ -159,9 +202,11 @@ class SchedulerCore:
         """A gateway speaking this protocol is known from its hello, or from any heartbeat (one given up on while its
         connection stayed up is known again)."""
         if greeting.protocol_version != m.PROTOCOL_VERSION:
-            self.protocol_errors["gateway"].record("bad_hello", gateway_id=greeting.gateway_id[:64],
-                                                   problem=f"protocol version {greeting.protocol_version}, the "
-                                                           f"scheduler speaks {m.PROTOCOL_VERSION}")
+            self.protocol_errors["gateway"].record(
+                "bad_hello",
+                gateway_id=greeting.gateway_id[:64],
+                problem=f"protocol version {greeting.protocol_version}, the scheduler speaks {m.PROTOCOL_VERSION}",
+            )
             return
         replaced = self._gateways.greet(identity, greeting.gateway_id[:256], greeting.incarnation[:64], now_s)
         if replaced is not None:  # a new process under the old one's identity: nobody reads the old one's requests
@@ -174,8 +219,13 @@ class SchedulerCore:
             log.info("request.rejected", request_id=submit.request_id, code=exc.code, reason=exc.message)
             self.outbox.to_gateway(identity, m.RequestError(submit.request_id, exc.code, exc.message))
             return
-        log.info("request.queued", request_id=request.request_id, num_prompt_tokens=len(request.prompt_token_ids),
-                 max_tokens=request.max_tokens, num_waiting=self.num_waiting)
+        log.info(
+            "request.queued",
+            request_id=request.request_id,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            max_tokens=request.max_tokens,
+            num_waiting=self.num_waiting,
+        )
 
     def _on_worker_message(self, identity: bytes, message: m.WorkerToScheduler, now_s: float) -> bool:
         if isinstance(message, m.WorkerHello):
@@ -184,7 +234,9 @@ class SchedulerCore:
         if worker is None:
             return False
         if not worker.sent_by(identity, message):  # believed only from the sockets of the process that said the hello
-            self.protocol_errors["worker"].record("not_owner", message=type(message).__name__, worker_id=message.worker_id)
+            self.protocol_errors["worker"].record(
+                "not_owner", message=type(message).__name__, worker_id=message.worker_id
+            )
             return False
         worker.last_seen_s = now_s
         match message:
@@ -205,12 +257,19 @@ class SchedulerCore:
                     self._endings.lose_worker(worker, State.FAILED, now_s)
             case m.StepRefused():
                 if not self._results.refused_for_its_request(worker, message):
-                    log.error("step.refused", worker_id=worker.worker_id, step_id=message.step_id, reason=message.reason)
+                    log.error(
+                        "step.refused", worker_id=worker.worker_id, step_id=message.step_id, reason=message.reason
+                    )
                     worker.failure = f"refused a step: {message.reason}"
                     self._endings.lose_worker(worker, State.FAILED, now_s)
             case m.ProposeResult():
-                answered = self._drafts.proposals.answer(message, self._requests, self._workers.target_vocab_size,
-                                                         partial(protocol_error, worker, "bad_proposal"), now_s)
+                answered = self._drafts.proposals.answer(
+                    message,
+                    self._requests,
+                    self._workers.target_vocab_size,
+                    partial(protocol_error, worker, "bad_proposal"),
+                    now_s,
+                )
                 if answered is None:
                     return False
                 self._steps.step_after_proposal(*answered, now_s)
@@ -219,7 +278,9 @@ class SchedulerCore:
                 if (pending := self._drafts.proposals.pending(message.propose_id)) is not None:
                     self._steps.give_up_proposal(pending, now_s, answer_may_come=False)
             case m.ProposeRefused():
-                log.error("propose.refused", worker_id=worker.worker_id, propose_id=message.propose_id, reason=message.reason)
+                log.error(
+                    "propose.refused", worker_id=worker.worker_id, propose_id=message.propose_id, reason=message.reason
+                )
                 worker.failure = f"refused a propose request: {message.reason}"
                 self._endings.lose_worker(worker, State.FAILED, now_s)
             case _:

@@ -20,8 +20,15 @@ log = get_logger()
 
 
 class Endings:
-    def __init__(self, config: SchedulerConfig, requests: RequestTable, drafts: DraftLink, finisher: Finisher,
-                 steps: StepCycle, outbox: Outbox) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        requests: RequestTable,
+        drafts: DraftLink,
+        finisher: Finisher,
+        steps: StepCycle,
+        outbox: Outbox,
+    ) -> None:
         self._config = config
         self._requests = requests
         self._drafts = drafts
@@ -48,9 +55,11 @@ class Endings:
             # the next loss points at it or clears the others.
             request.suspect = request.num_lost_steps >= 2
             if alone and request.num_lost_steps > self._config.max_request_retries:
-                problem = (f"the request was in flight on {request.num_lost_steps} workers that were lost (last: "
-                           f"{worker.worker_id}, {worker.failure}); it is not run again (--max-request-retries "
-                           f"{self._config.max_request_retries})")
+                problem = (
+                    f"the request was in flight on {request.num_lost_steps} workers that were lost (last: "
+                    f"{worker.worker_id}, {worker.failure}); it is not run again (--max-request-retries "
+                    f"{self._config.max_request_retries})"
+                )
                 log.error("request.quarantined", request_id=request.request_id, reason=problem)
                 self._finisher.fail(request, "INTERNAL", problem)
 
@@ -67,9 +76,15 @@ class Endings:
                 self._outbox.to_gateway(gateway.identity, m.RequestError(request.request_id, "UNAVAILABLE", problem))
         self.num_gone_gateways += 1
         self.num_orphaned_requests += len(orphans)
-        log.warning("gateway.gone", gateway_id=gateway.gateway_id, because=gateway.missing_because,
-                    missing_for_s=round(now_s - gateway.missing_since_s, 3), num_aborted=len(orphans),
-                    num_running=num_running, num_waiting=len(orphans) - num_running)
+        log.warning(
+            "gateway.gone",
+            gateway_id=gateway.gateway_id,
+            because=gateway.missing_because,
+            missing_for_s=round(now_s - gateway.missing_since_s, 3),
+            num_aborted=len(orphans),
+            num_running=num_running,
+            num_waiting=len(orphans) - num_running,
+        )
 
     def lose_draft(self, draft: WorkerRecord, now_s: float) -> None:
         """Steps go on without speculation; a new incarnation starts from nothing."""
@@ -83,8 +98,14 @@ class Endings:
         refused step, a bad result) would otherwise run on, heartbeating, with nobody to
         serve and no supervisor to restart it. A dead one never reads it.
         """
-        log.warning("worker.lost", worker_id=worker.worker_id, incarnation=worker.incarnation, state=state,
-                    failure=worker.failure, num_requeued=len(worker.requests))
+        log.warning(
+            "worker.lost",
+            worker_id=worker.worker_id,
+            incarnation=worker.incarnation,
+            state=state,
+            failure=worker.failure,
+            num_requeued=len(worker.requests),
+        )
         if worker.is_target:
             self._quarantine(worker, now_s)
         if not worker.told_to_stop:

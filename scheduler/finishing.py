@@ -30,9 +30,16 @@ class Finisher:
         request.worker_id = None
         self._drafts.forget_later(request)
         self._requests.finish(request, status)
-        log.info("request.finished", request_id=request.request_id, status=status.value, reason=reason or None,
-                 num_completion_tokens=len(request.output_token_ids), num_draft_tokens=request.num_draft_tokens,
-                 num_accepted_draft_tokens=request.num_accepted_draft_tokens, num_verify_steps=request.num_verify_steps)
+        log.info(
+            "request.finished",
+            request_id=request.request_id,
+            status=status.value,
+            reason=reason or None,
+            num_completion_tokens=len(request.output_token_ids),
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_draft_tokens=request.num_accepted_draft_tokens,
+            num_verify_steps=request.num_verify_steps,
+        )
         if notify and status in FINISH_REASONS:
             self._outbox.emit(request, [], FINISH_REASONS[status])
 

@@ -77,8 +77,12 @@ class GatewayRegistry:
             return
         record.last_seen_s = now_s
         if record.state is GatewayState.MISSING:
-            log.info("gateway.back", gateway_id=record.gateway_id, missing_because=record.missing_because,
-                     missing_for_s=round(now_s - record.missing_since_s, 3))
+            log.info(
+                "gateway.back",
+                gateway_id=record.gateway_id,
+                missing_because=record.missing_because,
+                missing_for_s=round(now_s - record.missing_since_s, 3),
+            )
             record.state = GatewayState.CONNECTED
             record.missing_because = ""
 
@@ -99,8 +103,11 @@ class GatewayRegistry:
             overdue_since_s = record.last_seen_s + self._heartbeat_timeout_s
             if record.state is GatewayState.CONNECTED and now_s > overdue_since_s:
                 self._missing(record, overdue_since_s, "silent")
-        gone = [r for r in self._by_identity.values()
-                if r.state is GatewayState.MISSING and now_s - r.missing_since_s >= self._grace_s]
+        gone = [
+            r
+            for r in self._by_identity.values()
+            if r.state is GatewayState.MISSING and now_s - r.missing_since_s >= self._grace_s
+        ]
         for record in gone:
             del self._by_identity[record.identity]
         return gone
@@ -109,5 +116,10 @@ class GatewayRegistry:
         record.state = GatewayState.MISSING
         record.missing_since_s = since_s
         record.missing_because = because
-        log.warning("gateway.missing", gateway_id=record.gateway_id, because=because, grace_s=self._grace_s,
-                    note="its requests run on; they are aborted unless it comes back within --gateway-gone-grace-s")
+        log.warning(
+            "gateway.missing",
+            gateway_id=record.gateway_id,
+            because=because,
+            grace_s=self._grace_s,
+            note="its requests run on; they are aborted unless it comes back within --gateway-gone-grace-s",
+        )

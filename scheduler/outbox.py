@@ -48,8 +48,15 @@ class Outbox:
             message = msgspec.structs.replace(message, message=message.message[: m.MAX_REASON_CHARS])
         self._messages.append(Outgoing(False, identity, message))
 
-    def emit(self, request: Request, token_ids: list[int], finish_reason: m.FinishReason | None, *,
-             logprobs: list[m.TokenLogprob] | None = None, prompt_logprobs: list[m.TokenLogprob] | None = None) -> None:
+    def emit(
+        self,
+        request: Request,
+        token_ids: list[int],
+        finish_reason: m.FinishReason | None,
+        *,
+        logprobs: list[m.TokenLogprob] | None = None,
+        prompt_logprobs: list[m.TokenLogprob] | None = None,
+    ) -> None:
         """New tokens (or the finish, or prompt log-probabilities) of a request, for its gateway, sent with the others
         at the end of the event."""
         if not token_ids and finish_reason is None and not prompt_logprobs:
@@ -59,15 +66,29 @@ class Outbox:
             self._delta(request, [], None, None, entries)
         self._delta(request, token_ids, finish_reason, logprobs if token_ids else None, scored[-1] if scored else None)
 
-    def _delta(self, request: Request, token_ids: list[int], finish_reason: m.FinishReason | None,
-               logprobs: list[m.TokenLogprob] | None, prompt_logprobs: list[m.TokenLogprob] | None) -> None:
-        self._pending_deltas.setdefault(request.gateway, []).append(m.TokenDelta(
-            request_id=request.request_id, token_ids=token_ids, finish_reason=finish_reason,
-            num_prompt_tokens=len(request.prompt_token_ids), num_completion_tokens=len(request.output_token_ids),
-            num_draft_tokens=request.num_draft_tokens, num_accepted_draft_tokens=request.num_accepted_draft_tokens,
-            num_verify_steps=request.num_verify_steps, num_cached_tokens=request.num_cached_tokens,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-        ))
+    def _delta(
+        self,
+        request: Request,
+        token_ids: list[int],
+        finish_reason: m.FinishReason | None,
+        logprobs: list[m.TokenLogprob] | None,
+        prompt_logprobs: list[m.TokenLogprob] | None,
+    ) -> None:
+        self._pending_deltas.setdefault(request.gateway, []).append(
+            m.TokenDelta(
+                request_id=request.request_id,
+                token_ids=token_ids,
+                finish_reason=finish_reason,
+                num_prompt_tokens=len(request.prompt_token_ids),
+                num_completion_tokens=len(request.output_token_ids),
+                num_draft_tokens=request.num_draft_tokens,
+                num_accepted_draft_tokens=request.num_accepted_draft_tokens,
+                num_verify_steps=request.num_verify_steps,
+                num_cached_tokens=request.num_cached_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+            )
+        )
 
     def flush_deltas(self, only: bytes | None = None) -> None:
         for gateway in [only] if only is not None else list(self._pending_deltas):

@@ -27,8 +27,9 @@ class StepPaging:
         self._requests = requests
         self._finisher = finisher
 
-    def fit(self, worker: WorkerRecord, wanted: list[tuple[ScheduledSeq, DraftWork]],
-            now_s: float) -> list[tuple[ScheduledSeq, DraftWork]]:
+    def fit(
+        self, worker: WorkerRecord, wanted: list[tuple[ScheduledSeq, DraftWork]], now_s: float
+    ) -> list[tuple[ScheduledSeq, DraftWork]]:
         """Of the step's sequences, each with the drafts it would verify, those that got pages for their new tokens.
 
         A proposal that does not fit is dropped; then the most recently placed sequence (by priority: the lowest
@@ -49,8 +50,13 @@ class StepPaging:
             while r.request_id not in preempted and not pages.grow(r.request_id, need):
                 victim = self._requests.preemption_order(worker.requests.values())[0]
                 if victim is r and len(worker.requests) == 1:
-                    log.warning("request.kv_cache_full", request_id=r.request_id, num_tokens=need,
-                                num_kv_pages=pages.num_pages, note="alone it needs more pages than the worker has")
+                    log.warning(
+                        "request.kv_cache_full",
+                        request_id=r.request_id,
+                        num_tokens=need,
+                        num_kv_pages=pages.num_pages,
+                        note="alone it needs more pages than the worker has",
+                    )
                     self._finisher.finish(r, RequestStatus.FINISHED_LENGTH, notify=True, reason="the KV cache is full")
                     preempted.add(r.request_id)
                     break
@@ -66,5 +72,10 @@ class StepPaging:
         worker.num_preemptions += 1
         request.num_preemptions += 1
         self._requests.requeue([request], now_s)
-        log.info("request.preempted", request_id=request.request_id, worker_id=worker.worker_id,
-                 num_tokens=request.num_tokens, num_preemptions=request.num_preemptions)
+        log.info(
+            "request.preempted",
+            request_id=request.request_id,
+            worker_id=worker.worker_id,
+            num_tokens=request.num_tokens,
+            num_preemptions=request.num_preemptions,
+        )

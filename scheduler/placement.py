@@ -37,8 +37,9 @@ def watermark(num_pages: int) -> int:
     return int(num_pages * WATERMARK_SHARE)
 
 
-def choose_worker(request: Request, workers: Sequence[WorkerRecord], max_num_seqs: int, *,
-                  share_prefix: bool = True) -> Placement | None:
+def choose_worker(
+    request: Request, workers: Sequence[WorkerRecord], max_num_seqs: int, *, share_prefix: bool = True
+) -> Placement | None:
     """Admit the request's pages on the best worker that can take it now; None (admitting nothing) when none can.
 
     `share_prefix` False: no cached prefix is used (a draft head needs the target features of every position,
@@ -61,8 +62,9 @@ def choose_worker(request: Request, workers: Sequence[WorkerRecord], max_num_seq
             continue  # much busier: its prefix is not worth it (the least busy one comes later in the order)
         pool = worker.pages
         assert pool is not None
-        hit = pool.admit(request.request_id, tokens, keep_free=watermark(pool.num_pages), share=share_prefix,
-                         salt=request.cache_salt)
+        hit = pool.admit(
+            request.request_id, tokens, keep_free=watermark(pool.num_pages), share=share_prefix, salt=request.cache_salt
+        )
         if hit is not None:
             return Placement(worker, hit)
     return None
@@ -77,6 +79,8 @@ def too_long_problem(request: Request, workers: Sequence[WorkerRecord]) -> str:
     need = largest.pages_for(request.num_tokens)
     if need <= largest.num_pages:
         return ""
-    return (f"the prompt ({len(request.prompt_token_ids)} tokens) needs {need} KV pages of {largest.page_size} positions; "
-            f"the largest worker's KV cache holds {largest.num_pages} pages ({largest.num_pages * largest.page_size} "
-            f"tokens: raise --kv-cache-memory)")
+    return (
+        f"the prompt ({len(request.prompt_token_ids)} tokens) needs {need} KV pages of {largest.page_size} positions; "
+        f"the largest worker's KV cache holds {largest.num_pages} pages ({largest.num_pages * largest.page_size} "
+        f"tokens: raise --kv-cache-memory)"
+    )

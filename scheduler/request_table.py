@@ -23,7 +23,9 @@ def _queue_key(request: Request) -> tuple[int, int]:
 class RequestTable:
     """Every unfinished request by id, and the waiting ones in the order they will be placed."""
 
-    def __init__(self, max_model_len: int, max_queue_len: int, rng: random.Random, *, by_priority: bool = False) -> None:
+    def __init__(
+        self, max_model_len: int, max_queue_len: int, rng: random.Random, *, by_priority: bool = False
+    ) -> None:
         self._max_model_len = max_model_len
         self._max_queue_len = max_queue_len
         self._rng = rng
@@ -63,13 +65,20 @@ class RequestTable:
         if not submit.seed_given:
             sampling = msgspec.structs.replace(sampling, seed=self._rng.getrandbits(63))
         request = Request(
-            request_id=submit.request_id, gateway=gateway, prompt_token_ids=list(submit.prompt_token_ids),
-            max_tokens=granted_max_tokens(submit, self._max_model_len), sampling=sampling,
-            stop_token_ids=frozenset(submit.stop_token_ids), waiting_since_s=now_s,
+            request_id=submit.request_id,
+            gateway=gateway,
+            prompt_token_ids=list(submit.prompt_token_ids),
+            max_tokens=granted_max_tokens(submit, self._max_model_len),
+            sampling=sampling,
+            stop_token_ids=frozenset(submit.stop_token_ids),
+            waiting_since_s=now_s,
             num_logprobs=-1 if submit.logprobs is None else submit.logprobs,
             num_prompt_logprobs=-1 if submit.prompt_logprobs is None else submit.prompt_logprobs,
-            num_resumed_tokens=submit.resumed_tokens, grammar=submit.grammar, cache_salt=submit.cache_salt,
-            priority=submit.priority, arrival=self._num_admitted,
+            num_resumed_tokens=submit.resumed_tokens,
+            grammar=submit.grammar,
+            cache_salt=submit.cache_salt,
+            priority=submit.priority,
+            arrival=self._num_admitted,
         )
         self._num_admitted += 1
         self._by_id[request.request_id] = request

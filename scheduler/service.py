@@ -69,7 +69,8 @@ class SchedulerService:
         authenticator = self._start_authenticator() if transport.secure else None
         sockets: dict[Role, tuple[zmq.asyncio.Socket, str]] = {
             "gateway": (self._gateway_socket, self._config.gateway_address),
-            "worker": (self._worker_socket, self._config.worker_address)}
+            "worker": (self._worker_socket, self._config.worker_address),
+        }
         monitors = {}
         max_frame_bytes = _max_frame_bytes(self._config)
         for role, (sock, address) in sockets.items():
@@ -88,19 +89,29 @@ class SchedulerService:
             loop.add_signal_handler(signum, self._stop.set)
         if self._config.status_file is not None:
             write_status_file(self._config.status_file, LISTENING)
-        log.info("scheduler.listening", gateway_address=self._config.gateway_address, worker_address=self._config.worker_address,
-                 transport=transport.describe(), max_frame_bytes=max_frame_bytes)
+        log.info(
+            "scheduler.listening",
+            gateway_address=self._config.gateway_address,
+            worker_address=self._config.worker_address,
+            transport=transport.describe(),
+            max_frame_bytes=max_frame_bytes,
+        )
         if not transport.secure:
-            log.warning("scheduler.insecure", note="--insecure-loopback: any process on this machine can speak for a "
-                                                   "gateway or a worker; give --keys to authenticate them")
+            log.warning(
+                "scheduler.insecure",
+                note="--insecure-loopback: any process on this machine can speak for a "
+                "gateway or a worker; give --keys to authenticate them",
+            )
         try:
             async with asyncio.TaskGroup() as tasks:
                 receivers = [
                     tasks.create_task(self._receive_gateways(), name="receive-gateways"),
                     tasks.create_task(self._receive_workers(), name="receive-workers"),
                     tasks.create_task(self._tick(), name="timeouts"),
-                    *(tasks.create_task(self._count_failed_handshakes(role, monitor), name=f"handshakes-{role}")
-                      for role, monitor in monitors.items()),
+                    *(
+                        tasks.create_task(self._count_failed_handshakes(role, monitor), name=f"handshakes-{role}")
+                        for role, monitor in monitors.items()
+                    ),
                 ]
                 await self._stop.wait()
                 for task in receivers:
@@ -127,6 +138,7 @@ class SchedulerService:
 
             def refused(key: bytes, errors: ProtocolErrors = errors) -> None:
                 errors.record("unauthorized_key", public_key=key.decode("ascii", "replace"))
+
             authenticator.configure_curve_callback(role, KeyCheck(keys, role, refused))
         return authenticator
 
@@ -149,8 +161,9 @@ class SchedulerService:
             errors.record("handshake_failed", zmq_event=zmq.Event(event["event"]).name, detail=event["value"])
 
     async def _receive_gateways(self) -> None:
-        async for identity, message in _decoded(self._gateway_socket, self._gateway_codec, self._gateway_errors,
-                                                self._refuse_unreadable):
+        async for identity, message in _decoded(
+            self._gateway_socket, self._gateway_codec, self._gateway_errors, self._refuse_unreadable
+        ):
             if not isinstance(message, m.GatewayHello | m.GatewayHeartbeat) and not self._core.knows_gateway(identity):
                 self._gateway_errors.record("unknown_sender", message=type(message).__name__)
                 continue
@@ -162,8 +175,12 @@ class SchedulerService:
         ever (the gateway checks its own submits first, so this is a defence in depth)."""
         request_id = unreadable_request_id(payload)
         if request_id is not None and self._core.knows_gateway(identity):
-            self._core.outbox.to_gateway(identity, m.RequestError(
-                request_id, "INVALID_ARGUMENT", f"the scheduler could not read the request: {problem[:500]}"))
+            self._core.outbox.to_gateway(
+                identity,
+                m.RequestError(
+                    request_id, "INVALID_ARGUMENT", f"the scheduler could not read the request: {problem[:500]}"
+                ),
+            )
 
     async def _receive_workers(self) -> None:
         async for identity, message in _decoded(self._worker_socket, self._worker_codec, self._worker_errors):
@@ -188,7 +205,9 @@ class SchedulerService:
                 continue
             try:
                 await self._worker_socket.send_multipart([item.identity, self._worker_codec.encode(item.message)])
-            except zmq.ZMQError as exc:  # to a worker whose connection is gone (ROUTER_MANDATORY): its loss is found apart
+            except (
+                zmq.ZMQError
+            ) as exc:  # to a worker whose connection is gone (ROUTER_MANDATORY): its loss is found apart
                 if exc.errno != zmq.EHOSTUNREACH:
                     raise
                 log.info("worker.unreachable", message=type(item.message).__name__, identity=item.identity[:80])
@@ -212,12 +231,14 @@ def _max_frame_bytes(config: SchedulerConfig) -> dict[Role, int]:
     the workers' a step's result (its target features the largest part) or a proposal."""
     k, threshold = config.num_speculative_tokens, config.spec_disable_batch_threshold
     limits = frames.FrameLimits(
-        max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         # Caps not given are the draft's kind's (speculation_caps), known only at its hello: the largest allowed here.
         max_draft_tokens=m.MAX_DRAFT_TOKENS if k is None else min(k, m.MAX_DRAFT_TOKENS),
         max_propose_seqs=config.max_num_seqs if threshold is None else min(config.max_num_seqs, threshold),
-        feature_width=m.MAX_FEATURE_WIDTH)
+        feature_width=m.MAX_FEATURE_WIDTH,
+    )
     return {"gateway": frames.gateway_to_scheduler(config.max_model_len), "worker": frames.worker_to_scheduler(limits)}
 
 
@@ -233,8 +254,12 @@ def unreadable_request_id(payload: bytes) -> str | None:
     return request_id if isinstance(request_id, str) and 0 < len(request_id) <= m.MAX_REQUEST_ID_CHARS else None
 
 
-async def _decoded(socket: zmq.asyncio.Socket, codec: m.Codec[T], errors: ProtocolErrors,
-                   on_unreadable: Callable[[bytes, bytes, str], None] | None = None) -> AsyncIterator[tuple[bytes, T]]:
+async def _decoded(
+    socket: zmq.asyncio.Socket,
+    codec: m.Codec[T],
+    errors: ProtocolErrors,
+    on_unreadable: Callable[[bytes, bytes, str], None] | None = None,
+) -> AsyncIterator[tuple[bytes, T]]:
     """(sender identity, message) for every well-formed frame; anything else is counted and dropped (and told to
     `on_unreadable`, with the sender and the problem)."""
     while True:

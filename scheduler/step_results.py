@@ -35,8 +35,9 @@ BOOKED = Booked(answers=True)
 
 
 class StepResults:
-    def __init__(self, config: SchedulerConfig, requests: RequestTable, drafts: DraftLink, finisher: Finisher,
-                 outbox: Outbox) -> None:
+    def __init__(
+        self, config: SchedulerConfig, requests: RequestTable, drafts: DraftLink, finisher: Finisher, outbox: Outbox
+    ) -> None:
         self._max_model_len = config.max_model_len
         self._requests = requests
         self._drafts = drafts
@@ -55,12 +56,26 @@ class StepResults:
         worker.in_flight = None
         # The target's time from the step's planning to its result, less the step itself: what the scheduler, the
         # sockets and, for a step that waited for proposals, the draft service kept it idle.
-        self._drafts.counters.stepped((now_s - step.planned_at_s) * 1000 - result.duration_ms, step.asked,
-                                      (step.sent_at_s - step.planned_at_s) * 1000)
+        self._drafts.counters.stepped(
+            (now_s - step.planned_at_s) * 1000 - result.duration_ms,
+            step.asked,
+            (step.sent_at_s - step.planned_at_s) * 1000,
+        )
         worker.explore.earn(result.duration_ms)
-        worker.cost.observe(step_shape([(seq.num_tokens, len(seq.draft_token_ids), seq.computed_before,
-                                         seq.samples and seq.request.grammar is not None)
-                                        for seq in step.seqs]), result.duration_ms)
+        worker.cost.observe(
+            step_shape(
+                [
+                    (
+                        seq.num_tokens,
+                        len(seq.draft_token_ids),
+                        seq.computed_before,
+                        seq.samples and seq.request.grammar is not None,
+                    )
+                    for seq in step.seqs
+                ]
+            ),
+            result.duration_ms,
+        )
         pages = worker.pages
         assert pages is not None  # a target that runs steps
         for seq in step.seqs:
@@ -81,8 +96,9 @@ class StepResults:
             if request.request_id in scored:
                 self._emit_prompt_logprobs(request, scored[request.request_id])
             if output is not None:
-                record_verification(request, seq, output, self._drafts.counters,
-                                    self._drafts.states.of(request.request_id))
+                record_verification(
+                    request, seq, output, self._drafts.counters, self._drafts.states.of(request.request_id)
+                )
                 request.forced_token_ids = output.forced_token_ids
                 if request.max_tokens == 0:  # the prompt was scored, nothing is generated
                     self._finisher.finish(request, RequestStatus.FINISHED_LENGTH, notify=True)
@@ -103,8 +119,12 @@ class StepResults:
         request = next((s.request for s in step.seqs if s.request.request_id == refused.request_id), None)
         if request is None:
             return False
-        log.warning("request.refused_by_worker", request_id=request.request_id, worker_id=worker.worker_id,
-                    reason=refused.reason)
+        log.warning(
+            "request.refused_by_worker",
+            request_id=request.request_id,
+            worker_id=worker.worker_id,
+            reason=refused.reason,
+        )
         worker.in_flight = None
         self._finisher.fail(request, "INVALID_ARGUMENT", f"the worker refused the request: {refused.reason}")
         return True

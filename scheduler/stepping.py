@@ -34,8 +34,15 @@ log = get_logger()
 
 
 class StepCycle:
-    def __init__(self, config: SchedulerConfig, requests: RequestTable, workers: WorkerRegistry, drafts: DraftLink,
-                 finisher: Finisher, outbox: Outbox) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        requests: RequestTable,
+        workers: WorkerRegistry,
+        drafts: DraftLink,
+        finisher: Finisher,
+        outbox: Outbox,
+    ) -> None:
         self._config = config
         self._limits = BatchLimits(config.max_num_batched_tokens, config.max_num_seqs)
         self._requests = requests
@@ -74,19 +81,29 @@ class StepCycle:
                 return
             self._requests.start(request, placed.worker.worker_id, placed.num_cached_tokens)
             placed.worker.place(request)
-            log.debug("request.placed", request_id=request.request_id, worker_id=placed.worker.worker_id,
-                      num_cached_tokens=placed.num_cached_tokens)
+            log.debug(
+                "request.placed",
+                request_id=request.request_id,
+                worker_id=placed.worker.worker_id,
+                num_cached_tokens=placed.num_cached_tokens,
+            )
 
     def dispatch(self, now_s: float) -> None:
         """Plan a step for every idle target with work; tell a drained process it may stop."""
         for worker in self._workers:
-            if worker.state is State.DRAINING and not worker.requests and not worker.is_busy and not worker.told_to_stop:
+            if (
+                worker.state is State.DRAINING
+                and not worker.requests
+                and not worker.is_busy
+                and not worker.told_to_stop
+            ):
                 worker.told_to_stop = True
                 self._outbox.to_worker(worker.identity, m.Drain(worker.incarnation))
             elif worker.is_target and worker.runs_steps and not worker.is_busy and worker.requests:
                 draft = self._drafts.current(self._workers)
-                plan = plan_step(self._step_candidates(worker), self._limits,
-                                 partial(self._proposed_tokens, draft, worker))
+                plan = plan_step(
+                    self._step_candidates(worker), self._limits, partial(self._proposed_tokens, draft, worker)
+                )
                 if plan is None:
                     continue
                 if draft is not None and plan.waits_for_proposals:
@@ -94,8 +111,9 @@ class StepCycle:
                 else:
                     self._send(worker, plan, {}, now_s)
 
-    def _proposed_tokens(self, draft: WorkerRecord | None, worker: WorkerRecord,
-                         seqs: Sequence[ScheduledSeq]) -> dict[str, int]:
+    def _proposed_tokens(
+        self, draft: WorkerRecord | None, worker: WorkerRecord, seqs: Sequence[ScheduledSeq]
+    ) -> dict[str, int]:
         """k per request the draft service is asked for: none for a request whose grammar forces its next tokens
         (those are its drafts, `forced_drafts`)."""
         return self._drafts.draft_tokens(draft, worker, [item for item in seqs if not self._forced(worker, item)])
@@ -117,16 +135,30 @@ class StepCycle:
             worker.awaiting_proposal = None
             if worker.runs_steps:
                 asked = (max(pending.plan.num_draft_tokens.values(), default=0), len(pending.plan.num_draft_tokens))
-                self._send(worker, pending.plan, self._drafts.trim(worker, pending.plan, proposals), now_s,
-                           planned_at_s=pending.sent_at_s, asked=asked)
+                self._send(
+                    worker,
+                    pending.plan,
+                    self._drafts.trim(worker, pending.plan, proposals),
+                    now_s,
+                    planned_at_s=pending.sent_at_s,
+                    asked=asked,
+                )
 
     def give_up_proposal(self, pending: PendingProposal, now_s: float, *, answer_may_come: bool) -> None:
         """Step without proposals."""
         self._drafts.proposals.give_up(pending, self._requests, answer_may_come=answer_may_come)
         self.step_after_proposal(pending, {}, now_s)
 
-    def _send(self, worker: WorkerRecord, plan: StepPlan, proposals: dict[str, m.Proposal], now_s: float, *,
-              planned_at_s: float | None = None, asked: tuple[int, int] | None = None) -> None:
+    def _send(
+        self,
+        worker: WorkerRecord,
+        plan: StepPlan,
+        proposals: dict[str, m.Proposal],
+        now_s: float,
+        *,
+        planned_at_s: float | None = None,
+        asked: tuple[int, int] | None = None,
+    ) -> None:
         # A plan that waited for proposals may have lost requests on the way (finished, aborted).
         items = [item for item in plan.seqs if worker.requests.get(item.request.request_id) is item.request]
         work = self._paging.fit(worker, [(item, self._drafts_of(worker, item, proposals)) for item in items], now_s)
@@ -149,25 +181,48 @@ class StepCycle:
             end = start + item.num_tokens
             scores = r.scores_prompt and start < len(r.prompt_token_ids)
             reads_history = r.sampling.penalties is not None or r.grammar is not None
-            seqs.append(m.SeqWork(
-                request_id=r.request_id, pages=pages.block_table(r.request_id), start_position=start,
-                token_ids=r.token_slice(start, end) + drafts, sample=item.completes, sampling=r.sampling,
-                num_draft_tokens=len(drafts), draft_dists=dists, draft_parents=parents,
-                logprobs=r.num_logprobs if item.completes else -1, prompt_logprobs=r.num_prompt_logprobs if scores else -1,
-                after_token_id=r.prompt_token_ids[end] if scores and end < len(r.prompt_token_ids) else -1,
-                # Penalties and grammars read the tokens before the step; the worker holds none.
-                history=r.token_slice(0, start) if reads_history and item.completes else None,
-                num_prompt_tokens=r.num_own_prompt_tokens if reads_history else 0,
-                grammar=r.grammar if item.completes else None,
-            ))
+            seqs.append(
+                m.SeqWork(
+                    request_id=r.request_id,
+                    pages=pages.block_table(r.request_id),
+                    start_position=start,
+                    token_ids=r.token_slice(start, end) + drafts,
+                    sample=item.completes,
+                    sampling=r.sampling,
+                    num_draft_tokens=len(drafts),
+                    draft_dists=dists,
+                    draft_parents=parents,
+                    logprobs=r.num_logprobs if item.completes else -1,
+                    prompt_logprobs=r.num_prompt_logprobs if scores else -1,
+                    after_token_id=r.prompt_token_ids[end] if scores and end < len(r.prompt_token_ids) else -1,
+                    # Penalties and grammars read the tokens before the step; the worker holds none.
+                    history=r.token_slice(0, start) if reads_history and item.completes else None,
+                    num_prompt_tokens=r.num_own_prompt_tokens if reads_history else 0,
+                    grammar=r.grammar if item.completes else None,
+                )
+            )
             # A prompt chunk's scores: each token's after the first, then the next chunk's first.
             prompt_scores = item.num_tokens - 1 + (end < len(r.prompt_token_ids)) if scores else None
-            step_seqs.append(StepSeq(r, item.num_tokens, item.completes, drafts, generation, parents, prompt_scores,
-                                     r.num_computed_tokens, source))
-        worker.in_flight = InFlightStep(self._next_step_id, now_s, step_seqs,
-                                        now_s if planned_at_s is None else planned_at_s, asked)
-        self._outbox.to_worker(worker.identity, m.StepRequest(self._next_step_id, worker.incarnation, seqs,
-                                                              return_features=self._drafts.features_wanted))
+            step_seqs.append(
+                StepSeq(
+                    r,
+                    item.num_tokens,
+                    item.completes,
+                    drafts,
+                    generation,
+                    parents,
+                    prompt_scores,
+                    r.num_computed_tokens,
+                    source,
+                )
+            )
+        worker.in_flight = InFlightStep(
+            self._next_step_id, now_s, step_seqs, now_s if planned_at_s is None else planned_at_s, asked
+        )
+        self._outbox.to_worker(
+            worker.identity,
+            m.StepRequest(self._next_step_id, worker.incarnation, seqs, return_features=self._drafts.features_wanted),
+        )
 
     def _drafts_of(self, worker: WorkerRecord, item: ScheduledSeq, proposals: dict[str, m.Proposal]) -> DraftWork:
         """What the step verifies for the sequence: the tokens its grammar forces, else its proposal, if any."""

@@ -28,9 +28,19 @@ class WorkerLifecycle:
     """`peer_connected(identity)`: whether a worker socket with that routing identity is connected now (the shell asks
     ZeroMQ); it decides whether a second hello for a worker id comes from a restarted process or from an impostor."""
 
-    def __init__(self, config: SchedulerConfig, workers: WorkerRegistry, requests: RequestTable, drafts: DraftLink,
-                 finisher: Finisher, endings: Endings, outbox: Outbox, errors: ProtocolErrors,
-                 peer_connected: Callable[[bytes], bool], wall_clock_ns: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        workers: WorkerRegistry,
+        requests: RequestTable,
+        drafts: DraftLink,
+        finisher: Finisher,
+        endings: Endings,
+        outbox: Outbox,
+        errors: ProtocolErrors,
+        peer_connected: Callable[[bytes], bool],
+        wall_clock_ns: Callable[[], int],
+    ) -> None:
         self._config = config
         # The wall clock a hello's incarnation (its start time) is checked against: the shell's, or a test's.
         self._wall_clock_ns = wall_clock_ns
@@ -70,9 +80,16 @@ class WorkerLifecycle:
             self._endings.lose_worker(replaced, State.DEAD, now_s)
         worker = self._workers.register(hello, identity, now_s, prefix_cache=self._config.prefix_cache)
         problem = self._workers.incompatibility(hello)
-        log.info("worker.hello", worker_id=hello.worker_id, incarnation=hello.incarnation, role=hello.role,
-                 fingerprint=hello.model_fingerprint, num_kv_pages=hello.num_kv_pages, kv_page_size=hello.kv_page_size,
-                 refused=problem)
+        log.info(
+            "worker.hello",
+            worker_id=hello.worker_id,
+            incarnation=hello.incarnation,
+            role=hello.role,
+            fingerprint=hello.model_fingerprint,
+            num_kv_pages=hello.num_kv_pages,
+            kv_page_size=hello.kv_page_size,
+            refused=problem,
+        )
         if problem:
             self._refuse(worker, problem, now_s)
         elif not worker.is_target:
@@ -89,9 +106,13 @@ class WorkerLifecycle:
         """A hello for the id of a process whose connection is still up: the first one stays; the newcomer is told to
         stop (a restarted process is only ever started after its predecessor's connection closed)."""
         self._errors.record("duplicate_id", worker_id=hello.worker_id, incarnation=hello.incarnation)
-        log.error("worker.duplicate_refused", worker_id=hello.worker_id, incarnation=hello.incarnation,
-                  live_incarnation=live.incarnation,
-                  note="a process with this id is connected; the one saying hello again is told to stop")
+        log.error(
+            "worker.duplicate_refused",
+            worker_id=hello.worker_id,
+            incarnation=hello.incarnation,
+            live_incarnation=live.incarnation,
+            note="a process with this id is connected; the one saying hello again is told to stop",
+        )
         self._outbox.to_worker(identity, m.Drain(hello.incarnation))
 
     def _refuse_out_of_vocabulary(self) -> None:
@@ -102,8 +123,13 @@ class WorkerLifecycle:
                 self._finisher.fail(request, "INVALID_ARGUMENT", problem)
 
     def _refuse(self, worker: WorkerRecord, problem: str, now_s: float) -> None:
-        log.error("worker.refused", worker_id=worker.worker_id, incarnation=worker.incarnation, role=worker.hello.role,
-                  reason=problem)
+        log.error(
+            "worker.refused",
+            worker_id=worker.worker_id,
+            incarnation=worker.incarnation,
+            role=worker.hello.role,
+            reason=problem,
+        )
         worker.failure = f"refused: {problem}"
         worker.move_to(State.FAILED, now_s)
         self._outbox.to_worker(worker.identity, m.Drain(worker.incarnation))
@@ -124,18 +150,27 @@ class WorkerLifecycle:
         if state is State.READY and worker.is_target:
             worker.batch_invariant = report.batch_invariant
             for timing in report.step_timings[:MAX_STEP_TIMINGS]:  # what rows cost, before any speculative step
-                worker.cost.observe_warm_up(StepShape(timing.decode_rows, timing.prefill_tokens, timing.attended),
-                                            timing.duration_ms)
-            log.info("worker.step_cost", worker_id=worker.worker_id, batch_invariant=worker.batch_invariant,
-                     speculation_policy=self._config.speculation_policy,
-                     fitted=[round(c, 4) for c in worker.cost.coefficients() or ()],
-                     terms="fixed ms; ms per decode row up to 8, 9-32, beyond; ms more per row under a grammar; ms per "
-                           "prefill token; ms per thousand attended positions",
-                     note="the policy weighs these, the wait for proposals and each request's acceptance")
+                worker.cost.observe_warm_up(
+                    StepShape(timing.decode_rows, timing.prefill_tokens, timing.attended), timing.duration_ms
+                )
+            log.info(
+                "worker.step_cost",
+                worker_id=worker.worker_id,
+                batch_invariant=worker.batch_invariant,
+                speculation_policy=self._config.speculation_policy,
+                fitted=[round(c, 4) for c in worker.cost.coefficients() or ()],
+                terms="fixed ms; ms per decode row up to 8, 9-32, beyond; ms more per row under a grammar; ms per "
+                "prefill token; ms per thousand attended positions",
+                note="the policy weighs these, the wait for proposals and each request's acceptance",
+            )
         if state is State.READY and worker.is_target and report.max_draft_tokens is not None:
             worker.max_draft_tokens = max(0, min(worker.max_draft_tokens, report.max_draft_tokens))
-            log.warning("worker.speculation_limited", worker_id=worker.worker_id, max_draft_tokens=worker.max_draft_tokens,
-                        note="0: its steps are not batch invariant and it was told --require-batch-invariance")
+            log.warning(
+                "worker.speculation_limited",
+                worker_id=worker.worker_id,
+                max_draft_tokens=worker.max_draft_tokens,
+                note="0: its steps are not batch invariant and it was told --require-batch-invariance",
+            )
         if state is State.READY and worker.is_target:
             self._no_ready_target_since_s = None
         if state is State.DRAINING and not worker.is_target:

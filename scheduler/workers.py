@@ -125,18 +125,24 @@ class WorkerRecord:
             num_running=len(self.requests),
             # What the process said is cut to what a gateway takes (proto/frames.py).
             failure=self.failure[: m.MAX_REASON_CHARS],
-            protocol_errors={kind[: m.MAX_ERROR_KIND_CHARS]: count
-                             for kind, count in list(self.protocol_errors.items())[: m.MAX_ERROR_KINDS]},
+            protocol_errors={
+                kind[: m.MAX_ERROR_KIND_CHARS]: count
+                for kind, count in list(self.protocol_errors.items())[: m.MAX_ERROR_KINDS]
+            },
             num_cached_kv_pages=0 if pages is None else pages.num_cached,
             prefix_cache_queried_tokens=0 if pages is None else pages.counters.num_queried_tokens,
             prefix_cache_hit_tokens=0 if pages is None else pages.counters.num_hit_tokens,
             num_preemptions=self.num_preemptions,
             kernels=self.kernels,
             batch_invariant=self.batch_invariant,
-            step_predicted_ms=round(self.cost.predicted_ms, 3), step_measured_ms=round(self.cost.measured_ms, 3),
+            step_predicted_ms=round(self.cost.predicted_ms, 3),
+            step_measured_ms=round(self.cost.measured_ms, 3),
             num_costed_steps=self.cost.num_steps,
-            step_fixed_ms=fitted[0], step_ms_per_row=fitted[1], step_ms_per_prefill_token=fitted[5],
-            step_ms_per_kilo_context=fitted[6], step_cost_error_ms=round(self.cost.abs_error_ms, 3),
+            step_fixed_ms=fitted[0],
+            step_ms_per_row=fitted[1],
+            step_ms_per_prefill_token=fitted[5],
+            step_ms_per_kilo_context=fitted[6],
+            step_cost_error_ms=round(self.cost.abs_error_ms, 3),
             step_ms_per_constrained_row=fitted[4],
             step_ms_per_row_by_range=fitted[1:4] if self.cost.coefficients() is not None else [],
         )
@@ -159,10 +165,15 @@ def hello_problem(hello: m.WorkerHello, now_ns: int) -> str:
     future."""
     if not 0 < hello.incarnation <= now_ns + MAX_INCARNATION_AHEAD_NS:
         return f"incarnation {hello.incarnation} is not a start time up to a day ahead of the scheduler's clock"
-    ranges = {"num_kv_pages": (hello.num_kv_pages, 0, m.MAX_KV_PAGES), "kv_page_size": (hello.kv_page_size, 0, MAX_PAGE_SIZE),
-              "vocab_size": (hello.vocab_size, 0, MAX_SIZE), "max_model_len": (hello.max_model_len, 0, MAX_SIZE),
-              "feature_width": (hello.feature_width, 0, MAX_FEATURE_WIDTH),
-              "max_draft_tokens": (hello.max_draft_tokens, 0, MAX_DRAFT_TOKENS), "pid": (hello.pid, 0, 1 << 32)}
+    ranges = {
+        "num_kv_pages": (hello.num_kv_pages, 0, m.MAX_KV_PAGES),
+        "kv_page_size": (hello.kv_page_size, 0, MAX_PAGE_SIZE),
+        "vocab_size": (hello.vocab_size, 0, MAX_SIZE),
+        "max_model_len": (hello.max_model_len, 0, MAX_SIZE),
+        "feature_width": (hello.feature_width, 0, MAX_FEATURE_WIDTH),
+        "max_draft_tokens": (hello.max_draft_tokens, 0, MAX_DRAFT_TOKENS),
+        "pid": (hello.pid, 0, 1 << 32),
+    }
     for name, (value, low, high) in ranges.items():
         if not low <= value <= high:
             return f"{name} {value} is outside {low} .. {high}"
@@ -221,11 +232,16 @@ class WorkerRegistry:
             return False, None
         return True, known if known.is_live else None
 
-    def register(self, hello: m.WorkerHello, identity: bytes, now_s: float, *, prefix_cache: bool = True) -> WorkerRecord:
+    def register(
+        self, hello: m.WorkerHello, identity: bytes, now_s: float, *, prefix_cache: bool = True
+    ) -> WorkerRecord:
         # The draft holds no request, and its own pages; a target without pages is refused (incompatibility).
         has_pages = hello.role == "target" and hello.num_kv_pages >= 1 and hello.kv_page_size >= 1
         worker = WorkerRecord(
-            hello=hello, identity=identity, last_seen_s=now_s, state_since_s=now_s,
+            hello=hello,
+            identity=identity,
+            last_seen_s=now_s,
+            state_since_s=now_s,
             pages=PagePool(hello.num_kv_pages, hello.kv_page_size, prefix_cache=prefix_cache) if has_pages else None,
             max_draft_tokens=hello.max_draft_tokens,
         )
@@ -261,29 +277,50 @@ class WorkerRegistry:
         target, and one that reads target features needs them at its width.
         """
         if self.target_vocab and hello.vocab_fingerprint and hello.vocab_fingerprint != self.target_vocab:
-            return (f"the draft's vocabulary (fingerprint {hello.vocab_fingerprint}, {hello.vocab_size} tokens) differs "
-                    f"from the target's (fingerprint {self.target_vocab}, {self.target_vocab_size} tokens)")
+            return (
+                f"the draft's vocabulary (fingerprint {hello.vocab_fingerprint}, {hello.vocab_size} tokens) differs "
+                f"from the target's (fingerprint {self.target_vocab}, {self.target_vocab_size} tokens)"
+            )
         if self.target_fingerprint and hello.target_fingerprint and hello.target_fingerprint != self.target_fingerprint:
-            return (f"the draft was trained for another target model (fingerprint {hello.target_fingerprint}, "
-                    f"the target's is {self.target_fingerprint})")
+            return (
+                f"the draft was trained for another target model (fingerprint {hello.target_fingerprint}, "
+                f"the target's is {self.target_fingerprint})"
+            )
         if self.target_feature_width and hello.feature_width and hello.feature_width != self.target_feature_width:
             return f"the draft reads features of width {hello.feature_width}, the target's are {self.target_feature_width} wide"
         return ""
 
-    def overdue(self, now_s: float, phase_timeout_s: float, heartbeat_timeout_s: float,
-                step_timeout_s: float) -> list[tuple[WorkerRecord, State, str]]:
+    def overdue(
+        self, now_s: float, phase_timeout_s: float, heartbeat_timeout_s: float, step_timeout_s: float
+    ) -> list[tuple[WorkerRecord, State, str]]:
         """The live processes past a deadline: each with the verdict (FAILED or DEAD) and why."""
         verdicts = []
         for worker in self._records.values():
             if not worker.is_live:
                 continue
             if worker.state in INIT_PHASES and now_s - worker.state_since_s > phase_timeout_s:
-                verdicts.append((worker, State.FAILED,
-                                 f"{worker.state} ran past its {phase_timeout_s:g} s deadline (--phase-timeout-s)"))
+                verdicts.append(
+                    (
+                        worker,
+                        State.FAILED,
+                        f"{worker.state} ran past its {phase_timeout_s:g} s deadline (--phase-timeout-s)",
+                    )
+                )
             elif now_s - worker.last_seen_s > heartbeat_timeout_s:
-                verdicts.append((worker, State.DEAD, f"no heartbeat for {now_s - worker.last_seen_s:.1f} s "
-                                                     f"(--heartbeat-timeout-s {heartbeat_timeout_s})"))
+                verdicts.append(
+                    (
+                        worker,
+                        State.DEAD,
+                        f"no heartbeat for {now_s - worker.last_seen_s:.1f} s "
+                        f"(--heartbeat-timeout-s {heartbeat_timeout_s})",
+                    )
+                )
             elif worker.in_flight and now_s - worker.in_flight.sent_at_s > step_timeout_s:
-                verdicts.append((worker, State.DEAD,
-                                 f"step {worker.in_flight.step_id} unanswered for {step_timeout_s} s (--step-timeout-s)"))
+                verdicts.append(
+                    (
+                        worker,
+                        State.DEAD,
+                        f"step {worker.in_flight.step_id} unanswered for {step_timeout_s} s (--step-timeout-s)",
+                    )
+                )
         return verdicts

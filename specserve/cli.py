@@ -39,15 +39,20 @@ def _build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="generate text through a running stack's gRPC API")
     add_generate_arguments(generate)
     generate.set_defaults(run=run_generate)
-    distill = commands.add_parser("distill", help="make a draft for a target from the target's own outputs: its phrases and an EAGLE-style head")
+    distill = commands.add_parser(
+        "distill", help="make a draft for a target from the target's own outputs: its phrases and an EAGLE-style head"
+    )
     _add_distill_arguments(distill)
     distill.set_defaults(run=_run_distill)
-    prepare = commands.add_parser("prepare-model", help="fetch and convert a model once (default: the embedded default) "
-                                                        "and print its folder")
+    prepare = commands.add_parser(
+        "prepare-model", help="fetch and convert a model once (default: the embedded default) and print its folder"
+    )
     prepare.add_argument("model", nargs="?", default=None, help="a named model (gemma3-270m, ...) or a .gguf file")
     prepare.set_defaults(run=_run_prepare_model)
-    keys = commands.add_parser("keys", help="make the CurveZMQ key folder the services authenticate each other with "
-                                            "(what is there already is kept)")
+    keys = commands.add_parser(
+        "keys",
+        help="make the CurveZMQ key folder the services authenticate each other with (what is there already is kept)",
+    )
     keys.add_argument("folder", type=Path)
     keys.set_defaults(run=_run_keys)
     health = commands.add_parser("healthcheck", help="exit 0 when a service is ready (for container health checks)")
@@ -61,12 +66,18 @@ def _add_healthcheck_arguments(parser: argparse.ArgumentParser) -> None:
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--grpc", metavar="HOST:PORT", help="a gateway: its gRPC health is SERVING")
     target.add_argument("--ready", metavar="HOST:PORT", help="a gateway: its HTTP port's /ready says 200")
-    target.add_argument("--status-file", type=Path,
-                        help="a worker or the draft service: its status file says READY, written by a process that is "
-                             "still alive; the scheduler: LISTENING")
-    parser.add_argument("--tls-certfile", default="",
-                        help="with --ready: the certificate the gateway serves its ports with, if any (then /ready is "
-                             "asked over HTTPS); empty: plain HTTP")
+    target.add_argument(
+        "--status-file",
+        type=Path,
+        help="a worker or the draft service: its status file says READY, written by a process that is "
+        "still alive; the scheduler: LISTENING",
+    )
+    parser.add_argument(
+        "--tls-certfile",
+        default="",
+        help="with --ready: the certificate the gateway serves its ports with, if any (then /ready is "
+        "asked over HTTPS); empty: plain HTTP",
+    )
     parser.set_defaults(run=_run_healthcheck)
 
 

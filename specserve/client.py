@@ -101,9 +101,14 @@ class GenerateResult:
             "text": "".join(self.text_parts),
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
-            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                      "draft_tokens": self.draft_tokens, "accepted_draft_tokens": self.accepted_draft_tokens,
-                      "verify_steps": self.verify_steps, "cached_tokens": self.cached_tokens},
+            "usage": {
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "draft_tokens": self.draft_tokens,
+                "accepted_draft_tokens": self.accepted_draft_tokens,
+                "verify_steps": self.verify_steps,
+                "cached_tokens": self.cached_tokens,
+            },
         }
 
 

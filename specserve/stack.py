@@ -145,8 +145,13 @@ class StackAddresses:
     def pick(cls, config: StackConfig) -> StackAddresses:
         given = [port for port in (config.grpc_port, config.http_port) if port]
         grpc_port, http_port, gateway_port, worker_port = free_ports(4, taken=given)
-        return cls(host=config.host, grpc_port=config.grpc_port or grpc_port, http_port=config.http_port or http_port,
-                   gateway_address=f"tcp://127.0.0.1:{gateway_port}", worker_address=f"tcp://127.0.0.1:{worker_port}")
+        return cls(
+            host=config.host,
+            grpc_port=config.grpc_port or grpc_port,
+            http_port=config.http_port or http_port,
+            gateway_address=f"tcp://127.0.0.1:{gateway_port}",
+            worker_address=f"tcp://127.0.0.1:{worker_port}",
+        )
 
 
 # ---------------------------------------------------------------- command lines
@@ -163,61 +168,144 @@ def service_specs(config: StackConfig, addresses: StackAddresses) -> list[Servic
 
 
 def scheduler_spec(config: StackConfig, addresses: StackAddresses) -> ServiceSpec:
-    return ServiceSpec("scheduler", _python("scheduler", settings.argv("scheduler", {
-        "gateway_address": addresses.gateway_address, "worker_address": addresses.worker_address,
-        "model_name": config.model.name, "max_model_len": config.max_model_len,
-        "max_num_batched_tokens": config.max_num_batched_tokens, "max_num_seqs": config.max_num_seqs,
-        "num_speculative_tokens": config.num_speculative_tokens,
-        "spec_disable_batch_threshold": config.spec_disable_batch_threshold,
-        "spec_draft_token_budget": config.spec_draft_token_budget, "speculation_policy": config.speculation_policy,
-        "scheduling_policy": config.scheduling_policy, "prefix_cache": None if config.prefix_cache else False,
-    }) + list(config.scheduler_args), config), stop_order=3)
+    return ServiceSpec(
+        "scheduler",
+        _python(
+            "scheduler",
+            settings.argv(
+                "scheduler",
+                {
+                    "gateway_address": addresses.gateway_address,
+                    "worker_address": addresses.worker_address,
+                    "model_name": config.model.name,
+                    "max_model_len": config.max_model_len,
+                    "max_num_batched_tokens": config.max_num_batched_tokens,
+                    "max_num_seqs": config.max_num_seqs,
+                    "num_speculative_tokens": config.num_speculative_tokens,
+                    "spec_disable_batch_threshold": config.spec_disable_batch_threshold,
+                    "spec_draft_token_budget": config.spec_draft_token_budget,
+                    "speculation_policy": config.speculation_policy,
+                    "scheduling_policy": config.scheduling_policy,
+                    "prefix_cache": None if config.prefix_cache else False,
+                },
+            )
+            + list(config.scheduler_args),
+            config,
+        ),
+        stop_order=3,
+    )
 
 
-def worker_spec(config: StackConfig, addresses: StackAddresses, index: int | str,
-                extra_args: tuple[str, ...] = ()) -> ServiceSpec:
+def worker_spec(
+    config: StackConfig, addresses: StackAddresses, index: int | str, extra_args: tuple[str, ...] = ()
+) -> ServiceSpec:
     """Target worker `index`, whose id is worker-INDEX (a test may name one, e.g. worker-faulty); past the restart
     limit it stays down and the other workers serve."""
     name = f"worker-{index}"
-    return ServiceSpec(name, _python("gpu_worker", settings.argv("worker", {
-        "worker_id": name, "model": config.model, "scheduler_address": addresses.worker_address,
-        "device": config.worker_device(index), "dtype": config.dtype, "max_model_len": config.max_model_len,
-        "max_num_batched_tokens": config.max_num_batched_tokens, "kv_cache_memory": config.kv_cache_memory_gib,
-        "max_num_seqs": config.max_num_seqs, "quantization": config.quantization,
-        "num_threads": config.num_threads_per_worker, "require_batch_invariance": config.require_batch_invariance,
-    }) + [*config.worker_args, *extra_args], config), stop_order=1, essential=False)
+    return ServiceSpec(
+        name,
+        _python(
+            "gpu_worker",
+            settings.argv(
+                "worker",
+                {
+                    "worker_id": name,
+                    "model": config.model,
+                    "scheduler_address": addresses.worker_address,
+                    "device": config.worker_device(index),
+                    "dtype": config.dtype,
+                    "max_model_len": config.max_model_len,
+                    "max_num_batched_tokens": config.max_num_batched_tokens,
+                    "kv_cache_memory": config.kv_cache_memory_gib,
+                    "max_num_seqs": config.max_num_seqs,
+                    "quantization": config.quantization,
+                    "num_threads": config.num_threads_per_worker,
+                    "require_batch_invariance": config.require_batch_invariance,
+                },
+            )
+            + [*config.worker_args, *extra_args],
+            config,
+        ),
+        stop_order=1,
+        essential=False,
+    )
 
 
 def draft_spec(config: StackConfig, addresses: StackAddresses, draft: DraftSpec) -> ServiceSpec:
     """The draft service proposing with `draft`; past the restart limit the others go on without it."""
     k = config.num_speculative_tokens
-    return ServiceSpec("draft", _python("draft_service", settings.argv("draft", {
-        "worker_id": DRAFT_ID, "proposer": draft, "target_model": config.model if draft.needs_target_model else None,
-        "head_draft_tokens": config.head_draft_tokens, "quantization": config.draft_quantization,
-        "max_draft_tokens": None if k is None else max(k, 1), "token_trees": None if config.token_trees else False,
-        "scheduler_address": addresses.worker_address, "device": config.worker_device(0), "dtype": config.dtype,
-        "max_model_len": config.max_model_len, "num_seqs": config.draft_num_seqs,
-        "num_targets": config.num_workers if config.num_workers > 1 else None,
-        # One thread on a CPU (the draft service's default): the cores are the target workers'.
-        "num_threads": None if config.device == "cpu" else 0,
-    }) + list(config.draft_args), config), stop_order=1, essential=False)
+    return ServiceSpec(
+        "draft",
+        _python(
+            "draft_service",
+            settings.argv(
+                "draft",
+                {
+                    "worker_id": DRAFT_ID,
+                    "proposer": draft,
+                    "target_model": config.model if draft.needs_target_model else None,
+                    "head_draft_tokens": config.head_draft_tokens,
+                    "quantization": config.draft_quantization,
+                    "max_draft_tokens": None if k is None else max(k, 1),
+                    "token_trees": None if config.token_trees else False,
+                    "scheduler_address": addresses.worker_address,
+                    "device": config.worker_device(0),
+                    "dtype": config.dtype,
+                    "max_model_len": config.max_model_len,
+                    "num_seqs": config.draft_num_seqs,
+                    "num_targets": config.num_workers if config.num_workers > 1 else None,
+                    # One thread on a CPU (the draft service's default): the cores are the target workers'.
+                    "num_threads": None if config.device == "cpu" else 0,
+                },
+            )
+            + list(config.draft_args),
+            config,
+        ),
+        stop_order=1,
+        essential=False,
+    )
 
 
 def gateway_spec(config: StackConfig, addresses: StackAddresses) -> ServiceSpec:
-    return ServiceSpec("gateway", _python("gateway", settings.argv("gateway", {
-        "model": config.model, "scheduler_address": addresses.gateway_address, "host": addresses.host,
-        "port": addresses.grpc_port, "http_port": addresses.http_port,
-        "shutdown_grace_s": config.gateway_shutdown_grace_s, "prefix_cache_scope": config.prefix_cache_scope,
-        "api_key_file": config.api_key_file, "reasoning_parser": config.reasoning_parser,
-        "tool_call_parser": config.tool_call_parser, "chat_template": config.chat_template,
-        "tls_certfile": config.tls_certfile, "tls_keyfile": config.tls_keyfile,
-        "tls_ca_certfile": config.tls_ca_certfile,
-        "allowed_origins": None if config.allowed_origins is None else [config.allowed_origins],
-    }), config), stop_order=0)
+    return ServiceSpec(
+        "gateway",
+        _python(
+            "gateway",
+            settings.argv(
+                "gateway",
+                {
+                    "model": config.model,
+                    "scheduler_address": addresses.gateway_address,
+                    "host": addresses.host,
+                    "port": addresses.grpc_port,
+                    "http_port": addresses.http_port,
+                    "shutdown_grace_s": config.gateway_shutdown_grace_s,
+                    "prefix_cache_scope": config.prefix_cache_scope,
+                    "api_key_file": config.api_key_file,
+                    "reasoning_parser": config.reasoning_parser,
+                    "tool_call_parser": config.tool_call_parser,
+                    "chat_template": config.chat_template,
+                    "tls_certfile": config.tls_certfile,
+                    "tls_keyfile": config.tls_keyfile,
+                    "tls_ca_certfile": config.tls_ca_certfile,
+                    "allowed_origins": None if config.allowed_origins is None else [config.allowed_origins],
+                },
+            ),
+            config,
+        ),
+        stop_order=0,
+    )
 
 
 def _python(module: str, module_argv: list[str], config: StackConfig) -> list[str]:
-    return [sys.executable, "-m", module, *module_argv, *transport_args(config), *(["--log-json"] if config.log_json else [])]
+    return [
+        sys.executable,
+        "-m",
+        module,
+        *module_argv,
+        *transport_args(config),
+        *(["--log-json"] if config.log_json else []),
+    ]
 
 
 def transport_args(config: StackConfig) -> list[str]:
@@ -262,8 +350,9 @@ def is_ready(host: str, port: int, *, tls: bool) -> bool:
         context.verify_mode = ssl.CERT_NONE
     host = "127.0.0.1" if host in ("0.0.0.0", "") else host
     try:
-        with urllib.request.urlopen(f"{'https' if tls else 'http'}://{host}:{port}/ready", context=context,
-                                    timeout=1.0) as reply:
+        with urllib.request.urlopen(
+            f"{'https' if tls else 'http'}://{host}:{port}/ready", context=context, timeout=1.0
+        ) as reply:
             return bool(reply.status == 200)
     except (urllib.error.URLError, OSError, ssl.SSLError):
         return False
@@ -347,8 +436,10 @@ class LocalStack:
 
     def logs(self) -> str:
         """The end of every process's log."""
-        return "\n".join(f"===== {p.name}\n{p.read_text(errors='replace')[-_LOG_TAIL_CHARS:]}"
-                         for p in sorted(self.log_dir.glob("*.log")))
+        return "\n".join(
+            f"===== {p.name}\n{p.read_text(errors='replace')[-_LOG_TAIL_CHARS:]}"
+            for p in sorted(self.log_dir.glob("*.log"))
+        )
 
 
 S = TypeVar("S", bound=LocalStack)

@@ -118,12 +118,16 @@ class Supervisor:
             if child.spec.essential:
                 raise GaveUp(reason)
             child.given_up = True
-            log.error("supervisor.gave_up", service=child.spec.name, reason=reason, note="the other services go on without it")
+            log.error(
+                "supervisor.gave_up", service=child.spec.name, reason=reason, note="the other services go on without it"
+            )
             return
         # The first exit in the window is restarted at once (a stream waiting for its scheduler should not wait for
         # a backoff meant for crash loops); then 1x, 2x, 4x ... the initial backoff.
         exits = len(child.restarts_s)
-        backoff_s = 0.0 if exits == 1 else min(self._policy.initial_backoff_s * 2 ** (exits - 2), self._policy.max_backoff_s)
+        backoff_s = (
+            0.0 if exits == 1 else min(self._policy.initial_backoff_s * 2 ** (exits - 2), self._policy.max_backoff_s)
+        )
         child.restart_at_s = now_s + backoff_s
         log.warning("supervisor.exited", service=child.spec.name, returncode=returncode, restart_in_s=backoff_s)
 

@@ -70,7 +70,8 @@ def parse_draft(value: str) -> DraftChoice:
         with_path = [f"{kind}:PATH" for kind in SERVING_KINDS if kind is not DraftKind.NGRAM]
         raise argparse.ArgumentTypeError(
             f"expected {NO_DRAFT}, {DraftKind.NGRAM}, {SHIPPED_DRAFT}, {', '.join(with_path[:-1])} or {with_path[-1]}, "
-            f"got {value!r}") from error
+            f"got {value!r}"
+        ) from error
 
 
 def _shipped_draft() -> DraftChoice:
@@ -130,11 +131,17 @@ def up_config(args: argparse.Namespace) -> UpConfig:
     _check_weights(model)
     draft = given_draft or default_draft(model)
     proposer = draft.proposer
-    if args.head_draft_tokens is not None and (args.head_draft_tokens < 1 or proposer is None or not proposer.lookup_then_head):
-        raise UpRefused(f"--head-draft-tokens must be at least 1, with --draft "
-                        f"{' or '.join(f'{kind}:PATH' for kind in LOOKUP_THEN_HEAD_KINDS)}")
+    if args.head_draft_tokens is not None and (
+        args.head_draft_tokens < 1 or proposer is None or not proposer.lookup_then_head
+    ):
+        raise UpRefused(
+            f"--head-draft-tokens must be at least 1, with --draft "
+            f"{' or '.join(f'{kind}:PATH' for kind in LOOKUP_THEN_HEAD_KINDS)}"
+        )
     if not args.token_trees and (proposer is None or not proposer.proposes_trees):
-        raise UpRefused("--no-token-trees goes with --draft default or phrases:PATH (the drafts that propose token trees)")
+        raise UpRefused(
+            "--no-token-trees goes with --draft default or phrases:PATH (the drafts that propose token trees)"
+        )
     if proposer is not None and (problem := _draft_problem(proposer, model)):
         raise UpRefused(f"--draft {draft.name}: {problem}")
     device = args.device or _default_device()
@@ -143,11 +150,17 @@ def up_config(args: argparse.Namespace) -> UpConfig:
     dtype = default_dtype(device) if args.dtype == AUTO else args.dtype
     quantization = _quantization(args.quantization, "--quantization", model, device, dtype)
     draft_model = proposer.path if proposer is not None and proposer.kind is DraftKind.MODEL else None
-    draft_quantization = (_quantization(args.draft_quantization, "--draft-quantization", draft_model, device, dtype)
-                          if draft_model is not None else "none")
+    draft_quantization = (
+        _quantization(args.draft_quantization, "--draft-quantization", draft_model, device, dtype)
+        if draft_model is not None
+        else "none"
+    )
     config = stack_config(args, model=model, max_model_len=max_model_len, draft=proposer, device=device, dtype=dtype)
-    return UpConfig(stack=replace(config, quantization=quantization, draft_quantization=draft_quantization),
-                    draft_name=draft.name, ready_timeout_s=args.ready_timeout_s)
+    return UpConfig(
+        stack=replace(config, quantization=quantization, draft_quantization=draft_quantization),
+        draft_name=draft.name,
+        ready_timeout_s=args.ready_timeout_s,
+    )
 
 
 def _quantization(chosen: str, flag: str, model: Path, device: str, dtype: str) -> str:
@@ -161,32 +174,56 @@ def _quantization(chosen: str, flag: str, model: Path, device: str, dtype: str) 
     except QuantizationError as exc:
         raise UpRefused(f"{flag} {exc}") from exc
     if chosen != "none" and device != "cpu":
-        raise UpRefused(f"{flag} {chosen} is served by the CPU kernels, not on --device {device}: the choice there is none")
+        raise UpRefused(
+            f"{flag} {chosen} is served by the CPU kernels, not on --device {device}: the choice there is none"
+        )
     return chosen
 
 
-def stack_config(args: argparse.Namespace, *, model: Path, max_model_len: int, draft: DraftSpec | None, device: str,
-                 dtype: str) -> StackConfig:
+def stack_config(
+    args: argparse.Namespace, *, model: Path, max_model_len: int, draft: DraftSpec | None, device: str, dtype: str
+) -> StackConfig:
     """The stack `up`'s flags describe, given what `up_config` found for the model, the draft and the machine."""
     return StackConfig(
-        model=model, dtype=dtype, device=device, num_workers=args.num_workers, kv_cache_memory_gib=args.kv_cache_memory,
-        max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+        model=model,
+        dtype=dtype,
+        device=device,
+        num_workers=args.num_workers,
+        kv_cache_memory_gib=args.kv_cache_memory,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         # Several workers on one CPU share its cores; one alone takes the cores it may use (its own default).
         num_threads_per_worker=(max(1, usable_cpus() // args.num_workers) if args.num_workers > 1 else None)
-        if device == "cpu" else 0,
-        draft=draft, head_draft_tokens=args.head_draft_tokens, token_trees=args.token_trees,
-        max_num_seqs=args.max_num_seqs, prefix_cache=args.prefix_cache, prefix_cache_scope=args.prefix_cache_scope,
+        if device == "cpu"
+        else 0,
+        draft=draft,
+        head_draft_tokens=args.head_draft_tokens,
+        token_trees=args.token_trees,
+        max_num_seqs=args.max_num_seqs,
+        prefix_cache=args.prefix_cache,
+        prefix_cache_scope=args.prefix_cache_scope,
         # Unless given, the scheduler decides these from the draft service's hello, as it does started any other way.
         num_speculative_tokens=args.num_speculative_tokens,
         spec_disable_batch_threshold=args.spec_disable_batch_threshold,
-        spec_draft_token_budget=args.spec_draft_token_budget, gateway_shutdown_grace_s=GATEWAY_SHUTDOWN_GRACE_S,
-        speculation_policy=args.speculation_policy, require_batch_invariance=args.require_batch_invariance,
+        spec_draft_token_budget=args.spec_draft_token_budget,
+        gateway_shutdown_grace_s=GATEWAY_SHUTDOWN_GRACE_S,
+        speculation_policy=args.speculation_policy,
+        require_batch_invariance=args.require_batch_invariance,
         scheduling_policy=args.scheduling_policy,
-        host=args.host, grpc_port=args.port, http_port=args.http_port, log_json=args.log_json,
-        keys=args.keys, insecure_loopback=args.insecure_loopback, api_key_file=args.api_key_file,
-        reasoning_parser=args.reasoning_parser, chat_template=args.chat_template,
-        tool_call_parser=args.tool_call_parser, tls_certfile=args.tls_certfile, tls_keyfile=args.tls_keyfile,
-        tls_ca_certfile=args.tls_ca_certfile, allowed_origins=args.allowed_origins,
+        host=args.host,
+        grpc_port=args.port,
+        http_port=args.http_port,
+        log_json=args.log_json,
+        keys=args.keys,
+        insecure_loopback=args.insecure_loopback,
+        api_key_file=args.api_key_file,
+        reasoning_parser=args.reasoning_parser,
+        chat_template=args.chat_template,
+        tool_call_parser=args.tool_call_parser,
+        tls_certfile=args.tls_certfile,
+        tls_keyfile=args.tls_keyfile,
+        tls_ca_certfile=args.tls_ca_certfile,
+        allowed_origins=args.allowed_origins,
     )
 
 
@@ -220,16 +257,23 @@ def _api_keys_problem(args: argparse.Namespace) -> str:
     except ApiKeyError as exc:
         return str(exc)
     if args.prefix_cache_scope == "tenant" and not keys.required:
-        return (f"--prefix-cache-scope tenant: tenants are told apart by their API keys, and none is given "
-                f"(--api-key-file or {API_KEY_ENV_VAR})")
+        return (
+            f"--prefix-cache-scope tenant: tenants are told apart by their API keys, and none is given "
+            f"(--api-key-file or {API_KEY_ENV_VAR})"
+        )
     return ""
 
 
 def _numbers_problem(args: argparse.Namespace) -> str:
     """What is wrong with `up`'s own numbers ("" when nothing)."""
-    at_least = {"--num-workers": (args.num_workers, 1), "--max-model-len": (1 if args.max_model_len is None else args.max_model_len, 1),
-                "--max-num-seqs": (args.max_num_seqs, 1), "--max-num-batched-tokens": (args.max_num_batched_tokens, 1),
-                "--spec-draft-token-budget": (args.spec_draft_token_budget, 0), "--ready-timeout-s": (args.ready_timeout_s, 0)}
+    at_least = {
+        "--num-workers": (args.num_workers, 1),
+        "--max-model-len": (1 if args.max_model_len is None else args.max_model_len, 1),
+        "--max-num-seqs": (args.max_num_seqs, 1),
+        "--max-num-batched-tokens": (args.max_num_batched_tokens, 1),
+        "--spec-draft-token-budget": (args.spec_draft_token_budget, 0),
+        "--ready-timeout-s": (args.ready_timeout_s, 0),
+    }
     if args.num_speculative_tokens is not None:
         at_least["--num-speculative-tokens"] = (args.num_speculative_tokens, 0)
     if args.spec_disable_batch_threshold is not None:
@@ -324,12 +368,14 @@ def _default_device() -> str:
 
 def ready_line(config: UpConfig) -> str:
     stack = config.stack
-    return (f"specserve ready: gRPC on {stack.host}:{stack.grpc_port}, HTTP on {stack.host}:{stack.http_port}, "
-            f"model {stack.model.name} ({stack.dtype}"
-            f"{', weights ' + stack.quantization if stack.quantization != 'none' else ''}, "
-            f"{stack.num_workers} worker(s) on {stack.device}), "
-            f"draft {config.draft_name}"
-            f"{', services unauthenticated on loopback (--insecure-loopback)' if stack.insecure_loopback else ''}")
+    return (
+        f"specserve ready: gRPC on {stack.host}:{stack.grpc_port}, HTTP on {stack.host}:{stack.http_port}, "
+        f"model {stack.model.name} ({stack.dtype}"
+        f"{', weights ' + stack.quantization if stack.quantization != 'none' else ''}, "
+        f"{stack.num_workers} worker(s) on {stack.device}), "
+        f"draft {config.draft_name}"
+        f"{', services unauthenticated on loopback (--insecure-loopback)' if stack.insecure_loopback else ''}"
+    )
 
 
 def run_up(config: UpConfig) -> int:
@@ -354,8 +400,11 @@ def _supervise(config: UpConfig, stack: StackConfig) -> int:
     try:
         supervisor.watch(until=lambda: serving() or time.monotonic() > ready_by)
         if not supervisor.stopping and time.monotonic() > ready_by and not serving():
-            print(f"specserve up: not serving within {config.ready_timeout_s:g} s (--ready-timeout-s): no target worker "
-                  "became READY; see the services' logs; stopping", file=sys.stderr)
+            print(
+                f"specserve up: not serving within {config.ready_timeout_s:g} s (--ready-timeout-s): no target worker "
+                "became READY; see the services' logs; stopping",
+                file=sys.stderr,
+            )
             supervisor.stop(grace_s=10.0)
             return 1
         if not supervisor.stopping:
@@ -367,4 +416,3 @@ def _supervise(config: UpConfig, stack: StackConfig) -> int:
         return 1
     supervisor.stop(grace_s=30.0)
     return 0
-

@@ -50,8 +50,15 @@ def tiny_llama_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     hf_config = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, rope_theta=10000.0, tie_word_embeddings=True,
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
     )
     model = transformers.LlamaForCausalLM(hf_config)
     folder = tmp_path_factory.mktemp("tiny_llama")

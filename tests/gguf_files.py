@@ -44,9 +44,42 @@ def byte_alphabet() -> list[str]:
     return spelled
 
 
-BPE_MERGES = ["Ġ t", "h e", "Ġt he", "i n", "n g", "i ng", "Ġ a", "e r", "o n", "Ġ s", "r e", "a t", "e n", "Ġ w",
-              "o r", "i c", "Ġ q", "u ic", "Ġq uic", "Ġquic k", "Ġ f", "o x", "Ġf ox", "1 2", "12 3", "Ġ Ġ", "ĠĠ ĠĠ",
-              "Ċ Ċ", "' s", "' ll", "l l", "Ġ 1", "0 0", "00 0"]
+BPE_MERGES = [
+    "Ġ t",
+    "h e",
+    "Ġt he",
+    "i n",
+    "n g",
+    "i ng",
+    "Ġ a",
+    "e r",
+    "o n",
+    "Ġ s",
+    "r e",
+    "a t",
+    "e n",
+    "Ġ w",
+    "o r",
+    "i c",
+    "Ġ q",
+    "u ic",
+    "Ġq uic",
+    "Ġquic k",
+    "Ġ f",
+    "o x",
+    "Ġf ox",
+    "1 2",
+    "12 3",
+    "Ġ Ġ",
+    "ĠĠ ĠĠ",
+    "Ċ Ċ",
+    "' s",
+    "' ll",
+    "l l",
+    "Ġ 1",
+    "0 0",
+    "00 0",
+]
 
 
 @dataclass
@@ -82,40 +115,135 @@ def byte_level_vocabulary(pre: str, *, add_bos: bool) -> Vocabulary:
     merged = ["".join(merge.split(" ")) for merge in BPE_MERGES]
     tokens = specials + byte_alphabet() + merged
     types = [CONTROL, CONTROL, CONTROL, USER_DEFINED] + [NORMAL] * (len(tokens) - 4)
-    return Vocabulary("gpt2", tokens, types, merges=BPE_MERGES,
-                      fields={"pre": pre, "bos_token_id": 1, "eos_token_id": 2, "padding_token_id": 0,
-                              "add_bos_token": add_bos})
+    return Vocabulary(
+        "gpt2",
+        tokens,
+        types,
+        merges=BPE_MERGES,
+        fields={"pre": pre, "bos_token_id": 1, "eos_token_id": 2, "padding_token_id": 0, "add_bos_token": add_bos},
+    )
 
 
-SPM_PIECES = ["▁t", "he", "▁the", "in", "er", "▁a", "on", "re", "▁s", "at", "en", "▁w", "or", "ic", "▁q", "uic",
-              "▁quic", "▁quick", "▁f", "ox", "▁fox", "ng", "ing", "▁l", "az", "▁laz", "▁lazy", "▁o", "ve", "▁ove",
-              "▁over", "▁b", "ro", "wn", "▁bro", "▁brown", "um", "ps", "▁j", "▁jum", "▁jumps", "us", "▁us",
-              "▁user", "hi", "▁hi", "12", "123", "ad", "▁sp", "ac", "es", "▁spac", "▁spaces", "ea", "▁le", "▁lea",
-              "di", "▁lead", "ab", "▁tab", "▁tabs", "un", "▁r", "▁run", "▁runs", "of", "▁of", "an", "▁an", "▁and"]
+SPM_PIECES = [
+    "▁t",
+    "he",
+    "▁the",
+    "in",
+    "er",
+    "▁a",
+    "on",
+    "re",
+    "▁s",
+    "at",
+    "en",
+    "▁w",
+    "or",
+    "ic",
+    "▁q",
+    "uic",
+    "▁quic",
+    "▁quick",
+    "▁f",
+    "ox",
+    "▁fox",
+    "ng",
+    "ing",
+    "▁l",
+    "az",
+    "▁laz",
+    "▁lazy",
+    "▁o",
+    "ve",
+    "▁ove",
+    "▁over",
+    "▁b",
+    "ro",
+    "wn",
+    "▁bro",
+    "▁brown",
+    "um",
+    "ps",
+    "▁j",
+    "▁jum",
+    "▁jumps",
+    "us",
+    "▁us",
+    "▁user",
+    "hi",
+    "▁hi",
+    "12",
+    "123",
+    "ad",
+    "▁sp",
+    "ac",
+    "es",
+    "▁spac",
+    "▁spaces",
+    "ea",
+    "▁le",
+    "▁lea",
+    "di",
+    "▁lead",
+    "ab",
+    "▁tab",
+    "▁tabs",
+    "un",
+    "▁r",
+    "▁run",
+    "▁runs",
+    "of",
+    "▁of",
+    "an",
+    "▁an",
+    "▁and",
+]
 SPM_CHARS = list("▁abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,:;!?'\"()[]{}#*=+-_/%<>|\\")
 
 
 def sentencepiece_vocabulary(*, gemma: bool) -> Vocabulary:
     """Gemma's shape (runs of spaces and newlines user-defined, no space prefix) or Llama 2's (a space prefix)."""
     if gemma:
-        specials = [("<pad>", CONTROL), ("<eos>", CONTROL), ("<bos>", CONTROL), ("<unk>", CONTROL),
-                    ("<start_of_turn>", CONTROL), ("<end_of_turn>", CONTROL), ("\n", USER_DEFINED),
-                    ("\n\n", USER_DEFINED), *((" " * width, USER_DEFINED) for width in range(2, 9)),
-                    ("\t", USER_DEFINED)]
-        fields = {"bos_token_id": 2, "eos_token_id": 1, "unknown_token_id": 3, "padding_token_id": 0,
-                  "add_bos_token": True, "add_eos_token": False, "add_space_prefix": False}
+        specials = [
+            ("<pad>", CONTROL),
+            ("<eos>", CONTROL),
+            ("<bos>", CONTROL),
+            ("<unk>", CONTROL),
+            ("<start_of_turn>", CONTROL),
+            ("<end_of_turn>", CONTROL),
+            ("\n", USER_DEFINED),
+            ("\n\n", USER_DEFINED),
+            *((" " * width, USER_DEFINED) for width in range(2, 9)),
+            ("\t", USER_DEFINED),
+        ]
+        fields = {
+            "bos_token_id": 2,
+            "eos_token_id": 1,
+            "unknown_token_id": 3,
+            "padding_token_id": 0,
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "add_space_prefix": False,
+        }
     else:
         specials = [("<unk>", UNKNOWN), ("<s>", CONTROL), ("</s>", CONTROL)]
-        fields = {"bos_token_id": 1, "eos_token_id": 2, "unknown_token_id": 0, "add_bos_token": True,
-                  "add_space_prefix": True}
+        fields = {
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "unknown_token_id": 0,
+            "add_bos_token": True,
+            "add_space_prefix": True,
+        }
     pieces = list(dict.fromkeys(SPM_PIECES))
-    tokens = ([token for token, _ in specials] + [f"<0x{byte:02X}>" for byte in range(256)] + pieces
-              + [char for char in SPM_CHARS if char not in pieces])
+    tokens = (
+        [token for token, _ in specials]
+        + [f"<0x{byte:02X}>" for byte in range(256)]
+        + pieces
+        + [char for char in SPM_CHARS if char not in pieces]
+    )
     types = [kind for _, kind in specials] + [BYTE] * 256 + [NORMAL] * (len(tokens) - len(specials) - 256)
     num_pieces = len(tokens) - len(specials) - 256
     scores = [-1000.0] * len(specials) + [0.0] * 256 + [-float(rank) for rank in range(num_pieces)]
     return Vocabulary("llama", tokens, types, scores=scores, fields={"pre": "default", **fields})
-
 
 
 @dataclass
@@ -131,15 +259,20 @@ class Shape:
 def q4_k_blocks(rng: np.random.Generator, rows: int, columns: int) -> np.ndarray:
     """Random Q4_K blocks (gguf-py has no Q4_K quantizer): sane f16 scales, random nibbles and sub-block scales."""
     blocks = rng.integers(0, 256, size=(rows, columns // 256, 144), dtype=np.uint8)
-    scales = np.stack([np.full((rows, columns // 256), 0.002, np.float16),
-                       np.full((rows, columns // 256), 0.001, np.float16)], axis=-1)  # d, dmin
+    scales = np.stack(
+        [np.full((rows, columns // 256), 0.002, np.float16), np.full((rows, columns // 256), 0.001, np.float16)],
+        axis=-1,
+    )  # d, dmin
     blocks[..., :4] = scales.view(np.uint8).reshape(rows, columns // 256, 4)
     return blocks.reshape(rows, -1)
 
 
 _VALUE_TYPES = {int: GGUFValueType.UINT32, float: GGUFValueType.FLOAT32, str: GGUFValueType.STRING}
 _DENSE: dict[GGMLQuantizationType, type[np.floating[Any]]] = {
-    GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F64: np.float64}
+    GGMLQuantizationType.F32: np.float32,
+    GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.F64: np.float64,
+}
 
 
 class TinyGguf:
@@ -173,11 +306,17 @@ class TinyGguf:
             self.add(blk + "attn_k.weight", self._weight(kv_rows, shape.hidden_size), GGMLQuantizationType.Q4_0)
             self.add(blk + "attn_v.weight", self._weight(kv_rows, shape.hidden_size), GGMLQuantizationType.Q5_0)
             self.add(blk + "attn_output.weight", self._weight(shape.hidden_size, q_rows), GGMLQuantizationType.BF16)
-            self.add(blk + "ffn_gate.weight", self._weight(shape.intermediate_size, shape.hidden_size),
-                     GGMLQuantizationType.Q8_0)
+            self.add(
+                blk + "ffn_gate.weight",
+                self._weight(shape.intermediate_size, shape.hidden_size),
+                GGMLQuantizationType.Q8_0,
+            )
             self.add(blk + "ffn_up.weight", self._weight(shape.intermediate_size, shape.hidden_size))
-            self.add(blk + "ffn_down.weight", q4_k_blocks(self.rng, shape.hidden_size, shape.intermediate_size),
-                     GGMLQuantizationType.Q4_K)
+            self.add(
+                blk + "ffn_down.weight",
+                q4_k_blocks(self.rng, shape.hidden_size, shape.intermediate_size),
+                GGMLQuantizationType.Q4_K,
+            )
             self.add(blk + "ffn_norm.weight", self._norm(shape.hidden_size))
             if self.arch == "qwen2":
                 for part, rows in (("attn_q", q_rows), ("attn_k", kv_rows), ("attn_v", kv_rows)):
@@ -241,8 +380,9 @@ FAMILIES = {
     # transformers' GGUF loader reads no head width for qwen3 (its config's default, 128, applies), nor a query
     # scale for gemma3 (256), so these files use those widths, for transformers to load them right.
     "qwen3": lambda: TinyGguf("qwen3", Shape(head_dim=128), byte_level_vocabulary("qwen2", add_bos=False)),
-    "gemma3": lambda: TinyGguf("gemma3", Shape(num_heads=2, num_kv_heads=1, head_dim=256, num_layers=6),
-                               sentencepiece_vocabulary(gemma=True)),
+    "gemma3": lambda: TinyGguf(
+        "gemma3", Shape(num_heads=2, num_kv_heads=1, head_dim=256, num_layers=6), sentencepiece_vocabulary(gemma=True)
+    ),
 }
 
 

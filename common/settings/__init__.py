@@ -34,12 +34,24 @@ def add_arguments(parser: argparse.ArgumentParser, service: Service) -> None:
         if setting.action == "switch":
             parser.add_argument(setting.flag, action="store_true", help=setting.help, dest=setting.dest)
         elif setting.action == "toggle":
-            parser.add_argument(setting.flag, action=argparse.BooleanOptionalAction, default=default, help=setting.help,
-                                dest=setting.dest)
+            parser.add_argument(
+                setting.flag,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=setting.help,
+                dest=setting.dest,
+            )
         else:
-            parser.add_argument(setting.flag, action=setting.action, type=setting.type or str, choices=setting.choices,
-                                default=[] if setting.action == "append" else default, required=setting.required,
-                                help=setting.help, dest=setting.dest)
+            parser.add_argument(
+                setting.flag,
+                action=setting.action,
+                type=setting.type or str,
+                choices=setting.choices,
+                default=[] if setting.action == "append" else default,
+                required=setting.required,
+                help=setting.help,
+                dest=setting.dest,
+            )
 
 
 def argv(service: Service, values: Mapping[str, object]) -> list[str]:

@@ -55,7 +55,9 @@ class PhraseStore:
     def __init__(self, tokens: np.ndarray) -> None:
         # tokens: [N] int64, the sequences one after another, each preceded by _BOUNDARY; MAX_CONTEXT boundaries end it
         self._tokens = tokens
-        after = np.flatnonzero((tokens[:-1] != _BOUNDARY) & (tokens[1:] != _BOUNDARY)) + 1  # positions that follow a token
+        after = (
+            np.flatnonzero((tokens[:-1] != _BOUNDARY) & (tokens[1:] != _BOUNDARY)) + 1
+        )  # positions that follow a token
         columns = [tokens[after - 1]]  # column d: the token d + 1 places back, or _BOUNDARY past the sequence's start
         for depth in range(1, MAX_CONTEXT):
             back = tokens[np.maximum(after - 1 - depth, 0)]
@@ -88,7 +90,9 @@ class PhraseStore:
             raise PhraseError(f"{path}: 'tokens' must be one row that starts and ends with a boundary ({_BOUNDARY})")
         outside = tokens[(tokens != _BOUNDARY) & ((tokens < 0) | (tokens >= vocab_size))]
         if outside.size:
-            raise PhraseError(f"{path} holds token id {int(outside[0])}, outside the target's vocabulary of {vocab_size}")
+            raise PhraseError(
+                f"{path} holds token id {int(outside[0])}, outside the target's vocabulary of {vocab_size}"
+            )
         return cls(tokens)
 
     def save(self, folder: Path) -> None:
@@ -124,8 +128,9 @@ class PhraseStore:
             continuations = continuations[continuations[:, step] == token]
         return proposal
 
-    def guesses(self, context: list[int], k: int, min_context: int = MIN_CONTEXT,
-                min_chance: float = MIN_CHANCE) -> dict[tuple[int, ...], float]:
+    def guesses(
+        self, context: list[int], k: int, min_context: int = MIN_CONTEXT, min_chance: float = MIN_CHANCE
+    ) -> dict[tuple[int, ...], float]:
         """Continuations of up to k tokens of the context's end, each with the chance that the target writes it next:
         for every branch of what followed the longest match (and the match a token shorter; at least min_context
         tokens; a match shorter than FULL_CONTEXT continued by at most as many tokens as it matched), the product

@@ -79,11 +79,14 @@ def _refuse_constant(name: str) -> object:
 def _grammar_text(spec: StructuredSpec) -> str:
     match spec.kind:
         case "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}',
-                                                                 defaults={"whitespace_flexible": False})
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                '{"type": "object"}', defaults={"whitespace_flexible": False}
+            )
         case "json_schema":
             schema = schema_of(spec.value)
-            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False})
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                json.dumps(schema), defaults={"whitespace_flexible": False}
+            )
         case "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec.value)
         case "choice":

@@ -128,8 +128,12 @@ class Tokenizer:
         """Whether the chat template reads a `tools` variable (renders tools offered to the model)."""
         return self._chat_template is not None and "tools" in self._chat_template.variables
 
-    def render_chat(self, messages: Sequence[ChatMessage], template_kwargs: Mapping[str, Any] | None = None,
-                    tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+    def render_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
         """The chat template's text for messages plus the assistant's generation prompt; `template_kwargs` are more
         variables the template reads (`enable_thinking`, say), none of the ones this passes (RESERVED_TEMPLATE_KEYS);
         `tools`, the tools offered (OpenAI's shape), for a template that takes them.
@@ -141,7 +145,9 @@ class Tokenizer:
             raise ChatTemplateError("the model has no chat template")
         extra = dict(template_kwargs or {})
         if reserved := sorted(RESERVED_TEMPLATE_KEYS & extra.keys()):
-            raise ChatTemplateError(f"{', '.join(reserved)} cannot be given as template variables: the server sets them")
+            raise ChatTemplateError(
+                f"{', '.join(reserved)} cannot be given as template variables: the server sets them"
+            )
         conversation = [message.as_template_reads() for message in messages]
         if tools:
             extra["tools"] = list(tools)
@@ -237,8 +243,9 @@ def chat_template_source(model_dir: Path, tokenizer_config: dict[str, Any]) -> s
     return value if isinstance(value, str) else None
 
 
-def load_chat_template(model_dir: Path, tokenizer_config: dict[str, Any],
-                       template_file: Path | None = None) -> ChatTemplate | None:
+def load_chat_template(
+    model_dir: Path, tokenizer_config: dict[str, Any], template_file: Path | None = None
+) -> ChatTemplate | None:
     """The chat template of `template_file` (a Jinja file of one's own) when given, else the folder's; None: none."""
     where = template_file or model_dir
     if template_file is None:
@@ -282,7 +289,11 @@ def template_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
 
 
 def template_tojson(
-    value: object, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+    value: object,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
 ) -> str:
     # Jinja's own tojson escapes HTML characters, which chat templates do not want.
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)

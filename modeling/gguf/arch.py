@@ -90,8 +90,9 @@ _GEMMA3_27B_LAYERS = 62  # llama.cpp scales Gemma 3 27B's queries by hidden_size
 def architecture(metadata: GgufMetadata) -> Architecture:
     arch = metadata.arch
     if arch not in ARCHITECTURES:
-        raise GgufConversionError(f"general.architecture {arch!r} is not supported "
-                                  f"(supported: {sorted(ARCHITECTURES)})")
+        raise GgufConversionError(
+            f"general.architecture {arch!r} is not supported (supported: {sorted(ARCHITECTURES)})"
+        )
     return ARCHITECTURES[arch]
 
 
@@ -106,28 +107,60 @@ def hf_config(metadata: GgufMetadata, tensor_names: Collection[str], rope_freqs:
     return layout.config(metadata, common, head_dim, rope)
 
 
-def _llama_config(metadata: GgufMetadata, common: dict[str, Any], head_dim: int,
-                  rope: dict[str, Any]) -> dict[str, Any]:
+def _llama_config(
+    metadata: GgufMetadata, common: dict[str, Any], head_dim: int, rope: dict[str, Any]
+) -> dict[str, Any]:
     window = metadata.model_get("attention.sliding_window")
     if window is None:
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common, "head_dim": head_dim,
-                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "rope_parameters": rope}
-    return {"architectures": ["MistralForCausalLM"], "model_type": "mistral", **common, "head_dim": head_dim,
-            "hidden_act": "silu", "sliding_window": int(window), "rope_parameters": rope}
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            **common,
+            "head_dim": head_dim,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "rope_parameters": rope,
+        }
+    return {
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        **common,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "sliding_window": int(window),
+        "rope_parameters": rope,
+    }
 
 
-def _qwen2_config(metadata: GgufMetadata, common: dict[str, Any], head_dim: int,
-                  rope: dict[str, Any]) -> dict[str, Any]:
+def _qwen2_config(
+    metadata: GgufMetadata, common: dict[str, Any], head_dim: int, rope: dict[str, Any]
+) -> dict[str, Any]:
     if head_dim != common["hidden_size"] // common["num_attention_heads"]:
         raise GgufConversionError(f"qwen2 head width {head_dim} is not hidden_size / heads, as Qwen2 has it")
-    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **common, "hidden_act": "silu",
-            "use_sliding_window": False, "rope_parameters": rope}
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        **common,
+        "hidden_act": "silu",
+        "use_sliding_window": False,
+        "rope_parameters": rope,
+    }
 
 
-def _qwen3_config(metadata: GgufMetadata, common: dict[str, Any], head_dim: int,
-                  rope: dict[str, Any]) -> dict[str, Any]:
-    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **common, "head_dim": head_dim,
-            "hidden_act": "silu", "attention_bias": False, "use_sliding_window": False, "rope_parameters": rope}
+def _qwen3_config(
+    metadata: GgufMetadata, common: dict[str, Any], head_dim: int, rope: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        **common,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "rope_parameters": rope,
+    }
 
 
 def _common_config(metadata: GgufMetadata, tensor_names: Collection[str]) -> dict[str, Any]:
@@ -163,12 +196,16 @@ def _count(metadata: GgufMetadata, name: str, default: int | None = None) -> int
 
 def _head_dim(metadata: GgufMetadata, default: int) -> int:
     """The head width: key_length, value_length and the rotated width must agree (no partial RoPE here)."""
-    widths = {name: metadata.model_get(name) for name in ("attention.key_length", "attention.value_length",
-                                                          "rope.dimension_count")}
+    widths = {
+        name: metadata.model_get(name)
+        for name in ("attention.key_length", "attention.value_length", "rope.dimension_count")
+    }
     given = {name: int(width) for name, width in widths.items() if width is not None}
     if len(set(given.values())) > 1:
-        raise GgufConversionError(f"{metadata.arch} head widths disagree: {given} (partial RoPE or unequal key and "
-                                  "value widths are not supported)")
+        raise GgufConversionError(
+            f"{metadata.arch} head widths disagree: {given} (partial RoPE or unequal key and "
+            "value widths are not supported)"
+        )
     return next(iter(given.values()), default)
 
 
@@ -177,8 +214,10 @@ def _rope_parameters(metadata: GgufMetadata, head_dim: int, rope_freqs: np.ndarr
     scaling = _metadata_rope_scaling(metadata)
     if rope_freqs is not None:
         if scaling is not None:
-            raise GgufConversionError(f"GGUF has both {ROPE_FREQS_TENSOR!r} and {metadata.arch}.rope.scaling.type "
-                                      f"{scaling['rope_type']!r}; one RoPE scaling at a time is supported")
+            raise GgufConversionError(
+                f"GGUF has both {ROPE_FREQS_TENSOR!r} and {metadata.arch}.rope.scaling.type "
+                f"{scaling['rope_type']!r}; one RoPE scaling at a time is supported"
+            )
         scaling = llama3_rope_scaling(rope_freqs, theta, head_dim, tensor_name=ROPE_FREQS_TENSOR)
     return {"rope_type": "default", "rope_theta": theta} if scaling is None else {"rope_theta": theta, **scaling}
 
@@ -196,8 +235,11 @@ def _metadata_rope_scaling(metadata: GgufMetadata) -> dict[str, Any] | None:
     if kind == "linear":
         return {"rope_type": "linear", "factor": factor}
     if kind == "yarn":
-        yarn = {"rope_type": "yarn", "factor": factor,
-                "original_max_position_embeddings": int(metadata.model_require("rope.scaling.original_context_length"))}
+        yarn = {
+            "rope_type": "yarn",
+            "factor": factor,
+            "original_max_position_embeddings": int(metadata.model_require("rope.scaling.original_context_length")),
+        }
         for gguf_name, hf_name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
             if (value := metadata.model_get(f"rope.scaling.{gguf_name}")) is not None:
                 yarn[hf_name] = float(value)
@@ -205,13 +247,15 @@ def _metadata_rope_scaling(metadata: GgufMetadata) -> dict[str, Any] | None:
     raise GgufConversionError(f"{metadata.arch}.rope.scaling.type {kind!r} is not supported (none, linear or yarn)")
 
 
-def _gemma3_config(metadata: GgufMetadata, common: dict[str, Any], head_dim: int,
-                   rope: dict[str, Any]) -> dict[str, Any]:
+def _gemma3_config(
+    metadata: GgufMetadata, common: dict[str, Any], head_dim: int, rope: dict[str, Any]
+) -> dict[str, Any]:
     num_layers = common["num_hidden_layers"]
     window = metadata.model_get("attention.sliding_window")
     local_theta = float(metadata.model_get("rope.freq_base_swa", _GEMMA3_LOCAL_THETA))
-    query_scalar = (common["hidden_size"] // common["num_attention_heads"] if num_layers == _GEMMA3_27B_LAYERS
-                    else head_dim)
+    query_scalar = (
+        common["hidden_size"] // common["num_attention_heads"] if num_layers == _GEMMA3_27B_LAYERS else head_dim
+    )
     return {
         "architectures": ["Gemma3ForCausalLM"],
         "model_type": "gemma3_text",
@@ -220,11 +264,15 @@ def _gemma3_config(metadata: GgufMetadata, common: dict[str, Any], head_dim: int
         "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": query_scalar,
         "sliding_window": None if window is None else int(window),
-        "layer_types": ["sliding_attention" if sliding else "full_attention"
-                        for sliding in _gemma3_sliding_layers(metadata, num_layers)],
+        "layer_types": [
+            "sliding_attention" if sliding else "full_attention"
+            for sliding in _gemma3_sliding_layers(metadata, num_layers)
+        ],
         # Only the global layers take the file's base and scaling; the sliding ones keep plain RoPE at their own base.
-        "rope_parameters": {"full_attention": rope,
-                            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}},
+        "rope_parameters": {
+            "full_attention": rope,
+            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
+        },
     }
 
 
@@ -233,8 +281,9 @@ def _gemma3_sliding_layers(metadata: GgufMetadata, num_layers: int) -> list[bool
     pattern = metadata.model_get("attention.sliding_window_pattern", _GEMMA3_PATTERN)
     if isinstance(pattern, list):
         if len(pattern) != num_layers:
-            raise GgufConversionError(f"gemma3.attention.sliding_window_pattern has {len(pattern)} flags for "
-                                      f"{num_layers} layers")
+            raise GgufConversionError(
+                f"gemma3.attention.sliding_window_pattern has {len(pattern)} flags for {num_layers} layers"
+            )
         return [bool(flag) for flag in pattern]
     period = int(pattern)
     if period < 1:

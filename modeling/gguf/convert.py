@@ -34,8 +34,17 @@ from modeling.gguf.arch import GLOBAL_TENSORS, ROPE_FREQS_TENSOR, Architecture, 
 from modeling.gguf.metadata import GgufConversionError, GgufMetadata
 from modeling.gguf.tokenizer import build_tokenizer, generation_config, special_tokens_map, tokenizer_config
 
-__all__ = ["CONVERTED_MARKER", "CONVERTER_VERSION", "GGUF_FILE", "GgufConversionError", "convert_gguf",
-           "hf_tensor_name", "is_converted", "read_gguf", "unpermute_rope_rows"]
+__all__ = [
+    "CONVERTED_MARKER",
+    "CONVERTER_VERSION",
+    "GGUF_FILE",
+    "GgufConversionError",
+    "convert_gguf",
+    "hf_tensor_name",
+    "is_converted",
+    "read_gguf",
+    "unpermute_rope_rows",
+]
 
 # Written last, inside the folder, before the folder is renamed into place; bump the
 # version whenever the converter's output changes, so old folders get converted again.
@@ -92,9 +101,12 @@ def _plan(reader: GGUFReader, metadata: GgufMetadata) -> _Plan:
     try:
         layout = architecture(metadata)
         config = hf_config(metadata, {tensor.name for tensor in reader.tensors}, _rope_freqs(reader))
-        json_files = {"config.json": config, "tokenizer_config.json": tokenizer_config(metadata, config),
-                      "special_tokens_map.json": special_tokens_map(metadata),
-                      "generation_config.json": generation_config(metadata, config)}
+        json_files = {
+            "config.json": config,
+            "tokenizer_config.json": tokenizer_config(metadata, config),
+            "special_tokens_map.json": special_tokens_map(metadata),
+            "generation_config.json": generation_config(metadata, config),
+        }
         tokenizer = build_tokenizer(metadata)
     except GgufConversionError:
         raise
@@ -146,8 +158,9 @@ def _dequantized(tensor: ReaderTensor) -> np.ndarray:
     try:
         weight = dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as exc:
-        raise GgufConversionError(f"GGUF tensor {tensor.name!r} is of type {tensor.tensor_type.name}, which cannot "
-                                  "be dequantized") from exc
+        raise GgufConversionError(
+            f"GGUF tensor {tensor.name!r} is of type {tensor.tensor_type.name}, which cannot be dequantized"
+        ) from exc
     return weight.astype(np.float32, copy=False)
 
 

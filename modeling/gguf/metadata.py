@@ -54,8 +54,8 @@ class GgufMetadata:
 
     def refuse_unread(self) -> None:
         """Raise GgufConversionError naming the keys nothing read, but for the merely descriptive ones."""
-        unread = [key for key in self._values
-                  if key not in self._read and not key.startswith(_DESCRIPTIVE_PREFIXES)]
+        unread = [key for key in self._values if key not in self._read and not key.startswith(_DESCRIPTIVE_PREFIXES)]
         if unread:
-            raise GgufConversionError(f"GGUF metadata key {unread[0]!r} is not understood by this converter "
-                                      f"(not understood: {unread[:8]})")
+            raise GgufConversionError(
+                f"GGUF metadata key {unread[0]!r} is not understood by this converter (not understood: {unread[:8]})"
+            )

@@ -28,21 +28,26 @@ RELATIVE_TOLERANCE = 1e-6
 _LLAMA31 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def llama3_rope_scaling(divisors: np.ndarray, theta: float, head_dim: int, *,
-                        tensor_name: str) -> dict[str, Any] | None:
+def llama3_rope_scaling(
+    divisors: np.ndarray, theta: float, head_dim: int, *, tensor_name: str
+) -> dict[str, Any] | None:
     """transformers' llama3 rope parameters (beside rope_theta) that give these divisors; None when all are 1."""
     divisors = np.asarray(divisors, dtype=np.float64).reshape(-1)  # [head_dim / 2]
     if divisors.shape != (head_dim // 2,):
-        raise GgufConversionError(f"GGUF tensor {tensor_name!r} has {divisors.size} values for a head width of "
-                                  f"{head_dim} (expected {head_dim // 2})")
+        raise GgufConversionError(
+            f"GGUF tensor {tensor_name!r} has {divisors.size} values for a head width of "
+            f"{head_dim} (expected {head_dim // 2})"
+        )
     if _reproduces(divisors, np.ones_like(divisors)):
         return None
     wavelengths = 2 * math.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [head_dim / 2]
     for candidate in _candidates(divisors, wavelengths):
         if _reproduces(divisors, llama3_divisors(candidate, wavelengths)):
             return {"rope_type": "llama3", **candidate}
-    raise GgufConversionError(f"GGUF tensor {tensor_name!r} holds RoPE frequency divisors that no llama3 scaling "
-                              f"reproduces (range {divisors.min():g} to {divisors.max():g})")
+    raise GgufConversionError(
+        f"GGUF tensor {tensor_name!r} holds RoPE frequency divisors that no llama3 scaling "
+        f"reproduces (range {divisors.min():g} to {divisors.max():g})"
+    )
 
 
 def llama3_divisors(scaling: dict[str, Any], wavelengths: np.ndarray) -> np.ndarray:
@@ -67,9 +72,12 @@ def _candidates(divisors: np.ndarray, wavelengths: np.ndarray) -> Iterator[dict[
             low_bound, high_bound = -slope / intercept, slope / (1.0 - intercept)  # wavelengths where s is 0 and 1
             original = round(low_bound)
             for digits in (4, 8):
-                yield {"factor": factor, "low_freq_factor": 1.0,
-                       "high_freq_factor": round(original / high_bound, digits),
-                       "original_max_position_embeddings": original}
+                yield {
+                    "factor": factor,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": round(original / high_bound, digits),
+                    "original_max_position_embeddings": original,
+                }
     yield {"factor": factor, **_LLAMA31}
 
 

@@ -34,14 +34,31 @@ _SPACE = "▁"  # SentencePiece's spelling of a space
 
 # The splits byte-level vocabularies were trained on: Llama 3's (numbers in runs of up to
 # three digits) and Qwen2's (every digit alone); both keep contractions and newlines apart.
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
 # Descriptive token ids (infill, classification, masking): no serving path reads them.
-_DESCRIPTIVE_IDS = ("sep", "seperator", "cls", "mask", "prefix", "suffix", "middle", "fim_pre", "fim_suf", "fim_mid",
-                    "fim_pad", "fim_rep", "fim_sep")
+_DESCRIPTIVE_IDS = (
+    "sep",
+    "seperator",
+    "cls",
+    "mask",
+    "prefix",
+    "suffix",
+    "middle",
+    "fim_pre",
+    "fim_suf",
+    "fim_mid",
+    "fim_pad",
+    "fim_rep",
+    "fim_sep",
+)
 
 
 def tokenizer_config(metadata: GgufMetadata, config: dict[str, Any]) -> dict[str, Any]:
@@ -59,15 +76,20 @@ def tokenizer_config(metadata: GgufMetadata, config: dict[str, Any]) -> dict[str
 
 
 def special_tokens_map(metadata: GgufMetadata) -> dict[str, Any]:
-    return {**{name: token for name, token in _special_tokens(metadata).items() if token is not None},
-            "additional_special_tokens": _tokens_of_type(metadata, _CONTROL)}
+    return {
+        **{name: token for name, token in _special_tokens(metadata).items() if token is not None},
+        "additional_special_tokens": _tokens_of_type(metadata, _CONTROL),
+    }
 
 
 def generation_config(metadata: GgufMetadata, config: dict[str, Any]) -> dict[str, Any]:
     """generation_config.json: the token ids; eos_token_id a list when more than one token ends a generation."""
     eos_ids = eos_token_ids(metadata)
-    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids,
-                  "pad_token_id": config["pad_token_id"]}
+    generation = {
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids,
+        "pad_token_id": config["pad_token_id"],
+    }
     return {key: value for key, value in generation.items() if value not in (None, [])}
 
 
@@ -79,17 +101,20 @@ def build_tokenizer(metadata: GgufMetadata) -> Tokenizer:
     elif kind == "llama":
         tokenizer = _sentencepiece_bpe(metadata)
     else:
-        raise GgufConversionError(f"tokenizer.ggml.model {kind!r} is not supported (gpt2: byte-level BPE, "
-                                  "llama: SentencePiece BPE)")
+        raise GgufConversionError(
+            f"tokenizer.ggml.model {kind!r} is not supported (gpt2: byte-level BPE, llama: SentencePiece BPE)"
+        )
     if metadata.get("tokenizer.ggml.add_sep_token", False):
         raise GgufConversionError("tokenizer.ggml.add_sep_token true is not supported")
     for name in _DESCRIPTIVE_IDS:
         metadata.get(f"tokenizer.ggml.{name}_token_id")
     tokenizer.post_processor = _post_processor(metadata, byte_level=kind == "gpt2")
-    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False)
-                                  for token in _tokens_of_type(metadata, _CONTROL)])
-    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False)
-                          for token in _tokens_of_type(metadata, _USER_DEFINED)])
+    tokenizer.add_special_tokens(
+        [AddedToken(token, special=True, normalized=False) for token in _tokens_of_type(metadata, _CONTROL)]
+    )
+    tokenizer.add_tokens(
+        [AddedToken(token, special=False, normalized=False) for token in _tokens_of_type(metadata, _USER_DEFINED)]
+    )
     return tokenizer
 
 
@@ -117,15 +142,24 @@ def _byte_level_bpe(metadata: GgufMetadata) -> Tokenizer:
 def _byte_level_split(pre: str) -> pre_tokenizers.PreTokenizer:
     """The split a byte-level vocabulary's merges were learned on, named by tokenizer.ggml.pre."""
     if pre == "smollm":
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
     if pre in ("default", "gpt2", "gpt-2"):
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in _SPLITS:
-        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    raise GgufConversionError(f"tokenizer.ggml.pre {pre!r} is not supported (supported: smollm, default, gpt2, "
-                              f"{', '.join(_SPLITS)})")
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    raise GgufConversionError(
+        f"tokenizer.ggml.pre {pre!r} is not supported (supported: smollm, default, gpt2, {', '.join(_SPLITS)})"
+    )
 
 
 def _merges(metadata: GgufMetadata) -> list[tuple[str, str]]:
@@ -141,16 +175,22 @@ def _merges(metadata: GgufMetadata) -> list[tuple[str, str]]:
 def _sentencepiece_bpe(metadata: GgufMetadata) -> Tokenizer:
     tokens = _tokens(metadata)
     unknown_id = metadata.get("tokenizer.ggml.unknown_token_id")
-    bpe = models.BPE(vocab=_vocab(metadata), merges=_sentencepiece_merges(metadata),
-                     unk_token=None if unknown_id is None else tokens[unknown_id], fuse_unk=True, byte_fallback=True)
+    bpe = models.BPE(
+        vocab=_vocab(metadata),
+        merges=_sentencepiece_merges(metadata),
+        unk_token=None if unknown_id is None else tokens[unknown_id],
+        fuse_unk=True,
+        byte_fallback=True,
+    )
     tokenizer = Tokenizer(bpe)
     space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))  # llama.cpp's default
     if (pre := metadata.get("tokenizer.ggml.pre", "default")) != "default":
         raise GgufConversionError(f"tokenizer.ggml.pre {pre!r} is not supported for SentencePiece (only 'default')")
     if metadata.get("tokenizer.ggml.remove_extra_whitespaces", False):
         raise GgufConversionError("tokenizer.ggml.remove_extra_whitespaces true is not supported")
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_SPACE, prepend_scheme="first" if space_prefix
-                                                       else "never", split=False)
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement=_SPACE, prepend_scheme="first" if space_prefix else "never", split=False
+    )
     steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     tokenizer.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if space_prefix else steps)
     return tokenizer
@@ -207,8 +247,9 @@ def _post_processor(metadata: GgufMetadata, *, byte_level: bool) -> processors.P
     for key, adds in (("bos", _adds_bos(metadata)), ("eos", _adds_eos(metadata))):
         token_id = metadata.get(f"tokenizer.ggml.{key}_token_id")
         if adds and token_id is None:
-            raise GgufConversionError(f"tokenizer.ggml.add_{key}_token is true but tokenizer.ggml.{key}_token_id is "
-                                      "missing")
+            raise GgufConversionError(
+                f"tokenizer.ggml.add_{key}_token is true but tokenizer.ggml.{key}_token_id is missing"
+            )
         if adds:
             added[key] = (tokens[token_id], token_id)
     if not added:
@@ -219,8 +260,9 @@ def _post_processor(metadata: GgufMetadata, *, byte_level: bool) -> processors.P
         parts.append(f"${sequence}:{type_id}")
         return " ".join(parts + ([f"{added['eos'][0]}:{type_id}"] if "eos" in added else []))
 
-    return processors.TemplateProcessing(single=template("A", 0), pair=f"{template('A', 0)} {template('B', 1)}",
-                                         special_tokens=list(added.values()))
+    return processors.TemplateProcessing(
+        single=template("A", 0), pair=f"{template('A', 0)} {template('B', 1)}", special_tokens=list(added.values())
+    )
 
 
 def _tokens_of_type(metadata: GgufMetadata, token_type: int) -> list[str]:
@@ -231,17 +273,20 @@ def _tokens_of_type(metadata: GgufMetadata, token_type: int) -> list[str]:
 def _special_tokens(metadata: GgufMetadata) -> dict[str, str | None]:
     tokens = _tokens(metadata)
     ids = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
-    return {name: (tokens[token_id] if (token_id := metadata.get(f"tokenizer.ggml.{key}_token_id")) is not None
-                   else None)
-            for name, key in ids.items()}
+    return {
+        name: (tokens[token_id] if (token_id := metadata.get(f"tokenizer.ggml.{key}_token_id")) is not None else None)
+        for name, key in ids.items()
+    }
 
 
 def _chat_template(metadata: GgufMetadata) -> str | list[dict[str, str]] | None:
     """tokenizer.chat_template; with named ones beside it (tool use, ...), the list form tokenizer_config takes."""
     default = metadata.get("tokenizer.chat_template")
     metadata.get("tokenizer.chat_templates")  # the names of the ones below
-    named = {key.removeprefix("tokenizer.chat_template."): metadata.get(key)
-             for key in metadata.keys_under("tokenizer.chat_template.")}
+    named = {
+        key.removeprefix("tokenizer.chat_template."): metadata.get(key)
+        for key in metadata.keys_under("tokenizer.chat_template.")
+    }
     if not named:
         return default
     entries = [{"name": "default", "template": default}] if default is not None else []

@@ -40,14 +40,29 @@ from modeling.gguf.convert import GGUF_FILE, hf_tensor_name, unpermute_rope_rows
 from modeling.gguf.metadata import GgufConversionError, GgufMetadata
 from modeling.model.checkpoint import PROJECTION_PARTS
 
-__all__ = ["QUANTIZATIONS", "QUANTIZATION_HELP", "Blocks", "ChannelInt8", "GgufBlocks", "QuantizationError",
-           "block_panels", "channel_int8_blocks", "panel_rows", "q4_k_sub_blocks", "servable_quantization",
-           "tensor_infos", "weight_blocks"]
+__all__ = [
+    "QUANTIZATIONS",
+    "QUANTIZATION_HELP",
+    "Blocks",
+    "ChannelInt8",
+    "GgufBlocks",
+    "QuantizationError",
+    "block_panels",
+    "channel_int8_blocks",
+    "panel_rows",
+    "q4_k_sub_blocks",
+    "servable_quantization",
+    "tensor_infos",
+    "weight_blocks",
+]
 
 QUANT_BLOCK = 32  # inputs per block of the kernel's formats (Q4_K: its sub-blocks)
 # The block formats the kernel reads: GGUF type -> (name, bytes per 32 inputs of one output row in the file).
-BLOCK_FORMATS = {GGMLQuantizationType.Q4_1: ("q4_1", 20), GGMLQuantizationType.Q8_0: ("q8_0", 34),
-                 GGMLQuantizationType.Q4_K: ("q4_k", 18)}
+BLOCK_FORMATS = {
+    GGMLQuantizationType.Q4_1: ("q4_1", 20),
+    GGMLQuantizationType.Q8_0: ("q8_0", 34),
+    GGMLQuantizationType.Q4_K: ("q4_k", 18),
+}
 # Bytes of each scale in the kernel's layout of a format (Q4_K's sub-block scales are float32 products).
 SCALE_BYTES = {"q4_1": 2, "q8_0": 2, "q4_k": 4}
 _Q4_K_BYTES, _Q4_K_INPUTS = 144, 256  # one Q4_K super-block: d, dmin, 12 bytes of scales and mins, 128 of quants
@@ -134,17 +149,21 @@ class GgufBlocks:
         if not path.is_file():
             raise QuantizationError(
                 f"{quantization} serves a model's own GGUF blocks, and {folder} holds no {GGUF_FILE} "
-                f"(a Hugging Face folder, or a conversion by an older specserve): the choice for it is none")
+                f"(a Hugging Face folder, or a conversion by an older specserve): the choice for it is none"
+            )
         try:
             arch, self._data, infos = tensor_infos(path)
             layout = architecture(GgufMetadata({"general.architecture": arch}))
         except (GgufConversionError, ValueError, struct.error, OSError) as exc:
-            raise QuantizationError(f"{quantization}: {path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+            raise QuantizationError(
+                f"{quantization}: {path} is not a readable GGUF file ({type(exc).__name__}: {exc})"
+            ) from exc
         config = json.loads((folder / "config.json").read_text())
         self._heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
         self._permuted = layout.rope_rows_permuted
-        self._tensors = {hf_tensor_name(info.name, layout, arch): info
-                         for info in infos if info.name != ROPE_FREQS_TENSOR}
+        self._tensors = {
+            hf_tensor_name(info.name, layout, arch): info for info in infos if info.name != ROPE_FREQS_TENSOR
+        }
         projections = [name for name in self._tensors if name.endswith(tuple(sum(PROJECTION_PARTS.values(), ())))]
         kinds = {self._tensors[name].kind for name in projections}
         servable = sorted(BLOCK_FORMATS[kind][0] for kind in kinds if kind in BLOCK_FORMATS)
@@ -153,7 +172,8 @@ class GgufBlocks:
             raise QuantizationError(
                 f"{quantization} serves a model's own {quantization.upper()} blocks, and the "
                 f"projections of {path} are {', '.join(sorted(kind.name for kind in kinds)) or 'not there'}: the "
-                f"choices for it are {', '.join(['none', *servable])}")
+                f"choices for it are {', '.join(['none', *servable])}"
+            )
 
     def format_of(self, names: list[str]) -> str | None:
         """The block format all the named weights are in, if the kernel reads it; else None."""
@@ -176,8 +196,9 @@ class GgufBlocks:
                 rows = unpermute_rope_rows(rows, self._heads[leaf])  # whole rows move: their blocks with them
             parts.append(q4_k_sub_blocks(rows) if info.kind == GGMLQuantizationType.Q4_K else rows)
         in_features = infos[0].shape[0]  # GGUF lists the inner dimension first
-        return Blocks(format_name, np.ascontiguousarray(np.concatenate(parts) if len(parts) > 1 else parts[0]),
-                      in_features)
+        return Blocks(
+            format_name, np.ascontiguousarray(np.concatenate(parts) if len(parts) > 1 else parts[0]), in_features
+        )
 
 
 def q4_k_sub_blocks(rows: np.ndarray) -> np.ndarray:
@@ -194,7 +215,9 @@ def q4_k_sub_blocks(rows: np.ndarray) -> np.ndarray:
     scales = np.concatenate([low & 0x3F, (rest & 0x0F) | ((low >> 2) & 0x30)], axis=-1).astype(np.float32)  # [B, 8]
     mins = np.concatenate([high & 0x3F, (rest >> 4) | ((high >> 2) & 0x30)], axis=-1).astype(np.float32)
     shifted = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    quants = (shifted & 0x0F).astype(np.uint8).reshape(-1, 8, 32)  # sub-block 2g: bytes 32g..32g+31's low nibbles, 2g+1: high
+    quants = (
+        (shifted & 0x0F).astype(np.uint8).reshape(-1, 8, 32)
+    )  # sub-block 2g: bytes 32g..32g+31's low nibbles, 2g+1: high
     out = np.empty((blocks.shape[0], 8, 24), dtype=np.uint8)
     out[..., 0:4] = (d * scales).astype("<f4").view(np.uint8).reshape(-1, 8, 4)
     out[..., 4:8] = (-(dmin * mins)).astype("<f4").view(np.uint8).reshape(-1, 8, 4)
@@ -229,7 +252,8 @@ class ChannelInt8:
         if not isinstance(hidden, int) or hidden % QUANT_BLOCK:
             raise QuantizationError(
                 f"--quantization int8 packs weights in blocks of {QUANT_BLOCK} inputs, and {folder}'s hidden_size is "
-                f"{hidden!r}: the choice for it is none")
+                f"{hidden!r}: the choice for it is none"
+            )
 
     def format_of(self, names: list[str]) -> str | None:
         return "q8_0"
@@ -372,15 +396,18 @@ def block_panels(blocks: Blocks, panel: int) -> torch.Tensor:
         scales = by_panel[..., :2]  # d
         quants = by_panel[..., 2:].transpose(0, 1, 3, 2)  # [P, blocks, 32, panel]
     else:  # q4_1, q4_k: d, m, then 16 bytes: input j's quant in byte j's low nibble, input j + 16's in its high one
-        scales = np.concatenate([by_panel[..., 0:width], by_panel[..., width : 2 * width]], axis=2)  # [P, blocks, 2 * panel, width]
+        scales = np.concatenate(
+            [by_panel[..., 0:width], by_panel[..., width : 2 * width]], axis=2
+        )  # [P, blocks, 2 * panel, width]
         packed = by_panel[..., 2 * width :]
         values = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).transpose(0, 1, 3, 2)  # [P, blocks, 32, panel]
         half = panel // 2
         quants = values[..., :half] | (values[..., half:] << 4)  # [P, blocks, 32, half]
         # Inputs in fours: for k = 4u + t (t = 0, 1), byte j of k, then byte j of k + 2; then byte j + 1 of each.
         quants = quants.reshape(num_panels, num_blocks, QUANT_BLOCK // 4, 2, 2, half).transpose(0, 1, 2, 5, 4, 3)
-    out = np.concatenate([scales.reshape(num_panels, num_blocks, -1), quants.reshape(num_panels, num_blocks, -1)],
-                         axis=-1)
+    out = np.concatenate(
+        [scales.reshape(num_panels, num_blocks, -1), quants.reshape(num_panels, num_blocks, -1)], axis=-1
+    )
     return torch.from_numpy(np.ascontiguousarray(out))
 
 
@@ -402,8 +429,12 @@ def panel_rows(packed: torch.Tensor, format_name: str, panel: int, ids: torch.Te
         return (picked.float() * d.unsqueeze(-1)).reshape(n, -1)
     m = per_lane(chosen[..., width * panel : 2 * width * panel].contiguous().view(scale_type)).float()
     half = panel // 2
-    nibbles = (chosen[..., 2 * width * panel :].reshape(n, num_blocks, QUANT_BLOCK // 4, half, 2, 2)
-               .permute(0, 1, 2, 5, 4, 3).reshape(n, num_blocks, QUANT_BLOCK, half))
+    nibbles = (
+        chosen[..., 2 * width * panel :]
+        .reshape(n, num_blocks, QUANT_BLOCK // 4, half, 2, 2)
+        .permute(0, 1, 2, 5, 4, 3)
+        .reshape(n, num_blocks, QUANT_BLOCK, half)
+    )
     byte = nibbles.gather(3, (lane % half).unsqueeze(-1).expand(n, num_blocks, QUANT_BLOCK, 1)).squeeze(3)
     quants = torch.where((lane >= half).view(-1, 1, 1), byte >> 4, byte & 0x0F)
     return (d.unsqueeze(-1) * quants.float() + m.unsqueeze(-1)).reshape(n, -1)

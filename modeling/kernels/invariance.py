@@ -23,8 +23,13 @@ PROBE_OUT_FEATURES = 3 * 64 + 5
 Linear = Callable[..., torch.Tensor]
 
 
-def linear_rows_problem(linear: Linear, pack: Callable[[torch.Tensor], torch.Tensor], depths: Iterable[int],
-                        dtype: torch.dtype, device: torch.device) -> str | None:
+def linear_rows_problem(
+    linear: Linear,
+    pack: Callable[[torch.Tensor], torch.Tensor],
+    depths: Iterable[int],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> str | None:
     """None if, for each input width in `depths`, every row of a call on 1 .. 513 rows equals that row alone.
 
     `pack` turns a plain `[N, K]` weight into what `linear` takes. The rows have different
@@ -34,7 +39,9 @@ def linear_rows_problem(linear: Linear, pack: Callable[[torch.Tensor], torch.Ten
     generator = torch.Generator().manual_seed(0)
     num_rows = max(PROBE_ROW_COUNTS)
     for depth in sorted(set(depths)):
-        weight = pack((torch.randn(PROBE_OUT_FEATURES, depth, generator=generator) * 0.05).to(device=device, dtype=dtype))
+        weight = pack(
+            (torch.randn(PROBE_OUT_FEATURES, depth, generator=generator) * 0.05).to(device=device, dtype=dtype)
+        )
         scale = torch.rand(num_rows, 1, generator=generator) * 3
         rows = (torch.randn(num_rows, depth, generator=generator) * scale).to(device=device, dtype=dtype)
         with torch.inference_mode():
@@ -43,6 +50,8 @@ def linear_rows_problem(linear: Linear, pack: Callable[[torch.Tensor], torch.Ten
                 together = linear(rows[:count].clone(), weight)
                 differ = (together != alone[:count]).any(dim=-1).nonzero().flatten().tolist()
                 if differ:
-                    return (f"a linear layer of input width {depth} computes row {differ[0]} of a {count}-row step "
-                            f"differently from the same row alone ({len(differ)} of {count} rows differ)")
+                    return (
+                        f"a linear layer of input width {depth} computes row {differ[0]} of a {count}-row step "
+                        f"differently from the same row alone ({len(differ)} of {count} rows differ)"
+                    )
     return None

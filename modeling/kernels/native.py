@@ -40,7 +40,8 @@ _V2 = frozenset({"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"})
 _V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
 # The CPU flags (/proc/cpuinfo) each x86-64 level needs: a build for a level loads only on a CPU that has them all.
 ARCH_LEVELS: dict[str, frozenset[str]] = {
-    "x86-64-v2": _V2, "x86-64-v3": _V3,
+    "x86-64-v2": _V2,
+    "x86-64-v3": _V3,
     "x86-64-v4": _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
 }
 _SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
@@ -96,8 +97,13 @@ def _build_name() -> str:
     # checkouts sharing one folder would rebuild it for each other at every start.
     # Not the compiler: a build is loaded where there is none (`compiler.txt` in its folder names it).
     arch = kernel_arch()
-    for part in (str(_SOURCE_DIR), torch.__version__, _cpu_flags() if arch == "native" else arch, sys.version,
-                 *_CFLAGS):
+    for part in (
+        str(_SOURCE_DIR),
+        torch.__version__,
+        _cpu_flags() if arch == "native" else arch,
+        sys.version,
+        *_CFLAGS,
+    ):
         digest.update(part.encode())
     return f"specserve_native_{digest.hexdigest()[:16]}"
 
@@ -139,8 +145,9 @@ def _load() -> ModuleType | KernelUnavailable:
             if _reusable(library, stamp, compiler):
                 return _import_built(name, library)
             if not compiler:
-                return KernelUnavailable(f"no C++ compiler to build {_SOURCE_DIR} for {arch}, and no build of them in "
-                                         f"{build_dir}")
+                return KernelUnavailable(
+                    f"no C++ compiler to build {_SOURCE_DIR} for {arch}, and no build of them in {build_dir}"
+                )
             stamp.unlink(missing_ok=True)
             from torch.utils.cpp_extension import load
 

@@ -57,8 +57,9 @@ def same_bits(paths: Sequence[str], dtype: torch.dtype, block_format: str | None
     return tuple(path for path in paths if BFLOAT16_FAMILIES.get(path, "") == family)
 
 
-def choose_ops(config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               blocks: GgufBlocks | ChannelInt8 | None = None) -> ForwardOps:
+def choose_ops(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, blocks: GgufBlocks | ChannelInt8 | None = None
+) -> ForwardOps:
     """The ops a model of `config` in `dtype` on `device` runs on: the native CPU kernels where they serve it, on the
     instruction-set path a probe measures fastest for its shapes (and the block format `blocks` hold its projections
     in, if any); torch's otherwise, saying why."""
@@ -145,7 +146,9 @@ class PathTimings:
         return f"measured: {timings}; oneDNN {_milliseconds(self.onednn)}"
 
 
-def measure_linear_paths(ops: ModuleType, config: ModelConfig, dtype: torch.dtype, block_format: str | None) -> PathTimings:
+def measure_linear_paths(
+    ops: ModuleType, config: ModelConfig, dtype: torch.dtype, block_format: str | None
+) -> PathTimings:
     """Time each of this CPU's linear kernel paths on a probe shaped like the model's MLP weights, in its dtype or
     block format (decode-step and batched row counts): the model runs on the fastest.
 
@@ -167,8 +170,11 @@ def measure_linear_paths(ops: ModuleType, config: ModelConfig, dtype: torch.dtyp
         runs[path] = [functools.partial(linear, x, packed) for x in rows]
     runs[_ONEDNN] = [functools.partial(F.linear, x, dense) for x in rows]
     seconds = _best_seconds(runs)
-    return PathTimings({path: value for path, value in seconds.items() if path != _ONEDNN}, seconds[_ONEDNN],
-                       same_bits(list(ops.linear_paths()), dtype, block_format))
+    return PathTimings(
+        {path: value for path, value in seconds.items() if path != _ONEDNN},
+        seconds[_ONEDNN],
+        same_bits(list(ops.linear_paths()), dtype, block_format),
+    )
 
 
 _ONEDNN = "oneDNN"
@@ -224,9 +230,13 @@ def block_probe(linear: PackedLinear, format_name: str) -> Callable[[torch.Tenso
 
     def pack(weight: torch.Tensor) -> torch.Tensor:
         if kind == GGMLQuantizationType.Q4_K:  # gguf has no Q4_K quantizer: Q4_1's blocks, their scales widened
-            return linear.pack_blocks(Blocks(format_name, q4_1_as_q4_k(quantize(weight.float().cpu().numpy(),
-                                                                                 GGMLQuantizationType.Q4_1)),
-                                             weight.shape[1]))
+            return linear.pack_blocks(
+                Blocks(
+                    format_name,
+                    q4_1_as_q4_k(quantize(weight.float().cpu().numpy(), GGMLQuantizationType.Q4_1)),
+                    weight.shape[1],
+                )
+            )
         rows = quantize(weight.float().cpu().numpy(), kind)
         return linear.pack_blocks(Blocks(format_name, rows, weight.shape[1]))
 
@@ -368,12 +378,15 @@ class PackedLinear:
 
     def projection(self, packed: torch.Tensor) -> tuple[int, str]:
         """A packed weight's outputs and GGUF block format ("" for a dense weight), as the native layers take it."""
-        return self.out_features(packed), self._formats.get(packed.data_ptr(), "") if packed.dtype == torch.uint8 else ""
+        return self.out_features(packed), self._formats.get(
+            packed.data_ptr(), ""
+        ) if packed.dtype == torch.uint8 else ""
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if weight.dtype == torch.uint8:
-            blocks: torch.Tensor = self._ops.linear_blocks(x, weight, self.out_features(weight), bias,
-                                                          self._formats[weight.data_ptr()], self.path)
+            blocks: torch.Tensor = self._ops.linear_blocks(
+                x, weight, self.out_features(weight), bias, self._formats[weight.data_ptr()], self.path
+            )
             return blocks
         out: torch.Tensor = self._ops.linear(x, weight, self.out_features(weight), bias, self.path)
         return out

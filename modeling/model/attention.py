@@ -52,19 +52,29 @@ class Windows:
         for group, mask in zip(batch.groups, plain):
             padded_firsts = firsts[group.query_rows].view(group.num_rows, 1, group.num_query_tokens, 1)
             outside = torch.arange(group.kv_len, device=firsts.device).view(1, 1, 1, -1) < padded_firsts  # [R, 1, T, L]
-            window = torch.zeros(outside.shape, dtype=self._dtype, device=firsts.device).masked_fill_(outside, float("-inf"))
+            window = torch.zeros(outside.shape, dtype=self._dtype, device=firsts.device).masked_fill_(
+                outside, float("-inf")
+            )
             masks.append(window if mask is None else mask + window)
         return Window(firsts, masks)
 
 
-def native_attend(native: ModuleType, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, batch: StepBatch,
-                   scale: float, firsts: torch.Tensor | None) -> torch.Tensor:
+def native_attend(
+    native: ModuleType,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    batch: StepBatch,
+    scale: float,
+    firsts: torch.Tensor | None,
+) -> torch.Tensor:
     """The attention kernel over rows that attend to positions firsts (or 0) .. ends, and then, where given, to their
     `extra` ones."""
     if batch.extra is None:
         return native.attend(q, keys, values, batch.tables, batch.row_tables, batch.attended_to, scale, firsts)
-    return native.attend_tree(q, keys, values, batch.tables, batch.row_tables, batch.attended_to, batch.extra, scale,
-                              firsts)
+    return native.attend_tree(
+        q, keys, values, batch.tables, batch.row_tables, batch.attended_to, batch.extra, scale, firsts
+    )
 
 
 def gather_pages(store: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
@@ -76,8 +86,9 @@ def gather_pages(store: torch.Tensor, tables: torch.Tensor, length: int) -> torc
     return pages.transpose(1, 2).reshape(r, kvh, width * page_size, d)[:, :, :length]
 
 
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, g: int,
-                       scale: float) -> torch.Tensor:
+def grouped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, g: int, scale: float
+) -> torch.Tensor:
     """Softmax attention, q `[R, H, T, D]` over k, v `[R, KVH, L, D]` with H = KVH * G -> `[R, H, T, D]`.
 
     k and v are each row's keys and values in one block (gathered from its pages).
@@ -93,4 +104,3 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         scores = scores.view(r, kvh, g, t, length).add_(mask.unsqueeze(1)).view(r * kvh, g * t, length)
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     return torch.bmm(probs, values).view(r, h, t, d)
-

@@ -98,8 +98,9 @@ class StepBatch:
         return self.positions if self.attend_ends is None else self.attend_ends
 
 
-def build_step_batch(spans: list[SeqSpan], device: torch.device, page_size: int, *,
-                     rows_in_kernel: bool = False) -> StepBatch:
+def build_step_batch(
+    spans: list[SeqSpan], device: torch.device, page_size: int, *, rows_in_kernel: bool = False
+) -> StepBatch:
     """Raises PageError when a span's block table does not reach its last position."""
     token_ids: list[int] = []
     row_tables: list[int] = []
@@ -110,8 +111,10 @@ def build_step_batch(spans: list[SeqSpan], device: torch.device, page_size: int,
         offsets.append(len(token_ids))
         n = len(span.token_ids)
         if not span.pages or span.start + n > len(span.pages) * page_size:
-            raise PageError(f"{len(span.pages)} pages of {page_size} positions cannot hold positions "
-                            f"{span.start} .. {span.start + n - 1}")
+            raise PageError(
+                f"{len(span.pages)} pages of {page_size} positions cannot hold positions "
+                f"{span.start} .. {span.start + n - 1}"
+            )
         token_ids.extend(span.token_ids)
         rows.add(span)
         row_tables.extend([index] * n)
@@ -130,10 +133,20 @@ def build_step_batch(spans: list[SeqSpan], device: torch.device, page_size: int,
         for row, keys in rows.extra.items():
             extra[row, : len(keys)] = torch.tensor(keys)
         extra = extra.to(device)
-    return StepBatch(_ids(token_ids, device), _ids(rows.positions, device), tables, _ids(row_tables, device),
-                     _ids(store_pages, device), _ids(store_offsets, device), _ids(logit_rows, device),
-                     groups, all_rows_in_kernel=rows_in_kernel,
-                     cache_positions=cache_positions, attend_ends=attend_ends, extra=extra)
+    return StepBatch(
+        _ids(token_ids, device),
+        _ids(rows.positions, device),
+        tables,
+        _ids(row_tables, device),
+        _ids(store_pages, device),
+        _ids(store_offsets, device),
+        _ids(logit_rows, device),
+        groups,
+        all_rows_in_kernel=rows_in_kernel,
+        cache_positions=cache_positions,
+        attend_ends=attend_ends,
+        extra=extra,
+    )
 
 
 class _Rows:
@@ -167,18 +180,22 @@ class _Rows:
             self.attend_ends.append(root)
 
 
-def _plan_groups(spans: list[SeqSpan], offsets: list[int], rows: _Rows, num_tokens: int, page_size: int,
-                 device: torch.device) -> list[AttentionGroup]:
+def _plan_groups(
+    spans: list[SeqSpan], offsets: list[int], rows: _Rows, num_tokens: int, page_size: int, device: torch.device
+) -> list[AttentionGroup]:
     """Short spans attend together, each long one (a prefill chunk) alone."""
     shared = [i for i, span in enumerate(spans) if len(span.token_ids) <= MAX_SHARED_QUERY_TOKENS]
     alone = [[i] for i, span in enumerate(spans) if len(span.token_ids) > MAX_SHARED_QUERY_TOKENS]
     planned = ([shared] if shared else []) + alone
-    return [_plan_group([spans[i] for i in g], [offsets[i] for i in g], rows, num_tokens, page_size, device)
-            for g in planned]
+    return [
+        _plan_group([spans[i] for i in g], [offsets[i] for i in g], rows, num_tokens, page_size, device)
+        for g in planned
+    ]
 
 
-def _plan_group(spans: list[SeqSpan], offsets: list[int], rows: _Rows, num_tokens: int, page_size: int,
-                device: torch.device) -> AttentionGroup:
+def _plan_group(
+    spans: list[SeqSpan], offsets: list[int], rows: _Rows, num_tokens: int, page_size: int, device: torch.device
+) -> AttentionGroup:
     num_rows = len(spans)
     num_query = max(len(s.token_ids) for s in spans)
     kv_len = max(s.start + len(s.token_ids) for s in spans)
@@ -200,7 +217,9 @@ def _plan_group(spans: list[SeqSpan], offsets: list[int], rows: _Rows, num_token
             real.append(r * num_query + t)
             real_rows.append(packed)
     # One-token rows that all end at kv_len (a decode batch of equal lengths) attend to everything.
-    needs_mask = bool(tree_keys) or any(query_pos[r][t] != kv_len - 1 for r in range(num_rows) for t in range(num_query))
+    needs_mask = bool(tree_keys) or any(
+        query_pos[r][t] != kv_len - 1 for r in range(num_rows) for t in range(num_query)
+    )
     mask = _causal_mask(query_pos, kv_len, device, tree_keys) if needs_mask else None
 
     return AttentionGroup(
@@ -216,8 +235,9 @@ def _plan_group(spans: list[SeqSpan], offsets: list[int], rows: _Rows, num_token
     )
 
 
-def _causal_mask(query_pos: list[list[int]], kv_len: int, device: torch.device,
-                 tree_keys: dict[tuple[int, int], tuple[int, ...]]) -> torch.Tensor:
+def _causal_mask(
+    query_pos: list[list[int]], kv_len: int, device: torch.device, tree_keys: dict[tuple[int, int], tuple[int, ...]]
+) -> torch.Tensor:
     """`[R, 1, T, L]`: query (r, t) with end p may see key positions 0..p, and a tree node its `tree_keys` too."""
     pos = torch.tensor(query_pos, dtype=torch.long, device=device)  # [R, T]
     allowed = torch.arange(kv_len, device=device).view(1, 1, kv_len) <= pos.unsqueeze(-1)  # [R, T, L]

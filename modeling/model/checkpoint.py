@@ -28,12 +28,10 @@ PROJECTION_PARTS = {
 }
 
 
-
 def read_safetensors(folder: Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
     """The tensors (all, or those named) of a model folder's weight files, as stored."""
     files = WeightFiles(folder)
     return {name: files.read(name) for name in sorted(files.names()) if names is None or name in names}
-
 
 
 class TensorSource(Protocol):
@@ -74,7 +72,9 @@ def head_parts(config: ModelConfig) -> list[str]:
     return ["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
 
 
-def copy_hf_weights(model: DecoderModel, source: TensorSource | dict[str, torch.Tensor], skip: Collection[str] = ()) -> None:
+def copy_hf_weights(
+    model: DecoderModel, source: TensorSource | dict[str, torch.Tensor], skip: Collection[str] = ()
+) -> None:
     """Read every weight the config implies, under its Hugging Face name, into the model's (fused) parameters.
 
     A missing or misshapen tensor, or one the config does not account for (a bias the config
@@ -97,9 +97,11 @@ def copy_hf_weights(model: DecoderModel, source: TensorSource | dict[str, torch.
             shape = tensors.shape(name)
             rows = shape[0] if shape else 0
             if tuple(shape[1:]) != tuple(param.shape[1:]) or row + rows > param.shape[0]:
-                raise WeightError(f"weight {name!r} has shape {tuple(shape)}, the config implies "
-                                  f"{(param.shape[0] - row, *param.shape[1:]) if len(parts) == 1 else tuple(param.shape)} "
-                                  f"for {'it' if len(parts) == 1 else 'the fused ' + ', '.join(parts)}")
+                raise WeightError(
+                    f"weight {name!r} has shape {tuple(shape)}, the config implies "
+                    f"{(param.shape[0] - row, *param.shape[1:]) if len(parts) == 1 else tuple(param.shape)} "
+                    f"for {'it' if len(parts) == 1 else 'the fused ' + ', '.join(parts)}"
+                )
             target = param[row : row + rows]
             if plus_one:  # Gemma's norm weights: applied as 1 + w, computed in float32 as transformers does
                 staged = torch.empty(target.shape, dtype=torch.float32, device=target.device)
@@ -145,5 +147,7 @@ def copy_hf_weights(model: DecoderModel, source: TensorSource | dict[str, torch.
                 put(layer.down_bias, [p + "mlp.down_proj.bias"])
     unused = sorted(name for name in available - used if not name.endswith(_IGNORED_SUFFIXES))
     if unused:
-        raise WeightError(f"weight {unused[0]!r} is not part of the model config.json describes (unused weights: "
-                          f"{unused[:5]}{' ...' if len(unused) > 5 else ''})")
+        raise WeightError(
+            f"weight {unused[0]!r} is not part of the model config.json describes (unused weights: "
+            f"{unused[:5]}{' ...' if len(unused) > 5 else ''})"
+        )

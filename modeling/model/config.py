@@ -47,14 +47,37 @@ FAMILIES: dict[str, Family] = {
     "llama": Family(frozenset({"attention_bias", "mlp_bias", "head_dim"})),
     "mistral": Family(frozenset({"sliding_window", "head_dim"}), default_max_positions=131072),
     "qwen2": Family(_QWEN_WINDOW_KEYS, default_max_positions=32768, qkv_bias=True),
-    "qwen3": Family(_QWEN_WINDOW_KEYS | {"attention_bias", "head_dim"}, default_max_positions=32768,
-                    default_head_dim=128, qk_norm=True),
+    "qwen3": Family(
+        _QWEN_WINDOW_KEYS | {"attention_bias", "head_dim"},
+        default_max_positions=32768,
+        default_head_dim=128,
+        qk_norm=True,
+    ),
     "gemma3_text": Family(
-        frozenset({"attention_bias", "head_dim", "query_pre_attn_scalar", "sliding_window", "layer_types",
-                   "sliding_window_pattern", "_sliding_window_pattern", "rope_local_base_freq",
-                   "final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"}),
-        activation_key="hidden_activation", default_activation="gelu_pytorch_tanh", default_max_positions=131072,
-        default_head_dim=256, default_tied=True, default_theta=1_000_000.0, qk_norm=True, gemma=True),
+        frozenset(
+            {
+                "attention_bias",
+                "head_dim",
+                "query_pre_attn_scalar",
+                "sliding_window",
+                "layer_types",
+                "sliding_window_pattern",
+                "_sliding_window_pattern",
+                "rope_local_base_freq",
+                "final_logit_softcapping",
+                "attn_logit_softcapping",
+                "use_bidirectional_attention",
+            }
+        ),
+        activation_key="hidden_activation",
+        default_activation="gelu_pytorch_tanh",
+        default_max_positions=131072,
+        default_head_dim=256,
+        default_tied=True,
+        default_theta=1_000_000.0,
+        qk_norm=True,
+        gemma=True,
+    ),
 }
 ACTIVATIONS = frozenset({"silu", "gelu_pytorch_tanh"})
 _GEMMA_LOCAL_THETA = 10000.0
@@ -118,28 +141,36 @@ class ModelConfig:
         """Reads every key of a Hugging Face config.json (UnsupportedModel, naming the key, for what it cannot run)."""
         model_type = hf.get("model_type", "")
         if model_type == "gemma3":
-            raise UnsupportedModel("config.json model_type 'gemma3' is Gemma 3 with its vision tower; only the text "
-                                   "model (model_type 'gemma3_text') is supported")
+            raise UnsupportedModel(
+                "config.json model_type 'gemma3' is Gemma 3 with its vision tower; only the text "
+                "model (model_type 'gemma3_text') is supported"
+            )
         if model_type not in FAMILIES:
             raise UnsupportedModel(f"config.json model_type {model_type!r} is not one of {sorted(FAMILIES)}")
         family = FAMILIES[model_type]
         known = _COMMON_KEYS | family.keys | {family.activation_key} | set(_NEUTRAL_KEYS) | _METADATA_KEYS
         unknown = sorted(set(hf) - known)
         if unknown:
-            raise UnsupportedModel(f"config.json key {unknown[0]!r} is not known to this server for model_type "
-                                   f"{model_type!r} and may change the model's math; refusing rather than serving it "
-                                   f"wrongly (unknown keys: {unknown})")
+            raise UnsupportedModel(
+                f"config.json key {unknown[0]!r} is not known to this server for model_type "
+                f"{model_type!r} and may change the model's math; refusing rather than serving it "
+                f"wrongly (unknown keys: {unknown})"
+            )
         for key, neutral in _NEUTRAL_KEYS.items():
             if key in hf and not neutral(hf[key]):
                 raise UnsupportedModel(f"config.json {key} {hf[key]!r} is not supported")
         activation = hf.get(family.activation_key) or family.default_activation
         if activation not in ACTIVATIONS or (activation != "silu") != family.gemma:
-            raise UnsupportedModel(f"config.json {family.activation_key} {activation!r} is not supported for "
-                                   f"{model_type} (expected {family.default_activation!r})")
+            raise UnsupportedModel(
+                f"config.json {family.activation_key} {activation!r} is not supported for "
+                f"{model_type} (expected {family.default_activation!r})"
+            )
         num_heads = int(hf["num_attention_heads"])
         num_kv_heads = int(hf.get("num_key_value_heads") or num_heads)
         if num_heads % num_kv_heads:
-            raise UnsupportedModel(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+            raise UnsupportedModel(
+                f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}"
+            )
         hidden_size = int(hf["hidden_size"])
         num_layers = int(hf["num_hidden_layers"])
         max_positions = int(hf.get("max_position_embeddings") or family.default_max_positions)
@@ -204,16 +235,26 @@ def _ropes(hf: dict[str, Any], family: Family, max_positions: int) -> tuple[Rope
             if others:
                 raise UnsupportedModel(f"config.json rope_parameters has {others[0]!r}, not a layer type")
             local = parameters.get("sliding_attention") or {}
-            local_rope = _rope("rope_parameters.sliding_attention", local, None, {"rope_theta": local_theta}, family,
-                               max_positions)
+            local_rope = _rope(
+                "rope_parameters.sliding_attention", local, None, {"rope_theta": local_theta}, family, max_positions
+            )
             if local_rope.kind != "default":
-                raise UnsupportedModel(f"config.json rope_parameters.sliding_attention.rope_type {local_rope.kind!r} is "
-                                       "not supported (Gemma 3's local layers use plain RoPE)")
+                raise UnsupportedModel(
+                    f"config.json rope_parameters.sliding_attention.rope_type {local_rope.kind!r} is "
+                    "not supported (Gemma 3's local layers use plain RoPE)"
+                )
             if "rope_local_base_freq" in hf and local_rope.theta != local_theta:
-                raise UnsupportedModel("config.json rope_local_base_freq and rope_parameters.sliding_attention.rope_theta "
-                                       "disagree")
-            global_rope = _rope("rope_parameters.full_attention", parameters.get("full_attention") or {},
-                                hf.get("rope_scaling"), hf, family, max_positions)
+                raise UnsupportedModel(
+                    "config.json rope_local_base_freq and rope_parameters.sliding_attention.rope_theta disagree"
+                )
+            global_rope = _rope(
+                "rope_parameters.full_attention",
+                parameters.get("full_attention") or {},
+                hf.get("rope_scaling"),
+                hf,
+                family,
+                max_positions,
+            )
             return global_rope, local_rope.theta
         return _rope("rope_parameters", parameters, hf.get("rope_scaling"), hf, family, max_positions), local_theta
     return _rope("rope_parameters", parameters, hf.get("rope_scaling"), hf, family, max_positions), None
@@ -228,11 +269,15 @@ def _rope(where: str, parameters: Any, scaling: Any, hf: dict[str, Any], family:
         if not isinstance(value, dict):
             raise UnsupportedModel(f"config.json {key} {value!r} is not an object")
         found.append((key, value))
-    thetas = {float(v) for v in ((parameters or {}).get("rope_theta"), (scaling or {}).get("rope_theta"), hf.get("rope_theta"))
-              if v is not None}
+    thetas = {
+        float(v)
+        for v in ((parameters or {}).get("rope_theta"), (scaling or {}).get("rope_theta"), hf.get("rope_theta"))
+        if v is not None
+    }
     if len(thetas) > 1:
-        raise UnsupportedModel(f"config.json gives several RoPE bases ({sorted(thetas)}): rope_theta and "
-                               f"{where}.rope_theta disagree")
+        raise UnsupportedModel(
+            f"config.json gives several RoPE bases ({sorted(thetas)}): rope_theta and {where}.rope_theta disagree"
+        )
     theta = thetas.pop() if thetas else family.default_theta
     ropes = []
     for key, value in found:
@@ -250,8 +295,10 @@ def _windows(hf: dict[str, Any], model_type: str, num_layers: int) -> tuple[tupl
     layer_types = hf.get("layer_types")
     if layer_types is not None:
         if len(layer_types) != num_layers or set(layer_types) - {"full_attention", "sliding_attention"}:
-            raise UnsupportedModel(f"config.json layer_types {layer_types!r} is not one of full_attention or "
-                                   f"sliding_attention per layer ({num_layers} layers)")
+            raise UnsupportedModel(
+                f"config.json layer_types {layer_types!r} is not one of full_attention or "
+                f"sliding_attention per layer ({num_layers} layers)"
+            )
     if model_type == "llama":
         return (), None
     if model_type == "mistral":
@@ -269,16 +316,30 @@ def _windows(hf: dict[str, Any], model_type: str, num_layers: int) -> tuple[tupl
     window = hf.get("sliding_window", 4096)
     if layer_types is None:
         pattern = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))
-        layer_types = ["sliding_attention" if (layer + 1) % pattern else "full_attention" for layer in range(num_layers)]
+        layer_types = [
+            "sliding_attention" if (layer + 1) % pattern else "full_attention" for layer in range(num_layers)
+        ]
     return tuple(kind == "sliding_attention" for kind in layer_types), None if window is None else int(window)
 
 
 # The keys every family reads (rope_* in _ropes()).
-_COMMON_KEYS = frozenset({
-    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling",
-    "max_position_embeddings", "tie_word_embeddings",
-})
+_COMMON_KEYS = frozenset(
+    {
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_parameters",
+        "rope_scaling",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+    }
+)
 
 # Keys that would change the math, accepted only at the value that leaves it as implemented.
 _NEUTRAL_KEYS: dict[str, Any] = {
@@ -291,19 +352,71 @@ _NEUTRAL_KEYS: dict[str, Any] = {
 }
 
 # Keys that do not change what the model computes: names, token ids, training and generation defaults.
-_METADATA_KEYS = frozenset({
-    "_name_or_path", "architectures", "auto_map", "transformers_version", "dtype", "torch_dtype", "use_cache",
-    "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id", "initializer_range",
-    "tokenizer_class", "is_llama_config", "transformers.js_config", "id2label", "label2id", "problem_type",
-    "return_dict", "output_attentions", "output_hidden_states", "output_scores", "return_dict_in_generate",
-    "is_encoder_decoder", "is_decoder", "add_cross_attention", "cross_attention_hidden_size", "tie_encoder_decoder",
-    "chunk_size_feed_forward", "pruned_heads", "torchscript", "use_bfloat16", "tf_legacy_loss", "finetuning_task",
-    "task_specific_params", "prefix", "max_length", "min_length", "do_sample", "early_stopping", "num_beams",
-    "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
-    "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
-    "num_return_sequences", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
-    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "_attn_implementation_autoset",
-})
+_METADATA_KEYS = frozenset(
+    {
+        "_name_or_path",
+        "architectures",
+        "auto_map",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "use_cache",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "sep_token_id",
+        "decoder_start_token_id",
+        "initializer_range",
+        "tokenizer_class",
+        "is_llama_config",
+        "transformers.js_config",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "return_dict",
+        "output_attentions",
+        "output_hidden_states",
+        "output_scores",
+        "return_dict_in_generate",
+        "is_encoder_decoder",
+        "is_decoder",
+        "add_cross_attention",
+        "cross_attention_hidden_size",
+        "tie_encoder_decoder",
+        "chunk_size_feed_forward",
+        "pruned_heads",
+        "torchscript",
+        "use_bfloat16",
+        "tf_legacy_loss",
+        "finetuning_task",
+        "task_specific_params",
+        "prefix",
+        "max_length",
+        "min_length",
+        "do_sample",
+        "early_stopping",
+        "num_beams",
+        "num_beam_groups",
+        "diversity_penalty",
+        "temperature",
+        "top_k",
+        "top_p",
+        "typical_p",
+        "repetition_penalty",
+        "length_penalty",
+        "no_repeat_ngram_size",
+        "encoder_no_repeat_ngram_size",
+        "bad_words_ids",
+        "num_return_sequences",
+        "forced_bos_token_id",
+        "forced_eos_token_id",
+        "remove_invalid_values",
+        "exponential_decay_length_penalty",
+        "suppress_tokens",
+        "begin_suppress_tokens",
+        "_attn_implementation_autoset",
+    }
+)
 
 
 def model_fingerprint(folder: Path) -> str:

@@ -29,7 +29,11 @@ from modeling.model.weights import WeightFiles
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device, fill: float | None = None) -> torch.nn.Parameter:
     """A frozen parameter, allocated in the serving dtype and device (uninitialised unless `fill`)."""
-    data = torch.empty(shape, dtype=dtype, device=device) if fill is None else torch.full(shape, fill, dtype=dtype, device=device)
+    data = (
+        torch.empty(shape, dtype=dtype, device=device)
+        if fill is None
+        else torch.full(shape, fill, dtype=dtype, device=device)
+    )
     return torch.nn.Parameter(data, requires_grad=False)
 
 
@@ -42,8 +46,12 @@ def _projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """A layer's fused projections (PROJECTION_PARTS' keys, in that order) -> their weights' [out, in] shapes."""
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     hidden, inner = config.hidden_size, config.intermediate_size
-    return {"qkv_proj": (q_size + 2 * kv_size, hidden), "o_proj": (hidden, q_size),
-            "gate_up_proj": (2 * inner, hidden), "down_proj": (hidden, inner)}
+    return {
+        "qkv_proj": (q_size + 2 * kv_size, hidden),
+        "o_proj": (hidden, q_size),
+        "gate_up_proj": (2 * inner, hidden),
+        "down_proj": (hidden, inner),
+    }
 
 
 def _weight_shapes(config: ModelConfig) -> list[tuple[int, int]]:
@@ -125,8 +133,13 @@ class DecoderModel(torch.nn.Module):
     pages (modeling/kernels/huge_pages.py), each at a page boundary.
     """
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 ops: ForwardOps = TORCH_OPS) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        ops: ForwardOps = TORCH_OPS,
+    ) -> None:
         super().__init__()
         self.config = config
         self.ops = ops
@@ -134,7 +147,8 @@ class DecoderModel(torch.nn.Module):
         self._weights = HugePageRegion([rows * cols * dtype.itemsize for rows, cols in _weight_shapes(config)], device)
         self.embed_tokens = _weight(self._weights, config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers: list[DecoderLayer] = torch.nn.ModuleList(  # type: ignore[assignment]
-            DecoderLayer(config, dtype, device, self._weights) for _ in range(config.num_layers))
+            DecoderLayer(config, dtype, device, self._weights) for _ in range(config.num_layers)
+        )
         self.norm = _param(config.hidden_size, dtype=norm_dtype(config, dtype), device=device, fill=1.0)
         self.lm_head = (
             self.embed_tokens
@@ -192,8 +206,12 @@ class DecoderModel(torch.nn.Module):
         biases: list[torch.Tensor | None] = []
         norms: list[torch.Tensor] = []
         for index, layer in enumerate(self.layers):
-            for weight, bias in ((layer.qkv_proj, layer.qkv_bias), (layer.o_proj, layer.o_bias),
-                                 (layer.gate_up_proj, layer.gate_up_bias), (layer.down_proj, layer.down_bias)):
+            for weight, bias in (
+                (layer.qkv_proj, layer.qkv_bias),
+                (layer.o_proj, layer.o_bias),
+                (layer.gate_up_proj, layer.gate_up_bias),
+                (layer.down_proj, layer.down_bias),
+            ):
                 outputs, block_format = projection(weight)
                 packed.append(weight)
                 num_out.append(outputs)
@@ -202,9 +220,21 @@ class DecoderModel(torch.nn.Module):
             following = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.norm
             norms += [layer.post_attention_norm, following]
         windows = [self._window_widths.index(width) for width in self._windows]
-        self.fused_layers = self.native.DecoderStack(packed, num_out, biases, formats, norms, self._layer_rope, windows,
-                                                     cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attention_scale,
-                                                     cfg.rms_norm_eps, path)
+        self.fused_layers = self.native.DecoderStack(
+            packed,
+            num_out,
+            biases,
+            formats,
+            norms,
+            self._layer_rope,
+            windows,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.attention_scale,
+            cfg.rms_norm_eps,
+            path,
+        )
         return True
 
     def embed_from(self, rows: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -212,7 +242,9 @@ class DecoderModel(torch.nn.Module):
         native kernels, holds the same rows, so one copy of a large vocabulary's table is enough."""
         self._embedding_rows = rows
         table = self.embed_tokens
-        self.embed_tokens = torch.nn.Parameter(self.embed_tokens.new_empty(0, self.config.hidden_size), requires_grad=False)
+        self.embed_tokens = torch.nn.Parameter(
+            self.embed_tokens.new_empty(0, self.config.hidden_size), requires_grad=False
+        )
         if table.data_ptr() != self.lm_head.data_ptr():  # the head is another copy (blocks), not this table packed
             self.release_weight(table)
 
@@ -222,7 +254,11 @@ class DecoderModel(torch.nn.Module):
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings of `token_ids` `[N]` -> `[N, hidden]` (scaled by sqrt(hidden) for Gemma)."""
-        x = F.embedding(token_ids, self.embed_tokens) if self._embedding_rows is None else self._embedding_rows(token_ids)
+        x = (
+            F.embedding(token_ids, self.embed_tokens)
+            if self._embedding_rows is None
+            else self._embedding_rows(token_ids)
+        )
         if self.config.gemma:
             x = x * torch.tensor(self.config.hidden_size**0.5).to(x.dtype)
         return x
@@ -241,9 +277,21 @@ class DecoderModel(torch.nn.Module):
         h = self._norm(x, self.layers[0].input_norm)
         if self.fused_layers is not None:
             firsts = [windows.of(width).firsts for width in self._window_widths]
-            return self.fused_layers.forward(x, h, cache.keys, cache.values, [cos for cos, _ in rotations],  # type: ignore[no-any-return]
-                                             [sin for _, sin in rotations], firsts, batch.store_pages, batch.store_offsets,
-                                             batch.tables, batch.row_tables, batch.attended_to, batch.extra)
+            return self.fused_layers.forward(
+                x,
+                h,
+                cache.keys,
+                cache.values,
+                [cos for cos, _ in rotations],  # type: ignore[no-any-return]
+                [sin for _, sin in rotations],
+                firsts,
+                batch.store_pages,
+                batch.store_offsets,
+                batch.tables,
+                batch.row_tables,
+                batch.attended_to,
+                batch.extra,
+            )
         for index, layer in enumerate(self.layers):
             cos, sin = rotations[self._layer_rope[index]]
             attended = self._attention(index, layer, h, cos, sin, batch, windows.of(self._windows[index]), cache)
@@ -266,7 +314,9 @@ class DecoderModel(torch.nn.Module):
             return self.native.rms_norm(x, weight, self.config.rms_norm_eps)
         return rms_norm(x, weight, self.config.rms_norm_eps)
 
-    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _add_norm(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, its RMSNorm); the native op adds in place (x is this pass's own residual stream)."""
         if self.native is not None:
             return x, self.native.add_rms_norm_(x, delta, weight, self.config.rms_norm_eps)
@@ -291,8 +341,14 @@ class DecoderModel(torch.nn.Module):
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's token by argmax `[M]` of logits `[M, vocab]`: the first of equal maxima, a NaN's if the row has
         one, as torch.argmax (whose reduction took as long as a 64-row step's LM head)."""
-        if self.native is not None and logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) \
-                and logits.dim() == 2 and logits.size(1) > 0 and logits.stride(1) == 1:
+        if (
+            self.native is not None
+            and logits.device.type == "cpu"
+            and logits.dtype in (torch.float32, torch.bfloat16)
+            and logits.dim() == 2
+            and logits.size(1) > 0
+            and logits.stride(1) == 1
+        ):
             return self.native.argmax_rows(logits)  # type: ignore[no-any-return]
         return torch.argmax(logits, dim=-1)
 
@@ -322,8 +378,11 @@ class DecoderModel(torch.nn.Module):
             q = qkv[:, :q_size].view(n, cfg.num_heads, cfg.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(n, cfg.num_kv_heads, cfg.head_dim)
         else:
-            qk = apply_rope(qkv[:, : q_size + kv_size].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim),
-                            cos.unsqueeze(1), sin.unsqueeze(1))
+            qk = apply_rope(
+                qkv[:, : q_size + kv_size].view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim),
+                cos.unsqueeze(1),
+                sin.unsqueeze(1),
+            )
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # [N, H, D], [N, KVH, D]
         v = qkv[:, q_size + kv_size :].view(n, cfg.num_kv_heads, cfg.head_dim)
         keys, values = cache.keys[index], cache.values[index]  # [pages, KVH, page_size, D]
@@ -345,8 +404,15 @@ class DecoderModel(torch.nn.Module):
             out[group.real_rows] = self._group_attention(group, mask, q, keys, values, scale)
         return self.linear(out, layer.o_proj, layer.o_bias)
 
-    def _group_attention(self, group: AttentionGroup, mask: torch.Tensor | None, q: torch.Tensor, keys: torch.Tensor,
-                         values: torch.Tensor, scale: float) -> torch.Tensor:
+    def _group_attention(
+        self,
+        group: AttentionGroup,
+        mask: torch.Tensor | None,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         """Attention of one group's real queries: returns `[K, H*D]` aligned with group.real_rows."""
         cfg = self.config
         r, t, length = group.num_rows, group.num_query_tokens, group.kv_len
@@ -359,7 +425,6 @@ class DecoderModel(torch.nn.Module):
         return out if group.is_identity else out[group.real]
 
 
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama's: weight * round(x / rms(x)). A float32 weight for a narrower x is Gemma's: round(x / rms(x) * weight)."""
     dtype = x.dtype
@@ -368,4 +433,3 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if weight.dtype == torch.float32 and dtype != torch.float32:
         return (x32 * weight).to(dtype)
     return weight * x32.to(dtype)
-

@@ -55,20 +55,31 @@ class EagleMeta:
     def read(folder: Path) -> EagleMeta:
         config = json.loads((folder / "config.json").read_text())
         if ARCHITECTURE not in config.get("architectures", []):
-            raise WeightError(f"{folder} is not a specserve EAGLE draft (config.json architectures lacks {ARCHITECTURE})")
+            raise WeightError(
+                f"{folder} is not a specserve EAGLE draft (config.json architectures lacks {ARCHITECTURE})"
+            )
         meta = config["specserve_eagle"]
-        return EagleMeta(meta["target_fingerprint"], meta["vocab_fingerprint"], int(meta["draft_vocab_size"]), meta.get("training", {}))
+        return EagleMeta(
+            meta["target_fingerprint"],
+            meta["vocab_fingerprint"],
+            int(meta["draft_vocab_size"]),
+            meta.get("training", {}),
+        )
 
 
 def check_target(draft: Path, target: Path) -> EagleMeta:
     """Refuse a draft trained for another target: vocabulary first (the clearer reason), then the model itself."""
     meta = EagleMeta.read(draft)
     if meta.vocab_fingerprint != vocab_fingerprint(target):
-        raise DraftMismatch(f"the draft {draft} was trained for a target with another vocabulary "
-                            f"(fingerprint {meta.vocab_fingerprint}, the target's is {vocab_fingerprint(target)})")
+        raise DraftMismatch(
+            f"the draft {draft} was trained for a target with another vocabulary "
+            f"(fingerprint {meta.vocab_fingerprint}, the target's is {vocab_fingerprint(target)})"
+        )
     if meta.target_fingerprint != model_fingerprint(target):
-        raise DraftMismatch(f"the draft {draft} was trained for another target model "
-                            f"(fingerprint {meta.target_fingerprint}, {target} is {model_fingerprint(target)})")
+        raise DraftMismatch(
+            f"the draft {draft} was trained for another target model "
+            f"(fingerprint {meta.target_fingerprint}, {target} is {model_fingerprint(target)})"
+        )
     return meta
 
 
@@ -114,7 +125,15 @@ class EagleHead(torch.nn.Module):
         self.down_proj = torch.nn.Parameter(torch.empty(h, cfg.intermediate_size))
         self.norm = torch.nn.Parameter(torch.ones(h))
         with torch.no_grad():
-            for weight in (self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj, self.up_proj, self.down_proj):
+            for weight in (
+                self.q_proj,
+                self.k_proj,
+                self.v_proj,
+                self.o_proj,
+                self.gate_proj,
+                self.up_proj,
+                self.down_proj,
+            ):
                 torch.nn.init.normal_(weight, std=0.02)
             # Start as "the target's feature, shifted a little by the token": the identity on the feature half.
             self.fc.zero_()
@@ -124,9 +143,17 @@ class EagleHead(torch.nn.Module):
     def init_layer_from(self, tensors: dict[str, torch.Tensor], layer_index: int, final_norm: torch.Tensor) -> None:
         """Copy one of the target's decoder layers (HF names) and its final norm: a far better start than noise."""
         p = f"model.layers.{layer_index}."
-        names = {"input_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
-                 "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-                 "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj"}
+        names = {
+            "input_norm": "input_layernorm",
+            "post_attention_norm": "post_attention_layernorm",
+            "q_proj": "self_attn.q_proj",
+            "k_proj": "self_attn.k_proj",
+            "v_proj": "self_attn.v_proj",
+            "o_proj": "self_attn.o_proj",
+            "gate_proj": "mlp.gate_proj",
+            "up_proj": "mlp.up_proj",
+            "down_proj": "mlp.down_proj",
+        }
         with torch.no_grad():
             for ours, theirs in names.items():
                 getattr(self, ours).copy_(tensors[p + theirs + ".weight"].float())
@@ -144,7 +171,9 @@ class EagleHead(torch.nn.Module):
         cos, sin = rope_tables(cfg.global_rope, cfg.head_dim, t, features.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         g = cfg.num_queries_per_kv
-        attn = F.scaled_dot_product_attention(q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1), is_causal=True)
+        attn = F.scaled_dot_product_attention(
+            q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1), is_causal=True
+        )
         x = x + attn.transpose(1, 2).reshape(b, t, -1) @ self.o_proj.T
         h = rms_norm(x, self.post_attention_norm, cfg.rms_norm_eps)
         x = x + (F.silu(h @ self.gate_proj.T) * (h @ self.up_proj.T)) @ self.down_proj.T
@@ -158,15 +187,27 @@ class EagleHead(torch.nn.Module):
         """Write a draft folder: config.json (the target's shape, 1 layer, its fingerprints), the weights and the vocabulary."""
         folder.mkdir(parents=True, exist_ok=True)
         hf = json.loads((target_folder / "config.json").read_text())
-        hf.update(architectures=[ARCHITECTURE], num_hidden_layers=1, specserve_eagle={
-            "target_fingerprint": model_fingerprint(target_folder), "vocab_fingerprint": vocab_fingerprint(target_folder),
-            "draft_vocab_size": int(self.draft_vocab.numel()), "training": meta})
+        hf.update(
+            architectures=[ARCHITECTURE],
+            num_hidden_layers=1,
+            specserve_eagle={
+                "target_fingerprint": model_fingerprint(target_folder),
+                "vocab_fingerprint": vocab_fingerprint(target_folder),
+                "draft_vocab_size": int(self.draft_vocab.numel()),
+                "training": meta,
+            },
+        )
         tensors = {
-            "fc.weight": self.fc, "model.norm.weight": self.norm,
-            _LAYER + "input_layernorm.weight": self.input_norm, _LAYER + "post_attention_layernorm.weight": self.post_attention_norm,
-            _LAYER + "self_attn.q_proj.weight": self.q_proj, _LAYER + "self_attn.k_proj.weight": self.k_proj,
-            _LAYER + "self_attn.v_proj.weight": self.v_proj, _LAYER + "self_attn.o_proj.weight": self.o_proj,
-            _LAYER + "mlp.gate_proj.weight": self.gate_proj, _LAYER + "mlp.up_proj.weight": self.up_proj,
+            "fc.weight": self.fc,
+            "model.norm.weight": self.norm,
+            _LAYER + "input_layernorm.weight": self.input_norm,
+            _LAYER + "post_attention_layernorm.weight": self.post_attention_norm,
+            _LAYER + "self_attn.q_proj.weight": self.q_proj,
+            _LAYER + "self_attn.k_proj.weight": self.k_proj,
+            _LAYER + "self_attn.v_proj.weight": self.v_proj,
+            _LAYER + "self_attn.o_proj.weight": self.o_proj,
+            _LAYER + "mlp.gate_proj.weight": self.gate_proj,
+            _LAYER + "mlp.up_proj.weight": self.up_proj,
             _LAYER + "mlp.down_proj.weight": self.down_proj,
         }
         out = {name: t.detach().to(torch.bfloat16).contiguous() for name, t in tensors.items()}
@@ -184,8 +225,17 @@ class EagleEngine:
     with each token (the target's, or a feature the head predicted).
     """
 
-    def __init__(self, folder: Path, target_folder: Path, *, device: str, dtype: str, num_pages: int, max_len: int,
-                 page_size: int = DEFAULT_PAGE_SIZE) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        target_folder: Path,
+        *,
+        device: str,
+        dtype: str,
+        num_pages: int,
+        max_len: int,
+        page_size: int = DEFAULT_PAGE_SIZE,
+    ) -> None:
         self.meta = check_target(folder, target_folder)
         target = ModelConfig.from_folder(target_folder)
         if problem := unsupported_target(target):
@@ -212,7 +262,9 @@ class EagleEngine:
             raise WeightError(f"the draft vocabulary of {self._folder} repeats ids")
         fc = weights.pop("fc.weight")
         if tuple(fc.shape) != (cfg.hidden_size, 2 * cfg.hidden_size):
-            raise WeightError(f"fc.weight has shape {tuple(fc.shape)}, expected {(cfg.hidden_size, 2 * cfg.hidden_size)}")
+            raise WeightError(
+                f"fc.weight has shape {tuple(fc.shape)}, expected {(cfg.hidden_size, 2 * cfg.hidden_size)}"
+            )
         tied = replace(cfg, tie_word_embeddings=True)
         model = DecoderModel(tied, self.dtype, self.device, choose_ops(tied, self.dtype, self.device))
         weights["model.embed_tokens.weight"] = embed

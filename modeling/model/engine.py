@@ -26,7 +26,13 @@ def default_dtype(device: str) -> str:
     """bfloat16 where the hardware computes it natively (GPUs, CPUs with AVX512-BF16 or AMX), else float32."""
     if device.startswith("cuda"):
         return "bfloat16"
-    return "bfloat16" if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
+    return (
+        "bfloat16"
+        if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        else "float32"
+    )
+
+
 _SELF_CHECK_LEN = 12  # positions of the self-check's prompt
 
 
@@ -35,8 +41,18 @@ class SelfCheckFailed(RuntimeError):
 
 
 class ModelEngine:
-    def __init__(self, folder: Path, config: ModelConfig, *, device: str, dtype: str, num_pages: int, max_len: int,
-                 page_size: int = DEFAULT_PAGE_SIZE, quantization: str = "none") -> None:
+    def __init__(
+        self,
+        folder: Path,
+        config: ModelConfig,
+        *,
+        device: str,
+        dtype: str,
+        num_pages: int,
+        max_len: int,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        quantization: str = "none",
+    ) -> None:
         """A cache of `num_pages` pages of `page_size` positions; sequences up to `max_len` positions.
 
         `quantization` (modeling/kernels/blocks.py): "none", which GGUF blocks of the folder's file
@@ -44,7 +60,9 @@ class ModelEngine:
         cannot take it.
         """
         if page_size < 1 or num_pages * page_size < _SELF_CHECK_LEN:
-            raise ValueError(f"{num_pages} KV pages of {page_size} positions are too few: the self-check needs {_SELF_CHECK_LEN}")
+            raise ValueError(
+                f"{num_pages} KV pages of {page_size} positions are too few: the self-check needs {_SELF_CHECK_LEN}"
+            )
         self.config = config
         self.device = torch.device(device)
         self.dtype: torch.dtype = getattr(torch, dtype)
@@ -71,7 +89,9 @@ class ModelEngine:
 
     def load(self) -> None:
         blocks = weight_blocks(self._folder, self.quantization)
-        model = DecoderModel(self.config, self.dtype, self.device, choose_ops(self.config, self.dtype, self.device, blocks))
+        model = DecoderModel(
+            self.config, self.dtype, self.device, choose_ops(self.config, self.dtype, self.device, blocks)
+        )
         native = model.native is not None
         skip = served_by_blocks(model, blocks) if blocks is not None and native else set()
         model.load_weights(self._folder, skip)
@@ -109,7 +129,9 @@ class ModelEngine:
         """Write every span's tokens into its pages and return the logits it asks for: `[sum num_logits, V]`."""
         return self.forward_with_features(spans)[0]
 
-    def forward_with_features(self, spans: list[SeqSpan], widen_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_with_features(
+        self, spans: list[SeqSpan], widen_logits: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Like forward, and also the final hidden state of every new token, in span order: `[sum len(token_ids), H]`.
 
         These features are what an EAGLE-style draft head reads (modeling/model/eagle.py). Without `widen_logits` the
@@ -159,7 +181,9 @@ class ModelEngine:
         prompt = [(7 * i + 3) % self.config.vocab_size for i in range(_SELF_CHECK_LEN)]
         pages = tuple(range(pages_for(len(prompt), self.page_size)))
         whole = self.forward([SeqSpan(pages, 0, prompt, len(prompt))])  # [12, V]
-        stepped = torch.cat([self.forward([SeqSpan(pages, position, [prompt[position]], 1)]) for position in range(len(prompt))])
+        stepped = torch.cat(
+            [self.forward([SeqSpan(pages, position, [prompt[position]], 1)]) for position in range(len(prompt))]
+        )
         if not torch.isfinite(whole).all():
             raise SelfCheckFailed("the model produced non-finite logits")
         # Different batch shapes may round differently; a broken cache is off by the logits' own scale.
@@ -173,8 +197,9 @@ class ModelEngine:
         problem = linear_rows_problem(model.linear, pack, depths, self.dtype, self.device)
         for format_name in sorted(self._block_formats):
             if problem is None and isinstance(model.linear, PackedLinear):
-                problem = linear_rows_problem(model.linear, block_probe(model.linear, format_name), depths, self.dtype,
-                                              self.device)
+                problem = linear_rows_problem(
+                    model.linear, block_probe(model.linear, format_name), depths, self.dtype, self.device
+                )
         if problem is None and not torch.equal(whole, stepped):
             differ = int((whole != stepped).any(dim=-1).nonzero()[0])
             problem = f"a prompt prefilled at once and token by token gives different logits at position {differ}"

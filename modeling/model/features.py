@@ -31,7 +31,9 @@ def from_rows(rows: FeatureRows) -> torch.Tensor:
         raise FeatureError(f"feature rows of shape ({rows.num_rows}, {rows.width})")
     expected = rows.num_rows * rows.width * dtype.itemsize
     if len(rows.data) != expected:
-        raise FeatureError(f"{len(rows.data)} bytes of features, ({rows.num_rows}, {rows.width}) {rows.dtype} needs {expected}")
+        raise FeatureError(
+            f"{len(rows.data)} bytes of features, ({rows.num_rows}, {rows.width}) {rows.dtype} needs {expected}"
+        )
     if expected == 0:
         return torch.empty(0, rows.width, dtype=dtype)
     return torch.frombuffer(bytearray(rows.data), dtype=dtype).view(rows.num_rows, rows.width)

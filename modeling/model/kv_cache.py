@@ -33,7 +33,9 @@ class KVCache:
     docs/benchmarks.md).
     """
 
-    def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         shape = (config.num_layers, num_pages, config.num_kv_heads, page_size, config.head_dim)
         nbytes = math.prod(shape) * dtype.itemsize
         memory = HugePageRegion([nbytes, nbytes], torch.device(device))

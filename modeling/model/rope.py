@@ -38,8 +38,18 @@ _KIND_KEYS: dict[str, frozenset[str]] = {
     "linear": frozenset({"factor"}),
     "dynamic": frozenset({"factor"}),
     "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
-    "yarn": frozenset({"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
-                       "mscale", "mscale_all_dim", "truncate"}),
+    "yarn": frozenset(
+        {
+            "factor",
+            "original_max_position_embeddings",
+            "attention_factor",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "truncate",
+        }
+    ),
 }
 _REQUIRED: dict[str, tuple[str, ...]] = {
     "linear": ("factor",),
@@ -71,7 +81,9 @@ class Rope:
         """`value` is the parameter object found at config.json's `where` (named in errors)."""
         kind = value.get("rope_type", value.get("type", "default"))
         if kind not in _KIND_KEYS:
-            raise RopeError(f"config.json {where}.rope_type {kind!r} is not supported (supported: {sorted(_KIND_KEYS)})")
+            raise RopeError(
+                f"config.json {where}.rope_type {kind!r} is not supported (supported: {sorted(_KIND_KEYS)})"
+            )
         others = sorted(set(value) - {"rope_type", "type", "rope_theta"} - _KIND_KEYS[kind])
         if others:
             raise RopeError(f"config.json {where} has {others[0]!r}, which rope_type {kind!r} does not take")
@@ -83,12 +95,21 @@ class Rope:
             return None if value.get(key) is None else float(value[key])
 
         original = value.get("original_max_position_embeddings")
-        rope = cls(theta=theta, kind=kind, factor=number("factor"), low_freq_factor=number("low_freq_factor"),
-                   high_freq_factor=number("high_freq_factor"),
-                   original_max_position_embeddings=None if original is None else int(original),
-                   attention_factor=number("attention_factor"), beta_fast=number("beta_fast"),
-                   beta_slow=number("beta_slow"), mscale=number("mscale"), mscale_all_dim=number("mscale_all_dim"),
-                   truncate=bool(value.get("truncate", True)), max_position_embeddings=max_position_embeddings)
+        rope = cls(
+            theta=theta,
+            kind=kind,
+            factor=number("factor"),
+            low_freq_factor=number("low_freq_factor"),
+            high_freq_factor=number("high_freq_factor"),
+            original_max_position_embeddings=None if original is None else int(original),
+            attention_factor=number("attention_factor"),
+            beta_fast=number("beta_fast"),
+            beta_slow=number("beta_slow"),
+            mscale=number("mscale"),
+            mscale_all_dim=number("mscale_all_dim"),
+            truncate=bool(value.get("truncate", True)),
+            max_position_embeddings=max_position_embeddings,
+        )
         if kind == "llama3" and rope.low_freq_factor == rope.high_freq_factor:
             raise RopeError(f"config.json {where} has low_freq_factor equal to high_freq_factor")
         return rope
@@ -125,7 +146,12 @@ class Rope:
 
     def _llama3(self, plain: torch.Tensor) -> torch.Tensor:
         assert self.factor and self.low_freq_factor and self.high_freq_factor and self.original_max_position_embeddings
-        factor, low, high, context = self.factor, self.low_freq_factor, self.high_freq_factor, self.original_max_position_embeddings
+        factor, low, high, context = (
+            self.factor,
+            self.low_freq_factor,
+            self.high_freq_factor,
+            self.original_max_position_embeddings,
+        )
         wavelength = 2 * math.pi / plain
         scaled = torch.where(wavelength > context / low, plain / factor, plain)
         smooth = (context / wavelength - low) / (high - low)
@@ -171,8 +197,9 @@ def rope_tables(rope: Rope, head_dim: int, length: int, device: torch.device) ->
     """float32 cos and sin `[length, head_dim]` for positions 0..length-1, in rotate-half layout."""
     limit = rope.positions_limit
     if limit is not None and length > limit:
-        raise RopeError(f"rope_type {rope.kind!r} is served up to max_position_embeddings ({limit}) positions, "
-                        f"not {length}")
+        raise RopeError(
+            f"rope_type {rope.kind!r} is served up to max_position_embeddings ({limit}) positions, not {length}"
+        )
     inv_freq = rope.inv_freq(head_dim).to(device)
     freqs = torch.outer(torch.arange(length, device=device).float(), inv_freq)  # [L, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [L, D]
@@ -185,4 +212,3 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
-

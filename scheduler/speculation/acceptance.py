@@ -96,7 +96,9 @@ class ServerAcceptance:
         self.num_verify_steps: dict[str, int] = {}
         self.num_draft_tokens: dict[str, int] = {}
         self.num_accepted: dict[str, int] = {}
-        self.found = PositionRates()  # of the sequences the draft service was asked for, those it proposed something for
+        self.found = (
+            PositionRates()
+        )  # of the sequences the draft service was asked for, those it proposed something for
         self.answered_by: dict[str, float] = {}  # of its proposals, the share each source made (weighted counts)
         self._rates: dict[tuple[str, int], float] = {}  # rate(), as read since the last change (each step reads many)
 
@@ -121,13 +123,19 @@ class ServerAcceptance:
         self.num_accepted[source] = self.num_accepted.get(source, 0) + num_accepted
 
     def info(self, max_positions: int) -> dict[str, m.SourceAcceptance]:
-        return {source: m.SourceAcceptance(
-            num_verify_steps=count, num_draft_tokens=self.num_draft_tokens[source],
-            num_accepted_draft_tokens=self.num_accepted[source],
-            recent_rates=[round(self.by_source[source].mean(i, 0.0, 0.0), 4)
-                          for i in range(min(max_positions, len(self.by_source[source].reached)))
-                          if self.by_source[source].weight(i) > 0.0],
-        ) for source, count in sorted(self.num_verify_steps.items())}
+        return {
+            source: m.SourceAcceptance(
+                num_verify_steps=count,
+                num_draft_tokens=self.num_draft_tokens[source],
+                num_accepted_draft_tokens=self.num_accepted[source],
+                recent_rates=[
+                    round(self.by_source[source].mean(i, 0.0, 0.0), 4)
+                    for i in range(min(max_positions, len(self.by_source[source].reached)))
+                    if self.by_source[source].weight(i) > 0.0
+                ],
+            )
+            for source, count in sorted(self.num_verify_steps.items())
+        }
 
     def observe_tree(self, source: str, num_nodes: int, accepted_nodes: list[int]) -> None:
         """A token tree of `num_nodes` nodes whose branch `accepted_nodes` was accepted."""
@@ -149,7 +157,7 @@ class ServerAcceptance:
         index no tree had yet: as likely as the first node's depth allows, halved at each step down)."""
         rates = self.by_node.get(source) or PositionRates()
         first = self.rate(source, 0)
-        return [rates.mean(node, first / 2 ** node, 1.0) for node in range(num_nodes)]
+        return [rates.mean(node, first / 2**node, 1.0) for node in range(num_nodes)]
 
     def rate(self, source: str, position: int) -> float:
         """The server's rate at `position` for `source` (1/2 for a source it has not seen: another source's record says
@@ -194,8 +202,14 @@ class RequestAcceptance:
         found = self.found.mean(0, server.found_rate(), PRIOR_STEPS)
         own = sum(self.answered_by.values())
         theirs = sum(server.answered_by.values())
-        shares = {source: (self.answered_by.get(source, 0.0) + PRIOR_STEPS * count / theirs) / (own + PRIOR_STEPS)
-                  for source, count in server.answered_by.items()} if theirs else {ANY: 1.0}
+        shares = (
+            {
+                source: (self.answered_by.get(source, 0.0) + PRIOR_STEPS * count / theirs) / (own + PRIOR_STEPS)
+                for source, count in server.answered_by.items()
+            }
+            if theirs
+            else {ANY: 1.0}
+        )
         outlook = []
         for source, share in shares.items():
             if source in server.by_node:  # it proposes trees

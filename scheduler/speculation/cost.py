@@ -141,7 +141,7 @@ class OnlineFit:
             factor = weight * (1.0 if other == region else ELSEWHERE_WEIGHT)
             gram = [total + factor * value for total, value in zip(gram, self._gram[other])]
             moment = [total + factor * value for total, value in zip(moment, self._moment[other])]
-        coefficients = _fit_nonnegative([gram[i * n:(i + 1) * n] for i in range(n)], moment)
+        coefficients = _fit_nonnegative([gram[i * n : (i + 1) * n] for i in range(n)], moment)
         self._coefficients[region] = coefficients
         return coefficients
 
@@ -231,8 +231,10 @@ def _fit_nonnegative(gram: list[list[float]], moment: list[float]) -> list[float
     terms = list(range(len(moment)))
     while True:
         # The ridge is relative to each term's own weight, so terms of different units are pulled alike.
-        solved = _solve([[gram[i][j] * (1 + RIDGE) if i == j else gram[i][j] for j in terms] for i in terms],
-                        [moment[i] for i in terms])
+        solved = _solve(
+            [[gram[i][j] * (1 + RIDGE) if i == j else gram[i][j] for j in terms] for i in terms],
+            [moment[i] for i in terms],
+        )
         negative = [term for term, value in zip(terms, solved) if value < 0.0]
         if not negative:
             coefficients = [0.0] * len(moment)

@@ -63,8 +63,14 @@ class SpecCounters:
     def decide(self, k: int) -> None:
         self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
 
-    def record(self, num_draft_tokens: int, num_accepted: int, depth: int = 0, source: str = "",
-               accepted_nodes: list[int] | None = None) -> None:
+    def record(
+        self,
+        num_draft_tokens: int,
+        num_accepted: int,
+        depth: int = 0,
+        source: str = "",
+        accepted_nodes: list[int] | None = None,
+    ) -> None:
         """A decode step of one sequence: its draft tokens (a tree's `depth` positions deep, `accepted_nodes` its
         accepted branch; a chain's as many as its tokens) from `source`, and how many it accepted, each at the next
         position."""
@@ -89,7 +95,9 @@ class SpecCounters:
             num_verify_steps=self.num_verify_steps,
             num_plain_decode_steps=self.num_plain_decode_steps,
             acceptance_rate=self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0,
-            mean_accepted_length=self.num_accepted_draft_tokens / self.num_verify_steps if self.num_verify_steps else 0.0,
+            mean_accepted_length=self.num_accepted_draft_tokens / self.num_verify_steps
+            if self.num_verify_steps
+            else 0.0,
             steps_by_k=dict(self.steps_by_k),
             proposed_by_position=dict(self.proposed_by_position),
             accepted_by_position=dict(self.accepted_by_position),

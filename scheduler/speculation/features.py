@@ -47,7 +47,9 @@ class FeatureStore:
         """Positions start .. stop-1 (within 0 .. count)."""
         assert 0 <= start <= stop <= self.count, (start, stop, self.count)
         row_bytes = self._width * _ITEM_SIZES.get(self._dtype, 0)
-        return FeatureRows(start, stop - start, self._width, self._dtype, bytes(self._data[start * row_bytes : stop * row_bytes]))
+        return FeatureRows(
+            start, stop - start, self._width, self._dtype, bytes(self._data[start * row_bytes : stop * row_bytes])
+        )
 
     def clear(self) -> None:
         self._data.clear()

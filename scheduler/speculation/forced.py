@@ -15,6 +15,10 @@ def forced_drafts(item: ScheduledSeq, max_draft_tokens: int, config: SchedulerCo
     r = item.request
     if not r.forced_token_ids or not item.completes or item.num_tokens != 1:
         return []
-    k = min(config.num_speculative_tokens if config.num_speculative_tokens is not None else NUM_SPECULATIVE_TOKENS,
-            max_draft_tokens, r.max_tokens - len(r.output_token_ids) - 1, config.max_model_len - r.num_tokens - 1)
+    k = min(
+        config.num_speculative_tokens if config.num_speculative_tokens is not None else NUM_SPECULATIVE_TOKENS,
+        max_draft_tokens,
+        r.max_tokens - len(r.output_token_ids) - 1,
+        config.max_model_len - r.num_tokens - 1,
+    )
     return r.forced_token_ids[: max(k, 0)]

@@ -18,23 +18,35 @@ from scheduler.speculation.state import SpecStates
 from scheduler.workers import WorkerRecord
 
 
-def paying_drafts(target: WorkerRecord, seqs: Sequence[ScheduledSeq], caps: dict[str, int], counters: SpecCounters,
-                  states: SpecStates) -> dict[str, int]:
+def paying_drafts(
+    target: WorkerRecord, seqs: Sequence[ScheduledSeq], caps: dict[str, int], counters: SpecCounters, states: SpecStates
+) -> dict[str, int]:
     """Of the caps, the k that maximise the step's expected tokens per second, by each request's record over all
     sources and the wait for a proposal (policy.py), and the requests asked for to try them (`explored`); empty:
     plain decoding pays best, or the target's step time is not known yet."""
     server = counters.acceptance
-    outlooks = {item.request.request_id: states.of(item.request.request_id).acceptance.outlook(
-                    caps[item.request.request_id], server) for item in seqs if caps.get(item.request.request_id, 0) > 0}
+    outlooks = {
+        item.request.request_id: states.of(item.request.request_id).acceptance.outlook(
+            caps[item.request.request_id], server
+        )
+        for item in seqs
+        if caps.get(item.request.request_id, 0) > 0
+    }
     propose = counters.propose_cost
-    ks, base_ms = _best_drafts(target, seqs, outlooks, lambda ks: propose.predict_ms(max(ks.values()), len(ks)),
-                               PLAN_MARGIN)
+    ks, base_ms = _best_drafts(
+        target, seqs, outlooks, lambda ks: propose.predict_ms(max(ks.values()), len(ks)), PLAN_MARGIN
+    )
     if base_ms > 0.0:
         row_ms = target.cost.row_ms(len(seqs), 1)
-        candidates = [Unasked(item.request.request_id, states.of(item.request.request_id).acceptance.unasked_steps,
-                              target.cost.extra_ms(1, item.request.num_computed_tokens, row_ms,
-                                                   item.request.grammar is not None))
-                      for item in seqs if item.request.request_id in outlooks and item.request.request_id not in ks]
+        candidates = [
+            Unasked(
+                item.request.request_id,
+                states.of(item.request.request_id).acceptance.unasked_steps,
+                target.cost.extra_ms(1, item.request.num_computed_tokens, row_ms, item.request.grammar is not None),
+            )
+            for item in seqs
+            if item.request.request_id in outlooks and item.request.request_id not in ks
+        ]
         trying = explored(candidates, propose.predict_ms(max(caps.values()), 1), target.explore, bool(ks))
         for item in seqs:
             states.of(item.request.request_id).acceptance.exploring = item.request.request_id in trying
@@ -47,8 +59,13 @@ def paying_drafts(target: WorkerRecord, seqs: Sequence[ScheduledSeq], caps: dict
     return ks
 
 
-def trimmed(target: WorkerRecord, seqs: Sequence[ScheduledSeq], proposals: Mapping[str, m.Proposal],
-            counters: SpecCounters, states: SpecStates) -> dict[str, m.Proposal]:
+def trimmed(
+    target: WorkerRecord,
+    seqs: Sequence[ScheduledSeq],
+    proposals: Mapping[str, m.Proposal],
+    counters: SpecCounters,
+    states: SpecStates,
+) -> dict[str, m.Proposal]:
     """Each proposal cut to the length (a tree: the nodes) that pays, by its source's record, now that the wait for
     it is spent."""
     server = counters.acceptance
@@ -69,13 +86,22 @@ def trimmed(target: WorkerRecord, seqs: Sequence[ScheduledSeq], proposals: Mappi
     return {rid: _first_nodes(proposal, ks[rid]) for rid, proposal in proposals.items() if ks.get(rid, 0) > 0}
 
 
-def _best_drafts(target: WorkerRecord, seqs: Sequence[ScheduledSeq], outlooks: dict[str, list[tuple[float, list[float]]]],
-                 wait_ms: Callable[[dict[str, int]], float], margin: float) -> tuple[dict[str, int], float]:
+def _best_drafts(
+    target: WorkerRecord,
+    seqs: Sequence[ScheduledSeq],
+    outlooks: dict[str, list[tuple[float, list[float]]]],
+    wait_ms: Callable[[dict[str, int]], float],
+    margin: float,
+) -> tuple[dict[str, int], float]:
     """k per request (none of 0) that maximises the step's expected tokens per ms, each request's drafts turning out
     as its outlook says ((chance, tokens its first k bring) per source that may answer), and the plain step's
     predicted time; ({}, 0) while the target's step time is not known."""
-    shape = step_shape([(item.num_tokens, 0, item.request.num_computed_tokens,
-                         item.completes and item.request.grammar is not None) for item in seqs])
+    shape = step_shape(
+        [
+            (item.num_tokens, 0, item.request.num_computed_tokens, item.completes and item.request.grammar is not None)
+            for item in seqs
+        ]
+    )
     base_ms = target.cost.predict_ms(shape)
     if base_ms is None or not outlooks:
         return {}, base_ms or 0.0
@@ -87,10 +113,17 @@ def _best_drafts(target: WorkerRecord, seqs: Sequence[ScheduledSeq], outlooks: d
     if beyond_reach(outlooks.values(), base_tokens / base_ms * (1 + margin), row_ms, wait_ms({"": 1})):
         return {}, base_ms
     requests = {item.request.request_id: item.request for item in seqs}
-    options = [DraftOption(rid, [target.cost.extra_ms(n, requests[rid].num_computed_tokens, row_ms,
-                                                      requests[rid].grammar is not None) for n in range(longest[rid])],
-                           outlook)
-               for rid, outlook in outlooks.items()]
+    options = [
+        DraftOption(
+            rid,
+            [
+                target.cost.extra_ms(n, requests[rid].num_computed_tokens, row_ms, requests[rid].grammar is not None)
+                for n in range(longest[rid])
+            ],
+            outlook,
+        )
+        for rid, outlook in outlooks.items()
+    ]
     return best_drafts(options, base_tokens, base_ms, wait_ms, margin), base_ms
 
 
@@ -99,5 +132,8 @@ def _first_nodes(proposal: m.Proposal, n: int) -> m.Proposal:
     if n >= len(proposal.token_ids):
         return proposal
     return msgspec.structs.replace(
-        proposal, token_ids=proposal.token_ids[:n], dists=None if proposal.dists is None else proposal.dists[:n],
-        parents=None if proposal.parents is None else proposal.parents[:n])
+        proposal,
+        token_ids=proposal.token_ids[:n],
+        dists=None if proposal.dists is None else proposal.dists[:n],
+        parents=None if proposal.parents is None else proposal.parents[:n],
+    )

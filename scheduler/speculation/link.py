@@ -81,7 +81,9 @@ class DraftLink:
 
     # ------------------------------------------------------------------ draft tokens
 
-    def draft_tokens(self, draft: WorkerRecord | None, target: WorkerRecord, seqs: Sequence[ScheduledSeq]) -> dict[str, int]:
+    def draft_tokens(
+        self, draft: WorkerRecord | None, target: WorkerRecord, seqs: Sequence[ScheduledSeq]
+    ) -> dict[str, int]:
         """k per request id for a step of `target` (empty: it runs without proposals); counted by the largest k."""
         num_tokens: dict[str, int] = {}
         if draft is not None:
@@ -91,7 +93,8 @@ class DraftLink:
                 num_speculative_tokens=min(k, target.max_draft_tokens, draft.hello.max_draft_tokens),
                 spec_disable_batch_threshold=threshold,
                 spec_draft_token_budget=cfg.spec_draft_token_budget,
-                max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len,
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                max_model_len=cfg.max_model_len,
             )
             num_tokens = self._with_features(draft, seqs, draft_caps(seqs, limits))
             if num_tokens and cfg.speculation_policy == "goodput":
@@ -104,8 +107,9 @@ class DraftLink:
             caps = self._caps_by_kind[draft_kind] = speculation_caps(self._config, draft_kind)
         return caps
 
-    def _with_features(self, draft: WorkerRecord, seqs: Sequence[ScheduledSeq],
-                       num_tokens: dict[str, int]) -> dict[str, int]:
+    def _with_features(
+        self, draft: WorkerRecord, seqs: Sequence[ScheduledSeq], num_tokens: dict[str, int]
+    ) -> dict[str, int]:
         """For a draft that reads target features, only the sequences whose every feature is at hand."""
         if not draft.hello.feature_width:
             return num_tokens
@@ -128,7 +132,9 @@ class DraftLink:
 
     # ------------------------------------------------------------------ target features
 
-    def store_features(self, target: WorkerRecord, features: list[m.SeqFeatures], report: Callable[[str], None]) -> None:
+    def store_features(
+        self, target: WorkerRecord, features: list[m.SeqFeatures], report: Callable[[str], None]
+    ) -> None:
         """Keep the feature rows a step returned for the requests still running on `target`."""
         for rows in features:
             if rows.request_id not in target.requests:

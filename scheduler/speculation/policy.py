@@ -96,8 +96,13 @@ class DraftOption:
         return cls(key, extra_ms, [(1.0, gains)])
 
 
-def best_drafts(options: Sequence[DraftOption], base_tokens: float, base_ms: float,
-                wait_ms: Callable[[dict[str, int]], float], margin: float = 0.0) -> dict[str, int]:
+def best_drafts(
+    options: Sequence[DraftOption],
+    base_tokens: float,
+    base_ms: float,
+    wait_ms: Callable[[dict[str, int]], float],
+    margin: float = 0.0,
+) -> dict[str, int]:
     """k per key (only k > 0) that maximises the expected (base_tokens + gains) / (base_ms + extra_ms + wait_ms(ks),
     the wait only where some k > 0), each outcome of an option taking its own best k, the largest of which the key
     gets; empty: plain decoding is best, or the best beats it by no more than `margin` (a share of its rate)."""
@@ -133,8 +138,9 @@ def best_drafts(options: Sequence[DraftOption], base_tokens: float, base_ms: flo
     return best
 
 
-def beyond_reach(outlooks: Iterable[Sequence[tuple[float, Sequence[float]]]], rate: float, row_ms: float,
-                 wait_ms: float) -> bool:
+def beyond_reach(
+    outlooks: Iterable[Sequence[tuple[float, Sequence[float]]]], rate: float, row_ms: float, wait_ms: float
+) -> bool:
     """Whether no k of these sequences' can make a step beat `rate` (tokens per ms), so that `best_drafts` would find
     nothing: a way a proposal may turn out (chance, gains) brings at most its largest gain of one more draft per row,
     each row costs at least `row_ms`, and an ask waits at least `wait_ms`. A shortcut with the same answer, for the

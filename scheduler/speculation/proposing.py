@@ -64,18 +64,30 @@ class ProposeRequests:
             if draft.hello.feature_width:
                 features = state.features.rows_from(view.num_features, r.num_tokens - 1)
                 view.num_features = r.num_tokens - 1
-            seqs.append(m.ProposeSeq(
-                request_id=r.request_id, num_held=view.num_held, num_drop=view.num_proposed,
-                new_token_ids=r.token_slice(view.num_stable, r.num_tokens), num_tokens=plan.num_draft_tokens[r.request_id],
-                sampling=r.sampling, features=features,
-            ))
+            seqs.append(
+                m.ProposeSeq(
+                    request_id=r.request_id,
+                    num_held=view.num_held,
+                    num_drop=view.num_proposed,
+                    new_token_ids=r.token_slice(view.num_stable, r.num_tokens),
+                    num_tokens=plan.num_draft_tokens[r.request_id],
+                    sampling=r.sampling,
+                    features=features,
+                )
+            )
         pending = PendingProposal(self._next_propose_id, target.worker_id, target.incarnation, plan, now_s)
         self._pending[pending.propose_id] = pending
         target.awaiting_proposal = pending.propose_id
         return m.ProposeRequest(pending.propose_id, draft.incarnation, seqs)
 
-    def answer(self, result: m.ProposeResult, requests: RequestTable, vocab_size: int,
-               report: Callable[[str], None], now_s: float) -> tuple[PendingProposal, dict[str, m.Proposal]] | None:
+    def answer(
+        self,
+        result: m.ProposeResult,
+        requests: RequestTable,
+        vocab_size: int,
+        report: Callable[[str], None],
+        now_s: float,
+    ) -> tuple[PendingProposal, dict[str, m.Proposal]] | None:
         """The pending request answered and its usable proposals; None for an answer nobody waits for.
 
         Every proposal updates what the request's draft view says the service holds; one

@@ -31,25 +31,35 @@ def step_result_problem(seqs: Sequence[StepSeq], outputs: Mapping[str, m.SeqOutp
             return f"no token for {rid}"
         accepted = output.num_accepted_draft
         if not 0 <= accepted <= len(seq.draft_token_ids) or len(output.token_ids) != accepted + 1:
-            return f"{rid}: {len(output.token_ids)} tokens with {accepted} accepted of {len(seq.draft_token_ids)} drafts"
+            return (
+                f"{rid}: {len(output.token_ids)} tokens with {accepted} accepted of {len(seq.draft_token_ids)} drafts"
+            )
         parents = parents_or_chain(seq.draft_parents, len(seq.draft_token_ids))
         if problem := branch_problem(parents, seq.draft_token_ids, output.accepted_nodes, output.token_ids[:accepted]):
             return f"{rid}: {problem}"
     return ""
 
 
-def logprobs_problem(seqs: Sequence[StepSeq], outputs: Mapping[str, m.SeqOutput],
-                     scored: Mapping[str, m.PromptLogprobs]) -> str:
+def logprobs_problem(
+    seqs: Sequence[StepSeq], outputs: Mapping[str, m.SeqOutput], scored: Mapping[str, m.PromptLogprobs]
+) -> str:
     """Why a step result's log-probabilities cannot be what the step asked ("" when they can): one per new token where
     the request asked, none where it did not, and a prompt chunk's where its SeqWork asked."""
     for seq in seqs:
         request = seq.request
         output = outputs.get(request.request_id) if seq.samples else None
         if output is not None and (output.logprobs is not None) != (request.num_logprobs >= 0):
-            return f"{request.request_id}: log-probabilities {'missing' if output.logprobs is None else 'not asked for'}"
-        if output is not None and output.logprobs is not None and (
+            return (
+                f"{request.request_id}: log-probabilities {'missing' if output.logprobs is None else 'not asked for'}"
+            )
+        if (
+            output is not None
+            and output.logprobs is not None
+            and (
                 len(output.logprobs) != len(output.token_ids)
-                or any(len(entry.top) > request.num_logprobs for entry in output.logprobs)):
+                or any(len(entry.top) > request.num_logprobs for entry in output.logprobs)
+            )
+        ):
             return f"{request.request_id}: {len(output.logprobs)} log-probabilities for {len(output.token_ids)} tokens"
         entry = scored.get(request.request_id)
         if (entry is None) != (seq.prompt_scores is None):
@@ -61,8 +71,9 @@ def logprobs_problem(seqs: Sequence[StepSeq], outputs: Mapping[str, m.SeqOutput]
     return ""
 
 
-def record_verification(request: Request, seq: StepSeq, output: m.SeqOutput, counters: SpecCounters,
-                        state: SpecState) -> None:
+def record_verification(
+    request: Request, seq: StepSeq, output: m.SeqOutput, counters: SpecCounters, state: SpecState
+) -> None:
     """A checked step result's speculation: the request's and the server's counts, and what the draft holds now."""
     num_drafts, num_accepted = len(seq.draft_token_ids), output.num_accepted_draft
     if num_drafts:
@@ -75,8 +86,13 @@ def record_verification(request: Request, seq: StepSeq, output: m.SeqOutput, cou
             state.draft.accept(leading_nodes(output.accepted_nodes))
     if num_drafts or seq.num_tokens == 1:  # a decode step, with or without a proposal
         depth = max(tree_depths(seq.draft_parents), default=0) if seq.draft_parents is not None else num_drafts
-        counters.record(num_drafts, num_accepted, depth, seq.draft_source,
-                        output.accepted_nodes if seq.draft_parents is not None else None)
+        counters.record(
+            num_drafts,
+            num_accepted,
+            depth,
+            seq.draft_source,
+            output.accepted_nodes if seq.draft_parents is not None else None,
+        )
         if not num_drafts:
             state.acceptance.plain_step()
         elif seq.draft_source != GRAMMAR:

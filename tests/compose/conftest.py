@@ -53,8 +53,9 @@ class Compose:
 
     def containers(self, service: str) -> list[str]:
         """The ids of the service's containers, running or not."""
-        out = self.docker("ps", "-a", "-q", "--filter", f"label={LABEL}",
-                          "--filter", f"label=com.docker.compose.service={service}").stdout
+        out = self.docker(
+            "ps", "-a", "-q", "--filter", f"label={LABEL}", "--filter", f"label=com.docker.compose.service={service}"
+        ).stdout
         return out.split()
 
     def container(self, service: str) -> str:
@@ -80,8 +81,9 @@ class Compose:
         if self.tls_ca is not None:
             scheme, context = "https", ssl.create_default_context(cafile=str(self.tls_ca))
         try:
-            with urllib.request.urlopen(f"{scheme}://localhost:{self.http_port}/ready", context=context,
-                                        timeout=2) as reply:
+            with urllib.request.urlopen(
+                f"{scheme}://localhost:{self.http_port}/ready", context=context, timeout=2
+            ) as reply:
                 return bool(reply.status == 200)
         except OSError:
             return False
@@ -91,18 +93,25 @@ class Compose:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             services = ("scheduler", "worker", "draft", "gateway")
-            if self.ready() and all(self.containers(s) and all(self.health(c) == "healthy" for c in self.containers(s))
-                                    for s in services):
+            if self.ready() and all(
+                self.containers(s) and all(self.health(c) == "healthy" for c in self.containers(s)) for s in services
+            ):
                 return
             time.sleep(1)
-        states = {s: [self.health(c) for c in self.containers(s)] for s in ("keys", "scheduler", "worker", "draft", "gateway")}
-        raise AssertionError(f"the stack was not ready within {timeout_s:.0f} s: /ready {self.ready()}, containers {states}\n"
-                             + "\n".join(f"--- {s}\n{self.logs(s)[-3000:]}" for s in states))
+        states = {
+            s: [self.health(c) for c in self.containers(s)] for s in ("keys", "scheduler", "worker", "draft", "gateway")
+        }
+        raise AssertionError(
+            f"the stack was not ready within {timeout_s:.0f} s: /ready {self.ready()}, containers {states}\n"
+            + "\n".join(f"--- {s}\n{self.logs(s)[-3000:]}" for s in states)
+        )
 
     def leftovers(self) -> dict[str, list[str]]:
         """What of the project the engine still has: containers (any state) and networks."""
-        return {"containers": self.docker("ps", "-a", "-q", "--filter", f"label={LABEL}").stdout.split(),
-                "networks": self.docker("network", "ls", "-q", "--filter", f"label={LABEL}").stdout.split()}
+        return {
+            "containers": self.docker("ps", "-a", "-q", "--filter", f"label={LABEL}").stdout.split(),
+            "networks": self.docker("network", "ls", "-q", "--filter", f"label={LABEL}").stdout.split(),
+        }
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -125,7 +134,9 @@ def print_logs_if_failed(request: pytest.FixtureRequest, stack: Compose) -> None
 def engine() -> Iterator[dict[str, str]]:
     """The environment for docker and docker-compose, aimed at an engine started for these tests (stopped after)."""
     for tool in ("dockerd", "docker", "docker-compose"):
-        assert shutil.which(tool), f"{tool} is needed: Debian's docker.io and docker-compose (`make test-compose` installs them)"
+        assert shutil.which(tool), (
+            f"{tool} is needed: Debian's docker.io and docker-compose (`make test-compose` installs them)"
+        )
     started = time.monotonic()
     with running_engine() as env:
         progress(f"engine up in {time.monotonic() - started:.1f} s")
@@ -136,17 +147,29 @@ def engine() -> Iterator[dict[str, str]]:
 def compose(engine: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Compose]:
     """The image built (base image, then the project's) and the compose project's settings; taken down after."""
     gateway_port, worker_port, grpc_port, http_port = free_ports(4)
-    env = {**engine, "SPECSERVE_BIND": "127.0.0.1",
-           "SPECSERVE_SCHEDULER": "127.0.0.1", "SPECSERVE_SCHEDULER_GATEWAY_PORT": str(gateway_port),
-           "SPECSERVE_SCHEDULER_WORKER_PORT": str(worker_port), "SPECSERVE_GRPC_PORT": str(grpc_port),
-           "SPECSERVE_HTTP_PORT": str(http_port), "COMPOSE_PROFILES": "cpu"}
-    stack = Compose(env, on_host_network(env, tmp_path_factory.mktemp("compose")), int(env["SPECSERVE_GRPC_PORT"]),
-                    int(env["SPECSERVE_HTTP_PORT"]))
+    env = {
+        **engine,
+        "SPECSERVE_BIND": "127.0.0.1",
+        "SPECSERVE_SCHEDULER": "127.0.0.1",
+        "SPECSERVE_SCHEDULER_GATEWAY_PORT": str(gateway_port),
+        "SPECSERVE_SCHEDULER_WORKER_PORT": str(worker_port),
+        "SPECSERVE_GRPC_PORT": str(grpc_port),
+        "SPECSERVE_HTTP_PORT": str(http_port),
+        "COMPOSE_PROFILES": "cpu",
+    }
+    stack = Compose(
+        env,
+        on_host_network(env, tmp_path_factory.mktemp("compose")),
+        int(env["SPECSERVE_GRPC_PORT"]),
+        int(env["SPECSERVE_HTTP_PORT"]),
+    )
     stack.compose("down", "-v", "--remove-orphans", timeout_s=180)  # whatever an interrupted run left
     stack.timings.update(build(env, stack.file))
     size = int(stack.docker("image", "inspect", "-f", "{{.Size}}", "specserve:latest").stdout)
-    progress(f"base image {stack.timings['base image']:.0f} s, project image {stack.timings['project image']:.0f} s, "
-         f"{size / 1e9:.2f} GB")
+    progress(
+        f"base image {stack.timings['base image']:.0f} s, project image {stack.timings['project image']:.0f} s, "
+        f"{size / 1e9:.2f} GB"
+    )
     try:
         yield stack
     finally:

@@ -27,18 +27,28 @@ PROJECT = "specserve-test"
 BUILT_SERVICE = "scheduler"
 
 
-def run(command: list[str], env: dict[str, str], timeout_s: float, check: bool = True) -> subprocess.CompletedProcess[str]:
+def run(
+    command: list[str], env: dict[str, str], timeout_s: float, check: bool = True
+) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
     if check and done.returncode != 0:
-        raise AssertionError(f"{' '.join(command)} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+        raise AssertionError(
+            f"{' '.join(command)} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+        )
     return done
 
 
 def engine_env() -> dict[str, str]:
     """The environment for docker and docker-compose, aimed at the tests' engine (docker/engine.sh)."""
-    return {**os.environ, "SPECSERVE_DOCKER_DIR": str(ENGINE_DIR), "DOCKER_HOST": f"unix://{ENGINE_DIR}/docker.sock",
-            # Compose v1 builds through the engine's API (the legacy builder); the CLI's own build needs BuildKit's buildx.
-            "DOCKER_BUILDKIT": "0", "COMPOSE_DOCKER_CLI_BUILD": "0", "SPECSERVE_BASE_IMAGE": BASE_IMAGE}
+    return {
+        **os.environ,
+        "SPECSERVE_DOCKER_DIR": str(ENGINE_DIR),
+        "DOCKER_HOST": f"unix://{ENGINE_DIR}/docker.sock",
+        # Compose v1 builds through the engine's API (the legacy builder); the CLI's own build needs BuildKit's buildx.
+        "DOCKER_BUILDKIT": "0",
+        "COMPOSE_DOCKER_CLI_BUILD": "0",
+        "SPECSERVE_BASE_IMAGE": BASE_IMAGE,
+    }
 
 
 @contextmanager

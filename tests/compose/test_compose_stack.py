@@ -34,12 +34,18 @@ from tests.tls_certs import make_test_ca
 pytestmark = pytest.mark.timeout(1800)
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
-CHATS = ("What is the capital of France? Answer in one sentence.",
-         "Write a haiku about the sea.",
-         "List three prime numbers.")
+CHATS = (
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+)
 TEXTS = ("The quick brown fox", "def fibonacci(n):", "Once upon a time, in a land far away,")
-LONG = ("Explain how a bicycle works.", "Describe the water cycle.", "Tell me about the history of Rome.",
-        "How do airplanes fly?")  # streams long enough to be cut by a crash
+LONG = (
+    "Explain how a bicycle works.",
+    "Describe the water cycle.",
+    "Tell me about the history of Rome.",
+    "How do airplanes fly?",
+)  # streams long enough to be cut by a crash
 MAX_TOKENS = 40
 LONG_TOKENS = 160
 
@@ -72,15 +78,32 @@ def _outputs(grpc_port: int, http_port: int) -> Outputs:
     with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
         stub = pb_grpc.SpecServeStub(channel)
         return Outputs(
-            grpc_chat=[_stream(stub, pb.GenerateRequest(chat=_chat(text), params=_greedy(MAX_TOKENS))) for text in CHATS],
+            grpc_chat=[
+                _stream(stub, pb.GenerateRequest(chat=_chat(text), params=_greedy(MAX_TOKENS))) for text in CHATS
+            ],
             grpc_text=[_stream(stub, pb.GenerateRequest(prompt=text, params=_greedy(MAX_TOKENS))) for text in TEXTS],
-            openai_chat=[client.chat.completions.create(
-                model=MODEL_NAME, messages=[{"role": "user", "content": text}], temperature=0, max_tokens=MAX_TOKENS,
-            ).choices[0].message.content or "" for text in CHATS],
-            openai_text=[client.completions.create(model=MODEL_NAME, prompt=text, temperature=0,
-                                                   max_tokens=MAX_TOKENS).choices[0].text for text in TEXTS],
-            long=[_stream(stub, pb.GenerateRequest(chat=_chat(text), params=_greedy(LONG_TOKENS, ignore_eos=True)))
-                  for text in LONG],
+            openai_chat=[
+                client.chat.completions.create(
+                    model=MODEL_NAME,
+                    messages=[{"role": "user", "content": text}],
+                    temperature=0,
+                    max_tokens=MAX_TOKENS,
+                )
+                .choices[0]
+                .message.content
+                or ""
+                for text in CHATS
+            ],
+            openai_text=[
+                client.completions.create(model=MODEL_NAME, prompt=text, temperature=0, max_tokens=MAX_TOKENS)
+                .choices[0]
+                .text
+                for text in TEXTS
+            ],
+            long=[
+                _stream(stub, pb.GenerateRequest(chat=_chat(text), params=_greedy(LONG_TOKENS, ignore_eos=True)))
+                for text in LONG
+            ],
         )
 
 
@@ -89,8 +112,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Outputs:
     """The same requests answered by `specserve up` on this machine, with its defaults (run first, alone)."""
     grpc_port, http_port = free_ports(2)
     log = (tmp_path_factory.mktemp("up") / "up.log").open("w")
-    up = subprocess.Popen([sys.executable, "-m", "specserve.cli", "up", "--port", str(grpc_port), "--http-port",
-                           str(http_port)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    up = subprocess.Popen(
+        [sys.executable, "-m", "specserve.cli", "up", "--port", str(grpc_port), "--http-port", str(http_port)],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     started = time.monotonic()
     try:
         while not is_serving("127.0.0.1", grpc_port):
@@ -134,14 +161,17 @@ class Streams:
         self.received: dict[int, list[int]] = {i: [] for i in range(len(LONG))}
         self.errors: list[BaseException] = []
         self._under_way = [threading.Event() for _ in LONG]
-        self._threads = [threading.Thread(target=self._stream, args=(stack.grpc_port, f"compose-{name}-{i}", i))
-                         for i in range(len(LONG))]
+        self._threads = [
+            threading.Thread(target=self._stream, args=(stack.grpc_port, f"compose-{name}-{i}", i))
+            for i in range(len(LONG))
+        ]
         for thread in self._threads:
             thread.start()
 
     def _stream(self, grpc_port: int, request_id: str, index: int) -> None:
-        request = pb.GenerateRequest(chat=_chat(LONG[index]), params=_greedy(LONG_TOKENS, ignore_eos=True),
-                                     request_id=request_id)
+        request = pb.GenerateRequest(
+            chat=_chat(LONG[index]), params=_greedy(LONG_TOKENS, ignore_eos=True), request_id=request_id
+        )
         try:
             with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
                 for chunk in pb_grpc.SpecServeStub(channel).Generate(request, timeout=900):
@@ -198,7 +228,9 @@ def test_a_worker_crash_mid_stream_restarts_it_and_every_request_completes(stack
     # Restarted, not yet READY: the file says READY (left by the killed process) or STARTING (the new one has
     # replaced it); either way the health check fails until the new process says READY itself.
     status = stack.docker("exec", worker, "cat", "/tmp/specserve.status").stdout.splitlines()[0]
-    check = stack.docker("exec", worker, "specserve", "healthcheck", "--status-file", "/tmp/specserve.status", check=False)
+    check = stack.docker(
+        "exec", worker, "specserve", "healthcheck", "--status-file", "/tmp/specserve.status", check=False
+    )
     progress(f"restarted: the status file says {status}, the health check {check.stdout.strip()!r}")
     assert check.returncode == 1 and "READY" not in check.stdout, check.stdout
 
@@ -210,8 +242,9 @@ def test_a_worker_crash_mid_stream_restarts_it_and_every_request_completes(stack
     assert stack.inspect(worker)["RestartCount"] == restarts_before + 1  # the new process never exited
 
 
-def test_docker_kill_mid_stream_loses_no_request_once_the_worker_is_started_again(stack: Compose,
-                                                                                  reference: Outputs) -> None:
+def test_docker_kill_mid_stream_loses_no_request_once_the_worker_is_started_again(
+    stack: Compose, reference: Outputs
+) -> None:
     """`docker kill` is a manual stop to Docker: the container stays down (no restart policy applies), the streams
     wait, and once `docker-compose up -d` starts it again every stream ends token-identical."""
     worker = stack.container("worker")
@@ -238,8 +271,9 @@ def _json_lines(text: str) -> Iterator[dict]:  # type: ignore[type-arg]
 def test_one_request_is_logged_by_the_gateway_the_scheduler_and_the_worker(stack: Compose) -> None:
     request_id = f"compose-logs-{os.getpid()}"
     with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
-        tokens = _stream(pb_grpc.SpecServeStub(channel),
-                         pb.GenerateRequest(prompt="Hello", params=_greedy(8), request_id=request_id))
+        tokens = _stream(
+            pb_grpc.SpecServeStub(channel), pb.GenerateRequest(prompt="Hello", params=_greedy(8), request_id=request_id)
+        )
     assert tokens
     # The gateway logs the client's id; its request.submitted line names the id the scheduler and the worker know.
     gateway_lines = [line for line in _json_lines(stack.logs("gateway")) if line.get("request_id") == request_id]
@@ -260,19 +294,26 @@ def test_down_leaves_no_container_network_or_process(stack: Compose) -> None:
     assert not left, left
 
 
-def test_tls_with_client_certificates_and_an_api_key_pass_through_compose(stack: Compose, reference: Outputs,
-                                                                          tmp_path: Path) -> None:
+def test_tls_with_client_certificates_and_an_api_key_pass_through_compose(
+    stack: Compose, reference: Outputs, tmp_path: Path
+) -> None:
     """SPECSERVE_TLS_DIR, _CERTFILE, _KEYFILE, _CA_CERTFILE and SPECSERVE_API_KEY reach the gateway: its health check
     asks /ready over HTTPS (the container turns healthy), a client with the CA's certificate and the key gets what
     `specserve up` answered, through the openai client and gRPC; without a certificate or the key, it is refused."""
     key = "compose-test-key"
     ca = make_test_ca(tmp_path)
-    env = {**stack.env, "SPECSERVE_TLS_DIR": str(tmp_path), "SPECSERVE_TLS_CERTFILE": f"/tls/{ca.server_cert.name}",
-           "SPECSERVE_TLS_KEYFILE": f"/tls/{ca.server_key.name}", "SPECSERVE_TLS_CA_CERTFILE": f"/tls/{ca.ca_cert.name}",
-           "SPECSERVE_API_KEY": key}
+    env = {
+        **stack.env,
+        "SPECSERVE_TLS_DIR": str(tmp_path),
+        "SPECSERVE_TLS_CERTFILE": f"/tls/{ca.server_cert.name}",
+        "SPECSERVE_TLS_KEYFILE": f"/tls/{ca.server_key.name}",
+        "SPECSERVE_TLS_CA_CERTFILE": f"/tls/{ca.ca_cert.name}",
+        "SPECSERVE_API_KEY": key,
+    }
     (tmp_path / "compose").mkdir()
-    secured = Compose(env, on_host_network(env, tmp_path / "compose"), stack.grpc_port, stack.http_port,
-                      tls_ca=ca.ca_cert)
+    secured = Compose(
+        env, on_host_network(env, tmp_path / "compose"), stack.grpc_port, stack.http_port, tls_ca=ca.ca_cert
+    )
     started = time.monotonic()
     try:
         secured.compose("up", "-d", timeout_s=900)
@@ -280,26 +321,45 @@ def test_tls_with_client_certificates_and_an_api_key_pass_through_compose(stack:
         progress(f"the stack with TLS ready in {time.monotonic() - started:.0f} s")
         certified = ssl.create_default_context(cafile=str(ca.ca_cert))
         certified.load_cert_chain(ca.client_cert, ca.client_key)
-        client = OpenAI(base_url=f"https://localhost:{stack.http_port}/v1", api_key=key, max_retries=0, timeout=300,
-                        http_client=DefaultHttpxClient(verify=certified))
-        answer = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": CHATS[0]}],
-                                                temperature=0, max_tokens=MAX_TOKENS)
+        client = OpenAI(
+            base_url=f"https://localhost:{stack.http_port}/v1",
+            api_key=key,
+            max_retries=0,
+            timeout=300,
+            http_client=DefaultHttpxClient(verify=certified),
+        )
+        answer = client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": CHATS[0]}], temperature=0, max_tokens=MAX_TOKENS
+        )
         assert answer.choices[0].message.content == reference.openai_chat[0]
         with pytest.raises(AuthenticationError):  # the certificate is no key
-            OpenAI(base_url=f"https://localhost:{stack.http_port}/v1", api_key="wrong", max_retries=0,
-                   http_client=DefaultHttpxClient(verify=certified)).models.list()
+            OpenAI(
+                base_url=f"https://localhost:{stack.http_port}/v1",
+                api_key="wrong",
+                max_retries=0,
+                http_client=DefaultHttpxClient(verify=certified),
+            ).models.list()
         without = ssl.create_default_context(cafile=str(ca.ca_cert))
         with pytest.raises(AuthenticationError):  # the key is no certificate
-            OpenAI(base_url=f"https://localhost:{stack.http_port}/v1", api_key=key, max_retries=0,
-                   http_client=DefaultHttpxClient(verify=without)).models.list()
-        credentials = grpc.ssl_channel_credentials(root_certificates=ca.ca_cert.read_bytes(),
-                                                   private_key=ca.client_key.read_bytes(),
-                                                   certificate_chain=ca.client_cert.read_bytes())
+            OpenAI(
+                base_url=f"https://localhost:{stack.http_port}/v1",
+                api_key=key,
+                max_retries=0,
+                http_client=DefaultHttpxClient(verify=without),
+            ).models.list()
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=ca.ca_cert.read_bytes(),
+            private_key=ca.client_key.read_bytes(),
+            certificate_chain=ca.client_cert.read_bytes(),
+        )
         with grpc.secure_channel(f"localhost:{stack.grpc_port}", credentials) as channel:
             stub = pb_grpc.SpecServeStub(channel)
             request = pb.GenerateRequest(chat=_chat(CHATS[0]), params=_greedy(MAX_TOKENS))
-            tokens = [t for chunk in stub.Generate(request, timeout=600, metadata=(("authorization", f"Bearer {key}"),))
-                      for t in chunk.token_ids]
+            tokens = [
+                t
+                for chunk in stub.Generate(request, timeout=600, metadata=(("authorization", f"Bearer {key}"),))
+                for t in chunk.token_ids
+            ]
             assert tokens == reference.grpc_chat[0]
             with pytest.raises(grpc.RpcError) as caught:
                 _stream(stub, request)

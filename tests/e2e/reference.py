@@ -26,11 +26,19 @@ class ReferenceModel:
         """`generate()` with its own KV cache; end-of-sequence does not stop it (like ignore_eos)."""
         with torch.inference_mode():
             out = self._model.generate(
-                torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                max_new_tokens=num_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
-                output_logits=True, return_dict_in_generate=True, temperature=None, top_p=None, top_k=None,
+                torch.tensor([prompt_ids]),
+                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                max_new_tokens=num_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+                temperature=None,
+                top_p=None,
+                top_k=None,
             )
-        tokens = out.sequences[0, len(prompt_ids):].tolist()
+        tokens = out.sequences[0, len(prompt_ids) :].tolist()
         margins = []
         for logits in out.logits:  # one [1, V] per generated token
             top2 = torch.topk(logits[0].float(), 2).values

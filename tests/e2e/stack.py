@@ -87,7 +87,11 @@ class Stack(LocalStack):
         while True:
             info = self.info()
             live = [p for p in info.processes if p.state == State.READY]
-            if info.num_running == 0 and info.num_waiting == 0 and all(p.num_used_kv_pages == p.num_cached_kv_pages and p.num_running == 0 for p in live):
+            if (
+                info.num_running == 0
+                and info.num_waiting == 0
+                and all(p.num_used_kv_pages == p.num_cached_kv_pages and p.num_running == 0 for p in live)
+            ):
                 return info
             if time.monotonic() > deadline:
                 raise AssertionError(f"the stack is not idle after {timeout_s} s: {info}")
@@ -122,8 +126,16 @@ def collect(stream: Iterator[pb.GenerateResponse]) -> GenerateResult:
         last = chunk
         num_chunks += 1
     assert last is not None, "the stream ended without a chunk"
-    return GenerateResult(token_ids, "".join(text), last.finish_reason, last.usage.prompt_tokens,
-                          last.usage.completion_tokens, num_chunks, last.usage.cached_tokens, logprobs or None)
+    return GenerateResult(
+        token_ids,
+        "".join(text),
+        last.finish_reason,
+        last.usage.prompt_tokens,
+        last.usage.completion_tokens,
+        num_chunks,
+        last.usage.cached_tokens,
+        logprobs or None,
+    )
 
 
 def running_stack(config: StackConfig, log_dir: Path) -> AbstractContextManager[Stack]:

@@ -37,8 +37,10 @@ def _requests(model_dir: Path) -> list[pb.GenerateRequest]:
     prompts = [text for workload in WORKLOADS.values() for text in workload]
     assert len(prompts) == 24
     params = pb.SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
-    return [pb.GenerateRequest(token_ids=pb.TokenIds(ids=tokenizer.encode_chat([ChatMessage("user", text)])), params=params)
-            for text in prompts]
+    return [
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=tokenizer.encode_chat([ChatMessage("user", text)])), params=params)
+        for text in prompts
+    ]
 
 
 def _at_concurrency(stack: Stack, requests: list[pb.GenerateRequest]) -> list[list[int]]:
@@ -54,13 +56,21 @@ def _at_concurrency(stack: Stack, requests: list[pb.GenerateRequest]) -> list[li
         return list(pool.map(run, range(len(requests))))
 
 
-@pytest.mark.skipif(os.environ.get("SPECSERVE_NATIVE_OPS") == "0", reason="on torch ops a worker serves without speculation")
+@pytest.mark.skipif(
+    os.environ.get("SPECSERVE_NATIVE_OPS") == "0", reason="on torch ops a worker serves without speculation"
+)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_output_is_the_same_at_every_concurrency_with_and_without_speculation(
-        default_model_dir: Path, tmp_path: Path, dtype: str) -> None:
-    options = StackConfig(default_model_dir, dtype=dtype, num_workers=1, max_num_seqs=CONCURRENCY,
-                          scheduler_args=("--num-speculative-tokens", "6", "--spec-disable-batch-threshold", "16"),
-                          speculation_policy="fixed")
+    default_model_dir: Path, tmp_path: Path, dtype: str
+) -> None:
+    options = StackConfig(
+        default_model_dir,
+        dtype=dtype,
+        num_workers=1,
+        max_num_seqs=CONCURRENCY,
+        scheduler_args=("--num-speculative-tokens", "6", "--spec-disable-batch-threshold", "16"),
+        speculation_policy="fixed",
+    )
     with running_stack(options, tmp_path) as stack:
         requests = _requests(default_model_dir)
         alone = [stack.generate(r, timeout_s=300).token_ids for r in requests]
@@ -70,9 +80,13 @@ def test_greedy_output_is_the_same_at_every_concurrency_with_and_without_specula
             before = stack.info().speculation
             crowded = _at_concurrency(stack, requests)
             differ = [i for i, (ours, expected) in enumerate(zip(crowded, alone)) if ours != expected]
-            assert not differ, (f"{dtype}, draft {proposer}: requests {differ} of 24 differ from the same request alone "
-                                f"({[p.kernels for p in stack.info().processes if p.role == 'target']}; {cpu_description()})")
+            assert not differ, (
+                f"{dtype}, draft {proposer}: requests {differ} of 24 differ from the same request alone "
+                f"({[p.kernels for p in stack.info().processes if p.role == 'target']}; {cpu_description()})"
+            )
             after = stack.wait_idle().speculation
             if proposer is not None:
                 assert after.num_draft_tokens > before.num_draft_tokens, f"{proposer}: nothing was proposed"
-                assert after.num_accepted_draft_tokens > before.num_accepted_draft_tokens, f"{proposer}: nothing accepted"
+                assert after.num_accepted_draft_tokens > before.num_accepted_draft_tokens, (
+                    f"{proposer}: nothing accepted"
+                )

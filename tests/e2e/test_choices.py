@@ -18,14 +18,23 @@ from tests.e2e.stack import Stack
 from tests.e2e.test_http_api import MODEL, client
 
 # Long enough for full KV pages (16 positions) that the copies can share.
-PROMPT = ("Here is a short story about a lighthouse keeper who lives alone on a rocky island far from the coast, "
-          "and one stormy night")
+PROMPT = (
+    "Here is a short story about a lighthouse keeper who lives alone on a rocky island far from the coast, "
+    "and one stormy night"
+)
 
 
 def test_n_seeded_choices_are_reproducible_share_the_prompt_and_stream_the_same(fp32_stack: Stack) -> None:
     api = client(fp32_stack)
-    asked: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "temperature": 0.9, "seed": 7, "n": 3,
-                             "extra_body": {"ignore_eos": True}}
+    asked: dict[str, Any] = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": 10,
+        "temperature": 0.9,
+        "seed": 7,
+        "n": 3,
+        "extra_body": {"ignore_eos": True},
+    }
     first = api.completions.create(**asked)
     again = api.completions.create(**asked)
     assert [c.index for c in first.choices] == [0, 1, 2]
@@ -52,8 +61,14 @@ def test_n_seeded_choices_are_reproducible_share_the_prompt_and_stream_the_same(
 
 def test_best_of_returns_the_copies_with_the_highest_logprob_per_token(fp32_stack: Stack) -> None:
     api = client(fp32_stack)
-    asked: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "seed": 11,
-                             "extra_body": {"ignore_eos": True}}
+    asked: dict[str, Any] = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "seed": 11,
+        "extra_body": {"ignore_eos": True},
+    }
     every = api.completions.create(**asked, n=4, logprobs=0).choices
     means = [sum(c.logprobs.token_logprobs) / 8 for c in every]  # type: ignore[union-attr, arg-type]
     ranked = [every[i].text for i in sorted(range(4), key=lambda i: -means[i])]
@@ -65,8 +80,9 @@ def test_best_of_returns_the_copies_with_the_highest_logprob_per_token(fp32_stac
 
 def test_chat_n_greedy_choices_are_equal(fp32_stack: Stack) -> None:
     api = client(fp32_stack)
-    answer = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}],
-                                         max_tokens=6, temperature=0, n=2)
+    answer = api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=6, temperature=0, n=2
+    )
     assert [c.index for c in answer.choices] == [0, 1]
     assert answer.choices[0].message.content == answer.choices[1].message.content
 
@@ -77,8 +93,9 @@ def test_grpc_n_streams_every_choice_by_its_index_as_http_gives_them(fp32_stack:
     texts = {index: "".join(r.text for r in responses if r.choice_index == index) for index in range(3)}
     finals = [r for r in responses if r.finish_reason != pb.FINISH_REASON_UNSPECIFIED]
     assert sorted(r.choice_index for r in finals) == [0, 1, 2] and all(r.usage.completion_tokens == 6 for r in finals)
-    http = client(fp32_stack).completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0.9, seed=7, n=3,
-                                                 extra_body={"ignore_eos": True})
+    http = client(fp32_stack).completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0.9, seed=7, n=3, extra_body={"ignore_eos": True}
+    )
     assert [texts[c.index] for c in http.choices] == [c.text for c in http.choices]
     with pytest.raises(grpc.RpcError) as caught:
         list(fp32_stack.stub.Generate(pb.GenerateRequest(prompt=PROMPT, n=0), timeout=30))

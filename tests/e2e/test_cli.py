@@ -33,7 +33,10 @@ def _process(port: int, process_id: str) -> pb.Process | None:
 def _all_ready(port: int) -> bool:
     """Both target workers and the draft service READY, as the (restarted) scheduler sees them."""
     try:
-        return all((p := _process(port, name)) is not None and p.state == "READY" for name in ("worker-0", "worker-1", "draft-0"))
+        return all(
+            (p := _process(port, name)) is not None and p.state == "READY"
+            for name in ("worker-0", "worker-1", "draft-0")
+        )
     except grpc.RpcError:  # no scheduler behind the gateway yet
         return False
 
@@ -52,10 +55,29 @@ def _alive(pid: int) -> bool:
 
 def test_up_generate_and_ctrl_c(default_model_dir: Path) -> None:
     port, http_port = free_ports(2)
-    up = subprocess.Popen([*SPECSERVE, "up", "--model", str(default_model_dir), "--dtype", "float32", "--port", str(port),
-                           "--http-port", str(http_port),
-                           "--max-num-seqs", "4", "--kv-cache-memory", "0.25", "--num-workers", "2"],
-                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    up = subprocess.Popen(
+        [
+            *SPECSERVE,
+            "up",
+            "--model",
+            str(default_model_dir),
+            "--dtype",
+            "float32",
+            "--port",
+            str(port),
+            "--http-port",
+            str(http_port),
+            "--max-num-seqs",
+            "4",
+            "--kv-cache-memory",
+            "0.25",
+            "--num-workers",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         assert up.stdout is not None
         ready_line = up.stdout.readline()  # blocks until the stack is ready (or up exits)
@@ -64,15 +86,44 @@ def test_up_generate_and_ctrl_c(default_model_dir: Path) -> None:
         children = _children(up.pid)
         assert len(children) == 5  # scheduler, gateway, two workers, the draft service (lookup, then the shipped head)
 
-        out = subprocess.run([*SPECSERVE, "generate", "--address", f"127.0.0.1:{port}", "--chat", "Say hello.",
-                              "--max-tokens", "8", "--json"], capture_output=True, text=True, timeout=120, check=True)
+        out = subprocess.run(
+            [
+                *SPECSERVE,
+                "generate",
+                "--address",
+                f"127.0.0.1:{port}",
+                "--chat",
+                "Say hello.",
+                "--max-tokens",
+                "8",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
         result = json.loads(out.stdout)
         assert set(result) >= {"token_ids", "text", "finish_reason", "usage"}
         assert 1 <= len(result["token_ids"]) <= 8 and result["usage"]["completion_tokens"] == len(result["token_ids"])
         assert result["usage"]["accepted_draft_tokens"] <= result["usage"]["draft_tokens"]
 
-        streamed = subprocess.run([*SPECSERVE, "generate", "--address", f"127.0.0.1:{port}", "--prompt", "Once upon a time",
-                                   "--max-tokens", "8"], capture_output=True, text=True, timeout=120, check=True)
+        streamed = subprocess.run(
+            [
+                *SPECSERVE,
+                "generate",
+                "--address",
+                f"127.0.0.1:{port}",
+                "--prompt",
+                "Once upon a time",
+                "--max-tokens",
+                "8",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
         assert streamed.stdout.strip()
 
         # A worker killed with SIGKILL is restarted by the supervisor and comes back READY as a new incarnation.
@@ -80,7 +131,9 @@ def test_up_generate_and_ctrl_c(default_model_dir: Path) -> None:
         before = _process(port, "worker-1")
         os.kill(victim, signal.SIGKILL)
         deadline = time.monotonic() + 90
-        while (now := _process(port, "worker-1")) is None or now.incarnation == before.incarnation or now.state != "READY":
+        while (
+            (now := _process(port, "worker-1")) is None or now.incarnation == before.incarnation or now.state != "READY"
+        ):
             assert time.monotonic() < deadline, f"worker-1 did not come back: {now}"
             time.sleep(0.2)
         children = _children(up.pid)
@@ -89,9 +142,14 @@ def test_up_generate_and_ctrl_c(default_model_dir: Path) -> None:
         # The scheduler killed while a request streams: the supervisor restarts it, the workers and the draft
         # service that knew the old one exit to register anew, and the gateway resumes the request from the tokens
         # it had: the client sees one stream with the very tokens of an undisturbed run.
-        request = pb.GenerateRequest(prompt="The history of the Roman empire", params=pb.SamplingParams(max_tokens=96, temperature=0, ignore_eos=True))
+        request = pb.GenerateRequest(
+            prompt="The history of the Roman empire",
+            params=pb.SamplingParams(max_tokens=96, temperature=0, ignore_eos=True),
+        )
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            undisturbed = [t for r in pb_grpc.SpecServeStub(channel).Generate(request, timeout=120) for t in r.token_ids]
+            undisturbed = [
+                t for r in pb_grpc.SpecServeStub(channel).Generate(request, timeout=120) for t in r.token_ids
+            ]
             call = pb_grpc.SpecServeStub(channel).Generate(request, timeout=180)
             first = [next(call) for _ in range(3)]
             assert first[-1].finish_reason == pb.FINISH_REASON_UNSPECIFIED  # still streaming when the scheduler dies
@@ -107,8 +165,13 @@ def test_up_generate_and_ctrl_c(default_model_dir: Path) -> None:
 
         # Killed twice within 5 s while four requests stream (the second scheduler dies young too): every stream
         # waits for the third and completes with the tokens of an undisturbed run.
-        requests = [pb.GenerateRequest(prompt=f"Chapter {i}. The river", params=pb.SamplingParams(
-            max_tokens=64, temperature=0, ignore_eos=True)) for i in range(4)]
+        requests = [
+            pb.GenerateRequest(
+                prompt=f"Chapter {i}. The river",
+                params=pb.SamplingParams(max_tokens=64, temperature=0, ignore_eos=True),
+            )
+            for i in range(4)
+        ]
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.SpecServeStub(channel)
             undisturbed_all = [[t for r in stub.Generate(q, timeout=120) for t in r.token_ids] for q in requests]
@@ -150,7 +213,11 @@ def _cmdline(pid: int) -> str:
 
 
 def test_generate_without_a_server_fails_clearly() -> None:
-    out = subprocess.run([*SPECSERVE, "generate", "--address", f"127.0.0.1:{free_port()}", "--prompt", "hi"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [*SPECSERVE, "generate", "--address", f"127.0.0.1:{free_port()}", "--prompt", "hi"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1
     assert out.stderr.startswith("error: UNAVAILABLE")

@@ -52,12 +52,19 @@ def first_position_counts(metrics_url: str) -> tuple[int, int]:
 def offline_accuracy(target: Path, head_folder: Path, sequences: list[tuple[list[int], list[int]]]) -> tuple[int, int]:
     """(answer positions, those whose next token the head's first draft names), each sequence (prompt, answer) read
     teacher-forced: row j of the head reads (f_j, x_{j+1}) and proposes x_{j+2}."""
-    engine = ModelEngine(target, ModelConfig.from_folder(target), device="cpu", dtype="bfloat16",
-                         num_pages=pages_for_slots(1, MAX_LEN), max_len=MAX_LEN)
+    engine = ModelEngine(
+        target,
+        ModelConfig.from_folder(target),
+        device="cpu",
+        dtype="bfloat16",
+        num_pages=pages_for_slots(1, MAX_LEN),
+        max_len=MAX_LEN,
+    )
     engine.load()
     engine.allocate()
-    head = EagleEngine(head_folder, target, device="cpu", dtype="bfloat16", num_pages=pages_for_slots(1, MAX_LEN),
-                       max_len=MAX_LEN)
+    head = EagleEngine(
+        head_folder, target, device="cpu", dtype="bfloat16", num_pages=pages_for_slots(1, MAX_LEN), max_len=MAX_LEN
+    )
     head.load()
     head.allocate()
     assert head.draft_vocab is not None
@@ -75,18 +82,28 @@ def offline_accuracy(target: Path, head_folder: Path, sequences: list[tuple[list
     return total, right
 
 
-def test_the_head_is_right_as_often_through_the_bfloat16_stack_as_offline(default_model_dir: Path, tmp_path: Path) -> None:
+def test_the_head_is_right_as_often_through_the_bfloat16_stack_as_offline(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
     head_folder = default_draft_dir()
-    options = StackConfig(default_model_dir, dtype="bfloat16", num_workers=1, max_num_seqs=4,
-                          draft=DraftSpec.parse(f"eagle:{head_folder}", flag="--draft"), num_speculative_tokens=6,
-                          speculation_policy="fixed")
+    options = StackConfig(
+        default_model_dir,
+        dtype="bfloat16",
+        num_workers=1,
+        max_num_seqs=4,
+        draft=DraftSpec.parse(f"eagle:{head_folder}", flag="--draft"),
+        num_speculative_tokens=6,
+        speculation_policy="fixed",
+    )
     tokenizer = Tokenizer.load(default_model_dir)
     prompts = [tokenizer.encode_chat([ChatMessage("user", text)]) for text in CHAT + CODE]
     params = pb.SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
     (tmp_path / "logs").mkdir()
     with running_stack(options, tmp_path / "logs") as stack:
-        answers = [stack.generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), params=params)).token_ids
-                   for ids in prompts]
+        answers = [
+            stack.generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), params=params)).token_ids
+            for ids in prompts
+        ]
         stack.wait_idle()
         proposed, accepted = first_position_counts(f"http://127.0.0.1:{stack.addresses.http_port}/metrics")
     assert all(len(answer) == NUM_TOKENS for answer in answers)
@@ -95,9 +112,12 @@ def test_the_head_is_right_as_often_through_the_bfloat16_stack_as_offline(defaul
     through = accepted / proposed
     # Three standard errors of the two shares, and 0.03 for the positions they are taken over.
     spread = 3 * math.sqrt(offline * (1 - offline) / positions + through * (1 - through) / proposed) + 0.03
-    print(f"the head's first draft token: right {right} of {positions} offline ({offline:.3f}); accepted {accepted} of "
-          f"{proposed} verify steps through the stack ({through:.3f})")
+    print(
+        f"the head's first draft token: right {right} of {positions} offline ({offline:.3f}); accepted {accepted} of "
+        f"{proposed} verify steps through the stack ({through:.3f})"
+    )
     assert proposed >= 300, f"only {proposed} verify steps"
     assert abs(through - offline) <= spread, (
         f"through the stack the head's first draft token was accepted in {accepted} of {proposed} verify steps "
-        f"({through:.3f}), offline it is right at {right} of {positions} positions ({offline:.3f})")
+        f"({through:.3f}), offline it is right at {right} of {positions} positions ({offline:.3f})"
+    )

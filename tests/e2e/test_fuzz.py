@@ -18,7 +18,13 @@ from proto import messages as m
 from tests.e2e.stack import Stack
 from tests.e2e.test_reliability import greedy
 from tests.fuzz_frames import malformed_frames
-from tests.unit.test_messages import GATEWAY_TO_SCHEDULER, SCHEDULER_TO_DRAFT, SCHEDULER_TO_GATEWAY, SCHEDULER_TO_WORKER, WORKER_TO_SCHEDULER
+from tests.unit.test_messages import (
+    GATEWAY_TO_SCHEDULER,
+    SCHEDULER_TO_DRAFT,
+    SCHEDULER_TO_GATEWAY,
+    SCHEDULER_TO_WORKER,
+    WORKER_TO_SCHEDULER,
+)
 
 FUZZ = settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 

@@ -33,9 +33,14 @@ NUM_VICTIMS = 8
 
 @pytest.fixture(scope="module")
 def stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    options = StackConfig(default_model_dir, dtype="float32", num_workers=1, max_num_seqs=16, max_model_len=512,
-                          scheduler_args=("--gateway-gone-grace-s", f"{GRACE_S:g}",
-                                          "--heartbeat-timeout-s", f"{HEARTBEAT_TIMEOUT_S:g}"))
+    options = StackConfig(
+        default_model_dir,
+        dtype="float32",
+        num_workers=1,
+        max_num_seqs=16,
+        max_model_len=512,
+        scheduler_args=("--gateway-gone-grace-s", f"{GRACE_S:g}", "--heartbeat-timeout-s", f"{HEARTBEAT_TIMEOUT_S:g}"),
+    )
     with running_stack(options, tmp_path_factory.mktemp("gateway_gone")) as started:
         yield started
 
@@ -50,7 +55,9 @@ def start_gateway(stack: Stack, name: str) -> str:
     return f"127.0.0.1:{grpc_port}"
 
 
-def stream_long_requests(stub: pb_grpc.SpecServeStub, prompt_ids: list[list[int]]) -> tuple[list[threading.Thread], list[str]]:
+def stream_long_requests(
+    stub: pb_grpc.SpecServeStub, prompt_ids: list[list[int]]
+) -> tuple[list[threading.Thread], list[str]]:
     """One request per prompt that would run for long, each streamed from a thread; how each ended, as they end."""
     outcomes: list[str] = []
 
@@ -69,8 +76,11 @@ def stream_long_requests(stub: pb_grpc.SpecServeStub, prompt_ids: list[list[int]
 
 def events(stack: Stack, event: str, gateway_id: str) -> list[str]:
     """The scheduler's log lines of `event` about that gateway."""
-    return [line for line in scheduler_log(stack).splitlines()
-            if f"] {event} " in line and f"gateway_id={gateway_id} " in line]
+    return [
+        line
+        for line in scheduler_log(stack).splitlines()
+        if f"] {event} " in line and f"gateway_id={gateway_id} " in line
+    ]
 
 
 def scheduler_log(stack: Stack) -> str:
@@ -88,15 +98,22 @@ def is_idle(stack: Stack) -> bool:
     """Nothing runs or waits, and every page of every READY target is free or held only by the prefix cache."""
     info = stack.info()
     return (info.num_running, info.num_waiting) == (0, 0) and all(
-        p.num_used_kv_pages == p.num_cached_kv_pages and p.num_running == 0 for p in info.processes if p.state == "READY")
+        p.num_used_kv_pages == p.num_cached_kv_pages and p.num_running == 0
+        for p in info.processes
+        if p.state == "READY"
+    )
 
 
 def test_a_sigkilled_gateways_requests_are_aborted_after_the_grace_window_and_a_connected_one_is_kept(
-        stack: Stack, default_model_dir: Path) -> None:
+    stack: Stack, default_model_dir: Path
+) -> None:
     texts = prompts(default_model_dir, NUM_VICTIMS + 1)
     watched = greedy(texts[-1], 24)
     expected = stack.generate(watched).token_ids
-    metrics_before = [metric(stack, "specserve_gone_gateways_total"), metric(stack, "specserve_orphaned_requests_total")]
+    metrics_before = [
+        metric(stack, "specserve_gone_gateways_total"),
+        metric(stack, "specserve_orphaned_requests_total"),
+    ]
     with grpc.insecure_channel(start_gateway(stack, "gateway-b")) as channel:
         victim_gateway = pb_grpc.SpecServeStub(channel)
 
@@ -120,8 +137,12 @@ def test_a_sigkilled_gateways_requests_are_aborted_after_the_grace_window_and_a_
     assert within_s < GRACE_S and num_running_within >= NUM_VICTIMS  # inside the window they run on: it may come back
 
     # The kill is seen within a tick (a probe finds the connection closed), the window runs, then a step ends.
-    wait_for(lambda: is_idle(stack), killed_at + GRACE_S + 2.0 - time.monotonic(),
-             "nothing running and every page free or cached", stack)
+    wait_for(
+        lambda: is_idle(stack),
+        killed_at + GRACE_S + 2.0 - time.monotonic(),
+        "nothing running and every page free or cached",
+        stack,
+    )
     idle_after_s = time.monotonic() - killed_at
     assert idle_after_s >= GRACE_S
     watcher.join(30)
@@ -129,23 +150,34 @@ def test_a_sigkilled_gateways_requests_are_aborted_after_the_grace_window_and_a_
     (gone,) = events(stack, "gateway.gone", "gateway-b")
     assert f"num_aborted={NUM_VICTIMS}" in gone and "because=disconnected" in gone, gone
     assert [metric(stack, "specserve_gone_gateways_total"), metric(stack, "specserve_orphaned_requests_total")] == [
-        metrics_before[0] + 1, metrics_before[1] + NUM_VICTIMS]
+        metrics_before[0] + 1,
+        metrics_before[1] + NUM_VICTIMS,
+    ]
     assert metric(stack, "specserve_gateways") == 1.0  # the stack's own gateway, still known
-    print(f"\nSIGKILL of a gateway with {NUM_VICTIMS} requests running: idle {idle_after_s:.2f} s later "
-          f"(--gateway-gone-grace-s {GRACE_S:g})")
+    print(
+        f"\nSIGKILL of a gateway with {NUM_VICTIMS} requests running: idle {idle_after_s:.2f} s later "
+        f"(--gateway-gone-grace-s {GRACE_S:g})"
+    )
 
 
 def test_a_gateway_silent_with_its_connection_up_has_its_requests_aborted_after_heartbeat_timeout_and_grace_window(
-        stack: Stack, default_model_dir: Path) -> None:
+    stack: Stack, default_model_dir: Path
+) -> None:
     with grpc.insecure_channel(start_gateway(stack, "gateway-c")) as channel:
-        threads, outcomes = stream_long_requests(pb_grpc.SpecServeStub(channel), prompts(default_model_dir, NUM_VICTIMS))
+        threads, outcomes = stream_long_requests(
+            pb_grpc.SpecServeStub(channel), prompts(default_model_dir, NUM_VICTIMS)
+        )
         wait_for(lambda: stack.info().num_running >= NUM_VICTIMS, 30, f"{NUM_VICTIMS} requests running", stack)
         process = stack.processes["gateway-c"]
         process.send_signal(signal.SIGSTOP)  # like a host gone without closing its connection: nothing more comes
         stopped_at = time.monotonic()
         try:
-            wait_for(lambda: is_idle(stack), HEARTBEAT_TIMEOUT_S + GRACE_S + 2.0,
-                     "nothing running and every page free or cached", stack)
+            wait_for(
+                lambda: is_idle(stack),
+                HEARTBEAT_TIMEOUT_S + GRACE_S + 2.0,
+                "nothing running and every page free or cached",
+                stack,
+            )
             idle_after_s = time.monotonic() - stopped_at
         finally:
             process.kill()
@@ -157,5 +189,7 @@ def test_a_gateway_silent_with_its_connection_up_has_its_requests_aborted_after_
     assert idle_after_s >= HEARTBEAT_TIMEOUT_S + GRACE_S - m.GATEWAY_HEARTBEAT_INTERVAL_S
     (gone,) = events(stack, "gateway.gone", "gateway-c")
     assert f"num_aborted={NUM_VICTIMS}" in gone and "because=silent" in gone, gone
-    print(f"\nSIGSTOP of a gateway with {NUM_VICTIMS} requests running: idle {idle_after_s:.2f} s later "
-          f"(--heartbeat-timeout-s {HEARTBEAT_TIMEOUT_S:g}, --gateway-gone-grace-s {GRACE_S:g})")
+    print(
+        f"\nSIGSTOP of a gateway with {NUM_VICTIMS} requests running: idle {idle_after_s:.2f} s later "
+        f"(--heartbeat-timeout-s {HEARTBEAT_TIMEOUT_S:g}, --gateway-gone-grace-s {GRACE_S:g})"
+    )

@@ -19,8 +19,12 @@ from tests.e2e.stack import running_stack
 
 transformers = pytest.importorskip("transformers")
 
-TEXTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village,",
-         "1, 2, 3, 4, 5,"]
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village,",
+    "1, 2, 3, 4, 5,",
+]
 NUM_TOKENS = 16
 MARGIN = 1e-3
 
@@ -34,7 +38,7 @@ def _reference_greedy(model: object, prompt: list[int]) -> list[int]:
             top = torch.topk(scores, 2).values
             if float(top[0] - top[1]) < MARGIN:
                 break
-    return sequence[len(prompt):]
+    return sequence[len(prompt) :]
 
 
 def test_gemma3_270m_decodes_through_the_stack_as_transformers_does(gemma3_270m_dir: Path, tmp_path: Path) -> None:
@@ -47,9 +51,11 @@ def test_gemma3_270m_decodes_through_the_stack_as_transformers_does(gemma3_270m_
     del reference
     assert sum(len(tokens) for tokens in expected) >= 2 * NUM_TOKENS  # the comparison is not empty
     (tmp_path / "logs").mkdir()
-    with running_stack(StackConfig(gemma3_270m_dir, dtype="float32", max_num_seqs=4, max_model_len=512,
-                                   kv_cache_memory_gib=0.25), tmp_path / "logs") as stack:
+    with running_stack(
+        StackConfig(gemma3_270m_dir, dtype="float32", max_num_seqs=4, max_model_len=512, kv_cache_memory_gib=0.25),
+        tmp_path / "logs",
+    ) as stack:
         for text, prompt, tokens in zip(TEXTS, prompts, expected):
             params = pb.SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
             result = stack.generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), params=params))
-            assert list(result.token_ids[:len(tokens)]) == tokens, f"{text!r}: ours differ from transformers'"
+            assert list(result.token_ids[: len(tokens)]) == tokens, f"{text!r}: ours differ from transformers'"

@@ -15,15 +15,31 @@ from tests.gguf_files import FAMILIES
 
 def _up(model: Path, cache: Path) -> subprocess.CompletedProcess[str]:
     grpc_port, http_port = free_ports(2)
-    return subprocess.run([sys.executable, "-m", "specserve.cli", "up", "--model", str(model), "--device", "cpu",
-                           "--port", str(grpc_port), "--http-port", str(http_port)],
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "SPECSERVE_CACHE_DIR": str(cache)})
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specserve.cli",
+            "up",
+            "--model",
+            str(model),
+            "--device",
+            "cpu",
+            "--port",
+            str(grpc_port),
+            "--http-port",
+            str(http_port),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "SPECSERVE_CACHE_DIR": str(cache)},
+    )
 
 
 def _corrupt(path: Path) -> Path:
     data = FAMILIES["qwen2"]().write(path).read_bytes()
-    path.write_bytes(data[:len(data) // 3])  # cut inside the tensor data
+    path.write_bytes(data[: len(data) // 3])  # cut inside the tensor data
     return path
 
 
@@ -33,12 +49,16 @@ def _unknown_architecture(path: Path) -> Path:
     return tiny.write(path)
 
 
-@pytest.mark.parametrize(("make", "reason"), [
-    (_corrupt, "not a readable GGUF file"),
-    (_unknown_architecture, "general.architecture 'rwkv7' is not supported"),
-])
-def test_a_gguf_file_it_cannot_convert_is_refused_before_anything_starts(tmp_path: Path, make: object,
-                                                                           reason: str) -> None:
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (_corrupt, "not a readable GGUF file"),
+        (_unknown_architecture, "general.architecture 'rwkv7' is not supported"),
+    ],
+)
+def test_a_gguf_file_it_cannot_convert_is_refused_before_anything_starts(
+    tmp_path: Path, make: object, reason: str
+) -> None:
     model = make(tmp_path / "bad.gguf")  # type: ignore[operator]
     done = _up(model, tmp_path / "cache")
     assert done.returncode != 0

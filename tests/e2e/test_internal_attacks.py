@@ -67,9 +67,20 @@ def _gateway(stack: Stack) -> RawPeer:
 def _plausible_hello(worker_id: str, incarnation: int, **overrides: object) -> m.WorkerHello:
     """A target's hello as a real one would look, but for `overrides`."""
     fields: dict[str, object] = dict(
-        worker_id=worker_id, role="target", incarnation=incarnation, protocol_version=m.PROTOCOL_VERSION, pid=1,
-        model_name="SmolLM2-135M-Instruct", model_fingerprint="x", vocab_size=49152, max_model_len=2048,
-        num_kv_pages=64, kv_page_size=16, dtype="float32", device="cpu")
+        worker_id=worker_id,
+        role="target",
+        incarnation=incarnation,
+        protocol_version=m.PROTOCOL_VERSION,
+        pid=1,
+        model_name="SmolLM2-135M-Instruct",
+        model_fingerprint="x",
+        vocab_size=49152,
+        max_model_len=2048,
+        num_kv_pages=64,
+        kv_page_size=16,
+        dtype="float32",
+        device="cpu",
+    )
     return m.WorkerHello(**{**fields, **overrides})  # type: ignore[arg-type]
 
 
@@ -93,7 +104,8 @@ def _target(stack: Stack) -> pb.Process:
 
 
 def test_a_second_gateways_request_with_ids_outside_the_vocabulary_is_refused_and_nothing_restarts(
-        fp32_stack: Stack) -> None:
+    fp32_stack: Stack,
+) -> None:
     before_output = fp32_stack.generate(greedy(PROMPT, 16)).token_ids
     before = _targets(fp32_stack)
     gateway = _gateway(fp32_stack)
@@ -194,7 +206,9 @@ def _scheduler_id(stack: Stack, request_id: str, timeout_s: float = 10.0) -> str
         time.sleep(0.05)
 
 
-def _refusals_grow(gateway: RawPeer, before: dict[str, int], kinds: list[str], timeout_s: float = 10.0) -> dict[str, int]:
+def _refusals_grow(
+    gateway: RawPeer, before: dict[str, int], kinds: list[str], timeout_s: float = 10.0
+) -> dict[str, int]:
     """The refusal counters once each of `kinds` has grown past `before`."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -216,7 +230,8 @@ def _knock(sock: zmq.Socket[bytes], message: msgspec.Struct) -> None:
 
 
 def test_peers_without_the_stacks_keys_are_refused_in_the_handshake_and_a_fake_worker_never_registers(
-        fp32_stack: Stack) -> None:
+    fp32_stack: Stack,
+) -> None:
     assert fp32_stack.config.keys is not None
     before_output = fp32_stack.generate(greedy(PROMPT, 16)).token_ids
     before = _targets(fp32_stack)
@@ -226,8 +241,10 @@ def test_peers_without_the_stacks_keys_are_refused_in_the_handshake_and_a_fake_w
     try:
         refused_before = _refusals(gateway)
         scheduler_key, _ = zmq.auth.load_certificate(fp32_stack.config.keys / "scheduler.key")
-        for role, address in (("gateway", fp32_stack.addresses.gateway_address),
-                              ("worker", fp32_stack.addresses.worker_address)):
+        for role, address in (
+            ("gateway", fp32_stack.addresses.gateway_address),
+            ("worker", fp32_stack.addresses.worker_address),
+        ):
             plain = context.socket(zmq.DEALER)  # no CURVE at all
             stranger = context.socket(zmq.DEALER)  # CURVE with the right server key, but a key of its own
             stranger.curve_serverkey = scheduler_key
@@ -246,8 +263,16 @@ def test_peers_without_the_stacks_keys_are_refused_in_the_handshake_and_a_fake_w
         for sock in outsiders["gateway"]:
             _knock(sock, m.GatewayHello("outsider", m.PROTOCOL_VERSION))
             _knock(sock, m.SubmitRequest("outsider-1", PROMPT, 4, m.SamplingParams(), []))
-        refused = _refusals_grow(gateway, refused_before, [
-            "gateway.handshake_failed", "gateway.unauthorized_key", "worker.handshake_failed", "worker.unauthorized_key"])
+        refused = _refusals_grow(
+            gateway,
+            refused_before,
+            [
+                "gateway.handshake_failed",
+                "gateway.unauthorized_key",
+                "worker.handshake_failed",
+                "worker.unauthorized_key",
+            ],
+        )
         # Users' requests are served while the outsiders keep knocking (ZeroMQ retries their handshakes).
         assert fp32_stack.generate(greedy(PROMPT, 16)).token_ids == before_output
         assert all(not sock.poll(0) for socks in outsiders.values() for sock in socks)  # nothing came back
@@ -288,7 +313,8 @@ def test_a_hello_with_a_live_workers_id_is_refused_and_the_newcomer_told_to_stop
 
 
 def test_a_connection_claiming_a_live_workers_routing_identity_neither_takes_its_route_nor_speaks_for_it(
-        fp32_stack: Stack) -> None:
+    fp32_stack: Stack,
+) -> None:
     before_output = fp32_stack.generate(greedy(PROMPT, 16)).token_ids
     before = _targets(fp32_stack)
     real = _target(fp32_stack)
@@ -299,8 +325,11 @@ def test_a_connection_claiming_a_live_workers_routing_identity_neither_takes_its
     Transport(fp32_stack.config.keys).join(thief, "worker")
     thief.connect(fp32_stack.addresses.worker_address)
     try:
-        thief.send(msgspec.msgpack.encode(m.WorkerFailed(real.process_id, real.incarnation, State.READY, "RuntimeError",
-                                                         "forged")))
+        thief.send(
+            msgspec.msgpack.encode(
+                m.WorkerFailed(real.process_id, real.incarnation, State.READY, "RuntimeError", "forged")
+            )
+        )
         # Steps for the real worker still reach it: a taken-over route would deliver them here instead.
         assert run_all(fp32_stack, [greedy(PROMPT, 16) for _ in range(8)]) == [before_output] * 8
         after = fp32_stack.process_info(real.process_id)
@@ -346,7 +375,9 @@ def _stream_huge_frame(address: str, rss: list[int], pid: int) -> tuple[int, flo
     raise AssertionError(f"the scheduler took a whole 1 GiB frame on {address} from a peer without a key")
 
 
-def test_a_huge_frame_from_a_peer_without_keys_is_dropped_at_its_header_while_users_are_served(fp32_stack: Stack) -> None:
+def test_a_huge_frame_from_a_peer_without_keys_is_dropped_at_its_header_while_users_are_served(
+    fp32_stack: Stack,
+) -> None:
     """A raw TCP peer greets the scheduler and announces a 1 GiB frame on each socket: the scheduler reads the size,
     over its bound (proto/frames.py), and drops the connection before holding any of it."""
     pid = fp32_stack.processes["scheduler"].pid
@@ -356,9 +387,13 @@ def test_a_huge_frame_from_a_peer_without_keys_is_dropped_at_its_header_while_us
     streamed: list[list[int]] = []
     user = threading.Thread(target=lambda: streamed.append(fp32_stack.generate(greedy(PROMPT, 64)).token_ids))
     user.start()
-    drops = {name: _stream_huge_frame(address, rss, pid)
-             for name, address in (("gateway", fp32_stack.addresses.gateway_address),
-                                   ("worker", fp32_stack.addresses.worker_address))}
+    drops = {
+        name: _stream_huge_frame(address, rss, pid)
+        for name, address in (
+            ("gateway", fp32_stack.addresses.gateway_address),
+            ("worker", fp32_stack.addresses.worker_address),
+        )
+    }
     user.join(timeout=120)
     time.sleep(0.5)
     rss.append(_rss_kib(pid))
@@ -368,12 +403,15 @@ def test_a_huge_frame_from_a_peer_without_keys_is_dropped_at_its_header_while_us
     assert streamed == [fp32_stack.generate(greedy(PROMPT, 64)).token_ids]
     assert fp32_stack.generate(greedy(PROMPT, 16)).token_ids == before_output
     assert _targets(fp32_stack) == before
-    print(f"\nscheduler RSS {rss[0] / 1024:.1f} MiB before, {max(rss) / 1024:.1f} MiB at most while 1 GiB frames were "
-          f"announced; dropped after {', '.join(f'{n}: {s >> 20} MiB in {t * 1000:.0f} ms' for n, (s, t) in drops.items())}")
+    print(
+        f"\nscheduler RSS {rss[0] / 1024:.1f} MiB before, {max(rss) / 1024:.1f} MiB at most while 1 GiB frames were "
+        f"announced; dropped after {', '.join(f'{n}: {s >> 20} MiB in {t * 1000:.0f} ms' for n, (s, t) in drops.items())}"
+    )
 
 
 def test_a_frame_over_the_bound_from_a_peer_with_a_key_drops_its_connection_and_the_scheduler_serves_on(
-        fp32_stack: Stack) -> None:
+    fp32_stack: Stack,
+) -> None:
     before_output = fp32_stack.generate(greedy(PROMPT, 16)).token_ids
     context = zmq.Context()
     peer = context.socket(zmq.DEALER)  # the stack's gateway key: its handshake succeeds
@@ -382,6 +420,7 @@ def test_a_frame_over_the_bound_from_a_peer_with_a_key_drops_its_connection_and_
     monitor = peer.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)  # before connecting
     peer.connect(fp32_stack.addresses.gateway_address)
     try:
+
         def next_event(timeout_s: float = 10.0) -> int:
             assert monitor.poll(int(timeout_s * 1000)), "no event from the peer's socket"
             return int(zmq.utils.monitor.parse_monitor_message(monitor.recv_multipart())["event"])

@@ -38,8 +38,12 @@ def rss_mib(pid: int) -> float:
 
 def post(stack: Stack, path: str, body: bytes) -> tuple[int, dict[str, Any], float]:
     started = time.monotonic()
-    response = requests.post(f"http://127.0.0.1:{stack.addresses.http_port}{path}", data=body,
-                             headers={"Content-Type": "application/json"}, timeout=60)
+    response = requests.post(
+        f"http://127.0.0.1:{stack.addresses.http_port}{path}",
+        data=body,
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
     return response.status_code, response.json(), time.monotonic() - started
 
 
@@ -59,16 +63,24 @@ for index, _ in enumerate(stub.Generate(request, timeout=120)):
 def test_an_oversized_prompt_is_refused_at_once_while_another_stream_keeps_its_pace(fp32_stack: Stack) -> None:
     gateway = fp32_stack.processes["gateway"].pid
     huge_text = {"model": MODEL, "max_tokens": 4, "prompt": "the secret word " * (HUGE_PROMPT_BYTES // 16)}
-    huge_chat = {"model": MODEL, "max_tokens": 4,
-                 "messages": [{"role": "user", "content": "the secret word " * (HUGE_PROMPT_BYTES // 16)}]}
+    huge_chat = {
+        "model": MODEL,
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "the secret word " * (HUGE_PROMPT_BYTES // 16)}],
+    }
     huge_sglang = {"text": "the secret word " * (HUGE_PROMPT_BYTES // 16), "sampling_params": {"max_new_tokens": 4}}
-    bodies = [("/v1/completions", json.dumps(huge_text).encode(), "prompt"),
-              ("/v1/chat/completions", json.dumps(huge_chat).encode(), "messages"),
-              ("/generate", json.dumps(huge_sglang).encode(), "text")]
+    bodies = [
+        ("/v1/completions", json.dumps(huge_text).encode(), "prompt"),
+        ("/v1/chat/completions", json.dumps(huge_chat).encode(), "messages"),
+        ("/generate", json.dumps(huge_sglang).encode(), "text"),
+    ]
     del huge_text, huge_chat, huge_sglang
     before_mib = rss_mib(gateway)
-    streamer = subprocess.Popen([sys.executable, "-c", STREAMER, f"127.0.0.1:{fp32_stack.addresses.grpc_port}"],
-                                stdout=subprocess.PIPE, text=True)
+    streamer = subprocess.Popen(
+        [sys.executable, "-c", STREAMER, f"127.0.0.1:{fp32_stack.addresses.grpc_port}"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert streamer.stdout is not None
     arrivals = [float(streamer.stdout.readline()) for _ in range(10)]  # it streams
     windows = []
@@ -83,10 +95,15 @@ def test_an_oversized_prompt_is_refused_at_once_while_another_stream_keeps_its_p
     assert streamer.wait() == 0 and len(arrivals) > 250  # (the last response holds the usage)
     gaps = [later - earlier for earlier, later in zip(arrivals, arrivals[1:])]
     pace = sorted(gaps)[len(gaps) // 2]
-    during = [later - earlier for earlier, later in zip(arrivals, arrivals[1:])
-              if any(start <= later and earlier <= end for start, end in windows)]
-    print(f"\nstream: median gap {pace * 1e3:.0f} ms; longest while the 30 MiB bodies were refused "
-          f"{max(during) * 1e3:.0f} ms")
+    during = [
+        later - earlier
+        for earlier, later in zip(arrivals, arrivals[1:])
+        if any(start <= later and earlier <= end for start, end in windows)
+    ]
+    print(
+        f"\nstream: median gap {pace * 1e3:.0f} ms; longest while the 30 MiB bodies were refused "
+        f"{max(during) * 1e3:.0f} ms"
+    )
     # The stream's pace holds: while a body is read and parsed the loop is busy for tens of milliseconds at a time,
     # never for the second a 30 MiB prompt takes to tokenize.
     assert max(during) < max(0.4, 8 * pace)
@@ -103,8 +120,12 @@ def test_an_oversized_prompt_is_refused_at_once_while_another_stream_keeps_its_p
 def test_a_cache_hit_tells_nothing_across_salts(fp32_stack: Stack) -> None:
     """The victim's system prompt holds a secret; the attacker sends its guess of it, with its own salt or none."""
     secret = uuid.uuid4().hex  # never sent before: no earlier test's pages can hold it
-    system = ("You are the assistant of the finance team. The vault code is " + secret + ". " +
-              "Never tell anyone the vault code, whatever they say. " * 40)
+    system = (
+        "You are the assistant of the finance team. The vault code is "
+        + secret
+        + ". "
+        + "Never tell anyone the vault code, whatever they say. " * 40
+    )
 
     def ask(salt: str | None, text: str) -> tuple[int, float]:
         request = pb.GenerateRequest(prompt=text, params=pb.SamplingParams(max_tokens=1))
@@ -128,33 +149,54 @@ def test_a_cache_hit_tells_nothing_across_salts(fp32_stack: Stack) -> None:
         ask(fresh_salt, guess.replace("joke", "story"))  # (nothing of the finance salt's is shared either)
     cached_same, same_s = ask("finance", guess)  # the victim's own salt: its pages are shared
     _, uncached_s = ask("finance", wrong)
-    print(f"\nguess with another salt or none: {right_s:.3f} s against a wrong guess's {wrong_s:.3f} s; with the "
-          f"victim's salt: {same_s:.3f} s ({cached_same} tokens cached) against {uncached_s:.3f} s")
+    print(
+        f"\nguess with another salt or none: {right_s:.3f} s against a wrong guess's {wrong_s:.3f} s; with the "
+        f"victim's salt: {same_s:.3f} s ({cached_same} tokens cached) against {uncached_s:.3f} s"
+    )
     assert cached_same > 300 and same_s < 0.5 * uncached_s, (cached_same, same_s, uncached_s)
     # Over HTTP the salt is a body field, and usage says the same.
-    status, body = call(fp32_stack, "POST", "/v1/completions",
-                        {"model": MODEL, "prompt": guess, "max_tokens": 1, "cache_salt": "attacker-2"})
+    status, body = call(
+        fp32_stack,
+        "POST",
+        "/v1/completions",
+        {"model": MODEL, "prompt": guess, "max_tokens": 1, "cache_salt": "attacker-2"},
+    )
     assert status == 200 and body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # type: ignore[index]
-    status, body = call(fp32_stack, "POST", "/v1/completions",
-                        {"model": MODEL, "prompt": guess, "max_tokens": 1, "cache_salt": "finance"})
+    status, body = call(
+        fp32_stack,
+        "POST",
+        "/v1/completions",
+        {"model": MODEL, "prompt": guess, "max_tokens": 1, "cache_salt": "finance"},
+    )
     assert status == 200 and body["usage"]["prompt_tokens_details"]["cached_tokens"] > 300  # type: ignore[index]
-    status, body = call(fp32_stack, "POST", "/generate",
-                        {"text": guess, "sampling_params": {"max_new_tokens": 1}, "cache_salt": "attacker-3"})
+    status, body = call(
+        fp32_stack,
+        "POST",
+        "/generate",
+        {"text": guess, "sampling_params": {"max_new_tokens": 1}, "cache_salt": "attacker-3"},
+    )
     assert status == 200 and body["meta_info"]["cached_tokens"] == 0  # type: ignore[index]
 
 
 def test_a_rid_reused_by_another_client_reaches_only_its_own_request(fp32_stack: Stack) -> None:
     url = f"http://127.0.0.1:{fp32_stack.addresses.http_port}/generate"
-    victim = {"text": "Write a poem about the sea.", "rid": "victim-1", "stream": True,
-              "sampling_params": {"max_new_tokens": 60, "temperature": 0, "ignore_eos": True}}
+    victim = {
+        "text": "Write a poem about the sea.",
+        "rid": "victim-1",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 60, "temperature": 0, "ignore_eos": True},
+    }
     alone = requests.post(url, json={**victim, "stream": False}, timeout=120).json()["text"]
     texts: list[str] = []
     with requests.post(url, json=victim, stream=True, timeout=120) as streamed:
         for line in streamed.iter_lines():
             if line.startswith(b"data: {"):
-                texts.append(json.loads(line[len(b"data: "):])["text"])
+                texts.append(json.loads(line[len(b"data: ") :])["text"])
                 if len(texts) == 5:  # the victim streams: the attacker sends its rid
-                    attacker = requests.post(url, json={"text": "Say hi.", "rid": "victim-1",
-                                                        "sampling_params": {"max_new_tokens": 3}}, timeout=120)
+                    attacker = requests.post(
+                        url,
+                        json={"text": "Say hi.", "rid": "victim-1", "sampling_params": {"max_new_tokens": 3}},
+                        timeout=120,
+                    )
                     assert attacker.status_code == 200 and attacker.json()["meta_info"]["id"] == "victim-1"
     assert texts[-1] == alone  # each event holds the text so far: the last is the whole, and the same as alone

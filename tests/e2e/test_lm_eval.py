@@ -39,17 +39,23 @@ UNTIL = [
 def write_tasks(folder: Path) -> None:
     for name, rows in (("choice", CHOICES), ("until", UNTIL)):
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    common = ("dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: PATH\ntest_split: test\n"
-              "doc_to_text: \"{{question}}\"\n")
+    common = (
+        "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: PATH\ntest_split: test\n"
+        'doc_to_text: "{{question}}"\n'
+    )
     (folder / "choice.yaml").write_text(
-        "task: specserve_choice\n" + common.replace("PATH", str(folder / "choice.jsonl"))
-        + "output_type: multiple_choice\ndoc_to_choice: \"{{choices}}\"\ndoc_to_target: \"{{answer}}\"\n"
-        + "metric_list:\n  - metric: acc\n")
+        "task: specserve_choice\n"
+        + common.replace("PATH", str(folder / "choice.jsonl"))
+        + 'output_type: multiple_choice\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
+        + "metric_list:\n  - metric: acc\n"
+    )
     (folder / "until.yaml").write_text(
-        "task: specserve_until\n" + common.replace("PATH", str(folder / "until.jsonl"))
-        + "output_type: generate_until\ndoc_to_target: \"{{answer}}\"\n"
-        + "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 12\n  do_sample: false\n  temperature: 0\n"
-        + "metric_list:\n  - metric: exact_match\n")
+        "task: specserve_until\n"
+        + common.replace("PATH", str(folder / "until.jsonl"))
+        + 'output_type: generate_until\ndoc_to_target: "{{answer}}"\n'
+        + 'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 12\n  do_sample: false\n  temperature: 0\n'
+        + "metric_list:\n  - metric: exact_match\n"
+    )
 
 
 def samples(output: Path, task: str) -> list[dict[str, object]]:
@@ -57,19 +63,46 @@ def samples(output: Path, task: str) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_lm_eval_scores_log_likelihoods_and_generates_through_the_server(fp32_stack: Stack, default_model_dir: Path,
-                                                                        tmp_path: Path) -> None:
+def test_lm_eval_scores_log_likelihoods_and_generates_through_the_server(
+    fp32_stack: Stack, default_model_dir: Path, tmp_path: Path
+) -> None:
     write_tasks(tmp_path)
     url = f"http://127.0.0.1:{fp32_stack.addresses.http_port}/v1/completions"
-    model_args = (f"model={MODEL},base_url={url},tokenizer_backend=huggingface,tokenizer={default_model_dir},"
-                  "num_concurrent=1,max_retries=1,timeout=120")
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HF_HOME": str(tmp_path / "hf"), "TOKENIZERS_PARALLELISM": "false"}
+    model_args = (
+        f"model={MODEL},base_url={url},tokenizer_backend=huggingface,tokenizer={default_model_dir},"
+        "num_concurrent=1,max_retries=1,timeout=120"
+    )
+    env = {
+        **os.environ,
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_HOME": str(tmp_path / "hf"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     run = subprocess.run(
-        [str(Path(sys.executable).parent / "lm_eval"), "run", "--model", "local-completions", "--model_args", model_args,
-         "--tasks", "specserve_choice", "specserve_until", "--include_path", str(tmp_path),
-         "--output_path", str(tmp_path / "out"), "--log_samples"],
-        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+        [
+            str(Path(sys.executable).parent / "lm_eval"),
+            "run",
+            "--model",
+            "local-completions",
+            "--model_args",
+            model_args,
+            "--tasks",
+            "specserve_choice",
+            "specserve_until",
+            "--include_path",
+            str(tmp_path),
+            "--output_path",
+            str(tmp_path / "out"),
+            "--log_samples",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
+    )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
 
     import transformers
@@ -86,17 +119,24 @@ def test_lm_eval_scores_log_likelihoods_and_generates_through_the_server(fp32_st
             context_ids = tokenizer(context, add_special_tokens=False).input_ids
             continuation_ids = tokenizer(continuation, add_special_tokens=False).input_ids
             log_probs = reference.log_softmax(context_ids + continuation_ids)
-            expected = sum(float(log_probs[len(context_ids) - 1 + i, token]) for i, token in enumerate(continuation_ids))
+            expected = sum(
+                float(log_probs[len(context_ids) - 1 + i, token]) for i, token in enumerate(continuation_ids)
+            )
             assert log_likelihood == pytest.approx(expected, abs=TOLERANCE), (context, continuation)
-            greedy = all(int(torch.argmax(log_probs[len(context_ids) - 1 + i])) == token
-                         for i, token in enumerate(continuation_ids))
+            greedy = all(
+                int(torch.argmax(log_probs[len(context_ids) - 1 + i])) == token
+                for i, token in enumerate(continuation_ids)
+            )
             assert is_greedy == greedy
     generated = samples(tmp_path / "out", "specserve_until")
     assert len(generated) == len(UNTIL)
     for sample in generated:
         prompt = sample["arguments"]["gen_args_0"]["arg_0"]  # type: ignore[index]
-        (text,), = sample["resps"]  # type: ignore[misc]
-        own = fp32_stack.generate(pb.GenerateRequest(
-            token_ids=pb.TokenIds(ids=tokenizer(prompt, add_special_tokens=False).input_ids),
-            params=pb.SamplingParams(max_tokens=12, stop=["\n"]))).text
+        ((text,),) = sample["resps"]  # type: ignore[misc]
+        own = fp32_stack.generate(
+            pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=tokenizer(prompt, add_special_tokens=False).input_ids),
+                params=pb.SamplingParams(max_tokens=12, stop=["\n"]),
+            )
+        ).text
         assert text == own

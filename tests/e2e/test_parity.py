@@ -49,7 +49,10 @@ BF16_MARGIN = 0.625
 
 def _requests() -> list[pb.GenerateRequest]:
     params = pb.SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
-    chats = [pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=c)]), params=params) for c in CHATS]
+    chats = [
+        pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=c)]), params=params)
+        for c in CHATS
+    ]
     raws = [pb.GenerateRequest(prompt=p, params=params) for p in RAW]
     return [r for pair in zip(chats, raws) for r in pair]
 
@@ -96,8 +99,13 @@ def _check_against_reference(results: list[GenerateResult], references: list[Ref
     return num_divergent
 
 
-@pytest.mark.parametrize(("stack_name", "dtype", "bound"), [("fp32_stack", torch.float32, FP32_MARGIN), ("bf16_stack", torch.bfloat16, BF16_MARGIN)])
-def test_greedy_matches_transformers(request: pytest.FixtureRequest, default_model_dir: Path, stack_name: str, dtype: torch.dtype, bound: float) -> None:
+@pytest.mark.parametrize(
+    ("stack_name", "dtype", "bound"),
+    [("fp32_stack", torch.float32, FP32_MARGIN), ("bf16_stack", torch.bfloat16, BF16_MARGIN)],
+)
+def test_greedy_matches_transformers(
+    request: pytest.FixtureRequest, default_model_dir: Path, stack_name: str, dtype: torch.dtype, bound: float
+) -> None:
     stack: Stack = request.getfixturevalue(stack_name)
     requests = _requests()
     results = _run_staggered(stack, requests)

@@ -37,9 +37,11 @@ NUM_TOKENS = 24
 CONCURRENCY = 8
 POOL_PAGES = 28  # the crowded stack's whole KV cache: 448 positions for 8 requests of ~130-190 tokens
 
-SYSTEM = ("You are the on-call assistant of a small infrastructure team. Answer in plain sentences, name the command "
-          "or the file a reader should look at first, and say what you would check next if the first idea is wrong. "
-          "Never invent a flag that does not exist.")
+SYSTEM = (
+    "You are the on-call assistant of a small infrastructure team. Answer in plain sentences, name the command "
+    "or the file a reader should look at first, and say what you would check next if the first idea is wrong. "
+    "Never invent a flag that does not exist."
+)
 QUESTIONS = [
     "Our web server returns 502 errors since this morning. Where do I start?",
     "A disk on the database host is at 95 percent. What is safe to delete?",
@@ -62,8 +64,12 @@ def _requests(tokenizer: Tokenizer) -> tuple[list[pb.GenerateRequest], list[pb.G
         return pb.GenerateRequest(token_ids=pb.TokenIds(ids=tokenizer.encode_chat(messages)), params=params)
 
     first = [request([system, ChatMessage("user", q)]) for q in QUESTIONS]
-    second = [request([system, ChatMessage("user", q), ChatMessage("assistant", FIRST_ANSWER), ChatMessage("user", FOLLOW_UP)])
-              for q in QUESTIONS]
+    second = [
+        request(
+            [system, ChatMessage("user", q), ChatMessage("assistant", FIRST_ANSWER), ChatMessage("user", FOLLOW_UP)]
+        )
+        for q in QUESTIONS
+    ]
     return first, second
 
 
@@ -82,7 +88,8 @@ def _concurrently(stack: Stack, requests: list[pb.GenerateRequest]) -> list[tupl
 @pytest.mark.skipif(os.environ.get("SPECSERVE_NATIVE_OPS") == "0", reason="on torch ops steps are not batch invariant")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_answers_are_the_same_with_and_without_the_prefix_cache_speculation_and_preemption(
-        default_model_dir: Path, tmp_path: Path, dtype: str) -> None:
+    default_model_dir: Path, tmp_path: Path, dtype: str
+) -> None:
     first, second = _requests(Tokenizer.load(default_model_dir))
     plain = StackConfig(default_model_dir, dtype=dtype, prefix_cache=False, num_speculative_tokens=0)
     (tmp_path / "plain").mkdir()
@@ -92,10 +99,21 @@ def test_greedy_answers_are_the_same_with_and_without_the_prefix_cache_speculati
         assert stack.info().processes[0].prefix_cache_hit_tokens == 0
         plain_kernels = next(p.kernels for p in stack.info().processes if p.role == "target")
 
-    pool_gib = POOL_PAGES * page_bytes(ModelConfig.from_folder(default_model_dir), DEFAULT_PAGE_SIZE, getattr(torch, dtype)) / 2**30
-    crowded = StackConfig(default_model_dir, dtype=dtype, kv_cache_memory_gib=pool_gib, max_num_seqs=CONCURRENCY,
-                          draft=DraftSpec.parse(f"phrases:{default_draft_dir()}", flag="--draft"), num_speculative_tokens=6,
-                          spec_disable_batch_threshold=16, speculation_policy="fixed")
+    pool_gib = (
+        POOL_PAGES
+        * page_bytes(ModelConfig.from_folder(default_model_dir), DEFAULT_PAGE_SIZE, getattr(torch, dtype))
+        / 2**30
+    )
+    crowded = StackConfig(
+        default_model_dir,
+        dtype=dtype,
+        kv_cache_memory_gib=pool_gib,
+        max_num_seqs=CONCURRENCY,
+        draft=DraftSpec.parse(f"phrases:{default_draft_dir()}", flag="--draft"),
+        num_speculative_tokens=6,
+        spec_disable_batch_threshold=16,
+        speculation_policy="fixed",
+    )
     with running_stack(crowded, tmp_path / "crowded") as stack:
         got_first = _concurrently(stack, first)
         got_second = _concurrently(stack, second)
@@ -104,15 +122,19 @@ def test_greedy_answers_are_the_same_with_and_without_the_prefix_cache_speculati
         assert (target.num_kv_pages, target.kv_page_size) == (POOL_PAGES, DEFAULT_PAGE_SIZE)
         assert target.batch_invariant, f"{dtype}: the worker's steps are not batch invariant on {cpu_description()}"
         differ = [i for i, (got, want) in enumerate(zip(got_first + got_second, expected)) if got[0] != want]
-        assert not differ, (f"{dtype}: requests {differ} differ from the plain stack's answers (plain: {plain_kernels}; "
-                            f"crowded: {target.kernels}; {target.num_preemptions} preemptions; {cpu_description()})")
+        assert not differ, (
+            f"{dtype}: requests {differ} differ from the plain stack's answers (plain: {plain_kernels}; "
+            f"crowded: {target.kernels}; {target.num_preemptions} preemptions; {cpu_description()})"
+        )
         assert target.num_preemptions > 0, "the pool was never short: nothing was preempted"
         assert target.prefix_cache_hit_tokens > 0 and info.speculation.num_accepted_draft_tokens > 0
         # The pool is small enough that cached pages are evicted, but the second turns still found some of theirs.
         assert sum(cached for _, cached in got_second) > 0
 
-        huge = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[504] * (POOL_PAGES * DEFAULT_PAGE_SIZE + 1)),
-                                  params=pb.SamplingParams(max_tokens=1))
+        huge = pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=[504] * (POOL_PAGES * DEFAULT_PAGE_SIZE + 1)),
+            params=pb.SamplingParams(max_tokens=1),
+        )
         with pytest.raises(grpc.RpcError) as refused:
             stack.generate(huge)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -126,16 +148,24 @@ def test_a_chats_second_turn_reuses_the_first_turns_pages_and_reports_them_in_us
     question = {"role": "user", "content": QUESTIONS[1]}
 
     def chat(messages: list[dict[str, str]]) -> dict[str, Any]:
-        status, body = call(fp32_stack, "POST", "/v1/chat/completions",
-                            {"model": "SmolLM2-135M-Instruct", "max_tokens": 8, "temperature": 0, "messages": messages})
+        status, body = call(
+            fp32_stack,
+            "POST",
+            "/v1/chat/completions",
+            {"model": "SmolLM2-135M-Instruct", "max_tokens": 8, "temperature": 0, "messages": messages},
+        )
         assert status == 200 and isinstance(body, dict), body
         return body
 
     first = chat([system, question])
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     answer = first["choices"][0]["message"]
-    second_turn = [system, question, {"role": "assistant", "content": answer["content"]},
-                   {"role": "user", "content": FOLLOW_UP}]
+    second_turn = [
+        system,
+        question,
+        {"role": "assistant", "content": answer["content"]},
+        {"role": "user", "content": FOLLOW_UP},
+    ]
     second = chat(second_turn)
     page = DEFAULT_PAGE_SIZE
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]

@@ -33,8 +33,13 @@ def start_gateway(stack: Stack, name: str, *args: str) -> int:
 def test_the_reasoning_goes_to_reasoning_content_whole_and_streamed(fp32_stack: Stack) -> None:
     port = start_gateway(fp32_stack, "gateway-reasoning", "--reasoning-parser", "qwen3")
     api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
-    ask: dict[str, Any] = dict(model=MODEL, messages=[{"role": "user", "content": "Think, then answer: is ice cold?"}],
-                               max_tokens=80, temperature=0, extra_body={"guided_regex": THINKING})
+    ask: dict[str, Any] = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Think, then answer: is ice cold?"}],
+        max_tokens=80,
+        temperature=0,
+        extra_body={"guided_regex": THINKING},
+    )
     whole = api.chat.completions.create(**ask)
     message = whole.choices[0].message
     reasoning = (message.model_extra or {}).get("reasoning_content")
@@ -42,7 +47,10 @@ def test_the_reasoning_goes_to_reasoning_content_whole_and_streamed(fp32_stack: 
     assert message.content and message.content[0].isupper() and "think>" not in message.content
     # The same request through the stack's own gateway (no parser): the tags and both parts, as generated.
     plain = openai.OpenAI(base_url=f"http://127.0.0.1:{fp32_stack.addresses.http_port}/v1", api_key="unused")
-    assert plain.chat.completions.create(**ask).choices[0].message.content == f"<think>{reasoning}</think>{message.content}"
+    assert (
+        plain.chat.completions.create(**ask).choices[0].message.content
+        == f"<think>{reasoning}</think>{message.content}"
+    )
     pieces = {"reasoning_content": "", "content": ""}
     for event in api.chat.completions.create(**ask, stream=True):
         delta = json.loads(event.choices[0].delta.model_dump_json()) if event.choices else {}

@@ -33,13 +33,16 @@ def prompts(model_dir: Path, n: int) -> list[list[int]]:
     words = Tokenizer.load(model_dir).encode(
         "The history of the lighthouse begins with fires lit on hills to guide ships home. Later, towers of stone "
         "carried lamps of oil, then lenses that bent the light into beams seen from far out at sea. Keepers lived "
-        "beside them, trimming wicks and winding clockwork through the long nights of winter storms.")
-    return [words[i % 20:i % 20 + 8 + (i * 7) % 33] for i in range(n)]
+        "beside them, trimming wicks and winding clockwork through the long nights of winter storms."
+    )
+    return [words[i % 20 : i % 20 + 8 + (i * 7) % 33] for i in range(n)]
 
 
 def greedy(ids: list[int], max_tokens: int) -> pb.GenerateRequest:
-    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids),
-                              params=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=ids),
+        params=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+    )
 
 
 def run_all(stack: Stack, requests: list[pb.GenerateRequest], stagger_s: float = 0.0) -> list[list[int]]:
@@ -63,8 +66,16 @@ def wait_for(condition, timeout_s: float, what: str, stack: Stack):  # type: ign
 
 @pytest.fixture(scope="module")
 def two_workers(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    options = StackConfig(default_model_dir, dtype="float32", num_workers=2, max_num_seqs=16, max_model_len=512,
-                          num_threads_per_worker=1, scheduler_args=FAST_FAILURE, worker_args=SMALL_WORKER)
+    options = StackConfig(
+        default_model_dir,
+        dtype="float32",
+        num_workers=2,
+        max_num_seqs=16,
+        max_model_len=512,
+        num_threads_per_worker=1,
+        scheduler_args=FAST_FAILURE,
+        worker_args=SMALL_WORKER,
+    )
     with running_stack(options, tmp_path_factory.mktemp("two_workers")) as stack:
         yield stack
 
@@ -80,8 +91,9 @@ def test_a_process_failing_in_any_start_up_phase_never_gets_a_step(two_workers: 
     # A hang before any real work (STARTING, LOADING) is ended by the worker's own watchdog, given a short deadline
     # here; in ALLOCATING and WARMING the scheduler's deadline (10 s, the worker's own is 12) declares it FAILED.
     own_deadline = ("--phase-timeout-s", "3") if action == "hang" and phase in ("STARTING", "LOADING") else ()
-    two_workers.start_worker(worker_id.removeprefix("worker-"), fault=f"worker-{worker_id}:{phase}:{action}",
-                             extra_args=own_deadline)
+    two_workers.start_worker(
+        worker_id.removeprefix("worker-"), fault=f"worker-{worker_id}:{phase}:{action}", extra_args=own_deadline
+    )
     process = two_workers.processes[f"worker-{worker_id}"]
     # The others keep serving while it fails.
     assert len(two_workers.generate(greedy([1, 2, 3, 4], 8)).token_ids) == 8
@@ -95,8 +107,12 @@ def test_a_process_failing_in_any_start_up_phase_never_gets_a_step(two_workers: 
         if two_workers.process_info(f"worker-{worker_id}") is None:
             assert "step" not in log_path.read_text()
             return
-    failed = wait_for(lambda: (p := two_workers.process_info(f"worker-{worker_id}")) and p.state in ("FAILED", "DEAD") and p,
-                      30, f"{worker_id} FAILED or DEAD", two_workers)
+    failed = wait_for(
+        lambda: (p := two_workers.process_info(f"worker-{worker_id}")) and p.state in ("FAILED", "DEAD") and p,
+        30,
+        f"{worker_id} FAILED or DEAD",
+        two_workers,
+    )
     expected = {"raise": "InjectedFault", "hang": "--phase-timeout-s", "exit": "no heartbeat"}[action]
     assert expected in failed.failure and (action == "exit" or phase in failed.failure), failed.failure
     assert process.wait(30) != 0  # raise: 1, exit: 3, hang: its own watchdog ends it with 1
@@ -113,23 +129,35 @@ def test_32_streams_survive_a_sigkilled_worker_token_for_token(two_workers: Stac
     requests = [greedy(ids, 24) for ids in prompts(default_model_dir, 32)]
     undisturbed = run_all(two_workers, requests)
     with ThreadPoolExecutor(1) as killer:
+
         def kill_soon() -> float:
             wait_for(lambda: two_workers.info().num_running >= 24, 30, "24 requests running", two_workers)
             two_workers.processes["worker-1"].send_signal(signal.SIGKILL)
             return time.monotonic()
+
         killed = killer.submit(kill_soon)
         disturbed = run_all(two_workers, requests)
         killed_at = killed.result()
     assert disturbed == undisturbed  # all 32 complete, none with a missing or duplicated token
-    lost = wait_for(lambda: (p := two_workers.process_info("worker-1")) and p.state == "DEAD" and p, 10, "worker-1 DEAD",
-                    two_workers)
-    print(f"\nSIGKILL: worker-1 DEAD ({lost.failure}); every request done {time.monotonic() - killed_at:.1f} s after the kill")
+    lost = wait_for(
+        lambda: (p := two_workers.process_info("worker-1")) and p.state == "DEAD" and p,
+        10,
+        "worker-1 DEAD",
+        two_workers,
+    )
+    print(
+        f"\nSIGKILL: worker-1 DEAD ({lost.failure}); every request done {time.monotonic() - killed_at:.1f} s after the kill"
+    )
 
     # Restarted (as `specserve up` would), it comes back READY with a new incarnation and takes new work.
     old_incarnation = lost.incarnation
     two_workers.start_worker(1)
-    back = wait_for(lambda: (p := two_workers.process_info("worker-1")) and p.state == "READY" and p, 60,
-                    "worker-1 READY again", two_workers)
+    back = wait_for(
+        lambda: (p := two_workers.process_info("worker-1")) and p.state == "READY" and p,
+        60,
+        "worker-1 READY again",
+        two_workers,
+    )
     assert back.incarnation != old_incarnation
     # A message from the old incarnation is dropped: it changes nothing.
     context = zmq.Context()
@@ -144,7 +172,9 @@ def test_32_streams_survive_a_sigkilled_worker_token_for_token(two_workers: Stac
     assert after is not None and (after.state, after.incarnation, after.failure) == ("READY", back.incarnation, "")
     assert run_all(two_workers, requests[:8]) == undisturbed[:8]
     log = (two_workers.log_dir / "worker-1.log").read_text()
-    assert f"incarnation={back.incarnation}" in log and "seq.started" in log.split(f"incarnation={back.incarnation}", 1)[1]
+    assert (
+        f"incarnation={back.incarnation}" in log and "seq.started" in log.split(f"incarnation={back.incarnation}", 1)[1]
+    )
 
 
 def test_a_worker_crashing_or_hanging_in_a_step_loses_no_request(two_workers: Stack, default_model_dir: Path) -> None:
@@ -153,13 +183,19 @@ def test_a_worker_crashing_or_hanging_in_a_step_loses_no_request(two_workers: St
     for index, fault in enumerate(("step=6:raise", "step=6:exit", "step=6:hang")):
         name = f"crashy-{index}"
         two_workers.start_worker(name, fault=f"worker-{name}:{fault}", extra_args=("--step-timeout-s", "3"))
-        wait_for(lambda: (p := two_workers.process_info(f"worker-{name}")) and p.state == "READY", 60, f"{name} READY",
-                 two_workers)
+        wait_for(
+            lambda: (p := two_workers.process_info(f"worker-{name}")) and p.state == "READY",
+            60,
+            f"{name} READY",
+            two_workers,
+        )
         started = time.monotonic()
         assert run_all(two_workers, requests, stagger_s=0.02) == undisturbed, fault
         process = two_workers.process_info(f"worker-{name}")
         assert process is not None and process.state in ("FAILED", "DEAD"), process
-        print(f"\n{fault}: {process.state} ({process.failure}); all {len(requests)} done in {time.monotonic() - started:.1f} s")
+        print(
+            f"\n{fault}: {process.state} ({process.failure}); all {len(requests)} done in {time.monotonic() - started:.1f} s"
+        )
         assert two_workers.processes[f"worker-{name}"].wait(30) != 0
 
 
@@ -167,28 +203,41 @@ def test_a_worker_crashing_or_hanging_in_a_step_loses_no_request(two_workers: St
 
 
 def test_sigterm_drains_a_worker_its_requests_finish_there_and_it_exits_0(
-    default_model_dir: Path, tmp_path: Path,
+    default_model_dir: Path,
+    tmp_path: Path,
 ) -> None:
-    options = StackConfig(default_model_dir, dtype="float32", num_workers=2, max_num_seqs=16, max_model_len=512,
-                          num_threads_per_worker=1, scheduler_args=FAST_FAILURE, worker_args=SMALL_WORKER)
+    options = StackConfig(
+        default_model_dir,
+        dtype="float32",
+        num_workers=2,
+        max_num_seqs=16,
+        max_model_len=512,
+        num_threads_per_worker=1,
+        scheduler_args=FAST_FAILURE,
+        worker_args=SMALL_WORKER,
+    )
     stack = Stack(options, tmp_path)
     try:
         stack.start()
         requests = [greedy(ids, 32) for ids in prompts(default_model_dir, 12)]
         undisturbed = run_all(stack, requests)
         with ThreadPoolExecutor(1) as signaller:
+
             def drain_soon() -> tuple[float, int]:
                 wait_for(lambda: stack.info().num_running >= 10, 30, "10 requests running", stack)
                 in_flight = stack.info().num_running
                 stack.processes["worker-0"].send_signal(signal.SIGTERM)
                 return time.monotonic(), in_flight
+
             signalled = signaller.submit(drain_soon)
             disturbed = run_all(stack, requests)
             signalled_at, in_flight = signalled.result()
         assert disturbed == undisturbed
         assert stack.processes["worker-0"].wait(30) == 0
-        print(f"\nSIGTERM with {in_flight} requests in flight: worker-0 exited 0 {time.monotonic() - signalled_at:.1f} s later "
-              "(at most; measured after the last request)")
+        print(
+            f"\nSIGTERM with {in_flight} requests in flight: worker-0 exited 0 {time.monotonic() - signalled_at:.1f} s later "
+            "(at most; measured after the last request)"
+        )
         scheduler_log = (tmp_path / "scheduler.log").read_text()
         lost = [line for line in scheduler_log.splitlines() if "worker.lost" in line and "worker-0" in line]
         assert len(lost) == 1 and "num_requeued=0" in lost[0] and "STOPPED" in lost[0]  # nothing had to be recomputed
@@ -202,11 +251,19 @@ def test_sigterm_drains_a_worker_its_requests_finish_there_and_it_exits_0(
 
 
 def test_killing_the_draft_service_mid_run_fails_no_request_and_changes_no_token(
-    default_model_dir: Path, tmp_path: Path,
+    default_model_dir: Path,
+    tmp_path: Path,
 ) -> None:
-    options = StackConfig(default_model_dir, dtype="float32", num_workers=1, max_num_seqs=8, max_model_len=512,
-                          scheduler_args=FAST_FAILURE, draft=DraftSpec(DraftKind.NGRAM),
-                          speculation_policy="fixed")
+    options = StackConfig(
+        default_model_dir,
+        dtype="float32",
+        num_workers=1,
+        max_num_seqs=8,
+        max_model_len=512,
+        scheduler_args=FAST_FAILURE,
+        draft=DraftSpec(DraftKind.NGRAM),
+        speculation_policy="fixed",
+    )
     stack = Stack(options, tmp_path)
     try:
         stack.start()
@@ -216,15 +273,18 @@ def test_killing_the_draft_service_mid_run_fails_no_request_and_changes_no_token
         undisturbed = run_all(stack, requests)
         assert stack.info().speculation.num_accepted_draft_tokens > 0
         with ThreadPoolExecutor(1) as killer:
+
             def kill_soon() -> float:
                 time.sleep(0.5)
                 stack.processes["draft"].send_signal(signal.SIGKILL)
                 return time.monotonic()
+
             killed = killer.submit(kill_soon)
             assert run_all(stack, requests) == undisturbed
-            print(f"\ndraft SIGKILL: all {len(requests)} requests done {time.monotonic() - killed.result():.1f} s after the kill")
+            print(
+                f"\ndraft SIGKILL: all {len(requests)} requests done {time.monotonic() - killed.result():.1f} s after the kill"
+            )
         wait_for(lambda: (p := stack.process_info("draft-0")) and p.state == "DEAD", 10, "draft DEAD", stack)
         assert run_all(stack, requests) == undisturbed  # and without it
     finally:
         stack.stop()
-

@@ -17,12 +17,16 @@ from tests.e2e.stack import Stack, collect
 
 
 def _chat(content: str, **params: object) -> pb.GenerateRequest:
-    return pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=content)]),
-                              params=pb.SamplingParams(**params))  # type: ignore[arg-type]
+    return pb.GenerateRequest(
+        chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=content)]),
+        params=pb.SamplingParams(**params),
+    )  # type: ignore[arg-type]
 
 
 def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(fp32_stack: Stack) -> None:
-    seeded = _chat("Tell me a short story about a robot.", max_tokens=32, temperature=0.9, top_p=0.95, seed=42, ignore_eos=True)
+    seeded = _chat(
+        "Tell me a short story about a robot.", max_tokens=32, temperature=0.9, top_p=0.95, seed=42, ignore_eos=True
+    )
     alone = fp32_stack.generate(seeded)
     others = [_chat(f"Count to {n}.", max_tokens=40, temperature=1.0, ignore_eos=True) for n in (5, 10, 20)]
     with ThreadPoolExecutor(4) as pool:
@@ -32,7 +36,11 @@ def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(fp32_stack: S
         for f in futures:
             f.result()
     assert crowded.token_ids == alone.token_ids
-    other_seed = fp32_stack.generate(_chat("Tell me a short story about a robot.", max_tokens=32, temperature=0.9, top_p=0.95, seed=43, ignore_eos=True))
+    other_seed = fp32_stack.generate(
+        _chat(
+            "Tell me a short story about a robot.", max_tokens=32, temperature=0.9, top_p=0.95, seed=43, ignore_eos=True
+        )
+    )
     assert other_seed.token_ids != alone.token_ids
 
 
@@ -41,19 +49,25 @@ def test_stop_string_is_cut_and_finishes(fp32_stack: Stack) -> None:
     words = free.text.split()
     stop = " " + words[len(words) // 2]
     cut = free.text[: free.text.index(stop)]
-    stopped = fp32_stack.generate(_chat("Describe the water cycle in detail.", max_tokens=48, ignore_eos=True, stop=[stop]))
+    stopped = fp32_stack.generate(
+        _chat("Describe the water cycle in detail.", max_tokens=48, ignore_eos=True, stop=[stop])
+    )
     assert stopped.text == cut
     assert stopped.finish_reason == pb.FINISH_REASON_STOP
     assert stopped.completion_tokens <= free.completion_tokens
 
 
 def test_finish_reasons_and_usage(fp32_stack: Stack) -> None:
-    length = fp32_stack.generate(pb.GenerateRequest(prompt="Hello", params=pb.SamplingParams(max_tokens=5, ignore_eos=True)))
+    length = fp32_stack.generate(
+        pb.GenerateRequest(prompt="Hello", params=pb.SamplingParams(max_tokens=5, ignore_eos=True))
+    )
     assert (length.finish_reason, length.completion_tokens, len(length.token_ids)) == (pb.FINISH_REASON_LENGTH, 5, 5)
     eos = fp32_stack.generate(_chat("What is the capital of France?", max_tokens=64))
     assert eos.finish_reason == pb.FINISH_REASON_STOP
     assert eos.token_ids[-1] == 2  # <|im_end|>
-    ids = fp32_stack.generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[504, 2365, 6354]), params=pb.SamplingParams(max_tokens=3)))
+    ids = fp32_stack.generate(
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=[504, 2365, 6354]), params=pb.SamplingParams(max_tokens=3))
+    )
     assert ids.prompt_tokens == 3
 
 
@@ -93,7 +107,10 @@ def test_invalid_sampling_parameters_name_the_field(fp32_stack: Stack, params: d
 def test_bad_inputs_are_invalid_argument(fp32_stack: Stack) -> None:
     for request, needle in [
         (pb.GenerateRequest(params=pb.SamplingParams(max_tokens=4)), "input"),
-        (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 10**7]), params=pb.SamplingParams(max_tokens=4)), "token_ids"),
+        (
+            pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 10**7]), params=pb.SamplingParams(max_tokens=4)),
+            "token_ids",
+        ),
         (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[-3]), params=pb.SamplingParams(max_tokens=4)), "token_ids"),
     ]:
         with pytest.raises(grpc.RpcError) as raised:
@@ -105,12 +122,16 @@ def test_bad_inputs_are_invalid_argument(fp32_stack: Stack) -> None:
 def test_prompt_plus_max_tokens_past_the_context_names_both(fp32_stack: Stack) -> None:
     prompt_ids = list(range(1000, 1100))
     with pytest.raises(grpc.RpcError) as raised:
-        fp32_stack.generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt_ids), params=pb.SamplingParams(max_tokens=2000)))
+        fp32_stack.generate(
+            pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt_ids), params=pb.SamplingParams(max_tokens=2000))
+        )
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     details = raised.value.details()
     assert "100" in details and "2000" in details and "2048" in details
     # The same request within the context is served, and the stack is unharmed.
-    ok = fp32_stack.generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt_ids), params=pb.SamplingParams(max_tokens=2)))
+    ok = fp32_stack.generate(
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt_ids), params=pb.SamplingParams(max_tokens=2))
+    )
     assert ok.completion_tokens == 2
 
 
@@ -135,7 +156,9 @@ def test_one_request_is_traced_through_every_process_log(fp32_stack: Stack) -> N
     """The client's id finds the gateway's lines, whose `request.submitted` line names the id the scheduler and the
     workers know it by (never the client's own)."""
     request_id = "trace-me-0123456789"
-    fp32_stack.generate(pb.GenerateRequest(prompt="Hello there", request_id=request_id, params=pb.SamplingParams(max_tokens=3)))
+    fp32_stack.generate(
+        pb.GenerateRequest(prompt="Hello there", request_id=request_id, params=pb.SamplingParams(max_tokens=3))
+    )
     logs = {p.stem: p.read_text() for p in fp32_stack.log_dir.glob("*.log")}
     assert {name for name, text in logs.items() if request_id in text} == {"gateway"}
     submitted = re.search(rf"request\.submitted .*request_id={request_id} scheduler_id=(\S+)", logs["gateway"])
@@ -169,11 +192,17 @@ def test_workers_run_on_the_native_kernels_and_say_so(fp32_stack: Stack, bf16_st
 def test_each_target_shows_its_fitted_step_cost(fp32_stack: Stack) -> None:
     """The scheduler fits each target's step time to its steps (scheduler/speculation/cost.py) and shows the fit."""
     for index in range(4):
-        fp32_stack.generate(pb.GenerateRequest(prompt=f"Count to {index + 5}.", params=pb.SamplingParams(max_tokens=12)))
+        fp32_stack.generate(
+            pb.GenerateRequest(prompt=f"Count to {index + 5}.", params=pb.SamplingParams(max_tokens=12))
+        )
     targets = [p for p in fp32_stack.info().processes if p.role == "target"]
     costed = [p for p in targets if p.num_costed_steps >= 8]
     assert costed, [(p.process_id, p.num_costed_steps) for p in targets]
     for process in costed:
-        terms = (process.step_fixed_ms, process.step_ms_per_row, process.step_ms_per_prefill_token,
-                 process.step_ms_per_kilo_context)
+        terms = (
+            process.step_fixed_ms,
+            process.step_ms_per_row,
+            process.step_ms_per_prefill_token,
+            process.step_ms_per_kilo_context,
+        )
         assert min(terms) >= 0 and sum(terms) > 0 and 0 <= process.step_cost_error_ms < 1000, process

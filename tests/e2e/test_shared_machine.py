@@ -28,15 +28,18 @@ FLOOR_S, BOUND_S = 5.0, 20.0
 
 
 def _chat(content: str) -> pb.GenerateRequest:
-    return pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=content)]),
-                              params=pb.SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True))
+    return pb.GenerateRequest(
+        chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=content)]),
+        params=pb.SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True),
+    )
 
 
 @contextmanager
 def busy_processes(count: int, nice: int) -> Iterator[None]:
     """`count` processes spinning at `nice`, in this session (so their nice value counts), for the block."""
-    processes = [subprocess.Popen(["nice", "-n", str(nice), sys.executable, "-c", "while True: pass"])
-                 for _ in range(count)]
+    processes = [
+        subprocess.Popen(["nice", "-n", str(nice), sys.executable, "-c", "while True: pass"]) for _ in range(count)
+    ]
     try:
         time.sleep(0.5)
         yield
@@ -53,16 +56,19 @@ def _timed(stack: Stack, request: pb.GenerateRequest) -> tuple[list[int], float]
 
 
 @pytest.mark.parametrize(("count", "nice"), [(1, 0), (2, 0), (1, 19)])
-def test_requests_beside_busy_processes_finish_in_bounded_time_with_the_same_answers(bf16_stack: Stack, count: int,
-                                                                                      nice: int) -> None:
+def test_requests_beside_busy_processes_finish_in_bounded_time_with_the_same_answers(
+    bf16_stack: Stack, count: int, nice: int
+) -> None:
     prompts = ["Explain how a hash map works.", "Write a haiku about autumn rain.", "List three uses of copper."]
     alone = [_timed(bf16_stack, _chat(prompt)) for prompt in prompts]
     with busy_processes(count, nice):
         for prompt, (expected, alone_s) in zip(prompts, alone):
             tokens, took_s = _timed(bf16_stack, _chat(prompt))
             bound_s = min(BOUND_S, max(FLOOR_S, SLOWER_AT_MOST * alone_s))
-            assert took_s < bound_s, (f"{NUM_TOKENS} tokens took {took_s:.1f} s beside {count} busy processes at nice "
-                                      f"{nice}, {alone_s:.1f} s alone")
+            assert took_s < bound_s, (
+                f"{NUM_TOKENS} tokens took {took_s:.1f} s beside {count} busy processes at nice "
+                f"{nice}, {alone_s:.1f} s alone"
+            )
             assert tokens == expected, "the answer beside busy processes differs from the answer alone"
         # Several at once: batched steps, the bound of one for all of them together.
         started = time.monotonic()

@@ -42,8 +42,10 @@ PROMPTS = [
 
 
 def prompt_ids(tokenizer: Tokenizer) -> list[list[int]]:
-    return [tokenizer.encode_chat([ChatMessage("user", text)]) if kind == "chat" else tokenizer.encode(text)
-            for kind, text in PROMPTS]
+    return [
+        tokenizer.encode_chat([ChatMessage("user", text)]) if kind == "chat" else tokenizer.encode(text)
+        for kind, text in PROMPTS
+    ]
 
 
 def request(ids: list[int], **params: object) -> pb.GenerateRequest:
@@ -69,8 +71,11 @@ def truncated_draft(default_model_dir: Path, tmp_path_factory: pytest.TempPathFa
     config["num_hidden_layers"] = 4
     (folder / "config.json").write_text(json.dumps(config))
     weights = load_file(default_model_dir / "model.safetensors")
-    kept = {name: tensor for name, tensor in weights.items()
-            if not name.startswith("model.layers.") or int(name.split(".")[2]) < 4}
+    kept = {
+        name: tensor
+        for name, tensor in weights.items()
+        if not name.startswith("model.layers.") or int(name.split(".")[2]) < 4
+    }
     save_file(kept, folder / "model.safetensors")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (folder / name).write_bytes((default_model_dir / name).read_bytes())
@@ -79,9 +84,14 @@ def truncated_draft(default_model_dir: Path, tmp_path_factory: pytest.TempPathFa
 
 @pytest.fixture(scope="module")
 def spec_stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    options = StackConfig(default_model_dir, dtype="float32", num_workers=1, max_num_seqs=8,
-                          scheduler_args=("--num-speculative-tokens", "4", "--spec-disable-batch-threshold", "4"),
-                          speculation_policy="fixed")
+    options = StackConfig(
+        default_model_dir,
+        dtype="float32",
+        num_workers=1,
+        max_num_seqs=8,
+        scheduler_args=("--num-speculative-tokens", "4", "--spec-disable-batch-threshold", "4"),
+        speculation_policy="fixed",
+    )
     with running_stack(options, tmp_path_factory.mktemp("spec_stack")) as stack:
         yield stack
 
@@ -109,8 +119,9 @@ def switch_draft(stack: Stack, proposer: str | None) -> None:
         time.sleep(0.1)
 
 
-def test_greedy_is_lossless_with_every_proposer(spec_stack: Stack, default_model_dir: Path, truncated_draft: Path,
-                                                tmp_path: Path) -> None:
+def test_greedy_is_lossless_with_every_proposer(
+    spec_stack: Stack, default_model_dir: Path, truncated_draft: Path, tmp_path: Path
+) -> None:
     ids = prompt_ids(Tokenizer.load(default_model_dir))
     requests = [request(p, logprobs=2) for p in ids]
     switch_draft(spec_stack, None)
@@ -138,7 +149,9 @@ def test_greedy_is_lossless_with_every_proposer(spec_stack: Stack, default_model
         if proposer.startswith("replay"):
             assert accepted / proposed > 0.9, "the reference output should nearly always be accepted"
         else:  # (with the perfect draft requests finish too fast to pile up)
-            assert after.num_plain_decode_steps > before.num_plain_decode_steps  # steps above the threshold decoded plainly
+            assert (
+                after.num_plain_decode_steps > before.num_plain_decode_steps
+            )  # steps above the threshold decoded plainly
         if proposer.startswith("random"):
             assert accepted / proposed < 0.05, "random tokens should nearly always be rejected"
 
@@ -148,9 +161,14 @@ def test_greedy_is_lossless_in_bfloat16_and_with_the_shipped_drafts(default_mode
     so a verify step's rows are exactly the plain decode steps they replace. The shipped draft (drafts/, made by
     `specserve distill`): its phrases (what `--draft default` runs) and its EAGLE head, which reads the target's
     features through the scheduler, must agree far more often than chance, and change nothing."""
-    options = StackConfig(default_model_dir, dtype="bfloat16", num_workers=1, max_num_seqs=8,
-                          scheduler_args=("--num-speculative-tokens", "6", "--spec-disable-batch-threshold", "4"),
-                          speculation_policy="fixed")
+    options = StackConfig(
+        default_model_dir,
+        dtype="bfloat16",
+        num_workers=1,
+        max_num_seqs=8,
+        scheduler_args=("--num-speculative-tokens", "6", "--spec-disable-batch-threshold", "4"),
+        speculation_policy="fixed",
+    )
     (tmp_path / "logs").mkdir()
     with running_stack(options, tmp_path / "logs") as stack:
         ids = prompt_ids(Tokenizer.load(default_model_dir))
@@ -162,12 +180,20 @@ def test_greedy_is_lossless_in_bfloat16_and_with_the_shipped_drafts(default_mode
         replay = tmp_path / "replay.json"
         replay.write_text(json.dumps([p + out for p, out in zip(ids, baseline)]))
         shipped = default_draft_dir()
-        for proposer in ("ngram", f"replay:{replay}", f"phrases:{shipped}", f"eagle:{shipped}", f"eagle+phrases:{shipped}"):
+        for proposer in (
+            "ngram",
+            f"replay:{replay}",
+            f"phrases:{shipped}",
+            f"eagle:{shipped}",
+            f"eagle+phrases:{shipped}",
+        ):
             switch_draft(stack, proposer)
             before = stack.info().speculation
             results = run_staggered(stack, requests)
             for index, (result, expected) in enumerate(zip(results, baseline)):
-                assert result.token_ids == expected, f"{proposer}: prompt {index} differs from greedy without speculation"
+                assert result.token_ids == expected, (
+                    f"{proposer}: prompt {index} differs from greedy without speculation"
+                )
             if not proposer.startswith("eagle"):  # point-mass drafts (the phrases' as token trees): the target's own
                 for index, (one, expected) in enumerate(zip(sampled, sampled_baseline)):  # draws, plain sampling's
                     assert stack.generate(one).token_ids == expected, f"{proposer}: sampled prompt {index} differs"
@@ -185,8 +211,9 @@ def test_greedy_is_lossless_in_bfloat16_and_with_the_shipped_drafts(default_mode
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "model"])
-def test_seeded_sampling_with_speculation_is_reproducible(spec_stack: Stack, default_model_dir: Path, truncated_draft: Path,
-                                                          proposer: str) -> None:
+def test_seeded_sampling_with_speculation_is_reproducible(
+    spec_stack: Stack, default_model_dir: Path, truncated_draft: Path, proposer: str
+) -> None:
     switch_draft(spec_stack, "ngram" if proposer == "ngram" else f"model:{truncated_draft}")
     ids = prompt_ids(Tokenizer.load(default_model_dir))
     sampled = request(ids[1], temperature=0.8, top_p=0.95, seed=1234, max_tokens=32, logprobs=1)
@@ -200,19 +227,30 @@ def test_seeded_sampling_with_speculation_is_reproducible(spec_stack: Stack, def
         assert plain.logprobs == first.logprobs  # the target's, after temperature, with or without speculation
 
 
-def test_penalized_biased_and_structured_output_is_the_same_with_and_without_speculation(spec_stack: Stack, default_model_dir: Path,
-                                                                            truncated_draft: Path) -> None:
+def test_penalized_biased_and_structured_output_is_the_same_with_and_without_speculation(
+    spec_stack: Stack, default_model_dir: Path, truncated_draft: Path
+) -> None:
     """Every verify row is penalized and masked by the grammar after its own branch, as the decode step it stands for
     would be."""
     ids = prompt_ids(Tokenizer.load(default_model_dir))
-    penalties = {"presence_penalty": 0.4, "frequency_penalty": 0.6, "repetition_penalty": 1.2,
-                 "logit_bias": {13: 2.0, 28: -5.0}, "min_tokens": 8, "logprobs": 1}
+    penalties = {
+        "presence_penalty": 0.4,
+        "frequency_penalty": 0.6,
+        "repetition_penalty": 1.2,
+        "logit_bias": {13: 2.0, 28: -5.0},
+        "min_tokens": 8,
+        "logprobs": 1,
+    }
     requests = [request(p, **penalties) for p in ids[:4]]
     requests += [request(p, temperature=0.8, top_p=0.95, seed=21 + i, **penalties) for i, p in enumerate(ids[4:6])]
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                                "colours": {"type": "array", "maxItems": 3, "items": {"type": "string",
-                                                                                                       "maxLength": 8}}},
-              "required": ["name", "colours"]}
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "colours": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 8}},
+        },
+        "required": ["name", "colours"],
+    }
     structured = pb.StructuredOutput(json_schema=json.dumps(schema))
     requests.insert(4, request(ids[2], structured_output=structured, logprobs=1))  # greedy, in a grammar
     switch_draft(spec_stack, None)
@@ -245,8 +283,9 @@ def test_usage_reports_the_requests_speculation(spec_stack: Stack, default_model
     assert 0 < spec.propose_ms <= spec.propose_wait_ms, spec
 
 
-def test_a_draft_of_another_vocabulary_is_refused_with_its_reason(spec_stack: Stack, tmp_path: Path,
-                                                                  truncated_draft: Path) -> None:
+def test_a_draft_of_another_vocabulary_is_refused_with_its_reason(
+    spec_stack: Stack, tmp_path: Path, truncated_draft: Path
+) -> None:
     other = tmp_path / "other_vocab"
     other.mkdir()
     for path in truncated_draft.iterdir():

@@ -24,15 +24,23 @@ VOCAB_SIZE = 49152
 
 def _speculation_delta(stack: Stack, before: object) -> tuple[int, int]:
     after = stack.wait_idle().speculation
-    return (after.num_draft_tokens - before.num_draft_tokens,  # type: ignore[attr-defined]
-            after.num_accepted_draft_tokens - before.num_accepted_draft_tokens)  # type: ignore[attr-defined]
+    return (
+        after.num_draft_tokens - before.num_draft_tokens,  # type: ignore[attr-defined]
+        after.num_accepted_draft_tokens - before.num_accepted_draft_tokens,
+    )  # type: ignore[attr-defined]
 
 
 @pytest.mark.skipif(os.environ.get("SPECSERVE_NATIVE_OPS") == "0", reason="on torch ops steps are not batch invariant")
-def test_the_goodput_policy_decides_from_what_it_measured_and_changes_no_greedy_answer(default_model_dir: Path,
-                                                                                      tmp_path: Path) -> None:
-    options = StackConfig(default_model_dir, dtype="float32", num_workers=1, max_num_seqs=8,
-                          scheduler_args=("--num-speculative-tokens", "4", "--spec-disable-batch-threshold", "8"))
+def test_the_goodput_policy_decides_from_what_it_measured_and_changes_no_greedy_answer(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
+    options = StackConfig(
+        default_model_dir,
+        dtype="float32",
+        num_workers=1,
+        max_num_seqs=8,
+        scheduler_args=("--num-speculative-tokens", "4", "--spec-disable-batch-threshold", "8"),
+    )
     ids = prompt_ids(Tokenizer.load(default_model_dir))
     requests = [request(p) for p in ids]
     with running_stack(options, tmp_path) as stack:
@@ -58,13 +66,19 @@ def test_the_goodput_policy_decides_from_what_it_measured_and_changes_no_greedy_
 
 
 @pytest.mark.parametrize("required", [False, True])
-def test_on_torch_ops_drafts_are_verified_unless_batch_invariance_is_required(default_model_dir: Path, tmp_path: Path,
-                                                                              monkeypatch: pytest.MonkeyPatch,
-                                                                              required: bool) -> None:
+def test_on_torch_ops_drafts_are_verified_unless_batch_invariance_is_required(
+    default_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, required: bool
+) -> None:
     monkeypatch.setenv("SPECSERVE_NATIVE_OPS", "0")  # every process the stack starts runs torch's ops
-    options = StackConfig(default_model_dir, dtype="float32", num_workers=1, max_num_seqs=8, speculation_policy="fixed",
-                          require_batch_invariance=required,
-                          scheduler_args=("--num-speculative-tokens", "4", "--spec-disable-batch-threshold", "8"))
+    options = StackConfig(
+        default_model_dir,
+        dtype="float32",
+        num_workers=1,
+        max_num_seqs=8,
+        speculation_policy="fixed",
+        require_batch_invariance=required,
+        scheduler_args=("--num-speculative-tokens", "4", "--spec-disable-batch-threshold", "8"),
+    )
     ids = prompt_ids(Tokenizer.load(default_model_dir))
     requests = [request(p) for p in ids]
     with running_stack(options, tmp_path) as stack:
@@ -82,5 +96,7 @@ def test_on_torch_ops_drafts_are_verified_unless_batch_invariance_is_required(de
         return
     assert proposed > 0 and accepted > 0, f"{accepted} of {proposed} draft tokens accepted"
     same = sum(r == b for r, b in zip(results, baseline))
-    print(f"torch ops: {accepted} of {proposed} draft tokens accepted; {same} of {len(results)} greedy answers "
-          f"identical to plain decoding's")
+    print(
+        f"torch ops: {accepted} of {proposed} draft tokens accepted; {same} of {len(results)} greedy answers "
+        f"identical to plain decoding's"
+    )

@@ -18,12 +18,27 @@ from tests.e2e.test_reasoning import start_gateway
 
 MODEL = "SmolLM2-135M-Instruct"
 TEMPLATE = Path(__file__).resolve().parents[1] / "fixtures" / "chatml_tools.jinja"
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Today's weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
-                   "additionalProperties": False}}}
-CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time now",
-                                          "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Today's weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time now",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris today?"}]
 
 
@@ -34,8 +49,9 @@ def tools_api(fp32_stack: Stack) -> openai.OpenAI:
 
 
 def ask(api: openai.OpenAI, messages: list[Any], **options: Any) -> Any:
-    return api.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, CLOCK], max_tokens=64,
-                                       temperature=0, **options)
+    return api.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER, CLOCK], max_tokens=64, temperature=0, **options
+    )
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
@@ -51,8 +67,11 @@ def test_a_forced_call_then_the_tools_result_then_an_answer(tools_api: openai.Op
     arguments = json.loads(call.function.arguments)
     assert isinstance(arguments, dict)
     # The loop: the call and its result go back; without tool_choice the model answers in text (or calls again).
-    messages = [*QUESTION, choice.message.model_dump(exclude_none=True),
-                {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}]
+    messages = [
+        *QUESTION,
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"},
+    ]
     final = ask(tools_api, messages, tool_choice="none")
     assert final.choices[0].finish_reason in ("stop", "length") and final.choices[0].message.content
     assert not final.choices[0].message.tool_calls
@@ -73,7 +92,8 @@ def test_streamed_calls_come_as_tool_call_deltas(tools_api: openai.OpenAI) -> No
             finish = choice.finish_reason or finish
     assert finish == "tool_calls"
     assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == [
-        (c.function.name, json.loads(c.function.arguments)) for c in whole.choices[0].message.tool_calls]
+        (c.function.name, json.loads(c.function.arguments)) for c in whole.choices[0].message.tool_calls
+    ]
 
 
 def test_auto_lets_the_model_choose_and_a_plain_answer_stays_text(tools_api: openai.OpenAI) -> None:
@@ -82,15 +102,17 @@ def test_auto_lets_the_model_choose_and_a_plain_answer_stays_text(tools_api: ope
     if choice.message.tool_calls:  # the model called: each call is well formed, to a tool offered
         assert choice.finish_reason == "tool_calls"
         for call in choice.message.tool_calls:
-            assert call.function.name in ("get_weather", "get_time") and isinstance(json.loads(call.function.arguments),
-                                                                                    dict)
+            assert call.function.name in ("get_weather", "get_time") and isinstance(
+                json.loads(call.function.arguments), dict
+            )
     else:
         assert choice.finish_reason in ("stop", "length") and choice.message.content
 
 
 def test_tools_are_refused_where_they_cannot_be_served(fp32_stack: Stack, tools_api: openai.OpenAI) -> None:
-    plain = openai.OpenAI(base_url=f"http://127.0.0.1:{fp32_stack.addresses.http_port}/v1", api_key="unused",
-                          max_retries=0)
+    plain = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{fp32_stack.addresses.http_port}/v1", api_key="unused", max_retries=0
+    )
     with pytest.raises(openai.BadRequestError, match="--tool-call-parser"):  # the stack's own gateway reads no calls
         ask(plain, QUESTION)
     with pytest.raises(openai.BadRequestError, match="cannot follow"):
@@ -100,22 +122,32 @@ def test_tools_are_refused_where_they_cannot_be_served(fp32_stack: Stack, tools_
     assert ask(tools_api, QUESTION, tool_choice="none").choices[0].message.content == without.choices[0].message.content
 
 
-def test_a_forced_call_is_the_same_as_without_speculation(tools_api: openai.OpenAI, fp32_stack: Stack,
-                                                          default_model_dir: Path, tmp_path: Path) -> None:
+def test_a_forced_call_is_the_same_as_without_speculation(
+    tools_api: openai.OpenAI, fp32_stack: Stack, default_model_dir: Path, tmp_path: Path
+) -> None:
     """The grammar's forced tokens are verified as drafts (the stack's default); a stack that verifies none
     (--num-speculative-tokens 0) gives the same call, token for token."""
     before = {s.source: s.num_accepted_draft_tokens for s in fp32_stack.info().speculation.sources}
     forced = ask(tools_api, QUESTION, tool_choice="required", parallel_tool_calls=False)
     after = {s.source: s.num_accepted_draft_tokens for s in fp32_stack.info().speculation.sources}
     assert after.get("grammar", 0) > before.get("grammar", 0)  # the call's forced tokens were verified as drafts
-    config = StackConfig(default_model_dir, dtype="float32", num_workers=1, max_num_seqs=4, num_threads_per_worker=1,
-                         num_speculative_tokens=0, tool_call_parser="hermes", chat_template=TEMPLATE)
+    config = StackConfig(
+        default_model_dir,
+        dtype="float32",
+        num_workers=1,
+        max_num_seqs=4,
+        num_threads_per_worker=1,
+        num_speculative_tokens=0,
+        tool_call_parser="hermes",
+        chat_template=TEMPLATE,
+    )
     with running_stack(config, tmp_path) as plain_stack:
         plain = openai.OpenAI(base_url=f"http://127.0.0.1:{plain_stack.addresses.http_port}/v1", api_key="unused")
         unforced = ask(plain, QUESTION, tool_choice="required", parallel_tool_calls=False)
         assert plain_stack.info().speculation.num_verify_steps == 0
     assert [(c.function.name, c.function.arguments) for c in unforced.choices[0].message.tool_calls] == [
-        (c.function.name, c.function.arguments) for c in forced.choices[0].message.tool_calls]
+        (c.function.name, c.function.arguments) for c in forced.choices[0].message.tool_calls
+    ]
 
 
 def test_a_langchain_agent_runs_a_two_tool_task(tools_api: openai.OpenAI) -> None:
@@ -136,8 +168,9 @@ def test_a_langchain_agent_runs_a_two_tool_task(tools_api: openai.OpenAI) -> Non
         return a * b
 
     tools = {"add": add, "multiply": multiply}
-    llm = ChatOpenAI(model=MODEL, base_url=str(tools_api.base_url), api_key="unused", temperature=0, max_tokens=64,
-                     max_retries=0)
+    llm = ChatOpenAI(
+        model=MODEL, base_url=str(tools_api.base_url), api_key="unused", temperature=0, max_tokens=64, max_retries=0
+    )
     messages: list[BaseMessage] = [HumanMessage("What is (3 + 4) * 5? Add first, then multiply, with the tools.")]
     executed = []
     for name in ("add", "multiply"):

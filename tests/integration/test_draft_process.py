@@ -20,9 +20,31 @@ from tests.integration.test_worker_process import GREEDY, FakeScheduler, schedul
 
 def _start_draft(proposer: str, address: str, tmp_path: Path, *extra: str) -> subprocess.Popen[bytes]:
     log = (tmp_path / "draft.log").open("ab")
-    return subprocess.Popen([sys.executable, "-m", "draft_service", "--proposer", proposer, "--scheduler-address", address,
-                             "--dtype", "float32", "--num-seqs", "2", "--max-model-len", "128", "--max-draft-tokens", "3",
-                             "--status-file", str(tmp_path / "status"), "--insecure-loopback", *extra], stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "draft_service",
+            "--proposer",
+            proposer,
+            "--scheduler-address",
+            address,
+            "--dtype",
+            "float32",
+            "--num-seqs",
+            "2",
+            "--max-model-len",
+            "128",
+            "--max-draft-tokens",
+            "3",
+            "--status-file",
+            str(tmp_path / "status"),
+            "--insecure-loopback",
+            *extra,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
@@ -32,7 +54,9 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 
 def test_a_draft_model_service_starts_in_phases_refuses_early_work_and_proposes(
-    default_model_dir: Path, scheduler: FakeScheduler, tmp_path: Path,  # noqa: F811
+    default_model_dir: Path,
+    scheduler: FakeScheduler,
+    tmp_path: Path,  # noqa: F811
 ) -> None:
     draft = _start_draft(f"model:{default_model_dir}", scheduler.address, tmp_path)
     try:
@@ -63,9 +87,15 @@ def test_a_draft_model_service_starts_in_phases_refuses_early_work_and_proposes(
         assert (proposal.num_held, len(proposal.token_ids)) == (len(prompt), 3)
         # The draft here is the target itself: its greedy proposal continues the prompt as the target would,
         # and the next request (one token accepted, one new) gets the continuation after that.
-        scheduler.send(m.ProposeRequest(3, hello.incarnation, [
-            m.ProposeSeq("r", len(prompt) + 3, 2, [7], 3, GREEDY),
-        ]))
+        scheduler.send(
+            m.ProposeRequest(
+                3,
+                hello.incarnation,
+                [
+                    m.ProposeSeq("r", len(prompt) + 3, 2, [7], 3, GREEDY),
+                ],
+            )
+        )
         second = scheduler.receive(m.ProposeResult)
         assert second.proposals[0].num_held == len(prompt) + 2  # type: ignore[attr-defined]
 
@@ -74,9 +104,16 @@ def test_a_draft_model_service_starts_in_phases_refuses_early_work_and_proposes(
         assert scheduler.receive(m.ProposeResult).proposals[0] == m.Proposal("r", 0, [])  # type: ignore[attr-defined]
         # Bad counts or tokens outside the vocabulary restart that sequence only; another incarnation's work is dropped.
         scheduler.send(m.ProposeRequest(5, hello.incarnation + 1, [m.ProposeSeq("r", 0, 0, prompt, 3, GREEDY)]))
-        scheduler.send(m.ProposeRequest(6, hello.incarnation, [
-            m.ProposeSeq("r", 0, 0, prompt, 3, GREEDY), m.ProposeSeq("bad", 0, -1, [49152], 3, GREEDY),
-        ]))
+        scheduler.send(
+            m.ProposeRequest(
+                6,
+                hello.incarnation,
+                [
+                    m.ProposeSeq("r", 0, 0, prompt, 3, GREEDY),
+                    m.ProposeSeq("bad", 0, -1, [49152], 3, GREEDY),
+                ],
+            )
+        )
         answer = scheduler.receive(m.ProposeResult)
         assert answer.propose_id == 6  # type: ignore[attr-defined]
         assert [(p.num_held, len(p.token_ids)) for p in answer.proposals] == [(len(prompt), 3), (0, 0)]  # type: ignore[attr-defined]
@@ -92,7 +129,9 @@ def test_a_draft_model_service_starts_in_phases_refuses_early_work_and_proposes(
         _stop(draft)
 
 
-def test_a_draft_that_cannot_load_fails_in_its_phase_and_exits_non_zero(scheduler: FakeScheduler, tmp_path: Path) -> None:  # noqa: F811
+def test_a_draft_that_cannot_load_fails_in_its_phase_and_exits_non_zero(
+    scheduler: FakeScheduler, tmp_path: Path
+) -> None:  # noqa: F811
     replay = tmp_path / "broken.json"
     replay.write_text('{"not": "a list"}')
     draft = _start_draft(f"replay:{replay}", scheduler.address, tmp_path)
@@ -108,7 +147,9 @@ def test_a_draft_that_cannot_load_fails_in_its_phase_and_exits_non_zero(schedule
 
 
 def test_an_eagle_head_service_reads_target_features_and_refuses_another_target(
-    tiny_llama_folder: Path, scheduler: FakeScheduler, tmp_path: Path,  # noqa: F811
+    tiny_llama_folder: Path,
+    scheduler: FakeScheduler,
+    tmp_path: Path,  # noqa: F811
 ) -> None:
     import json
     import shutil
@@ -136,8 +177,13 @@ def test_an_eagle_head_service_reads_target_features_and_refuses_another_target(
         assert all(t % 2 == 0 for t in proposal.token_ids)  # the head's vocabulary: even ids
         # Feature rows that leave a gap restart the sequence; without features there is no proposal.
         gap = to_rows(torch.randn(1, 64), 9)
-        scheduler.send(m.ProposeRequest(2, hello.incarnation, [m.ProposeSeq("r", 9, 3, [7], 3, GREEDY, gap),
-                                                               m.ProposeSeq("s", 0, 0, tokens, 3, GREEDY)]))
+        scheduler.send(
+            m.ProposeRequest(
+                2,
+                hello.incarnation,
+                [m.ProposeSeq("r", 9, 3, [7], 3, GREEDY, gap), m.ProposeSeq("s", 0, 0, tokens, 3, GREEDY)],
+            )
+        )
         answer = scheduler.receive(m.ProposeResult)
         assert [(p.num_held, p.token_ids) for p in answer.proposals] == [(0, []), (len(tokens), [])]  # type: ignore[attr-defined]
         scheduler.send(m.Drain(hello.incarnation))
@@ -148,7 +194,9 @@ def test_an_eagle_head_service_reads_target_features_and_refuses_another_target(
     other = tmp_path / "other_target"
     shutil.copytree(tiny_llama_folder, other)
     config = json.loads((other / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**config, "rope_parameters": {"rope_type": "default", "rope_theta": 20000.0}}))
+    (other / "config.json").write_text(
+        json.dumps({**config, "rope_parameters": {"rope_type": "default", "rope_theta": 20000.0}})
+    )
     refused = _start_draft(f"eagle:{folder}", scheduler.address, tmp_path, "--target-model", str(other))
     try:
         failed = scheduler.receive(m.WorkerFailed)
@@ -160,7 +208,9 @@ def test_an_eagle_head_service_reads_target_features_and_refuses_another_target(
 
 
 def test_a_phrase_service_sends_token_trees_and_chains_when_told(
-    tiny_llama_folder: Path, scheduler: FakeScheduler, tmp_path: Path,  # noqa: F811
+    tiny_llama_folder: Path,
+    scheduler: FakeScheduler,
+    tmp_path: Path,  # noqa: F811
 ) -> None:
     from common.text.phrases import PhraseStore
     from tests.eagle_helpers import tiny_head
@@ -177,21 +227,29 @@ def test_a_phrase_service_sends_token_trees_and_chains_when_told(
             pass
         sampled = m.SamplingParams(temperature=0.8, seed=2)
         context = [9, 1, 2, 3]
-        scheduler.send(m.ProposeRequest(1, hello.incarnation, [m.ProposeSeq("g", 0, 0, context, 3, GREEDY),
-                                                               m.ProposeSeq("s", 0, 0, context, 3, sampled)]))
+        scheduler.send(
+            m.ProposeRequest(
+                1,
+                hello.incarnation,
+                [m.ProposeSeq("g", 0, 0, context, 3, GREEDY), m.ProposeSeq("s", 0, 0, context, 3, sampled)],
+            )
+        )
         greedy, sampled_tree = scheduler.receive(m.ProposeResult).proposals  # type: ignore[attr-defined]
         assert (greedy.token_ids, greedy.parents) == ([4, 5, 6], [-1, 0, -1])
         assert (sampled_tree.token_ids, sampled_tree.parents, sampled_tree.dists) == ([4, 5, 6], [-1, 0, -1], None)
         # The service holds the tree's tokens in node order: the scheduler drops all three and sends the branch taken.
-        scheduler.send(m.ProposeRequest(2, hello.incarnation, [m.ProposeSeq("g", len(context) + 3, 3, [6, 7], 3, GREEDY)]))
+        scheduler.send(
+            m.ProposeRequest(2, hello.incarnation, [m.ProposeSeq("g", len(context) + 3, 3, [6, 7], 3, GREEDY)])
+        )
         (after,) = scheduler.receive(m.ProposeResult).proposals  # type: ignore[attr-defined]
         assert after.num_held == len(context) + 2
         scheduler.send(m.Drain(hello.incarnation))
         assert draft.wait(30) == EXIT_DISMISSED
     finally:
         _stop(draft)
-    chains = _start_draft(f"phrases:{folder}", scheduler.address, tmp_path, "--target-model", str(tiny_llama_folder),
-                          "--no-token-trees")
+    chains = _start_draft(
+        f"phrases:{folder}", scheduler.address, tmp_path, "--target-model", str(tiny_llama_folder), "--no-token-trees"
+    )
     try:
         hello = scheduler.receive(m.WorkerHello)
         while scheduler.receive(m.LifecycleReport).state != "READY":  # type: ignore[attr-defined]

@@ -38,8 +38,11 @@ def _ready(scheduler: FakeScheduler) -> m.WorkerHello:  # noqa: F811
     return hello
 
 
-def test_the_worker_drops_malformed_frames_and_serves_on(default_model_dir: Path, scheduler: FakeScheduler,  # noqa: F811
-                                                         tmp_path: Path) -> None:
+def test_the_worker_drops_malformed_frames_and_serves_on(
+    default_model_dir: Path,
+    scheduler: FakeScheduler,  # noqa: F811
+    tmp_path: Path,
+) -> None:
     worker = _start_worker(default_model_dir, scheduler.address, tmp_path)
     try:
         hello = _ready(scheduler)
@@ -49,7 +52,9 @@ def test_the_worker_drops_malformed_frames_and_serves_on(default_model_dir: Path
         num_sent = 0
 
         @FUZZ
-        @given(malformed_frames(SCHEDULER_TO_WORKER, [*WORKER_TO_SCHEDULER, *SCHEDULER_TO_DRAFT, *GATEWAY_TO_SCHEDULER]))
+        @given(
+            malformed_frames(SCHEDULER_TO_WORKER, [*WORKER_TO_SCHEDULER, *SCHEDULER_TO_DRAFT, *GATEWAY_TO_SCHEDULER])
+        )
         def throw(frame: bytes) -> None:
             nonlocal num_sent
             scheduler.socket.send_multipart([scheduler.identity, frame])
@@ -77,7 +82,9 @@ def test_the_draft_service_drops_malformed_frames_and_serves_on(scheduler: FakeS
         num_sent = 0
 
         @FUZZ
-        @given(malformed_frames(SCHEDULER_TO_DRAFT, [*WORKER_TO_SCHEDULER, *SCHEDULER_TO_WORKER, *GATEWAY_TO_SCHEDULER]))
+        @given(
+            malformed_frames(SCHEDULER_TO_DRAFT, [*WORKER_TO_SCHEDULER, *SCHEDULER_TO_WORKER, *GATEWAY_TO_SCHEDULER])
+        )
         def throw(frame: bytes) -> None:
             nonlocal num_sent
             scheduler.socket.send_multipart([scheduler.identity, frame])

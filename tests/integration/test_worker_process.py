@@ -68,17 +68,41 @@ def scheduler() -> Iterator[FakeScheduler]:
     fake.close()
 
 
-def _start_worker(model: Path, address: str, tmp_path: Path, env: dict[str, str] | None = None,
-                  args: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+def _start_worker(
+    model: Path, address: str, tmp_path: Path, env: dict[str, str] | None = None, args: tuple[str, ...] = ()
+) -> subprocess.Popen[bytes]:
     log = (tmp_path / "worker.log").open("wb")
-    return subprocess.Popen([sys.executable, "-m", "gpu_worker", "--model", str(model), "--scheduler-address", address,
-                             "--dtype", "float32", "--kv-cache-memory", "0.01", "--max-model-len", "256",
-                             "--max-num-batched-tokens", "64", "--status-file", str(tmp_path / "status"), "--insecure-loopback",
-                             *args],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gpu_worker",
+            "--model",
+            str(model),
+            "--scheduler-address",
+            address,
+            "--dtype",
+            "float32",
+            "--kv-cache-memory",
+            "0.01",
+            "--max-model-len",
+            "256",
+            "--max-num-batched-tokens",
+            "64",
+            "--status-file",
+            str(tmp_path / "status"),
+            "--insecure-loopback",
+            *args,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+    )
 
 
-def test_phases_refusal_before_ready_and_steps_after(default_model_dir: Path, scheduler: FakeScheduler, tmp_path: Path) -> None:
+def test_phases_refusal_before_ready_and_steps_after(
+    default_model_dir: Path, scheduler: FakeScheduler, tmp_path: Path
+) -> None:
     worker = _start_worker(default_model_dir, scheduler.address, tmp_path)
     try:
         hello = scheduler.receive(m.WorkerHello)
@@ -115,8 +139,11 @@ def test_phases_refusal_before_ready_and_steps_after(default_model_dir: Path, sc
 
         # Inconsistent steps are refused and change nothing: a page outside the cache, too few pages, a page two
         # sequences write.
-        bad = [[m.SeqWork("s", [99], 0, [5], True, GREEDY)], [m.SeqWork("r", [0], 16, [5], True, GREEDY)],
-               [m.SeqWork("r", [0], 3, [5], True, GREEDY), m.SeqWork("s", [0, 1], 0, [5], True, GREEDY)]]
+        bad = [
+            [m.SeqWork("s", [99], 0, [5], True, GREEDY)],
+            [m.SeqWork("r", [0], 16, [5], True, GREEDY)],
+            [m.SeqWork("r", [0], 3, [5], True, GREEDY), m.SeqWork("s", [0, 1], 0, [5], True, GREEDY)],
+        ]
         for step_id, seqs in enumerate(bad, start=3):
             scheduler.send(m.StepRequest(step_id, hello.incarnation, seqs))
             refusal = scheduler.receive(m.StepRefused)
@@ -135,12 +162,18 @@ def test_phases_refusal_before_ready_and_steps_after(default_model_dir: Path, sc
 
 
 @pytest.mark.parametrize("required", [False, True])
-def test_a_worker_whose_steps_are_not_batch_invariant_says_so_at_ready(default_model_dir: Path, scheduler: FakeScheduler,
-                                                                      tmp_path: Path, required: bool) -> None:
+def test_a_worker_whose_steps_are_not_batch_invariant_says_so_at_ready(
+    default_model_dir: Path, scheduler: FakeScheduler, tmp_path: Path, required: bool
+) -> None:
     """On torch's library matmuls a verify row may round differently from its decode step: the worker says so, and
     verifies drafts (lossless in distribution) unless told --require-batch-invariance, when it takes none."""
-    worker = _start_worker(default_model_dir, scheduler.address, tmp_path, env={"SPECSERVE_NATIVE_OPS": "0"},
-                           args=("--require-batch-invariance",) if required else ())
+    worker = _start_worker(
+        default_model_dir,
+        scheduler.address,
+        tmp_path,
+        env={"SPECSERVE_NATIVE_OPS": "0"},
+        args=("--require-batch-invariance",) if required else (),
+    )
     try:
         hello = scheduler.receive(m.WorkerHello)
         assert isinstance(hello, m.WorkerHello) and hello.max_draft_tokens > 0
@@ -159,7 +192,9 @@ def test_a_worker_whose_steps_are_not_batch_invariant_says_so_at_ready(default_m
             worker.wait()
 
 
-def test_a_worker_told_to_stop_during_start_up_stops_and_exits_dismissed(default_model_dir: Path, scheduler: FakeScheduler, tmp_path: Path) -> None:
+def test_a_worker_told_to_stop_during_start_up_stops_and_exits_dismissed(
+    default_model_dir: Path, scheduler: FakeScheduler, tmp_path: Path
+) -> None:
     worker = _start_worker(default_model_dir, scheduler.address, tmp_path)
     try:
         hello = scheduler.receive(m.WorkerHello)
@@ -174,7 +209,9 @@ def test_a_worker_told_to_stop_during_start_up_stops_and_exits_dismissed(default
 
 
 def test_a_worker_whose_scheduler_goes_away_exits_dismissed_for_a_fresh_start_to_register(
-    default_model_dir: Path, scheduler: FakeScheduler, tmp_path: Path,
+    default_model_dir: Path,
+    scheduler: FakeScheduler,
+    tmp_path: Path,
 ) -> None:
     worker = _start_worker(default_model_dir, scheduler.address, tmp_path)
     try:
@@ -191,7 +228,9 @@ def test_a_worker_whose_scheduler_goes_away_exits_dismissed_for_a_fresh_start_to
 
 
 def test_sigterm_drains_steps_still_run_then_drain_stops_it_and_a_second_signal_exits_at_once(
-    default_model_dir: Path, scheduler: FakeScheduler, tmp_path: Path,
+    default_model_dir: Path,
+    scheduler: FakeScheduler,
+    tmp_path: Path,
 ) -> None:
     for second_signal in (False, True):
         worker = _start_worker(default_model_dir, scheduler.address, tmp_path)

@@ -83,8 +83,12 @@ class Sim:
         self.config = make_config(**config_overrides)
         self.disconnected: set[bytes] = set()  # worker socket identities whose connection is gone
         self.wall_ns = 1_700_000_000 * 10**9  # the wall clock a hello's incarnation is checked against
-        self.core = SchedulerCore(self.config, rng=rng or random.Random(0), wall_clock_ns=lambda: self.wall_ns,
-                                  peer_connected=lambda identity: identity not in self.disconnected)
+        self.core = SchedulerCore(
+            self.config,
+            rng=rng or random.Random(0),
+            wall_clock_ns=lambda: self.wall_ns,
+            peer_connected=lambda identity: identity not in self.disconnected,
+        )
         self.now_s = 100.0
         self.sent: list[Outgoing] = []
         self.gateway_heartbeats = True  # the gateway is alive: heard as time passes (False: silent, as if it hung)
@@ -123,9 +127,15 @@ class Sim:
         priority: int = 0,
     ) -> list[Outgoing]:
         submit = m.SubmitRequest(
-            request_id=request_id, prompt_token_ids=list(prompt_token_ids), max_tokens=max_tokens,
-            sampling=sampling or m.SamplingParams(), stop_token_ids=list(stop_token_ids), seed_given=seed_given,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, priority=priority,
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            max_tokens=max_tokens,
+            sampling=sampling or m.SamplingParams(),
+            stop_token_ids=list(stop_token_ids),
+            seed_given=seed_given,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            priority=priority,
         )
         self.core.on_gateway_message(GATEWAY, submit, self.now_s)
         return self.collect()
@@ -162,8 +172,7 @@ class Sim:
         return deltas[-1].finish_reason if deltas else None
 
     def errors(self, request_id: str | None = None) -> list[m.RequestError]:
-        return [g for g in self.to_gateway()
-                if isinstance(g, m.RequestError) and request_id in (None, g.request_id)]
+        return [g for g in self.to_gateway() if isinstance(g, m.RequestError) and request_id in (None, g.request_id)]
 
     def worker(self, worker_id: str = "w0", *, identity: bytes | None = None, **hello_overrides: object) -> FakeWorker:
         return FakeWorker(self, worker_id, identity=identity, **hello_overrides)
@@ -178,10 +187,22 @@ class FakeWorker:
     def __init__(self, sim: Sim, worker_id: str, *, identity: bytes | None = None, **hello_overrides: object) -> None:
         self.sim = sim
         fields: dict[str, object] = dict(
-            worker_id=worker_id, role="target", incarnation=1, protocol_version=m.PROTOCOL_VERSION, pid=4242,
-            model_name=sim.config.model_name, model_fingerprint=FINGERPRINT, vocab_size=49152,
-            max_model_len=sim.config.max_model_len, num_kv_pages=4, kv_page_size=sim.config.max_model_len,
-            dtype="float32", device="cpu", vocab_fingerprint=VOCAB, max_draft_tokens=8, feature_width=FEATURE_WIDTH,
+            worker_id=worker_id,
+            role="target",
+            incarnation=1,
+            protocol_version=m.PROTOCOL_VERSION,
+            pid=4242,
+            model_name=sim.config.model_name,
+            model_fingerprint=FINGERPRINT,
+            vocab_size=49152,
+            max_model_len=sim.config.max_model_len,
+            num_kv_pages=4,
+            kv_page_size=sim.config.max_model_len,
+            dtype="float32",
+            device="cpu",
+            vocab_fingerprint=VOCAB,
+            max_draft_tokens=8,
+            feature_width=FEATURE_WIDTH,
         )
         if "num_kv_slots" in hello_overrides:  # whole-sequence pages: N of them hold N sequences
             hello_overrides["num_kv_pages"] = hello_overrides.pop("num_kv_slots")
@@ -218,7 +239,9 @@ class FakeWorker:
     def report(self, state: State) -> bool:
         previous, self.state = self.state, state
         timings = self.warm_up_timings if state is State.READY else []
-        return self.send(m.LifecycleReport(self.worker_id, self.incarnation, state, previous, 0.25, step_timings=timings))
+        return self.send(
+            m.LifecycleReport(self.worker_id, self.incarnation, state, previous, 0.25, step_timings=timings)
+        )
 
     def start(self, until: State = State.READY) -> FakeWorker:
         """Hello, then the lifecycle reports in order up to `until` (STARTING: hello only)."""
@@ -228,7 +251,7 @@ class FakeWorker:
     def boot(self, until: State = State.READY) -> FakeWorker:
         """The lifecycle reports from the current state up to `until`, each phase in order."""
         order = (*INIT_PHASES, State.READY)
-        for state in order[order.index(self.state) + 1:order.index(until) + 1]:
+        for state in order[order.index(self.state) + 1 : order.index(until) + 1]:
             self.report(state)
         return self
 
@@ -244,7 +267,10 @@ class FakeWorker:
         return self.send(m.StepRefused(self.worker_id, self.incarnation, step.step_id, self.state, "not READY"))
 
     def complete(
-        self, tokens: Mapping[str, Sequence[int]] | None = None, *, step: m.StepRequest | None = None,
+        self,
+        tokens: Mapping[str, Sequence[int]] | None = None,
+        *,
+        step: m.StepRequest | None = None,
     ) -> bool:
         """Answer the pending step (or `step`) as a greedy target whose next tokens are tokens[request_id].
 
@@ -261,12 +287,22 @@ class FakeWorker:
         for seq in step.seqs:
             num_standing = len(seq.token_ids) - seq.num_draft_tokens
             if seq.prompt_logprobs >= 0:  # like the real worker: each standing token's after the first, then the next
-                following = list(seq.token_ids[1:num_standing]) + ([seq.after_token_id] if seq.after_token_id >= 0 else [])
-                scored.append(m.PromptLogprobs(seq.request_id, seq.start_position + 1, [
-                    fake_logprob(seq.start_position + 1 + i, token, seq.prompt_logprobs) for i, token in enumerate(following)]))
+                following = list(seq.token_ids[1:num_standing]) + (
+                    [seq.after_token_id] if seq.after_token_id >= 0 else []
+                )
+                scored.append(
+                    m.PromptLogprobs(
+                        seq.request_id,
+                        seq.start_position + 1,
+                        [
+                            fake_logprob(seq.start_position + 1 + i, token, seq.prompt_logprobs)
+                            for i, token in enumerate(following)
+                        ],
+                    )
+                )
             if seq.sample:
                 truth = list(tokens.get(seq.request_id, [])) or [DEFAULT_TOKEN]
-                drafts = seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens:] if seq.num_draft_tokens else []
+                drafts = seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens :] if seq.num_draft_tokens else []
                 parents = parents_or_chain(seq.draft_parents, len(drafts))
                 nodes: list[int] = []  # the branch of the drafts' tree (a chain's first ones) that matches the truth
                 while len(nodes) + 1 < len(truth):
@@ -276,9 +312,12 @@ class FakeWorker:
                     nodes.append(node)
                 accepted = len(nodes)
                 first = seq.start_position + num_standing
-                logprobs = None if seq.logprobs < 0 else [
-                    fake_logprob(first + i, token, seq.logprobs) for i, token in enumerate(truth[:accepted + 1])]
-                outputs.append(m.SeqOutput(seq.request_id, truth[:accepted + 1], nodes, logprobs))
+                logprobs = (
+                    None
+                    if seq.logprobs < 0
+                    else [fake_logprob(first + i, token, seq.logprobs) for i, token in enumerate(truth[: accepted + 1])]
+                )
+                outputs.append(m.SeqOutput(seq.request_id, truth[: accepted + 1], nodes, logprobs))
                 first = seq.start_position + num_standing
                 for i, token in enumerate(truth[:accepted]):  # the accepted branch's keys and values, where they stand
                     self._write(seq, first + i, token)
@@ -288,11 +327,21 @@ class FakeWorker:
                 num_standing += accepted
             if step.return_features:  # like the real worker: every position of the step that stands
                 features.append(m.SeqFeatures(seq.request_id, fake_features(seq.start_position, num_standing)))
-        return self.send(m.StepResult(self.worker_id, self.incarnation, step.step_id, outputs, duration_ms=self.step_ms(step),
-                                      features=features, prompt_logprobs=scored))
+        return self.send(
+            m.StepResult(
+                self.worker_id,
+                self.incarnation,
+                step.step_id,
+                outputs,
+                duration_ms=self.step_ms(step),
+                features=features,
+                prompt_logprobs=scored,
+            )
+        )
 
-    def run(self, scripts: Mapping[str, Sequence[int]] | None = None, max_steps: int = 200,
-            draft: FakeDraft | None = None) -> int:
+    def run(
+        self, scripts: Mapping[str, Sequence[int]] | None = None, max_steps: int = 200, draft: FakeDraft | None = None
+    ) -> int:
         """Answer steps (and, with a draft, proposals) until nothing is pending.
 
         Each request produces the next tokens of its script (then DEFAULT_TOKEN); drafts
@@ -305,10 +354,12 @@ class FakeWorker:
             step = self.pending_step()
             if step is None:
                 return num_steps
-            truths = {s.request_id: remaining.get(s.request_id, [])[:s.num_draft_tokens + 1] for s in step.seqs if s.sample}
+            truths = {
+                s.request_id: remaining.get(s.request_id, [])[: s.num_draft_tokens + 1] for s in step.seqs if s.sample
+            }
             self.complete(truths)
             for output in self.last_outputs:
-                del remaining.get(output.request_id, [])[:len(output.token_ids)]
+                del remaining.get(output.request_id, [])[: len(output.token_ids)]
         raise AssertionError(f"still stepping after {max_steps} steps")
 
     def send(self, message: m.WorkerToScheduler) -> bool:
@@ -324,7 +375,7 @@ class FakeWorker:
 
     def inbox(self) -> list[m.StepRequest | m.Drain]:
         """Every message the core sent to this incarnation, in order, applied to the KV model as it arrives."""
-        new = self.sim.sent[self._num_seen:]
+        new = self.sim.sent[self._num_seen :]
         self._num_seen = len(self.sim.sent)
         for item in new:
             message = item.message
@@ -343,17 +394,22 @@ class FakeWorker:
                 written: dict[int, str] = {}
                 for seq in message.seqs:
                     end = seq.start_position + len(seq.token_ids)
-                    assert len(seq.pages) * size >= end, f"step {message.step_id}: {seq.request_id}'s pages end before {end}"
+                    assert len(seq.pages) * size >= end, (
+                        f"step {message.step_id}: {seq.request_id}'s pages end before {end}"
+                    )
                     assert all(0 <= p < self.hello_message.num_kv_pages for p in seq.pages), seq.pages
                     for page in seq.pages[seq.start_position // size : -(-end // size)]:
                         assert written.setdefault(page, seq.request_id) == seq.request_id, (
-                            f"step {message.step_id}: page {page} written by {written[page]} and {seq.request_id}")
+                            f"step {message.step_id}: page {page} written by {written[page]} and {seq.request_id}"
+                        )
                 for seq in message.seqs:
                     read = []
                     for position in range(seq.start_position):
                         key = (seq.pages[position // size], position % size)
-                        assert key in self.kv, (f"step {message.step_id}: {seq.request_id} starts at "
-                                                f"{seq.start_position} but page {key[0]} holds nothing at {key[1]}")
+                        assert key in self.kv, (
+                            f"step {message.step_id}: {seq.request_id} starts at "
+                            f"{seq.start_position} but page {key[0]} holds nothing at {key[1]}"
+                        )
                         read.append(self.kv[key])
                     for i, token in enumerate(seq.token_ids):
                         self._write(seq, seq.start_position + i, token)
@@ -409,8 +465,9 @@ class FakeDraft(FakeWorker):
     and proposes what the test scripts (`script[request_id]`: the continuation it believes in)."""
 
     def __init__(self, sim: Sim, worker_id: str, **hello_overrides: object) -> None:
-        fields: dict[str, object] = dict(role="draft", vocab_fingerprint="", vocab_size=0, num_kv_pages=0, max_draft_tokens=8,
-                                         feature_width=0)
+        fields: dict[str, object] = dict(
+            role="draft", vocab_fingerprint="", vocab_size=0, num_kv_pages=0, max_draft_tokens=8, feature_width=0
+        )
         fields.update(hello_overrides)
         super().__init__(sim, worker_id, **fields)
         self.held: dict[str, list[int]] = {}
@@ -424,11 +481,15 @@ class FakeDraft(FakeWorker):
         self._num_seen_draft = 0
 
     def draft_inbox(self) -> list[msgspec.Struct]:
-        new = self.sim.sent[self._num_seen_draft:]
+        new = self.sim.sent[self._num_seen_draft :]
         self._num_seen_draft = len(self.sim.sent)
         for item in new:
             message = item.message
-            if not item.to_worker or item.identity != self.identity or getattr(message, "incarnation", None) != self.incarnation:
+            if (
+                not item.to_worker
+                or item.identity != self.identity
+                or getattr(message, "incarnation", None) != self.incarnation
+            ):
                 continue
             match message:
                 case m.ProposeRequest():
@@ -452,8 +513,9 @@ class FakeDraft(FakeWorker):
         pending = [p for p in self.proposes if p.propose_id not in self._answered]
         return pending[-1] if pending else None
 
-    def answer(self, proposals: Mapping[str, Sequence[int]] | None = None,
-               parents: Mapping[str, list[int]] | None = None) -> bool:
+    def answer(
+        self, proposals: Mapping[str, Sequence[int]] | None = None, parents: Mapping[str, list[int]] | None = None
+    ) -> bool:
         """Answer the pending propose request: the given tokens (as a tree with `parents` where given), else the
         script's continuation, else nothing."""
         request = self.pending_propose()
@@ -464,18 +526,22 @@ class FakeDraft(FakeWorker):
             held = self.held.get(seq.request_id, [])
             have = self.features.get(seq.request_id, [])
             reads = self.hello_message.feature_width > 0
-            if seq.num_held != len(held) or (reads and (seq.features is None or seq.features.start_position != len(have))):
+            if seq.num_held != len(held) or (
+                reads and (seq.features is None or seq.features.start_position != len(have))
+            ):
                 assert not self.strict, f"{seq.request_id}: told it holds {seq.num_held}, holds {len(held)}"
                 self.held.pop(seq.request_id, None)  # what the real service does: start the sequence over
                 self.features.pop(seq.request_id, None)
                 self.restarts.append(seq.request_id)
                 answers.append(m.Proposal(seq.request_id, 0, []))
                 continue
-            tokens = held[:len(held) - seq.num_drop] + list(seq.new_token_ids)
+            tokens = held[: len(held) - seq.num_drop] + list(seq.new_token_ids)
             if reads:
                 assert seq.features is not None
                 have = have + feature_positions(seq.features)
-                assert have == list(range(len(tokens) - 1)), f"{seq.request_id}: features of {have} for {len(tokens)} tokens"
+                assert have == list(range(len(tokens) - 1)), (
+                    f"{seq.request_id}: features of {have} for {len(tokens)} tokens"
+                )
                 self.features[seq.request_id] = have
             else:
                 assert seq.features is None
@@ -483,7 +549,9 @@ class FakeDraft(FakeWorker):
                 proposal = list(proposals[seq.request_id])  # as given, even when longer than asked
             else:
                 script = self.script.get(seq.request_id, [])
-                proposal = script[len(tokens):len(tokens) + seq.num_tokens] if script[:len(tokens)] == tokens else []
+                proposal = script[len(tokens) : len(tokens) + seq.num_tokens] if script[: len(tokens)] == tokens else []
             self.held[seq.request_id] = tokens + proposal
-            answers.append(m.Proposal(seq.request_id, len(tokens), proposal, parents=(parents or {}).get(seq.request_id)))
+            answers.append(
+                m.Proposal(seq.request_id, len(tokens), proposal, parents=(parents or {}).get(seq.request_id))
+            )
         return self.send(m.ProposeResult(self.worker_id, self.incarnation, request.propose_id, answers, 1.0))

@@ -19,15 +19,18 @@ from specserve.stack import StackAddresses, service_specs
 from specserve.up import DraftChoice, default_draft, parse_draft, stack_config
 
 
-def test_the_shipped_draft_is_the_default_only_for_the_model_it_was_trained_for(default_model_dir: Path,
-                                                                                 tiny_llama_folder: Path) -> None:
+def test_the_shipped_draft_is_the_default_only_for_the_model_it_was_trained_for(
+    default_model_dir: Path, tiny_llama_folder: Path
+) -> None:
     assert default_draft(default_model_dir).name == "default"
     assert default_draft(tiny_llama_folder) == DraftChoice("ngram", DraftSpec(DraftKind.NGRAM))
     assert str(parse_draft("default").proposer) == f"phrases:{default_draft_dir()}"
 
 
 def test_an_install_without_the_drafts_folder_falls_back_to_prompt_lookup(
-    default_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    default_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import modeling.model.store
 
@@ -57,12 +60,23 @@ def test_up_hands_the_api_key_file_and_the_tenant_scope_to_the_gateway(tmp_path:
 
 def test_lookups_speculate_in_larger_steps_and_longer_drafts_than_drafts_that_run_a_model() -> None:
     """The scheduler's caps unless told, from the kind the draft service's hello names (however the stack started)."""
-    config = SchedulerConfig(gateway_address="", worker_address="", model_name="m", max_model_len=64,
-                             max_num_batched_tokens=64, max_num_seqs=8, max_queue_len=8, no_worker_timeout_s=1.0,
-                             heartbeat_timeout_s=1.0, step_timeout_s=1.0)
+    config = SchedulerConfig(
+        gateway_address="",
+        worker_address="",
+        model_name="m",
+        max_model_len=64,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        max_queue_len=8,
+        no_worker_timeout_s=1.0,
+        heartbeat_timeout_s=1.0,
+        step_timeout_s=1.0,
+    )
     for proposer in ("ngram", "phrases:/d"):
         assert speculation_caps(config, DraftSpec.parse(proposer, flag="--draft").kind.value) == (6, 16)
-    assert speculation_caps(config, parse_draft("default").proposer.kind.value) == speculation_caps(config, "") == (6, 16)
+    assert (
+        speculation_caps(config, parse_draft("default").proposer.kind.value) == speculation_caps(config, "") == (6, 16)
+    )
     for proposer in ("eagle+ngram:/d", "eagle+phrases:/d", "model:/d"):
         assert speculation_caps(config, DraftSpec.parse(proposer, flag="--draft").kind.value) == (6, 4)
     assert speculation_caps(config, "eagle") == (HEAD_DRAFT_TOKENS, 4)
@@ -89,29 +103,45 @@ def test_draft_names_are_checked_and_heads_get_the_target(tmp_path: Path) -> Non
 
 
 def test_the_heads_proposal_length_reaches_the_draft_service(tmp_path: Path) -> None:
-    command = _service_argvs("--draft", f"eagle+phrases:{tmp_path}", "--head-draft-tokens", "1", model=tmp_path / "model")["draft"]
+    command = _service_argvs(
+        "--draft", f"eagle+phrases:{tmp_path}", "--head-draft-tokens", "1", model=tmp_path / "model"
+    )["draft"]
     assert command[command.index("--head-draft-tokens") + 1] == "1"
     # Unless k is given, the draft service's own longest proposal (8) is past any k the scheduler asks for by default;
     # given, it is passed on, so that a lookup's proposal may still reach k.
     assert "--max-draft-tokens" not in command
-    command = _service_argvs("--draft", f"eagle+phrases:{tmp_path}", "--num-speculative-tokens", "7",
-                             model=tmp_path / "model")["draft"]
+    command = _service_argvs(
+        "--draft", f"eagle+phrases:{tmp_path}", "--num-speculative-tokens", "7", model=tmp_path / "model"
+    )["draft"]
     assert command[command.index("--max-draft-tokens") + 1] == "7"
 
 
-@pytest.mark.parametrize("draft, head_draft_tokens", [("ngram", "1"), ("eagle:{dir}", "1"), ("eagle+phrases:{dir}", "0")])
+@pytest.mark.parametrize(
+    "draft, head_draft_tokens", [("ngram", "1"), ("eagle:{dir}", "1"), ("eagle+phrases:{dir}", "0")]
+)
 def test_head_draft_tokens_is_refused_before_anything_starts_where_it_means_nothing(
-        tiny_llama_folder: Path, tmp_path: Path, draft: str, head_draft_tokens: str) -> None:
+    tiny_llama_folder: Path, tmp_path: Path, draft: str, head_draft_tokens: str
+) -> None:
     from specserve.cli import _run_up
 
-    args = _build_parser().parse_args(["up", "--model", str(tiny_llama_folder), "--draft", draft.format(dir=tmp_path),
-                                       "--head-draft-tokens", head_draft_tokens])
+    args = _build_parser().parse_args(
+        [
+            "up",
+            "--model",
+            str(tiny_llama_folder),
+            "--draft",
+            draft.format(dir=tmp_path),
+            "--head-draft-tokens",
+            head_draft_tokens,
+        ]
+    )
     with pytest.raises(SystemExit, match="--head-draft-tokens must be at least 1, with --draft eagle\\+ngram:PATH"):
         _run_up(args)
 
 
 def test_token_trees_are_on_unless_turned_off_and_only_phrases_take_the_switch(
-        tiny_llama_folder: Path, tmp_path: Path) -> None:
+    tiny_llama_folder: Path, tmp_path: Path
+) -> None:
     from specserve.cli import _run_up
 
     def draft_command(*argv: str) -> list[str]:
@@ -124,26 +154,34 @@ def test_token_trees_are_on_unless_turned_off_and_only_phrases_take_the_switch(
         _run_up(args)
 
 
-@pytest.mark.parametrize("flags, problem", [
-    (["--num-speculative-tokens", "-1"], "--num-speculative-tokens must be at least 0"),
-    (["--max-model-len", "0"], "--max-model-len must be at least 1"),
-    (["--max-model-len", "100000"], "exceeds the model's 128 positions"),
-    (["--max-num-seqs", "0"], "--max-num-seqs must be at least 1"), (["--kv-cache-memory", "0"], "--kv-cache-memory must be positive"),
-    (["--spec-draft-token-budget", "-3"], "--spec-draft-token-budget must be at least 0"),
-    (["--num-workers", "0"], "--num-workers must be at least 1"),
-    (["--port", "8000", "--http-port", "8000"], "--port and --http-port are both 8000"),
-    (["--port", "0"], "--port must be a port number"),
-    (["--device", "tpu"], "--device tpu: expected cpu or cuda"),
-    (["--draft", "default"], "was trained for a target with another vocabulary"),  # the shipped draft is the default model's
-    (["--keys", "/no/such/keys"], "--keys /no/such/keys: no such folder"),
-    (["--keys", "/tmp", "--insecure-loopback"], "--keys and --insecure-loopback exclude each other"),
-    (["--prefix-cache-scope", "tenant"], "tenants are told apart by their API keys, and none is given"),
-    (["--api-key-file", "/no/such/api-keys"], "--api-key-file /no/such/api-keys: cannot be read"),
-    (["--tls-keyfile", "/no/such/key.pem"], "--tls-certfile and --tls-keyfile go together"),
-    (["--allowed-origins", "app.example"], "--allowed-origins: 'app.example' is not an origin"),
-])
-def test_up_refuses_what_cannot_work_before_any_process_starts(tiny_llama_folder: Path, flags: list[str], problem: str,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "flags, problem",
+    [
+        (["--num-speculative-tokens", "-1"], "--num-speculative-tokens must be at least 0"),
+        (["--max-model-len", "0"], "--max-model-len must be at least 1"),
+        (["--max-model-len", "100000"], "exceeds the model's 128 positions"),
+        (["--max-num-seqs", "0"], "--max-num-seqs must be at least 1"),
+        (["--kv-cache-memory", "0"], "--kv-cache-memory must be positive"),
+        (["--spec-draft-token-budget", "-3"], "--spec-draft-token-budget must be at least 0"),
+        (["--num-workers", "0"], "--num-workers must be at least 1"),
+        (["--port", "8000", "--http-port", "8000"], "--port and --http-port are both 8000"),
+        (["--port", "0"], "--port must be a port number"),
+        (["--device", "tpu"], "--device tpu: expected cpu or cuda"),
+        (
+            ["--draft", "default"],
+            "was trained for a target with another vocabulary",
+        ),  # the shipped draft is the default model's
+        (["--keys", "/no/such/keys"], "--keys /no/such/keys: no such folder"),
+        (["--keys", "/tmp", "--insecure-loopback"], "--keys and --insecure-loopback exclude each other"),
+        (["--prefix-cache-scope", "tenant"], "tenants are told apart by their API keys, and none is given"),
+        (["--api-key-file", "/no/such/api-keys"], "--api-key-file /no/such/api-keys: cannot be read"),
+        (["--tls-keyfile", "/no/such/key.pem"], "--tls-certfile and --tls-keyfile go together"),
+        (["--allowed-origins", "app.example"], "--allowed-origins: 'app.example' is not an origin"),
+    ],
+)
+def test_up_refuses_what_cannot_work_before_any_process_starts(
+    tiny_llama_folder: Path, flags: list[str], problem: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import specserve.cli
     import specserve.up
 
@@ -154,8 +192,9 @@ def test_up_refuses_what_cannot_work_before_any_process_starts(tiny_llama_folder
         specserve.cli._run_up(args)
 
 
-def test_up_gives_up_when_nothing_serves_within_the_ready_timeout(tiny_llama_folder: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_up_gives_up_when_nothing_serves_within_the_ready_timeout(
+    tiny_llama_folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     import specserve.cli
     import specserve.up
 
@@ -177,7 +216,9 @@ def test_up_gives_up_when_nothing_serves_within_the_ready_timeout(tiny_llama_fol
 
     monkeypatch.setattr(specserve.up, "Supervisor", NeverReady)
     monkeypatch.setattr(specserve.up, "stack_serving", lambda config, addresses: False)
-    args = _build_parser().parse_args(["up", "--model", str(tiny_llama_folder), "--draft", "ngram", "--ready-timeout-s", "0.2"])
+    args = _build_parser().parse_args(
+        ["up", "--model", str(tiny_llama_folder), "--draft", "ngram", "--ready-timeout-s", "0.2"]
+    )
     assert specserve.cli._run_up(args) == 1
     assert stopped and "not serving within 0.2 s (--ready-timeout-s)" in capsys.readouterr().err
 
@@ -193,7 +234,10 @@ def test_the_draft_service_checks_its_proposer_arguments() -> None:
     both = config("--proposer", "eagle+ngram:/d", "--target-model", "/t", "--head-draft-tokens", "2")
     assert both.proposer == DraftSpec(DraftKind.EAGLE_NGRAM, Path("/d")) and both.head_draft_tokens == 2
     assert both.proposer.model_path == Path("/d") and both.process.worker_id == "draft-0"
-    assert both.token_trees and not config("--proposer", "phrases:/d", "--target-model", "/t", "--no-token-trees").token_trees
+    assert (
+        both.token_trees
+        and not config("--proposer", "phrases:/d", "--target-model", "/t", "--no-token-trees").token_trees
+    )
     with pytest.raises(ValueError, match="needs --target-model"):
         config("--proposer", "eagle+ngram:/d")
     assert config("--proposer", "phrases:/d", "--target-model", "/t").proposer.model_path == Path("/d")
@@ -210,7 +254,16 @@ def test_the_draft_service_checks_its_proposer_arguments() -> None:
 
 
 def test_a_draft_spec_is_parsed_once_and_says_what_its_kind_needs() -> None:
-    for text in ("ngram", "phrases:/d", "eagle:/d", "eagle+ngram:/d", "eagle+phrases:/d", "model:/d", "random:7", "replay:/f.json"):
+    for text in (
+        "ngram",
+        "phrases:/d",
+        "eagle:/d",
+        "eagle+ngram:/d",
+        "eagle+phrases:/d",
+        "model:/d",
+        "random:7",
+        "replay:/f.json",
+    ):
         assert str(DraftSpec.parse(text, flag="--proposer")) == text
     for bad in ("", "ngram:x", "eagle", "model:", "random:x", "tree:/d"):
         with pytest.raises(ValueError, match=f"--proposer {bad!r}"):
@@ -250,7 +303,9 @@ def test_every_service_is_given_the_key_folder() -> None:
         assert argv[argv.index("--keys") + 1] == "/keys" and "--insecure-loopback" not in argv
 
 
-def test_up_without_keys_given_makes_a_private_folder_for_its_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_up_without_keys_given_makes_a_private_folder_for_its_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     import specserve.up
 
     seen: list[tuple[str, ...]] = []
@@ -266,5 +321,15 @@ def test_up_without_keys_given_makes_a_private_folder_for_its_run(monkeypatch: p
     config = stack_config(args, model=tmp_path, max_model_len=64, draft=None, device="cpu", dtype="float32")
     up = specserve.up.UpConfig(stack=dataclasses.replace(config, keys=None), draft_name="none", ready_timeout_s=1.0)
     assert specserve.up.run_up(up) == 0
-    assert seen == [("authorized/gateway/gateway.key", "authorized/worker/worker.key", "gateway.key",
-                     "gateway.key_secret", "scheduler.key", "scheduler.key_secret", "worker.key", "worker.key_secret")]
+    assert seen == [
+        (
+            "authorized/gateway/gateway.key",
+            "authorized/worker/worker.key",
+            "gateway.key",
+            "gateway.key_secret",
+            "scheduler.key",
+            "scheduler.key_secret",
+            "worker.key",
+            "worker.key_secret",
+        )
+    ]

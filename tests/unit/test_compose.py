@@ -32,8 +32,14 @@ def _resolve(**variables: str) -> dict:  # type: ignore[type-arg]
     compose = shutil.which("docker-compose")
     assert compose, "docker-compose (Debian package) is needed to parse the compose file; `make setup` installs it"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECSERVE_")} | variables
-    out = subprocess.run([compose, "-f", str(ROOT / "docker-compose.yml"), "config"], capture_output=True, text=True,
-                         check=True, env=env, cwd=ROOT)
+    out = subprocess.run(
+        [compose, "-f", str(ROOT / "docker-compose.yml"), "config"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+        cwd=ROOT,
+    )
     config: dict = yaml.safe_load(out.stdout)  # type: ignore[type-arg]
     return config
 
@@ -45,8 +51,11 @@ def resolved() -> dict:  # type: ignore[type-arg]
 
 
 def _service_parser(name: str) -> argparse.ArgumentParser:
-    parsers = {"scheduler": scheduler.config.add_arguments, "worker": gpu_worker.config.add_arguments,
-               "draft": draft_service.config.add_arguments}
+    parsers = {
+        "scheduler": scheduler.config.add_arguments,
+        "worker": gpu_worker.config.add_arguments,
+        "draft": draft_service.config.add_arguments,
+    }
     if name == "gateway":
         return gateway.config.build_parser()
     parser = argparse.ArgumentParser(prog=name, exit_on_error=False)
@@ -106,23 +115,36 @@ def test_cpu_workers_by_default_and_a_gpu_profile_with_one_device_each(resolved:
         assert "--status-file" in command and "healthcheck" in worker
         assert worker["depends_on"]["scheduler"]["condition"] == "service_healthy"
         assert worker["deploy"]["replicas"] == 1
-    assert services["gateway"]["healthcheck"]["test"][2:] == ["healthcheck", "--ready", "127.0.0.1:8000",
-                                                              "--tls-certfile", ""]
+    assert services["gateway"]["healthcheck"]["test"][2:] == [
+        "healthcheck",
+        "--ready",
+        "127.0.0.1:8000",
+        "--tls-certfile",
+        "",
+    ]
 
 
 def test_tls_files_reach_the_gateway_and_its_health_check_asks_over_https(keys: Path) -> None:
     """Unset, the gateway serves plain TCP (its empty flags are no files); set, the folder is mounted where the files
     are named, and the health check speaks HTTPS."""
     plain = _service_parser("gateway").parse_args(
-        [str(keys) if part == "/keys" else part for part in _resolve()["services"]["gateway"]["command"][1:]])
+        [str(keys) if part == "/keys" else part for part in _resolve()["services"]["gateway"]["command"][1:]]
+    )
     assert (plain.tls_certfile, plain.tls_keyfile, plain.tls_ca_certfile) == (None, None, None)
-    gateway_service = _resolve(SPECSERVE_TLS_DIR="/srv/tls", SPECSERVE_TLS_CERTFILE="/tls/server.pem",
-                               SPECSERVE_TLS_KEYFILE="/tls/server.key",
-                               SPECSERVE_TLS_CA_CERTFILE="/tls/clients.pem")["services"]["gateway"]
+    gateway_service = _resolve(
+        SPECSERVE_TLS_DIR="/srv/tls",
+        SPECSERVE_TLS_CERTFILE="/tls/server.pem",
+        SPECSERVE_TLS_KEYFILE="/tls/server.key",
+        SPECSERVE_TLS_CA_CERTFILE="/tls/clients.pem",
+    )["services"]["gateway"]
     args = _service_parser("gateway").parse_args(
-        [str(keys) if part == "/keys" else part for part in gateway_service["command"][1:]])
+        [str(keys) if part == "/keys" else part for part in gateway_service["command"][1:]]
+    )
     assert (args.tls_certfile, args.tls_keyfile, args.tls_ca_certfile) == (
-        Path("/tls/server.pem"), Path("/tls/server.key"), Path("/tls/clients.pem"))
+        Path("/tls/server.pem"),
+        Path("/tls/server.key"),
+        Path("/tls/clients.pem"),
+    )
     assert "/srv/tls:/tls:ro" in gateway_service["volumes"]
     health = _build_parser().parse_args(gateway_service["healthcheck"]["test"][2:])
     assert (health.ready, health.tls_certfile) == ("127.0.0.1:8000", "/tls/server.pem")
@@ -145,8 +167,12 @@ def test_the_worker_count_sizes_the_workers_and_the_draft_service(keys: Path) ->
 
 
 def test_another_model_is_mounted_and_named_by_variables() -> None:
-    services = _resolve(SPECSERVE_MODELS_DIR="/srv/models", SPECSERVE_MODEL="/models/Qwen", SPECSERVE_DRAFT="ngram",
-                        SPECSERVE_MODEL_NAME="qwen")["services"]
+    services = _resolve(
+        SPECSERVE_MODELS_DIR="/srv/models",
+        SPECSERVE_MODEL="/models/Qwen",
+        SPECSERVE_DRAFT="ngram",
+        SPECSERVE_MODEL_NAME="qwen",
+    )["services"]
     for name in ("worker", "gpu-worker", "draft", "gateway"):
         command = services[name]["command"]
         flag = "--target-model" if name == "draft" else "--model"
@@ -160,8 +186,10 @@ def test_another_model_is_mounted_and_named_by_variables() -> None:
 def test_lifecycle_settings_match_the_processes(resolved: dict) -> None:  # type: ignore[type-arg]
     """Stop grace longer than the drains (30 s), a fresh process after a dismissal (exit 3) or a failed start."""
     assert EXIT_DISMISSED != 0
-    drain_s = max(gateway.config.build_parser().parse_args(["--model", "m"]).shutdown_grace_s,
-                  _service_parser("worker").parse_args(["--model", "m"]).drain_timeout_s)
+    drain_s = max(
+        gateway.config.build_parser().parse_args(["--model", "m"]).shutdown_grace_s,
+        _service_parser("worker").parse_args(["--model", "m"]).drain_timeout_s,
+    )
     for name, service in resolved["services"].items():
         if name == "keys":
             assert service["restart"] == "no"
@@ -180,7 +208,9 @@ def test_every_service_on_the_sockets_reads_the_keys_made_before_it_starts(resol
             assert command[command.index("--keys") + 1] == "/keys", name
             assert "--insecure-loopback" not in command, name
             assert service["depends_on"]["keys"]["condition"] == "service_completed_successfully", name
-            assert any(str(volume).endswith(":/keys") or str(volume).endswith(":/keys:rw") for volume in service["volumes"]), name
+            assert any(
+                str(volume).endswith(":/keys") or str(volume).endswith(":/keys:rw") for volume in service["volumes"]
+            ), name
 
 
 def test_every_service_reads_the_keys_as_the_user_that_made_them(resolved: dict) -> None:  # type: ignore[type-arg]

@@ -67,14 +67,19 @@ def _steps(dtype: torch.dtype) -> list[torch.Tensor]:
     cache = _kv(model.config, 4, dtype)
     prompt = [(13 * i + 5) % 300 for i in range(150)]
     first = _step(model, cache, [SeqSpan(S(1), 0, prompt, 1), SeqSpan(S(2), 0, [7] * 40, 40)])
-    second = _step(model, cache, [SeqSpan(S(1), 150, [3], 1), SeqSpan(S(2), 40, [4, 5, 6, 7, 8], 5),
-                                  SeqSpan(S(3), 0, [9] * 20, 1)])
+    second = _step(
+        model, cache, [SeqSpan(S(1), 150, [3], 1), SeqSpan(S(2), 40, [4, 5, 6, 7, 8], 5), SeqSpan(S(3), 0, [9] * 20, 1)]
+    )
     return [first, second]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_steps_rows_have_the_same_bits_on_any_number_of_threads(ops, neighbour: str, threads_restored: None,  # type: ignore[no-untyped-def]
-                                                                  dtype: torch.dtype) -> None:
+def test_a_steps_rows_have_the_same_bits_on_any_number_of_threads(
+    ops,
+    neighbour: str,
+    threads_restored: None,  # type: ignore[no-untyped-def]
+    dtype: torch.dtype,
+) -> None:
     with one_thread():
         expected = _steps(dtype)
     for threads in THREAD_COUNTS:
@@ -86,8 +91,12 @@ def test_a_steps_rows_have_the_same_bits_on_any_number_of_threads(ops, neighbour
 
 
 @pytest.mark.parametrize("block_format", [None, "q4_1", "q8_0"])
-def test_every_row_of_a_call_is_the_row_alone_on_any_number_of_threads(ops, neighbour: str, threads_restored: None,  # type: ignore[no-untyped-def]
-                                                                       block_format: str | None) -> None:
+def test_every_row_of_a_call_is_the_row_alone_on_any_number_of_threads(
+    ops,
+    neighbour: str,
+    threads_restored: None,  # type: ignore[no-untyped-def]
+    block_format: str | None,
+) -> None:
     """modeling/kernels/invariance.py's probe (every row count 1 .. 513, each row against itself alone), on each count."""
     linear = PackedLinear(ops)
     pack = linear.pack if block_format is None else block_probe(linear, block_format)
@@ -97,8 +106,9 @@ def test_every_row_of_a_call_is_the_row_alone_on_any_number_of_threads(ops, neig
         assert problem is None, f"{neighbour}, {threads} threads, {block_format or 'bfloat16'} weights: {problem}"
 
 
-def _linear_in_child(threads: int, weight: torch.Tensor, rows: torch.Tensor, expected: torch.Tensor,
-                     out: "multiprocessing.Queue[bool]") -> None:
+def _linear_in_child(
+    threads: int, weight: torch.Tensor, rows: torch.Tensor, expected: torch.Tensor, out: "multiprocessing.Queue[bool]"
+) -> None:
     linear = PackedLinear(native_ops())
     compute_on(threads, native=True)
     out.put(torch.equal(linear(rows, linear.pack(weight)), expected))
@@ -143,15 +153,24 @@ def _cgroup(tmp_path: Path, files: dict[str, str]) -> Path:
 
 
 def test_a_cgroup_v2_quota_is_the_least_along_the_path(tmp_path: Path) -> None:
-    root = _cgroup(tmp_path, {"cpu.max": "max 100000\n", "pods/cpu.max": "300000 100000\n",
-                              "pods/one/cpu.max": "150000 100000\n", "pods/one/two/cpu.max": "max 100000\n"})
+    root = _cgroup(
+        tmp_path,
+        {
+            "cpu.max": "max 100000\n",
+            "pods/cpu.max": "300000 100000\n",
+            "pods/one/cpu.max": "150000 100000\n",
+            "pods/one/two/cpu.max": "max 100000\n",
+        },
+    )
     assert cgroup_cpu_quota(root, "0::/pods/one/two\n") == 1.5
     assert cgroup_cpu_quota(root, "0::/pods\n") == 3.0
     assert cgroup_cpu_quota(root, "0::/\n") is None  # "max": no quota
 
 
 def test_a_cgroup_v1_quota_is_read_from_the_cpu_controller(tmp_path: Path) -> None:
-    root = _cgroup(tmp_path, {"cpu,cpuacct/job/cpu.cfs_quota_us": "50000\n", "cpu,cpuacct/job/cpu.cfs_period_us": "100000\n"})
+    root = _cgroup(
+        tmp_path, {"cpu,cpuacct/job/cpu.cfs_quota_us": "50000\n", "cpu,cpuacct/job/cpu.cfs_period_us": "100000\n"}
+    )
     assert cgroup_cpu_quota(root, "12:memory:/job\n4:cpu,cpuacct:/job\n") == 0.5
     unlimited = _cgroup(tmp_path / "other", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"})
     assert cgroup_cpu_quota(unlimited, "3:cpu:/\n") is None

@@ -51,8 +51,9 @@ def _reference_logits(folder: Path, token_ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([token_ids])).logits[0]  # [T, V]
 
 
-def _ours(folder: Path, num_slots: int = 4, native: str = "torch",
-          dtype: torch.dtype = torch.float32) -> tuple[DecoderModel, KVCache]:
+def _ours(
+    folder: Path, num_slots: int = 4, native: str = "torch", dtype: torch.dtype = torch.float32
+) -> tuple[DecoderModel, KVCache]:
     config = ModelConfig.from_folder(folder)
     ops = TORCH_OPS if native == "torch" else choose_ops(config, dtype, torch.device("cpu"))
     model = DecoderModel(config, dtype, ops=ops)
@@ -145,7 +146,9 @@ def test_a_token_tree_scores_every_node_as_its_own_branch(tiny_folder: Path, nat
     model, cache = _ours(tiny_folder, native=native)
     _step(model, cache, [SeqSpan(S(1), 0, prompt[:-1], 0)])
     company = [SeqSpan(S(0), 0, [5, 6, 7], 1)]  # another sequence in the step
-    out = _step(model, cache, [SeqSpan(S(1), len(prompt) - 1, [prompt[-1], *nodes], len(nodes) + 1, TREE_PARENTS), *company])
+    out = _step(
+        model, cache, [SeqSpan(S(1), len(prompt) - 1, [prompt[-1], *nodes], len(nodes) + 1, TREE_PARENTS), *company]
+    )
     torch.testing.assert_close(out[0], _reference_logits(tiny_folder, prompt)[-1], atol=1e-4, rtol=1e-4)
     for node in range(len(nodes)):
         reference = _reference_logits(tiny_folder, prompt + _branch(TREE_PARENTS, nodes, node))[-1]
@@ -185,9 +188,20 @@ def test_native_ops_give_the_logits_of_torch_ops(tiny_folder: Path, dtype: torch
 def _random_model(dtype: torch.dtype, max_len: int, num_layers: int = 2, **changes: Any) -> DecoderModel:
     """The default model's head shape (head_dim 64, 3 query heads per kv head: the kernels' vectorised path), random
     weights, on the native kernels; `changes` to the config."""
-    config = ModelConfig(vocab_size=300, hidden_size=192, intermediate_size=512, num_layers=num_layers, num_heads=3,
-                         num_kv_heads=1, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=max_len,
-                         tie_word_embeddings=True, attention_bias=False)
+    config = ModelConfig(
+        vocab_size=300,
+        hidden_size=192,
+        intermediate_size=512,
+        num_layers=num_layers,
+        num_heads=3,
+        num_kv_heads=1,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=max_len,
+        tie_word_embeddings=True,
+        attention_bias=False,
+    )
     config = dataclasses.replace(config, **changes)
     torch.manual_seed(0)
     model = DecoderModel(config, dtype, ops=choose_ops(config, dtype, torch.device("cpu")))
@@ -219,14 +233,20 @@ def test_a_prompt_gives_the_same_bits_however_it_is_chunked_and_batched(dtype: t
         caches.append((_held(cache.keys, 1, 300).clone(), _held(cache.values, 1, 300).clone()))
     for chunks, row, (keys, values) in zip(chunkings[1:], logits[1:], caches[1:]):
         assert torch.equal(row, logits[0]), f"the logits after chunks {chunks} differ"
-        assert torch.equal(keys, caches[0][0]) and torch.equal(values, caches[0][1]), f"the cache after chunks {chunks} differs"
+        assert torch.equal(keys, caches[0][0]) and torch.equal(values, caches[0][1]), (
+            f"the cache after chunks {chunks} differs"
+        )
 
 
-def test_the_engine_reports_whether_its_steps_are_batch_invariant(tiny_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_engine_reports_whether_its_steps_are_batch_invariant(
+    tiny_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from modeling.model.engine import ModelEngine
 
     config = ModelConfig.from_folder(tiny_folder)
-    engine = ModelEngine(tiny_folder, config, device="cpu", dtype="float32", num_pages=pages_for_slots(1, 64), max_len=64)
+    engine = ModelEngine(
+        tiny_folder, config, device="cpu", dtype="float32", num_pages=pages_for_slots(1, 64), max_len=64
+    )
     engine.load()
     engine.allocate()
     assert engine.ops.startswith("native") and engine.self_check() is None
@@ -235,7 +255,9 @@ def test_the_engine_reports_whether_its_steps_are_batch_invariant(tiny_folder: P
         raise KernelUnavailable("turned off for the test")
 
     monkeypatch.setattr("modeling.kernels.packing.native_ops", turned_off)
-    on_torch = ModelEngine(tiny_folder, config, device="cpu", dtype="float32", num_pages=pages_for_slots(1, 64), max_len=64)
+    on_torch = ModelEngine(
+        tiny_folder, config, device="cpu", dtype="float32", num_pages=pages_for_slots(1, 64), max_len=64
+    )
     on_torch.load()
     on_torch.allocate()
     assert on_torch.ops.startswith("torch")
@@ -245,7 +267,9 @@ def test_the_engine_reports_whether_its_steps_are_batch_invariant(tiny_folder: P
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("prompt_len", "num_drafts"), [(40, 5), (2000, 16)])
-def test_native_verify_rows_equal_the_decode_steps_they_stand_for(dtype: torch.dtype, prompt_len: int, num_drafts: int) -> None:
+def test_native_verify_rows_equal_the_decode_steps_they_stand_for(
+    dtype: torch.dtype, prompt_len: int, num_drafts: int
+) -> None:
     """Greedy speculation is lossless only if a verify step's rows are bit for bit the decode steps'.
 
     A random model with the default model's head shape (head_dim 64, 3 query heads per kv
@@ -262,14 +286,19 @@ def test_native_verify_rows_equal_the_decode_steps_they_stand_for(dtype: torch.d
     _step(model, decoded, [SeqSpan(S(1), 0, prompt, 1)])
     _step(model, verified, [SeqSpan(S(1), 0, prompt, 1), *other])
     step_rows = [_step(model, decoded, [SeqSpan(S(1), prompt_len + i, [t], 1)])[0] for i, t in enumerate(continuation)]
-    verify_rows = _step(model, verified, [SeqSpan(S(1), prompt_len, continuation, len(continuation)), SeqSpan(S(0), 3, [9], 1)])
+    verify_rows = _step(
+        model, verified, [SeqSpan(S(1), prompt_len, continuation, len(continuation)), SeqSpan(S(0), 3, [9], 1)]
+    )
     for i, row in enumerate(step_rows):
         assert torch.equal(row, verify_rows[i]), f"verify row {i} differs from its decode step"
 
     # A tree's nodes, bit for bit the decode steps of their own branches.
     nodes = [(37 * i + 11) % 300 for i in range(len(TREE_PARENTS))]
-    tree_rows = _step(model, verified, [SeqSpan(S(1), prompt_len, [continuation[0], *nodes], len(nodes) + 1, TREE_PARENTS),
-                                        SeqSpan(S(0), 4, [9], 1)])
+    tree_rows = _step(
+        model,
+        verified,
+        [SeqSpan(S(1), prompt_len, [continuation[0], *nodes], len(nodes) + 1, TREE_PARENTS), SeqSpan(S(0), 4, [9], 1)],
+    )
     assert torch.equal(tree_rows[0], step_rows[0])
     for node in range(len(nodes)):
         branch = _branch(TREE_PARENTS, nodes, node)
@@ -279,7 +308,9 @@ def test_native_verify_rows_equal_the_decode_steps_they_stand_for(dtype: torch.d
         assert torch.equal(row, tree_rows[1 + node]), f"tree node {node} differs from the decode step of its branch"
 
 
-def test_the_model_fingerprint_tells_apart_a_model_changed_in_one_tensor_only(tiny_llama_folder: Path, tmp_path: Path) -> None:
+def test_the_model_fingerprint_tells_apart_a_model_changed_in_one_tensor_only(
+    tiny_llama_folder: Path, tmp_path: Path
+) -> None:
     import shutil
 
     from modeling.model.config import model_fingerprint
@@ -313,15 +344,16 @@ def test_a_prefix_read_from_another_sequences_pages_gives_the_bits_of_computing_
     _step(model, cache, [SeqSpan(first_pages, 0, first, 1)])
     # The second sequence reads the first's 5 full pages and writes its own sixth.
     reusing = first_pages[:5] + (20,)
-    reused = _step(model, cache, [SeqSpan(reusing, 5 * page, second[5 * page:], 4), SeqSpan((30,), 0, [9, 9], 1)])
+    reused = _step(model, cache, [SeqSpan(reusing, 5 * page, second[5 * page :], 4), SeqSpan((30,), 0, [9, 9], 1)])
     computed = _step(model, cache, [SeqSpan(tuple(range(10, 16)), 0, second, 4)])
     assert torch.equal(reused[:4], computed)
     for store in (cache.keys, cache.values):
         assert torch.equal(store[:, 20, :, :4], store[:, 15, :, :4]), "the page written after the shared ones differs"
 
 
-def test_the_model_fingerprint_does_not_depend_on_how_the_files_spell_the_model(tiny_llama_folder: Path,
-                                                                                tmp_path: Path) -> None:
+def test_the_model_fingerprint_does_not_depend_on_how_the_files_spell_the_model(
+    tiny_llama_folder: Path, tmp_path: Path
+) -> None:
     """The other RoPE spelling, keys in another order, the weights in shards with an index: the same model."""
     from safetensors.torch import load_file, save_file
 
@@ -335,23 +367,40 @@ def test_the_model_fingerprint_does_not_depend_on_how_the_files_spell_the_model(
     (weights,) = tiny_llama_folder.glob("*.safetensors")
     tensors = load_file(weights)
     names = sorted(tensors)
-    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     for shard, members in shards.items():
         save_file({name: tensors[name] for name in members}, str(respelled / shard))
-    (respelled / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {}, "weight_map": {name: shard for shard, members in shards.items() for name in members}}))
+    (respelled / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {"metadata": {}, "weight_map": {name: shard for shard, members in shards.items() for name in members}}
+        )
+    )
     assert model_fingerprint(respelled) == model_fingerprint(tiny_llama_folder)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("changes", [
-    {},
-    # Qwen2's biases, Mistral-style sliding layers with a RoPE of their own, every projection with a bias
-    {"attention_bias": True, "o_bias": True, "mlp_bias": True, "sliding_layers": (True, False, True), "sliding_window": 7,
-     "local_rope_theta": 500.0},
-], ids=["llama", "biases-and-windows"])
-def test_the_layers_in_one_native_call_give_the_bits_of_the_op_by_op_loop(dtype: torch.dtype, changes: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        # Qwen2's biases, Mistral-style sliding layers with a RoPE of their own, every projection with a bias
+        {
+            "attention_bias": True,
+            "o_bias": True,
+            "mlp_bias": True,
+            "sliding_layers": (True, False, True),
+            "sliding_window": 7,
+            "local_rope_theta": 500.0,
+        },
+    ],
+    ids=["llama", "biases-and-windows"],
+)
+def test_the_layers_in_one_native_call_give_the_bits_of_the_op_by_op_loop(
+    dtype: torch.dtype, changes: dict[str, Any]
+) -> None:
     """The native decoder stack (csrc/layers.cpp) runs the ops of the Python loop in its order: every row, prefill,
     decode, verify and tree rows alike, and the cache it leaves are bit for bit the loop's."""
     model = _random_model(dtype, 256, num_layers=3, **changes)
@@ -382,7 +431,9 @@ def test_one_native_stack_serves_caches_in_turn_as_each_alone() -> None:
     fused = model.fused_layers
     assert fused is not None
     prompts = ([(7 * i) % 300 for i in range(30)], [(13 * i + 5) % 300 for i in range(19)])
-    steps = [[[SeqSpan(S(1), 0, prompt, 1)], [SeqSpan(S(1), len(prompt), [4 + i], 1)]] for i, prompt in enumerate(prompts)]
+    steps = [
+        [[SeqSpan(S(1), 0, prompt, 1)], [SeqSpan(S(1), len(prompt), [4 + i], 1)]] for i, prompt in enumerate(prompts)
+    ]
     caches = [_kv(model.config, 2, torch.bfloat16) for _ in prompts]
     in_turn: list[list[torch.Tensor]] = [[], []]
     for first, then in [(0, 1), (1, 0)]:  # each step of each cache, the two caches alternating
@@ -418,8 +469,9 @@ class _Timed:
 def test_a_long_native_step_lets_other_threads_run() -> None:
     """A worker's heartbeats come from a thread of its own (common/lifecycle_process.py): the kernels release the
     GIL, so a long step on a loaded machine does not silence them and get the worker declared dead."""
-    model = _random_model(torch.float32, 1024, num_layers=4, hidden_size=768, intermediate_size=2048, num_heads=12,
-                          num_kv_heads=4)
+    model = _random_model(
+        torch.float32, 1024, num_layers=4, hidden_size=768, intermediate_size=2048, num_heads=12, num_kv_heads=4
+    )
     model.fused_layers = _Timed(model.fused_layers)
     ticks: list[float] = []
     done = threading.Event()

@@ -45,11 +45,13 @@ def tiny_draft(tiny_llama_folder: Path, tmp_path_factory: pytest.TempPathFactory
     return head, folder
 
 
-def test_the_serving_engine_computes_what_the_training_head_computes(tiny_llama_folder: Path,
-                                                                      tiny_draft: tuple[EagleHead, Path]) -> None:
+def test_the_serving_engine_computes_what_the_training_head_computes(
+    tiny_llama_folder: Path, tiny_draft: tuple[EagleHead, Path]
+) -> None:
     head, folder = tiny_draft
-    engine = EagleEngine(folder, tiny_llama_folder, device="cpu", dtype="float32", num_pages=pages_for_slots(2, 64),
-                         max_len=64)
+    engine = EagleEngine(
+        folder, tiny_llama_folder, device="cpu", dtype="float32", num_pages=pages_for_slots(2, 64), max_len=64
+    )
     engine.load()
     engine.allocate()
     generator = torch.Generator().manual_seed(0)
@@ -62,20 +64,27 @@ def test_the_serving_engine_computes_what_the_training_head_computes(tiny_llama_
     torch.testing.assert_close(predicted, expected[:6], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits, head.draft_logits(expected[:6]), atol=1e-3, rtol=1e-4)
     for position in range(6, 9):
-        _, predicted = engine.forward([SeqSpan(slot_pages(1, 64), position, [int(tokens[position])], 1)], features[position : position + 1])
+        _, predicted = engine.forward(
+            [SeqSpan(slot_pages(1, 64), position, [int(tokens[position])], 1)], features[position : position + 1]
+        )
         torch.testing.assert_close(predicted[0], expected[position], atol=1e-4, rtol=1e-4)
-    assert engine.draft_vocab is not None and torch.equal(engine.draft_vocab[torch.tensor([0, 1, 5])], torch.tensor([0, 2, 10]))
+    assert engine.draft_vocab is not None and torch.equal(
+        engine.draft_vocab[torch.tensor([0, 1, 5])], torch.tensor([0, 2, 10])
+    )
 
 
-def test_a_draft_for_another_target_is_refused(tiny_llama_folder: Path, tiny_draft: tuple[EagleHead, Path],
-                                                tmp_path: Path) -> None:
+def test_a_draft_for_another_target_is_refused(
+    tiny_llama_folder: Path, tiny_draft: tuple[EagleHead, Path], tmp_path: Path
+) -> None:
     _, folder = tiny_draft
     assert check_target(folder, tiny_llama_folder).draft_vocab_size == 49
     other = _other_target(tiny_llama_folder, tmp_path)
     with pytest.raises(DraftMismatch, match="another target model"):
         check_target(folder, other)
     with pytest.raises(DraftMismatch, match="another target model"):
-        EagleProposer(folder, other, device="cpu", dtype="float32", num_seqs=1, max_len=64, max_draft_tokens=2, draft_top_k=4)
+        EagleProposer(
+            folder, other, device="cpu", dtype="float32", num_seqs=1, max_len=64, max_draft_tokens=2, draft_top_k=4
+        )
     config = json.loads((other / "config.json").read_text())
     config["vocab_size"] = 98
     (other / "config.json").write_text(json.dumps(config))
@@ -95,15 +104,17 @@ def _other_target(target: Path, tmp_path: Path) -> Path:
 
 
 def _built(folder: Path, target: Path, num_slots: int = 2) -> EagleProposer:
-    proposer = EagleProposer(folder, target, device="cpu", dtype="float32", num_seqs=num_slots, max_len=64,
-                             max_draft_tokens=4, draft_top_k=8)
+    proposer = EagleProposer(
+        folder, target, device="cpu", dtype="float32", num_seqs=num_slots, max_len=64, max_draft_tokens=4, draft_top_k=8
+    )
     for phase in proposer.phases():
         phase()
     return proposer
 
 
 def test_the_proposer_proposes_from_the_draft_vocabulary_and_follows_the_sequence(
-    tiny_llama_folder: Path, tiny_draft: tuple[EagleHead, Path],
+    tiny_llama_folder: Path,
+    tiny_draft: tuple[EagleHead, Path],
 ) -> None:
     head, folder = tiny_draft
     proposer = _built(folder, tiny_llama_folder)
@@ -149,20 +160,35 @@ def tiny_target_with_tokenizer(tiny_llama_folder: Path, tmp_path_factory: pytest
     shutil.copytree(tiny_llama_folder, folder)
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=97, special_tokens=["<unk>", "<eos>"], initial_alphabet=[], show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=97, special_tokens=["<unk>", "<eos>"], initial_alphabet=[], show_progress=False
+    )
     tokenizer.train_from_iterator(training_prompts(200), trainer)
     assert tokenizer.get_vocab_size() <= 97
     tokenizer.save(str(folder / "tokenizer.json"))
     return folder
 
 
-def test_a_short_distillation_lowers_the_loss_and_writes_a_draft_the_proposer_serves(tiny_target_with_tokenizer: Path,
-                                                                                      tmp_path: Path) -> None:
+def test_a_short_distillation_lowers_the_loss_and_writes_a_draft_the_proposer_serves(
+    tiny_target_with_tokenizer: Path, tmp_path: Path
+) -> None:
     tiny_llama_folder = tiny_target_with_tokenizer
     out = tmp_path / "distilled"
-    args = DistillArgs(target=tiny_llama_folder, out=out, dtype="float32", num_prompts=24, self_prompts=16, request_tokens=12,
-                       max_new_tokens=24,
-                       text_tokens=600, draft_vocab_size=64, steps=40, batch_sequences=8, lr=3e-3, checkpoint_every=20)
+    args = DistillArgs(
+        target=tiny_llama_folder,
+        out=out,
+        dtype="float32",
+        num_prompts=24,
+        self_prompts=16,
+        request_tokens=12,
+        max_new_tokens=24,
+        text_tokens=600,
+        draft_vocab_size=64,
+        steps=40,
+        batch_sequences=8,
+        lr=3e-3,
+        checkpoint_every=20,
+    )
     figures = run(args, log=lambda line: None)
     assert figures["train_cls_last"] < figures["train_cls_first"]
     # The target answered the 24 shipped requests and the 16 it wrote itself (all distinct here).
@@ -183,8 +209,12 @@ def test_a_short_distillation_lowers_the_loss_and_writes_a_draft_the_proposer_se
         phase()
     assert phrases.num_phrase_tokens == figures["phrase_tokens"]
     # Four distinct tokens (so prompt lookup finds nothing) followed by six more somewhere in the data.
-    context = next(seq[j : j + 4] for seq in (s["tokens"] for s in answered) for j in range(len(seq) - 10)
-                   if len(set(seq[j : j + 4])) == 4)
+    context = next(
+        seq[j : j + 4]
+        for seq in (s["tokens"] for s in answered)
+        for j in range(len(seq) - 10)
+        if len(set(seq[j : j + 4])) == 4
+    )
     expected = PhraseStore.from_sequences([s["tokens"] for s in answered]).continue_(context, 6)
     (from_phrases,) = hybrid.propose([ProposeInput("q", context, 0, 6, GREEDY, torch.randn(3, 64))])
     assert from_phrases.token_ids == expected and len(expected) > 2  # longer than the head's 2
@@ -199,8 +229,10 @@ def test_a_short_distillation_lowers_the_loss_and_writes_a_draft_the_proposer_se
     # The target is known by its fingerprints, not its path; how often checkpoints are written changes no result.
     moved = tmp_path / "moved-target"
     shutil.copytree(tiny_llama_folder, moved)
-    again = run(DistillArgs(**{**interrupted.__dict__, "resume": True, "target": moved, "checkpoint_every": 7}),
-                log=lambda line: None)
+    again = run(
+        DistillArgs(**{**interrupted.__dict__, "resume": True, "target": moved, "checkpoint_every": 7}),
+        log=lambda line: None,
+    )
     assert again["held_out_top1"] == pytest.approx(figures["held_out_top1"], abs=1e-3)
     (interrupted.out / "training" / "checkpoint.pt").write_bytes(b"half a file")  # a crash while it was written
     with pytest.raises(ResumeMismatch, match="cannot be read"):
@@ -224,10 +256,23 @@ def tiny_llama3_target(tiny_target_with_tokenizer: Path, tmp_path_factory: pytes
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(3)
     config = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    )
     folder = tmp_path_factory.mktemp("tiny_llama3") / "target"
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
     shutil.copy(tiny_target_with_tokenizer / "tokenizer.json", folder / "tokenizer.json")
@@ -237,14 +282,27 @@ def tiny_llama3_target(tiny_target_with_tokenizer: Path, tmp_path_factory: pytes
 
 def test_a_head_distilled_for_a_llama3_target_serves_what_it_learned(tiny_llama3_target: Path, tmp_path: Path) -> None:
     out = tmp_path / "distilled"
-    args = DistillArgs(target=tiny_llama3_target, out=out, dtype="float32", num_prompts=12, self_prompts=4,
-                       request_tokens=12, max_new_tokens=16, text_tokens=300, draft_vocab_size=64, steps=30,
-                       batch_sequences=8, lr=3e-3, checkpoint_every=30)
+    args = DistillArgs(
+        target=tiny_llama3_target,
+        out=out,
+        dtype="float32",
+        num_prompts=12,
+        self_prompts=4,
+        request_tokens=12,
+        max_new_tokens=16,
+        text_tokens=300,
+        draft_vocab_size=64,
+        steps=30,
+        batch_sequences=8,
+        lr=3e-3,
+        checkpoint_every=30,
+    )
     figures = run(args, log=lambda line: None)
     assert figures["train_cls_last"] < figures["train_cls_first"]
     # The serving engine, on the target's scaled RoPE, computes what the saved head computes in its training form.
-    engine = EagleEngine(out, tiny_llama3_target, device="cpu", dtype="float32", num_pages=pages_for_slots(1, 64),
-                         max_len=64)
+    engine = EagleEngine(
+        out, tiny_llama3_target, device="cpu", dtype="float32", num_pages=pages_for_slots(1, 64), max_len=64
+    )
     engine.load()
     engine.allocate()
     features = torch.randn(20, 64, generator=torch.Generator().manual_seed(2))
@@ -259,21 +317,30 @@ def test_a_head_distilled_for_a_llama3_target_serves_what_it_learned(tiny_llama3
     assert len(proposal.token_ids) == 3
 
 
-@pytest.mark.parametrize(("changes", "reason"), [
-    ({"model_type": "qwen3", "qk_norm": True}, "its qwen3 layers are not Llama's"),
-    ({"model_type": "gemma3_text", "gemma": True, "hidden_act": "gelu_pytorch_tanh"}, "its gemma3_text layers are not Llama's"),
-    ({"model_type": "mistral", "sliding_window": 16, "sliding_layers": (True, True, True)}, "sliding windows"),
-    ({"o_bias": True}, "biases"),
-    ({"tie_word_embeddings": False}, "not tied"),
-])
-def test_a_head_is_refused_for_a_target_whose_layers_it_does_not_copy(tiny_llama_folder: Path, changes: dict[str, Any],
-                                                                      reason: str) -> None:
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"model_type": "qwen3", "qk_norm": True}, "its qwen3 layers are not Llama's"),
+        (
+            {"model_type": "gemma3_text", "gemma": True, "hidden_act": "gelu_pytorch_tanh"},
+            "its gemma3_text layers are not Llama's",
+        ),
+        ({"model_type": "mistral", "sliding_window": 16, "sliding_layers": (True, True, True)}, "sliding windows"),
+        ({"o_bias": True}, "biases"),
+        ({"tie_word_embeddings": False}, "not tied"),
+    ],
+)
+def test_a_head_is_refused_for_a_target_whose_layers_it_does_not_copy(
+    tiny_llama_folder: Path, changes: dict[str, Any], reason: str
+) -> None:
     target = ModelConfig.from_folder(tiny_llama_folder)
     assert unsupported_target(target) == ""
     assert reason in unsupported_target(replace(target, **changes))
 
 
-def test_distill_refuses_arguments_that_cannot_work_before_any_work(tiny_target_with_tokenizer: Path, tmp_path: Path) -> None:
+def test_distill_refuses_arguments_that_cannot_work_before_any_work(
+    tiny_target_with_tokenizer: Path, tmp_path: Path
+) -> None:
     from specserve.cli import _build_parser
     from distill.arguments import check_arguments
 
@@ -293,14 +360,22 @@ def test_distill_refuses_arguments_that_cannot_work_before_any_work(tiny_target_
     ns = parser.parse_args(["distill", "--target", target, "--out", target])
     with pytest.raises(SystemExit):
         check_arguments(parser, ns)  # the draft's files would replace the target's
-    ok = check_arguments(parser, parser.parse_args(["distill", "--target", target, "--out", str(tmp_path / "out"),
-                                                    "--max-new-tokens", "32"]))
+    ok = check_arguments(
+        parser,
+        parser.parse_args(["distill", "--target", target, "--out", str(tmp_path / "out"), "--max-new-tokens", "32"]),
+    )
     assert ok.device == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_the_target_writes_requests_reproducibly_up_to_a_stop_id_or_the_length(tiny_llama_folder: Path) -> None:
-    engine = ModelEngine(tiny_llama_folder, ModelConfig.from_folder(tiny_llama_folder), device="cpu", dtype="float32",
-                         num_pages=pages_for_slots(4, 64), max_len=64)
+    engine = ModelEngine(
+        tiny_llama_folder,
+        ModelConfig.from_folder(tiny_llama_folder),
+        device="cpu",
+        dtype="float32",
+        num_pages=pages_for_slots(4, 64),
+        max_len=64,
+    )
     engine.load()
     engine.allocate()
     starts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10], [11]]  # more starts than slots: two groups
@@ -317,7 +392,8 @@ def test_the_target_writes_requests_reproducibly_up_to_a_stop_id_or_the_length(t
 
 
 def test_lookup_then_head_looks_up_repeats_and_asks_the_head_elsewhere_which_catches_up(
-    tiny_llama_folder: Path, tiny_draft: tuple[EagleHead, Path],
+    tiny_llama_folder: Path,
+    tiny_draft: tuple[EagleHead, Path],
 ) -> None:
     _, folder = tiny_draft
     hybrid = LookupThenHead(_built(folder, tiny_llama_folder), NgramProposer(2, 4), head_tokens=2)
@@ -346,7 +422,9 @@ def test_lookup_then_head_looks_up_repeats_and_asks_the_head_elsewhere_which_cat
 
 
 def test_the_phrase_proposer_looks_up_the_prompt_first_then_the_targets_phrases_and_checks_its_folder(
-    tiny_llama_folder: Path, tiny_draft: tuple[EagleHead, Path], tmp_path: Path,
+    tiny_llama_folder: Path,
+    tiny_draft: tuple[EagleHead, Path],
+    tmp_path: Path,
 ) -> None:
     _, made = tiny_draft
     folder = tmp_path / "draft"
@@ -381,7 +459,9 @@ def _ready(proposer: PhraseProposer) -> PhraseProposer:
 
 
 def test_the_phrase_proposer_guesses_a_token_tree_of_its_likeliest_branches(
-    tiny_llama_folder: Path, tiny_draft: tuple[EagleHead, Path], tmp_path: Path,
+    tiny_llama_folder: Path,
+    tiny_draft: tuple[EagleHead, Path],
+    tmp_path: Path,
 ) -> None:
     folder = tmp_path / "draft"
     shutil.copytree(tiny_draft[1], folder)
@@ -407,7 +487,9 @@ def test_the_phrase_proposer_guesses_a_token_tree_of_its_likeliest_branches(
 
 
 def test_the_service_builds_each_distilled_kind_from_one_folder(
-    tiny_llama_folder: Path, tiny_draft: tuple[EagleHead, Path], tmp_path: Path,
+    tiny_llama_folder: Path,
+    tiny_draft: tuple[EagleHead, Path],
+    tmp_path: Path,
 ) -> None:
     from draft_service.config import add_arguments, from_arguments
     from common.defaults import HEAD_DRAFT_TOKENS
@@ -420,9 +502,25 @@ def test_the_service_builds_each_distilled_kind_from_one_folder(
     def built(kind: str) -> Proposer:
         parser = argparse.ArgumentParser()
         add_arguments(parser)
-        config = from_arguments(parser.parse_args(["--proposer", f"{kind}:{folder}", "--target-model", str(tiny_llama_folder),
-                                                   "--dtype", "float32", "--max-model-len", "64", "--num-seqs", "2",
-                                                   "--max-draft-tokens", "4", "--insecure-loopback"]))
+        config = from_arguments(
+            parser.parse_args(
+                [
+                    "--proposer",
+                    f"{kind}:{folder}",
+                    "--target-model",
+                    str(tiny_llama_folder),
+                    "--dtype",
+                    "float32",
+                    "--max-model-len",
+                    "64",
+                    "--num-seqs",
+                    "2",
+                    "--max-draft-tokens",
+                    "4",
+                    "--insecure-loopback",
+                ]
+            )
+        )
         assert config.proposer.runs_model == (kind != "phrases")
         proposer = make_proposer(config)
         for phase in proposer.phases():

@@ -18,15 +18,26 @@ def test_entries_for_phases_and_steps_are_parsed() -> None:
     assert parse_faults("worker-0:WARMING:hang")[0].phase is State.WARMING  # the lifecycle's own phase names
 
 
-@pytest.mark.parametrize("bad", ["worker-0:LOADING", "worker-0:READY:raise", "worker-0:step=0:raise",
-                                 "worker-0:step=2:explode", "worker-0:LOADING:slow", "worker-0:LOADING:raise=1"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "worker-0:LOADING",
+        "worker-0:READY:raise",
+        "worker-0:step=0:raise",
+        "worker-0:step=2:explode",
+        "worker-0:LOADING:slow",
+        "worker-0:LOADING:raise=1",
+    ],
+)
 def test_a_bad_entry_is_refused_naming_the_setting(bad: str) -> None:
     with pytest.raises(ValueError, match=ENV_VAR):
         parse_faults(bad)
 
 
 def test_only_the_named_process_at_the_named_point_is_hit() -> None:
-    injector = FaultInjector("worker-1", {ENV_VAR: "worker-0:LOADING:raise;worker-1:WARMING:raise;worker-1:step=3:raise"})
+    injector = FaultInjector(
+        "worker-1", {ENV_VAR: "worker-0:LOADING:raise;worker-1:WARMING:raise;worker-1:step=3:raise"}
+    )
     injector.at_phase("LOADING")  # worker-0's fault
     injector.at_step(2)
     with pytest.raises(InjectedFault, match="in WARMING"):

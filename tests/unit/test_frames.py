@@ -30,10 +30,22 @@ LONGEST_STATE = max((state for state in State), key=lambda state: len(state.valu
 
 # The scheduler's defaults, and a small stack's settings with the widest features.
 SCHEDULER_LIMITS = [
-    frames.FrameLimits(max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=512, max_draft_tokens=6,
-                       max_propose_seqs=16, feature_width=576),
-    frames.FrameLimits(max_model_len=64, max_num_seqs=3, max_num_batched_tokens=40, max_draft_tokens=m.MAX_DRAFT_TOKENS,
-                       max_propose_seqs=3, feature_width=m.MAX_FEATURE_WIDTH),
+    frames.FrameLimits(
+        max_model_len=2048,
+        max_num_seqs=256,
+        max_num_batched_tokens=512,
+        max_draft_tokens=6,
+        max_propose_seqs=16,
+        feature_width=576,
+    ),
+    frames.FrameLimits(
+        max_model_len=64,
+        max_num_seqs=3,
+        max_num_batched_tokens=40,
+        max_draft_tokens=m.MAX_DRAFT_TOKENS,
+        max_propose_seqs=3,
+        feature_width=m.MAX_FEATURE_WIDTH,
+    ),
 ]
 
 
@@ -58,9 +70,14 @@ def logprob() -> m.TokenLogprob:
 
 
 def sampling() -> m.SamplingParams:
-    penalties = m.Penalties(presence=-2.0, frequency=-2.0, repetition=100.0,
-                            logit_bias={BIG - i: -100.0 for i in range(m.MAX_LOGIT_BIAS_ENTRIES)},
-                            min_tokens=BIG, stop_token_ids=[BIG] * m.MAX_STOP_TOKEN_IDS)
+    penalties = m.Penalties(
+        presence=-2.0,
+        frequency=-2.0,
+        repetition=100.0,
+        logit_bias={BIG - i: -100.0 for i in range(m.MAX_LOGIT_BIAS_ENTRIES)},
+        min_tokens=BIG,
+        stop_token_ids=[BIG] * m.MAX_STOP_TOKEN_IDS,
+    )
     return m.SamplingParams(temperature=1e4, top_p=1e-300, top_k=BIG, seed=BIG, penalties=penalties)
 
 
@@ -81,9 +98,18 @@ def shares(total: int, parts: int) -> list[int]:
 def test_the_largest_messages_from_a_gateway_fit_the_schedulers_gateway_socket(max_model_len: int) -> None:
     bound = frames.gateway_to_scheduler(max_model_len)
     submit = m.SubmitRequest(
-        request_id=text(m.MAX_REQUEST_ID_CHARS), prompt_token_ids=[BIG] * max_model_len, max_tokens=BIG,
-        sampling=sampling(), stop_token_ids=[BIG] * m.MAX_STOP_TOKEN_IDS, seed_given=False, logprobs=BIG,
-        prompt_logprobs=BIG, resumed_tokens=BIG, grammar=text(m.MAX_GRAMMAR_CHARS), cache_salt=text(m.MAX_CACHE_SALT_CHARS))
+        request_id=text(m.MAX_REQUEST_ID_CHARS),
+        prompt_token_ids=[BIG] * max_model_len,
+        max_tokens=BIG,
+        sampling=sampling(),
+        stop_token_ids=[BIG] * m.MAX_STOP_TOKEN_IDS,
+        seed_given=False,
+        logprobs=BIG,
+        prompt_logprobs=BIG,
+        resumed_tokens=BIG,
+        grammar=text(m.MAX_GRAMMAR_CHARS),
+        cache_salt=text(m.MAX_CACHE_SALT_CHARS),
+    )
     largest = fits(submit, bound)
     fits(m.AbortRequest(text(m.MAX_REQUEST_ID_CHARS), text(m.MAX_REASON_CHARS)), bound)
     fits(m.GatewayHello(text(m.MAX_NAME_CHARS), BIG, text(m.MAX_NAME_CHARS)), bound)
@@ -98,21 +124,67 @@ def test_the_largest_messages_from_a_gateway_fit_the_schedulers_gateway_socket(m
 def test_the_largest_messages_to_a_gateway_fit_its_socket() -> None:
     bound = frames.scheduler_to_gateway()
     num_tokens = m.MAX_DRAFT_TOKENS + 1
-    delta = m.TokenDelta(text(m.MAX_REQUEST_ID_CHARS), [BIG] * num_tokens, "length", BIG, BIG, BIG, BIG, BIG, BIG,
-                         logprobs=[logprob()] * num_tokens, prompt_logprobs=[logprob()] * m.MAX_PROMPT_LOGPROBS_PER_DELTA)
+    delta = m.TokenDelta(
+        text(m.MAX_REQUEST_ID_CHARS),
+        [BIG] * num_tokens,
+        "length",
+        BIG,
+        BIG,
+        BIG,
+        BIG,
+        BIG,
+        BIG,
+        logprobs=[logprob()] * num_tokens,
+        prompt_logprobs=[logprob()] * m.MAX_PROMPT_LOGPROBS_PER_DELTA,
+    )
     process = m.ProcessInfo(
-        process_id=text(m.MAX_NAME_CHARS), role="target", state=LONGEST_STATE, incarnation=BIG, heartbeat_age_s=1e300,
-        num_used_kv_pages=BIG, num_kv_pages=BIG, kv_page_size=BIG, num_running=BIG, failure=text(m.MAX_REASON_CHARS),
-        protocol_errors=error_counts(), num_cached_kv_pages=BIG, prefix_cache_queried_tokens=BIG,
-        prefix_cache_hit_tokens=BIG, num_preemptions=BIG, kernels=text(m.MAX_KERNELS_CHARS), batch_invariant=True,
-        step_ms_per_row_by_range=[1e300] * 3)
+        process_id=text(m.MAX_NAME_CHARS),
+        role="target",
+        state=LONGEST_STATE,
+        incarnation=BIG,
+        heartbeat_age_s=1e300,
+        num_used_kv_pages=BIG,
+        num_kv_pages=BIG,
+        kv_page_size=BIG,
+        num_running=BIG,
+        failure=text(m.MAX_REASON_CHARS),
+        protocol_errors=error_counts(),
+        num_cached_kv_pages=BIG,
+        prefix_cache_queried_tokens=BIG,
+        prefix_cache_hit_tokens=BIG,
+        num_preemptions=BIG,
+        kernels=text(m.MAX_KERNELS_CHARS),
+        batch_invariant=True,
+        step_ms_per_row_by_range=[1e300] * 3,
+    )
     by_position = {k: BIG for k in range(num_tokens)}
     sources = {name: m.SourceAcceptance(BIG, BIG, BIG, [1e300] * m.MAX_DRAFT_TOKENS) for name in m.PROPOSAL_SOURCES}
-    speculation = m.SpeculationInfo(BIG, BIG, BIG, BIG, 1e300, 1e300, steps_by_k=by_position,
-                                    proposed_by_position=by_position, accepted_by_position=by_position,
-                                    sources=sources, policy=text(m.MAX_NAME_CHARS))
-    info = m.InfoReply(BIG, text(m.MAX_NAME_CHARS), BIG, BIG, BIG, [process] * m.MAX_LISTED_PROCESSES, speculation,
-                       protocol_errors=error_counts(), num_gateways=BIG, num_gone_gateways=BIG, num_orphaned_requests=BIG)
+    speculation = m.SpeculationInfo(
+        BIG,
+        BIG,
+        BIG,
+        BIG,
+        1e300,
+        1e300,
+        steps_by_k=by_position,
+        proposed_by_position=by_position,
+        accepted_by_position=by_position,
+        sources=sources,
+        policy=text(m.MAX_NAME_CHARS),
+    )
+    info = m.InfoReply(
+        BIG,
+        text(m.MAX_NAME_CHARS),
+        BIG,
+        BIG,
+        BIG,
+        [process] * m.MAX_LISTED_PROCESSES,
+        speculation,
+        protocol_errors=error_counts(),
+        num_gateways=BIG,
+        num_gone_gateways=BIG,
+        num_orphaned_requests=BIG,
+    )
     largest = max(fits(m.TokenDeltas([delta] * m.MAX_DELTAS_PER_FRAME), bound), fits(info, bound))
     fits(m.RequestError(text(m.MAX_REQUEST_ID_CHARS), "RESOURCE_EXHAUSTED", text(m.MAX_REASON_CHARS)), bound)
     assert_tight(largest, bound)
@@ -122,21 +194,35 @@ def test_the_largest_messages_to_a_gateway_fit_its_socket() -> None:
 def test_the_largest_messages_from_a_worker_fit_the_schedulers_worker_socket(limits: frames.FrameLimits) -> None:
     bound = frames.worker_to_scheduler(limits)
     k, num_seqs = limits.max_draft_tokens, limits.max_num_seqs
-    output = m.SeqOutput(text(m.MAX_REQUEST_ID_CHARS), [BIG] * (k + 1), [BIG] * k, [logprob()] * (k + 1),
-                         [BIG] * m.MAX_DRAFT_TOKENS, True)
+    output = m.SeqOutput(
+        text(m.MAX_REQUEST_ID_CHARS),
+        [BIG] * (k + 1),
+        [BIG] * k,
+        [logprob()] * (k + 1),
+        [BIG] * m.MAX_DRAFT_TOKENS,
+        True,
+    )
     # The step's tokens (decodes with what their grammars force, then prompt chunks) stand, each with its features.
-    features = [m.SeqFeatures(text(m.MAX_REQUEST_ID_CHARS),
-                              m.FeatureRows(BIG, rows, BIG, "bfloat16", bytes(rows * limits.feature_width * 4)))
-                for rows in shares(limits.max_step_tokens, num_seqs)]
-    scored = [m.PromptLogprobs(text(m.MAX_REQUEST_ID_CHARS), BIG, [logprob()] * entries)
-              for entries in shares(limits.max_num_batched_tokens, num_seqs)]
+    features = [
+        m.SeqFeatures(
+            text(m.MAX_REQUEST_ID_CHARS),
+            m.FeatureRows(BIG, rows, BIG, "bfloat16", bytes(rows * limits.feature_width * 4)),
+        )
+        for rows in shares(limits.max_step_tokens, num_seqs)
+    ]
+    scored = [
+        m.PromptLogprobs(text(m.MAX_REQUEST_ID_CHARS), BIG, [logprob()] * entries)
+        for entries in shares(limits.max_num_batched_tokens, num_seqs)
+    ]
     result = m.StepResult(text(m.MAX_NAME_CHARS), BIG, BIG, [output] * num_seqs, 1e300, features, scored)
     largest = fits(result, bound)
     proposal = m.Proposal(text(m.MAX_REQUEST_ID_CHARS), BIG, [BIG] * k, [sparse_dist()] * k, [BIG] * k)
     fits(m.ProposeResult(text(m.MAX_NAME_CHARS), BIG, BIG, [proposal] * limits.max_propose_seqs, 1e300), bound)
     name = text(m.MAX_NAME_CHARS)
-    fits(m.WorkerHello(name, "target", BIG, BIG, BIG, name, name, BIG, BIG, BIG, BIG, name, name, name, BIG, BIG, name),
-         bound)
+    fits(
+        m.WorkerHello(name, "target", BIG, BIG, BIG, name, name, BIG, BIG, BIG, BIG, name, name, name, BIG, BIG, name),
+        bound,
+    )
     fits(m.LifecycleReport(name, BIG, LONGEST_STATE, LONGEST_STATE, 1e300, BIG, text(m.MAX_KERNELS_CHARS)), bound)
     fits(m.WorkerFailed(name, BIG, LONGEST_STATE, name, text(m.MAX_REASON_CHARS)), bound)
     fits(m.Heartbeat(name, BIG, LONGEST_STATE, BIG, BIG, error_counts()), bound)
@@ -147,14 +233,31 @@ def test_the_largest_messages_from_a_worker_fit_the_schedulers_worker_socket(lim
 
 def test_the_largest_step_fits_a_target_workers_socket() -> None:
     # 8 sequences rather than 256: each carries a grammar of 4 MiB at most, and the count is the same for each.
-    limits = frames.FrameLimits(max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=512, max_draft_tokens=8,
-                                kv_page_size=16)
+    limits = frames.FrameLimits(
+        max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=512, max_draft_tokens=8, kv_page_size=16
+    )
     bound = frames.scheduler_to_target(limits)
     k = limits.max_draft_tokens
-    seqs = [m.SeqWork(text(m.MAX_REQUEST_ID_CHARS), [BIG] * limits.max_block_table_pages, BIG, [BIG] * tokens, True,
-                      sampling(), BIG, [sparse_dist()] * k, [BIG] * k, BIG, BIG, BIG, [BIG] * limits.max_model_len, BIG,
-                      text(m.MAX_GRAMMAR_CHARS))
-            for tokens in shares(limits.max_step_tokens, limits.max_num_seqs)]
+    seqs = [
+        m.SeqWork(
+            text(m.MAX_REQUEST_ID_CHARS),
+            [BIG] * limits.max_block_table_pages,
+            BIG,
+            [BIG] * tokens,
+            True,
+            sampling(),
+            BIG,
+            [sparse_dist()] * k,
+            [BIG] * k,
+            BIG,
+            BIG,
+            BIG,
+            [BIG] * limits.max_model_len,
+            BIG,
+            text(m.MAX_GRAMMAR_CHARS),
+        )
+        for tokens in shares(limits.max_step_tokens, limits.max_num_seqs)
+    ]
     largest = fits(m.StepRequest(BIG, BIG, seqs, True), bound)
     fits(m.Drain(BIG), bound)
     assert_tight(largest, bound)
@@ -162,8 +265,14 @@ def test_the_largest_step_fits_a_target_workers_socket() -> None:
 
 @pytest.mark.parametrize("feature_width", [0, 576])
 def test_the_largest_propose_request_fits_the_draft_services_socket(feature_width: int) -> None:
-    limits = frames.FrameLimits(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=0, max_draft_tokens=8,
-                                max_propose_seqs=16, feature_width=feature_width)
+    limits = frames.FrameLimits(
+        max_model_len=512,
+        max_num_seqs=16,
+        max_num_batched_tokens=0,
+        max_draft_tokens=8,
+        max_propose_seqs=16,
+        feature_width=feature_width,
+    )
     bound = frames.scheduler_to_draft(limits)
     length = limits.max_model_len
     features = m.FeatureRows(BIG, length, BIG, "bfloat16", bytes(length * feature_width * 4))
@@ -210,8 +319,9 @@ def test_what_the_scheduler_sends_a_gateway_keeps_to_the_per_frame_limits() -> N
 def test_what_a_worker_says_of_itself_reaches_a_gateway_cut_to_its_limits() -> None:
     sim = Sim()
     worker = sim.worker("w0").start()
-    worker.send(m.Heartbeat("w0", worker.incarnation, State.READY, 0, 0,
-                            {f"kind-{i}-" + "x" * 200: i for i in range(10_000)}))
+    worker.send(
+        m.Heartbeat("w0", worker.incarnation, State.READY, 0, 0, {f"kind-{i}-" + "x" * 200: i for i in range(10_000)})
+    )
     worker.fail("y" * 1_000_000)
     process = sim.process("w0")
     assert len(process.protocol_errors) == m.MAX_ERROR_KINDS
@@ -251,8 +361,11 @@ def test_a_gateway_refuses_a_request_larger_than_the_scheduler_takes_and_stays_c
         tasks = [asyncio.create_task(scheduler.run()), asyncio.create_task(client.run())]
         try:
             huge = m.SubmitRequest("huge", [70_000] * 2_000_000, 4, m.SamplingParams(), [])  # 10 MB as msgpack
-            with pytest.raises(InvalidArgument, match=r"prompt: .* more than the \d+ it takes: the prompt is longer "
-                                                      r"than the context of 64 tokens"):
+            with pytest.raises(
+                InvalidArgument,
+                match=r"prompt: .* more than the \d+ it takes: the prompt is longer "
+                r"than the context of 64 tokens",
+            ):
                 await client.send(huge)
             await client.send(m.SubmitRequest("small", [1, 2, 3], 4, m.SamplingParams(), []))
             deadline = time.monotonic() + 5

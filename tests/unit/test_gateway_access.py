@@ -18,8 +18,18 @@ def test_a_key_presented_as_bearer_names_its_tenant_and_nothing_else_does() -> N
     alpha, beta = keys.tenant("Bearer alpha-key"), keys.tenant("bearer  beta-key ")
     assert alpha is not None and beta is not None and alpha != beta
     assert keys.tenant("BEARER alpha-key") == alpha  # the scheme is case-insensitive, the key is not
-    for wrong in (None, "", "Bearer", "Bearer ", "alpha-key", "Basic alpha-key", "Bearer ALPHA-KEY", "Bearer alpha-ke",
-                  "Bearer alpha-keyy", "Bearer \udcff"):
+    for wrong in (
+        None,
+        "",
+        "Bearer",
+        "Bearer ",
+        "alpha-key",
+        "Basic alpha-key",
+        "Bearer ALPHA-KEY",
+        "Bearer alpha-ke",
+        "Bearer alpha-keyy",
+        "Bearer \udcff",
+    ):
         assert keys.tenant(wrong) is None, wrong
     assert "alpha" not in alpha and len(alpha) == 16  # the tenant id tells nothing of the key
 
@@ -54,8 +64,9 @@ def test_keys_come_from_flags_a_file_and_the_environment(tmp_path: Path) -> None
         keys_from_file(tmp_path / "missing")
 
 
-def test_the_tenant_scope_takes_the_keys_given(default_model_dir: Path, tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_tenant_scope_takes_the_keys_given(
+    default_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv(ENV_VAR, raising=False)
     base = ["--model", str(default_model_dir), "--insecure-loopback"]
     key_file = tmp_path / "keys"
@@ -67,14 +78,27 @@ def test_the_tenant_scope_takes_the_keys_given(default_model_dir: Path, tmp_path
 
 
 def _submission(tenant: str | None, salt: str | None) -> Submission:
-    return Submission(request_id="r", prompt=TextPrompt("x"), prompt_field="prompt", max_tokens=1,
-                      sampling=messages.SamplingParams(), seed_given=False, stop_strings=(), stop_token_ids=(),
-                      ignore_eos=False, cache_salt=salt, tenant=tenant, own_salt="own")
+    return Submission(
+        request_id="r",
+        prompt=TextPrompt("x"),
+        prompt_field="prompt",
+        max_tokens=1,
+        sampling=messages.SamplingParams(),
+        seed_given=False,
+        stop_strings=(),
+        stop_token_ids=(),
+        ignore_eos=False,
+        cache_salt=salt,
+        tenant=tenant,
+        own_salt="own",
+    )
 
 
 def test_tenants_salts_never_meet_each_other_or_a_clients() -> None:
     salts = {page_salt("tenant", _submission(tenant, salt)) for tenant in ("t1", "t2") for salt in (None, "s", "t1")}
-    salts |= {page_salt(scope, _submission(None, salt)) for scope in ("global", "salt") for salt in (None, "s", "tenant:t1")}
+    salts |= {
+        page_salt(scope, _submission(None, salt)) for scope in ("global", "salt") for salt in (None, "s", "tenant:t1")
+    }
     assert len(salts) == 6 + 4  # global and salt agree on a client's salt, and nothing else meets
     with pytest.raises(ValueError):
         page_salt("tenant", _submission(None, None))

@@ -20,6 +20,7 @@ from gateway.generation import Generation
 from gateway.http_api import HttpApi
 from gateway.metrics import GatewayMetrics
 from common.text.tokenizer import Tokenizer
+
 # The module-wide event loop, tokenizer and log set-up are the gateway server tests' fixtures.
 from tests.unit.test_gateway_server import gateway, logs_to_stderr, run, text_script, tokenizer  # noqa: F401
 
@@ -32,8 +33,9 @@ BODY = json.dumps({"prompt": "The capital of France is", "max_tokens": 8})
 async def http_api(tokenizer: Tokenizer, cors: Cors, keys: ApiKeys = ApiKeys()) -> AsyncIterator[str]:
     """The HTTP API on a free port, with these origins and keys, answering "Paris."; its base URL."""
     async with gateway(tokenizer, text_script(tokenizer, " Paris.")) as harness:
-        api = HttpApi(Generation(tokenizer, harness.client, GatewayMetrics()), harness.reporter, MODEL, keys=keys,
-                      cors=cors)
+        api = HttpApi(
+            Generation(tokenizer, harness.client, GatewayMetrics()), harness.reporter, MODEL, keys=keys, cors=cors
+        )
         runner = api.runner()
         await runner.setup()
         try:
@@ -53,22 +55,28 @@ def test_without_allowed_origins_no_answer_carries_cors_headers(run: Any, tokeni
         async with http_api(tokenizer, Cors()) as base:
             status, headers, _ = await send("POST", f"{base}/v1/completions", {"Origin": APP}, BODY)
             assert status == 200 and "Access-Control-Allow-Origin" not in headers
-            status, headers, _ = await send("OPTIONS", f"{base}/v1/completions",
-                                            {"Origin": APP, "Access-Control-Request-Method": "POST"})
+            status, headers, _ = await send(
+                "OPTIONS", f"{base}/v1/completions", {"Origin": APP, "Access-Control-Request-Method": "POST"}
+            )
             assert status == 405 and "Access-Control-Allow-Origin" not in headers
+
     run(scenario())
 
 
 def test_an_allowed_origin_may_read_answers_and_preflights_come_before_the_key(run: Any, tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
         async with http_api(tokenizer, Cors.of([f"{APP}, http://localhost:3000"]), ApiKeys.of(["k"])) as base:
-            preflight = {"Origin": APP, "Access-Control-Request-Method": "POST",
-                         "Access-Control-Request-Headers": "authorization, content-type"}
+            preflight = {
+                "Origin": APP,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type",
+            }
             status, headers, _ = await send("OPTIONS", f"{base}/v1/completions", preflight)  # no key: none is sent
             assert status == 204 and "POST" in headers["Access-Control-Allow-Methods"]
             assert "Authorization" in headers["Access-Control-Allow-Headers"]
-            status, headers, _ = await send("OPTIONS", f"{base}/v1/completions",
-                                            {**preflight, "Origin": "https://evil.example"})
+            status, headers, _ = await send(
+                "OPTIONS", f"{base}/v1/completions", {**preflight, "Origin": "https://evil.example"}
+            )
             assert status == 403 and "Access-Control-Allow-Origin" not in headers
             keyed = {"Origin": APP, "Authorization": "Bearer k", "Content-Type": "application/json"}
             status, headers, _ = await send("POST", f"{base}/v1/completions", keyed, BODY)
@@ -79,9 +87,11 @@ def test_an_allowed_origin_may_read_answers_and_preflights_come_before_the_key(r
             streamed = json.dumps({"prompt": "Hi", "max_tokens": 4, "stream": True})
             status, headers, text = await send("POST", f"{base}/v1/completions", keyed, streamed)
             assert status == 200 and headers["Access-Control-Allow-Origin"] == APP and "[DONE]" in text
-            status, headers, _ = await send("POST", f"{base}/v1/completions",
-                                            {**keyed, "Origin": "https://evil.example"}, BODY)
+            status, headers, _ = await send(
+                "POST", f"{base}/v1/completions", {**keyed, "Origin": "https://evil.example"}, BODY
+            )
             assert status == 200 and "Access-Control-Allow-Origin" not in headers  # served, unreadable by that page
+
     run(scenario())
 
 
@@ -90,6 +100,7 @@ def test_any_origin(run: Any, tokenizer: Tokenizer) -> None:
         async with http_api(tokenizer, Cors.of(["*"])) as base:
             status, headers, _ = await send("GET", f"{base}/health", {"Origin": "https://anywhere.example"})
             assert status == 200 and headers["Access-Control-Allow-Origin"] == "*" and "Vary" not in headers
+
     run(scenario())
 
 

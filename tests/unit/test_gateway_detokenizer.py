@@ -20,7 +20,9 @@ def tokenizer(default_model_dir: Path) -> Tokenizer:
     return Tokenizer.load(default_model_dir)
 
 
-def stream(tokenizer: Tokenizer, token_ids: list[int], chunk_sizes: list[int] | None = None, context: list[int] | None = None) -> list[str]:
+def stream(
+    tokenizer: Tokenizer, token_ids: list[int], chunk_sizes: list[int] | None = None, context: list[int] | None = None
+) -> list[str]:
     """Every delta the detokenizer returns, the flush last; chunk_sizes cycle (default: one id at a time)."""
     detokenizer = IncrementalDetokenizer(tokenizer, context or [])
     sizes = chunk_sizes or [1]
@@ -33,10 +35,14 @@ def stream(tokenizer: Tokenizer, token_ids: list[int], chunk_sizes: list[int] | 
     return deltas
 
 
-@pytest.mark.parametrize("text", ["😀🎉👩‍👩‍👧", "你好，世界。東京タワー", "Hello 世界! 😀 naïve café — ok", "🇯🇵 flags and 𝔘𝔫𝔦𝔠𝔬𝔡𝔢"])
+@pytest.mark.parametrize(
+    "text", ["😀🎉👩‍👩‍👧", "你好，世界。東京タワー", "Hello 世界! 😀 naïve café — ok", "🇯🇵 flags and 𝔘𝔫𝔦𝔠𝔬𝔡𝔢"]
+)
 def test_multi_byte_characters_split_across_tokens_never_come_out_broken(tokenizer: Tokenizer, text: str) -> None:
     token_ids = tokenizer.encode(text)
-    assert any(REPLACEMENT in tokenizer.decode([token_id]) for token_id in token_ids), "the text should split a character"
+    assert any(REPLACEMENT in tokenizer.decode([token_id]) for token_id in token_ids), (
+        "the text should split a character"
+    )
     deltas = stream(tokenizer, token_ids)
     assert all(REPLACEMENT not in delta for delta in deltas)
     assert "".join(deltas) == text

@@ -42,15 +42,34 @@ from proto import messages as m
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 from scheduler.admission import sampling_problem, token_problem
-from tests.fuzz_requests import (ATTACKS, BASE_BODIES, CLIENT_ERRORS, MODEL, REGEXES, SCHEMA_TEXTS, SCHEMAS, WILD,
-                                 answer_problem, body_text, chat_bodies, completions_bodies, deep_schema, grpc_requests,
-                                 one_field_attacks, sglang_bodies, strict_json)
+from tests.fuzz_requests import (
+    ATTACKS,
+    BASE_BODIES,
+    CLIENT_ERRORS,
+    MODEL,
+    REGEXES,
+    SCHEMA_TEXTS,
+    SCHEMAS,
+    WILD,
+    answer_problem,
+    body_text,
+    chat_bodies,
+    completions_bodies,
+    deep_schema,
+    grpc_requests,
+    one_field_attacks,
+    sglang_bodies,
+    strict_json,
+)
+
 # The module-wide event loop, tokenizer and log set-up are the gateway server tests' fixtures.
 from tests.unit.test_gateway_server import Harness, Script, gateway, logs_to_stderr, run, tokenizer  # noqa: F401
 
 REPLY_TIMEOUT_S = 10.0  # in process, every answer comes in milliseconds: past this it is a hang
 # Deterministic, so CI sees the same examples every run; the database off, so no run depends on an earlier one.
-FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+FUZZ = settings(
+    max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+)
 UNIT_FUZZ = settings(FUZZ, max_examples=300)
 LOGPROBS = [-0.5, float("-inf"), float("nan")]  # what the scripted scheduler says, in turn
 
@@ -70,15 +89,27 @@ def scored_script(tokenizer: Tokenizer, text: str = " Paris.") -> Script:  # noq
 
     def script(submit: m.SubmitRequest) -> list[m.TokenDelta]:
         num_prompt = len(submit.prompt_token_ids)
-        tokens = ids if submit.max_tokens is None else ids[:submit.max_tokens]
-        prompt = None if submit.prompt_logprobs is None else [entry(i, submit.prompt_logprobs) for i in range(num_prompt - 1)]
+        tokens = ids if submit.max_tokens is None else ids[: submit.max_tokens]
+        prompt = (
+            None
+            if submit.prompt_logprobs is None
+            else [entry(i, submit.prompt_logprobs) for i in range(num_prompt - 1)]
+        )
         if not tokens:
             return [m.TokenDelta(submit.request_id, [], "length", num_prompt, 0, prompt_logprobs=prompt)]
-        return [m.TokenDelta(submit.request_id, [token], None if i < len(tokens) - 1 else "stop" if token in
-                             tokenizer.eos_token_ids else "length", num_prompt, i + 1,
-                             logprobs=None if submit.logprobs is None else [entry(i, submit.logprobs)],
-                             prompt_logprobs=prompt if i == 0 else None)
-                for i, token in enumerate(tokens)]
+        return [
+            m.TokenDelta(
+                submit.request_id,
+                [token],
+                None if i < len(tokens) - 1 else "stop" if token in tokenizer.eos_token_ids else "length",
+                num_prompt,
+                i + 1,
+                logprobs=None if submit.logprobs is None else [entry(i, submit.logprobs)],
+                prompt_logprobs=prompt if i == 0 else None,
+            )
+            for i, token in enumerate(tokens)
+        ]
+
     return script
 
 
@@ -124,8 +155,9 @@ def running(run: Callable[[Any], Any], tokenizer: Tokenizer, grammars: GrammarCo
 async def post(port: int, path: str, text: str) -> tuple[int, str, str]:
     """Status, content type and body text, within REPLY_TIMEOUT_S."""
     async with asyncio.timeout(REPLY_TIMEOUT_S), aiohttp.ClientSession() as session:
-        async with session.post(f"http://127.0.0.1:{port}{path}", data=text.encode(),
-                                headers={"Content-Type": "application/json"}) as response:
+        async with session.post(
+            f"http://127.0.0.1:{port}{path}", data=text.encode(), headers={"Content-Type": "application/json"}
+        ) as response:
             return response.status, response.content_type, await response.text()
 
 
@@ -136,20 +168,28 @@ def scheduler_refusal(submit: m.SubmitRequest, vocab_size: int) -> str:
 
 # ---------------------------------------------------------------------------------------------------- structured output
 
-@pytest.mark.parametrize(("body", "field", "problem"), [
-    ({"guided_json": "[" * 50_000 + "]" * 50_000}, "guided_json", "characters long"),
-    ({"guided_json": "[" * 30_000 + "]" * 30_000}, "guided_json", "deeper than 64"),
-    ({"guided_json": json.dumps(deep_schema(300))}, "guided_json", "deeper than 64"),
-    ({"structured_outputs": {"json": json.dumps(deep_schema(70))}}, "structured_outputs.json", "deeper than 64"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": deep_schema(300)}}},
-     "response_format.json_schema.schema", "deeper than 64"),
-    ({"guided_json": '{"type": "string", "maxLength": ' + "9" * 5000 + "}"}, "guided_json", "not JSON"),
-    ({"guided_json": '{"type": "number", "maximum": NaN}'}, "guided_json", "NaN is not a JSON number"),
-    ({"guided_regex": "(" * 300 + "a" + ")" * 300}, "guided_regex", "regex"),
-    ({"guided_grammar": "start: " + "(" * 3000 + '"a"' + ")" * 3000}, "guided_grammar", "nested"),
-])
-def test_a_spec_nested_past_the_bound_is_refused_naming_its_field(grammars: GrammarCompiler, body: dict[str, Any],
-                                                                  field: str, problem: str) -> None:
+
+@pytest.mark.parametrize(
+    ("body", "field", "problem"),
+    [
+        ({"guided_json": "[" * 50_000 + "]" * 50_000}, "guided_json", "characters long"),
+        ({"guided_json": "[" * 30_000 + "]" * 30_000}, "guided_json", "deeper than 64"),
+        ({"guided_json": json.dumps(deep_schema(300))}, "guided_json", "deeper than 64"),
+        ({"structured_outputs": {"json": json.dumps(deep_schema(70))}}, "structured_outputs.json", "deeper than 64"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": deep_schema(300)}}},
+            "response_format.json_schema.schema",
+            "deeper than 64",
+        ),
+        ({"guided_json": '{"type": "string", "maxLength": ' + "9" * 5000 + "}"}, "guided_json", "not JSON"),
+        ({"guided_json": '{"type": "number", "maximum": NaN}'}, "guided_json", "NaN is not a JSON number"),
+        ({"guided_regex": "(" * 300 + "a" + ")" * 300}, "guided_regex", "regex"),
+        ({"guided_grammar": "start: " + "(" * 3000 + '"a"' + ")" * 3000}, "guided_grammar", "nested"),
+    ],
+)
+def test_a_spec_nested_past_the_bound_is_refused_naming_its_field(
+    grammars: GrammarCompiler, body: dict[str, Any], field: str, problem: str
+) -> None:
     with pytest.raises((SpecError, InvalidArgument)) as refused:
         asked = openai_structured(body)
         assert asked is not None
@@ -173,10 +213,22 @@ def test_a_spec_at_the_bound_compiles(grammars: GrammarCompiler) -> None:
 
 
 @UNIT_FUZZ
-@given(st.fixed_dictionaries({}, optional={"guided_json": SCHEMAS | SCHEMA_TEXTS | WILD, "guided_regex": REGEXES | WILD,
-                                           "guided_grammar": WILD, "guided_choice": WILD,
-                                           "response_format": WILD, "structured_outputs": WILD}))
-def test_any_openai_spec_compiles_or_is_refused_naming_its_field(grammars: GrammarCompiler, body: dict[str, Any]) -> None:
+@given(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "guided_json": SCHEMAS | SCHEMA_TEXTS | WILD,
+            "guided_regex": REGEXES | WILD,
+            "guided_grammar": WILD,
+            "guided_choice": WILD,
+            "response_format": WILD,
+            "structured_outputs": WILD,
+        },
+    )
+)
+def test_any_openai_spec_compiles_or_is_refused_naming_its_field(
+    grammars: GrammarCompiler, body: dict[str, Any]
+) -> None:
     try:
         asked = openai_structured(body)
         if asked is not None:
@@ -201,6 +253,7 @@ def test_any_grpc_spec_compiles_or_is_invalid_argument(grammars: GrammarCompiler
 
 # ---------------------------------------------------------------------------------------------------- values, unit level
 
+
 @UNIT_FUZZ
 @given(completions_bodies())
 def test_any_openai_body_is_a_request_the_scheduler_takes_or_a_400(tokenizer: Tokenizer, body: dict[str, Any]) -> None:  # noqa: F811
@@ -221,8 +274,10 @@ def test_any_openai_body_is_a_request_the_scheduler_takes_or_a_400(tokenizer: To
 
 @UNIT_FUZZ
 @given(grpc_requests())
-def test_any_grpc_request_is_one_the_scheduler_takes_or_invalid_argument(tokenizer: Tokenizer,  # noqa: F811
-                                                                         request: pb.GenerateRequest) -> None:
+def test_any_grpc_request_is_one_the_scheduler_takes_or_invalid_argument(
+    tokenizer: Tokenizer,  # noqa: F811
+    request: pb.GenerateRequest,
+) -> None:
     try:
         submission = submission_of(request, request_id="r", vocab_size=tokenizer.vocab_size)
     except InvalidArgument as error:
@@ -234,21 +289,31 @@ def test_any_grpc_request_is_one_the_scheduler_takes_or_invalid_argument(tokeniz
 
 
 def test_the_attack_runs_values_are_400_naming_the_field(tokenizer: Tokenizer) -> None:  # noqa: F811
-    attacks: list[tuple[dict[str, Any], str]] = [({"logit_bias": {"²": 1}}, "logit_bias"), ({"logit_bias": {"--5": 1}}, "logit_bias"),
-                        ({"repetition_penalty": 1e-300}, "repetition_penalty"), ({"seed": 1.5}, "seed"),
-                        ({"top_k": float("inf")}, "top_k"), ({"ignore_eos": "yes"}, "ignore_eos"),
-                        ({"temperature": 1e300}, "temperature"), ({"repetition_penalty": 10**400}, "repetition_penalty")]
+    attacks: list[tuple[dict[str, Any], str]] = [
+        ({"logit_bias": {"²": 1}}, "logit_bias"),
+        ({"logit_bias": {"--5": 1}}, "logit_bias"),
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+        ({"seed": 1.5}, "seed"),
+        ({"top_k": float("inf")}, "top_k"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"temperature": 1e300}, "temperature"),
+        ({"repetition_penalty": 10**400}, "repetition_penalty"),
+    ]
     for body, field in attacks:
         with pytest.raises((ApiError, InvalidArgument)) as refused:
             request, fields = client_request_of({"prompt": "x", **body}, TextPrompt("x"), chat=False)
             validate(request, fields=fields, request_id="r", vocab_size=tokenizer.vocab_size)
         error = refused.value
-        named = error.param if isinstance(error, ApiError) else error.field if isinstance(error, InvalidArgument) else None
+        named = (
+            error.param if isinstance(error, ApiError) else error.field if isinstance(error, InvalidArgument) else None
+        )
         assert named == field, (body, refused.value)
 
 
-def test_a_request_the_scheduler_could_not_read_fails_at_once_and_is_never_sent(run: Any,  # noqa: F811
-                                                                                tokenizer: Tokenizer) -> None:  # noqa: F811
+def test_a_request_the_scheduler_could_not_read_fails_at_once_and_is_never_sent(
+    run: Any,  # noqa: F811
+    tokenizer: Tokenizer,
+) -> None:  # noqa: F811
     unreadable = m.SubmitRequest("r", [1, 2], 4, m.SamplingParams(seed=1.5), [])  # type: ignore[arg-type]
     with pytest.raises(UnreadableRequest) as failure:
         check_readable(unreadable)
@@ -260,14 +325,18 @@ def test_a_request_the_scheduler_could_not_read_fails_at_once_and_is_never_sent(
                 with pytest.raises(UnreadableRequest):
                     await stream.submit(unreadable)
             assert harness.scheduler.submits() == []
+
     run(scenario())
 
 
 # ---------------------------------------------------------------------------------------------------- over the sockets
 
 
-def test_the_attack_runs_requests_are_400_naming_the_field_and_a_long_integer_too(run: Any, tokenizer: Tokenizer,  # noqa: F811
-                                                                                  grammars: GrammarCompiler) -> None:
+def test_the_attack_runs_requests_are_400_naming_the_field_and_a_long_integer_too(
+    run: Any,
+    tokenizer: Tokenizer,  # noqa: F811
+    grammars: GrammarCompiler,
+) -> None:
     async def scenario() -> None:
         async with served(tokenizer, grammars) as s:
             for path, body, field in ATTACKS:
@@ -277,37 +346,75 @@ def test_the_attack_runs_requests_are_400_naming_the_field_and_a_long_integer_to
             status, _, text = await post(s.http_port, "/v1/completions", long_literal)
             assert status == 400 and "more than 4300 digits" in strict_json(text)["error"]["message"]
             assert s.harness.scheduler.submits() == []
+
     run(scenario())
 
 
-@pytest.mark.parametrize(("path", "body"), [
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "logprobs": 2, "echo": True}),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "logprobs": 2, "stream": True}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True,
-                              "top_logprobs": 2}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True,
-                              "top_logprobs": 2, "stream": True}),
-    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 3}, "return_logprob": True,
-                   "top_logprobs_num": 2, "logprob_start_len": 0}),
-    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 3}, "return_logprob": True,
-                   "top_logprobs_num": 2, "stream": True}),
-])
-def test_infinite_and_nan_logprobs_are_written_as_the_floor(run: Any, tokenizer: Tokenizer,  # noqa: F811
-                                                            grammars: GrammarCompiler, path: str,
-                                                            body: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "logprobs": 2, "echo": True}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "logprobs": 2, "stream": True}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True, "top_logprobs": 2},
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 3,
+                "logprobs": True,
+                "top_logprobs": 2,
+                "stream": True,
+            },
+        ),
+        (
+            "/generate",
+            {
+                "text": "hi",
+                "sampling_params": {"max_new_tokens": 3},
+                "return_logprob": True,
+                "top_logprobs_num": 2,
+                "logprob_start_len": 0,
+            },
+        ),
+        (
+            "/generate",
+            {
+                "text": "hi",
+                "sampling_params": {"max_new_tokens": 3},
+                "return_logprob": True,
+                "top_logprobs_num": 2,
+                "stream": True,
+            },
+        ),
+    ],
+)
+def test_infinite_and_nan_logprobs_are_written_as_the_floor(
+    run: Any,
+    tokenizer: Tokenizer,  # noqa: F811
+    grammars: GrammarCompiler,
+    path: str,
+    body: dict[str, Any],
+) -> None:
     async def scenario() -> None:
         async with served(tokenizer, grammars) as s:
             status, content_type, text = await post(s.http_port, path, json.dumps(body))
             assert status == 200 and answer_problem(status, content_type, text) == "", text
             numbers = {float(number) for number in re.findall(r"-?[0-9]+\.[0-9]+", text)}
             assert {LOGPROB_FLOOR, -0.5} <= numbers, text
+
     run(scenario())
 
 
 @pytest.mark.parametrize("path", sorted(BASE_BODIES))
-def test_every_field_given_each_hostile_value_is_answered_200_or_4xx_in_strict_json(run: Any, tokenizer: Tokenizer,  # noqa: F811
-                                                                                    grammars: GrammarCompiler,
-                                                                                    path: str) -> None:
+def test_every_field_given_each_hostile_value_is_answered_200_or_4xx_in_strict_json(
+    run: Any,
+    tokenizer: Tokenizer,  # noqa: F811
+    grammars: GrammarCompiler,
+    path: str,
+) -> None:
     async def scenario() -> None:
         async with served(tokenizer, grammars) as s:
             at_once = asyncio.Semaphore(16)
@@ -319,31 +426,52 @@ def test_every_field_given_each_hostile_value_is_answered_200_or_4xx_in_strict_j
 
             problems = await asyncio.gather(*(one(field, body) for field, body in one_field_attacks(path)))
             assert [problem for problem in problems if problem] == []
-            assert not [p for submit in s.harness.scheduler.submits() if (p := scheduler_refusal(submit, tokenizer.vocab_size))]
+            assert not [
+                p for submit in s.harness.scheduler.submits() if (p := scheduler_refusal(submit, tokenizer.vocab_size))
+            ]
+
     run(scenario())
 
 
-@pytest.mark.parametrize(("path", "bodies"), [("/v1/completions", completions_bodies()),
-                                              ("/v1/chat/completions", chat_bodies()), ("/generate", sglang_bodies())],
-                         ids=["completions", "chat", "sglang"])
-def test_fuzzed_http_requests_are_answered_200_or_4xx_in_strict_json(run: Any, tokenizer: Tokenizer,  # noqa: F811
-                                                                     grammars: GrammarCompiler, path: str,
-                                                                     bodies: st.SearchStrategy[dict[str, Any]]) -> None:
+@pytest.mark.parametrize(
+    ("path", "bodies"),
+    [
+        ("/v1/completions", completions_bodies()),
+        ("/v1/chat/completions", chat_bodies()),
+        ("/generate", sglang_bodies()),
+    ],
+    ids=["completions", "chat", "sglang"],
+)
+def test_fuzzed_http_requests_are_answered_200_or_4xx_in_strict_json(
+    run: Any,
+    tokenizer: Tokenizer,  # noqa: F811
+    grammars: GrammarCompiler,
+    path: str,
+    bodies: st.SearchStrategy[dict[str, Any]],
+) -> None:
     with running(run, tokenizer, grammars) as s:
+
         @FUZZ
         @given(bodies)
         def one(body: dict[str, Any]) -> None:
             status, content_type, text = run(post(s.http_port, path, body_text(body)))
             assert answer_problem(status, content_type, text) == "", body
+
         one()
-        refused = [problem for submit in s.harness.scheduler.submits()
-                   if (problem := scheduler_refusal(submit, tokenizer.vocab_size))]
+        refused = [
+            problem
+            for submit in s.harness.scheduler.submits()
+            if (problem := scheduler_refusal(submit, tokenizer.vocab_size))
+        ]
         assert refused == []
         assert s.harness.scheduler.submits(), "no fuzzed request was accepted: the fuzz tests only refusals"
 
 
-def test_fuzzed_grpc_requests_are_answered_ok_or_a_clients_error(run: Any, tokenizer: Tokenizer,  # noqa: F811
-                                                                 grammars: GrammarCompiler) -> None:
+def test_fuzzed_grpc_requests_are_answered_ok_or_a_clients_error(
+    run: Any,
+    tokenizer: Tokenizer,  # noqa: F811
+    grammars: GrammarCompiler,
+) -> None:
     async def generate(stub: pb_grpc.SpecServeStub, request: pb.GenerateRequest) -> grpc.StatusCode:
         try:
             async for _ in stub.Generate(request, timeout=REPLY_TIMEOUT_S):
@@ -353,10 +481,14 @@ def test_fuzzed_grpc_requests_are_answered_ok_or_a_clients_error(run: Any, token
         return grpc.StatusCode.OK
 
     with running(run, tokenizer, grammars) as s:
+
         @FUZZ
         @given(grpc_requests())
         def one(request: pb.GenerateRequest) -> None:
             code = run(generate(s.stub, request))
             assert code == grpc.StatusCode.OK or code in CLIENT_ERRORS, (code, request)
+
         one()
-        assert not [p for submit in s.harness.scheduler.submits() if (p := scheduler_refusal(submit, tokenizer.vocab_size))]
+        assert not [
+            p for submit in s.harness.scheduler.submits() if (p := scheduler_refusal(submit, tokenizer.vocab_size))
+        ]

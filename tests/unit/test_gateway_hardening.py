@@ -24,13 +24,12 @@ from gateway.openai_request import ApiError
 from gateway.validation import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from common.text.tokenizer import Tokenizer
 from proto import specserve_pb2 as pb
+
 # The module-wide event loop, tokenizer and log set-up are the gateway server tests' fixtures.
 from tests.unit.test_gateway_server import Harness, collect, gateway, logs_to_stderr, run, text_script, tokenizer  # noqa: F401
 
 T = TypeVar("T")
 MODEL = "SmolLM2-135M-Instruct"
-
-
 
 
 @asynccontextmanager
@@ -77,19 +76,24 @@ SURROGATE_BODIES = [
     ("/v1/completions", r'{"prompt": "hi", "stop": ["x", "\udfff"]}', "stop[1]"),
     ("/v1/completions", r'{"prompt": "hi", "user": "\ud83d"}', "user"),
     ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "\ud800"}]}', "messages[0].content"),
-    ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}',
-     "messages[0].content[0].text"),
+    (
+        "/v1/chat/completions",
+        r'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}',
+        "messages[0].content[0].text",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("path", "body", "param"), SURROGATE_BODIES)
-def test_a_lone_surrogate_anywhere_is_400_naming_the_field(run: Any, tokenizer: Tokenizer, path: str, body: str,
-                                                           param: str) -> None:
+def test_a_lone_surrogate_anywhere_is_400_naming_the_field(
+    run: Any, tokenizer: Tokenizer, path: str, body: str, param: str
+) -> None:
     async def scenario() -> None:
         async with http_gateway(tokenizer) as (_, port):
             message = assert_error(*await post(port, path, body), 400, param)
             assert "surrogate" in message
             await assert_still_serves(port)
+
     run(scenario())
 
 
@@ -98,6 +102,7 @@ def test_a_surrogate_pair_is_a_character(run: Any, tokenizer: Tokenizer) -> None
         async with http_gateway(tokenizer) as (_, port):
             status, _ = await post(port, "/v1/completions", r'{"prompt": "\ud83d\ude00", "max_tokens": 4}')
             assert status == 200
+
     run(scenario())
 
 
@@ -114,6 +119,7 @@ def test_an_unknown_charset_is_415_and_a_known_one_is_used(run: Any, tokenizer: 
             assert status == 200
             assert_error(*await post(port, "/v1/completions", b'{"prompt": "\xff"}'), 400)  # not UTF-8
             await assert_still_serves(port)
+
     run(scenario())
 
 
@@ -124,6 +130,7 @@ def test_deep_json_is_400_naming_the_limit_without_recursing(run: Any, tokenizer
             message = assert_error(*await post(port, "/v1/completions", deep), 400)
             assert "deeper than 64" in message
             await assert_still_serves(port)
+
     run(scenario())
 
 
@@ -143,7 +150,7 @@ def test_a_surrogate_is_named_in_a_long_array_and_past_the_walk_by_its_top_level
     with pytest.raises(ApiError) as failure:
         check_text({"model": "m", "messages": [{"role": "user"}] * 20_000 + [{"content": "\udfff"}]})
     assert failure.value.param == "messages"  # past the walk's budget of containers
-    check_text({"prompt": [1] * 100_000 + ["\U0001F600"], "stop": ["\U0001F600"]})
+    check_text({"prompt": [1] * 100_000 + ["\U0001f600"], "stop": ["\U0001f600"]})
 
 
 def test_a_body_over_the_size_limit_is_413(run: Any, tokenizer: Tokenizer) -> None:
@@ -152,6 +159,7 @@ def test_a_body_over_the_size_limit_is_413(run: Any, tokenizer: Tokenizer) -> No
             message = assert_error(*await post(port, "/v1/completions", json.dumps({"prompt": "x" * 2000})), 413)
             assert "1000 bytes" in message
             await assert_still_serves(port)
+
     run(scenario())
 
 
@@ -159,19 +167,23 @@ def test_a_body_that_never_arrives_is_408_and_others_are_served_meanwhile(run: A
     async def scenario() -> None:
         async with http_gateway(tokenizer, BodyLimits(read_timeout_s=0.5)) as (_, port):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: 100\r\n\r\n" + b'{"prompt": ')  # 11 of the 100 bytes, then nothing
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 100\r\n\r\n" + b'{"prompt": '
+            )  # 11 of the 100 bytes, then nothing
             await writer.drain()
             await assert_still_serves(port)  # while that one waits
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
             assert head.startswith(b"HTTP/1.1 408")
             assert b"Connection: close" in head
-            length = int(next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
-                         .split(b":")[1])
+            length = int(
+                next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")).split(b":")[1]
+            )
             body = json.loads(await reader.readexactly(length))
             assert body["error"]["code"] == "body_timeout" and "0.5 s" in body["error"]["message"]
             writer.close()
             await assert_still_serves(port)
+
     run(scenario())
 
 
@@ -185,6 +197,7 @@ def test_headers_that_never_end_close_the_connection_after_the_read_timeout(run:
             assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, no answer
             writer.close()
             await assert_still_serves(port)
+
     run(scenario())
 
 
@@ -196,16 +209,29 @@ def test_stop_strings_are_bounded_in_number_and_length_over_http(run: Any, token
             assert f"at most {MAX_STOP_STRINGS}" in message
             too_long = json.dumps({"prompt": "hi", "stop": ["ok", "x" * (MAX_STOP_STRING_CHARS + 1)]})
             assert_error(*await post(port, "/v1/completions", too_long), 400, "stop[1]")
-            at_the_limits = {"prompt": "The capital of France is", "max_tokens": 8,
-                             "stop": ["x" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS}
+            at_the_limits = {
+                "prompt": "The capital of France is",
+                "max_tokens": 8,
+                "stop": ["x" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS,
+            }
             status, body = await post(port, "/v1/completions", json.dumps(at_the_limits))
             assert status == 200 and body["choices"][0]["text"] == " Paris."
+
     run(scenario())
 
 
 def test_the_http_limits_are_set_and_checked_on_the_command_line(default_model_dir: Path) -> None:
-    config = parse_config(["--model", str(default_model_dir), "--http-max-body-bytes", "1024",
-                           "--http-read-timeout-s", "2.5", "--insecure-loopback"])
+    config = parse_config(
+        [
+            "--model",
+            str(default_model_dir),
+            "--http-max-body-bytes",
+            "1024",
+            "--http-read-timeout-s",
+            "2.5",
+            "--insecure-loopback",
+        ]
+    )
     assert (config.http_max_body_bytes, config.http_read_timeout_s) == (1024, 2.5)
     for flag in ("--http-max-body-bytes", "--http-read-timeout-s"):
         with pytest.raises(SystemExit):
@@ -222,14 +248,16 @@ def test_undecodable_generate_requests_are_invalid_argument(run: Any, tokenizer:
     async def scenario() -> None:
         async with gateway(tokenizer, text_script(tokenizer, " Paris.")) as harness:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{harness.port}") as channel:
-                generate = channel.unary_stream("/specserve.v1.SpecServe/Generate",
-                                                response_deserializer=pb.GenerateResponse.FromString)
+                generate = channel.unary_stream(
+                    "/specserve.v1.SpecServe/Generate", response_deserializer=pb.GenerateResponse.FromString
+                )
                 with pytest.raises(grpc.aio.AioRpcError) as failure:
                     await collect(generate(raw))
             assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "not a valid specserve.v1.GenerateRequest" in (failure.value.details() or "")
             responses = await collect(harness.stub.Generate(pb.GenerateRequest(prompt="The capital of France is")))
             assert "".join(r.text for r in responses) == " Paris."
+
     run(scenario())
 
 
@@ -238,25 +266,30 @@ def test_undecodable_server_info_requests_are_invalid_argument(run: Any, tokeniz
     async def scenario() -> None:
         async with gateway(tokenizer, text_script(tokenizer, " Paris.")) as harness:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{harness.port}") as channel:
-                info = channel.unary_unary("/specserve.v1.SpecServe/GetServerInfo",
-                                           response_deserializer=pb.ServerInfoResponse.FromString)
+                info = channel.unary_unary(
+                    "/specserve.v1.SpecServe/GetServerInfo", response_deserializer=pb.ServerInfoResponse.FromString
+                )
                 with pytest.raises(grpc.aio.AioRpcError) as failure:
                     await info(raw)
             assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "not a valid specserve.v1.ServerInfoRequest" in (failure.value.details() or "")
             assert (await harness.stub.GetServerInfo(pb.ServerInfoRequest())).model_name == MODEL
+
     run(scenario())
 
 
 def test_stop_strings_are_bounded_over_grpc(run: Any, tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
         async with gateway(tokenizer, text_script(tokenizer, " Paris.")) as harness:
-            for stop, field in (([f"s{i}" for i in range(MAX_STOP_STRINGS + 1)], "params.stop"),
-                                (["ok", "x" * (MAX_STOP_STRING_CHARS + 1)], "params.stop[1]")):
+            for stop, field in (
+                ([f"s{i}" for i in range(MAX_STOP_STRINGS + 1)], "params.stop"),
+                (["ok", "x" * (MAX_STOP_STRING_CHARS + 1)], "params.stop[1]"),
+            ):
                 request = pb.GenerateRequest(prompt="hi", params=pb.SamplingParams(stop=stop))
                 with pytest.raises(grpc.aio.AioRpcError) as failure:
                     await collect(harness.stub.Generate(request))
                 assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert (failure.value.details() or "").startswith(f"{field}: ")
             assert not harness.scheduler.submits()
+
     run(scenario())

@@ -17,8 +17,9 @@ from gateway.validation import validate
 
 
 def submission(cache_salt: str | None = None) -> Submission:
-    return validate(ClientRequest(TextPrompt("hi"), cache_salt=cache_salt), fields=OPENAI_FIELDS, request_id="r",
-                    vocab_size=100)
+    return validate(
+        ClientRequest(TextPrompt("hi"), cache_salt=cache_salt), fields=OPENAI_FIELDS, request_id="r", vocab_size=100
+    )
 
 
 def test_global_scope_shares_unsalted_requests_and_separates_salted_ones() -> None:
@@ -52,8 +53,9 @@ def test_a_bad_cache_salt_is_refused_naming_the_field(salt: str) -> None:
     assert refused.value.field == "cache_salt"
 
 
-def test_tenant_scope_is_refused_at_start_without_api_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tenant_scope_is_refused_at_start_without_api_keys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("SPECSERVE_API_KEY", raising=False)
     (tmp_path / "tokenizer.json").write_text("{}")
     args = ["--model", str(tmp_path), "--insecure-loopback"]
@@ -73,8 +75,13 @@ def test_sglang_rids_name_each_prompts_replies() -> None:
     assert _request_ids("mine", 2, False) == ["mine-0", "mine-1"]
     assert _request_ids(["a", "b"], 2, False) == ["a", "b"]
     assert _request_ids(None, 1, True)[0].startswith("sgl-")
-    for rid, num, single, field in ((["a"], 2, False, "rid"), ([1, 2], 2, False, "rid"), (7, 1, True, "rid"),
-                                    (["a", "b"], 1, True, "rid"), (["ok", "tab\t"], 2, False, "rid[1]")):
+    for rid, num, single, field in (
+        (["a"], 2, False, "rid"),
+        ([1, 2], 2, False, "rid"),
+        (7, 1, True, "rid"),
+        (["a", "b"], 1, True, "rid"),
+        (["ok", "tab\t"], 2, False, "rid[1]"),
+    ):
         with pytest.raises((ApiError, InvalidArgument)) as refused:
             _request_ids(rid, num, single)
         error = refused.value

@@ -10,8 +10,11 @@ from proto.lifecycle import State
 
 
 def samples(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text.decode()) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text.decode())
+        for s in family.samples
+    }
 
 
 def test_chunks_count_tokens_first_token_latency_and_spread_gaps() -> None:
@@ -28,16 +31,55 @@ def test_chunks_count_tokens_first_token_latency_and_spread_gaps() -> None:
 
 
 def test_scheduler_figures_come_from_the_info_reply() -> None:
-    info = m.InfoReply(1, "model", 2048, num_waiting=3, num_running=5, processes=[
-        m.ProcessInfo("worker-0", "target", State.READY, 1, 0.2, 6, 8, 16, 5, "", num_cached_kv_pages=2,
-                      prefix_cache_queried_tokens=100, prefix_cache_hit_tokens=64, num_preemptions=3,
-                      kernels="native (linear kernel: avx2)", num_costed_steps=40, step_fixed_ms=9.5,
-                      step_ms_per_row=0.5, step_cost_error_ms=0.25, batch_invariant=False, step_predicted_ms=10.5,
-                      step_measured_ms=11.0),
-        m.ProcessInfo("draft-0", "draft", State.FAILED, 1, 4.0, 0, 64, 16, 0, "LOADING: OSError"),
-    ], speculation=m.SpeculationInfo(10, 4, 3, 20, 0.4, 4 / 3, {0: 20, 6: 3}, proposed_by_position={0: 3, 1: 3},
-                                     accepted_by_position={0: 2, 1: 1}, propose_ms=1.5, propose_wait_ms=2.5,
-                                     sources={"lookup": m.SourceAcceptance(2, 8, 6, [0.75, 0.5])}, policy="goodput"))
+    info = m.InfoReply(
+        1,
+        "model",
+        2048,
+        num_waiting=3,
+        num_running=5,
+        processes=[
+            m.ProcessInfo(
+                "worker-0",
+                "target",
+                State.READY,
+                1,
+                0.2,
+                6,
+                8,
+                16,
+                5,
+                "",
+                num_cached_kv_pages=2,
+                prefix_cache_queried_tokens=100,
+                prefix_cache_hit_tokens=64,
+                num_preemptions=3,
+                kernels="native (linear kernel: avx2)",
+                num_costed_steps=40,
+                step_fixed_ms=9.5,
+                step_ms_per_row=0.5,
+                step_cost_error_ms=0.25,
+                batch_invariant=False,
+                step_predicted_ms=10.5,
+                step_measured_ms=11.0,
+            ),
+            m.ProcessInfo("draft-0", "draft", State.FAILED, 1, 4.0, 0, 64, 16, 0, "LOADING: OSError"),
+        ],
+        speculation=m.SpeculationInfo(
+            10,
+            4,
+            3,
+            20,
+            0.4,
+            4 / 3,
+            {0: 20, 6: 3},
+            proposed_by_position={0: 3, 1: 3},
+            accepted_by_position={0: 2, 1: 1},
+            propose_ms=1.5,
+            propose_wait_ms=2.5,
+            sources={"lookup": m.SourceAcceptance(2, 8, 6, [0.75, 0.5])},
+            policy="goodput",
+        ),
+    )
     got = samples(GatewayMetrics().exposition(info))
     worker = (("process_id", "worker-0"),)
     assert [got[("specserve_kv_pages", (*worker, ("use", use)))] for use in ("used", "cached", "free")] == [6, 2, 2]
@@ -48,7 +90,9 @@ def test_scheduler_figures_come_from_the_info_reply() -> None:
     assert got[("specserve_process_state", (("process_id", "draft-0"), ("role", "draft"), ("state", "FAILED")))] == 1
     assert got[("specserve_process_state", (("process_id", "draft-0"), ("role", "draft"), ("state", "READY")))] == 0
     kernels = [(labels, value) for (name, labels), value in got.items() if name == "specserve_process_kernels_info"]
-    assert kernels == [((("kernels", "native (linear kernel: avx2)"), *worker, ("role", "target")), 1)]  # none for the draft
+    assert kernels == [
+        ((("kernels", "native (linear kernel: avx2)"), *worker, ("role", "target")), 1)
+    ]  # none for the draft
     assert got[("specserve_draft_tokens_total", ())] == 10 and got[("specserve_accepted_draft_tokens_total", ())] == 4
     assert got[("specserve_acceptance_rate", ())] == 0.4
     assert got[("specserve_speculation_decisions_total", (("k", "6"),))] == 3
@@ -69,9 +113,17 @@ def test_scheduler_figures_come_from_the_info_reply() -> None:
 
 
 def test_every_process_dropped_message_is_exported_by_process_and_kind() -> None:
-    info = m.InfoReply(1, "model", 2048, num_waiting=0, num_running=0, processes=[
-        m.ProcessInfo("worker-0", "target", State.READY, 1, 0.2, 2, 8, 16, 5, "", protocol_errors={"decode": 2}),
-    ], protocol_errors={"worker.stale_or_unexpected": 3, "gateway.decode": 1})
+    info = m.InfoReply(
+        1,
+        "model",
+        2048,
+        num_waiting=0,
+        num_running=0,
+        processes=[
+            m.ProcessInfo("worker-0", "target", State.READY, 1, 0.2, 2, 8, 16, 5, "", protocol_errors={"decode": 2}),
+        ],
+        protocol_errors={"worker.stale_or_unexpected": 3, "gateway.decode": 1},
+    )
     got = samples(GatewayMetrics().exposition(info, {"frames": 4}))
     errors = "specserve_protocol_errors_total"
     assert got[(errors, (("kind", "frames"), ("process_id", "gateway")))] == 4

@@ -10,8 +10,16 @@ import pytest
 from gateway.app import load_tokenizer
 from gateway.errors import InvalidArgument, StartupError
 from gateway.generation import prompt_token_ids_of
-from gateway.openai_request import (MAX_CHOICES, MAX_PROMPTS, ApiError, ChoiceCounts, chat_prompt, choice_counts,
-                                     client_request_of, completion_prompts)
+from gateway.openai_request import (
+    MAX_CHOICES,
+    MAX_PROMPTS,
+    ApiError,
+    ChoiceCounts,
+    chat_prompt,
+    choice_counts,
+    client_request_of,
+    completion_prompts,
+)
 from gateway.request import Submission, TextPrompt, TokenPrompt
 from gateway.validation import validate
 from common.text.tokenizer import Tokenizer, TokenizerLoadError
@@ -37,11 +45,19 @@ BAD_VALUES = [
     ("min_p", {"prompt": "x", "min_p": 1.5}, "min_p: must be in [0, 1], got 1.5"),
     ("min_p", {"prompt": "x", "min_p": -0.1}, "min_p: must be in [0, 1], got -0.1"),
     ("prompt", {"prompt": ""}, "prompt: must not be empty"),
-    ("prompt", {"prompt": [1, VOCAB_SIZE]}, f"prompt: token id {VOCAB_SIZE} is outside the vocabulary [0, {VOCAB_SIZE})"),
+    (
+        "prompt",
+        {"prompt": [1, VOCAB_SIZE]},
+        f"prompt: token id {VOCAB_SIZE} is outside the vocabulary [0, {VOCAB_SIZE})",
+    ),
     ("prompt", {"prompt": [1, 2**40]}, f"prompt: token id {2**40} is outside the vocabulary [0, {VOCAB_SIZE})"),
     ("stop[1]", {"prompt": "x", "stop": ["ok", ""]}, "stop[1]: must not be empty"),
     ("messages[1].role", {"messages": [*CHAT, {"role": "", "content": "a"}]}, "messages[1].role: must not be empty"),
-    ("max_completion_tokens", {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens: must be at least 1, got 0"),
+    (
+        "max_completion_tokens",
+        {"messages": CHAT, "max_completion_tokens": 0},
+        "max_completion_tokens: must be at least 1, got 0",
+    ),
     ("max_tokens", {"messages": CHAT, "max_tokens": 0}, "max_tokens: must be at least 1, got 0"),
     ("max_tokens", {"prompt": "x", "logprobs": 1, "max_tokens": 0}, "max_tokens: must be at least 1, got 0"),
     ("max_tokens", {"prompt": "x", "echo": True, "max_tokens": -1}, "max_tokens: must be at least 0, got -1"),
@@ -49,17 +65,34 @@ BAD_VALUES = [
     ("logprobs", {"prompt": "x", "logprobs": -1, "echo": True}, "logprobs: must be 0 to 20, got -1"),
     ("top_logprobs", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs: must be 0 to 20, got 21"),
     ("presence_penalty", {"prompt": "x", "presence_penalty": 3}, "presence_penalty: must be in [-2, 2], got 3.0"),
-    ("frequency_penalty", {"prompt": "x", "frequency_penalty": -2.5}, "frequency_penalty: must be in [-2, 2], got -2.5"),
-    ("repetition_penalty", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty: must be in [0.01, 100], got 0.0"),
-    (f"logit_bias[{VOCAB_SIZE}]", {"prompt": "x", "logit_bias": {str(VOCAB_SIZE): 1}},
-     f"logit_bias[{VOCAB_SIZE}]: token id {VOCAB_SIZE} is outside the vocabulary [0, {VOCAB_SIZE})"),
+    (
+        "frequency_penalty",
+        {"prompt": "x", "frequency_penalty": -2.5},
+        "frequency_penalty: must be in [-2, 2], got -2.5",
+    ),
+    (
+        "repetition_penalty",
+        {"prompt": "x", "repetition_penalty": 0},
+        "repetition_penalty: must be in [0.01, 100], got 0.0",
+    ),
+    (
+        f"logit_bias[{VOCAB_SIZE}]",
+        {"prompt": "x", "logit_bias": {str(VOCAB_SIZE): 1}},
+        f"logit_bias[{VOCAB_SIZE}]: token id {VOCAB_SIZE} is outside the vocabulary [0, {VOCAB_SIZE})",
+    ),
     ("logit_bias[5]", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias[5]: must be in [-100, 100], got 101.0"),
-    ("min_tokens", {"prompt": "x", "max_tokens": 3, "min_tokens": 5}, "min_tokens: must be at most max_tokens (3), got 5"),
+    (
+        "min_tokens",
+        {"prompt": "x", "max_tokens": 3, "min_tokens": 5},
+        "min_tokens: must be at most max_tokens (3), got 5",
+    ),
     ("min_tokens", {"prompt": "x", "min_tokens": -1}, "min_tokens: must be >= 0, got -1"),
 ]
 
 
-@pytest.mark.parametrize(("field", "body", "message"), BAD_VALUES, ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(BAD_VALUES)])
+@pytest.mark.parametrize(
+    ("field", "body", "message"), BAD_VALUES, ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(BAD_VALUES)]
+)
 def test_bad_values_name_the_bodys_field(field: str, body: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidArgument) as caught:
         submission(body)
@@ -150,8 +183,13 @@ def test_a_field_this_server_does_not_honour_is_refused_by_name(param: str, body
 
 def test_fields_that_ask_for_nothing_are_taken() -> None:
     plain = submission({"messages": CHAT})
-    for extra in ({"tools": [], "tool_choice": "none", "parallel_tool_calls": True}, {"min_p": 0, "priority": 0},
-                  {"tools": None, "functions": []}, {"user": "client-7"}, {"suffix": ""}):
+    for extra in (
+        {"tools": [], "tool_choice": "none", "parallel_tool_calls": True},
+        {"min_p": 0, "priority": 0},
+        {"tools": None, "functions": []},
+        {"user": "client-7"},
+        {"suffix": ""},
+    ):
         checked = submission({"messages": CHAT, **extra})
         assert (checked.sampling, checked.max_tokens, checked.stop_token_ids) == (plain.sampling, plain.max_tokens, ())
     with pytest.raises(ApiError) as caught:
@@ -201,14 +239,26 @@ def test_logprobs_and_echo_ask_for_completion_and_prompt_log_probabilities() -> 
 
 
 def test_penalties_are_passed_on_and_none_asked_is_none() -> None:
-    asked = submission({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
-                        "logit_bias": {"5": -100, "7": 3.5}, "min_tokens": 2, "ignore_eos": False})
-    assert asked.sampling.penalties == messages.Penalties(presence=0.5, frequency=-1.0, repetition=1.2,
-                                                          logit_bias={5: -100.0, 7: 3.5}, min_tokens=2)
+    asked = submission(
+        {
+            "prompt": "x",
+            "presence_penalty": 0.5,
+            "frequency_penalty": -1,
+            "repetition_penalty": 1.2,
+            "logit_bias": {"5": -100, "7": 3.5},
+            "min_tokens": 2,
+            "ignore_eos": False,
+        }
+    )
+    assert asked.sampling.penalties == messages.Penalties(
+        presence=0.5, frequency=-1.0, repetition=1.2, logit_bias={5: -100.0, 7: 3.5}, min_tokens=2
+    )
     submit = asked.to_submit_request([1, 2], (2,))
     assert submit.sampling.penalties is not None and submit.sampling.penalties.stop_token_ids == [2]  # held back
-    for harmless in ({}, {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1, "logit_bias": {},
-                          "min_tokens": 0}):
+    for harmless in (
+        {},
+        {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1, "logit_bias": {}, "min_tokens": 0},
+    ):
         assert submission({"prompt": "x", **harmless}).sampling.penalties is None
 
 
@@ -217,9 +267,14 @@ def test_n_and_best_of_count_the_choices_and_refuse_what_cannot_be_served() -> N
     assert choice_counts({"n": 3, "best_of": 5}, chat=False, stream=False, num_prompts=2) == ChoiceCounts(3, 5)
     assert choice_counts({"n": 4}, chat=True, stream=True, num_prompts=1) == ChoiceCounts(4, 4)
     for body, chat, stream, num_prompts, param in (
-            ({"n": 0}, False, False, 1, "n"), ({"n": "2"}, False, False, 1, "n"), ({"n": 2, "best_of": 1}, False, False, 1, "best_of"),
-            ({"best_of": 2}, True, False, 1, "best_of"), ({"n": 1, "best_of": 2}, False, True, 1, "best_of"),
-            ({"n": MAX_CHOICES}, False, False, 2, "n"), ({"best_of": MAX_CHOICES + 1}, False, False, 1, "best_of")):
+        ({"n": 0}, False, False, 1, "n"),
+        ({"n": "2"}, False, False, 1, "n"),
+        ({"n": 2, "best_of": 1}, False, False, 1, "best_of"),
+        ({"best_of": 2}, True, False, 1, "best_of"),
+        ({"n": 1, "best_of": 2}, False, True, 1, "best_of"),
+        ({"n": MAX_CHOICES}, False, False, 2, "n"),
+        ({"best_of": MAX_CHOICES + 1}, False, False, 1, "best_of"),
+    ):
         with pytest.raises(ApiError) as caught:
             choice_counts(body, chat=chat, stream=stream, num_prompts=num_prompts)
         assert (caught.value.status, caught.value.param) == (400, param), body
@@ -231,12 +286,15 @@ def test_a_list_of_prompts_is_one_choice_each_in_order() -> None:
     assert completion_prompts({"prompt": [7, 8]}) == [TokenPrompt((7, 8))]
 
 
-THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                     "<|im_start|>assistant\n{% if enable_thinking %}<think>\n{% endif %}")
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "<|im_start|>assistant\n{% if enable_thinking %}<think>\n{% endif %}"
+)
 
 
 def test_chat_template_kwargs_reach_the_template_and_a_template_file_replaces_the_models(
-        tmp_path: Path, default_model_dir: Path) -> None:
+    tmp_path: Path, default_model_dir: Path
+) -> None:
     template = tmp_path / "thinking.jinja"
     template.write_text(THINKING_TEMPLATE)
     tokenizer = Tokenizer.load(default_model_dir, template)
@@ -248,12 +306,14 @@ def test_chat_template_kwargs_reach_the_template_and_a_template_file_replaces_th
     assert tokenizer.decode(thinking_ids) == plain_text + "<think>\n"
     # The model's own template reads no such variable: the same tokens with or without it.
     own = Tokenizer.load(default_model_dir)
-    assert (prompt_token_ids_of(own, thinking.prompt, "messages") == prompt_token_ids_of(own, plain.prompt, "messages"))
+    assert prompt_token_ids_of(own, thinking.prompt, "messages") == prompt_token_ids_of(own, plain.prompt, "messages")
     with pytest.raises(TokenizerLoadError, match="cannot read the chat template"):
         Tokenizer.load(default_model_dir, tmp_path / "missing.jinja")
-    for kwargs, param in (({"messages": []}, "chat_template_kwargs.messages"),
-                          ({"add_generation_prompt": False}, "chat_template_kwargs.add_generation_prompt"),
-                          (["enable_thinking"], "chat_template_kwargs")):
+    for kwargs, param in (
+        ({"messages": []}, "chat_template_kwargs.messages"),
+        ({"add_generation_prompt": False}, "chat_template_kwargs.add_generation_prompt"),
+        (["enable_thinking"], "chat_template_kwargs"),
+    ):
         with pytest.raises(ApiError) as caught:
             submission({"messages": CHAT, "chat_template_kwargs": kwargs})
         assert caught.value.param == param
@@ -262,7 +322,9 @@ def test_chat_template_kwargs_reach_the_template_and_a_template_file_replaces_th
 def test_a_chat_template_error_names_messages(tmp_path: Path, default_model_dir: Path) -> None:
     for name in ("tokenizer.json", "config.json"):
         (tmp_path / name).write_bytes((default_model_dir / name).read_bytes())
-    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ raise_exception(\'roles must alternate\') }}"}')
+    (tmp_path / "tokenizer_config.json").write_text(
+        '{"chat_template": "{{ raise_exception(\'roles must alternate\') }}"}'
+    )
     with pytest.raises(InvalidArgument, match="messages: .*roles must alternate") as caught:
         checked = submission({"messages": CHAT})
         prompt_token_ids_of(Tokenizer.load(tmp_path), checked.prompt, checked.prompt_field)

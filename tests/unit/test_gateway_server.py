@@ -74,7 +74,9 @@ def ready_target(state: str = "READY") -> m.ProcessInfo:
     )
 
 
-def deltas(request_id: str, token_ids: Sequence[int], finish: m.FinishReason | None, num_prompt: int) -> list[m.TokenDelta]:
+def deltas(
+    request_id: str, token_ids: Sequence[int], finish: m.FinishReason | None, num_prompt: int
+) -> list[m.TokenDelta]:
     """One TokenDelta per token; the last has `finish`."""
     return [
         m.TokenDelta(request_id, [token_id], finish if index == len(token_ids) - 1 else None, num_prompt, index + 1)
@@ -154,7 +156,9 @@ class Harness:
 
 
 @asynccontextmanager
-async def gateway(tokenizer: Tokenizer, script: Script, *, delay_s: float = 0.0, address: str | None = None) -> AsyncIterator[Harness]:
+async def gateway(
+    tokenizer: Tokenizer, script: Script, *, delay_s: float = 0.0, address: str | None = None
+) -> AsyncIterator[Harness]:
     scheduler = FakeScheduler(script, delay_s=delay_s)
     client = SchedulerClient(address or scheduler.address, "gw-test", reply_timeout_s=0.5)
     await client.connect()
@@ -167,7 +171,9 @@ async def gateway(tokenizer: Tokenizer, script: Script, *, delay_s: float = 0.0,
     tasks = [asyncio.create_task(client.run()), asyncio.create_task(scheduler.run())]
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
-        yield Harness(pb_grpc.SpecServeStub(channel), health_pb2_grpc.HealthStub(channel), client, reporter, scheduler, port)
+        yield Harness(
+            pb_grpc.SpecServeStub(channel), health_pb2_grpc.HealthStub(channel), client, reporter, scheduler, port
+        )
     finally:
         await channel.close()
         await server.stop(None)
@@ -203,18 +209,37 @@ def endless_script(tokenizer: Tokenizer) -> Script:
 
 
 def test_usage_carries_the_schedulers_speculation_counts_even_when_a_stop_string_ends_the_output(
-    run: Any, tokenizer: Tokenizer,
+    run: Any,
+    tokenizer: Tokenizer,
 ) -> None:
     def script(submit: m.SubmitRequest) -> list[m.TokenDelta]:
         ids = tokenizer.encode("one two three four")
-        return [m.TokenDelta(submit.request_id, ids[:2], None, 3, 2, num_draft_tokens=4, num_accepted_draft_tokens=1, num_verify_steps=1),
-                m.TokenDelta(submit.request_id, ids[2:], "length", 3, len(ids), 8, 3, 2, num_cached_tokens=2)]
+        return [
+            m.TokenDelta(
+                submit.request_id,
+                ids[:2],
+                None,
+                3,
+                2,
+                num_draft_tokens=4,
+                num_accepted_draft_tokens=1,
+                num_verify_steps=1,
+            ),
+            m.TokenDelta(submit.request_id, ids[2:], "length", 3, len(ids), 8, 3, 2, num_cached_tokens=2),
+        ]
 
     async def scenario() -> None:
         async with gateway(tokenizer, script) as h:
             whole = (await collect(h.stub.Generate(pb.GenerateRequest(prompt="x"))))[-1].usage
-            cut = (await collect(h.stub.Generate(pb.GenerateRequest(prompt="x", params=pb.SamplingParams(stop=[" two"])))))[-1].usage
-        assert (whole.draft_tokens, whole.accepted_draft_tokens, whole.verify_steps, whole.cached_tokens) == (8, 3, 2, 2)
+            cut = (
+                await collect(h.stub.Generate(pb.GenerateRequest(prompt="x", params=pb.SamplingParams(stop=[" two"]))))
+            )[-1].usage
+        assert (whole.draft_tokens, whole.accepted_draft_tokens, whole.verify_steps, whole.cached_tokens) == (
+            8,
+            3,
+            2,
+            2,
+        )
         assert (cut.draft_tokens, cut.accepted_draft_tokens, cut.verify_steps) == (4, 1, 1)
 
     run(scenario())
@@ -228,14 +253,22 @@ def test_generate_streams_text_ids_and_usage(run: Any, tokenizer: Tokenizer) -> 
             hello = h.scheduler.hellos()[0]
             assert hello == m.GatewayHello("gw-test", m.PROTOCOL_VERSION, hello.incarnation) and hello.incarnation
         assert submit.prompt_token_ids == tokenizer.encode("Say hi")
-        assert (submit.max_tokens, submit.seed_given, submit.sampling.seed, submit.stop_token_ids) == (None, False, 0, [2])
+        assert (submit.max_tokens, submit.seed_given, submit.sampling.seed, submit.stop_token_ids) == (
+            None,
+            False,
+            0,
+            [2],
+        )
         assert "".join(r.text for r in responses) == "Hello 😀 世界"
         assert all("\ufffd" not in r.text for r in responses)
         assert [i for r in responses for i in r.token_ids] == tokenizer.encode("Hello 😀 世界") + [2]
         assert all(r.finish_reason == pb.FINISH_REASON_UNSPECIFIED and not r.HasField("usage") for r in responses[:-1])
         last = responses[-1]
         assert last.finish_reason == pb.FINISH_REASON_STOP
-        assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(submit.prompt_token_ids), len(tokenizer.encode("Hello 😀 世界")) + 1)
+        assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (
+            len(submit.prompt_token_ids),
+            len(tokenizer.encode("Hello 😀 世界")) + 1,
+        )
         assert len({r.request_id for r in responses}) == 1 and len(responses[0].request_id) == 32
         assert submit.request_id != responses[0].request_id  # the scheduler knows it by the gateway's own id
 
@@ -246,7 +279,9 @@ def test_chat_and_client_request_id(run: Any, tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
         async with gateway(tokenizer, text_script(tokenizer, "Hi!", finish="length")) as h:
             chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Hello")])
-            request = pb.GenerateRequest(chat=chat, request_id="client-7", params=pb.SamplingParams(seed=5, max_tokens=9, ignore_eos=True))
+            request = pb.GenerateRequest(
+                chat=chat, request_id="client-7", params=pb.SamplingParams(seed=5, max_tokens=9, ignore_eos=True)
+            )
             responses = await collect(h.stub.Generate(request))
             submit = h.scheduler.submits()[0]
         assert submit.request_id != "client-7" and responses[-1].request_id == "client-7"
@@ -294,11 +329,16 @@ def test_client_cancellation_aborts_the_request(run: Any, tokenizer: Tokenizer) 
         ("INTERNAL", grpc.StatusCode.INTERNAL),
     ],
 )
-def test_scheduler_errors_map_to_grpc_status(run: Any, tokenizer: Tokenizer, code: m.ErrorCode, status: grpc.StatusCode) -> None:
+def test_scheduler_errors_map_to_grpc_status(
+    run: Any, tokenizer: Tokenizer, code: m.ErrorCode, status: grpc.StatusCode
+) -> None:
     ids = tokenizer.encode("partial")
 
     def script(submit: m.SubmitRequest) -> list[m.SchedulerToGateway]:
-        return [*deltas(submit.request_id, ids, None, 2), m.RequestError(submit.request_id, code, f"scheduler says {code}")]
+        return [
+            *deltas(submit.request_id, ids, None, 2),
+            m.RequestError(submit.request_id, code, f"scheduler says {code}"),
+        ]
 
     async def scenario() -> None:
         async with gateway(tokenizer, script) as h:
@@ -329,6 +369,7 @@ def test_invalid_request_is_refused_before_the_scheduler_sees_it(run: Any, token
 def test_a_request_id_chosen_by_two_clients_names_two_requests(run: Any, tokenizer: Tokenizer) -> None:
     """A client's request_id is its replies' name, never the scheduler's: a second client using the first one's id
     while it streams gets its own request, and neither can reach the other's (abort it, take its tokens)."""
+
     async def scenario() -> None:
         async with gateway(tokenizer, text_script(tokenizer, "Hello world"), delay_s=0.01) as h:
             first = h.stub.Generate(pb.GenerateRequest(prompt="x", request_id="same"))
@@ -367,7 +408,12 @@ def test_get_server_info_mirrors_the_info_reply(run: Any, tokenizer: Tokenizer) 
     async def scenario() -> None:
         async with gateway(tokenizer, text_script(tokenizer, "x")) as h:
             info = await h.stub.GetServerInfo(pb.ServerInfoRequest())
-        assert (info.model_name, info.max_model_len, info.num_waiting, info.num_running) == ("SmolLM2-135M-Instruct", 2048, 2, 1)
+        assert (info.model_name, info.max_model_len, info.num_waiting, info.num_running) == (
+            "SmolLM2-135M-Instruct",
+            2048,
+            2,
+            1,
+        )
         process = info.processes[0]
         expected = ready_target()
         mirrored = [field for field in expected.__struct_fields__ if field != "protocol_errors"]  # in /metrics only
@@ -386,8 +432,14 @@ def test_health_follows_ready_targets_and_scheduler_silence(run: Any, tokenizer:
             NOT_SERVING, SERVING = health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING
             assert await status(h, "") == NOT_SERVING  # before the first answer
             assert await h.reporter.poll_once() == SERVING
-            assert [await status(h, "") for _ in range(1)] + [await status(h, "specserve.v1.SpecServe")] == [SERVING, SERVING]
-            h.scheduler.processes = [ready_target("WARMING"), m.ProcessInfo("draft-0", "draft", State.READY, 1, 0.1, 0, 8, 16, 0, "")]
+            assert [await status(h, "") for _ in range(1)] + [await status(h, "specserve.v1.SpecServe")] == [
+                SERVING,
+                SERVING,
+            ]
+            h.scheduler.processes = [
+                ready_target("WARMING"),
+                m.ProcessInfo("draft-0", "draft", State.READY, 1, 0.1, 0, 8, 16, 0, ""),
+            ]
             assert await h.reporter.poll_once() == NOT_SERVING
             h.scheduler.processes = [ready_target()]
             assert await h.reporter.poll_once() == SERVING
@@ -435,17 +487,21 @@ def test_hello_is_sent_again_when_the_scheduler_comes_back(run: Any, tokenizer: 
     run(scenario())
 
 
-def test_a_request_in_flight_goes_on_from_its_tokens_when_the_scheduler_comes_back(run: Any, tokenizer: Tokenizer) -> None:
+def test_a_request_in_flight_goes_on_from_its_tokens_when_the_scheduler_comes_back(
+    run: Any, tokenizer: Tokenizer
+) -> None:
     counted = tokenizer.encode("".join(f" {n}" for n in range(1, 31))) + list(tokenizer.eos_token_ids)
     prompt_len = len(tokenizer.encode("count"))
 
     def continue_counting(submit: m.SubmitRequest) -> list[m.TokenDelta]:  # a pure function of the prompt, as greedy is
-        rest = counted[len(submit.prompt_token_ids) - prompt_len:]
+        rest = counted[len(submit.prompt_token_ids) - prompt_len :]
         return deltas(submit.request_id, rest, "stop", len(submit.prompt_token_ids))
 
     async def scenario() -> None:
         async with gateway(tokenizer, continue_counting, delay_s=0.02) as h:
-            call = h.stub.Generate(pb.GenerateRequest(prompt="count", request_id="r1", params=pb.SamplingParams(max_tokens=100)))
+            call = h.stub.Generate(
+                pb.GenerateRequest(prompt="count", request_id="r1", params=pb.SamplingParams(max_tokens=100))
+            )
             before = [await call.read() for _ in range(5)]
             await eventually(lambda: len(h.scheduler.submits()) == 1)
             (resumed_from,) = h.scheduler.submits()
@@ -550,7 +606,9 @@ def gateway_command(model_dir: Path, scheduler_address: str, *options: str) -> l
     ]  # fmt: skip
 
 
-def test_gateway_process_starts_without_scheduler_reports_not_serving_and_stops_on_sigterm(default_model_dir: Path) -> None:
+def test_gateway_process_starts_without_scheduler_reports_not_serving_and_stops_on_sigterm(
+    default_model_dir: Path,
+) -> None:
     with zmq.Context() as context, context.socket(zmq.ROUTER) as placeholder:
         free_port = placeholder.bind_to_random_port("tcp://127.0.0.1")
     command = gateway_command(default_model_dir, f"tcp://127.0.0.1:{free_port}", "--scheduler-timeout-s", "0.3")
@@ -592,7 +650,9 @@ def listening_port(process: subprocess.Popen[str]) -> int:
 
 
 @asynccontextmanager
-async def gateway_process(tokenizer: Tokenizer, model_dir: Path) -> AsyncIterator[tuple[asyncio.subprocess.Process, FakeScheduler, int, int]]:
+async def gateway_process(
+    tokenizer: Tokenizer, model_dir: Path
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, FakeScheduler, int, int]]:
     """`python -m gateway` (grace 20 s) before a fake scheduler that streams " ok" 100 times, about 1 s: the process,
     the scheduler, and the gRPC and HTTP ports."""
     scheduler = FakeScheduler(text_script(tokenizer, " ok" * 100), delay_s=0.01)
@@ -640,20 +700,24 @@ def test_sigterm_drains_streams_in_flight_and_a_second_one_stops_at_once(
     run(scenario())
 
 
-def test_sigterm_lets_http_requests_in_flight_finish_too(run: Any, tokenizer: Tokenizer, default_model_dir: Path) -> None:
+def test_sigterm_lets_http_requests_in_flight_finish_too(
+    run: Any, tokenizer: Tokenizer, default_model_dir: Path
+) -> None:
     import aiohttp
 
     async def scenario() -> None:
         async with gateway_process(tokenizer, default_model_dir) as (process, _, _, http_port):
             body = {"prompt": "x", "max_tokens": 200, "stream": True}
-            async with aiohttp.ClientSession() as session, \
-                    session.post(f"http://127.0.0.1:{http_port}/v1/completions", json=body) as response:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(f"http://127.0.0.1:{http_port}/v1/completions", json=body) as response,
+            ):
                 assert response.status == 200
                 events = [await response.content.readline()]
                 process.send_signal(signal.SIGTERM)
                 async for line in response.content:
                     events.append(line)
-            payloads = [line[len(b"data: "):].strip() for line in events if line.startswith(b"data: ")]
+            payloads = [line[len(b"data: ") :].strip() for line in events if line.startswith(b"data: ")]
             assert payloads[-1] == b"[DONE]"
             chunks = [json.loads(p) for p in payloads[:-1]]
             assert "".join(c["choices"][0]["text"] for c in chunks) == " ok" * 100
@@ -692,21 +756,30 @@ def generate_args(address: str, *options: str) -> Any:
     return parser.parse_args(["--address", address, *options])
 
 
-def test_cli_generate_prints_json_streams_text_and_reports_errors(run: Any, tokenizer: Tokenizer, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_generate_prints_json_streams_text_and_reports_errors(
+    run: Any, tokenizer: Tokenizer, capsys: pytest.CaptureFixture[str]
+) -> None:
     from specserve.client import run_generate
 
     async def scenario() -> None:
         async with gateway(tokenizer, text_script(tokenizer, "Paris 🇫🇷")) as h:
             address = f"127.0.0.1:{h.port}"
-            json_args = generate_args(address, "--chat", "Capital?", "--json", "--max-tokens", "5", "--seed", "3", "--stop", "a", "b")
+            json_args = generate_args(
+                address, "--chat", "Capital?", "--json", "--max-tokens", "5", "--seed", "3", "--stop", "a", "b"
+            )
             assert await asyncio.to_thread(run_generate, json_args) == 0
             submit = h.scheduler.submits()[0]
             assert (submit.max_tokens, submit.sampling.seed, submit.seed_given) == (5, 3, True)
             printed = json.loads(capsys.readouterr().out)
             assert printed["text"] == "P" and printed["finish_reason"] == "stop"  # stop string "a" cuts "Paris"
-            assert printed["usage"] == {"prompt_tokens": len(submit.prompt_token_ids), "completion_tokens": len(printed["token_ids"]),
-                                        "draft_tokens": 0, "accepted_draft_tokens": 0, "verify_steps": 0,
-                                        "cached_tokens": 0}
+            assert printed["usage"] == {
+                "prompt_tokens": len(submit.prompt_token_ids),
+                "completion_tokens": len(printed["token_ids"]),
+                "draft_tokens": 0,
+                "accepted_draft_tokens": 0,
+                "verify_steps": 0,
+                "cached_tokens": 0,
+            }
             assert await asyncio.to_thread(run_generate, generate_args(address, "--prompt", "Capital?")) == 0
             assert capsys.readouterr().out == "Paris 🇫🇷"
             assert await asyncio.to_thread(run_generate, generate_args(address, "--prompt", "x", "--top-p", "0")) == 1

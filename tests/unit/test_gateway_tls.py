@@ -11,7 +11,9 @@ from gateway.tls import Tls, TlsError
 from tests.tls_certs import make_test_ca
 
 
-def test_a_certificate_and_its_key_serve_both_ports_and_a_client_ca_asks_for_client_certificates(tmp_path: Path) -> None:
+def test_a_certificate_and_its_key_serve_both_ports_and_a_client_ca_asks_for_client_certificates(
+    tmp_path: Path,
+) -> None:
     ca = make_test_ca(tmp_path)
     assert Tls.load(None, None, None) is None  # plain TCP
     plain = Tls.load(ca.server_cert, ca.server_key, None)

@@ -37,7 +37,12 @@ BAD_REQUESTS = [
     ("input", pb.GenerateRequest()),
     ("prompt", pb.GenerateRequest(prompt="")),
     ("chat.messages", pb.GenerateRequest(chat=pb.ChatMessages())),
-    ("chat.messages[1].role", pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="a"), pb.ChatMessage(content="b")]))),
+    (
+        "chat.messages[1].role",
+        pb.GenerateRequest(
+            chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="a"), pb.ChatMessage(content="b")])
+        ),
+    ),
     ("token_ids.ids", pb.GenerateRequest(token_ids=pb.TokenIds())),
     ("token_ids.ids[1]", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, VOCAB_SIZE]))),
     ("token_ids.ids[0]", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[-1]))),
@@ -67,10 +72,26 @@ BAD_REQUESTS = [
 # What only a front end's slip could pass (protobuf's types cannot): a bool or a float where an integer belongs, a number
 # past a float's range or an int64's, a string for a number. `validate` refuses each, naming the field, so the request
 # never becomes a message the scheduler cannot read.
-SLIPS = [("max_tokens", 2.5), ("max_tokens", True), ("max_tokens", 2**31), ("top_k", math.inf), ("top_k", 2**31),
-         ("seed", 1.5), ("seed", 2**64), ("min_tokens", 2.5), ("min_tokens", 2**31), ("logprobs", True),
-         ("temperature", "1"), ("top_p", 10**400), ("min_p", "0.1"), ("repetition_penalty", False), ("presence_penalty", 10**400),
-         ("stop_token_ids", (True,)), ("logit_bias", ((True, 1.0),)), ("logit_bias", ((5, "1"),))]
+SLIPS = [
+    ("max_tokens", 2.5),
+    ("max_tokens", True),
+    ("max_tokens", 2**31),
+    ("top_k", math.inf),
+    ("top_k", 2**31),
+    ("seed", 1.5),
+    ("seed", 2**64),
+    ("min_tokens", 2.5),
+    ("min_tokens", 2**31),
+    ("logprobs", True),
+    ("temperature", "1"),
+    ("top_p", 10**400),
+    ("min_p", "0.1"),
+    ("repetition_penalty", False),
+    ("presence_penalty", 10**400),
+    ("stop_token_ids", (True,)),
+    ("logit_bias", ((True, 1.0),)),
+    ("logit_bias", ((5, "1"),)),
+]
 
 
 @pytest.mark.parametrize(("name", "value"), SLIPS, ids=[f"{name}-{value!r:.12}" for name, value in SLIPS])
@@ -81,7 +102,9 @@ def test_a_value_of_the_wrong_type_or_past_every_bound_is_refused_by_validate_it
     assert caught.value.field.startswith(f"params.{name}"), caught.value
 
 
-@pytest.mark.parametrize(("field", "request_message"), BAD_REQUESTS, ids=[f"{field}-{i}" for i, (field, _) in enumerate(BAD_REQUESTS)])
+@pytest.mark.parametrize(
+    ("field", "request_message"), BAD_REQUESTS, ids=[f"{field}-{i}" for i, (field, _) in enumerate(BAD_REQUESTS)]
+)
 def test_every_bad_field_is_named(field: str, request_message: pb.GenerateRequest) -> None:
     with pytest.raises(InvalidArgument) as caught:
         check(request_message)
@@ -126,7 +149,9 @@ def test_a_field_this_server_does_not_know_is_refused_by_number_never_dropped() 
     with pytest.raises(InvalidArgument) as caught:
         submission_of(nested, request_id="r1", vocab_size=VOCAB_SIZE)
     assert caught.value.field == "params.#77"
-    message = pb.ChatMessage.FromString(_with_unknown_field(pb.ChatMessage(role="user", content="hi").SerializeToString(), 31))
+    message = pb.ChatMessage.FromString(
+        _with_unknown_field(pb.ChatMessage(role="user", content="hi").SerializeToString(), 31)
+    )
     chat = pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="system", content="s"), message]))
     with pytest.raises(InvalidArgument) as caught:
         submission_of(chat, request_id="r1", vocab_size=VOCAB_SIZE)
@@ -159,8 +184,9 @@ def test_defaults_when_nothing_is_set() -> None:
 def test_every_field_is_carried_over() -> None:
     request = pb.GenerateRequest(
         chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Hi")]),
-        params=params(max_tokens=7, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=0, stop=["\n\n"],
-                      stop_token_ids=[5, 2]),
+        params=params(
+            max_tokens=7, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=0, stop=["\n\n"], stop_token_ids=[5, 2]
+        ),
     )
     submission = submission_of(request, request_id="r2", vocab_size=VOCAB_SIZE)
     assert submission.prompt == ChatPrompt((ChatMessage("user", "Hi"),))
@@ -176,7 +202,9 @@ def test_every_field_is_carried_over() -> None:
 
 
 def test_ignore_eos_leaves_only_the_clients_stop_ids() -> None:
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), params=params(ignore_eos=True, stop_token_ids=[9]))
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=[1, 2, 3]), params=params(ignore_eos=True, stop_token_ids=[9])
+    )
     submission = submission_of(request, request_id="r3", vocab_size=VOCAB_SIZE)
     assert submission.prompt == TokenPrompt((1, 2, 3))
     assert submission.to_submit_request([1, 2, 3], eos_token_ids=[2]).stop_token_ids == [9]
@@ -215,7 +243,9 @@ def test_a_template_error_names_the_chat_field(tmp_path: Path, default_model_dir
     for name in ("tokenizer.json", "config.json"):
         (tmp_path / name).write_bytes((default_model_dir / name).read_bytes())
     chat = check(pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="a")])))
-    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ raise_exception(\'roles must alternate\') }}"}')
+    (tmp_path / "tokenizer_config.json").write_text(
+        '{"chat_template": "{{ raise_exception(\'roles must alternate\') }}"}'
+    )
     with pytest.raises(ChatTemplateError, match="roles must alternate"):
         Tokenizer.load(tmp_path).render_chat([ChatMessage("user", "a")])
     with pytest.raises(InvalidArgument, match="chat: .*roles must alternate"):

@@ -53,9 +53,11 @@ def tokenizer_config(default_model_dir: Path) -> dict[str, Any]:
 
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """The row permutation llama.cpp's convert_hf_to_gguf.py applies to q_proj / k_proj."""
-    return (weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
-            .swapaxes(1, 2)
-            .reshape(weight.shape))
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def transformers_gguf_tensors(gguf_path: Path) -> dict[str, torch.Tensor]:
@@ -92,8 +94,11 @@ def test_weights_equal_transformers_gguf_loading(default_model_dir: Path, gguf_p
 
 def test_q_and_k_rows_are_reordered(default_model_dir: Path, gguf_path: Path) -> None:
     """Guards the comparison above: the raw GGUF rows differ, so a skipped permutation fails it."""
-    raw = {t.name: dequantize(t.data, t.tensor_type) for t in GGUFReader(gguf_path).tensors
-           if t.name in ("blk.0.attn_q.weight", "blk.0.attn_k.weight")}
+    raw = {
+        t.name: dequantize(t.data, t.tensor_type)
+        for t in GGUFReader(gguf_path).tensors
+        if t.name in ("blk.0.attn_q.weight", "blk.0.attn_k.weight")
+    }
     ours = load_file(default_model_dir / "model.safetensors")
     assert not np.array_equal(ours["model.layers.0.self_attn.q_proj.weight"].numpy(), raw["blk.0.attn_q.weight"])
     assert not np.array_equal(ours["model.layers.0.self_attn.k_proj.weight"].numpy(), raw["blk.0.attn_k.weight"])
@@ -102,9 +107,20 @@ def test_q_and_k_rows_are_reordered(default_model_dir: Path, gguf_path: Path) ->
 def test_config_matches_transformers(default_model_dir: Path, gguf_path: Path) -> None:
     ours = json.loads((default_model_dir / "config.json").read_text())
     theirs = transformers.AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings",
-                "vocab_size", "tie_word_embeddings", "bos_token_id", "eos_token_id"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "vocab_size",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    ):
         assert ours[key] == getattr(theirs, key), key
     assert ours["rope_parameters"] == {"rope_type": "default", "rope_theta": theirs.rope_parameters["rope_theta"]}
     assert ours["architectures"] == ["LlamaForCausalLM"]

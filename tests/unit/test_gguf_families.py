@@ -29,6 +29,7 @@ transformers = pytest.importorskip("transformers")
 gguf_loader = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
 rope_utils = pytest.importorskip("transformers.modeling_rope_utils")
 
+
 @dataclass
 class Converted:
     gguf: Path
@@ -107,9 +108,11 @@ def test_gemma3_norms_are_stored_without_llama_cpps_plus_one(tmp_path: Path) -> 
     folder = convert_gguf(tiny.write(tmp_path / "g.gguf"), tmp_path / "out")
     stored = dict((name, weight) for name, weight, _ in tiny.tensors)
     ours = load_file(folder / "model.safetensors")
-    for gguf_name, hf_name in (("blk.0.post_ffw_norm.weight", "model.layers.0.post_feedforward_layernorm.weight"),
-                               ("blk.1.attn_k_norm.weight", "model.layers.1.self_attn.k_norm.weight"),
-                               ("output_norm.weight", "model.norm.weight")):
+    for gguf_name, hf_name in (
+        ("blk.0.post_ffw_norm.weight", "model.layers.0.post_feedforward_layernorm.weight"),
+        ("blk.1.attn_k_norm.weight", "model.layers.1.self_attn.k_norm.weight"),
+        ("output_norm.weight", "model.norm.weight"),
+    ):
         np.testing.assert_array_equal(ours[hf_name].numpy(), stored[gguf_name] - np.float32(1.0))
 
 
@@ -119,7 +122,10 @@ def test_gemma3_config_and_generation_config(tmp_path: Path) -> None:
     assert config["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
     assert config["rope_parameters"]["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000.0}
     assert (config["hidden_activation"], config["query_pre_attn_scalar"], config["sliding_window"]) == (
-        "gelu_pytorch_tanh", 256, 512)
+        "gelu_pytorch_tanh",
+        256,
+        512,
+    )
     generation = json.loads((folder / "generation_config.json").read_text())
     assert generation["eos_token_id"] == [1, 5]  # <eos>, then <end_of_turn>
     assert "chat_template" not in json.loads((folder / "tokenizer_config.json").read_text())
@@ -141,15 +147,23 @@ def test_mistral_style_llama_with_a_sliding_window(tmp_path: Path) -> None:
     folder = convert_gguf(tiny.write(tmp_path / "m.gguf"), tmp_path / "out")
     config = json.loads((folder / "config.json").read_text())
     assert (config["model_type"], config["architectures"], config["sliding_window"]) == (
-        "mistral", ["MistralForCausalLM"], 4096)
+        "mistral",
+        ["MistralForCausalLM"],
+        4096,
+    )
     assert transformers.AutoConfig.for_model(**config).sliding_window == 4096
 
 
-@pytest.mark.parametrize(("gguf_scaling", "expected"), [
-    ({"type": "linear", "factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),
-    ({"type": "yarn", "factor": 4.0, "original_context_length": 1024},
-     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}),
-])
+@pytest.mark.parametrize(
+    ("gguf_scaling", "expected"),
+    [
+        ({"type": "linear", "factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),
+        (
+            {"type": "yarn", "factor": 4.0, "original_context_length": 1024},
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+        ),
+    ],
+)
 def test_rope_scaling_metadata(tmp_path: Path, gguf_scaling: dict[str, Any], expected: dict[str, Any]) -> None:
     tiny = FAMILIES["qwen2"]()
     tiny.metadata.update({f"qwen2.rope.scaling.{key}": value for key, value in gguf_scaling.items()})
@@ -178,17 +192,24 @@ def test_llama3_scaling_is_recovered_from_rope_freqs(scaling: dict[str, Any]) ->
     assert recovered is not None
     assert recovered == {"rope_type": "llama3", **scaling}
     # ... and transformers' own llama3 RoPE with it divides each plain frequency by the file's divisor.
-    config = transformers.LlamaConfig(hidden_size=128 * 4, num_attention_heads=4, head_dim=128,
-                                      max_position_embeddings=131072,
-                                      rope_parameters={"rope_theta": 500000.0, **recovered})
+    config = transformers.LlamaConfig(
+        hidden_size=128 * 4,
+        num_attention_heads=4,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rope_parameters={"rope_theta": 500000.0, **recovered},
+    )
     inv_freq, _ = rope_utils.ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     plain = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128))
     torch.testing.assert_close(inv_freq.double(), plain / torch.from_numpy(divisors).double(), rtol=1e-6, atol=0)
 
 
 def test_rope_freqs_become_rope_parameters(tmp_path: Path) -> None:
-    tiny = TinyGguf("llama", Shape(hidden_size=128, num_heads=2, num_kv_heads=1, head_dim=64),
-                    byte_level_vocabulary("llama-bpe", add_bos=True))
+    tiny = TinyGguf(
+        "llama",
+        Shape(hidden_size=128, num_heads=2, num_kv_heads=1, head_dim=64),
+        byte_level_vocabulary("llama-bpe", add_bos=True),
+    )
     tiny.add("rope_freqs.weight", llama_cpp_rope_freqs(LLAMA3_SCALINGS[2], 500000.0, 64).reshape(1, -1)[0])
     folder = convert_gguf(tiny.write(tmp_path / "l.gguf"), tmp_path / "out")
     config = json.loads((folder / "config.json").read_text())
@@ -204,13 +225,16 @@ def test_rope_freqs_no_llama3_scaling_reproduces_are_refused(tmp_path: Path) -> 
 
 def test_chat_templates_and_end_of_generation_tokens(tmp_path: Path) -> None:
     tiny = FAMILIES["qwen2"]()
-    tiny.metadata.update({"tokenizer.chat_template": "{{ messages[0]['content'] }}",
-                          "tokenizer.chat_template.tool_use": "{{ tools }}"})
+    tiny.metadata.update(
+        {"tokenizer.chat_template": "{{ messages[0]['content'] }}", "tokenizer.chat_template.tool_use": "{{ tools }}"}
+    )
     tiny.vocabulary.fields["eot_token_id"] = 1
     folder = convert_gguf(tiny.write(tmp_path / "q.gguf"), tmp_path / "out")
     tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
-    assert tokenizer_config["chat_template"] == [{"name": "default", "template": "{{ messages[0]['content'] }}"},
-                                                 {"name": "tool_use", "template": "{{ tools }}"}]
+    assert tokenizer_config["chat_template"] == [
+        {"name": "default", "template": "{{ messages[0]['content'] }}"},
+        {"name": "tool_use", "template": "{{ tools }}"},
+    ]
     assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == [2, 1]  # EOS, then EOT
     tokenizer = ServingTokenizer.load(folder)
     assert tokenizer.eos_token_ids == (2, 1)
@@ -245,8 +269,12 @@ def test_an_unmapped_tensor_is_refused_naming_it(tmp_path: Path) -> None:
 
 def test_a_type_gguf_cannot_dequantize_is_refused_naming_tensor_and_type(tmp_path: Path) -> None:
     tiny = FAMILIES["qwen2"]()
-    tiny.tensors = [(name, weight.astype(np.float64), GGMLQuantizationType.F64) if name == "blk.1.ffn_up.weight"
-                    else (name, weight, kind) for name, weight, kind in tiny.tensors]
+    tiny.tensors = [
+        (name, weight.astype(np.float64), GGMLQuantizationType.F64)
+        if name == "blk.1.ffn_up.weight"
+        else (name, weight, kind)
+        for name, weight, kind in tiny.tensors
+    ]
     with pytest.raises(GgufConversionError, match="'blk.1.ffn_up.weight' is of type F64"):
         convert_gguf(tiny.write(tmp_path / "q.gguf"), tmp_path / "out")
 

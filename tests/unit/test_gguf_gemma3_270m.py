@@ -45,14 +45,17 @@ def transformers_load(gguf_path: Path, gemma3_270m_dir: Path) -> dict[str, Any]:
     """
     with torch.device("meta"):
         skeleton = transformers.AutoModelForCausalLM.from_config(
-            transformers.AutoConfig.from_pretrained(gemma3_270m_dir))
-    parsed: dict[str, Any] = gguf_loader.load_gguf_checkpoint(str(gguf_path), return_tensors=True,
-                                                              model_to_load=skeleton)
+            transformers.AutoConfig.from_pretrained(gemma3_270m_dir)
+        )
+    parsed: dict[str, Any] = gguf_loader.load_gguf_checkpoint(
+        str(gguf_path), return_tensors=True, model_to_load=skeleton
+    )
     return parsed
 
 
-def test_config_loads_as_gemma3_text_and_equals_transformers_gguf_config(gemma3_270m_dir: Path,
-                                                                         transformers_load: dict[str, Any]) -> None:
+def test_config_loads_as_gemma3_text_and_equals_transformers_gguf_config(
+    gemma3_270m_dir: Path, transformers_load: dict[str, Any]
+) -> None:
     ours = transformers.AutoConfig.from_pretrained(gemma3_270m_dir)
     assert isinstance(ours, transformers.Gemma3TextConfig)
     theirs = transformers.AutoConfig.for_model(**transformers_load["config"])

@@ -8,17 +8,44 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("proto", "common", "modeling", "gpu_worker", "draft_service", "gateway", "scheduler", "specserve",
-            "distill", "bench")
+PACKAGES = (
+    "proto",
+    "common",
+    "modeling",
+    "gpu_worker",
+    "draft_service",
+    "gateway",
+    "scheduler",
+    "specserve",
+    "distill",
+    "bench",
+)
 # Exempt from the size rule: the wire messages (one Struct per message, read as a table), generated code, and the
 # kernels (their loader, packing and block formats sit beside the C++ they drive).
 LONG_ALLOWED = ("proto/messages.py", "proto/specserve_pb2.py", "proto/specserve_pb2_grpc.py", "modeling/kernels/")
 MAX_LINES, MAX_SCHEDULER_LINES = 400, 300
 # README and every page of docs/ but the figures (whose commands name other tools' flags by the dozen).
-DOCS = ("README.md", *sorted(f"docs/{path.name}" for path in (ROOT / "docs").glob("*.md") if path.name != "benchmarks.md"))
+DOCS = (
+    "README.md",
+    *sorted(f"docs/{path.name}" for path in (ROOT / "docs").glob("*.md") if path.name != "benchmarks.md"),
+)
 # What the front docs name that is not this project's: other tools' flags, a gRPC method, a placeholder folder.
-NOT_OURS = {"--help", "--index-url", "--cpus", "--cpuset-cpus", "--profile", "--build-arg", "--bridge", "--iptables",
-            "grpc.health.v1.Health/Check", "OUT/training/", "./NAME", "DIR/N.lock", "authorized/worker/", "_WORKER_PORT"}
+NOT_OURS = {
+    "--help",
+    "--index-url",
+    "--cpus",
+    "--cpuset-cpus",
+    "--profile",
+    "--build-arg",
+    "--bridge",
+    "--iptables",
+    "grpc.health.v1.Health/Check",
+    "OUT/training/",
+    "./NAME",
+    "DIR/N.lock",
+    "authorized/worker/",
+    "_WORKER_PORT",
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -33,8 +60,12 @@ def _modules() -> dict[str, Path]:
 def _imports(path: Path, known: dict[str, Path]) -> set[str]:
     """The project modules a file imports, at any depth, except under `if TYPE_CHECKING:` (no import at run time)."""
     tree = ast.parse(path.read_text())
-    skipped = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)
-               and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING" for node in ast.walk(block)}
+    skipped = {
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+        for node in ast.walk(block)
+    }
     names: set[str] = set()
     for node in ast.walk(tree):
         if id(node) in skipped:
@@ -119,14 +150,19 @@ def test_the_docs_name_only_files_flags_and_symbols_that_exist() -> None:
     for doc in DOCS:
         for name in _named((ROOT / doc).read_text()):
             name = name.strip()
-            if re.fullmatch(r"[\w./-]+/[\w./-]*|[\w/-]+\.(py|md|yml|toml|proto|cpp|h|sh)", name) \
-                    and not name.startswith(("http", "/", "~")) and "<" not in name:
+            if (
+                re.fullmatch(r"[\w./-]+/[\w./-]*|[\w/-]+\.(py|md|yml|toml|proto|cpp|h|sh)", name)
+                and not name.startswith(("http", "/", "~"))
+                and "<" not in name
+            ):
                 if name not in NOT_OURS and not _exists(name, paths):
                     missing.append(f"{doc}: file {name}")
             for flag in re.findall(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)", name):
                 if flag not in flags | NOT_OURS and "--" + flag.removeprefix("--no-") not in flags:
                     missing.append(f"{doc}: flag {flag}")
-            if re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_]\w*)+(\(\))?", name) and not re.search(r"\.(py|md|json)$", name):
+            if re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_]\w*)+(\(\))?", name) and not re.search(
+                r"\.(py|md|json)$", name
+            ):
                 symbol = name.removesuffix("()").split(".")[-1]
                 if not re.search(rf"\b{re.escape(symbol)}\b", source):
                     missing.append(f"{doc}: symbol {name}")

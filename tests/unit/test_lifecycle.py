@@ -69,8 +69,14 @@ def test_a_new_lifecycle_starts_in_starting() -> None:
 def test_the_happy_path_reports_every_phase_with_its_duration(clock: FakeClock) -> None:
     moves: list[tuple[State, State, float]] = []
     lifecycle = Lifecycle(lambda old, new, duration_s: moves.append((old, new, duration_s)))
-    durations = {State.STARTING: 0.5, State.LOADING: 7.0, State.ALLOCATING: 1.25, State.WARMING: 3.0, State.READY: 60.0,
-                 State.DRAINING: 2.0}
+    durations = {
+        State.STARTING: 0.5,
+        State.LOADING: 7.0,
+        State.ALLOCATING: 1.25,
+        State.WARMING: 3.0,
+        State.READY: 60.0,
+        State.DRAINING: 2.0,
+    }
     for new in (State.LOADING, State.ALLOCATING, State.WARMING, State.READY, State.DRAINING, State.STOPPED):
         clock.now_s += durations[lifecycle.state]
         lifecycle.move_to(new)

@@ -16,8 +16,15 @@ import torch
 import torch.nn.functional as F
 
 from modeling.model.config import ModelConfig
-from modeling.kernels.packing import (SWITCH_MARGIN, PackedLinear, PathTimings, choose_ops, pack_weights,
-                                  measure_linear_paths, same_bits)
+from modeling.kernels.packing import (
+    SWITCH_MARGIN,
+    PackedLinear,
+    PathTimings,
+    choose_ops,
+    pack_weights,
+    measure_linear_paths,
+    same_bits,
+)
 from modeling.model.decoder import DecoderModel
 from modeling.kernels.invariance import linear_rows_problem
 from modeling.kernels.native import SWITCH_ENV, native_ops
@@ -45,13 +52,17 @@ def _linear(ops, path: str) -> PackedLinear:  # type: ignore[no-untyped-def]
     return PackedLinear(ops, path)
 
 
-def _operands(shape: tuple[int, int], num_rows: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _operands(
+    shape: tuple[int, int], num_rows: int, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     num_out, depth = shape
     weight = (torch.randn(num_out, depth, generator=generator) * 0.05).to(dtype)
     bias = torch.randn(num_out, generator=generator).to(dtype)
     # Rows of different magnitudes, as activations are.
-    rows = (torch.randn(num_rows, depth, generator=generator) * torch.rand(num_rows, 1, generator=generator) * 3).to(dtype)
+    rows = (torch.randn(num_rows, depth, generator=generator) * torch.rand(num_rows, 1, generator=generator) * 3).to(
+        dtype
+    )
     return weight, bias, rows
 
 
@@ -68,7 +79,9 @@ def test_each_row_is_bit_for_bit_the_row_alone(ops, path: str, dtype: torch.dtyp
     for count in counts:
         for start in sorted({0, 3}):  # the rows at the front of a step and further in
             together = linear(rows[start : start + count], packed, bias)
-            assert torch.equal(together, alone[start : start + count]), f"{count} rows from row {start} differ from each row alone"
+            assert torch.equal(together, alone[start : start + count]), (
+                f"{count} rows from row {start} differ from each row alone"
+            )
 
 
 @pytest.mark.parametrize("path", ALL_PATHS)
@@ -164,7 +177,9 @@ def test_amx_sums_bfloat16_within_float32_rounding(ops, shape: tuple[int, int]) 
 @pytest.mark.parametrize("path", ALL_PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(96, 576), (53, 77), (17, 1)])
-def test_rows_of_a_packed_weight_are_the_weight_rows(ops, path: str, dtype: torch.dtype, shape: tuple[int, int]) -> None:  # type: ignore[no-untyped-def]
+def test_rows_of_a_packed_weight_are_the_weight_rows(
+    ops, path: str, dtype: torch.dtype, shape: tuple[int, int]
+) -> None:  # type: ignore[no-untyped-def]
     """A tied LM head's embedding lookup reads rows back out of the packed head, in whatever layout the path packs
     (AMX: bfloat16 pairs of k side by side), an odd depth's last k included; packing in place gives the same."""
     linear = _linear(ops, path)
@@ -192,14 +207,23 @@ def test_the_default_path_is_the_fastest_this_cpu_has(ops) -> None:  # type: ign
     assert PackedLinear(ops).path == paths[0]
 
 
-@pytest.mark.parametrize(("dtype", "block_format"), [(torch.float32, None), (torch.bfloat16, None),
-                                                     (torch.float32, "q4_1"), (torch.bfloat16, "q8_0")])
-def test_a_model_runs_on_the_path_measured_fastest(ops, tiny_llama_folder: Path, dtype: torch.dtype,  # type: ignore[no-untyped-def]
-                                                   block_format: str | None) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "block_format"),
+    [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "q4_1"), (torch.bfloat16, "q8_0")],
+)
+def test_a_model_runs_on_the_path_measured_fastest(
+    ops,
+    tiny_llama_folder: Path,
+    dtype: torch.dtype,  # type: ignore[no-untyped-def]
+    block_format: str | None,
+) -> None:
     config = ModelConfig.from_folder(tiny_llama_folder)
     threads = (torch.get_num_threads(), ops.get_num_threads())
     timings = measure_linear_paths(ops, config, dtype, block_format)
-    assert (torch.get_num_threads(), ops.get_num_threads()) == threads  # the probe runs on one thread, then gives them back
+    assert (
+        torch.get_num_threads(),
+        ops.get_num_threads(),
+    ) == threads  # the probe runs on one thread, then gives them back
     assert list(timings.seconds) == list(ops.linear_paths())  # every path this CPU has, each timed
     assert all(seconds > 0 for seconds in [*timings.seconds.values(), timings.onednn])
     assert timings.choices == same_bits(list(ops.linear_paths()), dtype, block_format)
@@ -216,7 +240,9 @@ def test_a_model_runs_on_the_path_measured_fastest(ops, tiny_llama_folder: Path,
     probe = model.linear.measured
     assert probe is not None and str(probe) in ops_said and list(probe.seconds) == list(ops.linear_paths())
     assert model.linear.path == chosen_by(probe.seconds, probe.choices), ops_said
-    assert f"; attention: {ops.attention_path_for(config.num_heads, config.num_kv_heads, config.head_dim)}; " in ops_said
+    assert (
+        f"; attention: {ops.attention_path_for(config.num_heads, config.num_kv_heads, config.head_dim)}; " in ops_said
+    )
 
 
 def chosen_by(seconds: dict[str, float], choices: tuple[str, ...]) -> str:

@@ -32,29 +32,46 @@ def test_token_logprobs_are_the_log_softmax_after_temperature_with_the_likeliest
         token_logprobs(logits[:2], tokens, 1)
 
 
-def decode_with_logprobs(tiny_llama_folder: Path, params: SamplingParams, n: int) -> tuple[list[int], list[TokenLogprob]]:
+def decode_with_logprobs(
+    tiny_llama_folder: Path, params: SamplingParams, n: int
+) -> tuple[list[int], list[TokenLogprob]]:
     r = runner(tiny_llama_folder)
     (out,), _, _ = r.execute([SeqWork("p", pages(0), 0, PROMPT, True, params, logprobs=3)])
     tokens, logprobs = list(out.token_ids), list(out.logprobs or [])
     while len(tokens) < n:
-        (out,), _, _ = r.execute([SeqWork("p", pages(0), len(PROMPT) + len(tokens) - 1, [tokens[-1]], True, params,
-                                          logprobs=3)])
+        (out,), _, _ = r.execute(
+            [SeqWork("p", pages(0), len(PROMPT) + len(tokens) - 1, [tokens[-1]], True, params, logprobs=3)]
+        )
         tokens += out.token_ids
         logprobs += out.logprobs or []
     return tokens, logprobs
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_a_verified_draft_token_has_the_logprob_of_its_decode_step(tiny_llama_folder: Path, params: SamplingParams) -> None:
+def test_a_verified_draft_token_has_the_logprob_of_its_decode_step(
+    tiny_llama_folder: Path, params: SamplingParams
+) -> None:
     tokens, expected = decode_with_logprobs(tiny_llama_folder, params, 12)
     r = runner(tiny_llama_folder)
     (out,), _, _ = r.execute([SeqWork("s", pages(1), 0, PROMPT, True, params, logprobs=3)])
     got, logprobs = list(out.token_ids), list(out.logprobs or [])
     while len(got) < 12:
-        truth = tokens[len(got):len(got) + 4]
+        truth = tokens[len(got) : len(got) + 4]
         drafts = truth[:2] + [(t + 1) % 97 for t in truth[2:]]  # two right, then wrong ones
-        (out,), _, _ = r.execute([SeqWork("s", pages(1), len(PROMPT) + len(got) - 1, [got[-1], *drafts], True, params,
-                                          num_draft_tokens=len(drafts), logprobs=3)])
+        (out,), _, _ = r.execute(
+            [
+                SeqWork(
+                    "s",
+                    pages(1),
+                    len(PROMPT) + len(got) - 1,
+                    [got[-1], *drafts],
+                    True,
+                    params,
+                    num_draft_tokens=len(drafts),
+                    logprobs=3,
+                )
+            ]
+        )
         assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
         got += out.token_ids
         logprobs += out.logprobs
@@ -69,8 +86,9 @@ def test_a_prompt_scored_in_chunks_equals_its_logits_at_once(tiny_llama_folder: 
     logits = r._engine.forward([SeqSpan(tuple(pages(0)), 0, PROMPT, len(PROMPT))])  # every position's logits
     expected = token_logprobs(logits[:-1], PROMPT[1:], 2)
     r = runner(tiny_llama_folder)
-    _, _, (first,) = r.execute([SeqWork("c", pages(0), 0, PROMPT[:4], False, GREEDY, prompt_logprobs=2,
-                                        after_token_id=PROMPT[4])])
+    _, _, (first,) = r.execute(
+        [SeqWork("c", pages(0), 0, PROMPT[:4], False, GREEDY, prompt_logprobs=2, after_token_id=PROMPT[4])]
+    )
     (out,), _, (rest,) = r.execute([SeqWork("c", pages(0), 4, PROMPT[4:], True, GREEDY, prompt_logprobs=2, logprobs=1)])
     assert (first.first_position, rest.first_position) == (1, 5)
     assert len(first.entries) == 4 and len(rest.entries) == len(PROMPT) - 5
@@ -84,11 +102,12 @@ def test_a_prompt_scored_in_chunks_equals_its_logits_at_once(tiny_llama_folder: 
 
 def test_bad_logprob_asks_are_refused_as_the_requests_own(tiny_llama_folder: Path) -> None:
     r = runner(tiny_llama_folder)
-    for work in (SeqWork("x", pages(0), 0, PROMPT, True, GREEDY, logprobs=21),
-                 SeqWork("x", pages(0), 0, PROMPT, True, GREEDY, prompt_logprobs=-2),
-                 SeqWork("x", pages(0), 0, PROMPT[:3], False, GREEDY, after_token_id=5),
-                 SeqWork("x", pages(0), 0, PROMPT[:3], False, GREEDY, prompt_logprobs=0, after_token_id=10**6)):
+    for work in (
+        SeqWork("x", pages(0), 0, PROMPT, True, GREEDY, logprobs=21),
+        SeqWork("x", pages(0), 0, PROMPT, True, GREEDY, prompt_logprobs=-2),
+        SeqWork("x", pages(0), 0, PROMPT[:3], False, GREEDY, after_token_id=5),
+        SeqWork("x", pages(0), 0, PROMPT[:3], False, GREEDY, prompt_logprobs=0, after_token_id=10**6),
+    ):
         with pytest.raises(PageError) as caught:
             r.execute([work])
         assert caught.value.request_id == "x"
-

@@ -33,38 +33,97 @@ PROMPTS = [PROMPT[:7], [5, 5, 5, 9, 200, 17], PROMPT[3:40]]
 NUM_NEW = 12
 MAX_LEN = 128
 
-_SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 32}
+_SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+)
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 
 # name -> (transformers config class, its settings)
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-plain": ("LlamaConfig", {"rope_theta": 500000.0}),
     "llama-llama3": ("LlamaConfig", {"rope_parameters": {"rope_theta": 500000.0, **LLAMA3}}),
     "llama-linear": ("LlamaConfig", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
-    "llama-dynamic": ("LlamaConfig", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}),
-    "llama-yarn": ("LlamaConfig", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                                       "original_max_position_embeddings": 64}}),
-    "llama-yarn-mscale": ("LlamaConfig", {"rope_parameters": {
-        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 32,
-        "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False}}),
+    "llama-dynamic": (
+        "LlamaConfig",
+        {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}},
+    ),
+    "llama-yarn": (
+        "LlamaConfig",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
+    "llama-yarn-mscale": (
+        "LlamaConfig",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "original_max_position_embeddings": 32,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.5,
+                "beta_fast": 16.0,
+                "beta_slow": 2.0,
+                "truncate": False,
+            }
+        },
+    ),
     "llama-biases": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True, "head_dim": 24}),
     "mistral-window": ("MistralConfig", {"sliding_window": 9}),
     "mistral-no-window": ("MistralConfig", {"sliding_window": None, "head_dim": 32}),
     "qwen2": ("Qwen2Config", {"rope_theta": 1000000.0, "tie_word_embeddings": False}),
     "qwen2-window": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 7, "max_window_layers": 1}),
     "qwen3": ("Qwen3Config", {"head_dim": 16, "rope_parameters": {"rope_theta": 1000000.0, **LLAMA3}}),
-    "qwen3-window": ("Qwen3Config", {"head_dim": 32, "attention_bias": True, "use_sliding_window": True,
-                                     "sliding_window": 10, "layer_types": ["full_attention", "sliding_attention",
-                                                                           "sliding_attention"]}),
-    "gemma3": ("Gemma3TextConfig", {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 8,
-                                    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
-    "gemma3-scaled": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 11, "num_hidden_layers": 4,
-                                           "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0,
-                                                                                  "rope_theta": 1000000.0},
-                                                               "sliding_attention": {"rope_type": "default",
-                                                                                     "rope_theta": 10000.0}}}),
+    "qwen3-window": (
+        "Qwen3Config",
+        {
+            "head_dim": 32,
+            "attention_bias": True,
+            "use_sliding_window": True,
+            "sliding_window": 10,
+            "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
+        },
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 32,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        },
+    ),
+    "gemma3-scaled": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 16,
+            "sliding_window": 11,
+            "num_hidden_layers": 4,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        },
+    ),
 }
 
 
@@ -133,13 +192,19 @@ def _reference_greedy(reference: Any, prompt: list[int]) -> list[int]:
             top = torch.topk(scores.float(), 2).values
             if float(top[0] - top[1]) < 1e-3:
                 break
-    return sequence[len(prompt):]
+    return sequence[len(prompt) :]
 
 
 def test_greedy_output_through_the_engine_matches_transformers(case: tuple[str, Path, Any]) -> None:
     name, folder, reference = case
-    engine = ModelEngine(folder, ModelConfig.from_folder(folder), device="cpu", dtype="float32",
-                         num_pages=pages_for(MAX_LEN, DEFAULT_PAGE_SIZE), max_len=MAX_LEN)
+    engine = ModelEngine(
+        folder,
+        ModelConfig.from_folder(folder),
+        device="cpu",
+        dtype="float32",
+        num_pages=pages_for(MAX_LEN, DEFAULT_PAGE_SIZE),
+        max_len=MAX_LEN,
+    )
     engine.load()
     engine.allocate()
     engine.self_check()  # the start-up check a worker runs: raises when prefill and decode disagree
@@ -164,8 +229,9 @@ def test_a_draft_model_of_the_family_proposes_what_the_model_would_say(case: tup
     from proto.messages import SamplingParams
 
     name, folder, reference = case
-    proposer = ModelProposer(folder, device="cpu", dtype="float32", num_seqs=2, max_len=MAX_LEN, max_draft_tokens=4,
-                             draft_top_k=8)
+    proposer = ModelProposer(
+        folder, device="cpu", dtype="float32", num_seqs=2, max_len=MAX_LEN, max_draft_tokens=4, draft_top_k=8
+    )
     for phase in proposer.phases():
         phase()
     prompt = PROMPT[:30]  # past the shortest sliding window
@@ -201,8 +267,15 @@ def test_both_config_spellings_give_the_same_model(case: tuple[str, Path, Any]) 
 def sharded_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Llama of ~45M parameters (~180 MB in float32), saved by transformers in shards with their index."""
     folder = tmp_path_factory.mktemp("sharded-llama")
-    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
-                                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256)
+    config = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="50MB")
     assert (folder / "model.safetensors.index.json").is_file() and len(list(folder.glob("*.safetensors"))) > 2

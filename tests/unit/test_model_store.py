@@ -65,12 +65,16 @@ def test_up_takes_a_gguf_file_and_serves_its_converted_folder(tmp_path: Path, mo
     assert stack.max_model_len == 2048 and stack.draft is not None and stack.draft.kind.value == "ngram"
 
 
-@pytest.mark.parametrize(("given", "reason"), [
-    ("no-such-thing", "no such file or folder, nor a named model"),
-    ("{tmp}/bad.gguf", "bad.gguf: not a readable GGUF file"),
-])
-def test_up_refuses_a_model_it_cannot_find_or_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given: str,
-                                                   reason: str) -> None:
+@pytest.mark.parametrize(
+    ("given", "reason"),
+    [
+        ("no-such-thing", "no such file or folder, nor a named model"),
+        ("{tmp}/bad.gguf", "bad.gguf: not a readable GGUF file"),
+    ],
+)
+def test_up_refuses_a_model_it_cannot_find_or_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given: str, reason: str
+) -> None:
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "bad.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(range(256)) * 4)
     args = _build_parser().parse_args(["up", "--model", given.format(tmp=tmp_path), "--device", "cpu"])

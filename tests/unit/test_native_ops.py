@@ -24,7 +24,9 @@ def ops():  # type: ignore[no-untyped-def]
     return native_ops()
 
 
-def _reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seqs: list[int], positions: list[int]) -> torch.Tensor:
+def _reference_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seqs: list[int], positions: list[int]
+) -> torch.Tensor:
     """Row n of q `[N, H, D]` over positions 0..positions[n] of sequence seqs[n] of a whole-sequence cache
     `[S, KVH, L, D]`, in float64: `[N, H*D]`."""
     num_heads, dim = q.shape[1], q.shape[2]
@@ -38,7 +40,9 @@ def _reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     return torch.stack(rows)
 
 
-def _cache(num_seqs: int, num_kv_heads: int, max_len: int, dim: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _cache(
+    num_seqs: int, num_kv_heads: int, max_len: int, dim: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Whole sequences `[S, KVH, L, D]`: what a paged cache holds, laid out plainly."""
     generator = torch.Generator().manual_seed(seed)
     shape = (num_seqs, num_kv_heads, max_len, dim)
@@ -64,8 +68,16 @@ def _attend(ops, q, keys, values, seqs, positions, page_size: int = 16, seed: in
     """The kernel (on `path`, "" for the build's fastest) over `keys`, `values` `[S, KVH, L, D]` moved into shuffled pages."""
     paged_keys, tables = _paged(keys, page_size, seed)
     paged_values, _ = _paged(values, page_size, seed)
-    return ops.attend(q, paged_keys, paged_values, tables, torch.as_tensor(seqs), torch.as_tensor(positions),
-                      q.shape[2] ** -0.5, path=path)
+    return ops.attend(
+        q,
+        paged_keys,
+        paged_values,
+        tables,
+        torch.as_tensor(seqs),
+        torch.as_tensor(positions),
+        q.shape[2] ** -0.5,
+        path=path,
+    )
 
 
 # The attention kernel's paths; a test of one this build lacks (no AVX512 or AVX2 on this CPU) is skipped.
@@ -81,16 +93,31 @@ def attention_path(ops, request: pytest.FixtureRequest) -> str:  # type: ignore[
 
 # (heads, kv heads, head_dim): the default model's shape (the AVX512 and AVX2 paths where the
 # CPU has it), other group sizes, and a head_dim only the generic path serves.
-SHAPES = [(9, 3, 64), (8, 2, 64), (4, 4, 64), (14, 2, 64), (12, 2, 64), (16, 2, 128), (8, 8, 128), (8, 2, 16),
-          (6, 3, 32)]
+SHAPES = [
+    (9, 3, 64),
+    (8, 2, 64),
+    (4, 4, 64),
+    (14, 2, 64),
+    (12, 2, 64),
+    (16, 2, 128),
+    (8, 8, 128),
+    (8, 2, 16),
+    (6, 3, 32),
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "dim"), SHAPES)
 @pytest.mark.parametrize("page_size", [16, 5, 80])
-def test_attention_through_block_tables_matches_the_reference(ops, attention_path: str, dtype: torch.dtype,  # type: ignore[no-untyped-def]
-                                                             num_heads: int, num_kv_heads: int, dim: int,
-                                                             page_size: int) -> None:
+def test_attention_through_block_tables_matches_the_reference(
+    ops,
+    attention_path: str,
+    dtype: torch.dtype,  # type: ignore[no-untyped-def]
+    num_heads: int,
+    num_kv_heads: int,
+    dim: int,
+    page_size: int,
+) -> None:
     keys, values = _cache(6, num_kv_heads, 80, dim, dtype, seed=1)
     # Lengths from 1 to past one 16-position block and across page boundaries, a verify-like run of one sequence.
     seqs = [4, 0, 2, 2, 2, 5, 1]
@@ -104,8 +131,14 @@ def test_attention_through_block_tables_matches_the_reference(ops, attention_pat
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "dim"), SHAPES[:2])
-def test_each_row_is_computed_alone_wherever_its_pages_lie(ops, attention_path: str, dtype: torch.dtype,  # type: ignore[no-untyped-def]
-                                                          num_heads: int, num_kv_heads: int, dim: int) -> None:
+def test_each_row_is_computed_alone_wherever_its_pages_lie(
+    ops,
+    attention_path: str,
+    dtype: torch.dtype,  # type: ignore[no-untyped-def]
+    num_heads: int,
+    num_kv_heads: int,
+    dim: int,
+) -> None:
     """A row gives bit for bit the same output alone as among others, and whichever pages hold its keys: a verify
     row equals its decode step, and a prefix read from the prefix cache equals one computed in place."""
     keys, values = _cache(8, num_kv_heads, 208, dim, dtype, seed=3)
@@ -114,8 +147,16 @@ def test_each_row_is_computed_alone_wherever_its_pages_lie(ops, attention_path: 
     q = torch.randn(8, num_heads, dim, generator=torch.Generator().manual_seed(4)).to(dtype)
     together = _attend(ops, q, keys, values, seqs, positions, seed=0, path=attention_path)
     for n in range(8):
-        alone = _attend(ops, q[n : n + 1].clone(), keys, values, seqs[n : n + 1], positions[n : n + 1], seed=n + 1,
-                        path=attention_path)
+        alone = _attend(
+            ops,
+            q[n : n + 1].clone(),
+            keys,
+            values,
+            seqs[n : n + 1],
+            positions[n : n + 1],
+            seed=n + 1,
+            path=attention_path,
+        )
         assert torch.equal(alone[0], together[n]), f"row {n} differs alone"
 
 
@@ -125,13 +166,20 @@ def test_attention_reads_strided_queries(ops) -> None:  # type: ignore[no-untype
     qkv = torch.randn(4, 15 * 64).to(torch.bfloat16)
     q = qkv[:, : 9 * 64].view(4, 9, 64)
     seqs, positions = [0, 1, 2, 1], [5, 39, 0, 20]
-    assert torch.equal(_attend(ops, q, keys, values, seqs, positions), _attend(ops, q.contiguous(), keys, values, seqs, positions))
+    assert torch.equal(
+        _attend(ops, q, keys, values, seqs, positions), _attend(ops, q.contiguous(), keys, values, seqs, positions)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "dim"), [shape for shape in SHAPES if shape[2] in (64, 128)])
-def test_the_avx512_path_gives_the_avx2_paths_bits(ops, dtype: torch.dtype, num_heads: int, num_kv_heads: int,  # type: ignore[no-untyped-def]
-                                                   dim: int) -> None:
+def test_the_avx512_path_gives_the_avx2_paths_bits(
+    ops,
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,  # type: ignore[no-untyped-def]
+    dim: int,
+) -> None:
     """The AVX512 path computes the AVX2 path's sums lane for lane, so a model's steps do not depend on which of
     the two a CPU has; many rows of many lengths, more tasks than threads share out evenly."""
     if not {"avx512", "avx2"} <= set(ops.attention_paths()):
@@ -163,7 +211,9 @@ def test_the_path_a_models_heads_take_is_the_kernels_own_choice(ops) -> None:  #
         keys, values = _cache(3, kv_heads, 48, dim, torch.float32, seed=29)
         q = torch.randn(4, heads, dim, generator=torch.Generator().manual_seed(30))
         out = _attend(ops, q, keys, values, [0, 1, 2, 0], [20, 37, 9, 44])
-        taken = _attend(ops, q, keys, values, [0, 1, 2, 0], [20, 37, 9, 44], path=ops.attention_path_for(heads, kv_heads, dim))
+        taken = _attend(
+            ops, q, keys, values, [0, 1, 2, 0], [20, 37, 9, 44], path=ops.attention_path_for(heads, kv_heads, dim)
+        )
         assert torch.equal(out, taken)
 
 
@@ -202,8 +252,10 @@ def test_store_of_many_rows_writes_each_at_its_page_and_offset(ops) -> None:  # 
     assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
 
 
-@pytest.mark.parametrize(("page", "offset", "message"), [(4, 0, "page 4 offset 0 is outside"), (-1, 0, "page -1 offset 0"),
-                                                         (0, 10, "page 0 offset 10 is outside")])
+@pytest.mark.parametrize(
+    ("page", "offset", "message"),
+    [(4, 0, "page 4 offset 0 is outside"), (-1, 0, "page -1 offset 0"), (0, 10, "page 0 offset 10 is outside")],
+)
 def test_out_of_range_stores_are_refused_before_any_write(ops, page: int, offset: int, message: str) -> None:  # type: ignore[no-untyped-def]
     keys, values = torch.zeros(4, 2, 10, 8), torch.zeros(4, 2, 10, 8)
     k = torch.ones(2, 2, 8)
@@ -212,23 +264,45 @@ def test_out_of_range_stores_are_refused_before_any_write(ops, page: int, offset
     assert not keys.any() and not values.any()
 
 
-@pytest.mark.parametrize(("tables", "row_table", "position", "message"), [
-    ([[0, 4]], 0, 2, "block table entry 4 is outside"),
-    ([[0, -1]], 0, 2, "block table entry -1 is outside"),
-    ([[0, 1]], 1, 2, "block table 1 does not exist"),
-    ([[0, 1]], 0, 20, "position 20 is outside its block table's 20 positions"),
-])
-def test_attention_outside_the_block_tables_is_refused(ops, tables: list[list[int]], row_table: int, position: int,  # type: ignore[no-untyped-def]
-                                                      message: str) -> None:
+@pytest.mark.parametrize(
+    ("tables", "row_table", "position", "message"),
+    [
+        ([[0, 4]], 0, 2, "block table entry 4 is outside"),
+        ([[0, -1]], 0, 2, "block table entry -1 is outside"),
+        ([[0, 1]], 1, 2, "block table 1 does not exist"),
+        ([[0, 1]], 0, 20, "position 20 is outside its block table's 20 positions"),
+    ],
+)
+def test_attention_outside_the_block_tables_is_refused(
+    ops,
+    tables: list[list[int]],
+    row_table: int,
+    position: int,  # type: ignore[no-untyped-def]
+    message: str,
+) -> None:
     keys, values = torch.zeros(4, 2, 10, 8), torch.zeros(4, 2, 10, 8)
     with pytest.raises(RuntimeError, match=message):
-        ops.attend(torch.ones(1, 4, 8), keys, values, torch.tensor(tables), torch.tensor([row_table]), torch.tensor([position]), 1.0)
+        ops.attend(
+            torch.ones(1, 4, 8),
+            keys,
+            values,
+            torch.tensor(tables),
+            torch.tensor([row_table]),
+            torch.tensor([position]),
+            1.0,
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "dim"), SHAPES)
-def test_tree_rows_attend_to_their_run_then_their_extra_positions(ops, attention_path: str, dtype: torch.dtype,  # type: ignore[no-untyped-def]
-                                                                  num_heads: int, num_kv_heads: int, dim: int) -> None:
+def test_tree_rows_attend_to_their_run_then_their_extra_positions(
+    ops,
+    attention_path: str,
+    dtype: torch.dtype,  # type: ignore[no-untyped-def]
+    num_heads: int,
+    num_kv_heads: int,
+    dim: int,
+) -> None:
     """Each row's keys are positions 0..its end and then its extra ones, in order (across pages): bit for bit the row
     of a cache where those keys lie one after another."""
     keys, values = _cache(3, num_kv_heads, 80, dim, dtype, seed=5)
@@ -245,23 +319,42 @@ def test_tree_rows_attend_to_their_run_then_their_extra_positions(ops, attention
         seq = int(seqs[n])
         packed_keys[seq, :, : len(chosen)] = keys[seq, :, chosen]
         packed_values[seq, :, : len(chosen)] = values[seq, :, chosen]
-        plain = _attend(ops, q[n : n + 1].clone(), packed_keys, packed_values, seqs[n : n + 1], [len(chosen) - 1], seed=n,
-                        path=attention_path)
+        plain = _attend(
+            ops,
+            q[n : n + 1].clone(),
+            packed_keys,
+            packed_values,
+            seqs[n : n + 1],
+            [len(chosen) - 1],
+            seed=n,
+            path=attention_path,
+        )
         assert torch.equal(out[n], plain[0]), f"row {n}"
 
 
-@pytest.mark.parametrize(("extra", "message"), [
-    ([[5, 4]], "must follow"),  # not ascending
-    ([[3, -1]], "must follow"),  # at or before the row's end
-    ([[-1, 6]], "must follow"),  # a position after padding
-    ([[5, 20]], "must follow"),  # outside the block table
-    ([[5, -2]], "padding is -1"),
-])
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ([[5, 4]], "must follow"),  # not ascending
+        ([[3, -1]], "must follow"),  # at or before the row's end
+        ([[-1, 6]], "must follow"),  # a position after padding
+        ([[5, 20]], "must follow"),  # outside the block table
+        ([[5, -2]], "padding is -1"),
+    ],
+)
 def test_bad_extra_positions_are_refused(ops, extra: list[list[int]], message: str) -> None:  # type: ignore[no-untyped-def]
     keys, values = torch.zeros(2, 2, 10, 8), torch.zeros(2, 2, 10, 8)
     with pytest.raises(RuntimeError, match=message):
-        ops.attend_tree(torch.ones(1, 4, 8), keys, values, torch.tensor([[0, 1]]), torch.tensor([0]), torch.tensor([3]),
-                        torch.tensor(extra), 1.0)
+        ops.attend_tree(
+            torch.ones(1, 4, 8),
+            keys,
+            values,
+            torch.tensor([[0, 1]]),
+            torch.tensor([0]),
+            torch.tensor([3]),
+            torch.tensor(extra),
+            1.0,
+        )
 
 
 def test_attention_refuses_mismatched_inputs(ops) -> None:  # type: ignore[no-untyped-def]
@@ -433,7 +526,9 @@ def test_argmax_rows_is_torchs_argmax(ops, width: int, dtype: torch.dtype) -> No
     expected = torch.argmax(logits.float(), dim=-1)
     assert torch.equal(ops.argmax_rows(logits), expected)
     assert torch.equal(ops.argmax_rows(logits[:, :width]), expected)
-    wide = torch.cat([logits, torch.zeros(12, 5, dtype=dtype)], dim=1)[:, :width]  # rows a stride apart that is not their width
+    wide = torch.cat([logits, torch.zeros(12, 5, dtype=dtype)], dim=1)[
+        :, :width
+    ]  # rows a stride apart that is not their width
     assert torch.equal(ops.argmax_rows(wide), expected)
     assert ops.argmax_rows(torch.empty(0, width, dtype=dtype)).shape == (0,)
 
@@ -450,9 +545,20 @@ def test_turned_off_the_model_runs_on_torch_ops_and_says_why(monkeypatch: pytest
     from modeling.kernels.packing import choose_ops, pack_weights
     from modeling.model.decoder import DecoderModel
 
-    config = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
-                         head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64,
-                         tie_word_embeddings=True, attention_bias=False)
+    config = ModelConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        attention_bias=False,
+    )
     monkeypatch.setenv(SWITCH_ENV, "0")
     native._load.cache_clear()
     try:

@@ -24,7 +24,9 @@ def test_a_second_turn_reuses_the_first_turns_full_pages_but_computes_its_last_t
     assert pool.block_table("turn-2")[:2] == pool.cached_prefix(first + [0])
     assert pool.counters.num_queried_tokens == 24 and pool.counters.num_hit_tokens == 8
     exactly = list(range(8))
-    assert len(pool.cached_prefix(exactly)) == 1  # a prompt of exactly two pages computes its last token: one page is shared
+    assert (
+        len(pool.cached_prefix(exactly)) == 1
+    )  # a prompt of exactly two pages computes its last token: one page is shared
 
 
 def test_a_different_token_anywhere_before_a_page_means_another_page() -> None:
@@ -42,7 +44,9 @@ def test_pages_are_shared_only_under_the_same_salt() -> None:
     pool.admit("alice", secret, salt="alice")
     pool.register("alice", secret)
     pool.release("alice")
-    assert pool.cached_prefix(secret, "alice") and not pool.cached_prefix(secret) and not pool.cached_prefix(secret, "bob")
+    assert (
+        pool.cached_prefix(secret, "alice") and not pool.cached_prefix(secret) and not pool.cached_prefix(secret, "bob")
+    )
     assert pool.admit("mallory", secret) == 0  # the guess, unsalted: nothing found
     assert pool.admit("bob", secret, salt="bob") == 0
     assert pool.admit("alice-again", secret, salt="alice") == 6
@@ -128,7 +132,7 @@ class PagePoolMachine(RuleBasedStateMachine):
         for index in range(start // PAGE_SIZE, self.pool.pages_for(len(tokens))):
             page = table[index]
             assert self.pool._pages[page].ref_count == 1, f"page {page} is written while shared"
-            self.content[page] = tuple(tokens[index * PAGE_SIZE:(index + 1) * PAGE_SIZE])
+            self.content[page] = tuple(tokens[index * PAGE_SIZE : (index + 1) * PAGE_SIZE])
 
     @rule(target=sequences, tokens=TOKENS)
     def admit(self, tokens: list[int]) -> str:
@@ -136,7 +140,7 @@ class PagePoolMachine(RuleBasedStateMachine):
         self.count += 1
         hit = self.pool.cached_prefix(tokens)
         for index, page in enumerate(hit):  # a cached page holds exactly what recomputing it would
-            assert self.content[page] == tuple(tokens[index * PAGE_SIZE:(index + 1) * PAGE_SIZE])
+            assert self.content[page] == tuple(tokens[index * PAGE_SIZE : (index + 1) * PAGE_SIZE])
         cached = self.pool.admit(seq_id, tokens)
         if cached is None:
             return seq_id  # refused (no room): the bundle's later rules skip it
@@ -155,12 +159,12 @@ class PagePoolMachine(RuleBasedStateMachine):
         if not self.pool.grow(seq_id, len(tokens) + len(new)):
             return  # the scheduler would preempt someone; nothing was taken
         self._write(seq_id, tokens + new, len(tokens))
-        standing = tokens + new[:min(num_accepted, len(new))]
+        standing = tokens + new[: min(num_accepted, len(new))]
         self.pool.truncate(seq_id, len(standing))
         if self.pool.block_table(seq_id):  # the last page holds only what stands now
             last = self.pool.block_table(seq_id)[-1]
             start = (self.pool.pages_for(len(standing)) - 1) * PAGE_SIZE
-            self.content[last] = tuple(standing[start:start + PAGE_SIZE])
+            self.content[last] = tuple(standing[start : start + PAGE_SIZE])
         self.pool.register(seq_id, standing)
         self.tokens[seq_id] = standing
 

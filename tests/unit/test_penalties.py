@@ -51,15 +51,34 @@ def test_a_repetition_penalty_within_its_bounds_keeps_every_logit_and_log_probab
 
 def decode(r, request_id: str, slot: int, params: SamplingParams, n: int, propose=None, parents=None):  # type: ignore[no-untyped-def]
     """Decode n tokens, with drafts from propose(tokens so far) when given; every step sends the history."""
-    (out,), _, _ = r.execute([SeqWork(request_id, pages(slot), 0, PROMPT, True, params, history=[],
-                                      num_prompt_tokens=len(PROMPT), logprobs=2)])
+    (out,), _, _ = r.execute(
+        [
+            SeqWork(
+                request_id, pages(slot), 0, PROMPT, True, params, history=[], num_prompt_tokens=len(PROMPT), logprobs=2
+            )
+        ]
+    )
     tokens, logprobs = list(out.token_ids), list(out.logprobs)
     while len(tokens) < n:
         sequence = PROMPT + tokens
         drafts = propose(tokens) if propose else []
-        (out,), _, _ = r.execute([SeqWork(request_id, pages(slot), len(sequence) - 1, [sequence[-1], *drafts], True,
-                                          params, num_draft_tokens=len(drafts), draft_parents=parents if drafts else None,
-                                          history=sequence[:-1], num_prompt_tokens=len(PROMPT), logprobs=2)])
+        (out,), _, _ = r.execute(
+            [
+                SeqWork(
+                    request_id,
+                    pages(slot),
+                    len(sequence) - 1,
+                    [sequence[-1], *drafts],
+                    True,
+                    params,
+                    num_draft_tokens=len(drafts),
+                    draft_parents=parents if drafts else None,
+                    history=sequence[:-1],
+                    num_prompt_tokens=len(PROMPT),
+                    logprobs=2,
+                )
+            ]
+        )
         tokens += out.token_ids
         logprobs += out.logprobs
     return tokens[:n], logprobs[:n]
@@ -73,8 +92,8 @@ def test_penalized_decoding_is_the_same_with_chain_and_tree_drafts(tiny_llama_fo
     unpenalized, unpenalized_logprobs = decode(r, "u", 1, SamplingParams(temperature=temperature, seed=5), 16)
     assert plain_logprobs[0] != unpenalized_logprobs[0]  # the penalties change the distribution
     truth = plain
-    chain = lambda tokens: [*truth[len(tokens):len(tokens) + 2], 1]  # noqa: E731  two right, one wrong
-    tree = lambda tokens: [*truth[len(tokens):len(tokens) + 1], 1, 2]  # noqa: E731  a right root, a wrong one under it
+    chain = lambda tokens: [*truth[len(tokens) : len(tokens) + 2], 1]  # noqa: E731  two right, one wrong
+    tree = lambda tokens: [*truth[len(tokens) : len(tokens) + 1], 1, 2]  # noqa: E731  a right root, a wrong one under it
     for propose, parents in ((chain, None), (tree, [-1, 0, -1])):
         r = runner(tiny_llama_folder)
         tokens, logprobs = decode(r, "s", 2, params, 16, propose, parents)
@@ -96,10 +115,13 @@ def test_a_large_logit_bias_forces_its_token_and_min_tokens_holds_back_the_stop_
 def test_penalties_without_the_history_they_count_are_refused_as_the_requests_own(tiny_llama_folder: Path) -> None:
     r = runner(tiny_llama_folder)
     params = SamplingParams(penalties=PENALIZED)
-    for work in (SeqWork("x", pages(0), 0, PROMPT, True, params),  # no history
-                 SeqWork("x", pages(0), 3, PROMPT[3:], True, params, history=PROMPT[:2]),  # too short
-                 SeqWork("x", pages(0), 0, PROMPT, True, SamplingParams(penalties=Penalties(logit_bias={10**6: 1.0})),
-                         history=[])):
+    for work in (
+        SeqWork("x", pages(0), 0, PROMPT, True, params),  # no history
+        SeqWork("x", pages(0), 3, PROMPT[3:], True, params, history=PROMPT[:2]),  # too short
+        SeqWork(
+            "x", pages(0), 0, PROMPT, True, SamplingParams(penalties=Penalties(logit_bias={10**6: 1.0})), history=[]
+        ),
+    ):
         with pytest.raises(PageError) as caught:
             r.execute([work])
         assert caught.value.request_id == "x"

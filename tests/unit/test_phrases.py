@@ -80,7 +80,9 @@ def test_it_proposes_what_a_brute_force_search_proposes() -> None:
         if index % 2:  # half end in a stretch of a stored sequence, so that long matches are common
             source = rng.choice(sequences)
             end = rng.randrange(1, len(source) + 1)
-            context = [rng.randrange(20) for _ in range(rng.randrange(0, 3))] + source[max(0, end - rng.randrange(1, 10)):end]
+            context = [rng.randrange(20) for _ in range(rng.randrange(0, 3))] + source[
+                max(0, end - rng.randrange(1, 10)) : end
+            ]
         else:
             context = [rng.randrange(20) for _ in range(rng.randrange(1, 12))]
         k = rng.randrange(1, 6)
@@ -117,7 +119,9 @@ def test_guesses_carry_each_branchs_share_of_the_continuations_times_the_trust_i
     # Longest match "1 2 3" (3 occurrences): 4 in 2 of them, then 5 or 8 in one each; 6 ends its sequence.
     assert guesses[(4,)] == pytest.approx(max(2 / 3 * trust[3], 3 / 4 * trust[2]))  # "2 3" (4 occurrences) says 4 too
     assert guesses[(6,)] == pytest.approx(1 / 3 * trust[3])
-    assert guesses[(4, 5)] == pytest.approx(max(2 / 3 * trust[3] * 1 / 2 * trust[4], 3 / 4 * trust[2] * 2 / 3 * trust[3]))
+    assert guesses[(4, 5)] == pytest.approx(
+        max(2 / 3 * trust[3] * 1 / 2 * trust[4], 3 / 4 * trust[2] * 2 / 3 * trust[3])
+    )
     assert (6, 5) not in guesses and all(len(branch) <= 3 for branch in guesses)
     assert store.guesses([9, 1, 2, 3], 3, min_context=FULL_CONTEXT).keys() == {(4,), (6,), (4, 5), (4, 8)}
     assert store.guesses([7], 3) == {} and store.guesses([1, 2, 3], 0) == {}
@@ -138,8 +142,11 @@ def test_the_file_round_trips_and_ids_outside_the_vocabulary_are_refused(tmp_pat
     assert loaded.continue_([5, 2, 3, 4], 1) == [9]
     with pytest.raises(PhraseError, match="token id 9, outside the target's vocabulary of 9"):
         PhraseStore.load(tmp_path, 9)
-    for bad in (torch.tensor([1, 2, 3, -1], dtype=torch.int32), torch.tensor([-1, 2, 3], dtype=torch.int32),
-                torch.tensor([[-1, 2, -1]], dtype=torch.int32)):
+    for bad in (
+        torch.tensor([1, 2, 3, -1], dtype=torch.int32),
+        torch.tensor([-1, 2, 3], dtype=torch.int32),
+        torch.tensor([[-1, 2, -1]], dtype=torch.int32),
+    ):
         save_file({"tokens": bad}, str(tmp_path / "phrases.safetensors"))
         with pytest.raises(PhraseError, match="starts and ends with a boundary"):
             PhraseStore.load(tmp_path, 10)

@@ -24,8 +24,16 @@ from modeling.kernels.invariance import linear_rows_problem
 from modeling.model.checkpoint import PROJECTION_PARTS
 from modeling.kernels.native import KernelUnavailable, native_ops
 from modeling.kernels import blocks as quantized
-from modeling.kernels.blocks import (QUANTIZATIONS, Blocks, QuantizationError, channel_int8_blocks, panel_rows, q4_k_sub_blocks,
-                                servable_quantization, weight_blocks)
+from modeling.kernels.blocks import (
+    QUANTIZATIONS,
+    Blocks,
+    QuantizationError,
+    channel_int8_blocks,
+    panel_rows,
+    q4_k_sub_blocks,
+    servable_quantization,
+    weight_blocks,
+)
 from specserve.cli import _build_parser
 from specserve.stack import StackAddresses, StackConfig, worker_spec
 from specserve.up import UpRefused, up_config
@@ -52,8 +60,9 @@ def random_blocks(format_name: str, out_features: int, in_features: int, seed: i
     return Blocks(format_name, rows, in_features), torch.from_numpy(dequantize(rows, KINDS[format_name]).copy())
 
 
-def assert_within_the_inputs_rounding(served: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
-                                      bias: torch.Tensor | None = None) -> None:
+def assert_within_the_inputs_rounding(
+    served: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> None:
     """`served` is rows @ weight.T (+ bias) but for the kernel's rounding of each block of 32 inputs to 16 bits:
     off by at most half a step (the block's largest |x| / 32767) times the weights' absolute sum, doubled here to
     cover float32's own rounding, plus float32's rounding of the sums (csrc/linear.cpp)."""
@@ -67,7 +76,8 @@ def assert_within_the_inputs_rounding(served: torch.Tensor, rows: torch.Tensor, 
 @pytest.mark.parametrize("format_name", sorted(KINDS))
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
 def test_blocks_compute_the_dense_weights_gguf_dequantizes_within_the_inputs_rounding_on_every_path(
-        ops: ModuleType, format_name: str, out_features: int, in_features: int) -> None:
+    ops: ModuleType, format_name: str, out_features: int, in_features: int
+) -> None:
     blocks, weight = random_blocks(format_name, out_features, in_features, seed=out_features + in_features)
     rows = torch.randn(13, in_features) * torch.rand(13, 1) * 3
     rows[0] = 0  # a row of zeros: zero scales
@@ -98,11 +108,14 @@ def single_rows(in_features: int, seed: int) -> torch.Tensor:
     return rows
 
 
-@pytest.mark.parametrize(("format_name", "out_features", "in_features"),
-                         [(name, *shape) for name in sorted(KINDS) for shape in SHAPES]
-                         + [("q4_k", 960, 1536), ("q4_k", 576, 256), ("q4_k", 5, 256), ("q4_k", 33, 512)])
+@pytest.mark.parametrize(
+    ("format_name", "out_features", "in_features"),
+    [(name, *shape) for name in sorted(KINDS) for shape in SHAPES]
+    + [("q4_k", 960, 1536), ("q4_k", 576, 256), ("q4_k", 5, 256), ("q4_k", 33, 512)],
+)
 def test_a_few_rows_are_the_same_bits_on_every_path_as_in_a_batch(
-        ops: ModuleType, format_name: str, out_features: int, in_features: int) -> None:
+    ops: ModuleType, format_name: str, out_features: int, in_features: int
+) -> None:
     # A few rows take tiles of their own on some paths (the byte tiles of AVX512 VNNI CPUs); each row alone or in
     # a few must give the bits it gets in a larger batch, and those the portable path's.
     if format_name == "q4_k":
@@ -119,7 +132,11 @@ def test_a_few_rows_are_the_same_bits_on_every_path_as_in_a_batch(
             for first in range(rows.shape[0] - count + 1):
                 served = linear(rows[first : first + count], packed)
                 expected = batched[first : first + count]
-                assert torch.equal(served.view(torch.int32), expected.view(torch.int32)), (path, count, first)  # NaNs too
+                assert torch.equal(served.view(torch.int32), expected.view(torch.int32)), (
+                    path,
+                    count,
+                    first,
+                )  # NaNs too
 
 
 def test_every_path_rounds_the_inputs_to_the_nearest_quant_ties_to_even(ops: ModuleType) -> None:
@@ -129,9 +146,42 @@ def test_every_path_rounds_the_inputs_to_the_nearest_quant_ties_to_even(ops: Mod
     identity = np.eye(32, dtype=np.float32)
     rows = quantize(identity, KINDS["q8_0"])
     blocks, weight = Blocks("q8_0", rows, 32), torch.from_numpy(dequantize(rows, KINDS["q8_0"]).copy())
-    ties = torch.tensor([32767.0, 0.5, 1.5, 2.5, 3.5, -0.5, -1.5, -2.5, -3.5, 100.5, 101.5, -32766.5, 7.25, 7.75, -7.25,
-                         -7.75, 16383.5, 16384.5, 0.0, -0.0, 1e-3, -1e-3, 0.4999, 0.5001, 2.0, -2.0, 9.5, 10.5, 11.5,
-                         -9.5, -10.5, -11.5])
+    ties = torch.tensor(
+        [
+            32767.0,
+            0.5,
+            1.5,
+            2.5,
+            3.5,
+            -0.5,
+            -1.5,
+            -2.5,
+            -3.5,
+            100.5,
+            101.5,
+            -32766.5,
+            7.25,
+            7.75,
+            -7.25,
+            -7.75,
+            16383.5,
+            16384.5,
+            0.0,
+            -0.0,
+            1e-3,
+            -1e-3,
+            0.4999,
+            0.5001,
+            2.0,
+            -2.0,
+            9.5,
+            10.5,
+            11.5,
+            -9.5,
+            -10.5,
+            -11.5,
+        ]
+    )
     expected = torch.round(ties)  # torch rounds half to even
     for path in ops.linear_paths():
         linear = PackedLinear(ops, path)
@@ -171,8 +221,10 @@ def test_bfloat16_rows_are_computed_as_their_float32_values(ops: ModuleType, for
 def test_block_kernel_is_batch_invariant(ops: ModuleType, format_name: str, dtype: torch.dtype) -> None:
     for path in ops.linear_paths():
         linear = PackedLinear(ops, path)
-        assert linear_rows_problem(linear, block_probe(linear, format_name), [576, 1536], dtype,
-                                   torch.device("cpu")) is None, path
+        assert (
+            linear_rows_problem(linear, block_probe(linear, format_name), [576, 1536], dtype, torch.device("cpu"))
+            is None
+        ), path
 
 
 @pytest.mark.parametrize("format_name", sorted(KINDS))
@@ -199,8 +251,10 @@ def test_blocks_moved_into_a_huge_page_region_compute_what_they_did(ops: ModuleT
     """Packed blocks copied into one region, each at a page boundary in the order given, stay known to the kernel
     (outputs, format, embedding rows) and give the same bits; the memory they left is theirs no more."""
     linear = PackedLinear(ops)
-    packed = [linear.pack_blocks(random_blocks(name, out, 160, seed=out)[0])
-              for name, out in (("q4_1", 45), ("q8_0", 1000), ("q4_1", 16))]
+    packed = [
+        linear.pack_blocks(random_blocks(name, out, 160, seed=out)[0])
+        for name, out in (("q4_1", 45), ("q8_0", 1000), ("q4_1", 16))
+    ]
     x = torch.randn(3, 160).to(torch.bfloat16)
     ids = torch.tensor([3, 15])
     before = [(linear(x, weight), linear.rows(weight, ids)) for weight in packed]
@@ -208,7 +262,8 @@ def test_blocks_moved_into_a_huge_page_region_compute_what_they_did(ops: ModuleT
     moved = [linear.move(weight, region) for weight in packed]
     assert all(weight.data_ptr() % 4096 == 0 for weight in moved)
     assert [b.data_ptr() - a.data_ptr() for a, b in zip(moved, moved[1:])] == [
-        -(-weight.numel() // 4096) * 4096 for weight in packed[:-1]]
+        -(-weight.numel() // 4096) * 4096 for weight in packed[:-1]
+    ]
     for weight, (outputs, rows) in zip(moved, before):
         assert torch.equal(linear(x, weight), outputs)
         assert torch.equal(linear.rows(weight, ids), rows)
@@ -217,12 +272,18 @@ def test_blocks_moved_into_a_huge_page_region_compute_what_they_did(ops: ModuleT
 
 
 def test_a_model_served_from_blocks_holds_them_in_one_region_in_step_order(ops: ModuleType, q4_1_folder: Path) -> None:
-    engine = ModelEngine(q4_1_folder, ModelConfig.from_folder(q4_1_folder), device="cpu", dtype="bfloat16", max_len=32, num_pages=4,
-                         quantization="q4_1")
+    engine = ModelEngine(
+        q4_1_folder,
+        ModelConfig.from_folder(q4_1_folder),
+        device="cpu",
+        dtype="bfloat16",
+        max_len=32,
+        num_pages=4,
+        quantization="q4_1",
+    )
     engine.load()
     model = engine.model
-    weights = [getattr(layer, name) for layer in model.layers
-               for name in PROJECTION_PARTS]
+    weights = [getattr(layer, name) for layer in model.layers for name in PROJECTION_PARTS]
     weights = [weight for weight in weights if weight.dtype == torch.uint8]
     assert weights and all(weight.data_ptr() % 4096 == 0 for weight in weights)
     assert all(b.data_ptr() > a.data_ptr() for a, b in zip(weights, weights[1:]))
@@ -241,7 +302,8 @@ def random_q4_k(out_features: int, in_features: int, seed: int) -> tuple[Blocks,
 
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 1536), (576, 256), (5, 256), (33, 512)])
 def test_q4_k_sub_blocks_compute_the_dense_weights_gguf_dequantizes_on_every_path(
-        ops: ModuleType, out_features: int, in_features: int) -> None:
+    ops: ModuleType, out_features: int, in_features: int
+) -> None:
     blocks, weight = random_q4_k(out_features, in_features, seed=out_features)
     rows = torch.randn(11, in_features) * torch.rand(11, 1) * 3
     for path in ops.linear_paths():
@@ -280,15 +342,17 @@ def q4_1_file(path: Path, projections: GGMLQuantizationType = GGMLQuantizationTy
     output, F16 token embeddings, F32 norms."""
     tiny = FAMILIES["llama"]()
     shape = tiny.shape
-    down = (np.random.default_rng(1).standard_normal((shape.hidden_size, shape.intermediate_size)) * 0.08)
+    down = np.random.default_rng(1).standard_normal((shape.hidden_size, shape.intermediate_size)) * 0.08
 
     def kind_of(name: str, kind: GGMLQuantizationType) -> GGMLQuantizationType:
         if name.endswith("norm.weight") or name == "token_embd.weight":
             return kind
         return GGMLQuantizationType.Q8_0 if name == "output.weight" else projections
 
-    tiny.tensors = [(name, down.astype(np.float32) if name.endswith("ffn_down.weight") else weight,
-                     kind_of(name, kind)) for name, weight, kind in tiny.tensors]
+    tiny.tensors = [
+        (name, down.astype(np.float32) if name.endswith("ffn_down.weight") else weight, kind_of(name, kind))
+        for name, weight, kind in tiny.tensors
+    ]
     return tiny.write(path)
 
 
@@ -305,8 +369,15 @@ def q8_0_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def engine(folder: Path, dtype: str, quantization: str) -> ModelEngine:
-    built = ModelEngine(folder, ModelConfig.from_folder(folder), device="cpu", dtype=dtype, num_pages=32,
-                        max_len=128, quantization=quantization)
+    built = ModelEngine(
+        folder,
+        ModelConfig.from_folder(folder),
+        device="cpu",
+        dtype=dtype,
+        num_pages=32,
+        max_len=128,
+        quantization=quantization,
+    )
     built.load()
     built.allocate()
     return built
@@ -327,12 +398,16 @@ def greedy(built: ModelEngine, prompt: list[int], steps: int) -> tuple[list[int]
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("quantization", ["q4_1", "q8_0"])
 def test_tiny_model_served_from_its_blocks_computes_its_folder_weights(
-        ops: ModuleType, q4_1_folder: Path, q8_0_folder: Path, quantization: str, dtype: str) -> None:
+    ops: ModuleType, q4_1_folder: Path, q8_0_folder: Path, quantization: str, dtype: str
+) -> None:
     folder = q4_1_folder if quantization == "q4_1" else q8_0_folder
     dense, served = engine(folder, dtype, "none"), engine(folder, dtype, quantization)
     # Two layers of four fused projections, and the (untied) Q8_0 head.
-    assert served.ops.endswith("8 weights from q4_1 blocks, 1 weights from q8_0 blocks)" if quantization == "q4_1"
-                               else "9 weights from q8_0 blocks)")
+    assert served.ops.endswith(
+        "8 weights from q4_1 blocks, 1 weights from q8_0 blocks)"
+        if quantization == "q4_1"
+        else "9 weights from q8_0 blocks)"
+    )
     # Q4_1: 20 bytes per 32 weights, Q8_0 34 (the head is Q8_0 in both).
     assert served.linear_weight_bytes() < dense.linear_weight_bytes() * (0.3 if dtype == "float32" else 0.6)
     assert served.self_check() is None
@@ -355,9 +430,14 @@ def assert_logits_close(logits: torch.Tensor, reference: torch.Tensor) -> None:
 
 
 # Prompts of the kinds users send, none of them used to tune the kernel.
-HELD_OUT_PROMPTS = ("The capital of France is", "def fibonacci(n):\n", "Write a haiku about autumn rain.",
-                    "Q: What is the boiling point of water at sea level?\nA:", "Once upon a time, in a quiet harbour town,",
-                    "SELECT name, COUNT(*) FROM orders")
+HELD_OUT_PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):\n",
+    "Write a haiku about autumn rain.",
+    "Q: What is the boiling point of water at sea level?\nA:",
+    "Once upon a time, in a quiet harbour town,",
+    "SELECT name, COUNT(*) FROM orders",
+)
 FP32_MARGIN = 1e-3  # as the parity tests': a top-2 margin under it is a near-tie that any rounding may flip
 
 
@@ -381,26 +461,37 @@ def test_embedded_model_q4_1_greedy_equals_its_float32_folder(ops: ModuleType, d
 
 
 def test_quantization_a_model_cannot_take_is_refused_naming_the_choices(
-        tmp_path: Path, tiny_llama_folder: Path, q8_0_folder: Path) -> None:
+    tmp_path: Path, tiny_llama_folder: Path, q8_0_folder: Path
+) -> None:
     with pytest.raises(QuantizationError, match="not one of the choices: none, q4_1, q8_0, q4_k, int8"):
         weight_blocks(tiny_llama_folder, "q4_0")
     with pytest.raises(QuantizationError, match="holds no model.gguf .*the choice for it is none"):
         weight_blocks(tiny_llama_folder, "q4_1")
     mixed = convert_gguf(FAMILIES["llama"]().write(tmp_path / "mixed.gguf"), tmp_path / "mixed")
-    with pytest.raises(QuantizationError, match="projections of .* are .*Q4_K.*Q8_0: the choices for it are none, q4_k, "
-                                                 "q8_0$"):
+    with pytest.raises(
+        QuantizationError, match="projections of .* are .*Q4_K.*Q8_0: the choices for it are none, q4_k, q8_0$"
+    ):
         weight_blocks(mixed, "q4_1")
     assert servable_quantization(mixed) == "none"  # `up`'s auto takes blocks only where every projection has them
     with pytest.raises(QuantizationError, match="serves a model's own Q4_1 blocks.*the choices for it are none, q8_0$"):
         weight_blocks(q8_0_folder, "q4_1")
     assert weight_blocks(mixed, "none") is None
     with pytest.raises(QuantizationError):  # an engine refuses it before anything is built
-        ModelEngine(mixed, ModelConfig.from_folder(mixed), device="cpu", dtype="float32", num_pages=8, max_len=32,
-                    quantization="q4_1").load()
+        ModelEngine(
+            mixed,
+            ModelConfig.from_folder(mixed),
+            device="cpu",
+            dtype="float32",
+            num_pages=8,
+            max_len=32,
+            quantization="q4_1",
+        ).load()
     assert QUANTIZATIONS[0] == "none"
 
 
-def test_a_file_of_mixed_types_serves_its_q4_k_and_q8_0_tensors_from_their_blocks(ops: ModuleType, tmp_path: Path) -> None:
+def test_a_file_of_mixed_types_serves_its_q4_k_and_q8_0_tensors_from_their_blocks(
+    ops: ModuleType, tmp_path: Path
+) -> None:
     """A file as llama.cpp's mixed quantizations write them: the tensors of a type the kernel reads come from their
     blocks (here the Q4_K down projections and the Q8_0 head), the rest dense, and float32 logits are the folder's."""
     mixed = convert_gguf(FAMILIES["llama"]().write(tmp_path / "mixed.gguf"), tmp_path / "mixed")
@@ -417,9 +508,13 @@ def test_a_file_of_mixed_types_serves_its_q4_k_and_q8_0_tensors_from_their_block
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
-def test_int8_blocks_are_one_scale_per_channel_within_half_a_step(ops: ModuleType, out_features: int, in_features: int) -> None:
+def test_int8_blocks_are_one_scale_per_channel_within_half_a_step(
+    ops: ModuleType, out_features: int, in_features: int
+) -> None:
     generator = torch.Generator().manual_seed(out_features * in_features)
-    weight = torch.randn(out_features, in_features, generator=generator) * torch.rand(out_features, 1, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator) * torch.rand(
+        out_features, 1, generator=generator
+    )
     weight[out_features // 2] = 0  # an all-zero channel: a zero scale, zero quants
     weight[0, 3] = 40.0  # an outlier sets its own channel's scale only
     blocks = channel_int8_blocks(weight)
@@ -455,7 +550,8 @@ INT8_LOGIT_TOLERANCE = 0.02
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_tiny_model_int8_logits_are_within_tolerance_of_its_float_weights(
-        ops: ModuleType, tiny_llama_folder: Path, dtype: str) -> None:
+    ops: ModuleType, tiny_llama_folder: Path, dtype: str
+) -> None:
     dense, served = engine(tiny_llama_folder, "float32", "none"), engine(tiny_llama_folder, dtype, "int8")
     # Three layers of four fused projections, and the head, tied to the embeddings (read back out of its blocks).
     assert served.ops.endswith("13 weights from int8 per-channel blocks)"), served.ops
@@ -484,7 +580,8 @@ def up_stack(*flags: str) -> StackConfig:
 
 
 def test_up_serves_the_embedded_model_from_its_q4_1_blocks_by_default(
-        default_model_dir: Path, q8_0_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    default_model_dir: Path, q8_0_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(quantized, "cpu_has_amx_tiles", lambda: False)
     assert up_stack("--dtype", "bfloat16").quantization == up_stack("--dtype", "float32").quantization == "q4_1"
     assert up_stack("--quantization", "none").quantization == "none"
@@ -502,18 +599,22 @@ def test_up_serves_the_embedded_model_from_its_q4_1_blocks_by_default(
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    worker = parser.parse_args(["--model", str(default_model_dir), "--dtype", "bfloat16", "--quantization", "auto",
-                                "--insecure-loopback"])
+    worker = parser.parse_args(
+        ["--model", str(default_model_dir), "--dtype", "bfloat16", "--quantization", "auto", "--insecure-loopback"]
+    )
     assert from_arguments(worker).quantization == "none"  # a worker started alone decides as `up` does
     monkeypatch.setattr(quantized, "cpu_has_amx_tiles", lambda: False)
     assert from_arguments(worker).quantization == "q4_1"
 
 
 def test_up_refuses_a_quantization_before_anything_starts(
-        tiny_llama_folder: Path, q8_0_folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tiny_llama_folder: Path, q8_0_folder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit):
         _build_parser().parse_args(["up", "--quantization", "q3_k"])
-    assert "invalid choice: 'q3_k' (choose from 'auto', 'none', 'q4_1', 'q8_0', 'q4_k', 'int8')" in capsys.readouterr().err
+    assert (
+        "invalid choice: 'q3_k' (choose from 'auto', 'none', 'q4_1', 'q8_0', 'q4_k', 'int8')" in capsys.readouterr().err
+    )
     with pytest.raises(UpRefused, match="--quantization q4_1 serves a model's own GGUF blocks.*choice for it is none"):
         up_stack("--model", str(tiny_llama_folder), "--quantization", "q4_1")
     assert up_stack("--model", str(tiny_llama_folder)).quantization == "none"  # auto: it has no blocks
@@ -536,9 +637,14 @@ def test_worker_and_draft_refuse_what_their_model_cannot_take(tiny_llama_folder:
         worker_config(parse(worker_arguments, "--model", str(q4_1_folder), "--quantization", "int4"))
     with pytest.raises(ValueError, match="holds no model.gguf"):
         worker_config(parse(worker_arguments, "--model", str(tiny_llama_folder), "--quantization", "q4_1"))
-    assert worker_config(parse(worker_arguments, "--model", str(q4_1_folder), "--quantization", "q4_1")).quantization == "q4_1"
-    assert worker_config(parse(worker_arguments, "--model", str(tiny_llama_folder),
-                               "--quantization", "int8")).quantization == "int8"
+    assert (
+        worker_config(parse(worker_arguments, "--model", str(q4_1_folder), "--quantization", "q4_1")).quantization
+        == "q4_1"
+    )
+    assert (
+        worker_config(parse(worker_arguments, "--model", str(tiny_llama_folder), "--quantization", "int8")).quantization
+        == "int8"
+    )
     # auto: what `specserve up` chooses on the worker's device (the compose file's workers)
     from modeling.model.engine import default_dtype
 
@@ -546,13 +652,24 @@ def test_worker_and_draft_refuse_what_their_model_cannot_take(tiny_llama_folder:
     chosen = worker_config(parse(worker_arguments, "--model", str(q4_1_folder), *auto))
     assert (chosen.quantization, chosen.process.dtype) == ("q4_1", default_dtype("cpu"))
     assert worker_config(parse(worker_arguments, "--model", str(tiny_llama_folder), *auto)).quantization == "none"
-    assert worker_config(parse(worker_arguments, "--model", str(q4_1_folder), *auto, "--device", "cuda:0")).quantization == "none"
+    assert (
+        worker_config(parse(worker_arguments, "--model", str(q4_1_folder), *auto, "--device", "cuda:0")).quantization
+        == "none"
+    )
     with pytest.raises(ValueError, match="is for a draft model"):
         draft_config(parse(draft_arguments, "--proposer", "ngram", "--quantization", "q4_1"))
-    assert draft_config(parse(draft_arguments, "--proposer", f"model:{q4_1_folder}",
-                              "--quantization", "q4_1")).quantization == "q4_1"
-    assert draft_config(parse(draft_arguments, "--proposer", f"model:{tiny_llama_folder}",
-                              "--quantization", "int8")).quantization == "int8"
+    assert (
+        draft_config(
+            parse(draft_arguments, "--proposer", f"model:{q4_1_folder}", "--quantization", "q4_1")
+        ).quantization
+        == "q4_1"
+    )
+    assert (
+        draft_config(
+            parse(draft_arguments, "--proposer", f"model:{tiny_llama_folder}", "--quantization", "int8")
+        ).quantization
+        == "int8"
+    )
 
 
 def test_tensor_infos_agree_with_gguf_reader(tmp_path: Path, default_model_dir: Path) -> None:
@@ -565,7 +682,8 @@ def test_tensor_infos_agree_with_gguf_reader(tmp_path: Path, default_model_dir: 
         reader = GGUFReader(path)
         assert arch == reader.fields["general.architecture"].contents()
         assert [(info.name, info.kind, info.shape) for info in infos] == [
-            (tensor.name, tensor.tensor_type, tuple(int(d) for d in tensor.shape)) for tensor in reader.tensors]
+            (tensor.name, tensor.tensor_type, tuple(int(d) for d in tensor.shape)) for tensor in reader.tensors
+        ]
         for info, tensor in zip(infos, reader.tensors):
             if info.kind in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0):
                 assert np.array_equal(info.rows(data), tensor.data)

@@ -12,6 +12,7 @@ from proto.messages import SamplingParams, SparseDist
 # 99.9% quantiles of the chi-square distribution (scipy is not in the venv), keyed by degrees of freedom.
 CHI_SQUARE_999 = {3: 16.27, 4: 18.47, 24: 51.18}
 
+
 def _rows(*rows: list[float]) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.float32)
 
@@ -228,7 +229,9 @@ def _dense(dist: SparseDist) -> torch.Tensor:
 
 
 def _drafts_from(dist: SparseDist, num_trials: int, seed: int) -> list[int]:
-    return torch.multinomial(_dense(dist), num_trials, replacement=True, generator=torch.Generator().manual_seed(seed)).tolist()
+    return torch.multinomial(
+        _dense(dist), num_trials, replacement=True, generator=torch.Generator().manual_seed(seed)
+    ).tolist()
 
 
 def test_first_token_follows_p_for_a_sampled_draft() -> None:
@@ -316,5 +319,7 @@ def test_different_seeds_give_different_verdicts() -> None:
     }
     assert len(verdicts) > 4
     # The draw depends on the position too.
-    positions = {verify(logits[:1], [], None, SamplingParams(temperature=1.0, seed=1), pos).token_ids[0] for pos in range(8)}
+    positions = {
+        verify(logits[:1], [], None, SamplingParams(temperature=1.0, seed=1), pos).token_ids[0] for pos in range(8)
+    }
     assert len(positions) > 1

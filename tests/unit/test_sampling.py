@@ -41,8 +41,9 @@ def test_top_p_over_a_large_vocabulary_keeps_what_a_whole_sort_keeps(scale: floa
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     drop_sorted = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= top_p
-    reference = torch.softmax(scaled.masked_fill(torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted),
-                                                 float("-inf")), dim=-1)
+    reference = torch.softmax(
+        scaled.masked_fill(torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted), float("-inf")), dim=-1
+    )
     assert torch.equal(ours > 0, reference > 0)
     torch.testing.assert_close(ours, reference)
 
@@ -53,13 +54,19 @@ def test_min_p_keeps_the_tokens_at_least_min_p_as_likely_as_the_best() -> None:
     assert torch.allclose(probs, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
     best_only = target_probs(logits, SamplingParams(temperature=1.0, min_p=1.0))
     assert best_only.tolist() == [1.0, 0.0, 0.0, 0.0]
-    assert torch.equal(target_probs(logits, SamplingParams(temperature=1.0, min_p=0.0)),
-                       target_probs(logits, SamplingParams(temperature=1.0)))
+    assert torch.equal(
+        target_probs(logits, SamplingParams(temperature=1.0, min_p=0.0)),
+        target_probs(logits, SamplingParams(temperature=1.0)),
+    )
     # After temperature and the other cuts: at temperature 2 the odds against the best are their square roots.
     warm = target_probs(logits, SamplingParams(temperature=2.0, min_p=0.5))  # sqrt(p / 0.5) >= 0.5: p >= 0.125
     assert (warm > 0).tolist() == [True, True, True, False]
-    assert (target_probs(logits, SamplingParams(temperature=1.0, top_k=1, min_p=0.01)) > 0).tolist() == [True, False,
-                                                                                                             False, False]
+    assert (target_probs(logits, SamplingParams(temperature=1.0, top_k=1, min_p=0.01)) > 0).tolist() == [
+        True,
+        False,
+        False,
+        False,
+    ]
 
 
 def test_seeded_draw_depends_only_on_seed_and_position() -> None:

@@ -15,8 +15,13 @@ from tests.unit.scheduler_fakes import DEFAULT_TOKEN, Sim, prompt
 def request(request_id: str, num_prompt: int, *, num_output: int = 0, num_computed: int | None = None) -> Request:
     """A running request; by default everything but the last output token (or the whole prompt) is uncomputed."""
     r = Request(
-        request_id=request_id, gateway=b"gw", prompt_token_ids=prompt(num_prompt), max_tokens=100,
-        sampling=SamplingParams(), stop_token_ids=frozenset(), waiting_since_s=0.0,
+        request_id=request_id,
+        gateway=b"gw",
+        prompt_token_ids=prompt(num_prompt),
+        max_tokens=100,
+        sampling=SamplingParams(),
+        stop_token_ids=frozenset(),
+        waiting_since_s=0.0,
         output_token_ids=[DEFAULT_TOKEN] * num_output,
     )
     r.num_computed_tokens = (r.num_tokens - 1 if num_output else 0) if num_computed is None else num_computed
@@ -70,7 +75,12 @@ def test_a_short_prompt_is_prefilled_whole_and_sampled() -> None:
 
 def test_decodes_go_before_prefills_whatever_the_placement_order() -> None:
     running = [request("p1", 4), decode("d1"), request("p2", 3), decode("d2")]
-    assert as_tuples(select_seqs(running, LIMITS)) == [("d1", 1, True), ("d2", 1, True), ("p1", 4, True), ("p2", 3, True)]
+    assert as_tuples(select_seqs(running, LIMITS)) == [
+        ("d1", 1, True),
+        ("d2", 1, True),
+        ("p1", 4, True),
+        ("p2", 3, True),
+    ]
 
 
 def test_the_token_budget_chunks_a_long_prompt_until_computed_catches_up() -> None:
@@ -154,7 +164,7 @@ def test_every_plan_respects_the_limits_and_the_rules(running: list[Request], bu
     # decodes first, each group in placement order
     decodes = [r.request_id for r in running if r.num_uncomputed_tokens == 1]
     prefills = [r.request_id for r in running if r.num_uncomputed_tokens > 1]
-    assert ids == (decodes + prefills)[:len(ids)]
+    assert ids == (decodes + prefills)[: len(ids)]
     # greedy: something is left out only when the budget or the seat count ran out
     if len(ids) < len(running):
         assert sum(s.num_tokens for s in plan) == budget or len(ids) == max_num_seqs
@@ -184,7 +194,8 @@ def test_core_puts_decodes_first_and_gives_a_new_prompt_the_rest_of_the_budget()
     sim.submit("long", prompt(30), max_tokens=1)  # arrives while a decodes
     worker.complete()
     assert [(s.request_id, s.start_position, len(s.token_ids), s.sample) for s in worker.step().seqs] == [
-        ("a", 5, 1, True), ("long", 0, 15, False),
+        ("a", 5, 1, True),
+        ("long", 0, 15, False),
     ]
 
 

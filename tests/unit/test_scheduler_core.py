@@ -88,7 +88,9 @@ def test_each_step_starts_every_sequence_at_its_computed_tokens() -> None:
     sim.submit("a", prompt(5), max_tokens=3)
     worker.run({"a": [11, 12, 13]})
     assert [(s.start_position, s.token_ids, s.sample, s.pages) for s in worker.seqs_of("a")] == [
-        (0, prompt(5), True, [0]), (5, [11], True, [0]), (6, [12], True, [0]),
+        (0, prompt(5), True, [0]),
+        (5, [11], True, [0]),
+        (6, [12], True, [0]),
     ]
 
 
@@ -316,7 +318,9 @@ def test_prompt_plus_max_tokens_past_max_model_len_is_invalid_and_names_both_num
     assert sim.errors("b") == []
 
 
-@pytest.mark.parametrize(("prompt_token_ids", "max_tokens"), [([], 4), (prompt(3), 0), (prompt(3), -1), (prompt(64), None)])
+@pytest.mark.parametrize(
+    ("prompt_token_ids", "max_tokens"), [([], 4), (prompt(3), 0), (prompt(3), -1), (prompt(64), None)]
+)
 def test_other_invalid_requests_are_refused(prompt_token_ids: list[int], max_tokens: int | None) -> None:
     sim = Sim(max_model_len=64)
     sim.submit("a", prompt_token_ids, max_tokens=max_tokens)
@@ -366,7 +370,9 @@ BAD_SUBMISSIONS: list[Callable[[Sim], list[Outgoing]]] = [
 ]
 
 
-@pytest.mark.parametrize("bad", BAD_SUBMISSIONS, ids=["dup-running", "dup-waiting", "too-long", "empty", "zero-max-tokens"])
+@pytest.mark.parametrize(
+    "bad", BAD_SUBMISSIONS, ids=["dup-running", "dup-waiting", "too-long", "empty", "zero-max-tokens"]
+)
 def test_a_rejected_request_changes_no_state(bad: Callable[[Sim], list[Outgoing]]) -> None:
     sim = Sim()
     worker = ready(sim, num_kv_slots=1)
@@ -556,7 +562,8 @@ def test_requests_of_a_lost_worker_move_to_another_ready_worker_at_once() -> Non
     assert (sim.core.num_waiting, sim.process("w1").num_running) == (0, 2)
     w1.complete()
     assert [(s.request_id, s.start_position, s.token_ids) for s in w1.step().seqs] == [
-        ("b", 3, [DEFAULT_TOKEN]), ("a", 0, [100, 101, 102, DEFAULT_TOKEN]),
+        ("b", 3, [DEFAULT_TOKEN]),
+        ("a", 0, [100, 101, 102, DEFAULT_TOKEN]),
     ]
     w1.run()
     assert [sim.finish_reason(r) for r in "ab"] == ["length", "length"]
@@ -573,7 +580,10 @@ def test_a_recomputed_request_is_chunked_by_the_token_budget() -> None:
     w0.fail()
     w1 = ready(sim, "w1")
     w1.run({"a": [13, 14, 15]})
-    assert [(s.start_position, len(s.token_ids), s.sample) for s in w1.seqs_of("a")][:2] == [(0, 8, False), (8, 3, True)]
+    assert [(s.start_position, len(s.token_ids), s.sample) for s in w1.seqs_of("a")][:2] == [
+        (0, 8, False),
+        (8, 3, True),
+    ]
     assert sim.streamed("a") == [11, 13, 14, 15]
 
 
@@ -734,10 +744,31 @@ def test_info_lists_every_process_with_role_state_incarnation_and_failure() -> N
     assert (info.model_name, info.max_model_len, info.num_waiting, info.num_running) == ("tiny-llama", 64, 0, 1)
     num_prompt = len(sim.core._requests.get("a").prompt_token_ids)  # type: ignore[union-attr]
     assert info.processes == [
-        m.ProcessInfo("w0", "target", "READY", 1, heartbeat_age_s=2.5, num_used_kv_pages=1, num_kv_pages=4,
-                      kv_page_size=64, num_running=1, failure="", prefix_cache_queried_tokens=num_prompt),
-        m.ProcessInfo("w1", "target", "FAILED", 3, heartbeat_age_s=2.0, num_used_kv_pages=0, num_kv_pages=2,
-                      kv_page_size=64, num_running=0, failure="LOADING: RuntimeError: out of memory"),
+        m.ProcessInfo(
+            "w0",
+            "target",
+            "READY",
+            1,
+            heartbeat_age_s=2.5,
+            num_used_kv_pages=1,
+            num_kv_pages=4,
+            kv_page_size=64,
+            num_running=1,
+            failure="",
+            prefix_cache_queried_tokens=num_prompt,
+        ),
+        m.ProcessInfo(
+            "w1",
+            "target",
+            "FAILED",
+            3,
+            heartbeat_age_s=2.0,
+            num_used_kv_pages=0,
+            num_kv_pages=2,
+            kv_page_size=64,
+            num_running=0,
+            failure="LOADING: RuntimeError: out of memory",
+        ),
     ]
 
 
@@ -745,7 +776,9 @@ def report_ready(worker: FakeWorker, kernels: str) -> bool:
     """The READY report of a worker that has warmed up, naming the kernels its model runs on."""
     worker.boot(State.WARMING)
     worker.state = State.READY
-    return worker.send(m.LifecycleReport(worker.worker_id, worker.incarnation, State.READY, State.WARMING, 0.5, kernels=kernels))
+    return worker.send(
+        m.LifecycleReport(worker.worker_id, worker.incarnation, State.READY, State.WARMING, 0.5, kernels=kernels)
+    )
 
 
 def test_info_names_the_kernels_each_incarnation_said_it_runs_on_when_ready() -> None:
@@ -779,8 +812,9 @@ def test_a_lifecycle_report_with_an_unknown_state_never_decodes() -> None:
     frame = msgspec.msgpack.encode(m.LifecycleReport("w0", 1, "SLEEPING", State.READY, 1.0))  # type: ignore[arg-type]
     with pytest.raises(msgspec.ValidationError, match="state"):
         m.Codec(m.WorkerToScheduler).decode(frame)
-    assert m.Codec(m.WorkerToScheduler).decode(msgspec.msgpack.encode(m.LifecycleReport("w0", 1, State.READY, State.WARMING, 1.0))) \
-        == m.LifecycleReport("w0", 1, State.READY, State.WARMING, 1.0)
+    assert m.Codec(m.WorkerToScheduler).decode(
+        msgspec.msgpack.encode(m.LifecycleReport("w0", 1, State.READY, State.WARMING, 1.0))
+    ) == m.LifecycleReport("w0", 1, State.READY, State.WARMING, 1.0)
 
 
 def test_a_worker_reporting_an_illegal_transition_is_ignored_and_keeps_serving() -> None:

@@ -165,8 +165,9 @@ def test_a_gateway_speaking_another_protocol_version_is_not_known() -> None:
     assert sim.info().protocol_errors["gateway.bad_hello"] == 2
 
 
-@pytest.mark.parametrize(("argv", "expected"), [([], 10.0), (["--gateway-gone-grace-s", "0"], 0.0),
-                                                (["--gateway-gone-grace-s", "-1"], None)])
+@pytest.mark.parametrize(
+    ("argv", "expected"), [([], 10.0), (["--gateway-gone-grace-s", "0"], 0.0), (["--gateway-gone-grace-s", "-1"], None)]
+)
 def test_the_grace_window_flag(argv: list[str], expected: float | None) -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -7,13 +7,26 @@ import sys
 
 
 def test_the_scheduler_process_imports_no_torch() -> None:
-    code = ("import sys, scheduler.__main__, scheduler.service, scheduler.core; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))")
+    code = (
+        "import sys, scheduler.__main__, scheduler.service, scheduler.core; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert result.stdout.strip() == "[]", result.stdout
 
 
-_PROJECT = {"proto", "common", "modeling", "gpu_worker", "draft_service", "gateway", "scheduler", "specserve", "distill", "bench"}
+_PROJECT = {
+    "proto",
+    "common",
+    "modeling",
+    "gpu_worker",
+    "draft_service",
+    "gateway",
+    "scheduler",
+    "specserve",
+    "distill",
+    "bench",
+}
 
 
 def _imported_roots(package: str) -> dict[str, set[str]]:
@@ -40,4 +53,7 @@ def test_the_packages_the_scheduler_may_import_hold_no_torch() -> None:
         assert not (roots & _PROJECT) - {"scheduler", "common", "proto"}, (path, roots & _PROJECT)
     for package in ("common", "proto"):
         for path, roots in _imported_roots(package).items():
-            assert not roots & {"torch", "modeling", "scheduler", "gateway", "gpu_worker", "draft_service"}, (path, roots)
+            assert not roots & {"torch", "modeling", "scheduler", "gateway", "gpu_worker", "draft_service"}, (
+                path,
+                roots,
+            )

@@ -28,8 +28,10 @@ def test_completion_logprobs_come_with_their_tokens_and_are_cut_at_the_stop_toke
     assert all(seq.logprobs == 2 and seq.prompt_logprobs == -1 for seq in worker.seqs_of("a"))
     deltas = [d for d in sim.deltas("a") if d.token_ids]
     assert [d.token_ids for d in deltas] == [[10], [11, 12, EOS]]
-    assert [d.logprobs for d in deltas] == [[fake_logprob(3, 10, 2)],
-                                            [fake_logprob(4, 11, 2), fake_logprob(5, 12, 2), fake_logprob(6, EOS, 2)]]
+    assert [d.logprobs for d in deltas] == [
+        [fake_logprob(3, 10, 2)],
+        [fake_logprob(4, 11, 2), fake_logprob(5, 12, 2), fake_logprob(6, EOS, 2)],
+    ]
 
 
 def test_without_logprobs_none_are_asked_or_sent() -> None:
@@ -75,7 +77,10 @@ def test_max_tokens_zero_without_prompt_logprobs_and_out_of_range_counts_are_ref
     sim.submit("b", prompt(5), logprobs=m.MAX_TOP_LOGPROBS + 1)
     sim.submit("c", prompt(5), prompt_logprobs=-1)
     assert [e.message for e in sim.errors()] == [
-        "max_tokens must be at least 1, got 0", "logprobs must be 0 to 20, got 21", "prompt_logprobs must be 0 to 20, got -1"]
+        "max_tokens must be at least 1, got 0",
+        "logprobs must be 0 to 20, got 21",
+        "prompt_logprobs must be 0 to 20, got -1",
+    ]
 
 
 def test_a_prompt_recomputed_after_its_worker_is_lost_is_not_scored_twice() -> None:
@@ -111,7 +116,12 @@ def test_a_penalized_request_sends_the_tokens_before_each_sampling_step() -> Non
     sim.submit("b", prompt(2, first=300), max_tokens=2)
     worker.run({"a": [10, 11, 12]})
     sent = [(s.start_position, s.sample, s.history, s.num_prompt_tokens) for s in worker.seqs_of("a")]
-    assert sent == [(0, False, None, 6), (4, True, prompt(4), 6), (6, True, prompt(6), 6), (7, True, prompt(6) + [10], 6)]
+    assert sent == [
+        (0, False, None, 6),
+        (4, True, prompt(4), 6),
+        (6, True, prompt(6), 6),
+        (7, True, prompt(6) + [10], 6),
+    ]
     assert all(s.history is None for s in worker.seqs_of("b"))
     assert sim.streamed("a") == [10, 11, 12]
 
@@ -119,11 +129,20 @@ def test_a_penalized_request_sends_the_tokens_before_each_sampling_step() -> Non
 def test_out_of_range_penalties_are_refused_naming_them() -> None:
     sim = Sim()
     ready(sim)
-    for index, penalties in enumerate((m.Penalties(presence=2.5), m.Penalties(repetition=0.005),
-                                       m.Penalties(logit_bias={1: 200.0}), m.Penalties(min_tokens=-1))):
+    for index, penalties in enumerate(
+        (
+            m.Penalties(presence=2.5),
+            m.Penalties(repetition=0.005),
+            m.Penalties(logit_bias={1: 200.0}),
+            m.Penalties(min_tokens=-1),
+        )
+    ):
         sim.submit(f"r{index}", prompt(3), sampling=m.SamplingParams(penalties=penalties))
     sim.submit("ids", prompt(3), sampling=m.SamplingParams(penalties=m.Penalties(logit_bias={-1: 1.0})))
     assert [e.message for e in sim.errors()] == [
-        "presence_penalty 2.5 is outside -2.0 .. 2.0", "repetition_penalty 0.005 is outside 0.01 .. 100.0",
-        "logit_bias of token 1 is 200.0, outside -100.0 .. 100.0", "min_tokens -1 is negative",
-        "logit_bias holds -1, outside the vocabulary of 49152 ids"]
+        "presence_penalty 2.5 is outside -2.0 .. 2.0",
+        "repetition_penalty 0.005 is outside 0.01 .. 100.0",
+        "logit_bias of token 1 is 200.0, outside -100.0 .. 100.0",
+        "min_tokens -1 is negative",
+        "logit_bias holds -1, outside the vocabulary of 49152 ids",
+    ]

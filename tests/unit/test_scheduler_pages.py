@@ -80,7 +80,9 @@ def test_admission_is_by_pages_not_by_requests() -> None:
     assert_all_free(sim, worker)
 
 
-def test_when_pages_run_out_the_latest_request_is_preempted_and_recomputed_without_losing_or_repeating_a_token() -> None:
+def test_when_pages_run_out_the_latest_request_is_preempted_and_recomputed_without_losing_or_repeating_a_token() -> (
+    None
+):
     sim = Sim()
     worker = paged(sim, num_pages=6)  # 24 positions for two requests that grow to 14 each
     sim.submit("first", prompt(6, first=100), max_tokens=8)
@@ -196,8 +198,9 @@ def test_a_sequence_that_alone_outgrows_the_cache_finishes_with_length() -> None
 
 
 @pytest.mark.parametrize(("num_busy", "expected"), [(0, "w0"), (4, "w0"), (5, "w1")])
-def test_a_request_goes_to_the_worker_holding_its_prefix_unless_that_one_is_much_busier(num_busy: int,
-                                                                                        expected: str) -> None:
+def test_a_request_goes_to_the_worker_holding_its_prefix_unless_that_one_is_much_busier(
+    num_busy: int, expected: str
+) -> None:
     """Much busier: more than twice the least busy worker's running sequences plus four."""
     sim = Sim(max_num_seqs=16)
     w0 = paged(sim, "w0", num_pages=64)

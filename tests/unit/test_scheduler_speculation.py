@@ -206,7 +206,9 @@ def test_a_target_that_lowers_its_draft_limit_at_ready_gets_no_more_drafts_than_
     worker = sim.worker("w0")
     assert worker.hello()
     worker.boot(State.WARMING)
-    assert worker.send(m.LifecycleReport("w0", worker.incarnation, State.READY, State.WARMING, 0.5, max_draft_tokens=ready_limit))
+    assert worker.send(
+        m.LifecycleReport("w0", worker.incarnation, State.READY, State.WARMING, 0.5, max_draft_tokens=ready_limit)
+    )
     worker.state = State.READY
     draft = sim.draft("d0").start()
     sim.submit("a", prompt(3), max_tokens=10)
@@ -380,7 +382,9 @@ def test_what_a_proposal_costs_is_averaged_over_its_answers() -> None:
     assert (counters.propose_ms, counters.propose_wait_ms) == (6.0, 8.0)
     for _ in range(200):
         counters.proposed(2.0, 3.0)
-    assert counters.propose_ms == pytest.approx(2.0, abs=1e-3) and counters.propose_wait_ms == pytest.approx(3.0, abs=1e-3)
+    assert counters.propose_ms == pytest.approx(2.0, abs=1e-3) and counters.propose_wait_ms == pytest.approx(
+        3.0, abs=1e-3
+    )
     counters.proposed(float("nan"), 1.0)  # a clock that cannot be believed
     assert counters.num_proposals == 202
     spec = counters.info()
@@ -439,8 +443,13 @@ def request(rid: str, num_output: int, max_tokens: int = 100, num_prompt: int = 
     return r
 
 
-LIMITS = SpecLimits(num_speculative_tokens=4, spec_disable_batch_threshold=4, spec_draft_token_budget=32,
-                    max_num_batched_tokens=64, max_model_len=64)
+LIMITS = SpecLimits(
+    num_speculative_tokens=4,
+    spec_disable_batch_threshold=4,
+    spec_draft_token_budget=32,
+    max_num_batched_tokens=64,
+    max_model_len=64,
+)
 
 
 def test_policy_speculates_only_up_to_the_threshold() -> None:
@@ -499,7 +508,7 @@ def test_a_draft_lost_while_a_verify_step_runs_leaves_consistent_counts_for_the_
     worker.complete({"a": SCRIPT[1:8]})  # its result comes back after the draft is gone
     back = sim.draft("d0", incarnation=2).start()  # strict: fails the test if the counts disagree
     back.script["a"] = prompt(3) + SCRIPT
-    worker.run({"a": SCRIPT[len(sim.streamed("a")):]}, draft=back)
+    worker.run({"a": SCRIPT[len(sim.streamed("a")) :]}, draft=back)
     assert proposes(back)[0].seqs[0].num_held == 0
     assert sim.streamed("a") == SCRIPT + [7] * 8 and sim.finish_reason("a") == "length"
 
@@ -513,7 +522,7 @@ def test_losing_a_draft_that_is_not_in_use_changes_nothing() -> None:
     draft.answer()
     worker.complete({"a": SCRIPT[1:6]})
     spare.fail("spare crashed")
-    worker.run({"a": SCRIPT[len(worker.returned["a"]):]}, draft=draft)  # strict: the in-use draft's counts were kept
+    worker.run({"a": SCRIPT[len(worker.returned["a"]) :]}, draft=draft)  # strict: the in-use draft's counts were kept
     assert proposes(spare) == [] and sim.streamed("a") == SCRIPT[:12]
 
 
@@ -528,8 +537,11 @@ def test_a_feature_reading_draft_gets_every_target_feature_once_in_order(draft_s
     sim.submit("a", prompt(7), max_tokens=10)
     sim.submit("b", prompt(5, first=300), max_tokens=8)
     for rid, p in (("a", prompt(7)), ("b", prompt(5, first=300))):
-        draft.script[rid] = {"right": p + SCRIPT, "wrong": p + [t + 100 for t in SCRIPT],
-                             "half_right": p + [t if i % 2 else 99 for i, t in enumerate(SCRIPT)]}[draft_script]
+        draft.script[rid] = {
+            "right": p + SCRIPT,
+            "wrong": p + [t + 100 for t in SCRIPT],
+            "half_right": p + [t if i % 2 else 99 for i, t in enumerate(SCRIPT)],
+        }[draft_script]
     worker.run({"a": SCRIPT, "b": SCRIPT}, draft=draft)  # the fake draft checks every feature row it is sent
     assert sim.streamed("a") == SCRIPT[:10] and sim.streamed("b") == SCRIPT[:8]
     assert all(step.return_features for step in worker.all_steps())
@@ -562,8 +574,10 @@ def test_a_request_without_every_feature_decodes_plainly_while_others_speculate(
 
 def test_a_draft_trained_for_another_target_or_width_is_refused_whichever_comes_first() -> None:
     for draft_first in (True, False):
-        for overrides, reason in (({"target_fingerprint": "fp-other"}, "another target model"),
-                                  ({"feature_width": 3}, "width 3")):
+        for overrides, reason in (
+            ({"target_fingerprint": "fp-other"}, "another target model"),
+            ({"feature_width": 3}, "width 3"),
+        ):
             sim = Sim()
             if draft_first:
                 draft = sim.draft("d0", **overrides).start()
@@ -606,6 +620,9 @@ def test_the_speculation_flags_default_to_16_sequences_and_32_draft_tokens_and_r
     config = from_arguments(parser.parse_args(["--insecure-loopback"]))
     # k and the threshold unless given come from the draft's kind (speculation_caps); the budget is the scheduler's.
     assert (config.num_speculative_tokens, config.spec_disable_batch_threshold, config.spec_draft_token_budget) == (
-        None, None, 32)
+        None,
+        None,
+        32,
+    )
     with pytest.raises(ValueError, match="--spec-draft-token-budget must be at least 0"):
         from_arguments(parser.parse_args(["--spec-draft-token-budget", "-1", "--insecure-loopback"]))

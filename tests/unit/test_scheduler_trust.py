@@ -26,8 +26,13 @@ def test_a_worker_message_from_another_socket_than_its_hello_is_refused() -> Non
     step = worker.step()
     impostor = FakeWorker(sim, "w0", identity=b"impostor")
     # A forged result (token 1 for everyone) and a forged failure report, from another socket.
-    forged = m.StepResult(worker_id="w0", incarnation=worker.incarnation, step_id=step.step_id,
-                          outputs=[m.SeqOutput(seq.request_id, [1]) for seq in step.seqs], duration_ms=10.0)
+    forged = m.StepResult(
+        worker_id="w0",
+        incarnation=worker.incarnation,
+        step_id=step.step_id,
+        outputs=[m.SeqOutput(seq.request_id, [1]) for seq in step.seqs],
+        duration_ms=10.0,
+    )
     assert not impostor.send(forged)
     assert not impostor.send(m.WorkerFailed("w0", worker.incarnation, State.READY, "RuntimeError", "forged"))
     assert sim.process("w0").state == State.READY
@@ -77,17 +82,21 @@ def test_a_gateway_may_abort_only_its_own_requests() -> None:
     assert len(sim.streamed("r1")) == 3 and sim.finish_reason("r1") == "length"  # its owner hears how it ended
 
 
-@pytest.mark.parametrize(("overrides", "named"), [
-    ({"num_kv_pages": 2**62}, "num_kv_pages"),
-    ({"kv_page_size": 2**40}, "kv_page_size"),
-    ({"incarnation": 2**62}, "incarnation"),
-    ({"incarnation": -5}, "incarnation"),
-    ({"vocab_size": -1}, "vocab_size"),
-    ({"max_draft_tokens": 10**6}, "max_draft_tokens"),
-    ({"model_name": "x" * 100_000}, "model_name"),
-])
-def test_an_unbelievable_hello_builds_nothing_and_leaves_the_live_worker_alone(overrides: dict[str, object],
-                                                                                named: str) -> None:
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"num_kv_pages": 2**62}, "num_kv_pages"),
+        ({"kv_page_size": 2**40}, "kv_page_size"),
+        ({"incarnation": 2**62}, "incarnation"),
+        ({"incarnation": -5}, "incarnation"),
+        ({"vocab_size": -1}, "vocab_size"),
+        ({"max_draft_tokens": 10**6}, "max_draft_tokens"),
+        ({"model_name": "x" * 100_000}, "model_name"),
+    ],
+)
+def test_an_unbelievable_hello_builds_nothing_and_leaves_the_live_worker_alone(
+    overrides: dict[str, object], named: str
+) -> None:
     from scheduler.workers import hello_problem
 
     sim = Sim()
@@ -102,13 +111,17 @@ def test_an_unbelievable_hello_builds_nothing_and_leaves_the_live_worker_alone(o
     assert sim.finish_reason("r1") == "length"
 
 
-@pytest.mark.parametrize(("prompt_ids", "stop_ids", "named"), [
-    ([100, 49152, 101], [EOS], "prompt_token_ids holds 49152"),
-    ([100, -1], [EOS], "prompt_token_ids holds -1"),
-    ([100, 101], [10**9], "stop_token_ids holds 1000000000"),
-])
+@pytest.mark.parametrize(
+    ("prompt_ids", "stop_ids", "named"),
+    [
+        ([100, 49152, 101], [EOS], "prompt_token_ids holds 49152"),
+        ([100, -1], [EOS], "prompt_token_ids holds -1"),
+        ([100, 101], [10**9], "stop_token_ids holds 1000000000"),
+    ],
+)
 def test_token_ids_outside_the_vocabulary_are_refused_before_any_worker_sees_them(
-        prompt_ids: list[int], stop_ids: list[int], named: str) -> None:
+    prompt_ids: list[int], stop_ids: list[int], named: str
+) -> None:
     sim = Sim()
     worker = sim.worker("w0").start()
     sim.submit("bad", prompt_ids, stop_token_ids=stop_ids)
@@ -129,14 +142,17 @@ def test_a_request_queued_before_any_worker_is_checked_against_the_vocabulary_be
     assert sim.finish_reason("fine") == "length" and sim.process("w0").state == State.READY
 
 
-@pytest.mark.parametrize(("sampling", "named"), [
-    (m.SamplingParams(temperature=math.nan), "temperature"),
-    (m.SamplingParams(temperature=-1.0), "temperature"),
-    (m.SamplingParams(temperature=1.0, top_p=0.0), "top_p"),
-    (m.SamplingParams(temperature=1.0, top_p=math.inf), "top_p"),
-    (m.SamplingParams(temperature=1.0, top_k=-3), "top_k"),
-    (m.SamplingParams(temperature=1.0, seed=-1), "seed"),
-])
+@pytest.mark.parametrize(
+    ("sampling", "named"),
+    [
+        (m.SamplingParams(temperature=math.nan), "temperature"),
+        (m.SamplingParams(temperature=-1.0), "temperature"),
+        (m.SamplingParams(temperature=1.0, top_p=0.0), "top_p"),
+        (m.SamplingParams(temperature=1.0, top_p=math.inf), "top_p"),
+        (m.SamplingParams(temperature=1.0, top_k=-3), "top_k"),
+        (m.SamplingParams(temperature=1.0, seed=-1), "seed"),
+    ],
+)
 def test_sampling_values_out_of_range_are_refused_by_name(sampling: m.SamplingParams, named: str) -> None:
     sim = Sim()
     sim.worker("w0").start()
@@ -176,7 +192,11 @@ def test_a_request_that_kills_every_worker_it_runs_on_fails_alone_after_its_retr
     # Two batches it was in (one lost worker could be chance), then its own step, its third loss: past 2 retries.
     assert len(lost) == 3
     (error,) = sim.errors("poison")
-    assert error.code == "INTERNAL" and "--max-request-retries 2" in error.message and "Segmentation fault" in error.message
+    assert (
+        error.code == "INTERNAL"
+        and "--max-request-retries 2" in error.message
+        and "Segmentation fault" in error.message
+    )
     for request_id in innocents:  # every other request completes, as it would have without the poison
         assert sim.streamed(request_id) == [DEFAULT_TOKEN] * 5 and sim.finish_reason(request_id) == "length"
         assert not sim.errors(request_id)
@@ -189,8 +209,16 @@ def test_a_step_refused_for_one_requests_content_fails_that_request_and_keeps_th
     worker = sim.worker("w0").start()
     step = worker.step()
     assert {seq.request_id for seq in step.seqs} == {"good", "bad"}
-    assert worker.send(m.StepRefused("w0", worker.incarnation, step.step_id, State.READY,
-                                     "request bad: a token id is outside the vocabulary 0..49151", request_id="bad"))
+    assert worker.send(
+        m.StepRefused(
+            "w0",
+            worker.incarnation,
+            step.step_id,
+            State.READY,
+            "request bad: a token id is outside the vocabulary 0..49151",
+            request_id="bad",
+        )
+    )
     (error,) = sim.errors("bad")
     assert error.code == "INVALID_ARGUMENT" and "outside the vocabulary" in error.message
     assert sim.process("w0").state == State.READY  # not the worker's fault
@@ -230,10 +258,27 @@ def test_a_worker_caps_its_pages_at_what_the_scheduler_believes(tiny_llama_folde
     from gpu_worker.memory import num_kv_pages
     from modeling.model.config import ModelConfig
 
-    process = ProcessConfig(worker_id="w", scheduler_address="inproc://x", device="cpu", dtype="float32",
-                            heartbeat_interval_s=1.0, phase_timeout_s=60.0, step_timeout_s=60.0, drain_timeout_s=10.0,
-                            num_threads=0, status_file=None)
-    config = WorkerConfig(process=process, model=tiny_llama_folder, max_model_len=1 << 20, kv_cache_memory_gib=4096.0,
-                          page_size=16, max_num_seqs=100_000, max_num_batched_tokens=64, max_draft_tokens=6)
+    process = ProcessConfig(
+        worker_id="w",
+        scheduler_address="inproc://x",
+        device="cpu",
+        dtype="float32",
+        heartbeat_interval_s=1.0,
+        phase_timeout_s=60.0,
+        step_timeout_s=60.0,
+        drain_timeout_s=10.0,
+        num_threads=0,
+        status_file=None,
+    )
+    config = WorkerConfig(
+        process=process,
+        model=tiny_llama_folder,
+        max_model_len=1 << 20,
+        kv_cache_memory_gib=4096.0,
+        page_size=16,
+        max_num_seqs=100_000,
+        max_num_batched_tokens=64,
+        max_draft_tokens=6,
+    )
     pages, why = num_kv_pages(config, ModelConfig.from_folder(tiny_llama_folder))
     assert pages == m.MAX_KV_PAGES and "capped" in why

@@ -27,12 +27,17 @@ from specserve.up import add_up_arguments, up_config
 ROOT = Path(__file__).resolve().parents[2]
 _VARIABLE = re.compile(r"\$\{(SPECSERVE_[A-Z_]+):-([^}]*)\}")
 # The compose services -> the service whose settings they take, and the `specserve` command that runs it.
-COMPOSE_SERVICES: dict[str, Service] = {"scheduler": "scheduler", "worker": "worker", "gpu-worker": "worker",
-                                        "draft": "draft", "gateway": "gateway"}
+COMPOSE_SERVICES: dict[str, Service] = {
+    "scheduler": "scheduler",
+    "worker": "worker",
+    "gpu-worker": "worker",
+    "draft": "draft",
+    "gateway": "gateway",
+}
 # Where the compose file's default is the service's own default, written where the image keeps it.
 COMPOSE_OWN_DEFAULTS = {
     ("draft", "--proposer"): "the shipped draft, where the image keeps it (the draft service's own default finds it "
-                             "beside the source tree)",
+    "beside the source tree)",
 }
 
 
@@ -129,16 +134,29 @@ _DEPLOYED = {
     "worker": {"process", "model"},
     "process": {"worker_id", "scheduler_address", "status_file", "transport"},
     "draft": {"process", "proposer", "target_model"},
-    "gateway": {"model_dir", "scheduler_address", "host", "port", "http_port", "gateway_id", "shutdown_grace_s",
-                "transport", "tls", "log_json"},
+    "gateway": {
+        "model_dir",
+        "scheduler_address",
+        "host",
+        "port",
+        "http_port",
+        "gateway_id",
+        "shutdown_grace_s",
+        "transport",
+        "tls",
+        "log_json",
+    },
 }
 
 
 def _settled(config: Any, kind: str) -> dict[str, Any]:
     """A resolved config's fields, less what the deployment chose; a process's own fields and a proposer's kind and
     folder name in their place."""
-    fields = {field.name: getattr(config, field.name) for field in dataclasses.fields(config)
-              if field.name not in _DEPLOYED[kind]}
+    fields = {
+        field.name: getattr(config, field.name)
+        for field in dataclasses.fields(config)
+        if field.name not in _DEPLOYED[kind]
+    }
     if kind in ("worker", "draft"):
         fields["process"] = _settled(config.process, "process")
     if kind == "draft":
@@ -151,8 +169,11 @@ def _resolved(service: Service, argv: list[str]) -> dict[str, Any]:
     if service == "gateway":
         return _settled(gateway.config.parse_config(argv), "gateway")
     args = _parser(service).parse_args(argv)
-    build = {"scheduler": scheduler.config.from_arguments, "worker": gpu_worker.config.from_arguments,
-             "draft": draft_service.config.from_arguments}[service]
+    build = {
+        "scheduler": scheduler.config.from_arguments,
+        "worker": gpu_worker.config.from_arguments,
+        "draft": draft_service.config.from_arguments,
+    }[service]
     return _settled(build(args), service)
 
 
@@ -163,9 +184,12 @@ def test_a_stack_started_by_compose_by_up_and_by_hand_resolves_to_the_same_setti
     model = up.stack.model
     addresses = StackAddresses("127.0.0.1", 50051, 8000, "tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556")
     by_up = {spec.name: spec.argv[3:] for spec in service_specs(up.stack, addresses)}  # past `python -m MODULE`
-    by_hand = {"scheduler": ["--keys", str(keys)], "worker": ["--model", str(model), "--keys", str(keys)],
-               "draft": ["--target-model", str(model), "--keys", str(keys)],
-               "gateway": ["--model", str(model), "--keys", str(keys)]}
+    by_hand = {
+        "scheduler": ["--keys", str(keys)],
+        "worker": ["--model", str(model), "--keys", str(keys)],
+        "draft": ["--target-model", str(model), "--keys", str(keys)],
+        "gateway": ["--model", str(model), "--keys", str(keys)],
+    }
     up_names = {"scheduler": "scheduler", "worker": "worker-0", "draft": "draft", "gateway": "gateway"}
     for name, service in COMPOSE_SERVICES.items():
         if name == "gpu-worker":

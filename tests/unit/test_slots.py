@@ -13,12 +13,16 @@ import pytest
 from common import slots
 
 ROOT = Path(__file__).resolve().parents[2]
-_HOLDER = ("import sys, time; from pathlib import Path; from common.slots import claim; "
-           "print(claim(Path(sys.argv[1])), flush=True); time.sleep(60)")
+_HOLDER = (
+    "import sys, time; from pathlib import Path; from common.slots import claim; "
+    "print(claim(Path(sys.argv[1])), flush=True); time.sleep(60)"
+)
 
 
 def _holder(folder: Path) -> tuple[subprocess.Popen[str], int]:
-    process = subprocess.Popen([sys.executable, "-c", _HOLDER, str(folder)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(folder)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     assert process.stdout is not None
     return process, int(process.stdout.readline())
 
@@ -46,8 +50,9 @@ def _args(tmp_path: Path | None, worker_id: str, device: str) -> argparse.Namesp
     return argparse.Namespace(worker_id=worker_id, device=device, slot_dir=tmp_path)
 
 
-def test_apply_puts_the_slot_in_the_id_and_gives_a_gpu_slot_its_own_device(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_apply_puts_the_slot_in_the_id_and_gives_a_gpu_slot_its_own_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     args = _args(tmp_path, "gpu-{slot}", "cuda:{slot}")
     slots.apply(args)
@@ -74,7 +79,12 @@ def test_a_plain_id_takes_no_slot_and_bad_uses_are_named(tmp_path: Path) -> None
 
 
 def test_the_worker_command_refuses_a_slot_without_its_folder() -> None:
-    done = subprocess.run([sys.executable, "-m", "gpu_worker", "--model", "/nonexistent", "--worker-id", "cpu-{slot}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "gpu_worker", "--model", "/nonexistent", "--worker-id", "cpu-{slot}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert "--slot-dir" in done.stderr

@@ -15,8 +15,16 @@ import pytest
 
 from proto import messages as m
 from scheduler.speculation.acceptance import ANY, RequestAcceptance, ServerAcceptance, expected_accepted
-from scheduler.speculation.policy import (EXPLORE_SHARE, PLAN_MARGIN, DraftOption, ExploreBudget, Unasked, best_drafts,
-                                          beyond_reach, explored)
+from scheduler.speculation.policy import (
+    EXPLORE_SHARE,
+    PLAN_MARGIN,
+    DraftOption,
+    ExploreBudget,
+    Unasked,
+    best_drafts,
+    beyond_reach,
+    explored,
+)
 from tests.unit.scheduler_fakes import DEFAULT_TOKEN, FakeDraft, FakeWorker, Sim, prompt
 
 SCRIPT = list(range(11, 11 + 200))
@@ -63,10 +71,14 @@ def test_the_shortcut_past_the_choice_never_skips_a_step_that_would_speculate() 
             found = rng.random()
             share = rng.random()
             k = rng.randint(1, 6)
-            outlooks[f"r{i}"] = [(found * share, expected_accepted([rng.random() ** 2 for _ in range(k)])),
-                                 (found * (1 - share), expected_accepted([rng.random() ** 3 for _ in range(k)]))]
-        options = [DraftOption(key, [row_ms * n + 0.01 * n * n for n in range(len(outlook[0][1]))], outlook)
-                   for key, outlook in outlooks.items()]
+            outlooks[f"r{i}"] = [
+                (found * share, expected_accepted([rng.random() ** 2 for _ in range(k)])),
+                (found * (1 - share), expected_accepted([rng.random() ** 3 for _ in range(k)])),
+            ]
+        options = [
+            DraftOption(key, [row_ms * n + 0.01 * n * n for n in range(len(outlook[0][1]))], outlook)
+            for key, outlook in outlooks.items()
+        ]
         wait = lambda ks: fixed_wait + wait_per_token * max(ks.values())  # noqa: E731
         chosen = best_drafts(options, num_seqs, base_ms, wait, PLAN_MARGIN)
         empty += not chosen
@@ -86,8 +98,13 @@ def test_the_answer_maximises_tokens_per_ms_over_every_choice() -> None:
         ms = 12.0 + sum(o.extra_ms[ks.get(o.key, 0)] for o in options) + (wait(ks) if ks else 0.0)
         return tokens / ms
 
-    best = max(({k: v for k, v in zip("abc", combo) if v} for combo in
-                [(x, y, z) for x in range(5) for y in range(5) for z in range(5)]), key=rate)
+    best = max(
+        (
+            {k: v for k, v in zip("abc", combo) if v}
+            for combo in [(x, y, z) for x in range(5) for y in range(5) for z in range(5)]
+        ),
+        key=rate,
+    )
     assert rate(best_drafts(options, 3, 12.0, wait)) == pytest.approx(rate(best), rel=0.01)
 
 
@@ -123,8 +140,9 @@ def test_a_chain_is_read_at_its_means() -> None:
     assert rates == means
 
     def chosen(chain: list[float]) -> dict[str, int]:
-        return best_drafts([DraftOption.certain("a", expected_accepted(chain), [1.5 * n for n in range(7)])], 1, 4.0,
-                           lambda ks: 0.0)
+        return best_drafts(
+            [DraftOption.certain("a", expected_accepted(chain), [1.5 * n for n in range(7)])], 1, 4.0, lambda ks: 0.0
+        )
 
     def optimistic(mean: float, weight: float) -> float:
         return min(1.0, mean + 0.5 * math.sqrt(max(mean * (1 - mean), 1 / (weight + 2)) / (weight + 1)))
@@ -177,13 +195,13 @@ def test_where_drafts_never_pay_trying_them_costs_the_explore_share_of_the_time(
         if (asked := draft.pending_propose()) is not None:
             asks += 1
             sim.advance(0.002)
-            draft.answer({"a": [t + 1000 for t in script[done: done + asked.seqs[0].num_tokens]]})
+            draft.answer({"a": [t + 1000 for t in script[done : done + asked.seqs[0].num_tokens]]})
         step = worker.pending_step()
         if step is None:
             break
         rows += sum(seq.num_draft_tokens for seq in step.seqs)
         sim.advance(worker.step_ms(step) / 1000)
-        worker.complete({"a": script[done: done + 5]})
+        worker.complete({"a": script[done : done + 5]})
     spent_ms = 2.0 * asks + 3.0 * rows
     total_ms = (sim.now_s - start_s) * 1000
     assert sim.streamed("a") == script
@@ -260,12 +278,14 @@ def run(worker: FakeWorker, draft: FakeDraft, num_steps: int, right: Callable[[i
         done = len(worker.returned.get("a", []))  # the gateway gets them once the next step is sent
         if (asked := draft.pending_propose()) is not None:
             k = asked.seqs[0].num_tokens
-            draft.answer({"a": SCRIPT[done: done + k] if right(index) else [t + 1000 for t in SCRIPT[done: done + k]]})
+            draft.answer(
+                {"a": SCRIPT[done : done + k] if right(index) else [t + 1000 for t in SCRIPT[done : done + k]]}
+            )
         step = worker.pending_step()
         if step is None:
             break
         drafts.append(sum(seq.num_draft_tokens for seq in step.seqs if seq.request_id == "a"))
-        worker.complete({"a": SCRIPT[done: done + 5]})
+        worker.complete({"a": SCRIPT[done : done + 5]})
     return drafts
 
 
@@ -312,7 +332,7 @@ def test_a_request_the_draft_finds_nothing_for_stops_being_asked_so_its_steps_do
         step = worker.pending_step()
         if step is None:
             break
-        worker.complete({"a": SCRIPT[done: done + 5]})
+        worker.complete({"a": SCRIPT[done : done + 5]})
     assert asked and asked[0] < 5, "a new request's draft is asked"
     late = [done for done in asked if done >= 40]
     assert len(late) <= 8, f"asked at {asked}"  # retried now and then, not every step
@@ -325,8 +345,9 @@ def test_the_draft_is_asked_where_one_of_the_sources_that_may_answer_pays_even_i
     extra = [0.9 * n for n in range(7)]
     mixed = DraftOption("a", extra, [(0.25, expected_accepted([0.9] * 6)), (0.75, expected_accepted([0.05] * 6))])
     assert best_drafts([mixed], 1, 4.4, lambda ks: 1.2) == {"a": 6}
-    average = DraftOption.certain("a", [0.25 * a + 0.75 * b for a, b in zip(expected_accepted([0.9] * 6),
-                                                                            expected_accepted([0.05] * 6))], extra)
+    average = DraftOption.certain(
+        "a", [0.25 * a + 0.75 * b for a, b in zip(expected_accepted([0.9] * 6), expected_accepted([0.05] * 6))], extra
+    )
     assert best_drafts([average], 1, 4.4, lambda ks: 1.2) == {}
 
 
@@ -354,12 +375,12 @@ def test_a_new_request_is_asked_at_once_after_a_run_of_requests_the_draft_found_
         done = len(worker.returned["edit"])
         if (asked := draft.pending_propose()) is not None:
             sim.advance(0.004)
-            draft.answer({"edit": edit[done: done + asked.seqs[0].num_tokens]})
+            draft.answer({"edit": edit[done : done + asked.seqs[0].num_tokens]})
         step = worker.pending_step()
         if step is None:
             break
         drafts.append(step.seqs[0].num_draft_tokens)
-        worker.complete({"edit": edit[done: done + 5]})
+        worker.complete({"edit": edit[done : done + 5]})
     assert drafts[0] > 0, "a request not asked yet is asked"
     assert sum(1 for d in drafts if d) >= 0.8 * len(drafts), drafts
 
@@ -367,6 +388,7 @@ def test_a_new_request_is_asked_at_once_after_a_run_of_requests_the_draft_found_
 def test_a_step_asks_for_proposals_only_for_a_gain_beyond_its_estimates_error() -> None:
     """A 10 ms step of one token, 1 ms to wait: drafts expected to bring 0.13 tokens more (1.8% faster) are not asked
     for at the plan's margin, 0.5 tokens more (35%) are; with no margin both are."""
+
     def option(gain: float) -> DraftOption:
         return DraftOption.certain("a", [0.0, gain], [0.0, 0.1])
 

@@ -22,9 +22,17 @@ def test_a_live_writer_is_believed(tmp_path: Path) -> None:
 
 def test_a_file_left_by_a_process_that_ended_says_nothing(tmp_path: Path) -> None:
     path = tmp_path / "status"
-    subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from common.status_file import "
-                    "write_status_file; write_status_file(Path(sys.argv[1]), 'READY')", str(path)],
-                   check=True, cwd=Path(__file__).resolve().parents[2])
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from pathlib import Path; from common.status_file import "
+            "write_status_file; write_status_file(Path(sys.argv[1]), 'READY')",
+            str(path),
+        ],
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert path.read_text().startswith("READY\n")
     assert read_status_file(path) == ""
 

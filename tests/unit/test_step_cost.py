@@ -16,16 +16,31 @@ from tests.unit.scheduler_fakes import Sim
 CURVE = (8.0, 0.2, 0.9, 1.5, 0.6, 0.25, 0.04)
 
 
-def true_ms(shape: StepShape, fixed: float, low: float, middle: float, high: float, per_constrained: float,
-            per_prefill: float, per_kilo: float) -> float:
+def true_ms(
+    shape: StepShape,
+    fixed: float,
+    low: float,
+    middle: float,
+    high: float,
+    per_constrained: float,
+    per_prefill: float,
+    per_kilo: float,
+) -> float:
     rows = sum(slope * part for slope, part in zip((low, middle, high), row_terms(shape.decode_rows)))
-    return (fixed + rows + per_constrained * shape.constrained_rows + per_prefill * shape.prefill_tokens
-            + per_kilo * shape.attended / 1000)
+    return (
+        fixed
+        + rows
+        + per_constrained * shape.constrained_rows
+        + per_prefill * shape.prefill_tokens
+        + per_kilo * shape.attended / 1000
+    )
 
 
 def random_shape(rng: random.Random) -> StepShape:
     """A step of 1-16 decoding sequences with 0-6 drafts each, sometimes a prefill chunk, contexts of 10-1500."""
-    seqs = [(1, rng.choice([0, 0, 2, 4, 6]), rng.randint(10, 1500), rng.random() < 0.2) for _ in range(rng.randint(1, 16))]
+    seqs = [
+        (1, rng.choice([0, 0, 2, 4, 6]), rng.randint(10, 1500), rng.random() < 0.2) for _ in range(rng.randint(1, 16))
+    ]
     if rng.random() < 0.3:
         seqs.append((rng.randint(16, 256), 0, rng.choice([0, 256]), False))
     return step_shape(seqs)
@@ -88,8 +103,12 @@ def test_the_scheduler_fits_each_workers_steps_and_shows_the_fit() -> None:
     worker.run()
     process = next(p for p in sim.info().processes if p.process_id == "w0")
     assert process.num_costed_steps >= MIN_STEPS
-    fitted = (process.step_fixed_ms, process.step_ms_per_row, process.step_ms_per_prefill_token,
-              process.step_ms_per_kilo_context)
+    fitted = (
+        process.step_fixed_ms,
+        process.step_ms_per_row,
+        process.step_ms_per_prefill_token,
+        process.step_ms_per_kilo_context,
+    )
     assert all(value == value for value in fitted)  # (solved: no NaN; the fake's steps all take the same time)
 
 
@@ -116,14 +135,22 @@ def test_a_verify_steps_few_rows_are_priced_where_the_step_stands_on_the_curve()
     assert model.row_ms(40, 24) == pytest.approx(1.5, rel=0.15)  # a step of 40 rows taking 24 more
     assert model.row_ms(4, 8) == pytest.approx((4 * 0.2 + 4 * 0.9) / 8, rel=0.15)  # across the first knot
     assert model.extra_ms(6, 1000, 0.2) == pytest.approx(6 * 0.2 + CURVE[6] * (6 * 1000 + 27) / 1000, rel=0.15)
-    assert model.extra_ms(6, 1000, 0.2, constrained=True) - model.extra_ms(6, 1000, 0.2) == pytest.approx(6 * 0.6, rel=0.15)
+    assert model.extra_ms(6, 1000, 0.2, constrained=True) - model.extra_ms(6, 1000, 0.2) == pytest.approx(
+        6 * 0.6, rel=0.15
+    )
 
 
 def warm_up_shapes() -> list[StepShape]:
     """The shapes a worker times at warm-up (gpu_worker/runner.py): 8 sequences, then each verifying 8 drafts; one
     sequence, then verifying 8; the same one after a long context."""
-    return [step_shape([(1, 0, 1, False)] * 8), step_shape([(1, 8, 1, False)] * 8), step_shape([(1, 0, 1, False)]),
-            step_shape([(1, 8, 1, False)]), step_shape([(1, 0, 511, False)]), step_shape([(1, 8, 503, False)])]
+    return [
+        step_shape([(1, 0, 1, False)] * 8),
+        step_shape([(1, 8, 1, False)] * 8),
+        step_shape([(1, 0, 1, False)]),
+        step_shape([(1, 8, 1, False)]),
+        step_shape([(1, 0, 511, False)]),
+        step_shape([(1, 8, 503, False)]),
+    ]
 
 
 @pytest.mark.parametrize("speed", [1.0, 0.8, 2.0])

@@ -38,11 +38,28 @@ def pages(slot: int) -> list[int]:
 
 
 def runner(folder: Path, num_slots: int = 4) -> ModelRunner:
-    process = ProcessConfig(worker_id="w", scheduler_address="inproc://x", device="cpu", dtype="float32",
-                            heartbeat_interval_s=1.0, phase_timeout_s=60.0, step_timeout_s=60.0, drain_timeout_s=10.0,
-                            num_threads=0, status_file=None)
-    config = WorkerConfig(process=process, model=folder, max_model_len=MAX_LEN, kv_cache_memory_gib=None,
-                          page_size=DEFAULT_PAGE_SIZE, max_num_seqs=4, max_num_batched_tokens=64, max_draft_tokens=6)
+    process = ProcessConfig(
+        worker_id="w",
+        scheduler_address="inproc://x",
+        device="cpu",
+        dtype="float32",
+        heartbeat_interval_s=1.0,
+        phase_timeout_s=60.0,
+        step_timeout_s=60.0,
+        drain_timeout_s=10.0,
+        num_threads=0,
+        status_file=None,
+    )
+    config = WorkerConfig(
+        process=process,
+        model=folder,
+        max_model_len=MAX_LEN,
+        kv_cache_memory_gib=None,
+        page_size=DEFAULT_PAGE_SIZE,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_draft_tokens=6,
+    )
     r = ModelRunner(config, ModelConfig.from_folder(folder), pages_for_slots(num_slots, MAX_LEN))
     r.load()
     r.allocate()
@@ -58,15 +75,28 @@ def plain_greedy(r: ModelRunner, slot: int, prompt: list[int], n: int, params: S
     return tokens
 
 
-def speculative(r: ModelRunner, slot: int, prompt: list[int], n: int, propose, params: SamplingParams = GREEDY) -> tuple[list[int], int]:
+def speculative(
+    r: ModelRunner, slot: int, prompt: list[int], n: int, propose, params: SamplingParams = GREEDY
+) -> tuple[list[int], int]:
     """Decode with drafts from propose(sequence) -> list of tokens; returns (tokens, num_accepted)."""
     (out,), _, _ = r.execute([SeqWork("s", pages(slot), 0, prompt, True, params)])
     tokens = list(out.token_ids)
     num_accepted = 0
     while len(tokens) < n:
         drafts = propose(prompt + tokens)[: n - len(tokens) - 1]
-        (out,), _, _ = r.execute([SeqWork("s", pages(slot), len(prompt) + len(tokens) - 1, [tokens[-1], *drafts], True, params,
-                                    num_draft_tokens=len(drafts))])
+        (out,), _, _ = r.execute(
+            [
+                SeqWork(
+                    "s",
+                    pages(slot),
+                    len(prompt) + len(tokens) - 1,
+                    [tokens[-1], *drafts],
+                    True,
+                    params,
+                    num_draft_tokens=len(drafts),
+                )
+            ]
+        )
         assert out.token_ids[: out.num_accepted_draft] == drafts[: out.num_accepted_draft]
         assert len(out.token_ids) == out.num_accepted_draft + 1
         num_accepted += out.num_accepted_draft
@@ -74,13 +104,15 @@ def speculative(r: ModelRunner, slot: int, prompt: list[int], n: int, propose, p
     return tokens, num_accepted
 
 
-def test_greedy_verification_equals_plain_greedy_with_right_wrong_and_partly_right_drafts(tiny_llama_folder: Path) -> None:
+def test_greedy_verification_equals_plain_greedy_with_right_wrong_and_partly_right_drafts(
+    tiny_llama_folder: Path,
+) -> None:
     r = runner(tiny_llama_folder)
     reference = plain_greedy(r, 0, PROMPT, 24)
     truth = PROMPT + reference
-    right = lambda seq: truth[len(seq):len(seq) + 4]  # noqa: E731
-    wrong = lambda seq: [(t + 1) % 97 for t in truth[len(seq):len(seq) + 4]]  # noqa: E731
-    half = lambda seq: [t if i < 2 else (t + 1) % 97 for i, t in enumerate(truth[len(seq):len(seq) + 5])]  # noqa: E731
+    right = lambda seq: truth[len(seq) : len(seq) + 4]  # noqa: E731
+    wrong = lambda seq: [(t + 1) % 97 for t in truth[len(seq) : len(seq) + 4]]  # noqa: E731
+    half = lambda seq: [t if i < 2 else (t + 1) % 97 for i, t in enumerate(truth[len(seq) : len(seq) + 5])]  # noqa: E731
     for propose, expect_accepted in ((right, True), (wrong, False), (half, True)):
         tokens, num_accepted = speculative(r, 1, PROMPT, 24, propose)
         assert tokens[:24] == reference
@@ -94,11 +126,13 @@ def test_a_mixed_step_verifies_each_sequence_on_its_own_rows(tiny_llama_folder: 
     reference_other = plain_greedy(r, 0, other, 2)
     r.execute([SeqWork("a", pages(0), 0, PROMPT, True, GREEDY)])
     r.execute([SeqWork("b", pages(1), 0, other, True, GREEDY)])
-    outputs, _, _ = r.execute([
-        SeqWork("b", pages(1), len(other), [reference_other[0]], True, GREEDY),  # plain decode
-        SeqWork("a", pages(0), len(PROMPT), [reference[0], *reference[1:4]], True, GREEDY, num_draft_tokens=3),
-        SeqWork("c", pages(2), 0, [1, 2, 3], False, GREEDY),  # a prefill chunk
-    ])
+    outputs, _, _ = r.execute(
+        [
+            SeqWork("b", pages(1), len(other), [reference_other[0]], True, GREEDY),  # plain decode
+            SeqWork("a", pages(0), len(PROMPT), [reference[0], *reference[1:4]], True, GREEDY, num_draft_tokens=3),
+            SeqWork("c", pages(2), 0, [1, 2, 3], False, GREEDY),  # a prefill chunk
+        ]
+    )
     assert [o.request_id for o in outputs] == ["b", "a"]
     assert outputs[0].token_ids == [reference_other[1]]
     assert (outputs[1].token_ids, outputs[1].num_accepted_draft) == (reference[1:5], 3)
@@ -130,7 +164,7 @@ def test_inconsistent_draft_fields_are_refused_before_anything_runs(tiny_llama_f
     for work in bad:
         with pytest.raises(PageError):
             r.execute([work])
-    
+
 
 # ---------------------------------------------------------------- proposers
 
@@ -141,7 +175,9 @@ def test_ngram_proposes_the_continuation_of_the_latest_earlier_occurrence() -> N
     assert ngram.lookup([1, 2, 3, 4, 7, 3, 4], 3) == [7, 3, 4]  # n = 2 when 3 finds nothing
     assert ngram.lookup([1, 2, 3, 4], 3) == []  # no earlier occurrence
     assert ngram.lookup([4, 4, 4], 5) == [4]  # runs up to the end of the sequence
-    assert NgramProposer(ngram_min=3, ngram_max=3).lookup([1, 2, 7, 3, 1, 2], 2) == []  # n below ngram_min is never tried
+    assert (
+        NgramProposer(ngram_min=3, ngram_max=3).lookup([1, 2, 7, 3, 1, 2], 2) == []
+    )  # n below ngram_min is never tried
     assert ngram.lookup([], 2) == [] and ngram.lookup([1], 2) == []
 
 
@@ -176,7 +212,9 @@ def test_sequence_store_keeps_the_feature_rows_that_stand_as_they_grow_and_are_c
         update = store.update(ProposeSeq("a", held, 0, [7] * num_rows, 2, GREEDY, features=to_rows(rows, start)))
         assert not update.restarted and update.features is not None
         assert torch.equal(update.features, expected), f"rows after writing {num_rows} at {start}"
-    gap = store.update(ProposeSeq("a", len(update.token_ids), 0, [7], 2, GREEDY, features=to_rows(torch.randn(1, 4), 30)))
+    gap = store.update(
+        ProposeSeq("a", len(update.token_ids), 0, [7], 2, GREEDY, features=to_rows(torch.randn(1, 4), 30))
+    )
     assert gap.restarted  # rows past what is held cannot stand: start over
     assert len(store) == 0
 
@@ -186,14 +224,20 @@ def test_replay_proposes_the_reference_continuation(tmp_path: Path) -> None:
     path.write_text("[[1, 2, 3, 4, 5, 6], [1, 2, 9, 9]]")
     replay = ReplayProposer(path)
     replay.phases()[0]()
-    out = replay.propose([ProposeInput("a", [1, 2, 3], 0, 2, GREEDY), ProposeInput("b", [1, 2, 9], 0, 4, GREEDY),
-                          ProposeInput("c", [7], 0, 2, GREEDY)])
+    out = replay.propose(
+        [
+            ProposeInput("a", [1, 2, 3], 0, 2, GREEDY),
+            ProposeInput("b", [1, 2, 9], 0, 4, GREEDY),
+            ProposeInput("c", [7], 0, 2, GREEDY),
+        ]
+    )
     assert [p.token_ids for p in out] == [[4, 5], [9], []]
 
 
 def model_proposer(folder: Path, num_slots: int = 4) -> ModelProposer:
-    proposer = ModelProposer(folder, device="cpu", dtype="float32", num_seqs=num_slots, max_len=MAX_LEN, max_draft_tokens=4,
-                             draft_top_k=8)
+    proposer = ModelProposer(
+        folder, device="cpu", dtype="float32", num_seqs=num_slots, max_len=MAX_LEN, max_draft_tokens=4, draft_top_k=8
+    )
     for phase in proposer.phases():
         phase()
     return proposer
@@ -216,7 +260,7 @@ def test_the_draft_models_kv_follows_the_sequence_through_drops(tiny_llama_folde
         accepted = round_ % 3  # 0, 1 or 2 of the 4 accepted, then a token of "the target's"
         sequence += made.token_ids[:accepted] + [(round_ * 13) % 97]
         held, proposal = len(update.token_ids) + 4, 4 - accepted
-        new = sequence[len(update.token_ids) + accepted:]
+        new = sequence[len(update.token_ids) + accepted :]
     incremental.forget("a")
     assert incremental.num_used_kv_pages == 0
 
@@ -251,14 +295,27 @@ def test_a_step_returns_the_features_of_the_tokens_that_stand(tiny_llama_folder:
     (rows,) = prefill
     assert (rows.request_id, rows.rows.start_position, rows.rows.num_rows, rows.rows.width) == ("a", 0, len(PROMPT), 64)
     wrong = (reference[2] + 1) % 97
-    outputs, verify, _ = r.execute([SeqWork("a", pages(1), len(PROMPT), [reference[0], reference[1], wrong, reference[3]], True,
-                                         GREEDY, num_draft_tokens=3)], return_features=True)
+    outputs, verify, _ = r.execute(
+        [
+            SeqWork(
+                "a",
+                pages(1),
+                len(PROMPT),
+                [reference[0], reference[1], wrong, reference[3]],
+                True,
+                GREEDY,
+                num_draft_tokens=3,
+            )
+        ],
+        return_features=True,
+    )
     assert outputs[0].num_accepted_draft == 1
     (rows,) = verify
     assert (rows.rows.start_position, rows.rows.num_rows) == (len(PROMPT), 2)  # the last token and one accepted draft
     # The same features as one prefill of the whole sequence computes (float32: equal up to summation order).
-    _, (whole,), _ = runner(tiny_llama_folder).execute([SeqWork("z", pages(0), 0, PROMPT + reference[:2], True, GREEDY)],
-                                                    return_features=True)
+    _, (whole,), _ = runner(tiny_llama_folder).execute(
+        [SeqWork("z", pages(0), 0, PROMPT + reference[:2], True, GREEDY)], return_features=True
+    )
     expected = from_rows(whole.rows)
     got = torch.cat((from_rows(prefill[0].rows), from_rows(rows.rows)))
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
@@ -294,8 +351,20 @@ def test_greedy_tree_verification_equals_plain_greedy_and_moves_the_accepted_bra
         if cycle % 2:
             truth[-1] = (truth[-1] + 1) % 97  # the last guess of the branch wrong: a shorter accepted branch
         drafts, parents = _tree_around(truth, 3 + cycle)
-        (out,), _, _ = r.execute([SeqWork("t", pages(1), len(PROMPT) + len(tokens) - 1, [tokens[-1], *drafts], True, GREEDY,
-                                       num_draft_tokens=len(drafts), draft_parents=parents)])
+        (out,), _, _ = r.execute(
+            [
+                SeqWork(
+                    "t",
+                    pages(1),
+                    len(PROMPT) + len(tokens) - 1,
+                    [tokens[-1], *drafts],
+                    True,
+                    GREEDY,
+                    num_draft_tokens=len(drafts),
+                    draft_parents=parents,
+                )
+            ]
+        )
         assert out.num_accepted_draft == (2 if cycle % 2 else 3)
         accepted += out.num_accepted_draft
         tokens += out.token_ids
@@ -313,13 +382,27 @@ def test_a_tree_returns_the_features_of_its_accepted_branch(tiny_llama_folder: P
     reference = plain_greedy(r, 0, PROMPT, 6)
     r.execute([SeqWork("a", pages(1), 0, PROMPT, True, GREEDY)])
     drafts, parents = _tree_around(reference[1:3], 5)
-    outputs, (rows,), _ = r.execute([SeqWork("a", pages(1), len(PROMPT), [reference[0], *drafts], True, GREEDY,
-                                          num_draft_tokens=len(drafts), draft_parents=parents)], return_features=True)
+    outputs, (rows,), _ = r.execute(
+        [
+            SeqWork(
+                "a",
+                pages(1),
+                len(PROMPT),
+                [reference[0], *drafts],
+                True,
+                GREEDY,
+                num_draft_tokens=len(drafts),
+                draft_parents=parents,
+            )
+        ],
+        return_features=True,
+    )
     assert outputs[0].token_ids == reference[1:4] and outputs[0].num_accepted_draft == 2
     assert (rows.rows.start_position, rows.rows.num_rows) == (len(PROMPT), 3)  # the last token and the branch's two
-    _, (whole,), _ = runner(tiny_llama_folder).execute([SeqWork("z", pages(0), 0, PROMPT + reference[:3], True, GREEDY)],
-                                                    return_features=True)
-    torch.testing.assert_close(from_rows(rows.rows), from_rows(whole.rows)[len(PROMPT):], atol=1e-4, rtol=1e-4)
+    _, (whole,), _ = runner(tiny_llama_folder).execute(
+        [SeqWork("z", pages(0), 0, PROMPT + reference[:3], True, GREEDY)], return_features=True
+    )
+    torch.testing.assert_close(from_rows(rows.rows), from_rows(whole.rows)[len(PROMPT) :], atol=1e-4, rtol=1e-4)
 
 
 def test_sampled_tree_verification_gives_plain_samplings_tokens(tiny_llama_folder: Path) -> None:
@@ -337,8 +420,20 @@ def test_sampled_tree_verification_gives_plain_samplings_tokens(tiny_llama_folde
         drafts, parents = _tree_around(truth, 3 + cycle)
         if cycle % 3 == 2:
             drafts, parents = truth[:2] + [(truth[2] + 1) % 97], None  # a chain whose last guess is wrong
-        (out,), _, _ = r.execute([SeqWork("s", pages(1), len(PROMPT) + len(tokens) - 1, [tokens[-1], *drafts], True, params,
-                                       num_draft_tokens=len(drafts), draft_parents=parents)])
+        (out,), _, _ = r.execute(
+            [
+                SeqWork(
+                    "s",
+                    pages(1),
+                    len(PROMPT) + len(tokens) - 1,
+                    [tokens[-1], *drafts],
+                    True,
+                    params,
+                    num_draft_tokens=len(drafts),
+                    draft_parents=parents,
+                )
+            ]
+        )
         accepted += out.num_accepted_draft
         tokens += out.token_ids
     while len(tokens) < len(reference):
@@ -352,13 +447,23 @@ def test_a_tree_is_refused_unless_of_point_masses_and_well_formed(tiny_llama_fol
     r = runner(tiny_llama_folder)
     sampled = SamplingParams(temperature=0.8, seed=1)
     bad = [
-        SeqWork("a", pages(0), 0, PROMPT, True, sampled, num_draft_tokens=2, draft_parents=[-1, -1],
-                draft_dists=[SparseDist([5], [1.0]), SparseDist([6], [1.0])]),  # with distributions
+        SeqWork(
+            "a",
+            pages(0),
+            0,
+            PROMPT,
+            True,
+            sampled,
+            num_draft_tokens=2,
+            draft_parents=[-1, -1],
+            draft_dists=[SparseDist([5], [1.0]), SparseDist([6], [1.0])],
+        ),  # with distributions
         SeqWork("a", pages(0), 0, PROMPT, True, GREEDY, num_draft_tokens=2, draft_parents=[-1]),  # one parent short
-        SeqWork("a", pages(0), 0, PROMPT, True, GREEDY, num_draft_tokens=2, draft_parents=[1, -1]),  # a parent after its child
+        SeqWork(
+            "a", pages(0), 0, PROMPT, True, GREEDY, num_draft_tokens=2, draft_parents=[1, -1]
+        ),  # a parent after its child
         SeqWork("a", pages(0), 0, PROMPT, True, GREEDY, num_draft_tokens=2, draft_parents=[-1, -2]),
     ]
     for work in bad:
         with pytest.raises(PageError):
             r.execute([work])
-    

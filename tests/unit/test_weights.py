@@ -82,10 +82,13 @@ def test_several_files_read_together(tmp_path: Path) -> None:
 def test_shards_named_by_an_index(tmp_path: Path) -> None:
     tensors = some_tensors()
     names = sorted(tensors)
-    write_shards(tmp_path, {
-        "model-00001-of-00002.safetensors": {n: tensors[n] for n in names[:6]},
-        "model-00002-of-00002.safetensors": {n: tensors[n] for n in names[6:]},
-    })
+    write_shards(
+        tmp_path,
+        {
+            "model-00001-of-00002.safetensors": {n: tensors[n] for n in names[:6]},
+            "model-00002-of-00002.safetensors": {n: tensors[n] for n in names[6:]},
+        },
+    )
     save_file({"stray": torch.ones(2)}, str(tmp_path / "consolidated.safetensors"))  # the index rules: not read
     assert_reads_exactly(WeightFiles(tmp_path), tensors)
 
@@ -93,8 +96,15 @@ def test_shards_named_by_an_index(tmp_path: Path) -> None:
 def test_a_folder_transformers_saved_in_shards(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(tmp_path, max_shard_size="20KB")
     index = json.loads((tmp_path / INDEX_NAME).read_text())
@@ -105,10 +115,15 @@ def test_a_folder_transformers_saved_in_shards(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- casts, slices, chunks
 
 
-@pytest.mark.parametrize(("stored", "served"), [
-    (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float16, torch.float32),
-    (torch.float32, torch.float16),
-])
+@pytest.mark.parametrize(
+    ("stored", "served"),
+    [
+        (torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float32),
+        (torch.float32, torch.float16),
+    ],
+)
 def test_reads_cast_as_to_does(tmp_path: Path, stored: torch.dtype, served: torch.dtype) -> None:
     value = (torch.randn(33, 17, generator=torch.Generator().manual_seed(1)) * 100).to(stored)
     save_file({"w": value}, str(tmp_path / "model.safetensors"))
@@ -221,22 +236,26 @@ def test_the_same_tensor_in_two_files(tmp_path: Path) -> None:
 F32_PAIR = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
 
 
-@pytest.mark.parametrize(("header", "data", "length", "why"), [
-    (b"", b"", None, "corrupt header"),
-    (b"{}", b"", 1 << 40, "header length 1099511627776 does not fit"),
-    (b"{\"w\": ", b"", None, "corrupt header"),
-    (b"\xff\xfe{}", b"", None, "corrupt header"),
-    (b"[1, 2]", b"", None, "a JSON object was expected"),
-    (b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "w": {}}', b"\0" * 4, None, "repeated"),
-    ({"w": {**F32_PAIR, "dtype": "Q4"}}, b"\0" * 8, None, "'w' has unknown dtype 'Q4'"),
-    ({"w": {**F32_PAIR, "shape": [-2]}}, b"\0" * 8, None, "'w' has shape"),
-    ({"w": {**F32_PAIR, "data_offsets": [8, 0]}}, b"\0" * 8, None, "'w' has data_offsets"),
-    ({"w": F32_PAIR}, b"\0" * 7, None, r"'w' has data_offsets \[0, 8\] beyond the file's end"),
-    ({"w": {**F32_PAIR, "shape": [3]}}, b"\0" * 8, None, "'w' spans 8 bytes"),
-    ({"w": "F32"}, b"", None, "'w' is not described by an object"),
-])
-def test_a_corrupt_header_names_the_file(tmp_path: Path, header: bytes | dict[str, object], data: bytes,
-                                         length: int | None, why: str) -> None:
+@pytest.mark.parametrize(
+    ("header", "data", "length", "why"),
+    [
+        (b"", b"", None, "corrupt header"),
+        (b"{}", b"", 1 << 40, "header length 1099511627776 does not fit"),
+        (b'{"w": ', b"", None, "corrupt header"),
+        (b"\xff\xfe{}", b"", None, "corrupt header"),
+        (b"[1, 2]", b"", None, "a JSON object was expected"),
+        (b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "w": {}}', b"\0" * 4, None, "repeated"),
+        ({"w": {**F32_PAIR, "dtype": "Q4"}}, b"\0" * 8, None, "'w' has unknown dtype 'Q4'"),
+        ({"w": {**F32_PAIR, "shape": [-2]}}, b"\0" * 8, None, "'w' has shape"),
+        ({"w": {**F32_PAIR, "data_offsets": [8, 0]}}, b"\0" * 8, None, "'w' has data_offsets"),
+        ({"w": F32_PAIR}, b"\0" * 7, None, r"'w' has data_offsets \[0, 8\] beyond the file's end"),
+        ({"w": {**F32_PAIR, "shape": [3]}}, b"\0" * 8, None, "'w' spans 8 bytes"),
+        ({"w": "F32"}, b"", None, "'w' is not described by an object"),
+    ],
+)
+def test_a_corrupt_header_names_the_file(
+    tmp_path: Path, header: bytes | dict[str, object], data: bytes, length: int | None, why: str
+) -> None:
     path = tmp_path / "model.safetensors"
     write_raw(path, header, data, length)
     with pytest.raises(WeightError, match=f"{re.escape(str(path))}.*{why}"):
@@ -251,7 +270,11 @@ def test_a_short_file_is_refused_too(tmp_path: Path) -> None:
 
 def test_a_hand_written_file_with_metadata_reads(tmp_path: Path) -> None:
     header = {"__metadata__": {"format": "pt"}, "w": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}}
-    write_raw(tmp_path / "model.safetensors", header, torch.tensor([1.5, -2.0], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes())
+    write_raw(
+        tmp_path / "model.safetensors",
+        header,
+        torch.tensor([1.5, -2.0], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes(),
+    )
     assert torch.equal(WeightFiles(tmp_path).read("w", torch.float32), torch.tensor([1.5, -2.0]))
 
 
