@@ -1,4 +1,5 @@
-"""Throughput of this checkout against an earlier revision, in one sitting: `bench.grpc_bench --start` in each, interleaved.
+"""Throughput of this checkout against an earlier revision, in one sitting:
+`bench.grpc_bench --start` in each, interleaved.
 
 The machine is shared and noisy, so only ratios measured side by side mean anything:
 for each round, each draft and each revision in turn, the revision's own grpc_bench

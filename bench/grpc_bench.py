@@ -1,4 +1,5 @@
-"""Benchmark a specserve stack through its gRPC API: real-text prompts of fixed length, greedy, at several concurrencies."""
+"""Benchmark a specserve stack through its gRPC API:
+real-text prompts of fixed length, greedy, at several concurrencies."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Timed requests through the gRPC API: a workload sent from concurrent clients, each request's latencies, a run's summary.
+"""Timed requests through the gRPC API:
+a workload sent from concurrent clients, each request's latencies, a run's summary.
 
 `bench.grpc_bench` (raw-text prompts at several concurrencies) and `bench.capacity_bench`
 drive stacks with it.

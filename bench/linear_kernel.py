@@ -137,7 +137,8 @@ def layer_passes(linear: PackedLinear, args: argparse.Namespace) -> int:
                 passes.append(time.perf_counter() - started)
             ms = statistics.median(passes[1:]) * 1e3
             print(
-                f"| {str(dtype).removeprefix('torch.')} | {args.blocks or 'dense'} | {args.layers} | {rows} | {ms:.2f} | "
+                f"| {str(dtype).removeprefix('torch.')} | {args.blocks or 'dense'} | {args.layers} | "
+                f"{rows} | {ms:.2f} | "
                 f"{nbytes / 1e6:.1f} | {nbytes / ms / 1e6:.1f} |",
                 flush=True,
             )

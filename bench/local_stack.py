@@ -1,4 +1,5 @@
-"""A stack for a benchmark, started from `specserve up` flags by the one launcher (specserve/stack.py), with up's defaults."""
+"""A stack for a benchmark, started from `specserve up` flags by the one launcher (specserve/stack.py),
+with up's defaults."""
 
 from __future__ import annotations
 

@@ -36,7 +36,8 @@ class PromptSet:
     schemas: list[str | None]
 
     def request(self, index: int, output_len: int) -> pb.GenerateRequest:
-        """Greedy and ignoring end-of-sequence, so every output is `output_len` tokens unless a grammar completes first."""
+        """Greedy and ignoring end-of-sequence, so every output is `output_len` tokens
+        unless a grammar completes first."""
         params = pb.SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
         schema = self.schemas[index]
         if schema is not None:

@@ -15,7 +15,8 @@ def baseline_results(results: Sequence[CellResult]) -> dict[tuple[str, int, int]
 
 
 def first_differences(result: CellResult, baselines: dict[tuple[str, int, int], CellResult]) -> list[tuple[int, int]]:
-    """(request index, first differing position) against the first configuration's outputs in the same cell, first round.
+    """(request index, first differing position) against the first configuration's outputs
+    in the same cell, first round.
 
     A shorter output that agrees as far as it goes differs at its end (a grammar completed earlier).
     """

@@ -172,7 +172,8 @@ def vllm_server(vllm: str, model: Path, dtype: str, log_dir: Path, served_name: 
 
 @contextmanager
 def served(command: list[str], port: int, log: Path, env: dict[str, str]) -> Iterator[None]:
-    """A server `command` listening on `port` (its output in `log`), from its first 200 on /health to the block's end."""
+    """A server `command` listening on `port` (its output in `log`),
+    from its first 200 on /health to the block's end."""
     print(f"starting: {shlex.join(command)}", file=sys.stderr, flush=True)
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -207,7 +207,8 @@ def format_table(results: Sequence[WorkloadResult]) -> str:
     for r in results:
         rows.setdefault((r.config, r.workload), []).append(r)
     lines = [
-        "| config | workload | tok/s (each round) | vs first (median) | acceptance | accepted per verify | identical to first |",
+        "| config | workload | tok/s (each round) | vs first (median) | acceptance | accepted per verify "
+        "| identical to first |",
         "| --- | --- | ---: | ---: | ---: | ---: | --- |",
     ]
     for (config, workload), rounds in rows.items():

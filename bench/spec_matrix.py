@@ -67,7 +67,8 @@ def _labels(configs: Sequence[str]) -> list[str]:
 
 
 def _batch_invariant(info: pb.ServerInfoResponse) -> bool | None:
-    """Whether the target's steps are batch invariant (else greedy outputs may differ from plain decoding's at near-ties)."""
+    """Whether the target's steps are batch invariant
+    (else greedy outputs may differ from plain decoding's at near-ties)."""
     target = next((p for p in info.processes if p.role == "target"), None)
     return target.batch_invariant if target is not None and target.HasField("batch_invariant") else None
 

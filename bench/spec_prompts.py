@@ -145,7 +145,8 @@ class SchemaPrompt:
 
 
 def _object(properties: dict[str, Any]) -> dict[str, Any]:
-    """Every property required and no other: the keys, braces and commas are then forced, as in real extraction schemas."""
+    """Every property required and no other: the keys, braces and commas are then forced,
+    as in real extraction schemas."""
     return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
 
 

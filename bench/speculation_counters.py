@@ -1,4 +1,5 @@
-"""What a stack's speculation counters moved by over a stretch of requests: GetServerInfo's, and the steps by k on /metrics."""
+"""What a stack's speculation counters moved by over a stretch of requests:
+GetServerInfo's, and the steps by k on /metrics."""
 
 from __future__ import annotations
 

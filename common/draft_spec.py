@@ -1,4 +1,5 @@
-"""What proposes draft tokens, `KIND[:ARGUMENT]`, parsed once where a flag names it (`--proposer`, `specserve up --draft`).
+"""What proposes draft tokens, `KIND[:ARGUMENT]`, parsed once where a flag names it
+(`--proposer`, `specserve up --draft`).
 
 A library module, light enough for the command line: the draft service builds its
 proposer from a DraftSpec, and `specserve up` decides its defaults and checks from one.
@@ -89,7 +90,8 @@ class DraftSpec:
 
     @property
     def runs_model(self) -> bool:
-        """A model (a draft model or a head) runs for each proposal: it wants a device, and speculation in small batches."""
+        """A model (a draft model or a head) runs for each proposal:
+        it wants a device, and speculation in small batches."""
         return self.kind in MODEL_KINDS
 
     @property

@@ -1,4 +1,5 @@
-"""What every model process (target worker, draft service) is configured with: who it is, where its scheduler is, where it runs, its deadlines."""
+"""What every model process (target worker, draft service) is configured with:
+who it is, where its scheduler is, where it runs, its deadlines."""
 
 from __future__ import annotations
 

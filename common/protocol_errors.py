@@ -1,4 +1,5 @@
-"""Counts malformed or unexpected messages (exported in /metrics); logs the first of each kind with context, then only counts."""
+"""Counts malformed or unexpected messages (exported in /metrics);
+logs the first of each kind with context, then only counts."""
 
 from __future__ import annotations
 

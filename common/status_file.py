@@ -22,7 +22,8 @@ HEALTHY = frozenset(
 
 
 def _started(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (/proc/PID/stat, field 22); None when there is no such process."""
+    """The process's start time in clock ticks since boot (/proc/PID/stat, field 22);
+    None when there is no such process."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:

@@ -27,7 +27,8 @@ class StepShape:
     constrained_rows: int = 0
 
     def terms(self) -> tuple[float, ...]:
-        """(1, the decode rows split at ROW_KNOTS, constrained rows, prefill tokens, thousands of attended positions)."""
+        """(1, the decode rows split at ROW_KNOTS, constrained rows, prefill tokens,
+        thousands of attended positions)."""
         return (
             1.0,
             *row_terms(self.decode_rows),

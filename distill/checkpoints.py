@@ -1,4 +1,5 @@
-"""What `specserve distill --resume` reuses: the data and checkpoints it saved, read back only when made with the same arguments."""
+"""What `specserve distill --resume` reuses: the data and checkpoints it saved,
+read back only when made with the same arguments."""
 
 from __future__ import annotations
 

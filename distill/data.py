@@ -141,7 +141,8 @@ def read_text(
 
 
 def stdlib_sources(limit_bytes: int) -> list[str]:
-    """Python source files of the running interpreter's standard library, in a fixed order, up to `limit_bytes` in all."""
+    """Python source files of the running interpreter's standard library,
+    in a fixed order, up to `limit_bytes` in all."""
     root = Path(sysconfig.get_paths()["stdlib"])
     texts: list[str] = []
     total = 0

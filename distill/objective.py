@@ -10,7 +10,8 @@ from modeling.model.eagle import EagleHead
 
 
 def pad_batch(batch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> input features `[B, T, H]` (f_0..f_{T-1}), next tokens `[B, T]` (x_1..x_T), target features (f_1..f_T), mask `[B, T]`."""
+    """-> input features `[B, T, H]` (f_0..f_{T-1}), next tokens `[B, T]` (x_1..x_T),
+    target features (f_1..f_T), mask `[B, T]`."""
     t = max(len(s.tokens) - 2 for s in batch)
     h = batch[0].features.shape[1]
     feats = torch.zeros(len(batch), t, h)
@@ -32,7 +33,8 @@ def pad_batch(batch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.
 def head_losses(
     head: EagleHead, batch: list[Sequence], noise: float, unroll: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Feature regression, next-token cross-entropy and top-1 agreement (of the first step), averaged over `unroll` steps.
+    """Feature regression, next-token cross-entropy and top-1 agreement (of the first step),
+    averaged over `unroll` steps.
 
     Step 1 reads the target's features; step d reads, at every position j > 0, what
     step d-1 predicted for f_j: the input a chained draft token sees.

@@ -157,7 +157,8 @@ _ESSAY_TEMPLATES = [
 
 
 def training_prompts(count: int, seed: int = 0) -> list[str]:
-    """`count` distinct requests in a fixed order for a seed, taken in turn from each kind (code, explanations, stories, ...)."""
+    """`count` distinct requests in a fixed order for a seed,
+    taken in turn from each kind (code, explanations, stories, ...)."""
     kinds = [
         [
             t.format(lang=lang, task=task)

@@ -1,7 +1,8 @@
 """`specserve distill`: train an EAGLE-style draft head for a target, from the target's own outputs.
 
 Steps: (1) the target writes requests itself, answers them and the shipped ones, and reads
-local Python source, which gives tokens and the target's final hidden states (cached in OUT/training/data.pt); (2) the head
+local Python source, which gives tokens and the target's final hidden states
+(cached in OUT/training/data.pt); (2) the head
 learns to predict the next hidden state (smooth L1) and the target's next-token
 distribution over the draft vocabulary (cross-entropy), with noise on its input features
 so it tolerates its own errors when it chains; (3) the head is written as a draft folder

@@ -84,7 +84,8 @@ def from_arguments(args: argparse.Namespace) -> DraftConfig:
     )
     if proposer.needs_target_model and args.target_model is None:
         raise ValueError(
-            f"--proposer {proposer.kind}:PATH needs --target-model (the target's folder: the draft is checked against it)"
+            f"--proposer {proposer.kind}:PATH needs --target-model "
+            "(the target's folder: the draft is checked against it)"
         )
     if args.quantization != "none" and proposer.kind is not DraftKind.MODEL:
         raise ValueError(

@@ -1,4 +1,5 @@
-"""The head proposer: an EAGLE-style draft head trained for one target, reading its final hidden states (`--draft eagle:PATH`)."""
+"""The head proposer: an EAGLE-style draft head trained for one target,
+reading its final hidden states (`--draft eagle:PATH`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""A lookup where it finds something, the EAGLE-style head everywhere else (`--draft eagle+ngram` and `eagle+phrases`)."""
+"""A lookup where it finds something, the EAGLE-style head everywhere else
+(`--draft eagle+ngram` and `eagle+phrases`)."""
 
 from __future__ import annotations
 

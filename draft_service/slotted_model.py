@@ -81,7 +81,8 @@ def draw(
     token_ids: torch.Tensor | None,
 ) -> int:
     """The draft's token from its logits: the argmax when greedy, else a draw from its `top_k` most likely (the
-    distribution drawn from is appended to `dists`). `token_ids` maps logit columns to vocabulary ids (None: the same)."""
+    distribution drawn from is appended to `dists`).
+    `token_ids` maps logit columns to vocabulary ids (None: the same)."""
     if is_greedy(params):
         column = int(torch.argmax(logits))
         return column if token_ids is None else int(token_ids[column])

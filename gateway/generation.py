@@ -5,7 +5,8 @@ is something to send (text, token ids or the finish); it records the request's m
 and log lines. A prompt is measured before it is tokenized: one with more bytes than the
 context's tokens could hold is refused at once, so no prompt costs the gateway more than a
 context's worth of tokenizing. Tokenizing runs in threads, a few at a time (it lets the GIL
-go, so the event loop and the other streams go on meanwhile). Leaving the iteration early (a client gone, a stop string) aborts the
+go, so the event loop and the other streams go on meanwhile).
+Leaving the iteration early (a client gone, a stop string) aborts the
 request in the scheduler; use it with `contextlib.aclosing`.
 """
 

@@ -269,7 +269,8 @@ class Shape:
 
 
 def usage(choices: list[Choice]) -> dict[str, Any]:
-    """Each prompt counted once, however many copies ran (its cached tokens too: what the first copy found cached); every
+    """Each prompt counted once, however many copies ran
+    (its cached tokens too: what the first copy found cached); every
     completion token generated."""
     lasts = [choice.last for choice in choices if choice.last is not None]
     leads = [choice.last for choice in choices if choice.lead is None and choice.last is not None]

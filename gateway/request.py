@@ -1,4 +1,5 @@
-"""A generation request in neither public API's terms: as the client sent it (ClientRequest) and once checked (Submission).
+"""A generation request in neither public API's terms:
+as the client sent it (ClientRequest) and once checked (Submission).
 
 Each front end (gRPC in grpc_request.py, HTTP in openai_request.py) turns its wire request
 into a ClientRequest, checking only what its own format can get wrong (a missing field, a
@@ -94,7 +95,8 @@ class Submission:
         self, prompt_token_ids: list[int], eos_token_ids: Sequence[int], cache_salt: str = ""
     ) -> messages.SubmitRequest:
         """The scheduler's message: eos ids stop the request unless ignore_eos, then the client's stop ids (which
-        min_tokens holds back); `cache_salt` is the salt its prefix-cache pages are keyed under (gateway/cache_scope.py)."""
+        min_tokens holds back); `cache_salt` is the salt its prefix-cache pages are keyed under
+        (gateway/cache_scope.py)."""
         # A grammar says when end-of-sequence may come: then it ends the output, ignore_eos or not.
         stop_ids = [] if self.ignore_eos and self.grammar is None else list(eos_token_ids)
         stop_token_ids = list(dict.fromkeys([*stop_ids, *self.stop_token_ids]))

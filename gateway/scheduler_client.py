@@ -1,4 +1,5 @@
-"""The gateway's link to the scheduler: one DEALER socket, replies demultiplexed to per-request streams and info queries.
+"""The gateway's link to the scheduler: one DEALER socket,
+replies demultiplexed to per-request streams and info queries.
 
 Each request's own side (its states, reading, aborting, resuming) is `gateway.request_stream.RequestStream`.
 """

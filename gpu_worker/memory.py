@@ -64,7 +64,8 @@ def num_kv_pages(config: WorkerConfig, model: ModelConfig) -> tuple[int, str]:
         pages, why = m.MAX_KV_PAGES, f"{why}, capped at the protocol's {m.MAX_KV_PAGES} pages"
     if pages * config.page_size < MIN_POSITIONS:
         raise MemoryBudgetError(
-            f"the KV cache budget of {budget / GIB:.4f} GiB ({why}) holds {pages} pages of {config.page_size} positions "
+            f"the KV cache budget of {budget / GIB:.4f} GiB ({why}) holds {pages} pages "
+            f"of {config.page_size} positions "
             f"({per_page} bytes each): fewer than {MIN_POSITIONS} positions"
         )
     return pages, why

@@ -244,7 +244,8 @@ class ModelRunner:
         self, seqs: list[SeqWork], logits: torch.Tensor, masks: dict[str, list[torch.Tensor | None]]
     ) -> torch.Tensor:
         """The logits with each sampling row of a sequence with penalties or a grammar changed after its own prefix:
-        the tokens that stand, then its draft branch (modeling/sampling/penalties.py, then the grammar's mask). In float32 when
+        the tokens that stand, then its draft branch
+        (modeling/sampling/penalties.py, then the grammar's mask). In float32 when
         any is (a widening: exact)."""
         if not masks and not any(w.sample and w.sampling.penalties is not None for w in seqs):
             return logits

@@ -34,7 +34,8 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
         self._model_config = ModelConfig.from_folder(cfg.model)
         if cfg.max_model_len > self._model_config.max_position_embeddings:
             raise ValueError(
-                f"--max-model-len {cfg.max_model_len} exceeds the model's {self._model_config.max_position_embeddings} positions"
+                f"--max-model-len {cfg.max_model_len} exceeds the model's "
+                f"{self._model_config.max_position_embeddings} positions"
             )
         self._num_pages, budget = num_kv_pages(cfg, self._model_config)
         self.log.info("kv_cache.sized", num_pages=self._num_pages, page_size=cfg.page_size, budget=budget)

@@ -132,7 +132,8 @@ def scheduler_to_gateway() -> int:
             m.TokenDelta: delta,
             m.TokenDeltas: _struct(m.TokenDeltas, deltas=_list(m.MAX_DELTAS_PER_FRAME, delta)),
             m.RequestError: _struct(m.RequestError, request_id=_REQUEST_ID, message=_REASON),
-            # The scheduler's own protocol errors are a few kinds named in its code, as MAX_ERROR_KINDS bounds a process's.
+            # The scheduler's own protocol errors are a few kinds named in its code,
+            # as MAX_ERROR_KINDS bounds a process's.
             m.InfoReply: _struct(
                 m.InfoReply,
                 model_name=_NAME,

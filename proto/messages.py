@@ -81,7 +81,8 @@ MAX_RELEASE_IDS = 1024  # request ids one ReleaseSequences names (more go in sev
 
 
 class Penalties(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What changes a request's logits before it samples (modeling/sampling/penalties.py), in this order: stop tokens held back
+    """What changes a request's logits before it samples (modeling/sampling/penalties.py),
+    in this order: stop tokens held back
     until min_tokens, logit_bias added, then repetition, frequency and presence penalties."""
 
     presence: float = 0.0  # subtracted from the logit of every token the completion holds, in -2 .. 2
@@ -212,7 +213,8 @@ class TokenDelta(msgspec.Struct, tag="tokens", frozen=True, forbid_unknown_field
 
 
 class TokenDeltas(msgspec.Struct, tag="token_deltas", frozen=True, forbid_unknown_fields=True):
-    """The deltas for one gateway from one scheduler event (a step's results), in order: one frame, not one per request."""
+    """The deltas for one gateway from one scheduler event (a step's results), in order:
+    one frame, not one per request."""
 
     deltas: list[TokenDelta]
 

@@ -27,7 +27,8 @@ class SchedulerConfig:
     heartbeat_timeout_s: float  # a worker silent this long is DEAD; a gateway, gone
     step_timeout_s: float  # a step unanswered this long marks its worker DEAD
     status_file: Path | None = None  # LISTENING once its sockets are bound, for container health checks
-    # k: draft tokens proposed per sequence and step (0 turns speculation off); None: the draft's kind's (speculation_caps)
+    # k: draft tokens proposed per sequence and step (0 turns speculation off);
+    # None: the draft's kind's (speculation_caps)
     num_speculative_tokens: int | None = None
     # speculate only in steps of at most this many sequences; None: the draft's kind's (speculation_caps)
     spec_disable_batch_threshold: int | None = None

@@ -267,7 +267,10 @@ class WorkerRegistry:
         if hello.role == "draft":
             return self.draft_problem(hello)
         if self.target_fingerprint not in (None, hello.model_fingerprint):
-            return f"model fingerprint {hello.model_fingerprint} differs from the other replicas' {self.target_fingerprint}"
+            return (
+                f"model fingerprint {hello.model_fingerprint} "
+                f"differs from the other replicas' {self.target_fingerprint}"
+            )
         return ""
 
     def draft_problem(self, hello: m.WorkerHello) -> str:
@@ -287,7 +290,10 @@ class WorkerRegistry:
                 f"the target's is {self.target_fingerprint})"
             )
         if self.target_feature_width and hello.feature_width and hello.feature_width != self.target_feature_width:
-            return f"the draft reads features of width {hello.feature_width}, the target's are {self.target_feature_width} wide"
+            return (
+                f"the draft reads features of width {hello.feature_width}, "
+                f"the target's are {self.target_feature_width} wide"
+            )
         return ""
 
     def overdue(

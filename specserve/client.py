@@ -35,7 +35,8 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """Send the request; 0 when the stream finished, 1 on a gRPC error (printed to stderr), 2 on a bad option, 130 on Ctrl-C."""
+    """Send the request; 0 when the stream finished, 1 on a gRPC error (printed to stderr),
+    2 on a bad option, 130 on Ctrl-C."""
     try:
         request = build_request(args)
     except ValueError as error:  # protobuf refuses a number out of its field's range

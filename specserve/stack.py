@@ -1,4 +1,5 @@
-"""The one launcher of a stack on this machine: a scheduler, target workers, a draft service and a gateway, each a process.
+"""The one launcher of a stack on this machine:
+a scheduler, target workers, a draft service and a gateway, each a process.
 
 A frozen StackConfig says what runs; `service_specs` turns it into the command line of
 every process. `specserve up` runs those under its supervisor (restarts, ordered stop);
@@ -359,7 +360,8 @@ def is_ready(host: str, port: int, *, tls: bool) -> bool:
 
 
 def is_serving(host: str, port: int) -> bool:
-    """The gateway listening on host:port answers the standard gRPC health check with SERVING (a READY target worker)."""
+    """The gateway listening on host:port answers the standard gRPC health check with SERVING
+    (a READY target worker)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 

@@ -114,7 +114,10 @@ class Supervisor:
             return
         child.restarts_s = [t for t in child.restarts_s if now_s - t < self._policy.window_s] + [now_s]
         if len(child.restarts_s) > self._policy.max_restarts:
-            reason = f"{child.spec.name} exited {len(child.restarts_s)} times in {self._policy.window_s:.0f} s (last status {returncode})"
+            reason = (
+                f"{child.spec.name} exited {len(child.restarts_s)} times in {self._policy.window_s:.0f} s "
+                f"(last status {returncode})"
+            )
             if child.spec.essential:
                 raise GaveUp(reason)
             child.given_up = True

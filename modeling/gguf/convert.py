@@ -3,7 +3,8 @@
 The folder holds config.json (modeling/gguf/arch.py), model.safetensors with every tensor
 dequantized to float32 under its transformers name, the tokenizer files
 (modeling/gguf/tokenizer.py), and the GGUF file itself (`model.gguf`), whose quantized
-blocks the CPU kernels can serve as they are (modeling/kernels/blocks.py). What the converter cannot represent (an architecture, a
+blocks the CPU kernels can serve as they are (modeling/kernels/blocks.py).
+What the converter cannot represent (an architecture, a
 tensor, a metadata key, a quantization type) is refused with GgufConversionError naming it,
 never dropped.
 """

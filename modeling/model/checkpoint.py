@@ -63,7 +63,8 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def projection_parts(layer: int) -> dict[str, list[str]]:
-    """A layer's fused projections (DecoderLayer's attributes) -> the Hugging Face names of their parts, in row order."""
+    """A layer's fused projections (DecoderLayer's attributes)
+    -> the Hugging Face names of their parts, in row order."""
     return {attr: [f"model.layers.{layer}.{part}" for part in parts] for attr, parts in PROJECTION_PARTS.items()}
 
 

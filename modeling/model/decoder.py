@@ -1,4 +1,5 @@
-"""The decoder of every supported family (RMSNorm, RoPE, GQA, a gated MLP) over packed ragged batches and a paged KV cache.
+"""The decoder of every supported family (RMSNorm, RoPE, GQA, a gated MLP)
+over packed ragged batches and a paged KV cache.
 
 One model code runs Llama, Mistral, Qwen2/3 and Gemma 3: the differences are switches of
 `ModelConfig` (modeling/model/config.py) — biases, query/key norms, sliding windows per layer,
@@ -63,7 +64,8 @@ def _weight_shapes(config: ModelConfig) -> list[tuple[int, int]]:
 
 
 def norm_dtype(config: ModelConfig, dtype: torch.dtype) -> torch.dtype:
-    """Gemma applies its norms in float32 (x * (1 + w), rounded once), so its weights stay float32; others' are in dtype."""
+    """Gemma applies its norms in float32 (x * (1 + w), rounded once), so its weights stay float32;
+    others' are in dtype."""
     return torch.float32 if config.gemma else dtype
 
 
@@ -190,7 +192,8 @@ class DecoderModel(torch.nn.Module):
     # ------------------------------------------------------------------ forward
 
     def plan(self, spans: list[SeqSpan], page_size: int) -> StepBatch:
-        """The step's packed batch, its attention planned for this model's kernels; raises PageError on a short block table."""
+        """The step's packed batch, its attention planned for this model's kernels;
+        raises PageError on a short block table."""
         return build_step_batch(spans, self.embed_tokens.device, page_size, rows_in_kernel=self.native is not None)
 
     def fuse_layers(self, projection: Callable[[torch.Tensor], tuple[int, str]], path: str) -> bool:
@@ -264,7 +267,8 @@ class DecoderModel(torch.nn.Module):
         return x
 
     def forward(self, batch: StepBatch, cache: KVCache, inputs: torch.Tensor | None = None) -> torch.Tensor:
-        """Append the batch's tokens to the cache and return the final (normed) hidden states of every row `[N, hidden]`.
+        """Append the batch's tokens to the cache and return the final (normed) hidden states
+        of every row `[N, hidden]`.
 
         `inputs` `[N, hidden]` replaces the token embeddings (a draft head feeds its own mix).
         """

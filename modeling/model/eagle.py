@@ -184,7 +184,8 @@ class EagleHead(torch.nn.Module):
         return features @ self.embed_tokens[self.draft_vocab].T
 
     def save(self, folder: Path, target_folder: Path, meta: dict[str, Any]) -> None:
-        """Write a draft folder: config.json (the target's shape, 1 layer, its fingerprints), the weights and the vocabulary."""
+        """Write a draft folder: config.json (the target's shape, 1 layer, its fingerprints),
+        the weights and the vocabulary."""
         folder.mkdir(parents=True, exist_ok=True)
         hf = json.loads((target_folder / "config.json").read_text())
         hf.update(
@@ -281,7 +282,8 @@ class EagleEngine:
         self._cache = KVCache(self.config, self.num_pages, self.page_size, self.dtype, self.device)
 
     def forward(self, spans: list[SeqSpan], features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (logits over the draft vocabulary `[M, N]`, predicted features `[M, H]`) of each span's last num_logits rows."""
+        """-> (logits over the draft vocabulary `[M, N]`, predicted features `[M, H]`)
+        of each span's last num_logits rows."""
         if self._model is None or self._cache is None or self._fc is None:
             raise RuntimeError("the engine is not built: load() and allocate() come first")
         model = self._model

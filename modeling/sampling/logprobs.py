@@ -19,7 +19,8 @@ from proto.messages import GREEDY_BELOW, TokenLogprob, TopLogprob
 def token_logprobs(
     logits: torch.Tensor, token_ids: Sequence[int], num_top: int, temperature: float = 1.0
 ) -> list[TokenLogprob]:
-    """Row i of logits `[N, V]` is where token_ids[i] was drawn: its log-probability there and the `num_top` likeliest."""
+    """Row i of logits `[N, V]` is where token_ids[i] was drawn:
+    its log-probability there and the `num_top` likeliest."""
     if logits.shape[0] != len(token_ids):
         raise ValueError(f"{logits.shape[0]} rows of logits for {len(token_ids)} tokens")
     if not token_ids:

@@ -47,7 +47,8 @@ class SpecCounters:
     def stepped(self, idle_ms: float, asked: tuple[int, int] | None, waited_ms: float = 0.0) -> None:
         """A target's step came back `idle_ms` after it was planned, less its own time; `asked`: it waited `waited_ms`
         for proposals of (the largest k, the sequences) asked for. What the wait cost is what this was beyond a plain
-        step's, and no less than the wait itself (plain steps include prefills, whose events take longer), and it is what
+        step's, and no less than the wait itself
+        (plain steps include prefills, whose events take longer), and it is what
         the policy prices an ask at (the round trip alone leaves out the events on either side of it)."""
         if not idle_ms == idle_ms:  # NaN: a clock that cannot be believed (below 0, the step's own clock ran ahead)
             return

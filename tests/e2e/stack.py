@@ -45,7 +45,8 @@ class Stack(LocalStack):
 
     def insider(self, context: zmq.Context[zmq.Socket[bytes]], role: Role) -> zmq.Socket[bytes]:
         """A DEALER connected to the scheduler's `role` socket holding this stack's key for that role: what a
-        compromised process (or one with a stolen key) can send, the checks behind the handshake being what is tested."""
+        compromised process (or one with a stolen key) can send,
+        the checks behind the handshake being what is tested."""
         sock = context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         Transport(self.config.keys).join(sock, role)

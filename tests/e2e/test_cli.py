@@ -1,4 +1,5 @@
-"""`specserve up` starts the whole stack and prints one ready line; `generate` talks to it; Ctrl-C leaves no process behind."""
+"""`specserve up` starts the whole stack and prints one ready line; `generate` talks to it;
+Ctrl-C leaves no process behind."""
 
 from __future__ import annotations
 

@@ -28,7 +28,8 @@ from tests.unit.test_messages import (
 
 FUZZ = settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 
-# Well-formed messages a fuzzer must not send: a hello (or a gateway's heartbeat) would make it a real gateway or worker.
+# Well-formed messages a fuzzer must not send:
+# a hello (or a gateway's heartbeat) would make it a real gateway or worker.
 GATEWAY_SIDE = [x for x in GATEWAY_TO_SCHEDULER if not isinstance(x, m.GatewayHello | m.GatewayHeartbeat)]
 WORKER_SIDE = [x for x in WORKER_TO_SCHEDULER if not isinstance(x, m.WorkerHello)]
 

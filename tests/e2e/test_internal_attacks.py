@@ -405,7 +405,8 @@ def test_a_huge_frame_from_a_peer_without_keys_is_dropped_at_its_header_while_us
     assert _targets(fp32_stack) == before
     print(
         f"\nscheduler RSS {rss[0] / 1024:.1f} MiB before, {max(rss) / 1024:.1f} MiB at most while 1 GiB frames were "
-        f"announced; dropped after {', '.join(f'{n}: {s >> 20} MiB in {t * 1000:.0f} ms' for n, (s, t) in drops.items())}"
+        f"announced; dropped after "
+        f"{', '.join(f'{n}: {s >> 20} MiB in {t * 1000:.0f} ms' for n, (s, t) in drops.items())}"
     )
 
 

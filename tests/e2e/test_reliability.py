@@ -146,7 +146,8 @@ def test_32_streams_survive_a_sigkilled_worker_token_for_token(two_workers: Stac
         two_workers,
     )
     print(
-        f"\nSIGKILL: worker-1 DEAD ({lost.failure}); every request done {time.monotonic() - killed_at:.1f} s after the kill"
+        f"\nSIGKILL: worker-1 DEAD ({lost.failure}); "
+        f"every request done {time.monotonic() - killed_at:.1f} s after the kill"
     )
 
     # Restarted (as `specserve up` would), it comes back READY with a new incarnation and takes new work.
@@ -194,7 +195,8 @@ def test_a_worker_crashing_or_hanging_in_a_step_loses_no_request(two_workers: St
         process = two_workers.process_info(f"worker-{name}")
         assert process is not None and process.state in ("FAILED", "DEAD"), process
         print(
-            f"\n{fault}: {process.state} ({process.failure}); all {len(requests)} done in {time.monotonic() - started:.1f} s"
+            f"\n{fault}: {process.state} ({process.failure}); "
+            f"all {len(requests)} done in {time.monotonic() - started:.1f} s"
         )
         assert two_workers.processes[f"worker-{name}"].wait(30) != 0
 
@@ -235,7 +237,8 @@ def test_sigterm_drains_a_worker_its_requests_finish_there_and_it_exits_0(
         assert disturbed == undisturbed
         assert stack.processes["worker-0"].wait(30) == 0
         print(
-            f"\nSIGTERM with {in_flight} requests in flight: worker-0 exited 0 {time.monotonic() - signalled_at:.1f} s later "
+            f"\nSIGTERM with {in_flight} requests in flight: "
+            f"worker-0 exited 0 {time.monotonic() - signalled_at:.1f} s later "
             "(at most; measured after the last request)"
         )
         scheduler_log = (tmp_path / "scheduler.log").read_text()
@@ -282,7 +285,8 @@ def test_killing_the_draft_service_mid_run_fails_no_request_and_changes_no_token
             killed = killer.submit(kill_soon)
             assert run_all(stack, requests) == undisturbed
             print(
-                f"\ndraft SIGKILL: all {len(requests)} requests done {time.monotonic() - killed.result():.1f} s after the kill"
+                f"\ndraft SIGKILL: all {len(requests)} requests done "
+                f"{time.monotonic() - killed.result():.1f} s after the kill"
             )
         wait_for(lambda: (p := stack.process_info("draft-0")) and p.state == "DEAD", 10, "draft DEAD", stack)
         assert run_all(stack, requests) == undisturbed  # and without it

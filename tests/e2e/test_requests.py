@@ -169,7 +169,8 @@ def test_one_request_is_traced_through_every_process_log(fp32_stack: Stack) -> N
 
 
 def test_workers_run_on_the_native_kernels_and_say_so(fp32_stack: Stack, bf16_stack: Stack) -> None:
-    """The end-to-end tests exercise the kernels, not a silent fallback to torch ops (modeling/kernels/native.py), on the path
+    """The end-to-end tests exercise the kernels, not a silent fallback to torch ops
+    (modeling/kernels/native.py), on the path
     a probe measured fastest."""
     if os.environ.get("SPECSERVE_NATIVE_OPS") == "0":
         pytest.skip("SPECSERVE_NATIVE_OPS=0")

@@ -157,7 +157,8 @@ def test_greedy_is_lossless_with_every_proposer(
 
 
 def test_greedy_is_lossless_in_bfloat16_and_with_the_shipped_drafts(default_model_dir: Path, tmp_path: Path) -> None:
-    """bf16 rounds differently when a kernel changes; every row of a step is computed the same way whatever else is in it,
+    """bf16 rounds differently when a kernel changes;
+    every row of a step is computed the same way whatever else is in it,
     so a verify step's rows are exactly the plain decode steps they replace. The shipped draft (drafts/, made by
     `specserve distill`): its phrases (what `--draft default` runs) and its EAGLE head, which reads the target's
     features through the scheduler, must agree far more often than chance, and change nothing."""

@@ -97,7 +97,8 @@ def test_every_row_of_a_call_is_the_row_alone_on_any_number_of_threads(
     threads_restored: None,  # type: ignore[no-untyped-def]
     block_format: str | None,
 ) -> None:
-    """modeling/kernels/invariance.py's probe (every row count 1 .. 513, each row against itself alone), on each count."""
+    """modeling/kernels/invariance.py's probe (every row count 1 .. 513, each row against itself alone),
+    on each count."""
     linear = PackedLinear(ops)
     pack = linear.pack if block_format is None else block_probe(linear, block_format)
     for threads in THREAD_COUNTS:

@@ -1,4 +1,5 @@
-"""The EAGLE-style draft head: training form against serving form, target checks, the proposer, and a short distillation.
+"""The EAGLE-style draft head: training form against serving form, target checks, the proposer,
+and a short distillation.
 
 All on the tiny random target from tests/conftest.py.
 """
@@ -537,7 +538,8 @@ def test_the_service_builds_each_distilled_kind_from_one_folder(
     assert isinstance(phrases, PhraseProposer) and phrases.feature_width == 0 and hybrid.feature_width == 64
     item = ProposeInput("r", [7, 41, 42, 43], 0, 4, GREEDY, torch.randn(3, 64))
     assert [p.token_ids for p in phrases.propose([item])] == [p.token_ids for p in hybrid.propose([item])] == [[44, 45]]
-    # Only "43" matches: the phrases alone guess one token; before the head only full matches count, so the head guesses.
+    # Only "43" matches: the phrases alone guess one token;
+    # before the head only full matches count, so the head guesses.
     features = torch.randn(2, 64)
     (from_phrases,) = phrases.propose([ProposeInput("s", [7, 8, 43], 0, 4, GREEDY)])
     (from_hybrid,) = hybrid.propose([ProposeInput("s", [7, 8, 43], 0, 4, GREEDY, features)])

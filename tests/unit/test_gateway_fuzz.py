@@ -251,7 +251,7 @@ def test_any_grpc_spec_compiles_or_is_invalid_argument(grammars: GrammarCompiler
         assert error.field == f"params.structured_output.{kind}"
 
 
-# ---------------------------------------------------------------------------------------------------- values, unit level
+# --------------------------------------------------------------------------------------------------- values, unit level
 
 
 @UNIT_FUZZ

@@ -1,4 +1,5 @@
-"""Which requests share prefix-cache pages (the salt each request's pages are keyed under, per --prefix-cache-scope), and
+"""Which requests share prefix-cache pages
+(the salt each request's pages are keyed under, per --prefix-cache-scope), and
 the ids clients give their requests."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""OpenAI bodies to checked Submissions: wrong types are ApiErrors, bad values InvalidArguments, each naming the body's field."""
+"""OpenAI bodies to checked Submissions: wrong types are ApiErrors, bad values InvalidArguments,
+each naming the body's field."""
 
 from __future__ import annotations
 

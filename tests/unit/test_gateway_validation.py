@@ -69,7 +69,8 @@ BAD_REQUESTS = [
 ]
 
 
-# What only a front end's slip could pass (protobuf's types cannot): a bool or a float where an integer belongs, a number
+# What only a front end's slip could pass (protobuf's types cannot):
+# a bool or a float where an integer belongs, a number
 # past a float's range or an int64's, a string for a number. `validate` refuses each, naming the field, so the request
 # never becomes a message the scheduler cannot read.
 SLIPS = [

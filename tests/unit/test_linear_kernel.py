@@ -1,4 +1,5 @@
-"""The native linear kernel (modeling/kernels/csrc/linear.cpp) on every instruction set this CPU has: rows that do not depend
+"""The native linear kernel (modeling/kernels/csrc/linear.cpp) on every instruction set this CPU has:
+rows that do not depend
 on the step they are in, and the products torch computes.
 
 Which paths run depends on the CPU: each test is parametrised over every path the kernel

@@ -241,7 +241,8 @@ def test_a_draft_model_of_the_family_proposes_what_the_model_would_say(case: tup
 
 
 def _old_spelling(hf: dict[str, Any]) -> dict[str, Any]:
-    """The config as transformers 4 wrote it: a top-level rope_theta (and Gemma's rope_local_base_freq), rope_scaling."""
+    """The config as transformers 4 wrote it:
+    a top-level rope_theta (and Gemma's rope_local_base_freq), rope_scaling."""
     old = dict(hf)
     parameters = old.pop("rope_parameters")
     if "full_attention" in parameters:

@@ -1,4 +1,5 @@
-"""The native CPU kernels (modeling/kernels/csrc) against plain torch: attention over the paged cache, the fused elementwise ops."""
+"""The native CPU kernels (modeling/kernels/csrc) against plain torch:
+attention over the paged cache, the fused elementwise ops."""
 
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ def _paged(whole: torch.Tensor, page_size: int, seed: int, spare: int = 3) -> tu
 
 
 def _attend(ops, q, keys, values, seqs, positions, page_size: int = 16, seed: int = 0, path: str = ""):  # type: ignore[no-untyped-def]
-    """The kernel (on `path`, "" for the build's fastest) over `keys`, `values` `[S, KVH, L, D]` moved into shuffled pages."""
+    """The kernel (on `path`, "" for the build's fastest)
+    over `keys`, `values` `[S, KVH, L, D]` moved into shuffled pages."""
     paged_keys, tables = _paged(keys, page_size, seed)
     paged_values, _ = _paged(values, page_size, seed)
     return ops.attend(
@@ -206,7 +208,8 @@ def test_the_path_a_models_heads_take_is_the_kernels_own_choice(ops) -> None:  #
     assert ops.attention_path_for(9, 3, 64, "generic") == "generic"
     with pytest.raises(RuntimeError, match="whole groups"):
         ops.attention_path_for(9, 2, 64)
-    # attend, asked for the fastest path, runs the one named: the generic loops for a shape the vector paths do not take.
+    # attend, asked for the fastest path, runs the one named:
+    # the generic loops for a shape the vector paths do not take.
     for heads, kv_heads, dim in ((8, 1, 64), (16, 1, 64)):
         keys, values = _cache(3, kv_heads, 48, dim, torch.float32, seed=29)
         q = torch.randn(4, heads, dim, generator=torch.Generator().manual_seed(30))

@@ -22,7 +22,8 @@ def _greedy(logits: torch.Tensor, drafts: list[int]) -> Verdict:
 
 
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor, num_trials: int) -> tuple[float, int]:
-    """Pearson's statistic of counts against probs and its degrees of freedom; cells with probability 0 must be empty."""
+    """Pearson's statistic of counts against probs and its degrees of freedom;
+    cells with probability 0 must be empty."""
     probs = probs.double().flatten()
     counts = counts.double().flatten()
     support = probs > 0

@@ -32,7 +32,8 @@ def test_top_p_keeps_smallest_set_reaching_p() -> None:
 
 @pytest.mark.parametrize(("scale", "top_p"), [(8.0, 0.9), (3.0, 0.95), (0.3, 0.5), (0.05, 0.99)])
 def test_top_p_over_a_large_vocabulary_keeps_what_a_whole_sort_keeps(scale: float, top_p: float) -> None:
-    """Peaked and flat rows (a few kept tokens, or most of 5,000): only the likeliest are sorted, with the same result."""
+    """Peaked and flat rows (a few kept tokens, or most of 5,000):
+    only the likeliest are sorted, with the same result."""
     generator = torch.Generator().manual_seed(int(scale * 100))
     logits = torch.randn(3, 5000, generator=generator) * scale
     params = SamplingParams(temperature=0.8, top_p=top_p)

@@ -1,4 +1,5 @@
-"""Continuous batching: select_seqs and plan_step as pure functions, then the same rules seen through SchedulerCore's steps."""
+"""Continuous batching: select_seqs and plan_step as pure functions,
+then the same rules seen through SchedulerCore's steps."""
 
 from __future__ import annotations
 

@@ -30,7 +30,8 @@ _PROJECT = {
 
 
 def _imported_roots(package: str) -> dict[str, set[str]]:
-    """Each module file of `package` -> the top-level names it imports (absolute imports; the project uses no others)."""
+    """Each module file of `package` -> the top-level names it imports
+    (absolute imports; the project uses no others)."""
     import ast
     from pathlib import Path
 

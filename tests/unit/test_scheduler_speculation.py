@@ -1,4 +1,5 @@
-"""SchedulerCore with a draft service: propose then verify, the batch-size switch, the draft's counts, its loss and return.
+"""SchedulerCore with a draft service: propose then verify, the batch-size switch,
+the draft's counts, its loss and return.
 
 The fake draft (tests/unit/scheduler_fakes.py) checks every propose request against the
 tokens it holds per sequence; the fake target verifies drafts greedily against a script
@@ -88,7 +89,8 @@ def test_a_token_tree_reaches_the_target_and_the_draft_is_told_what_it_holds_in_
     worker.complete({"a": [12, 13, 14]})
     assert worker.returned["a"] == [11, 12, 13, 14]
     second = proposes(draft)[-1].seqs[0]
-    # The draft holds its tree in node order: the branch is not its first nodes, so all four go and the branch comes new.
+    # The draft holds its tree in node order: the branch is not its first nodes,
+    # so all four go and the branch comes new.
     assert (second.num_held, second.num_drop, second.new_token_ids) == (8, 4, [12, 13, 14])
     # A branch that is the first nodes stays where the draft holds it.
     draft.answer({"a": [15, 16, 90]}, parents={"a": [-1, 0, -1]})

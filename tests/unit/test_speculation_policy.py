@@ -271,7 +271,8 @@ def setup(per_row_ms: float, **config: object) -> tuple[Sim, FakeWorker, FakeDra
 
 
 def run(worker: FakeWorker, draft: FakeDraft, num_steps: int, right: Callable[[int], bool]) -> list[int]:
-    """Drive `num_steps` steps of request "a" (the target follows SCRIPT); the draft's proposal in step i is the script's
+    """Drive `num_steps` steps of request "a" (the target follows SCRIPT);
+    the draft's proposal in step i is the script's
     continuation where right(i), else wrong tokens. Returns the draft tokens each step verified."""
     drafts = []
     for index in range(num_steps):

@@ -45,7 +45,8 @@ def test_greedy_tree_verification_follows_the_targets_choices() -> None:
 
 
 def test_sampled_tree_verification_follows_the_targets_own_draws() -> None:
-    """Each token is plain sampling's draw at its position (generator of (seed, position)); a child holding it is kept."""
+    """Each token is plain sampling's draw at its position (generator of (seed, position));
+    a child holding it is kept."""
     torch.manual_seed(0)
     rows = torch.randn(6, 5) * 2  # row 0 after the root, row 1 + i after node i
     params = SamplingParams(temperature=0.9, seed=7)

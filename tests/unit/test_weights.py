@@ -1,4 +1,5 @@
-"""WeightFiles (modeling/model/weights.py): safetensors folders of every layout, read exactly, cast, in chunks; broken ones named."""
+"""WeightFiles (modeling/model/weights.py): safetensors folders of every layout,
+read exactly, cast, in chunks; broken ones named."""
 
 from __future__ import annotations
 
