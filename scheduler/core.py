@@ -59,10 +59,7 @@ class SchedulerCore:
         self._drafts = DraftLink(config)
         self.outbox = Outbox()
         # What the shell drops from each socket before (or after) the core sees it, exported with info().
-        self.protocol_errors = {
-            "gateway": ProtocolErrors("scheduler.gateway"),
-            "worker": ProtocolErrors("scheduler.worker"),
-        }
+        self.protocol_errors = {side: ProtocolErrors(f"scheduler.{side}") for side in ("gateway", "worker")}
         self._finisher = Finisher(self._requests, self._workers, self._drafts, self.outbox)
         self._steps = StepCycle(config, self._requests, self._workers, self._drafts, self._finisher, self.outbox)
         self._results = StepResults(config, self._requests, self._drafts, self._finisher, self.outbox)
@@ -246,22 +243,19 @@ class SchedulerCore:
             case m.LifecycleReport():
                 return self._lifecycle.reported(worker, message, now_s)
             case m.WorkerFailed():
-                worker.failure = f"{message.phase}: {message.error_type}: {message.message}"
-                self._endings.lose_worker(worker, State.FAILED, now_s)
+                self._endings.fail_worker(worker, f"{message.phase}: {message.error_type}: {message.message}", now_s)
             case m.StepResult():
                 booked = self._results.apply(worker, message, now_s)
                 if not booked.answers:
                     return False
                 if booked.problem:
-                    worker.failure = booked.problem
-                    self._endings.lose_worker(worker, State.FAILED, now_s)
+                    self._endings.fail_worker(worker, booked.problem, now_s)
             case m.StepRefused():
                 if not self._results.refused_for_its_request(worker, message):
                     log.error(
                         "step.refused", worker_id=worker.worker_id, step_id=message.step_id, reason=message.reason
                     )
-                    worker.failure = f"refused a step: {message.reason}"
-                    self._endings.lose_worker(worker, State.FAILED, now_s)
+                    self._endings.fail_worker(worker, f"refused a step: {message.reason}", now_s)
             case m.ProposeResult():
                 answered = self._drafts.proposals.answer(
                     message,
@@ -281,8 +275,7 @@ class SchedulerCore:
                 log.error(
                     "propose.refused", worker_id=worker.worker_id, propose_id=message.propose_id, reason=message.reason
                 )
-                worker.failure = f"refused a propose request: {message.reason}"
-                self._endings.lose_worker(worker, State.FAILED, now_s)
+                self._endings.fail_worker(worker, f"refused a propose request: {message.reason}", now_s)
             case _:
                 assert_never(message)
         return True

@@ -91,6 +91,11 @@ class Endings:
         for pending in self._drafts.lose(draft):
             self._steps.give_up_proposal(pending, now_s, answer_may_come=False)
 
+    def fail_worker(self, worker: WorkerRecord, failure: str, now_s: float) -> None:
+        """The worker failed (it said so, or broke the protocol): FAILED with the reason it is listed with."""
+        worker.failure = failure
+        self.lose_worker(worker, State.FAILED, now_s)
+
     def lose_worker(self, worker: WorkerRecord, state: State, now_s: float) -> None:
         """The worker will run nothing more: its requests go back to the front of the queue.
 

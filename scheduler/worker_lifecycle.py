@@ -19,7 +19,8 @@ from scheduler.finishing import Finisher
 from scheduler.outbox import Outbox
 from scheduler.request_table import RequestTable
 from scheduler.speculation.link import DraftLink
-from scheduler.workers import MAX_KERNELS_CHARS, WorkerRecord, WorkerRegistry, hello_problem
+from scheduler.hellos import MAX_KERNELS_CHARS, hello_problem
+from scheduler.workers import WorkerRecord, WorkerRegistry
 
 log = get_logger()
 

@@ -15,7 +15,7 @@ import pytest
 from proto import messages as m
 from proto.lifecycle import State
 from scheduler.outbox import Outgoing
-from scheduler.workers import MAX_KERNELS_CHARS
+from scheduler.hellos import MAX_KERNELS_CHARS
 from tests.unit.scheduler_fakes import DEFAULT_TOKEN, EOS, GATEWAY, FakeWorker, Sim, assert_all_free, prompt
 
 

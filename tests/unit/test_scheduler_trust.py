@@ -97,7 +97,7 @@ def test_a_gateway_may_abort_only_its_own_requests() -> None:
 def test_an_unbelievable_hello_builds_nothing_and_leaves_the_live_worker_alone(
     overrides: dict[str, object], named: str
 ) -> None:
-    from scheduler.workers import hello_problem
+    from scheduler.hellos import hello_problem
 
     sim = Sim()
     worker = sim.worker("w0").start()
