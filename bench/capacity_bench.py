@@ -32,7 +32,8 @@ from modeling.model.config import ModelConfig
 from modeling.model.kv_cache import DEFAULT_PAGE_SIZE, page_bytes, pages_for_slots
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
-from specserve.stack import StackError, free_ports
+from specserve.local_stack import StackError
+from specserve.stack import free_ports
 from modeling.model.engine import default_dtype
 
 

@@ -28,7 +28,7 @@ if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.prefix_bench import vllm_env, specserve_server, vllm_server
-from specserve.stack import StackError
+from specserve.local_stack import StackError
 
 SERVERS = ("specserve", "vllm")
 

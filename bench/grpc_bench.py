@@ -29,7 +29,8 @@ from bench.prompts import PromptWindows
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 from proto.lifecycle import State
-from specserve.stack import StackError, free_ports
+from specserve.local_stack import StackError
+from specserve.stack import free_ports
 from common.quantization import QUANTIZATIONS
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"

@@ -1,4 +1,4 @@
-"""A stack for a benchmark, started from `specserve up` flags by the one launcher (specserve/stack.py),
+"""A stack for a benchmark, started from `specserve up` flags by the one launcher (specserve/local_stack.py),
 with up's defaults."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from specserve.stack import LocalStack, StackError, running
-from specserve.up import UpRefused, add_up_arguments, ready_line, up_config
+from specserve.local_stack import LocalStack, StackError, running
+from specserve.up import UpRefused, add_up_arguments, up_config
+from specserve.up_run import ready_line
 
 
 @dataclass(frozen=True)

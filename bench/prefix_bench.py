@@ -31,7 +31,8 @@ if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.local_stack import running_up
-from specserve.stack import StackError, free_port, free_ports
+from specserve.local_stack import StackError
+from specserve.stack import free_port, free_ports
 
 SERVED_NAME = "SmolLM2-135M-Instruct"
 SERVERS = ("specserve", "specserve-no-prefix-cache", "vllm")

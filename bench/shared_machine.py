@@ -45,7 +45,8 @@ if not __package__:
 from bench.local_stack import running_up
 from bench.prefix_bench import served, vllm_env
 from bench.spec_prompts import WORKLOADS
-from specserve.stack import StackError, free_port, free_ports
+from specserve.local_stack import StackError
+from specserve.stack import free_port, free_ports
 
 SERVERS = ("specserve", "specserve-draft", "vllm", "llamacpp")
 # Neighbours: (busy processes, their nice value), measured between a cell alone before and one after.

@@ -50,7 +50,8 @@ from bench.machine_info import describe_machine
 from bench.matrix_cells import ALL_WORKLOADS, CellResult, load_prompt_sets, run_round
 from bench.matrix_tables import baseline_results, first_differences, format_tables
 from proto import specserve_pb2 as pb
-from specserve.stack import StackError, free_ports
+from specserve.local_stack import StackError
+from specserve.stack import free_ports
 
 DEFAULT_CONFIGS = ("none", "ngram", "default")
 

@@ -2,15 +2,15 @@
 
 A subclass says who it is (`hello`), what its start-up phases do (`phases`) and how it
 answers a message (`handle`); this class owns the socket to the scheduler, the
-lifecycle and its reports, heartbeats on their own thread, signals, and the rule that
-any exception during start-up ends in FAILED with its phase and cause and exit 1.
+lifecycle and its reports, signals, and the rule that any exception during start-up ends
+in FAILED with its phase and cause and exit 1. Heartbeats and the deadline watchdog run on
+a thread of their own (common/heartbeat_thread.py).
 """
 
 from __future__ import annotations
 
 import abc
 import argparse
-import os
 import signal
 import threading
 import time
@@ -21,15 +21,13 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 import zmq
-import zmq.utils.monitor
 
 from common.faults import FaultInjector
+from common.heartbeat_thread import HeartbeatThread
 from common.logs import get_logger
 from common.process_config import ProcessConfig
 from common.protocol_errors import ProtocolErrors
 from common.status_file import write_status_file
-from common.transport import HANDSHAKE_EVENTS
-from proto import frames
 from proto import messages as m
 from proto.lifecycle import Lifecycle, State
 
@@ -76,15 +74,14 @@ class LifecycleProcess(abc.ABC, Generic[T]):
         self._scheduler_address = process.scheduler_address
         self._transport = process.transport
         self._identity = m.worker_identity(process.worker_id, self.incarnation)
-        self._heartbeat_interval_s = process.heartbeat_interval_s
         self._status_file = process.status_file
         self._lifecycle = Lifecycle(self._on_transition)
         self._codec: m.Codec[T] = m.Codec(inbound)
         self._codec_out: m.Codec[m.WorkerToScheduler] = m.Codec(m.WorkerToScheduler)
-        self._heartbeat_codec: m.Codec[m.WorkerToScheduler] = m.Codec(
-            m.WorkerToScheduler
-        )  # its own encoder, its own thread
         self._context = zmq.Context()
+        self._heartbeats = HeartbeatThread(
+            self, process, self._context, self._identity, self.log, lost_exit_status=EXIT_DISMISSED
+        )
         self._socket = self._context.socket(zmq.DEALER)
         self._send_lock = threading.Lock()
         self._stop_requested = threading.Event()  # stop after the current message
@@ -93,9 +90,6 @@ class LifecycleProcess(abc.ABC, Generic[T]):
         self._drain_timeout_s = process.drain_timeout_s
         self._phase_timeout_s = process.phase_timeout_s
         self._step_timeout_s = process.step_timeout_s
-        self._deadline: tuple[str, float, str] | None = (
-            None  # (what runs, when it must end, the setting), for the watchdog
-        )
         self.faults: FaultInjector | None = None
 
     # ------------------------------------------------------------------ what a subclass provides
@@ -175,40 +169,37 @@ class LifecycleProcess(abc.ABC, Generic[T]):
         self._socket.setsockopt(zmq.LINGER, 2000)
         self._transport.join(self._socket, "worker")
         self.faults = FaultInjector(self.process_id)
-        self._watch(State.STARTING, self._phase_timeout_s, "--phase-timeout-s")
+        self._heartbeats.watch(State.STARTING, self._phase_timeout_s, "--phase-timeout-s")
         try:
             hello = self.hello()  # before connecting: what it reads sizes the frames this process takes
         finally:  # connected even when it failed, so that nothing sent after waits on a socket without a peer
             self._socket.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes())
             self._socket.connect(self._scheduler_address)
         self.send(hello)
-        threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+        self._heartbeats.start()
         self.faults.at_phase(State.STARTING)  # after the hello, so that the scheduler sees what happens
         for state, work in self.phases():
             self._lifecycle.move_to(state)
-            self._watch(state, self._phase_timeout_s, "--phase-timeout-s")
+            self._heartbeats.watch(state, self._phase_timeout_s, "--phase-timeout-s")
             self.faults.at_phase(state)
             work()
             self._handle_queued_messages()  # work sent before READY is refused, never run later
             if self._stop_requested.is_set():
                 self._lifecycle.move_to(State.STOPPED)
                 return False
-        self._deadline = None
+        self._heartbeats.unwatch()
         self._lifecycle.move_to(State.READY)
         return True
 
-    def _watch(self, what: str, timeout_s: float, setting: str) -> None:
-        self._deadline = (what, time.monotonic() + timeout_s, f"{timeout_s:g} s, {setting}")
-
     def run_step(self, work: Callable[[], None]) -> None:
         """Run one step (or proposal) under the step deadline, with any fault injected for it."""
-        self._watch(f"step {self.num_steps + 1}", self._step_timeout_s, "--step-timeout-s")
+        self._heartbeats.watch(f"step {self.num_steps + 1}", self._step_timeout_s, "--step-timeout-s")
         try:
             if self.faults is not None:
                 self.faults.at_step(self.num_steps + 1)
             work()
         finally:
-            self._deadline = None
+            self._heartbeats.unwatch()
 
     def _fail(self, exc: BaseException) -> int:
         phase = self._lifecycle.state
@@ -286,90 +277,6 @@ class LifecycleProcess(abc.ABC, Generic[T]):
                 **(self.ready_details().fields() if ready else {}),
             )
         )
-
-    def _heartbeat_loop(self) -> None:
-        """Runs on its own thread and socket, so heartbeats go on during long phases and steps."""
-        socket = self._context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.IDENTITY, m.heartbeat_identity(self._identity))
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.MAXMSGSIZE, frames.HEARTBEAT_SOCKET_BYTES)
-        self._transport.join(socket, "worker")
-        monitor = socket.get_monitor_socket(HANDSHAKE_EVENTS)
-        socket.connect(self._scheduler_address)
-        connected = False
-        while self._lifecycle.state not in (State.STOPPED, State.FAILED):
-            deadline = self._deadline
-            if deadline is not None and time.monotonic() > deadline[1]:
-                self._give_up(socket, *deadline)
-            while monitor.poll(0):
-                event = zmq.utils.monitor.parse_monitor_message(monitor.recv_multipart())["event"]
-                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    connected = True
-                elif event == zmq.EVENT_DISCONNECTED and connected:
-                    self._scheduler_lost()
-                elif (refused := self._transport.handshake_failure(event, "worker")) is not None:
-                    self._refused_by_scheduler(refused)
-            socket.send(
-                self._heartbeat_codec.encode(
-                    m.Heartbeat(
-                        worker_id=self.process_id,
-                        incarnation=self.incarnation,
-                        state=self._lifecycle.state,
-                        num_used_kv_pages=self.num_used_kv_pages(),
-                        num_steps=self.num_steps,
-                        protocol_errors=dict(self.errors.counts),
-                    )
-                )
-            )
-            time.sleep(self._heartbeat_interval_s)
-        socket.close()
-
-    def _scheduler_lost(self) -> None:
-        """The connection to the scheduler dropped: the scheduler this process registered with is gone (a restarted
-        one would never know it, and nothing it holds is wanted any more). End now, for a fresh start to register."""
-        self.log.error(
-            "process.scheduler_lost",
-            address=self._scheduler_address,
-            exit_status=EXIT_DISMISSED,
-            note="the connection to the scheduler dropped; exiting so that a fresh start registers anew",
-        )
-        self._end_now(EXIT_DISMISSED)
-
-    def _refused_by_scheduler(self, reason: str) -> None:
-        """The scheduler refused the handshake: nothing this process says can reach it, and trying again will not
-        change that until its keys do. End now, FAILED, with the cause."""
-        self.log.error(
-            "process.refused_by_scheduler",
-            address=self._scheduler_address,
-            transport=self._transport.describe(),
-            reason=reason,
-            exit_status=1,
-        )
-        self._end_now(1)
-
-    def _give_up(self, socket: zmq.Socket[bytes], what: str, _: float, limit: str) -> None:
-        """The watchdog: a phase or step ran past its deadline; report it and end the process now."""
-        message = f"{what} ran past its deadline ({limit})"
-        self.log.error("process.deadline_exceeded", what=what, limit=limit)
-        socket.send(
-            self._heartbeat_codec.encode(
-                m.WorkerFailed(
-                    worker_id=self.process_id,
-                    incarnation=self.incarnation,
-                    phase=self._lifecycle.state,
-                    error_type="DeadlineExceeded",
-                    message=message,
-                )
-            )
-        )
-        time.sleep(0.3)  # let ZeroMQ's I/O thread put the report on the wire; exiting skips the usual flush
-        self._end_now(1)
-
-    def _end_now(self, status: int) -> None:
-        """End the process at once, from any thread, its status file saying FAILED."""
-        if self._status_file is not None:
-            write_status_file(self._status_file, State.FAILED)
-        os._exit(status)
 
     def _install_signal_handlers(self) -> None:
         def on_signal(signum: int, frame: types.FrameType | None) -> None:

@@ -27,6 +27,7 @@ from aiohttp import web
 
 from common.logs import get_logger
 from gateway.access import HEADER, OPEN_PATHS, ApiKeys
+from gateway.api_error import ApiError
 from gateway.choices import interleaved, run_all, sibling
 from gateway.cors import Cors
 from gateway.errors import RequestFailed
@@ -35,7 +36,8 @@ from gateway.health import SERVING, HealthReporter
 from gateway.http_body import TENANT, BodyLimits, json_body, reply_json
 from gateway.openai_answer import Choice, Shape, best_choices
 from gateway.openai_logprobs import TokenTexts
-from gateway.openai_request import ApiError, chat_prompt, choice_counts, client_request_of, completion_prompts
+from gateway.openai_chat_prompt import chat_prompt
+from gateway.openai_request import choice_counts, client_request_of, completion_prompts
 from gateway.output_formats import ReasoningParser, ToolCallParser
 from gateway.request import ChatPrompt, Prompt, TextPrompt, TokenPrompt
 from gateway.sglang_api import SglangApi

@@ -26,7 +26,7 @@ from aiohttp import web
 from common.cpus import usable_cpus
 from common.defaults import HTTP_MAX_BODY_BYTES, HTTP_READ_TIMEOUT_S
 from common.json_depth import nests_deeper_than
-from gateway.openai_request import ApiError
+from gateway.api_error import ApiError
 
 # Where a request keeps its caller's tenant once its API key is checked (gateway/access.py), for the routes to read.
 TENANT = web.RequestKey("specserve.tenant", str)

@@ -2,43 +2,22 @@
 
 Here only what JSON can get wrong is checked (a string where a number belongs, a parameter
 this server does not implement); the values are checked by `validation.validate`, as for
-gRPC, with OPENAI_FIELDS, so every error names the body's own field.
+gRPC, with OPENAI_FIELDS, so every error names the body's own field. A completion's prompts
+are read here, a chat's messages in openai_chat_prompt.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
-
-from gateway.errors import InvalidArgument, RequestFailed
-from gateway.request import ChatPrompt, ClientRequest, Prompt, TextPrompt, TokenPrompt
+from gateway.api_error import ApiError
+from gateway.request import ClientRequest, Prompt, TextPrompt, TokenPrompt
 from gateway.structured_request import Asked, SpecError, openai_structured
 from gateway.validation import FieldNames
-from common.text.tokenizer import RESERVED_TEMPLATE_KEYS, ChatMessage
 
-HTTP_STATUS: dict[grpc.StatusCode, int] = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.INTERNAL: 500,
-}
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "invalid_request_error",
-    404: "not_found_error",
-    408: "invalid_request_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "service_unavailable",
-    500: "internal_error",
-}
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # The body fields each endpoint reads: OpenAI's own and the extensions vLLM added that are implemented here. `user`
 # (OpenAI's id of the client's own end user) is taken and changes nothing, as at OpenAI.
@@ -85,7 +64,6 @@ CHAT_FIELDS = _BOTH_FIELDS | {
     "tool_choice",
     "parallel_tool_calls",
 }
-CHAT_MESSAGE_FIELDS = frozenset({"role", "content", "tool_calls", "tool_call_id"})
 # Fields of OpenAI's (and vLLM's) bodies this server does not implement, with the values that ask for nothing. Any
 # other value, and any field neither here nor read, is refused naming the field: dropped without a word it would
 # change the output the client expects (tools offered, and a plain answer back).
@@ -131,29 +109,6 @@ OPENAI_FIELDS = FieldNames(
 )
 
 
-class ApiError(Exception):
-    """A request the HTTP API refuses, as OpenAI's error body says it: status, message, the offending field."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": ERROR_TYPES.get(self.status, "error"),
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-    @classmethod
-    def from_failure(cls, failure: RequestFailed) -> ApiError:
-        param = failure.field if isinstance(failure, InvalidArgument) else None
-        return cls(HTTP_STATUS.get(failure.status, 500), failure.message, param)
-
-
 def completion_prompts(body: dict[str, Any]) -> list[Prompt]:
     """/v1/completions' `prompt`: a string or a list of token ids, or a list of either (a choice for each, in order)."""
     prompt = body.get("prompt")
@@ -176,97 +131,6 @@ def _is_token_ids(value: object) -> bool:
 
 def _one_prompt(prompt: str | list[int]) -> Prompt:
     return TextPrompt(prompt) if isinstance(prompt, str) else TokenPrompt(tuple(prompt))
-
-
-def chat_prompt(body: dict[str, Any]) -> ChatPrompt:
-    """/v1/chat/completions' `messages`: each with a string role and text content (a string or text parts)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty list of {role, content}", "messages")
-    return ChatPrompt(
-        tuple(_chat_message(index, item) for index, item in enumerate(messages)),
-        template_kwargs=_template_kwargs(body.get("chat_template_kwargs")),
-    )
-
-
-def _template_kwargs(value: object) -> str:
-    """chat_template_kwargs (vLLM's): more variables for the chat template, as JSON text ("" for none)."""
-    if value is None:
-        return ""
-    if not isinstance(value, dict):
-        raise ApiError(400, "chat_template_kwargs must be an object of template variables", "chat_template_kwargs")
-    for key in value:
-        if key in RESERVED_TEMPLATE_KEYS:
-            raise ApiError(
-                400,
-                f"chat_template_kwargs.{key}: the server sets this template variable itself",
-                f"chat_template_kwargs.{key}",
-            )
-    return json.dumps(value, sort_keys=True) if value else ""
-
-
-def _chat_message(index: int, item: object) -> ChatMessage:
-    if isinstance(item, dict):
-        for key in item:
-            if key not in CHAT_MESSAGE_FIELDS:
-                raise ApiError(
-                    400,
-                    f"messages[{index}].{key} is not supported by this server (a message is its role, "
-                    "its content, an assistant's tool_calls and a tool's tool_call_id)",
-                    f"messages[{index}].{key}",
-                )
-    content = item.get("content") if isinstance(item, dict) else None
-    if isinstance(content, list):  # content parts: text only
-        texts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
-        content = "".join(t for t in texts if isinstance(t, str)) if len(texts) == len(content) else None
-    calls = _message_tool_calls(index, item.get("tool_calls") if isinstance(item, dict) else None)
-    if content is None and calls:  # an assistant's turn that only called tools
-        content = ""
-    if not isinstance(item, dict) or not isinstance(item.get("role"), str) or not isinstance(content, str):
-        raise ApiError(400, f"messages[{index}] must have a string role and text content", f"messages[{index}]")
-    call_id = item.get("tool_call_id")
-    if call_id is not None and not isinstance(call_id, str):
-        raise ApiError(400, f"messages[{index}].tool_call_id must be a string", f"messages[{index}].tool_call_id")
-    return ChatMessage(role=item["role"], content=content, tool_calls=calls, tool_call_id=call_id or "")
-
-
-def _message_tool_calls(index: int, calls: object) -> str:
-    """An assistant message's tool_calls, checked, as JSON text ("" for none): each a function's name and its
-    arguments as a JSON object's text, as OpenAI's API sends them."""
-    if calls is None or calls == []:
-        return ""
-    field = f"messages[{index}].tool_calls"
-    if not isinstance(calls, list):
-        raise ApiError(400, f"{field} must be a list of calls", field)
-    checked = []
-    for at, call in enumerate(calls):
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(call, dict) or not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise ApiError(
-                400,
-                f'{field}[{at}] must be {{"type": "function", "function": {{"name": ..., "arguments": ...}}}}',
-                f"{field}[{at}]",
-            )
-        arguments = function.get("arguments")
-        try:
-            parsed = json.loads(arguments) if isinstance(arguments, str) else None
-        except ValueError:
-            parsed = None
-        if not isinstance(parsed, dict):
-            raise ApiError(
-                400,
-                f"{field}[{at}].function.arguments must be a JSON object's text",
-                f"{field}[{at}].function.arguments",
-            )
-        call_id = call.get("id")
-        checked.append(
-            {
-                "id": call_id if isinstance(call_id, str) else f"call_{at}",
-                "type": "function",
-                "function": {"name": function["name"], "arguments": arguments},
-            }
-        )
-    return json.dumps(checked)
 
 
 def client_request_of(body: dict[str, Any], prompt: Prompt, *, chat: bool) -> tuple[ClientRequest, FieldNames]:

@@ -1,8 +1,8 @@
 """A generation request in neither public API's terms:
 as the client sent it (ClientRequest) and once checked (Submission).
 
-Each front end (gRPC in grpc_request.py, HTTP in openai_request.py) turns its wire request
-into a ClientRequest, checking only what its own format can get wrong (a missing field, a
+Each front end (gRPC in grpc_request.py, HTTP in openai_request.py and sglang_request.py) turns its wire
+request into a ClientRequest, checking only what its own format can get wrong (a missing field, a
 string where a number belongs); `validation.validate` checks the values once for both.
 """
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from gateway.api_error import ApiError
 from gateway.errors import InvalidArgument
 from gateway.generation import Generation
-from gateway.openai_request import ApiError, chat_prompt, check_fields, token_ids_param
+from gateway.openai_chat_prompt import chat_prompt
+from gateway.openai_request import check_fields, token_ids_param
 from gateway.request import Prompt, TextPrompt
 from gateway.validation import token_ids_in_vocab
 

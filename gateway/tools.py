@@ -32,7 +32,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.openai_request import ApiError
+from gateway.api_error import ApiError
 from gateway.output_formats import ToolCallParser
 from gateway.reasoning import partial_suffix
 

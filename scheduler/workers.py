@@ -82,7 +82,7 @@ class WorkerRecord:
 
     def sent_by(self, identity: bytes, message: m.WorkerToScheduler) -> bool:
         """Whether `message` came from this process: its main socket (the one that said the hello), or for heartbeats
-        and the watchdog's failure report its heartbeat socket (common/lifecycle_process.py)."""
+        and the watchdog's failure report its heartbeat socket (common/heartbeat_thread.py)."""
         if identity == self.identity:
             return True
         return isinstance(message, m.Heartbeat | m.WorkerFailed) and identity == m.heartbeat_identity(self.identity)

@@ -130,7 +130,7 @@ def _run_healthcheck(args: argparse.Namespace) -> int:
         state = read_status_file(args.status_file)
         print(state or "no status from a live process")
         return 0 if state in HEALTHY else 1
-    from specserve.stack import is_ready, is_serving
+    from specserve.health_probes import is_ready, is_serving
 
     if args.ready is not None:
         host, _, port = args.ready.rpartition(":")
@@ -144,7 +144,8 @@ def _run_healthcheck(args: argparse.Namespace) -> int:
 
 def _run_up(args: argparse.Namespace) -> int:
     from common import logs
-    from specserve.up import UpRefused, run_up, up_config
+    from specserve.up import UpRefused, up_config
+    from specserve.up_run import run_up
 
     logs.configure("supervisor", json_logs=args.log_json or None)
     try:

@@ -1,36 +1,28 @@
-"""The one launcher of a stack on this machine:
+"""The one launcher's plan of a stack on this machine:
 a scheduler, target workers, a draft service and a gateway, each a process.
 
-A frozen StackConfig says what runs; `service_specs` turns it into the command line of
-every process. `specserve up` runs those under its supervisor (restarts, ordered stop);
-the end-to-end tests and the benchmarks run them with LocalStack: unsupervised, each
-process writing to a log file of its own, a fault injected into one when asked.
+A frozen StackConfig says what runs, StackAddresses where it listens (free local ports);
+`service_specs` turns them into the command line of every process. `specserve up` runs
+those under its supervisor (up_run.py); the end-to-end tests and the benchmarks run them
+with LocalStack (local_stack.py).
 """
 
 from __future__ import annotations
 
-import os
 import random
 import socket
-import subprocess
 import sys
-import time
-from collections.abc import Collection, Iterator
-from contextlib import contextmanager
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TypeVar
 
 from common import settings
 from common.defaults import MAX_MODEL_LEN
 from common.draft_spec import DraftSpec
-from common.faults import ENV_VAR as FAULT_ENV_VAR
 from common.transport import make_keys
 from specserve.supervisor import ServiceSpec
 
 DRAFT_ID = "draft-0"
-_POLL_S = 0.2
-_LOG_TAIL_CHARS = 4000
 _LOW_PORT = 20000  # free_ports draws from here up to the ephemeral range
 
 
@@ -323,135 +315,3 @@ def with_keys(config: StackConfig, folder: Path) -> StackConfig:
         return config
     make_keys(folder)
     return replace(config, keys=folder)
-
-
-# ---------------------------------------------------------------- health
-
-
-def stack_serving(config: StackConfig, addresses: StackAddresses) -> bool:
-    """The stack's gateway serves: its gRPC health says SERVING, or with TLS on the public ports, its HTTPS /ready says
-    200 (open without a client certificate under mutual TLS, as for any probe)."""
-    if config.tls_certfile is None:
-        return is_serving(addresses.host, addresses.grpc_port)
-    return is_ready(addresses.host, addresses.http_port, tls=True)
-
-
-def is_ready(host: str, port: int, *, tls: bool) -> bool:
-    """The gateway's HTTP port on host:port answers /ready with 200 (a READY target worker), over HTTPS with `tls`.
-    The probe checks a gateway on this machine (or in this container) and sends nothing secret, so it takes the
-    certificate it finds."""
-    import ssl
-    import urllib.error
-    import urllib.request
-
-    context = None
-    if tls:
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-    host = "127.0.0.1" if host in ("0.0.0.0", "") else host
-    try:
-        with urllib.request.urlopen(
-            f"{'https' if tls else 'http'}://{host}:{port}/ready", context=context, timeout=1.0
-        ) as reply:
-            return bool(reply.status == 200)
-    except (urllib.error.URLError, OSError, ssl.SSLError):
-        return False
-
-
-def is_serving(host: str, port: int) -> bool:
-    """The gateway listening on host:port answers the standard gRPC health check with SERVING
-    (a READY target worker)."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    target = f"{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
-    try:
-        with grpc.insecure_channel(target) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-    except grpc.RpcError:
-        return False
-    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-
-
-# ---------------------------------------------------------------- unsupervised
-
-
-class StackError(RuntimeError):
-    """The stack did not serve: a process exited first, or time ran out. The message ends with the processes' logs."""
-
-
-class LocalStack:
-    """A stack's processes, unsupervised (one that exits stays down), each writing to LOG_DIR/NAME.log.
-
-    `processes` holds the processes started, by name (scheduler, worker-N, draft, gateway);
-    a test may signal one, or start another worker or draft service next to them.
-    """
-
-    def __init__(self, config: StackConfig, log_dir: Path) -> None:
-        self.config = with_keys(config, log_dir / "keys")
-        self.log_dir = log_dir
-        self.addresses = StackAddresses.pick(self.config)
-        self.processes: dict[str, subprocess.Popen[bytes]] = {}
-
-    def start(self, wait_serving: bool = True, timeout_s: float = 240.0) -> None:
-        for spec in service_specs(self.config, self.addresses):
-            self.spawn(spec)
-        if wait_serving:
-            self.wait_serving(timeout_s)
-
-    def start_worker(self, index: int | str, extra_args: tuple[str, ...] = (), fault: str | None = None) -> None:
-        """Start worker `index` (its id is worker-INDEX); `fault` sets SPECSERVE_FAULT for it alone."""
-        self.spawn(worker_spec(self.config, self.addresses, index, extra_args), fault=fault)
-
-    def start_draft(self, draft: DraftSpec, fault: str | None = None) -> None:
-        """Start a draft service proposing with `draft` (the one running, if any, should be stopped first)."""
-        self.spawn(draft_spec(self.config, self.addresses, draft), fault=fault)
-
-    def spawn(self, spec: ServiceSpec, fault: str | None = None) -> None:
-        with (self.log_dir / f"{spec.name}.log").open("ab") as log:
-            env = {**os.environ, FAULT_ENV_VAR: fault} if fault else None
-            self.processes[spec.name] = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-
-    def wait_serving(self, timeout_s: float) -> None:
-        """Until the gateway is SERVING; StackError if a process exits first or `timeout_s` passes."""
-        deadline_s = time.monotonic() + timeout_s
-        while not stack_serving(self.config, self.addresses):
-            for name, process in self.processes.items():
-                if process.poll() is not None:
-                    raise StackError(f"{name} exited with {process.returncode}\n{self.logs()}")
-            if time.monotonic() > deadline_s:
-                raise StackError(f"the stack did not become SERVING in {timeout_s:g} s\n{self.logs()}")
-            time.sleep(_POLL_S)
-
-    def stop(self) -> None:
-        """SIGTERM the gateway first (it drains its streams), then the rest; SIGKILL what is still up after 20 s."""
-        for name in sorted(self.processes, key=lambda n: n != "gateway"):
-            if self.processes[name].poll() is None:
-                self.processes[name].terminate()
-        for process in self.processes.values():
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-    def logs(self) -> str:
-        """The end of every process's log."""
-        return "\n".join(
-            f"===== {p.name}\n{p.read_text(errors='replace')[-_LOG_TAIL_CHARS:]}"
-            for p in sorted(self.log_dir.glob("*.log"))
-        )
-
-
-S = TypeVar("S", bound=LocalStack)
-
-
-@contextmanager
-def running(stack: S, timeout_s: float = 240.0) -> Iterator[S]:
-    """`stack` started and serving, stopped on the way out whatever happened."""
-    try:
-        stack.start(timeout_s=timeout_s)
-        yield stack
-    finally:
-        stack.stop()

@@ -1,43 +1,31 @@
-"""`specserve up`: its flags, resolved once into a frozen UpConfig, then the stack under the supervisor until a signal.
+"""`specserve up`'s flags, resolved once into a frozen UpConfig; what cannot work is refused before anything starts.
 
 Its flags come from the settings table (common/settings). What `up` must show or check before
 anything starts (the model, max_model_len, the draft, the device, the dtype and quantization,
 decided as the services decide them) is resolved in `up_config`, and anything that cannot work is
 refused there. The rest (speculation's caps, say) each service decides for itself, as it does
-started by compose or by hand.
+started by compose or by hand. The --draft choice is read in draft_choice.py; the config is run
+by up_run.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-import tempfile
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from common.cpus import usable_cpus
 from common import settings
 from common.defaults import MAX_MODEL_LEN
-from common.draft_spec import LOOKUP_THEN_HEAD_KINDS, SERVING_KINDS, DraftKind, DraftSpec
+from common.draft_spec import LOOKUP_THEN_HEAD_KINDS, DraftKind, DraftSpec
 from common.transport import ROLES, TransportError, check_keys
 from common.settings.choices import AUTO
 from gateway.access import ENV_VAR as API_KEY_ENV_VAR
 from gateway.access import ApiKeyError, api_keys
-from specserve.stack import StackAddresses, StackConfig, service_specs, stack_serving, with_keys
-from specserve.supervisor import GaveUp, RestartPolicy, Supervisor
+from specserve.draft_choice import default_draft, draft_problem, parse_draft
+from specserve.stack import StackConfig
 
-NO_DRAFT = "none"
-SHIPPED_DRAFT = "default"
 GATEWAY_SHUTDOWN_GRACE_S = 25.0  # within the supervisor's 30 s for each process
-
-
-@dataclass(frozen=True)
-class DraftChoice:
-    """`--draft` as given, which the ready line repeats, and the proposer it names (None: no draft service)."""
-
-    name: str  # none, ngram, default or KIND:PATH
-    proposer: DraftSpec | None  # its path absolute
 
 
 @dataclass(frozen=True)
@@ -53,67 +41,6 @@ class UpRefused(ValueError):
 
 def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     settings.add_arguments(parser, "up")
-
-
-# ---------------------------------------------------------------- the draft
-
-
-def parse_draft(value: str) -> DraftChoice:
-    """The argparse type of --draft."""
-    if value == NO_DRAFT:
-        return DraftChoice(value, None)
-    if value == SHIPPED_DRAFT:
-        return _shipped_draft()
-    try:
-        return DraftChoice(value, DraftSpec.parse(value, flag="--draft", kinds=SERVING_KINDS).absolute())
-    except ValueError as error:
-        with_path = [f"{kind}:PATH" for kind in SERVING_KINDS if kind is not DraftKind.NGRAM]
-        raise argparse.ArgumentTypeError(
-            f"expected {NO_DRAFT}, {DraftKind.NGRAM}, {SHIPPED_DRAFT}, {', '.join(with_path[:-1])} or {with_path[-1]}, "
-            f"got {value!r}"
-        ) from error
-
-
-def _shipped_draft() -> DraftChoice:
-    """Prompt lookup, then the phrases `specserve distill` made for the embedded default model (drafts/)."""
-    from modeling.model.store import default_draft_dir
-
-    return DraftChoice(SHIPPED_DRAFT, DraftSpec(DraftKind.PHRASES, default_draft_dir()))
-
-
-def default_draft(model: Path) -> DraftChoice:
-    """The draft the draft service chooses for `model` unless told: the shipped one when it was trained for `model`
-    (the embedded default), else prompt lookup."""
-    from draft_service.config import default_proposer
-
-    proposer = default_proposer(model)
-    return DraftChoice(SHIPPED_DRAFT if proposer.kind is DraftKind.PHRASES else DraftKind.NGRAM.value, proposer)
-
-
-def _draft_problem(draft: DraftSpec, model: Path) -> str:
-    """Why the draft cannot serve this target ("" when it can): one made for another model is refused here, not after
-    the stack has started and the draft service has failed its start-up five times."""
-    path = draft.path
-    if path is None:  # prompt lookup: nothing to check
-        return ""
-    if not (path / "config.json").is_file():
-        return f"{path} has no config.json"
-    if draft.needs_target_model:
-        from modeling.model.eagle import DraftMismatch, check_target
-
-        try:
-            check_target(path, model)
-        except DraftMismatch as error:
-            return str(error)
-    if draft.kind is DraftKind.MODEL:
-        from modeling.model.config import vocab_fingerprint
-
-        if vocab_fingerprint(path) != vocab_fingerprint(model):
-            return f"the draft model's vocabulary differs from --model's ({path})"
-    return ""
-
-
-# ---------------------------------------------------------------- the config
 
 
 def up_config(args: argparse.Namespace) -> UpConfig:
@@ -142,7 +69,7 @@ def up_config(args: argparse.Namespace) -> UpConfig:
         raise UpRefused(
             "--no-token-trees goes with --draft default or phrases:PATH (the drafts that propose token trees)"
         )
-    if proposer is not None and (problem := _draft_problem(proposer, model)):
+    if proposer is not None and (problem := draft_problem(proposer, model)):
         raise UpRefused(f"--draft {draft.name}: {problem}")
     device = args.device or _default_device()
     if problem := _device_problem(device, args.num_workers):
@@ -361,58 +288,3 @@ def _default_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-# ---------------------------------------------------------------- running
-
-
-def ready_line(config: UpConfig) -> str:
-    stack = config.stack
-    return (
-        f"specserve ready: gRPC on {stack.host}:{stack.grpc_port}, HTTP on {stack.host}:{stack.http_port}, "
-        f"model {stack.model.name} ({stack.dtype}"
-        f"{', weights ' + stack.quantization if stack.quantization != 'none' else ''}, "
-        f"{stack.num_workers} worker(s) on {stack.device}), "
-        f"draft {config.draft_name}"
-        f"{', services unauthenticated on loopback (--insecure-loopback)' if stack.insecure_loopback else ''}"
-    )
-
-
-def run_up(config: UpConfig) -> int:
-    """The stack under the supervisor: the ready line once it serves, then restarts until a signal. The exit status.
-
-    Without a key folder given (or --insecure-loopback), this run's keys are made in a private temporary folder,
-    removed when it ends."""
-    with tempfile.TemporaryDirectory(prefix="specserve-keys-") as folder:
-        return _supervise(config, with_keys(config.stack, Path(folder) / "keys"))
-
-
-def _supervise(config: UpConfig, stack: StackConfig) -> int:
-    addresses = StackAddresses.pick(stack)
-    supervisor = Supervisor(service_specs(stack, addresses), RestartPolicy())
-    supervisor.install_signal_handlers()
-    supervisor.start()
-    ready_by = time.monotonic() + config.ready_timeout_s
-
-    def serving() -> bool:
-        return stack_serving(stack, addresses)
-
-    try:
-        supervisor.watch(until=lambda: serving() or time.monotonic() > ready_by)
-        if not supervisor.stopping and time.monotonic() > ready_by and not serving():
-            print(
-                f"specserve up: not serving within {config.ready_timeout_s:g} s (--ready-timeout-s): no target worker "
-                "became READY; see the services' logs; stopping",
-                file=sys.stderr,
-            )
-            supervisor.stop(grace_s=10.0)
-            return 1
-        if not supervisor.stopping:
-            print(ready_line(config), flush=True)
-            supervisor.watch()
-    except GaveUp as exc:
-        print(f"specserve up: {exc}; stopping", file=sys.stderr)
-        supervisor.stop(grace_s=10.0)
-        return 1
-    supervisor.stop(grace_s=30.0)
-    return 0

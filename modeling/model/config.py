@@ -7,8 +7,8 @@ sliding-window attention on some or all layers (Mistral, Qwen with `use_sliding_
 Gemma 3's local layers, which also have their own RoPE base), scaled RoPE (modeling/model/rope.py),
 and Gemma 3's norms (weights stored as w - 1, four per layer), embedding scale, query scale
 and GELU-tanh MLP. Every key of config.json is read: what changes the math is implemented or
-refused (UnsupportedModel, naming the key), and a key this code does not know is refused
-too, since it may change it.
+refused (UnsupportedModel, naming the key), and a key this code does not know (the keys it
+knows, per family, are in modeling/model/families.py) is refused too, since it may change it.
 """
 
 from __future__ import annotations
@@ -19,68 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from modeling.model.families import ACTIVATIONS, FAMILIES, NEUTRAL_KEYS, Family
 from modeling.model.rope import Rope, RopeError
 
 
 class UnsupportedModel(ValueError):
     """The folder holds a model this code cannot run; the message says which field."""
-
-
-@dataclass(frozen=True)
-class Family:
-    """What a model_type fixes, and the config.json keys (beyond the common ones) it reads."""
-
-    keys: frozenset[str]
-    activation_key: str = "hidden_act"
-    default_activation: str = "silu"
-    default_max_positions: int = 2048
-    default_head_dim: int | None = None  # None: hidden_size / num_attention_heads
-    default_tied: bool = False
-    default_theta: float = 10000.0
-    qkv_bias: bool = False  # always (Qwen2), else as attention_bias says (which then biases o_proj too)
-    qk_norm: bool = False
-    gemma: bool = False
-
-
-_QWEN_WINDOW_KEYS = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
-FAMILIES: dict[str, Family] = {
-    "llama": Family(frozenset({"attention_bias", "mlp_bias", "head_dim"})),
-    "mistral": Family(frozenset({"sliding_window", "head_dim"}), default_max_positions=131072),
-    "qwen2": Family(_QWEN_WINDOW_KEYS, default_max_positions=32768, qkv_bias=True),
-    "qwen3": Family(
-        _QWEN_WINDOW_KEYS | {"attention_bias", "head_dim"},
-        default_max_positions=32768,
-        default_head_dim=128,
-        qk_norm=True,
-    ),
-    "gemma3_text": Family(
-        frozenset(
-            {
-                "attention_bias",
-                "head_dim",
-                "query_pre_attn_scalar",
-                "sliding_window",
-                "layer_types",
-                "sliding_window_pattern",
-                "_sliding_window_pattern",
-                "rope_local_base_freq",
-                "final_logit_softcapping",
-                "attn_logit_softcapping",
-                "use_bidirectional_attention",
-            }
-        ),
-        activation_key="hidden_activation",
-        default_activation="gelu_pytorch_tanh",
-        default_max_positions=131072,
-        default_head_dim=256,
-        default_tied=True,
-        default_theta=1_000_000.0,
-        qk_norm=True,
-        gemma=True,
-    ),
-}
-ACTIVATIONS = frozenset({"silu", "gelu_pytorch_tanh"})
-_GEMMA_LOCAL_THETA = 10000.0
 
 
 @dataclass(frozen=True)
@@ -148,15 +92,14 @@ class ModelConfig:
         if model_type not in FAMILIES:
             raise UnsupportedModel(f"config.json model_type {model_type!r} is not one of {sorted(FAMILIES)}")
         family = FAMILIES[model_type]
-        known = _COMMON_KEYS | family.keys | {family.activation_key} | set(_NEUTRAL_KEYS) | _METADATA_KEYS
-        unknown = sorted(set(hf) - known)
+        unknown = sorted(set(hf) - family.known_keys())
         if unknown:
             raise UnsupportedModel(
                 f"config.json key {unknown[0]!r} is not known to this server for model_type "
                 f"{model_type!r} and may change the model's math; refusing rather than serving it "
                 f"wrongly (unknown keys: {unknown})"
             )
-        for key, neutral in _NEUTRAL_KEYS.items():
+        for key, neutral in NEUTRAL_KEYS.items():
             if key in hf and not neutral(hf[key]):
                 raise UnsupportedModel(f"config.json {key} {hf[key]!r} is not supported")
         activation = hf.get(family.activation_key) or family.default_activation
@@ -215,6 +158,9 @@ class ModelConfig:
         except json.JSONDecodeError as exc:
             raise UnsupportedModel(f"{path} is not valid JSON: {exc}") from exc
         return cls.from_hf(hf)
+
+
+_GEMMA_LOCAL_THETA = 10000.0
 
 
 def _check_gemma(hf: dict[str, Any]) -> None:
@@ -320,103 +266,6 @@ def _windows(hf: dict[str, Any], model_type: str, num_layers: int) -> tuple[tupl
             "sliding_attention" if (layer + 1) % pattern else "full_attention" for layer in range(num_layers)
         ]
     return tuple(kind == "sliding_attention" for kind in layer_types), None if window is None else int(window)
-
-
-# The keys every family reads (rope_* in _ropes()).
-_COMMON_KEYS = frozenset(
-    {
-        "model_type",
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "rms_norm_eps",
-        "rope_theta",
-        "rope_parameters",
-        "rope_scaling",
-        "max_position_embeddings",
-        "tie_word_embeddings",
-    }
-)
-
-# Keys that would change the math, accepted only at the value that leaves it as implemented.
-_NEUTRAL_KEYS: dict[str, Any] = {
-    "rope_interleaved": lambda v: not v,
-    "partial_rotary_factor": lambda v: float(v) == 1.0,
-    "quantization_config": lambda v: not v,
-    # Neither changes what an inference step computes (a split matmul, dropout in training).
-    "pretraining_tp": lambda v: True,
-    "attention_dropout": lambda v: True,
-}
-
-# Keys that do not change what the model computes: names, token ids, training and generation defaults.
-_METADATA_KEYS = frozenset(
-    {
-        "_name_or_path",
-        "architectures",
-        "auto_map",
-        "transformers_version",
-        "dtype",
-        "torch_dtype",
-        "use_cache",
-        "bos_token_id",
-        "eos_token_id",
-        "pad_token_id",
-        "sep_token_id",
-        "decoder_start_token_id",
-        "initializer_range",
-        "tokenizer_class",
-        "is_llama_config",
-        "transformers.js_config",
-        "id2label",
-        "label2id",
-        "problem_type",
-        "return_dict",
-        "output_attentions",
-        "output_hidden_states",
-        "output_scores",
-        "return_dict_in_generate",
-        "is_encoder_decoder",
-        "is_decoder",
-        "add_cross_attention",
-        "cross_attention_hidden_size",
-        "tie_encoder_decoder",
-        "chunk_size_feed_forward",
-        "pruned_heads",
-        "torchscript",
-        "use_bfloat16",
-        "tf_legacy_loss",
-        "finetuning_task",
-        "task_specific_params",
-        "prefix",
-        "max_length",
-        "min_length",
-        "do_sample",
-        "early_stopping",
-        "num_beams",
-        "num_beam_groups",
-        "diversity_penalty",
-        "temperature",
-        "top_k",
-        "top_p",
-        "typical_p",
-        "repetition_penalty",
-        "length_penalty",
-        "no_repeat_ngram_size",
-        "encoder_no_repeat_ngram_size",
-        "bad_words_ids",
-        "num_return_sequences",
-        "forced_bos_token_id",
-        "forced_eos_token_id",
-        "remove_invalid_values",
-        "exponential_decay_length_penalty",
-        "suppress_tokens",
-        "begin_suppress_tokens",
-        "_attn_implementation_autoset",
-    }
-)
 
 
 def model_fingerprint(folder: Path) -> str:

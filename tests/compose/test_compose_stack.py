@@ -25,7 +25,8 @@ from openai import AuthenticationError, DefaultHttpxClient, OpenAI
 
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
-from specserve.stack import free_ports, is_serving
+from specserve.health_probes import is_serving
+from specserve.stack import free_ports
 from tests.compose.conftest import Compose, print_logs_if_failed, progress
 from tests.compose.images import ROOT, on_host_network
 from tests.tls_certs import make_test_ca

@@ -20,7 +20,8 @@ from common.transport import Role, Transport
 from proto import specserve_pb2 as pb
 from proto import specserve_pb2_grpc as pb_grpc
 from proto.lifecycle import State
-from specserve.stack import LocalStack, StackConfig, running
+from specserve.local_stack import LocalStack, running
+from specserve.stack import StackConfig
 
 
 class Stack(LocalStack):

@@ -22,7 +22,8 @@ import pytest
 
 from proto import messages as m
 from proto import specserve_pb2_grpc as pb_grpc
-from specserve.stack import StackConfig, free_ports, gateway_spec, is_serving
+from specserve.health_probes import is_serving
+from specserve.stack import StackConfig, free_ports, gateway_spec
 from tests.e2e.stack import Stack, collect, running_stack
 from tests.e2e.test_reliability import greedy, prompts, wait_for
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import openai
 
-from specserve.stack import free_ports, gateway_spec, is_serving
+from specserve.health_probes import is_serving
+from specserve.stack import free_ports, gateway_spec
 from tests.e2e.stack import Stack
 
 MODEL = "SmolLM2-135M-Instruct"

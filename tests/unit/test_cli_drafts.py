@@ -15,8 +15,9 @@ from common.draft_spec import DraftKind, DraftSpec
 from modeling.model.store import default_draft_dir
 from scheduler.config import SchedulerConfig, speculation_caps
 from specserve.cli import _build_parser
+from specserve.draft_choice import DraftChoice, default_draft, parse_draft
 from specserve.stack import StackAddresses, service_specs
-from specserve.up import DraftChoice, default_draft, parse_draft, stack_config
+from specserve.up import stack_config
 
 
 def test_the_shipped_draft_is_the_default_only_for_the_model_it_was_trained_for(
@@ -183,9 +184,9 @@ def test_up_refuses_what_cannot_work_before_any_process_starts(
     tiny_llama_folder: Path, flags: list[str], problem: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import specserve.cli
-    import specserve.up
+    import specserve.up_run
 
-    monkeypatch.setattr(specserve.up, "Supervisor", None)  # starting anything would fail loudly
+    monkeypatch.setattr(specserve.up_run, "Supervisor", None)  # starting anything would fail loudly
     monkeypatch.delenv("SPECSERVE_API_KEY", raising=False)
     args = _build_parser().parse_args(["up", "--model", str(tiny_llama_folder), *flags])
     with pytest.raises(SystemExit, match=problem.replace("+", "\\+")):
@@ -196,7 +197,7 @@ def test_up_gives_up_when_nothing_serves_within_the_ready_timeout(
     tiny_llama_folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import specserve.cli
-    import specserve.up
+    import specserve.up_run
 
     stopped: list[float] = []
 
@@ -214,8 +215,8 @@ def test_up_gives_up_when_nothing_serves_within_the_ready_timeout(
         def stop(self, grace_s: float) -> None:
             stopped.append(grace_s)
 
-    monkeypatch.setattr(specserve.up, "Supervisor", NeverReady)
-    monkeypatch.setattr(specserve.up, "stack_serving", lambda config, addresses: False)
+    monkeypatch.setattr(specserve.up_run, "Supervisor", NeverReady)
+    monkeypatch.setattr(specserve.up_run, "stack_serving", lambda config, addresses: False)
     args = _build_parser().parse_args(
         ["up", "--model", str(tiny_llama_folder), "--draft", "ngram", "--ready-timeout-s", "0.2"]
     )
@@ -307,6 +308,7 @@ def test_up_without_keys_given_makes_a_private_folder_for_its_run(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     import specserve.up
+    import specserve.up_run
 
     seen: list[tuple[str, ...]] = []
 
@@ -316,11 +318,11 @@ def test_up_without_keys_given_makes_a_private_folder_for_its_run(
         assert keys.stat().st_mode & 0o777 == 0o700
         return 0
 
-    monkeypatch.setattr(specserve.up, "_supervise", supervise)
+    monkeypatch.setattr(specserve.up_run, "_supervise", supervise)
     args = _build_parser().parse_args(["up", "--keys", "/unused"])
     config = stack_config(args, model=tmp_path, max_model_len=64, draft=None, device="cpu", dtype="float32")
     up = specserve.up.UpConfig(stack=dataclasses.replace(config, keys=None), draft_name="none", ready_timeout_s=1.0)
-    assert specserve.up.run_up(up) == 0
+    assert specserve.up_run.run_up(up) == 0
     assert seen == [
         (
             "authorized/gateway/gateway.key",

@@ -467,7 +467,7 @@ class _Timed:
 
 
 def test_a_long_native_step_lets_other_threads_run() -> None:
-    """A worker's heartbeats come from a thread of its own (common/lifecycle_process.py): the kernels release the
+    """A worker's heartbeats come from a thread of its own (common/heartbeat_thread.py): the kernels release the
     GIL, so a long step on a loaded machine does not silence them and get the worker declared dead."""
     model = _random_model(
         torch.float32, 1024, num_layers=4, hidden_size=768, intermediate_size=2048, num_heads=12, num_kv_heads=4

@@ -25,13 +25,14 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gateway.api_error import ApiError
 from gateway.errors import InvalidArgument, RequestFailed, UnreadableRequest
 from gateway.generation import Generation
 from gateway.grpc_request import structured_of, submission_of
 from gateway.http_api import HttpApi
 from gateway.metrics import GatewayMetrics
 from gateway.openai_logprobs import LOGPROB_FLOOR
-from gateway.openai_request import ApiError, client_request_of
+from gateway.openai_request import client_request_of
 from gateway.request import TextPrompt
 from gateway.request_stream import check_readable
 from gateway.server import SpecServeServicer, add_servicer

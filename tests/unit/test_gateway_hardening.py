@@ -15,12 +15,12 @@ import grpc
 import pytest
 from aiohttp import web
 
+from gateway.api_error import ApiError
 from gateway.config import parse_config
 from gateway.generation import Generation
 from gateway.http_api import HttpApi
 from gateway.http_body import BodyLimits, check_depth, check_text
 from gateway.metrics import GatewayMetrics
-from gateway.openai_request import ApiError
 from gateway.validation import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from common.text.tokenizer import Tokenizer
 from proto import specserve_pb2 as pb

@@ -69,13 +69,13 @@ def test_tenant_scope_is_refused_at_start_without_api_keys(
 
 def test_sglang_rids_name_each_prompts_replies() -> None:
     """SGLang's rid: a string (numbered per prompt in a batch) or a list of one per prompt; what is not is refused."""
-    from gateway.openai_request import ApiError
-    from gateway.sglang_api import _request_ids
+    from gateway.api_error import ApiError
+    from gateway.sglang_request import request_ids
 
-    assert _request_ids("mine", 1, True) == ["mine"]
-    assert _request_ids("mine", 2, False) == ["mine-0", "mine-1"]
-    assert _request_ids(["a", "b"], 2, False) == ["a", "b"]
-    assert _request_ids(None, 1, True)[0].startswith("sgl-")
+    assert request_ids("mine", 1, True) == ["mine"]
+    assert request_ids("mine", 2, False) == ["mine-0", "mine-1"]
+    assert request_ids(["a", "b"], 2, False) == ["a", "b"]
+    assert request_ids(None, 1, True)[0].startswith("sgl-")
     for rid, num, single, field in (
         (["a"], 2, False, "rid"),
         ([1, 2], 2, False, "rid"),
@@ -84,6 +84,6 @@ def test_sglang_rids_name_each_prompts_replies() -> None:
         (["ok", "tab\t"], 2, False, "rid[1]"),
     ):
         with pytest.raises((ApiError, InvalidArgument)) as refused:
-            _request_ids(rid, num, single)
+            request_ids(rid, num, single)
         error = refused.value
         assert (error.param if isinstance(error, ApiError) else error.field) == field

@@ -8,15 +8,15 @@ from typing import Any
 
 import pytest
 
+from gateway.api_error import ApiError
 from gateway.app import load_tokenizer
 from gateway.errors import InvalidArgument, StartupError
 from gateway.generation import prompt_token_ids_of
+from gateway.openai_chat_prompt import chat_prompt
 from gateway.openai_request import (
     MAX_CHOICES,
     MAX_PROMPTS,
-    ApiError,
     ChoiceCounts,
-    chat_prompt,
     choice_counts,
     client_request_of,
     completion_prompts,

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from gateway.openai_request import ApiError, chat_prompt
+from gateway.api_error import ApiError
+from gateway.openai_chat_prompt import chat_prompt
 from gateway.output_formats import ToolCallParser
 from gateway.tools import CallGate, ToolAsk, ToolCall, call_grammar, parse_calls, tool_ask
 from common.text.structured import grammar_problem, grammar_tokenizer
