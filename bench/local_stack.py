@@ -17,7 +17,8 @@ from specserve.up_run import ready_line
 
 @dataclass(frozen=True)
 class ReadyStack:
-    address: str  # HOST:PORT of the gateway
+    address: str  # HOST:PORT of the gateway's gRPC API
+    http_address: str  # HOST:PORT of its OpenAI HTTP API
     ready_line: str  # what `specserve up` prints once it serves
     dtype: str
     device: str
@@ -41,6 +42,7 @@ def running_up(up_flags: Sequence[str]) -> Iterator[ReadyStack]:
     with running(LocalStack(config.stack, log_dir), timeout_s=config.ready_timeout_s) as stack:
         yield ReadyStack(
             address=f"127.0.0.1:{stack.addresses.grpc_port}",
+            http_address=f"127.0.0.1:{stack.addresses.http_port}",
             ready_line=ready_line(config),
             dtype=config.stack.dtype,
             device=config.stack.device,

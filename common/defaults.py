@@ -10,6 +10,7 @@ NUM_SPECULATIVE_TOKENS = 6  # k, draft tokens a sequence's step verifies at most
 HEAD_DRAFT_TOKENS = 3  # ...a draft head's beyond this many are accepted too rarely to pay (docs/benchmarks.md)
 SPEC_BATCH_THRESHOLD = 16  # steps of more sequences never speculate: lookups cost the draft nothing and pay to 16...
 MODEL_SPEC_BATCH_THRESHOLD = 4  # ...a draft that runs a model (a head, a draft model) pays to about 4
+SUFFIX_CACHE_TOKENS = 1_000_000  # served tokens the draft service keeps to draft from (about 130 MB)
 DRAFT_MAX_TOKENS = 8  # the draft service's longest proposal unless told: past every k above
 KV_PAGE_SIZE = 16  # positions per KV page
 HTTP_MAX_BODY_BYTES = 32 * 2**20  # a long-context prompt as text is a few MiB at most

@@ -16,6 +16,7 @@ from common.defaults import HEAD_DRAFT_TOKENS, MODEL_SPEC_BATCH_THRESHOLD, NUM_S
 
 class DraftKind(enum.StrEnum):
     NGRAM = "ngram"  # prompt lookup
+    SUFFIX = "suffix"  # prompt lookup, then the text served to the request's tenant (draft_service/suffix_store.py)
     PHRASES = "phrases"  # prompt lookup, then the target's own phrases in a folder made by `specserve distill`
     EAGLE = "eagle"  # the EAGLE-style draft head in such a folder
     EAGLE_NGRAM = "eagle+ngram"  # prompt lookup, else the folder's head
@@ -53,9 +54,9 @@ class DraftSpec:
         if name not in {kind.value for kind in kinds}:
             raise ValueError(f"{flag} {text!r}: the kind must be one of {', '.join(kinds)}")
         kind = DraftKind(name)
-        if kind is DraftKind.NGRAM:
+        if kind in (DraftKind.NGRAM, DraftKind.SUFFIX):
             if colon:
-                raise ValueError(f"{flag} {text!r}: ngram takes no argument")
+                raise ValueError(f"{flag} {text!r}: {kind} takes no argument")
             return cls(kind)
         if not argument:
             raise ValueError(
@@ -107,7 +108,7 @@ class DraftSpec:
     @property
     def proposes_trees(self) -> bool:
         """Phrases may propose a token tree of guesses rather than one chain (--no-token-trees turns it off)."""
-        return self.kind is DraftKind.PHRASES
+        return self.kind in (DraftKind.PHRASES, DraftKind.SUFFIX)
 
     @property
     def model_path(self) -> Path | None:

@@ -30,6 +30,8 @@ class DraftConfig:
     num_seqs: int  # sequences it holds at once (a draft model: its KV cache holds this many of max_model_len)
     draft_top_k: int  # a sampled draft token is drawn from the draft's k most likely tokens at most
     quantization: str = "none"  # a draft model: GGUF blocks served as they are (modeling/kernels/blocks.py), or "none"
+    suffix_cache_tokens: int = 0  # served tokens kept to draft from (suffix, phrases); 0: none
+    suffix_scope: str = "tenant"  # whose served text drafts for a request (draft_service/traffic.py)
 
 
 DEFAULT_PROPOSER = "default"  # --proposer's default: the shipped draft for its target, else prompt lookup
@@ -70,6 +72,8 @@ def from_arguments(args: argparse.Namespace) -> DraftConfig:
         1,
     ):
         raise ValueError(problem)
+    if args.suffix_cache_tokens < 0:
+        raise ValueError(f"--suffix-cache-tokens must be at least 0, got {args.suffix_cache_tokens}")
     if args.draft_top_k > MAX_SPARSE_DIST_TOKENS:  # the scheduler and the targets refuse a larger distribution
         raise ValueError(f"--draft-top-k {args.draft_top_k}: at most {MAX_SPARSE_DIST_TOKENS}")
     if args.dtype == AUTO:
@@ -109,4 +113,6 @@ def from_arguments(args: argparse.Namespace) -> DraftConfig:
         num_seqs=args.num_seqs * args.num_targets,
         draft_top_k=args.draft_top_k,
         quantization=args.quantization,
+        suffix_cache_tokens=args.suffix_cache_tokens,
+        suffix_scope=args.suffix_scope,
     )

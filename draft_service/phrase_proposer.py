@@ -13,16 +13,12 @@ from common.text.phrases import FILE_NAME as PHRASE_FILE
 from common.text.phrases import MIN_CHANCE as PHRASE_MIN_CHANCE
 from common.text.phrases import MIN_CONTEXT as PHRASE_MIN_CONTEXT
 from common.text.phrases import PhraseStore
-from common.trees import best_tree, is_chain
 from draft_service.prompt_lookup import LookupProposer, NgramProposer
 from draft_service.proposer import ProposeInput, Proposed, nothing
+from draft_service.traffic import TrafficDrafts
+from draft_service.tree_merge import merged_tree
 from modeling.model.config import ModelConfig
 from modeling.model.eagle import check_target
-
-# In a token tree: how often prompt lookup's guess at each depth is the target's next token,
-# given the guesses before it were (n-gram lengths 2-4), measured on the tuning requests
-# (bench/spec_prompts.py TUNING) as common.text.phrases.TRUST_BY_MATCH was.
-LOOKUP_TRUST = (0.74, 0.82, 0.84, 0.9, 0.91, 0.92)
 
 
 class PhraseProposer(LookupProposer):
@@ -41,6 +37,7 @@ class PhraseProposer(LookupProposer):
         prompt_lookup: NgramProposer,
         min_context: int = PHRASE_MIN_CONTEXT,
         trees: bool = True,
+        traffic: TrafficDrafts | None = None,
     ) -> None:
         meta = check_target(folder, target_folder)  # refuses a folder made for another target, as a head does
         self.vocab_size = ModelConfig.from_folder(target_folder).vocab_size
@@ -48,6 +45,7 @@ class PhraseProposer(LookupProposer):
         self.target_fingerprint = meta.target_fingerprint
         self._folder, self._prompt_lookup, self._min_context, self._trees = folder, prompt_lookup, min_context, trees
         self._phrases: PhraseStore | None = None
+        self.traffic = traffic  # the text served, drafted from beside the phrases (None: not kept)
 
     def phases(self) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
         return self._load, nothing, self._prompt_lookup.self_check
@@ -81,25 +79,38 @@ class PhraseProposer(LookupProposer):
         nothing, but in a step of many every row costs its share.
         """
         min_chance = PHRASE_MIN_CHANCE * len(batch)
-        return [
-            self.tree(item.token_ids, item.num_tokens, min_chance)
-            if self._trees
-            else self.find(item.token_ids, item.num_tokens)
-            for item in batch
-        ]
+        proposals = []
+        for item in batch:
+            served = {}
+            if self.traffic is not None:
+                served = self.traffic.chances(item.request_id, item.tenant, item.token_ids, item.num_tokens, min_chance)
+            if self._trees:
+                proposals.append(self.tree(item.token_ids, item.num_tokens, min_chance, served))
+            else:
+                proposals.append(self.find(item.token_ids, item.num_tokens))
+        return proposals
 
-    def tree(self, tokens: list[int], k: int, min_chance: float = PHRASE_MIN_CHANCE) -> Proposed:
-        """The k likeliest guesses (none less likely than min_chance) of the phrases' branches and prompt lookup's
-        chain, as one token tree (its source "lookup" where prompt lookup found a chain, else "phrases")."""
+    def forget(self, request_id: str) -> None:
+        if self.traffic is not None:
+            self.traffic.forget(request_id)
+
+    def tree(
+        self,
+        tokens: list[int],
+        k: int,
+        min_chance: float = PHRASE_MIN_CHANCE,
+        served: dict[tuple[int, ...], float] | None = None,
+    ) -> Proposed:
+        """The k likeliest guesses (none less likely than min_chance) of the phrases' branches, the `served` text's
+        (the suffix store's) and prompt lookup's chain, as one token tree (its source "lookup" where prompt lookup
+        found a chain, else "suffix" where the served text's likeliest guess leads, else "phrases")."""
         assert self._phrases is not None  # loaded
         chances = self._phrases.guesses(tokens, k, self._min_context, min_chance)
-        chance = 1.0
-        lookup = self._prompt_lookup.lookup(tokens, k)
-        for depth in range(len(lookup)):
-            chance *= LOOKUP_TRUST[min(depth, len(LOOKUP_TRUST) - 1)]
-            branch = tuple(lookup[: depth + 1])
+        served = served or {}
+        led_by_served = bool(served) and max(served.values()) > max(chances.values(), default=0.0)
+        for branch, chance in served.items():
             chances[branch] = max(chances.get(branch, 0.0), chance)
-        token_ids, parents = best_tree(chances, k, min_chance)
-        return Proposed(
-            token_ids, parents=None if is_chain(parents) else parents, source="lookup" if lookup else "phrases"
-        )
+        lookup = self._prompt_lookup.lookup(tokens, k)
+        token_ids, parents = merged_tree(chances, lookup, k, min_chance)
+        source = "lookup" if lookup else "suffix" if led_by_served else "phrases"
+        return Proposed(token_ids, parents=parents, source=source)

@@ -45,6 +45,7 @@ class ProposeInput:
     # For a proposer that reads target features: `[rows, width]`, the target's final hidden
     # state at positions 0 .. rows-1 (every position but the last when complete).
     features: torch.Tensor | None = None
+    tenant: str = ""  # whose text a proposer that learns from traffic drafts from (m.ProposeSeq.tenant)
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class Proposed:
     token_ids: list[int]  # possibly empty
     dists: list[SparseDist] | None = None  # per token, what it was drawn from; None = a point mass
     parents: list[int] | None = None  # a token tree (common.trees; point masses only); None = a chain
-    source: str = ""  # which proposer made it: "lookup", "phrases", "head", "model" (m.Proposal.source)
+    source: str = ""  # which proposer made it: "lookup", "phrases", "suffix", "head", "model" (m.Proposal.source)
 
 
 class Proposer(Protocol):

@@ -18,7 +18,9 @@ from draft_service.phrase_proposer import PhraseProposer
 from draft_service.prompt_lookup import NgramProposer
 from draft_service.proposer import ProposeInput, Proposer
 from draft_service.sequences import SequenceStore
+from draft_service.suffix_proposer import SuffixProposer
 from draft_service.testing_proposers import RandomProposer, ReplayProposer
+from draft_service.traffic import TrafficDrafts
 from modeling.kernels.packing import native_unavailable
 from modeling.model.kv_cache import DEFAULT_PAGE_SIZE
 from common.text.phrases import FULL_CONTEXT as PHRASE_FULL_CONTEXT
@@ -26,6 +28,25 @@ from proto import frames
 from proto import messages as m
 from modeling.kernels.threads import compute_on
 from proto.lifecycle import State
+
+_ANY_VOCABULARY = 1 << 24  # token ids a store keeps where the target's vocabulary is not known to it
+
+
+def traffic(config: DraftConfig, vocab_size: int) -> TrafficDrafts:
+    """The suffix store of served text the proposer drafts from (a vocabulary of 0: the target's, as far as the
+    protocol goes)."""
+    return TrafficDrafts(config.suffix_cache_tokens, vocab_size or _ANY_VOCABULARY, config.suffix_scope)  # type: ignore[arg-type]
+
+
+def traffic_of(proposer: Proposer | None) -> TrafficDrafts | None:
+    """The served text a proposer drafts from, where it keeps any."""
+    served = getattr(proposer, "traffic", None)
+    return served if isinstance(served, TrafficDrafts) and served.keeps_text else None
+
+
+def learns_from_traffic(proposer: Proposer | None) -> bool:
+    """Whether the scheduler should send it the text served (m.RecordText)."""
+    return traffic_of(proposer) is not None
 
 
 def make_proposer(config: DraftConfig) -> Proposer:
@@ -35,9 +56,14 @@ def make_proposer(config: DraftConfig) -> Proposer:
     match spec.kind:
         case DraftKind.NGRAM:
             return prompt_lookup
+        case DraftKind.SUFFIX:
+            return SuffixProposer(traffic(config, 0), prompt_lookup, trees=config.token_trees)
         case DraftKind.PHRASES:
             assert path is not None and config.target_model is not None  # checked with the arguments
-            return PhraseProposer(path, config.target_model, prompt_lookup, trees=config.token_trees)
+            phrases = PhraseProposer(path, config.target_model, prompt_lookup, trees=config.token_trees)
+            if config.suffix_cache_tokens > 0:
+                phrases.traffic = traffic(config, phrases.vocab_size)
+            return phrases
         case DraftKind.EAGLE | DraftKind.EAGLE_NGRAM | DraftKind.EAGLE_PHRASES:
             assert path is not None and config.target_model is not None  # checked with the arguments
             head = EagleProposer(
@@ -109,6 +135,7 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
             feature_width=self._proposer.feature_width,
             target_fingerprint=self._proposer.target_fingerprint,
             draft_kind=cfg.proposer.kind.value,
+            learns_from_traffic=learns_from_traffic(self._proposer),
         )
 
     def phases(self) -> list[Phase]:
@@ -163,6 +190,15 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
                     return
                 for request_id in message.request_ids:
                     self._forget(request_id)
+            case m.RecordText():
+                if message.incarnation != self.incarnation:
+                    self.errors.record("stale_incarnation", message="record_text", incarnation=message.incarnation)
+                    return
+                if (served := traffic_of(self._proposer)) is not None:
+                    try:
+                        served.record(message.tenant, message.token_ids)
+                    except ValueError as exc:  # a token outside the vocabulary: the text is dropped, not the process
+                        self.errors.record("bad_text", problem=str(exc))
             case m.Drain() | m.Probe():  # LifecycleProcess answers these itself and never passes them here
                 self.errors.record("unexpected_message", message=type(message).__name__)
             case _:
@@ -211,7 +247,13 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
             if num_tokens > 0:
                 inputs.append(
                     ProposeInput(
-                        seq.request_id, update.token_ids, update.num_stable, num_tokens, seq.sampling, update.features
+                        seq.request_id,
+                        update.token_ids,
+                        update.num_stable,
+                        num_tokens,
+                        seq.sampling,
+                        update.features,
+                        seq.tenant,
                     )
                 )
         proposed = dict(zip((i.request_id for i in inputs), self._proposer.propose(inputs)))

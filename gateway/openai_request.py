@@ -166,6 +166,7 @@ def client_request_of(body: dict[str, Any], prompt: Prompt, *, chat: bool) -> tu
         stop_strings=stop_strings,
         stop_token_ids=token_ids_param("stop_token_ids", body.get("stop_token_ids")),  # an extension, as in vLLM
         ignore_eos=_bool_param("ignore_eos", body.get("ignore_eos")),  # an extension, as in vLLM
+        user=body.get("user"),  # checked a string above
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         presence_penalty=_float_param("presence_penalty", body.get("presence_penalty")),

@@ -8,6 +8,7 @@ string where a number belongs); `validation.validate` checks the values once for
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -66,6 +67,7 @@ class ClientRequest:
     structured: tuple[str, StructuredSpec] | None = None  # what the output must follow, and the field that asked
     cache_salt: str | None = None  # only requests with the same salt share prefix-cache pages (vLLM's cache_salt)
     priority: int | None = None  # lower first under the scheduler's --scheduling-policy priority; None: 0
+    user: str | None = None  # OpenAI's end-user id: whose text drafts are drawn from, where no API key says
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ class Submission:
     cache_salt: str | None = None  # the client's (checked); None: none given
     priority: int = 0  # lower first under the scheduler's --scheduling-policy priority
     tenant: str | None = None  # the tenant of the API key it came with (gateway/access.py); None: no keys required
+    user: str | None = None  # the client's end-user id (OpenAI's `user`), where it sent one
     # A salt of this request alone, which its copies (n, best_of) keep: where the cache is not shared by default
     # (--prefix-cache-scope salt), what an unsalted request's pages are shared under.
     own_salt: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -117,4 +120,16 @@ class Submission:
             grammar=self.grammar,
             cache_salt=cache_salt,
             priority=self.priority,
+            tenant=drafting_tenant(self.tenant, self.user),
         )
+
+
+def drafting_tenant(key_tenant: str | None, user: str | None) -> str:
+    """Whose text a draft that learns from traffic may draft from for this request, and whose its text becomes: the
+    API key's tenant where keys are required (a user id cannot cross keys); else the client's `user`, as a digest (a
+    claim: any caller may send any user id); else "", the one tenant of callers nothing tells apart."""
+    if key_tenant is not None:
+        return f"key:{key_tenant}"
+    if user:
+        return "user:" + hashlib.sha256(b"specserve user " + user.encode()).hexdigest()[:16]
+    return ""

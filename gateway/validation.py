@@ -106,6 +106,7 @@ def validate(
         grammar=grammar_of(request.structured, grammars),
         cache_salt=cache_salt_of(request.cache_salt, fields.cache_salt),
         priority=priority_of(request.priority, fields.priority),
+        user=request.user,
     )
 
 

@@ -86,6 +86,7 @@ def gateway_to_scheduler(max_model_len: int) -> int:
                 stop_token_ids=_ints(m.MAX_STOP_TOKEN_IDS),
                 grammar=_text(m.MAX_GRAMMAR_CHARS),
                 cache_salt=_text(m.MAX_CACHE_SALT_CHARS),
+                tenant=_text(m.MAX_TENANT_CHARS),
             ),
             m.AbortRequest: _struct(m.AbortRequest, request_id=_REQUEST_ID, reason=_REASON),
             m.InfoQuery: _struct(m.InfoQuery),
@@ -230,12 +231,16 @@ def scheduler_to_draft(limits: FrameLimits) -> int:
         new_token_ids=_ints(limits.max_model_len),
         sampling=_sampling(),
         features=rows,
+        tenant=_text(m.MAX_TENANT_CHARS),
     )
     return _bound(
         m.SchedulerToDraft,
         {
             m.ProposeRequest: _struct(m.ProposeRequest, seqs=_list(limits.max_propose_seqs, seq)),
             m.ReleaseSequences: _struct(m.ReleaseSequences, request_ids=_list(m.MAX_RELEASE_IDS, _REQUEST_ID)),
+            m.RecordText: _struct(
+                m.RecordText, tenant=_text(m.MAX_TENANT_CHARS), token_ids=_ints(limits.max_model_len)
+            ),
             m.Drain: _struct(m.Drain),
             m.Probe: _struct(m.Probe),
         },

@@ -62,7 +62,7 @@ MAX_REASON_CHARS = (
     2048  # a failure's or a refusal's text: its sender cuts it here, and so does the scheduler relaying it
 )
 # Proposal.source values the scheduler keeps apart ("other": any it does not know; "": unsaid).
-PROPOSAL_SOURCES = ("", "lookup", "phrases", "head", "model", "grammar", "other")
+PROPOSAL_SOURCES = ("", "lookup", "phrases", "suffix", "head", "model", "grammar", "other")
 MAX_STEP_TIMINGS = 16  # warm-up step timings a READY report carries at most
 MAX_DRAFT_TOKENS = 64  # draft tokens one sequence's step verifies (a hello claiming more is refused)
 # The widest target features (hidden states) a process may return or read: Llama 3.1 405B's, the widest model of the
@@ -78,6 +78,8 @@ MAX_LISTED_PROCESSES = 256
 MAX_ERROR_KINDS = 32
 MAX_ERROR_KIND_CHARS = 64
 MAX_RELEASE_IDS = 1024  # request ids one ReleaseSequences names (more go in several)
+MAX_TENANT_CHARS = 64  # a request's tenant (SubmitRequest.tenant): a gateway's digest, never a secret
+COMPLETION_LEAD_IN = 32  # a completion's RecordText begins with its prompt's last tokens, up to this many
 
 
 class Penalties(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -148,6 +150,9 @@ class SubmitRequest(msgspec.Struct, tag="submit", frozen=True, forbid_unknown_fi
     # Under the scheduler's --scheduling-policy priority, lower runs first and is preempted last (vLLM's meaning); a
     # scheduler that serves first come, first served refuses any other value than 0.
     priority: int = 0
+    # Whose text a draft that learns from traffic may draft from for it, and whose its text becomes (the draft
+    # service's --suffix-scope): the gateway's name for the caller ("": the one tenant of callers it cannot tell apart).
+    tenant: str = ""
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True, forbid_unknown_fields=True):
@@ -421,6 +426,7 @@ class ProposeSeq(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # For a draft that reads target features: the rows from `features.start_position` up to
     # the one before the last token (the service keeps every earlier row it was sent).
     features: FeatureRows | None = None
+    tenant: str = ""  # the request's (SubmitRequest.tenant): a draft that learns from traffic drafts from its text
 
 
 class ProposeRequest(msgspec.Struct, tag="propose", frozen=True, forbid_unknown_fields=True):
@@ -436,7 +442,16 @@ class ReleaseSequences(msgspec.Struct, tag="release_seqs", frozen=True, forbid_u
     request_ids: list[str]
 
 
-SchedulerToDraft = ProposeRequest | ReleaseSequences | Drain | Probe
+class RecordText(msgspec.Struct, tag="record_text", frozen=True, forbid_unknown_fields=True):
+    """Text the server read or wrote, for a draft that learns from traffic (its hello's learns_from_traffic): a
+    request's prompt as it is admitted, its completion as it finishes, each its tenant's."""
+
+    incarnation: int
+    tenant: str
+    token_ids: list[int]  # at most the scheduler's --max-model-len (a longer prompt's end)
+
+
+SchedulerToDraft = ProposeRequest | ReleaseSequences | RecordText | Drain | Probe
 
 
 # ---------------------------------------------------------------- worker -> scheduler
@@ -482,6 +497,7 @@ class WorkerHello(msgspec.Struct, tag="hello", frozen=True, forbid_unknown_field
     feature_width: int = 0
     target_fingerprint: str = ""  # draft: the model_fingerprint of the only target it serves ("": any)
     draft_kind: str = ""  # draft: its proposer's kind (common.draft_spec.DraftKind), whence speculation's default caps
+    learns_from_traffic: bool = False  # draft: it drafts from the text served (RecordText tells it)
 
 
 # The hello's text fields, each at most MAX_NAME_CHARS (the scheduler refuses a longer one; proto/frames.py sizes them).

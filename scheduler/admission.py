@@ -44,6 +44,8 @@ def submit_problem(
         return f"grammar must have 1 to {MAX_GRAMMAR_CHARS} characters"
     if len(submit.cache_salt) > MAX_CACHE_SALT_CHARS:
         return f"cache_salt has more than {MAX_CACHE_SALT_CHARS} characters"
+    if len(submit.tenant) > m.MAX_TENANT_CHARS:
+        return f"tenant has more than {m.MAX_TENANT_CHARS} characters"
     if len(submit.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         return f"stop_token_ids has more than {MAX_STOP_TOKEN_IDS} ids"
     if num_prompt == 0:

@@ -212,6 +212,7 @@ class SchedulerCore:
     def _submit(self, identity: bytes, submit: m.SubmitRequest, now_s: float) -> None:
         try:
             request = self._requests.admit(identity, submit, now_s, vocab_size=self._workers.target_vocab_size)
+            self._drafts.record_prompt(request)
         except RequestRejected as exc:
             log.info("request.rejected", request_id=submit.request_id, code=exc.code, reason=exc.message)
             self.outbox.to_gateway(identity, m.RequestError(submit.request_id, exc.code, exc.message))
@@ -295,6 +296,4 @@ class SchedulerCore:
         self._steps.settle(now_s)
         if not any(w.awaiting_proposal is not None for w in self._workers):
             self.outbox.flush_deltas()
-        forget = self._drafts.take_forget()
-        if forget and (draft := self._drafts.current(self._workers)) is not None:
-            self.outbox.to_worker(draft.identity, m.ReleaseSequences(draft.incarnation, forget))
+        self._drafts.tell_draft(self._workers, self.outbox)

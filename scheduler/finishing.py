@@ -29,6 +29,8 @@ class Finisher:
             worker.remove(request)
         request.worker_id = None
         self._drafts.forget_later(request)
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            self._drafts.record_completion(request)
         self._requests.finish(request, status)
         log.info(
             "request.finished",

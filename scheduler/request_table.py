@@ -77,6 +77,7 @@ class RequestTable:
             num_resumed_tokens=submit.resumed_tokens,
             grammar=submit.grammar,
             cache_salt=submit.cache_salt,
+            tenant=submit.tenant,
             priority=submit.priority,
             arrival=self._num_admitted,
         )

@@ -73,6 +73,7 @@ class Request:
     num_resumed_tokens: int = 0  # completion tokens at the end of prompt_token_ids (a request resumed from another)
     grammar: str | None = None  # what its completion follows (the worker masks every row by it)
     cache_salt: str = ""  # its prefix-cache pages are shared only under this salt
+    tenant: str = ""  # whose text a draft that learns from traffic drafts from for it, and whose its text becomes
     priority: int = 0  # under --scheduling-policy priority: lower is placed first and preempted last
     arrival: int = 0  # its place in the order requests were admitted (earlier first among equal priorities)
     forced_token_ids: list[int] = field(default_factory=list)  # what its grammar forces next: the next step's drafts

@@ -33,9 +33,10 @@ def parse_draft(value: str) -> DraftChoice:
     try:
         return DraftChoice(value, DraftSpec.parse(value, flag="--draft", kinds=SERVING_KINDS).absolute())
     except ValueError as error:
-        with_path = [f"{kind}:PATH" for kind in SERVING_KINDS if kind is not DraftKind.NGRAM]
+        with_path = [f"{kind}:PATH" for kind in SERVING_KINDS if kind not in (DraftKind.NGRAM, DraftKind.SUFFIX)]
         raise argparse.ArgumentTypeError(
-            f"expected {NO_DRAFT}, {DraftKind.NGRAM}, {SHIPPED_DRAFT}, {', '.join(with_path[:-1])} or {with_path[-1]}, "
+            f"expected {NO_DRAFT}, {DraftKind.NGRAM}, {DraftKind.SUFFIX}, {SHIPPED_DRAFT}, {', '.join(with_path[:-1])} "
+            f"or {with_path[-1]}, "
             f"got {value!r}"
         ) from error
 

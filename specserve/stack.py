@@ -88,6 +88,8 @@ class StackConfig:
     draft: DraftSpec | None = None  # the draft service's proposer; None: no draft service
     head_draft_tokens: int | None = None  # the draft service's --head-draft-tokens
     token_trees: bool = True  # phrases: the draft service proposes token trees, not chains
+    suffix_cache_tokens: int | None = None  # the draft service's --suffix-cache-tokens
+    suffix_scope: str | None = None  # the draft service's --suffix-scope
     max_num_seqs: int | None = None  # the scheduler's and the workers' --max-num-seqs
     prefix_cache: bool = True  # False: the scheduler's --no-prefix-cache
     prefix_cache_scope: str | None = None  # the gateway's --prefix-cache-scope
@@ -241,6 +243,8 @@ def draft_spec(config: StackConfig, addresses: StackAddresses, draft: DraftSpec)
                     "quantization": config.draft_quantization,
                     "max_draft_tokens": None if k is None else max(k, 1),
                     "token_trees": None if config.token_trees else False,
+                    "suffix_cache_tokens": config.suffix_cache_tokens,
+                    "suffix_scope": config.suffix_scope,
                     "scheduler_address": addresses.worker_address,
                     "device": config.worker_device(0),
                     "dtype": config.dtype,

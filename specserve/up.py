@@ -126,6 +126,8 @@ def stack_config(
         draft=draft,
         head_draft_tokens=args.head_draft_tokens,
         token_trees=args.token_trees,
+        suffix_cache_tokens=args.suffix_cache_tokens,
+        suffix_scope=args.suffix_scope,
         max_num_seqs=args.max_num_seqs,
         prefix_cache=args.prefix_cache,
         prefix_cache_scope=args.prefix_cache_scope,

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from common.defaults import DRAFT_MAX_TOKENS, HEAD_DRAFT_TOKENS, KV_PAGE_SIZE
+from common.defaults import DRAFT_MAX_TOKENS, HEAD_DRAFT_TOKENS, KV_PAGE_SIZE, SUFFIX_CACHE_TOKENS
 from common.quantization import QUANTIZATION_HELP, QUANTIZATIONS
-from common.settings.choices import AUTO, DTYPES
+from common.settings.choices import AUTO, DTYPES, SUFFIX_SCOPES
 from common.settings.setting import Setting
 
 _KEYS_ENV = "SPECSERVE_KEYS"  # common/transport.py's ENV_VAR (that module loads zmq; this table does not)
@@ -194,6 +194,24 @@ DRAFT = (
         int,
         1,
         env="SPECSERVE_WORKERS",
+    ),
+    Setting(
+        "--suffix-cache-tokens",
+        ("draft", "up"),
+        "suffix and the phrases (--draft default): tokens of served text (prompts as they come, completions as they "
+        "finish) kept to draft from, the oldest requests' dropped first; about 20 bytes a token and 100 a distinct "
+        "3-gram; 0: none kept",
+        int,
+        SUFFIX_CACHE_TOKENS,
+    ),
+    Setting(
+        "--suffix-scope",
+        ("draft", "up"),
+        "whose served text drafts for a request: tenant (its API key's, else its `user`'s, else the one tenant of "
+        "callers nothing tells apart), global (everyone's: how fast a request runs then tells whether another caller "
+        "wrote its text), request (its own only: the store is not kept); docs/security.md",
+        choices=SUFFIX_SCOPES,
+        default="tenant",
     ),
     Setting(
         "--draft-top-k", ("draft",), "a sampled draft token is drawn from the draft's k most likely at most", int, 32

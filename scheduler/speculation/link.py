@@ -17,6 +17,7 @@ from common.logs import get_logger
 from proto import messages as m
 from scheduler.batching import ScheduledSeq, StepPlan
 from scheduler.config import SchedulerConfig, speculation_caps
+from scheduler.outbox import Outbox
 from scheduler.requests import Request
 from scheduler.speculation.counters import SpecCounters
 from scheduler.speculation.goodput import paying_drafts, trimmed
@@ -35,6 +36,9 @@ class DraftLink:
     def __init__(self, config: SchedulerConfig) -> None:
         self._config = config
         self._forget: list[str] = []  # finished requests the draft service must forget, sent once per event
+        self._texts: list[tuple[str, list[int]]] = []  # (tenant, tokens) served, for a draft that learns from traffic
+        # A draft that learns from traffic has said hello: from then on the text served is recorded for it.
+        self.learning = False
         self._in_use: tuple[str, int] | None = None  # (worker_id, incarnation) the requests' draft views describe
         self._stats_logged_s = 0.0
         # A draft that reads target features has said hello (and was not refused): every step returns them.
@@ -66,6 +70,20 @@ class DraftLink:
         """
         if draft.hello.feature_width > 0:
             self.features_wanted = True
+        if draft.hello.learns_from_traffic:
+            self.learning = True
+
+    def record_prompt(self, request: Request) -> None:
+        """An admitted request's prompt (its end, as the frame allows), for a draft that learns from traffic."""
+        if self.learning:
+            self._texts.append((request.tenant, request.prompt_token_ids[-self._config.max_model_len :]))
+
+    def record_completion(self, request: Request) -> None:
+        """A finished request's completion after its prompt's last m.COMPLETION_LEAD_IN tokens (what followed a
+        prompt's end is then found where the end is), for a draft that learns from traffic."""
+        if self.learning and request.output_token_ids:
+            text = request.prompt_token_ids[-m.COMPLETION_LEAD_IN :] + request.output_token_ids
+            self._texts.append((request.tenant, text[-self._config.max_model_len :]))
 
     def lose(self, draft: WorkerRecord) -> list[PendingProposal]:
         """The draft service went: the pending requests to give up (no answer will come); none if it was not in use."""
@@ -155,9 +173,19 @@ class DraftLink:
         if state is not None and state.draft.known:
             self._forget.append(request.request_id)
 
-    def take_forget(self) -> list[str]:
+    def tell_draft(self, workers: WorkerRegistry, outbox: Outbox) -> None:
+        """What the draft service is told at the end of an event: the finished requests it must forget, and the text
+        served since the last event if it learns from traffic."""
         forget, self._forget = self._forget, []
-        return forget
+        texts, self._texts = self._texts, []
+        draft = self.current(workers) if forget or texts else None
+        if draft is None:
+            return
+        if forget:
+            outbox.to_worker(draft.identity, m.ReleaseSequences(draft.incarnation, forget))
+        if draft.hello.learns_from_traffic:
+            for tenant, tokens in texts:
+                outbox.to_worker(draft.identity, m.RecordText(draft.incarnation, tenant, tokens))
 
     def log_stats(self, now_s: float) -> None:
         if now_s - self._stats_logged_s >= _STATS_LOG_INTERVAL_S and self.counters.num_draft_tokens:

@@ -73,6 +73,7 @@ class ProposeRequests:
                     num_tokens=plan.num_draft_tokens[r.request_id],
                     sampling=r.sampling,
                     features=features,
+                    tenant=r.tenant,
                 )
             )
         pending = PendingProposal(self._next_propose_id, target.worker_id, target.incarnation, plan, now_s)

@@ -125,6 +125,7 @@ class Sim:
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         priority: int = 0,
+        tenant: str = "",
     ) -> list[Outgoing]:
         submit = m.SubmitRequest(
             request_id=request_id,
@@ -136,6 +137,7 @@ class Sim:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             priority=priority,
+            tenant=tenant,
         )
         self.core.on_gateway_message(GATEWAY, submit, self.now_s)
         return self.collect()

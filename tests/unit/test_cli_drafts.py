@@ -86,12 +86,22 @@ def test_lookups_speculate_in_larger_steps_and_longer_drafts_than_drafts_that_ru
 
 
 def test_draft_names_are_checked_and_heads_get_the_target(tmp_path: Path) -> None:
-    for good in ("none", "ngram", "default", "phrases:x", "eagle:x", "eagle+ngram:x", "eagle+phrases:x", "model:x"):
+    for good in (
+        "none",
+        "ngram",
+        "suffix",
+        "default",
+        "phrases:x",
+        "eagle:x",
+        "eagle+ngram:x",
+        "eagle+phrases:x",
+        "model:x",
+    ):
         assert parse_draft(good).name == good
     assert parse_draft("none").proposer is None
     assert parse_draft("eagle:x").proposer == DraftSpec(DraftKind.EAGLE, Path("x").resolve())
-    for bad in ("eagle", "eagle+ngram:", "phrases", "ngram:x", "tree:x", "random:5", "replay:x"):
-        with pytest.raises(argparse.ArgumentTypeError, match="expected none, ngram, default, phrases:PATH"):
+    for bad in ("eagle", "eagle+ngram:", "phrases", "ngram:x", "suffix:x", "tree:x", "random:5", "replay:x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected none, ngram, suffix, default, phrases:PATH"):
             parse_draft(bad)
     for kind in ("eagle+ngram", "eagle+phrases", "phrases"):
         specs = _service_argvs("--draft", f"{kind}:{tmp_path}", model=tmp_path / "model")

@@ -109,6 +109,7 @@ def test_the_largest_messages_from_a_gateway_fit_the_schedulers_gateway_socket(m
         resumed_tokens=BIG,
         grammar=text(m.MAX_GRAMMAR_CHARS),
         cache_salt=text(m.MAX_CACHE_SALT_CHARS),
+        tenant=text(m.MAX_TENANT_CHARS),
     )
     largest = fits(submit, bound)
     fits(m.AbortRequest(text(m.MAX_REQUEST_ID_CHARS), text(m.MAX_REASON_CHARS)), bound)
@@ -276,9 +277,12 @@ def test_the_largest_propose_request_fits_the_draft_services_socket(feature_widt
     bound = frames.scheduler_to_draft(limits)
     length = limits.max_model_len
     features = m.FeatureRows(BIG, length, BIG, "bfloat16", bytes(length * feature_width * 4))
-    seq = m.ProposeSeq(text(m.MAX_REQUEST_ID_CHARS), BIG, BIG, [BIG] * length, BIG, sampling(), features)
+    seq = m.ProposeSeq(
+        text(m.MAX_REQUEST_ID_CHARS), BIG, BIG, [BIG] * length, BIG, sampling(), features, text(m.MAX_TENANT_CHARS)
+    )
     largest = fits(m.ProposeRequest(BIG, BIG, [seq] * limits.max_propose_seqs), bound)
     fits(m.ReleaseSequences(BIG, [text(m.MAX_REQUEST_ID_CHARS)] * m.MAX_RELEASE_IDS), bound)
+    fits(m.RecordText(BIG, text(m.MAX_TENANT_CHARS), [BIG] * length), bound)
     assert_tight(largest, bound)
 
 

@@ -4,6 +4,7 @@ the ids clients give their requests."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,20 @@ def test_sglang_rids_name_each_prompts_replies() -> None:
             request_ids(rid, num, single)
         error = refused.value
         assert (error.param if isinstance(error, ApiError) else error.field) == field
+
+
+def test_the_tenant_a_draft_learns_for_is_the_api_keys_else_the_users_digest_else_shared() -> None:
+    """What the scheduler and the draft service get as a request's tenant (SubmitRequest.tenant)."""
+
+    def tenant_of(user: str | None, key_tenant: str | None = None) -> str:
+        checked = validate(
+            ClientRequest(TextPrompt("hi"), user=user), fields=OPENAI_FIELDS, request_id="r", vocab_size=100
+        )
+        checked = dataclasses.replace(checked, tenant=key_tenant)
+        return checked.to_submit_request([1, 2], [0]).tenant
+
+    assert tenant_of(None) == "" and tenant_of("") == ""
+    alice, bob = tenant_of("alice"), tenant_of("bob")
+    assert alice.startswith("user:") and alice != bob and "alice" not in alice and alice == tenant_of("alice")
+    assert tenant_of("alice", key_tenant="0123") == tenant_of("bob", key_tenant="0123") == "key:0123"
+    assert len(tenant_of("x" * 10_000)) <= 64  # a digest, whatever the client sent

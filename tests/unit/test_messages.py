@@ -92,6 +92,7 @@ SCHEDULER_TO_DRAFT: list[msgspec.Struct] = [
         ],
     ),
     m.ReleaseSequences(9, ["r-1", "r-2"]),
+    m.RecordText(9, "key:0123456789abcdef", [1, 2, 3, 4]),
     m.Drain(9),
     m.Probe(),
 ]

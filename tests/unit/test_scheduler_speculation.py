@@ -36,6 +36,36 @@ def proposes(draft: FakeDraft) -> list[m.ProposeRequest]:
 # ---------------------------------------------------------------- the flow
 
 
+def _recorded(sim: Sim, draft: FakeDraft) -> list[tuple[str, list[int]]]:
+    return [
+        (item.message.tenant, item.message.token_ids)
+        for item in sim.sent
+        if isinstance(item.message, m.RecordText) and item.identity == draft.identity
+    ]
+
+
+def test_a_draft_that_learns_from_traffic_gets_each_prompt_as_it_comes_and_each_completion_as_it_ends() -> None:
+    sim = Sim(num_speculative_tokens=0)  # no speculation: the draft is never asked, and learns all the same
+    worker = sim.worker("w0").start()
+    draft = sim.draft("d0", learns_from_traffic=True).start()
+    long_prompt = list(range(100, 150))
+    sim.submit("a", long_prompt, max_tokens=3, tenant="key:1")
+    assert _recorded(sim, draft) == [("key:1", long_prompt)]
+    worker.run({"a": [7, 8, 9]})
+    assert sim.finish_reason("a") == "length"
+    assert _recorded(sim, draft)[1:] == [("key:1", long_prompt[-m.COMPLETION_LEAD_IN :] + [7, 8, 9])]
+    sim.submit("b", tenant="key:2")
+    sim.abort("b")  # an aborted request's completion is not recorded (its prompt was)
+    assert [tenant for tenant, _ in _recorded(sim, draft)] == ["key:1", "key:1", "key:2"]
+
+
+def test_a_draft_that_does_not_learn_is_sent_no_text() -> None:
+    sim, worker, draft = setup()
+    sim.submit("a", prompt(3), max_tokens=2, tenant="key:1")
+    worker.run({"a": [7, 8]})
+    assert _recorded(sim, draft) == [] and sim.finish_reason("a") == "length"
+
+
 @pytest.mark.parametrize("draft_script", ["right", "wrong", "half_right", "none"])
 def test_greedy_output_is_the_targets_whatever_the_draft_proposes(draft_script: str) -> None:
     sim, worker, draft = setup(num_speculative_tokens=4)

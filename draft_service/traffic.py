@@ -1,0 +1,110 @@
+"""Drafts from the text the server served (draft_service/suffix_store.py), scoped by tenant and held to what the
+target accepted of them.
+
+`--suffix-scope` says whose text may draft for a request: `tenant` (the default) the requests of
+its own tenant (its API key, else its `user`, else the one tenant of callers nothing tells
+apart), `global` every request's, `request` none but its own (prompt lookup's, which runs
+before the store: the store is then not kept). Output is the target's either way; what another
+tenant's text changes is how fast a request runs, and so a caller who can time its requests could
+learn whether another tenant wrote a given text. `tenant` closes that between tenants.
+
+What the target accepted of the store's drafts calibrates them: per tenant, the store's chance
+for the first token of its likeliest branch against how often the target wrote it, as moving
+averages; their ratio scales every chance the store gives that tenant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from draft_service.suffix_store import SuffixStore, guesses
+
+SuffixScope = Literal["tenant", "global", "request"]
+SUFFIX_SCOPES: tuple[SuffixScope, ...] = ("tenant", "global", "request")
+_AVERAGE = 0.1  # weight of the newest outcome in the moving averages
+_SCALE_RANGE = (0.2, 2.0)  # how far calibration may move a chance
+_MAX_CALIBRATIONS = 4096  # tenants calibrated at once (the least recently drafted for forgotten first)
+
+
+@dataclass
+class _Calibration:
+    predicted: float = 0.5  # moving average of the chance given to the first token of the likeliest branch
+    observed: float = 0.5  # moving average of whether the target wrote it
+
+    @property
+    def scale(self) -> float:
+        low, high = _SCALE_RANGE
+        return min(high, max(low, self.observed / self.predicted)) if self.predicted > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class _Offer:
+    tenant: str
+    position: int  # where the sequence ended when the store drafted for it
+    token: int  # the first token of the store's likeliest branch
+    chance: float  # the chance it was given
+
+
+class TrafficDrafts:
+    """The suffix store behind a proposer: what it records, what it offers a request, and how that was received."""
+
+    def __init__(self, capacity_tokens: int, vocab_size: int, scope: SuffixScope) -> None:
+        self.scope = scope
+        keeps = scope != "request" and capacity_tokens > 0
+        self._store = SuffixStore(capacity_tokens, vocab_size) if keeps else None
+        self._calibrations: dict[str, _Calibration] = {}
+        self._offers: dict[str, _Offer] = {}  # by request: the store's last draft, until the next one is asked
+
+    @property
+    def keeps_text(self) -> bool:
+        """Whether it keeps served text at all (not under --suffix-scope request, nor with no room)."""
+        return self._store is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return self._store.num_tokens if self._store is not None else 0
+
+    def _tenant(self, tenant: str) -> str:
+        return "" if self.scope == "global" else tenant
+
+    def record(self, tenant: str, token_ids: list[int]) -> None:
+        """Text the server read or wrote for `tenant` (a prompt as it came, a completion as it finished)."""
+        if self._store is not None:
+            self._store.add(self._tenant(tenant), token_ids)
+
+    def chances(
+        self, request_id: str, tenant: str, tokens: list[int], k: int, min_chance: float
+    ) -> dict[tuple[int, ...], float]:
+        """The store's branches for a sequence of `tenant`'s, each with its calibrated chance (none: {})."""
+        self._settle(request_id, tokens)
+        if self._store is None:
+            return {}
+        owner = self._tenant(tenant)
+        found = self._store.match(owner, tokens, k)
+        if found is None:
+            return {}
+        calibration = self._calibrations.pop(owner, None) or _Calibration()
+        self._calibrations[owner] = calibration  # the most recent last
+        if len(self._calibrations) > _MAX_CALIBRATIONS:
+            del self._calibrations[next(iter(self._calibrations))]
+        chances = guesses(found, k, calibration.scale, min_chance)
+        firsts = [(chance, branch[0]) for branch, chance in chances.items() if len(branch) == 1]
+        if firsts:
+            chance, token = max(firsts)
+            self._offers[request_id] = _Offer(owner, len(tokens), token, chance / calibration.scale)
+        return chances
+
+    def forget(self, request_id: str) -> None:
+        self._offers.pop(request_id, None)
+
+    def _settle(self, request_id: str, tokens: list[int]) -> None:
+        """The outcome of the store's last draft for this request, once the sequence has moved past where it was."""
+        offer = self._offers.get(request_id)
+        if offer is None or len(tokens) <= offer.position:
+            return
+        del self._offers[request_id]
+        calibration = self._calibrations.get(offer.tenant)
+        if calibration is not None:
+            calibration.predicted += _AVERAGE * (offer.chance - calibration.predicted)
+            calibration.observed += _AVERAGE * ((tokens[offer.position] == offer.token) - calibration.observed)
