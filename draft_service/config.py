@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from common import process_config, settings
 from common.arguments import below_problem
 from common.draft_spec import DraftKind, DraftSpec
 from common.process_config import ProcessConfig
+from draft_service.traffic import SuffixScope
 from common.settings.choices import AUTO
 from modeling.model.engine import default_dtype
 from modeling.kernels.blocks import QuantizationError, weight_blocks
@@ -31,7 +33,7 @@ class DraftConfig:
     draft_top_k: int  # a sampled draft token is drawn from the draft's k most likely tokens at most
     quantization: str = "none"  # a draft model: GGUF blocks served as they are (modeling/kernels/blocks.py), or "none"
     suffix_cache_tokens: int = 0  # served tokens kept to draft from (suffix, phrases); 0: none
-    suffix_scope: str = "tenant"  # whose served text drafts for a request (draft_service/traffic.py)
+    suffix_scope: SuffixScope = "tenant"  # whose served text drafts for a request (draft_service/traffic.py)
 
 
 DEFAULT_PROPOSER = "default"  # --proposer's default: the shipped draft for its target, else prompt lookup
@@ -114,5 +116,5 @@ def from_arguments(args: argparse.Namespace) -> DraftConfig:
         draft_top_k=args.draft_top_k,
         quantization=args.quantization,
         suffix_cache_tokens=args.suffix_cache_tokens,
-        suffix_scope=args.suffix_scope,
+        suffix_scope=cast(SuffixScope, args.suffix_scope),  # one of its choices
     )

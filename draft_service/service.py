@@ -35,7 +35,7 @@ _ANY_VOCABULARY = 1 << 24  # token ids a store keeps where the target's vocabula
 def traffic(config: DraftConfig, vocab_size: int) -> TrafficDrafts:
     """The suffix store of served text the proposer drafts from (a vocabulary of 0: the target's, as far as the
     protocol goes)."""
-    return TrafficDrafts(config.suffix_cache_tokens, vocab_size or _ANY_VOCABULARY, config.suffix_scope)  # type: ignore[arg-type]
+    return TrafficDrafts(config.suffix_cache_tokens, vocab_size or _ANY_VOCABULARY, config.suffix_scope)
 
 
 def traffic_of(proposer: Proposer | None) -> TrafficDrafts | None:

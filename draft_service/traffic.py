@@ -20,8 +20,7 @@ from typing import Literal
 
 from draft_service.suffix_store import SuffixStore, guesses
 
-SuffixScope = Literal["tenant", "global", "request"]
-SUFFIX_SCOPES: tuple[SuffixScope, ...] = ("tenant", "global", "request")
+SuffixScope = Literal["tenant", "global", "request"]  # the choices of --suffix-scope (common/settings/choices.py)
 _AVERAGE = 0.1  # weight of the newest outcome in the moving averages
 _SCALE_RANGE = (0.2, 2.0)  # how far calibration may move a chance
 _MAX_CALIBRATIONS = 4096  # tenants calibrated at once (the least recently drafted for forgotten first)
