@@ -3,9 +3,11 @@ set of documents (RAG), and repeated edits of the same code; each draft against 
 
 Each workload is a set of sessions; a session's turns run in order, each turn's prompt the
 conversation so far (an agent's tool results and the model's own answers quoted back). At
-concurrency c, c sessions run at once. For each draft, each round starts `specserve up` with it,
-runs every workload at every concurrency and stops it; the table gives output tokens per second
-(median over rounds) and its ratio to `--draft none` measured in the same rounds.
+concurrency c, c sessions run at once. For each draft, each round starts `specserve up` with it
+and runs each workload first once at c = 1 on a fresh stack ("first": nothing served yet), then
+again at every concurrency ("again": the same sessions repeat, as an agent's turns do), and stops
+it; the table gives output tokens per second (median over rounds) and its ratio to `--draft none`
+measured in the same rounds.
 
     python -m bench.traffic_workloads --rounds 2 --concurrency 1 4
 """
@@ -191,10 +193,12 @@ def main() -> None:
             with running_up(flags) as stack:
                 machine = describe_machine(stack.dtype, stack.device)
                 for workload in WORKLOADS:
-                    for concurrency in args.concurrency:
+                    runs = [("first", 1)] + [("again", concurrency) for concurrency in args.concurrency]
+                    for label, concurrency in runs:
                         rate = run_workload(stack.http_address, workload, concurrency, args.max_tokens)
-                        results[draft].setdefault(f"{workload} c={concurrency}", []).append(rate)
-                        print(f"round {round_} {draft} {workload} c={concurrency}: {rate:.1f} tok/s", flush=True)
+                        cell = f"{workload} {label} c={concurrency}"
+                        results[draft].setdefault(cell, []).append(rate)
+                        print(f"round {round_} {draft} {cell}: {rate:.1f} tok/s", flush=True)
     cells = list(results[args.drafts[0]])
     print(f"\n| workload | {' | '.join(args.drafts)} |\n|---|{'---|' * len(args.drafts)}")
     for cell in cells:

@@ -199,8 +199,8 @@ DRAFT = (
         "--suffix-cache-tokens",
         ("draft", "up"),
         "suffix and the phrases (--draft default): tokens of served text (prompts as they come, completions as they "
-        "finish) kept to draft from, the oldest requests' dropped first; about 20 bytes a token and 100 a distinct "
-        "3-gram; 0: none kept",
+        "finish) kept to draft from, the oldest requests' dropped first; about 70-85 bytes a token with its index "
+        "(docs/benchmarks.md); 0: none kept",
         int,
         SUFFIX_CACHE_TOKENS,
     ),
