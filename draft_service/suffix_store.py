@@ -68,6 +68,7 @@ class SuffixStore:
         self._first = 0  # index of the oldest live document
         self._end = 0  # absolute position after the newest token
         self._tenants: dict[str, int] = {}  # name -> number, while it has live documents
+        self._names: dict[int, str] = {}  # number -> name, the same tenants
         self._live: dict[int, int] = {}  # tenant number -> its live documents
         self._next_tenant = 0
 
@@ -159,6 +160,7 @@ class SuffixStore:
     def _tenant_number(self, tenant: str) -> int:
         if (number := self._tenants.get(tenant)) is None:
             number = self._tenants[tenant] = self._next_tenant
+            self._names[number] = tenant
             self._next_tenant += 1
         return number
 
@@ -175,7 +177,7 @@ class SuffixStore:
         self._live[document.tenant] -= 1
         if not self._live[document.tenant]:
             del self._live[document.tenant]
-            self._tenants = {name: number for name, number in self._tenants.items() if number != document.tenant}
+            del self._tenants[self._names.pop(document.tenant)]
         if self._first > 1024 and self._first * 2 > len(self._documents):  # the evicted documents' entries let go
             del self._documents[: self._first], self._starts[: self._first]
             self._first = 0
