@@ -73,14 +73,24 @@ def leading_nodes(branch: Sequence[int]) -> int:
 def best_tree(
     chances: dict[tuple[int, ...], float], budget: int, min_chance: float = 0.0
 ) -> tuple[list[int], list[int]]:
-    """The `budget` likeliest branches' nodes, none less likely than `min_chance`, as a tree: (tokens, parents).
+    """The `budget` likeliest branches' nodes, none less likely than `min_chance`, as a tree: (tokens, parents)
+    (`scored_tree`, without the nodes' chances)."""
+    token_ids, parents, _ = scored_tree(chances, budget, min_chance)
+    return token_ids, parents
+
+
+def scored_tree(
+    chances: dict[tuple[int, ...], float], budget: int, min_chance: float = 0.0
+) -> tuple[list[int], list[int], list[float]]:
+    """The `budget` likeliest branches' nodes, none less likely than `min_chance`, as a tree: (tokens, parents, each
+    node's chance).
 
     `chances` maps a branch (its tokens from the root) to the chance that the target
     writes it; a branch whose shorter part is missing is left out. Every node is scored
     no higher than its parent (a branch is no likelier than its start), so the chosen
     nodes' parents are chosen too; picking the likeliest nodes maximises the number of
-    tokens a greedy verification accepts on average. Nodes come depth first, likeliest
-    child first: the likeliest branch is nodes 0, 1, 2, ...
+    tokens a greedy verification accepts on average (the sum of the nodes' chances). Nodes
+    come depth first, likeliest child first: the likeliest branch is nodes 0, 1, 2, ...
     """
     capped: dict[tuple[int, ...], float] = {}
     for branch in sorted(chances, key=len):
@@ -97,10 +107,12 @@ def best_tree(
         children.setdefault(branch[:-1], []).append(branch)
     token_ids: list[int] = []
     parents: list[int] = []
+    node_chances: list[float] = []
     stack: list[tuple[tuple[int, ...], int]] = [(child, -1) for child in reversed(children.get((), []))]
     while stack:
         branch, parent = stack.pop()
         token_ids.append(branch[-1])
         parents.append(parent)
+        node_chances.append(capped[branch])
         stack.extend((child, len(token_ids) - 1) for child in reversed(children.get(branch, [])))
-    return token_ids, parents
+    return token_ids, parents, node_chances

@@ -111,6 +111,6 @@ class PhraseProposer(LookupProposer):
         for branch, chance in served.items():
             chances[branch] = max(chances.get(branch, 0.0), chance)
         lookup = self._prompt_lookup.lookup(tokens, k)
-        token_ids, parents = merged_tree(chances, lookup, k, min_chance)
+        token_ids, parents, node_chances = merged_tree(chances, lookup, k, min_chance)
         source = "lookup" if lookup else "suffix" if led_by_served else "phrases"
-        return Proposed(token_ids, parents=parents, source=source)
+        return Proposed(token_ids, parents=parents, source=source, chances=node_chances)

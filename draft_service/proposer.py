@@ -54,6 +54,7 @@ class Proposed:
     dists: list[SparseDist] | None = None  # per token, what it was drawn from; None = a point mass
     parents: list[int] | None = None  # a token tree (common.trees; point masses only); None = a chain
     source: str = ""  # which proposer made it: "lookup", "phrases", "suffix", "head", "model" (m.Proposal.source)
+    chances: list[float] | None = None  # per token, its chance of being accepted, by the proposer; None: unsaid
 
 
 class Proposer(Protocol):

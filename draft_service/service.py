@@ -271,6 +271,7 @@ class DraftService(LifecycleProcess[m.SchedulerToDraft]):
                     made.dists if made else None,
                     made.parents if made else None,
                     made.source[: m.MAX_NAME_CHARS] if made else "",
+                    made.chances if made else None,
                 )
             )
         self.num_steps += 1

@@ -33,10 +33,12 @@ class SuffixProposer(LookupProposer):
         for item in batch:
             chances = self.traffic.chances(item.request_id, item.tenant, item.token_ids, item.num_tokens, min_chance)
             lookup = self._prompt_lookup.lookup(item.token_ids, item.num_tokens)
-            token_ids, parents = merged_tree(chances, lookup, item.num_tokens, min_chance)
+            token_ids, parents, node_chances = merged_tree(chances, lookup, item.num_tokens, min_chance)
             if not self._trees and parents is not None:
                 token_ids, parents = _likeliest_chain(token_ids, parents), None
-            proposals.append(Proposed(token_ids, parents=parents, source="lookup" if lookup else "suffix"))
+                node_chances = node_chances[: len(token_ids)]
+            source = "lookup" if lookup else "suffix"
+            proposals.append(Proposed(token_ids, parents=parents, source=source, chances=node_chances))
         return proposals
 
 

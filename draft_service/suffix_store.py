@@ -185,12 +185,13 @@ class SuffixStore:
 
 def guesses(found: Match, k: int, scale: float = 1.0, min_chance: float = 0.0) -> dict[tuple[int, ...], float]:
     """The branches of a match's continuations, each with the chance the target writes it next: along the branch, the
-    product of each token's share of the continuations that reached it and the match's trust, times `scale` (what the
-    target accepted of this store's drafts); branches less likely than min_chance are left out."""
+    product of each token's chance given the ones before it, its share of the continuations that reached it times the
+    match's trust times `scale` (how what the target wrote compared with this store's chances; never past 1);
+    branches less likely than min_chance are left out."""
     chances: dict[tuple[int, ...], float] = {}
-    level: list[tuple[tuple[int, ...], float, list[list[int]]]] = [((), scale, found.continuations)]
+    level: list[tuple[tuple[int, ...], float, list[list[int]]]] = [((), 1.0, found.continuations)]
     for depth in range(k):
-        step = trust(found.matched + depth)
+        step = trust(found.matched + depth) * scale
         deeper = []
         for branch, chance, following in level:
             by_token: dict[int, list[list[int]]] = {}
@@ -198,7 +199,7 @@ def guesses(found: Match, k: int, scale: float = 1.0, min_chance: float = 0.0) -
                 if len(row) > depth:
                     by_token.setdefault(row[depth], []).append(row)
             for token, reaching in by_token.items():
-                child_chance = chance * len(reaching) / len(following) * step
+                child_chance = chance * min(1.0, len(reaching) / len(following) * step)
                 if child_chance < min_chance:
                     continue
                 child = (*branch, token)

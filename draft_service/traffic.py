@@ -8,9 +8,12 @@ before the store: the store is then not kept). Output is the target's either way
 tenant's text changes is how fast a request runs, and so a caller who can time its requests could
 learn whether another tenant wrote a given text. `tenant` closes that between tenants.
 
-What the target accepted of the store's drafts calibrates them: per tenant, the store's chance
-for the first token of its likeliest branch against how often the target wrote it, as moving
-averages; their ratio scales every chance the store gives that tenant.
+What the target wrote calibrates the store's drafts: per tenant, the store's chance for each
+token of its likeliest branch (given the tokens before it) against whether the target wrote it,
+as moving averages, read once the sequence has moved past them, whether the drafts were
+verified or not; their ratio scales every such chance the store gives that tenant. Reading
+the text rather than the verdicts keeps a deep draft that the scheduler never verified from
+staying as doubted as it was.
 """
 
 from __future__ import annotations
@@ -22,14 +25,14 @@ from draft_service.suffix_store import SuffixStore, guesses
 
 SuffixScope = Literal["tenant", "global", "request"]  # the choices of --suffix-scope (common/settings/choices.py)
 _AVERAGE = 0.1  # weight of the newest outcome in the moving averages
-_SCALE_RANGE = (0.2, 2.0)  # how far calibration may move a chance
+_SCALE_RANGE = (0.2, 2.0)  # how far calibration may move a token's chance
 _MAX_CALIBRATIONS = 4096  # tenants calibrated at once (the least recently drafted for forgotten first)
 
 
 @dataclass
 class _Calibration:
-    predicted: float = 0.5  # moving average of the chance given to the first token of the likeliest branch
-    observed: float = 0.5  # moving average of whether the target wrote it
+    predicted: float = 0.5  # moving average of the chance given to a token of the likeliest branch (after the ones
+    observed: float = 0.5  # before it): moving average of whether the target wrote it
 
     @property
     def scale(self) -> float:
@@ -41,8 +44,8 @@ class _Calibration:
 class _Offer:
     tenant: str
     position: int  # where the sequence ended when the store drafted for it
-    token: int  # the first token of the store's likeliest branch
-    chance: float  # the chance it was given
+    branch: list[int]  # the store's likeliest branch
+    chances: list[float]  # each of its tokens' chance given the ones before it, before calibration
 
 
 class TrafficDrafts:
@@ -88,22 +91,45 @@ class TrafficDrafts:
         if len(self._calibrations) > _MAX_CALIBRATIONS:
             del self._calibrations[next(iter(self._calibrations))]
         chances = guesses(found, k, calibration.scale, min_chance)
-        firsts = [(chance, branch[0]) for branch, chance in chances.items() if len(branch) == 1]
-        if firsts:
-            chance, token = max(firsts)
-            self._offers[request_id] = _Offer(owner, len(tokens), token, chance / calibration.scale)
+        branch, given = _likeliest_branch(chances)
+        if branch:
+            self._offers[request_id] = _Offer(
+                owner, len(tokens), branch, [chance / calibration.scale for chance in given]
+            )
         return chances
 
     def forget(self, request_id: str) -> None:
         self._offers.pop(request_id, None)
 
     def _settle(self, request_id: str, tokens: list[int]) -> None:
-        """The outcome of the store's last draft for this request, once the sequence has moved past where it was."""
+        """The outcome of the store's last draft for this request: each of its tokens the sequence has moved past, up to
+        the first the target did not write."""
         offer = self._offers.get(request_id)
         if offer is None or len(tokens) <= offer.position:
             return
         del self._offers[request_id]
         calibration = self._calibrations.get(offer.tenant)
-        if calibration is not None:
-            calibration.predicted += _AVERAGE * (offer.chance - calibration.predicted)
-            calibration.observed += _AVERAGE * ((tokens[offer.position] == offer.token) - calibration.observed)
+        if calibration is None:
+            return
+        written = tokens[offer.position : offer.position + len(offer.branch)]
+        for token, drafted, chance in zip(written, offer.branch, offer.chances):
+            calibration.predicted += _AVERAGE * (chance - calibration.predicted)
+            calibration.observed += _AVERAGE * ((token == drafted) - calibration.observed)
+            if token != drafted:
+                break
+
+
+def _likeliest_branch(chances: dict[tuple[int, ...], float]) -> tuple[list[int], list[float]]:
+    """The branch that takes the likeliest child at each depth, and each of its tokens' chance given the ones before."""
+    branch: tuple[int, ...] = ()
+    given: list[float] = []
+    while True:
+        children = [
+            (chance, child)
+            for child, chance in chances.items()
+            if child[:-1] == branch and len(child) == len(branch) + 1
+        ]
+        if not children:
+            return list(branch), given
+        chance, branch = max(children)
+        given.append(chance / (chances[branch[:-1]] if branch[:-1] else 1.0))

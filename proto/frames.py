@@ -177,6 +177,7 @@ def worker_to_scheduler(limits: FrameLimits) -> int:
         dists=_list(k, _sparse_dist()),
         parents=_ints(k),
         source=_NAME,
+        chances=_ints(k),  # floats: as wide as ints at msgpack's widest
     )
     return _bound(
         m.WorkerToScheduler,

@@ -624,6 +624,10 @@ class Proposal(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # lookup), "phrases" (the target's own phrases), "head" (an EAGLE-style head), "model" (a draft
     # model); "" when unsaid.
     source: str = ""
+    # Per token, the proposer's own chance that the target accepts it (a tree's node: that its whole
+    # branch is accepted); None when unsaid. The scheduler holds it to what the target accepted per
+    # source before it sizes a proposal by it.
+    chances: list[float] | None = None
 
 
 class ProposeResult(msgspec.Struct, tag="proposal", frozen=True, forbid_unknown_fields=True):

@@ -86,6 +86,7 @@ class StepSeq:
     prompt_scores: int | None = None  # prompt log-probabilities the step returns for it; None: none asked for
     computed_before: int = 0  # positions of it computed before the step (what its rows attend to besides their own)
     draft_source: str = ""  # the proposer that made its drafts (acceptance.GRAMMAR: its grammar forced them)
+    draft_chances: list[float] | None = None  # the proposer's chance of each draft being accepted; None: unsaid
 
 
 @dataclass

@@ -214,6 +214,7 @@ class StepCycle:
                     prompt_scores,
                     r.num_computed_tokens,
                     source,
+                    proposal.chances if proposal is not None and drafts and not forced else None,
                 )
             )
         worker.in_flight = InFlightStep(

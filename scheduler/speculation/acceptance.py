@@ -21,6 +21,9 @@ has an outlook (`RequestAcceptance.outlook`): per source, the chance it answers 
 the draft found anything for the request, and which sources answered it lately) and what
 its drafts bring.
 
+A proposer that says how likely each of its drafts is has those chances held to what the
+target accepted, per source, server-wide and per request alike (chances.py).
+
 Every rate and chance is read at its mean. An optimistic reading (the mean plus half a
 standard error) was how a request got tried again, and it cost: multiplied down a chain it
 promised 2.4 tokens where the means promised 1.4 (six positions at 0.6 from two steps), and
@@ -35,6 +38,7 @@ import math
 from dataclasses import dataclass, field
 
 from proto import messages as m
+from scheduler.speculation.chances import CHANCE_PRIOR, ChanceRecord
 
 FORGET_SERVER = 0.995  # per verify step of a source: about its last 200 count server-wide
 FORGET_REQUEST = 0.9  # per verify step of a request: about its last 10 count
@@ -100,6 +104,7 @@ class ServerAcceptance:
             PositionRates()
         )  # of the sequences the draft service was asked for, those it proposed something for
         self.answered_by: dict[str, float] = {}  # of its proposals, the share each source made (weighted counts)
+        self.chances: dict[str, ChanceRecord] = {}  # per source that gives its drafts' chances
         self._rates: dict[tuple[str, int], float] = {}  # rate(), as read since the last change (each step reads many)
 
     def asked(self, source: str | None) -> None:
@@ -121,6 +126,14 @@ class ServerAcceptance:
         self.num_verify_steps[source] = self.num_verify_steps.get(source, 0) + 1
         self.num_draft_tokens[source] = self.num_draft_tokens.get(source, 0) + num_drafts
         self.num_accepted[source] = self.num_accepted.get(source, 0) + num_accepted
+
+    def observe_chances(self, source: str, predicted: float, num_accepted: int) -> None:
+        """A verified proposal whose drafts' chances summed to `predicted`: `num_accepted` of them were accepted."""
+        self.chances.setdefault(_known(source), ChanceRecord()).observe(predicted, num_accepted, FORGET_SERVER)
+
+    def chance_scale(self, source: str) -> float:
+        record = self.chances.get(_known(source))
+        return record.scale(1.0, CHANCE_PRIOR) if record is not None else 1.0
 
     def info(self, max_positions: int) -> dict[str, m.SourceAcceptance]:
         return {
@@ -187,6 +200,7 @@ class RequestAcceptance:
     answered_by: dict[str, float] = field(default_factory=dict)  # of its proposals, the share each source made
     unasked_steps: float = math.inf  # its decode steps since the draft service last answered for it (inf: never)
     exploring: bool = False  # asked for in this step though its estimates did not call for it (policy.py `explored`)
+    chances: dict[str, ChanceRecord] = field(default_factory=dict)  # per source that gives its drafts' chances
 
     def asked(self, source: str | None) -> None:
         self.unasked_steps = 0.0
@@ -222,6 +236,15 @@ class RequestAcceptance:
     def observe(self, source: str, depth: int, num_accepted: int) -> None:
         for key in {source, ANY}:
             self.by_source.setdefault(key, PositionRates()).observe(depth, num_accepted, FORGET_REQUEST)
+
+    def observe_chances(self, source: str, predicted: float, num_accepted: int) -> None:
+        self.chances.setdefault(_known(source), ChanceRecord()).observe(predicted, num_accepted, FORGET_REQUEST)
+
+    def chance_scale(self, source: str, server: ServerAcceptance) -> float:
+        """What `source`'s chances for this request's drafts are to be multiplied by: its own record, starting from
+        the server's."""
+        record = self.chances.get(_known(source)) or ChanceRecord()
+        return record.scale(server.chance_scale(source), PRIOR_STEPS)
 
     def plain_step(self) -> None:
         """A decode step that verified no draft of it."""

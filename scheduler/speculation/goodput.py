@@ -12,6 +12,7 @@ from common.step_shape import step_shape
 from proto import messages as m
 from scheduler.batching import ScheduledSeq
 from scheduler.speculation.acceptance import expected_accepted
+from scheduler.speculation.chances import chance_gains
 from scheduler.speculation.counters import SpecCounters
 from scheduler.speculation.policy import PLAN_MARGIN, DraftOption, Unasked, best_drafts, beyond_reach, explored
 from scheduler.speculation.state import SpecStates
@@ -66,15 +67,17 @@ def trimmed(
     counters: SpecCounters,
     states: SpecStates,
 ) -> dict[str, m.Proposal]:
-    """Each proposal cut to the length (a tree: the nodes) that pays, by its source's record, now that the wait for
-    it is spent."""
+    """Each proposal cut to the length (a tree: the nodes) that pays, now that the wait for it is spent: by its drafts'
+    own chances held to their source's record where it gives them, else by its source's rates."""
     server = counters.acceptance
     outlooks: dict[str, list[tuple[float, list[float]]]] = {}
     for item in seqs:
         rid = item.request.request_id
         if (proposal := proposals.get(rid)) is not None:
             acceptance = states.of(rid).acceptance
-            if proposal.parents is None:
+            if proposal.chances is not None:
+                gains = chance_gains(proposal.chances, acceptance.chance_scale(proposal.source, server))
+            elif proposal.parents is None:
                 gains = expected_accepted(acceptance.rates(proposal.source, len(proposal.token_ids), server))
             else:  # a tree's nodes at one depth are alternatives: each brings its own chance of being accepted
                 gains = acceptance.tree_gains(proposal.source, len(proposal.token_ids), server)
@@ -136,4 +139,5 @@ def _first_nodes(proposal: m.Proposal, n: int) -> m.Proposal:
         token_ids=proposal.token_ids[:n],
         dists=None if proposal.dists is None else proposal.dists[:n],
         parents=None if proposal.parents is None else proposal.parents[:n],
+        chances=None if proposal.chances is None else proposal.chances[:n],
     )

@@ -35,6 +35,11 @@ def proposal_problem(proposal: m.Proposal, num_tokens: int, vocab_size: int, seq
         return f"num_held {proposal.num_held} for a sequence of {sequence_len} tokens"
     if len(proposal.token_ids) > num_tokens:
         return f"{len(proposal.token_ids)} tokens proposed, {num_tokens} asked for"
+    if proposal.chances is not None:
+        if len(proposal.chances) != len(proposal.token_ids):
+            return f"{len(proposal.chances)} chances for {len(proposal.token_ids)} draft tokens"
+        if not all(0.0 <= chance <= 1.0 for chance in proposal.chances):
+            return "a draft's chance outside 0..1"
     return drafts_problem(proposal.token_ids, proposal.parents, proposal.dists, vocab_size)
 
 

@@ -97,3 +97,7 @@ def record_verification(
             state.acceptance.plain_step()
         elif seq.draft_source != GRAMMAR:
             state.acceptance.observe(seq.draft_source, depth, num_accepted)
+        if num_drafts and seq.draft_chances is not None:
+            predicted = sum(seq.draft_chances)
+            counters.acceptance.observe_chances(seq.draft_source, predicted, num_accepted)
+            state.acceptance.observe_chances(seq.draft_source, predicted, num_accepted)

@@ -516,10 +516,13 @@ class FakeDraft(FakeWorker):
         return pending[-1] if pending else None
 
     def answer(
-        self, proposals: Mapping[str, Sequence[int]] | None = None, parents: Mapping[str, list[int]] | None = None
+        self,
+        proposals: Mapping[str, Sequence[int]] | None = None,
+        parents: Mapping[str, list[int]] | None = None,
+        chances: Mapping[str, list[float]] | None = None,
     ) -> bool:
-        """Answer the pending propose request: the given tokens (as a tree with `parents` where given), else the
-        script's continuation, else nothing."""
+        """Answer the pending propose request: the given tokens (as a tree with `parents` where given, with the
+        draft's `chances` for them where given), else the script's continuation, else nothing."""
         request = self.pending_propose()
         assert request is not None, f"{self.worker_id} has no propose request"
         self._answered.add(request.propose_id)
@@ -553,7 +556,15 @@ class FakeDraft(FakeWorker):
                 script = self.script.get(seq.request_id, [])
                 proposal = script[len(tokens) : len(tokens) + seq.num_tokens] if script[: len(tokens)] == tokens else []
             self.held[seq.request_id] = tokens + proposal
+            said = (chances or {}).get(seq.request_id)
             answers.append(
-                m.Proposal(seq.request_id, len(tokens), proposal, parents=(parents or {}).get(seq.request_id))
+                m.Proposal(
+                    seq.request_id,
+                    len(tokens),
+                    proposal,
+                    parents=(parents or {}).get(seq.request_id),
+                    source="suffix" if said is not None else "",
+                    chances=None if said is None else said[: len(proposal)],
+                )
             )
         return self.send(m.ProposeResult(self.worker_id, self.incarnation, request.propose_id, answers, 1.0))

@@ -217,7 +217,15 @@ def test_the_largest_messages_from_a_worker_fit_the_schedulers_worker_socket(lim
     ]
     result = m.StepResult(text(m.MAX_NAME_CHARS), BIG, BIG, [output] * num_seqs, 1e300, features, scored)
     largest = fits(result, bound)
-    proposal = m.Proposal(text(m.MAX_REQUEST_ID_CHARS), BIG, [BIG] * k, [sparse_dist()] * k, [BIG] * k)
+    proposal = m.Proposal(
+        text(m.MAX_REQUEST_ID_CHARS),
+        BIG,
+        [BIG] * k,
+        [sparse_dist()] * k,
+        [BIG] * k,
+        text(m.MAX_NAME_CHARS),
+        [1e300] * k,
+    )
     fits(m.ProposeResult(text(m.MAX_NAME_CHARS), BIG, BIG, [proposal] * limits.max_propose_seqs, 1e300), bound)
     name = text(m.MAX_NAME_CHARS)
     fits(

@@ -526,6 +526,10 @@ def test_proposal_problems_are_named() -> None:
     assert "parents" in proposal_problem(m.Proposal("a", 3, [5, 6], parents=[-1]), 2, 100, 3)
     assert "parent" in proposal_problem(m.Proposal("a", 3, [5, 6], parents=[0, -1]), 2, 100, 3)
     assert proposal_problem(m.Proposal("a", 3, [5, 6], parents=[-1, -1]), 2, 100, 3) == ""
+    assert proposal_problem(m.Proposal("a", 3, [5, 6], chances=[1.0, 0.0]), 2, 100, 3) == ""
+    assert "2 draft tokens" in proposal_problem(m.Proposal("a", 3, [5, 6], chances=[0.5]), 2, 100, 3)
+    for chance in (1.5, -0.1, float("nan")):
+        assert "chance" in proposal_problem(m.Proposal("a", 3, [5], chances=[chance]), 2, 100, 3)
 
 
 def test_a_draft_lost_while_a_verify_step_runs_leaves_consistent_counts_for_the_next_one() -> None:

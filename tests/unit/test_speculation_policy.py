@@ -396,3 +396,48 @@ def test_a_step_asks_for_proposals_only_for_a_gain_beyond_its_estimates_error() 
     assert best_drafts([option(0.13)], 1, 10.0, lambda ks: 1.0, PLAN_MARGIN) == {}
     assert best_drafts([option(0.13)], 1, 10.0, lambda ks: 1.0) == {"a": 1}
     assert best_drafts([option(0.5)], 1, 10.0, lambda ks: 1.0, PLAN_MARGIN) == {"a": 1}
+
+
+def run_said(worker: FakeWorker, draft: FakeDraft, num_steps: int, chances: list[float], num_right: int) -> list[int]:
+    """Drive `num_steps` steps of request "a", the draft answering with the script's first `num_right` tokens then
+    wrong ones, each given its chance by the draft as `chances` says. Returns the draft tokens each step verified."""
+    drafts = []
+    for _ in range(num_steps):
+        done = len(worker.returned.get("a", []))
+        if (asked := draft.pending_propose()) is not None:
+            k = asked.seqs[0].num_tokens
+            tokens = [t if n < num_right else t + 1000 for n, t in enumerate(SCRIPT[done : done + k])]
+            draft.answer({"a": tokens}, chances={"a": chances})
+        step = worker.pending_step()
+        if step is None:
+            break
+        drafts.append(sum(seq.num_draft_tokens for seq in step.seqs if seq.request_id == "a"))
+        worker.complete({"a": SCRIPT[done : done + 5]})
+    return drafts
+
+
+@pytest.mark.parametrize(("chances", "depth"), [([1.0, 1.0, 1.0, 1.0], 4), ([1.0, 1.0, 0.1, 0.1], 2)])
+def test_a_proposal_whose_drafts_carry_their_chances_is_verified_as_deep_as_they_pay(
+    chances: list[float], depth: int
+) -> None:
+    """Rows at 3 ms against a 10 ms step: the draft says how sure it is of each token (as the suffix store does), and
+    that decides how many are verified, the first proposal included; a draft it doubts is left out even when right."""
+    sim, worker, draft = setup(3.0)
+    sim.submit("a", prompt(3), max_tokens=150)
+    drafts = run_said(worker, draft, 30, chances, num_right=4)
+    verified = [d for d in drafts if d]
+    assert verified and verified[0] == depth and verified[-5:] == [depth] * 5, drafts
+    assert sim.streamed("a") == SCRIPT[: len(sim.streamed("a"))]
+
+
+def test_a_drafts_chances_that_overstate_are_held_to_what_the_target_accepted() -> None:
+    """The draft says 0.9 for each of 4 tokens, but only the first is ever right: the source's and the request's
+    records bring its chances down to what is accepted, and the verified drafts shrink from the first step's 4."""
+    sim, worker, draft = setup(3.0)
+    sim.submit("a", prompt(3), max_tokens=150)
+    drafts = run_said(worker, draft, 40, [0.9] * 4, num_right=1)
+    assert drafts[[d > 0 for d in drafts].index(True)] == 4, drafts
+    assert max(drafts[-10:]) <= 1, drafts
+    record = sim.info().speculation
+    assert record is not None and record.sources["suffix"].num_accepted_draft_tokens < record.num_draft_tokens
+    assert sim.streamed("a") == SCRIPT[: len(sim.streamed("a"))]

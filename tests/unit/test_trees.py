@@ -11,7 +11,7 @@ import torch
 from modeling.sampling.rejection import verify_greedy, verify_tree_greedy, verify_tree_sampled
 from modeling.sampling.draw import draw, generator_for, target_probs
 from proto.messages import SamplingParams
-from common.trees import best_tree, follow, is_chain, leading_nodes, tree_depths
+from common.trees import best_tree, follow, is_chain, leading_nodes, scored_tree, tree_depths
 
 
 def branches(token_ids: list[int], parents: list[int]) -> list[tuple[int, ...]]:
@@ -94,6 +94,7 @@ def test_the_best_tree_keeps_the_likeliest_nodes_each_under_its_parent_likeliest
     assert best_tree(chances, 2) == ([1, 2], [-1, 0])
     assert best_tree({}, 4) == ([], [])
     assert branches(*best_tree(chances, 5, min_chance=0.4)) == [(1,), (1, 2), (1, 2, 3)]  # at least as likely only
+    assert scored_tree(chances, 5) == (tokens, parents, [0.6, 0.5, 0.45, 0.3, 0.3])  # each node's chance, capped
 
 
 def test_the_best_tree_is_closed_under_parents_and_in_depth_first_order() -> None:
