@@ -4,15 +4,17 @@
 
 - `process_id`: the worker or draft id it applies to (`worker-1`, `draft-0`); other
   processes ignore the entry, so one value can be given to a whole stack.
-- `when`: a start-up phase (`STARTING`, `LOADING`, `ALLOCATING`, `WARMING`), at its start,
-  or `step=N`, at the N-th step a target worker runs (the N-th proposal for the draft
-  service), counted from 1.
+- `when`: a start-up phase (`STARTING`, `LOADING`, `ALLOCATING`, `WARMING`), at its start;
+  `step=N`, at the N-th step a target worker runs (the N-th proposal for the draft
+  service); or `capture=N`, before a target worker captures its N-th graph, within WARMING
+  (modeling/model/graphs.py). N counts from 1.
 - `action`: `raise` (an exception: the process reports FAILED and exits 1), `exit` (dies
   at once with status 3, reporting nothing, like a crash or a kill), `hang` (the main
   thread stops for good; heartbeats go on from their own thread, so only the phase and
   step deadlines catch it), or `slow=SECONDS` (sleeps that long, then goes on).
 
-Examples: `worker-0:LOADING:raise`, `worker-1:step=20:exit`, `draft-0:step=5:slow=2.5`.
+Examples: `worker-0:LOADING:raise`, `worker-1:step=20:exit`, `draft-0:step=5:slow=2.5`,
+`worker-0:capture=3:hang`.
 Nothing here runs unless the variable is set.
 """
 
@@ -37,10 +39,11 @@ class InjectedFault(RuntimeError):
 @dataclass(frozen=True)
 class Fault:
     process_id: str
-    phase: State | None  # one of INIT_PHASES, or None for a step fault
-    step: int | None  # 1-based step number, or None for a phase fault
+    phase: State | None  # one of INIT_PHASES, or None for a step or capture fault
+    step: int | None  # 1-based step number, or None for a phase or capture fault
     action: str
     seconds: float = 0.0  # for slow
+    capture: int | None = None  # 1-based graph number, for a capture fault
 
 
 def parse_faults(text: str) -> list[Fault]:
@@ -55,15 +58,19 @@ def parse_faults(text: str) -> list[Fault]:
         if action not in ACTIONS or (action == "slow") != bool(argument):
             raise ValueError(f"{ENV_VAR}: {entry!r}: the action must be raise, exit, hang or slow=SECONDS")
         seconds = float(argument) if argument else 0.0
-        if when.startswith("step="):
-            step = int(when.removeprefix("step="))
-            if step < 1:
-                raise ValueError(f"{ENV_VAR}: {entry!r}: steps count from 1")
-            faults.append(Fault(process_id, None, step, action, seconds))
+        if when.startswith(("step=", "capture=")):
+            kind, _, number_text = when.partition("=")
+            number = int(number_text)
+            if number < 1:
+                raise ValueError(f"{ENV_VAR}: {entry!r}: {kind}s count from 1")
+            if kind == "step":
+                faults.append(Fault(process_id, None, number, action, seconds))
+            else:
+                faults.append(Fault(process_id, None, None, action, seconds, capture=number))
         elif when in INIT_PHASES:
             faults.append(Fault(process_id, State(when), None, action, seconds))
         else:
-            raise ValueError(f"{ENV_VAR}: {entry!r}: when must be one of {', '.join(INIT_PHASES)} or step=N")
+            raise ValueError(f"{ENV_VAR}: {entry!r}: when must be one of {', '.join(INIT_PHASES)}, step=N or capture=N")
     return faults
 
 
@@ -82,6 +89,11 @@ class FaultInjector:
         for fault in self.faults:
             if fault.step == step:
                 _act(fault, f"at step {step}")
+
+    def at_capture(self, number: int) -> None:
+        for fault in self.faults:
+            if fault.capture == number:
+                _act(fault, f"capturing graph {number}")
 
 
 def _act(fault: Fault, where: str) -> None:

@@ -52,12 +52,14 @@ class ReadyDetails:
     kernels: str = ""  # which kernels its model runs on, as its engine says ("": it runs no model)
     batch_invariant: bool | None = None  # a target: whether its steps are batch invariant
     step_timings: list[m.StepTiming] = field(default_factory=list)  # a target: steps it timed while warming up
+    graphs: str = ""  # a target: its captured graphs, or why it serves without them
 
     def fields(self) -> dict[str, Any]:
         return {
             "max_draft_tokens": self.max_draft_tokens,
             "kernels": self.kernels[: m.MAX_KERNELS_CHARS],
             "batch_invariant": self.batch_invariant,
+            "graphs": self.graphs[: m.MAX_KERNELS_CHARS],
             "step_timings": self.step_timings,
         }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,10 @@ from common.process_config import ProcessConfig
 from common.settings.choices import AUTO
 from modeling.model.engine import default_dtype
 from modeling.kernels.blocks import QuantizationError, auto_quantization, weight_blocks
+
+
+GRAPH_BACKEND_ENV = "SPECSERVE_GRAPH_BACKEND"  # "recording": graphs on a CPU, through the recording backend (tests)
+RECORDING = "recording"
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,9 @@ class WorkerConfig:
     # Serve without drafts where the steps are not batch invariant (greedy answers then always equal plain
     # decoding's, bit for bit); else such a worker verifies as GPU engines do, lossless in distribution.
     require_batch_invariance: bool = False
+    # Decode and verify steps from captured graphs (modeling/model/graphs.py): "on" (a failed capture fails the
+    # worker), "fallback" (it serves eagerly instead), "off".
+    cuda_graphs: str = "off"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +49,10 @@ def _chosen(args: argparse.Namespace) -> argparse.Namespace:
     quantization = args.quantization
     if quantization == AUTO:
         quantization = auto_quantization(args.model, args.device, dtype)
-    return argparse.Namespace(**{**vars(args), "dtype": dtype, "quantization": quantization})
+    graphs = args.cuda_graphs
+    if graphs == AUTO:
+        graphs = "on" if args.device.startswith("cuda") else "off"
+    return argparse.Namespace(**{**vars(args), "dtype": dtype, "quantization": quantization, "cuda_graphs": graphs})
 
 
 def from_arguments(args: argparse.Namespace) -> WorkerConfig:
@@ -55,6 +66,8 @@ def from_arguments(args: argparse.Namespace) -> WorkerConfig:
         raise ValueError(problem)
     if args.kv_cache_memory is not None and (problem := not_positive_problem(args, ("kv_cache_memory",))):
         raise ValueError(problem)
+    if args.cuda_graphs != "off" and not args.device.startswith("cuda") and graph_backend_name() != RECORDING:
+        raise ValueError(f"--cuda-graphs {args.cuda_graphs} needs a CUDA device (--device cuda:N), not {args.device}")
     return WorkerConfig(
         process=process_config.from_arguments(args),
         model=args.model,
@@ -66,4 +79,11 @@ def from_arguments(args: argparse.Namespace) -> WorkerConfig:
         max_draft_tokens=args.max_draft_tokens,
         quantization=args.quantization,
         require_batch_invariance=args.require_batch_invariance,
+        cuda_graphs=args.cuda_graphs,
     )
+
+
+def graph_backend_name() -> str:
+    """GRAPH_BACKEND_ENV's value: "recording" lets a worker on a CPU capture and replay through the recording backend
+    (modeling/model/graphs.py), for tests and the device check's dry run."""
+    return os.environ.get(GRAPH_BACKEND_ENV, "")

@@ -8,6 +8,7 @@ import torch
 
 from gpu_worker.config import WorkerConfig
 from modeling.model.config import ModelConfig
+from modeling.model.graphs import graph_capacity_pages, graph_pool_estimate_bytes
 from modeling.model.kv_cache import page_bytes, pages_for
 from proto import messages as m
 
@@ -41,7 +42,12 @@ def kv_cache_budget_bytes(config: WorkerConfig, model: ModelConfig) -> tuple[int
     device = config.process.device
     share = CUDA_SHARE if device.startswith("cuda") else CPU_SHARE
     budget = int(available_memory_bytes(device) * share)
+    why = f"{share:.0%} of the memory available on {device} at start"
     dtype: torch.dtype = getattr(torch, config.process.dtype)
+    if config.cuda_graphs != "off" and device.startswith("cuda"):  # the graphs' pool comes out of the same share
+        capacity = graph_capacity_pages(config.max_model_len, config.page_size) * config.page_size
+        reserve = graph_pool_estimate_bytes(model, config.max_num_seqs, config.max_draft_tokens + 1, capacity, dtype)
+        budget, why = max(0, budget - reserve), f"{why}, less {reserve / GIB:.2f} GiB for the CUDA graphs' pool"
     most = (
         config.max_num_seqs
         * pages_for(config.max_model_len, config.page_size)
@@ -49,7 +55,7 @@ def kv_cache_budget_bytes(config: WorkerConfig, model: ModelConfig) -> tuple[int
     )
     if budget > most:
         return most, f"what {config.max_num_seqs} sequences of {config.max_model_len} tokens need (--max-num-seqs)"
-    return budget, f"{share:.0%} of the memory available on {device} at start"
+    return budget, why
 
 
 def num_kv_pages(config: WorkerConfig, model: ModelConfig) -> tuple[int, str]:
@@ -59,7 +65,7 @@ def num_kv_pages(config: WorkerConfig, model: ModelConfig) -> tuple[int, str]:
     """
     budget, why = kv_cache_budget_bytes(config, model)
     per_page = page_bytes(model, config.page_size, getattr(torch, config.process.dtype))
-    pages = budget // per_page
+    pages = budget // per_page - (config.cuda_graphs != "off")  # graphs' padding rows take a scratch page
     if pages > m.MAX_KV_PAGES:
         pages, why = m.MAX_KV_PAGES, f"{why}, capped at the protocol's {m.MAX_KV_PAGES} pages"
     if pages * config.page_size < MIN_POSITIONS:

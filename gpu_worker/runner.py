@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -12,6 +13,7 @@ from modeling.model.batch import SeqSpan
 from modeling.model.config import ModelConfig
 from modeling.model.engine import ModelEngine
 from modeling.model.features import to_rows
+from modeling.model.graphs import GraphBackend
 from modeling.model.batch import PageError
 from modeling.model.kv_cache import pages_for
 from modeling.sampling.logprobs import token_logprobs
@@ -73,7 +75,16 @@ class ModelRunner:
         return self._engine.ops
 
     def allocate(self) -> None:
-        self._engine.allocate()
+        self._engine.allocate(scratch_page=self._config.cuda_graphs != "off")
+
+    def capture_graphs(self, backend: GraphBackend, before_each: Callable[[int], None]) -> tuple[int, float]:
+        """Capture the decode and verify steps' graphs at every bucket this worker's steps may take (after the
+        self-check: a broken model is reported as such, not as a failed capture); raises CaptureFailed. Returns how
+        many, and the seconds it took."""
+        cfg = self._config
+        seconds = self._engine.capture_graphs(backend, cfg.max_num_seqs, cfg.max_draft_tokens + 1, before_each)
+        assert self._engine.graphs is not None
+        return self._engine.graphs.num_graphs, seconds
 
     def warm_up(self) -> tuple[str | None, list[StepTiming]]:
         """Forward passes at the largest shapes the scheduler may send (prefill, decode, verify), timed, then the

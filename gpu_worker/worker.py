@@ -14,6 +14,7 @@ from gpu_worker.runner import ModelRunner
 from modeling.model.config import ModelConfig, model_fingerprint, vocab_fingerprint
 from gpu_worker.memory import num_kv_pages
 from modeling.model.batch import PageError
+from modeling.model.graphs import CaptureFailed, CudaGraphBackend, GraphBackend, RecordingBackend
 from modeling.kernels.threads import compute_on
 from proto import frames
 from proto import messages as m
@@ -105,7 +106,11 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
                         "from plain decoding's where two logits are within rounding",
                     )
             self._ready = ReadyDetails(
-                max_draft_tokens=max_draft_tokens, kernels=runner.ops, batch_invariant=invariant, step_timings=timings
+                max_draft_tokens=max_draft_tokens,
+                kernels=runner.ops,
+                batch_invariant=invariant,
+                step_timings=timings,
+                graphs=self._capture(runner),
             )
             self.log.info(
                 "steps.timed",
@@ -115,6 +120,30 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
             self._runner = runner
 
         return [(State.LOADING, load), (State.ALLOCATING, runner.allocate), (State.WARMING, warm_up)]
+
+    def _capture(self, runner: ModelRunner) -> str:
+        """The graphs' capture, the last part of WARMING (under its deadline): what the READY report says of them.
+        Raises CaptureFailed unless --cuda-graphs fallback, which serves eagerly instead and says why."""
+        mode, device = self._config.cuda_graphs, self._config.process.device
+        if mode == "off":
+            return "off"
+        backend: GraphBackend = (
+            CudaGraphBackend(torch.device(device)) if device.startswith("cuda") else RecordingBackend()
+        )
+        self.log.info("graphs.capturing", backend=backend.name)
+        faults = self.faults
+        try:
+            count, seconds = runner.capture_graphs(backend, faults.at_capture if faults is not None else _nothing)
+        except CaptureFailed as error:
+            if mode != "fallback":
+                raise
+            self.log.warning("graphs.fallback", reason=str(error), note="--cuda-graphs fallback: serving eagerly")
+            return f"fallback: eager ({error})"
+        summary = (
+            f"{count} graphs ({backend.name}), {backend.pool_bytes() / 2**20:.0f} MiB pool, captured in {seconds:.1f} s"
+        )
+        self.log.info("graphs.captured", graphs=summary)
+        return summary
 
     def ready_details(self) -> ReadyDetails:
         return self._ready
@@ -192,3 +221,7 @@ class Worker(LifecycleProcess[m.SchedulerToWorker]):
                 request_id=request_id,
             )
         )
+
+
+def _nothing(number: int) -> None:
+    """No fault to inject."""

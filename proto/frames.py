@@ -114,6 +114,7 @@ def scheduler_to_gateway() -> int:
         failure=_REASON,
         protocol_errors=_ERROR_COUNTS,
         kernels=_text(m.MAX_KERNELS_CHARS),
+        graphs=_text(m.MAX_KERNELS_CHARS),
         step_ms_per_row_by_range=_ints(len(ROW_KNOTS) + 1),
     )
     by_draft_position = _HEAD + (m.MAX_DRAFT_TOKENS + 1) * 2 * _NUMBER
@@ -187,6 +188,7 @@ def worker_to_scheduler(limits: FrameLimits) -> int:
                 m.LifecycleReport,
                 worker_id=_NAME,
                 kernels=_text(m.MAX_KERNELS_CHARS),
+                graphs=_text(m.MAX_KERNELS_CHARS),
                 step_timings=_list(m.MAX_STEP_TIMINGS, _struct(m.StepTiming)),
             ),
             m.WorkerFailed: _struct(m.WorkerFailed, worker_id=_NAME, error_type=_NAME, message=_REASON),

@@ -266,6 +266,7 @@ class ProcessInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # A target's READY report: whether its steps are batch invariant (greedy verification then gives exactly plain
     # decoding's answer; else drafts are verified lossless in distribution). None: not said (not READY, a draft).
     batch_invariant: bool | None = None
+    graphs: str = ""  # a target's READY report: its captured graphs, or why it serves without them ("": not said)
 
 
 class SourceAcceptance(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -543,6 +544,9 @@ class LifecycleReport(msgspec.Struct, tag="lifecycle", frozen=True, forbid_unkno
     # With READY, a target: steps it timed while warming up, so the scheduler's cost model knows
     # what rows cost before its first speculative step.
     step_timings: list[StepTiming] = []
+    # With READY, a target: its captured graphs (modeling/model/graphs.py), as it says: "off",
+    # "27 graphs (cuda), 412 MiB pool, captured in 3.1 s", or "fallback: eager (why the capture failed)".
+    graphs: str = ""
 
 
 class WorkerFailed(msgspec.Struct, tag="failed", frozen=True, forbid_unknown_fields=True):

@@ -216,7 +216,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Process(_message.Message):
-    __slots__ = ("process_id", "role", "state", "incarnation", "heartbeat_age_s", "num_running", "failure", "num_kv_pages", "kv_page_size", "num_used_kv_pages", "num_cached_kv_pages", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "num_preemptions", "kernels", "num_costed_steps", "step_fixed_ms", "step_ms_per_row", "step_ms_per_prefill_token", "step_ms_per_kilo_context", "step_cost_error_ms", "batch_invariant", "step_predicted_ms", "step_measured_ms", "step_ms_per_row_by_range", "step_ms_per_constrained_row")
+    __slots__ = ("process_id", "role", "state", "incarnation", "heartbeat_age_s", "num_running", "failure", "num_kv_pages", "kv_page_size", "num_used_kv_pages", "num_cached_kv_pages", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "num_preemptions", "kernels", "num_costed_steps", "step_fixed_ms", "step_ms_per_row", "step_ms_per_prefill_token", "step_ms_per_kilo_context", "step_cost_error_ms", "batch_invariant", "step_predicted_ms", "step_measured_ms", "step_ms_per_row_by_range", "step_ms_per_constrained_row", "graphs")
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +243,7 @@ class Process(_message.Message):
     STEP_MEASURED_MS_FIELD_NUMBER: _ClassVar[int]
     STEP_MS_PER_ROW_BY_RANGE_FIELD_NUMBER: _ClassVar[int]
     STEP_MS_PER_CONSTRAINED_ROW_FIELD_NUMBER: _ClassVar[int]
+    GRAPHS_FIELD_NUMBER: _ClassVar[int]
     process_id: str
     role: str
     state: str
@@ -269,7 +270,8 @@ class Process(_message.Message):
     step_measured_ms: float
     step_ms_per_row_by_range: _containers.RepeatedScalarFieldContainer[float]
     step_ms_per_constrained_row: float
-    def __init__(self, process_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., incarnation: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., num_running: _Optional[int] = ..., failure: _Optional[str] = ..., num_kv_pages: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., num_used_kv_pages: _Optional[int] = ..., num_cached_kv_pages: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kernels: _Optional[str] = ..., num_costed_steps: _Optional[int] = ..., step_fixed_ms: _Optional[float] = ..., step_ms_per_row: _Optional[float] = ..., step_ms_per_prefill_token: _Optional[float] = ..., step_ms_per_kilo_context: _Optional[float] = ..., step_cost_error_ms: _Optional[float] = ..., batch_invariant: _Optional[bool] = ..., step_predicted_ms: _Optional[float] = ..., step_measured_ms: _Optional[float] = ..., step_ms_per_row_by_range: _Optional[_Iterable[float]] = ..., step_ms_per_constrained_row: _Optional[float] = ...) -> None: ...
+    graphs: str
+    def __init__(self, process_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., incarnation: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., num_running: _Optional[int] = ..., failure: _Optional[str] = ..., num_kv_pages: _Optional[int] = ..., kv_page_size: _Optional[int] = ..., num_used_kv_pages: _Optional[int] = ..., num_cached_kv_pages: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kernels: _Optional[str] = ..., num_costed_steps: _Optional[int] = ..., step_fixed_ms: _Optional[float] = ..., step_ms_per_row: _Optional[float] = ..., step_ms_per_prefill_token: _Optional[float] = ..., step_ms_per_kilo_context: _Optional[float] = ..., step_cost_error_ms: _Optional[float] = ..., batch_invariant: _Optional[bool] = ..., step_predicted_ms: _Optional[float] = ..., step_measured_ms: _Optional[float] = ..., step_ms_per_row_by_range: _Optional[_Iterable[float]] = ..., step_ms_per_constrained_row: _Optional[float] = ..., graphs: _Optional[str] = ...) -> None: ...
 
 class Speculation(_message.Message):
     __slots__ = ("num_draft_tokens", "num_accepted_draft_tokens", "num_verify_steps", "num_plain_decode_steps", "acceptance_rate", "mean_accepted_length", "propose_ms", "propose_wait_ms", "sources", "policy", "ask_ms")

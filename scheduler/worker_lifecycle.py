@@ -150,6 +150,7 @@ class WorkerLifecycle:
             worker.kernels = report.kernels[:MAX_KERNELS_CHARS]
         if state is State.READY and worker.is_target:
             worker.batch_invariant = report.batch_invariant
+            worker.graphs = report.graphs[:MAX_KERNELS_CHARS]
             for timing in report.step_timings[:MAX_STEP_TIMINGS]:  # what rows cost, before any speculative step
                 worker.cost.observe_warm_up(
                     StepShape(timing.decode_rows, timing.prefill_tokens, timing.attended), timing.duration_ms

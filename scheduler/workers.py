@@ -46,6 +46,7 @@ class WorkerRecord:
     max_draft_tokens: int = 0
     kernels: str = ""  # which kernels its model runs on, as its READY report said
     batch_invariant: bool | None = None  # a target's READY report: whether its steps are batch invariant
+    graphs: str = ""  # a target's READY report: its captured graphs, or why it serves without them
     cost: StepCostModel = field(default_factory=StepCostModel)  # its step time, fitted to the steps it ran
     explore: ExploreBudget = field(default_factory=ExploreBudget)  # what asks its estimates do not call for may spend
     suspect_turn: bool = False  # the last step planned here ran a suspect request alone (stepping._step_candidates)
@@ -135,6 +136,7 @@ class WorkerRecord:
             num_preemptions=self.num_preemptions,
             kernels=self.kernels,
             batch_invariant=self.batch_invariant,
+            graphs=self.graphs,
             step_predicted_ms=round(self.cost.predicted_ms, 3),
             step_measured_ms=round(self.cost.measured_ms, 3),
             num_costed_steps=self.cost.num_steps,

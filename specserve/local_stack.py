@@ -48,18 +48,25 @@ class LocalStack:
         if wait_serving:
             self.wait_serving(timeout_s)
 
-    def start_worker(self, index: int | str, extra_args: tuple[str, ...] = (), fault: str | None = None) -> None:
-        """Start worker `index` (its id is worker-INDEX); `fault` sets SPECSERVE_FAULT for it alone."""
-        self.spawn(worker_spec(self.config, self.addresses, index, extra_args), fault=fault)
+    def start_worker(
+        self,
+        index: int | str,
+        extra_args: tuple[str, ...] = (),
+        fault: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """Start worker `index` (its id is worker-INDEX); `fault` sets SPECSERVE_FAULT for it alone, `env` more."""
+        self.spawn(worker_spec(self.config, self.addresses, index, extra_args), fault=fault, env=env)
 
     def start_draft(self, draft: DraftSpec, fault: str | None = None) -> None:
         """Start a draft service proposing with `draft` (the one running, if any, should be stopped first)."""
         self.spawn(draft_spec(self.config, self.addresses, draft), fault=fault)
 
-    def spawn(self, spec: ServiceSpec, fault: str | None = None) -> None:
+    def spawn(self, spec: ServiceSpec, fault: str | None = None, env: dict[str, str] | None = None) -> None:
         with (self.log_dir / f"{spec.name}.log").open("ab") as log:
-            env = {**os.environ, FAULT_ENV_VAR: fault} if fault else None
-            self.processes[spec.name] = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+            changes = {**(env or {}), **({FAULT_ENV_VAR: fault} if fault else {})}
+            environ = {**os.environ, **changes} if changes else None
+            self.processes[spec.name] = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, env=environ)
 
     def wait_serving(self, timeout_s: float) -> None:
         """Until the gateway is SERVING; StackError if a process exits first or `timeout_s` passes."""

@@ -108,6 +108,7 @@ class StackConfig:
     speculation_policy: str | None = None  # the scheduler's --speculation-policy (None: its default, goodput)
     scheduling_policy: str | None = None  # the scheduler's --scheduling-policy (None: its default, fcfs)
     require_batch_invariance: bool = False  # the workers' --require-batch-invariance
+    cuda_graphs: str = "auto"  # the workers' --cuda-graphs
     gateway_shutdown_grace_s: float | None = None
     host: str = "127.0.0.1"  # where the gateway listens
     grpc_port: int | None = None  # None: a free port, picked with the stack's addresses
@@ -216,6 +217,7 @@ def worker_spec(
                     "quantization": config.quantization,
                     "num_threads": config.num_threads_per_worker,
                     "require_batch_invariance": config.require_batch_invariance,
+                    "cuda_graphs": config.cuda_graphs,
                 },
             )
             + [*config.worker_args, *extra_args],

@@ -138,6 +138,7 @@ def stack_config(
         gateway_shutdown_grace_s=GATEWAY_SHUTDOWN_GRACE_S,
         speculation_policy=args.speculation_policy,
         require_batch_invariance=args.require_batch_invariance,
+        cuda_graphs=args.cuda_graphs,
         scheduling_policy=args.scheduling_policy,
         host=args.host,
         grpc_port=args.port,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from common.defaults import DRAFT_MAX_TOKENS, HEAD_DRAFT_TOKENS, KV_PAGE_SIZE, SUFFIX_CACHE_TOKENS
 from common.quantization import QUANTIZATION_HELP, QUANTIZATIONS
-from common.settings.choices import AUTO, DTYPES, SUFFIX_SCOPES
+from common.settings.choices import AUTO, CUDA_GRAPHS, DTYPES, SUFFIX_SCOPES
 from common.settings.setting import Setting
 
 _KEYS_ENV = "SPECSERVE_KEYS"  # common/transport.py's ENV_VAR (that module loads zmq; this table does not)
@@ -114,6 +114,15 @@ WORKER = (
     ),
     Setting("--page-size", ("worker",), "positions per KV page", int, KV_PAGE_SIZE),
     Setting("--max-draft-tokens", ("worker",), "the longest proposal a verify step carries", int, DRAFT_MAX_TOKENS),
+    Setting(
+        "--cuda-graphs",
+        ("worker", "up"),
+        "decode and verify steps replayed from CUDA graphs captured while warming up: on (a failed capture fails "
+        "the worker), fallback (a failed capture is reported and the worker serves eagerly), off; "
+        f"{AUTO} (default): on with a CUDA device, else off",
+        default=AUTO,
+        choices=(AUTO, *CUDA_GRAPHS),
+    ),
     Setting(
         "--require-batch-invariance",
         ("worker", "up"),

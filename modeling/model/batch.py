@@ -106,7 +106,7 @@ def build_step_batch(
     row_tables: list[int] = []
     logit_rows: list[int] = []
     offsets: list[int] = []
-    rows = _Rows()
+    rows = StepRows()
     for index, span in enumerate(spans):
         offsets.append(len(token_ids))
         n = len(span.token_ids)
@@ -149,7 +149,7 @@ def build_step_batch(
     )
 
 
-class _Rows:
+class StepRows:
     """Per packed row: its position (RoPE), where it is stored, the last of the cache positions 0 .. it attends to,
     and for a tree node the further positions it attends to (its ancestors' and its own)."""
 
@@ -181,7 +181,7 @@ class _Rows:
 
 
 def _plan_groups(
-    spans: list[SeqSpan], offsets: list[int], rows: _Rows, num_tokens: int, page_size: int, device: torch.device
+    spans: list[SeqSpan], offsets: list[int], rows: StepRows, num_tokens: int, page_size: int, device: torch.device
 ) -> list[AttentionGroup]:
     """Short spans attend together, each long one (a prefill chunk) alone."""
     shared = [i for i, span in enumerate(spans) if len(span.token_ids) <= MAX_SHARED_QUERY_TOKENS]
@@ -194,7 +194,7 @@ def _plan_groups(
 
 
 def _plan_group(
-    spans: list[SeqSpan], offsets: list[int], rows: _Rows, num_tokens: int, page_size: int, device: torch.device
+    spans: list[SeqSpan], offsets: list[int], rows: StepRows, num_tokens: int, page_size: int, device: torch.device
 ) -> AttentionGroup:
     num_rows = len(spans)
     num_query = max(len(s.token_ids) for s in spans)

@@ -8,6 +8,7 @@ owner's business: every span names its block table (modeling/model/kv_cache.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from modeling.model.batch import PageError, SeqSpan
 from modeling.model.checkpoint import PROJECTION_PARTS
 from modeling.model.config import ModelConfig
 from modeling.model.decoder import DecoderModel
+from modeling.model.graphs import GraphBackend, StepGraphs, graph_capacity_pages
 from modeling.model.kv_cache import DEFAULT_PAGE_SIZE, KVCache, pages_for, slot_pages
 
 
@@ -75,6 +77,7 @@ class ModelEngine:
         self._model: DecoderModel | None = None
         self.ops = "not loaded"  # which ops the loaded model runs on, and why (for the owner's log)
         self._cache: KVCache | None = None
+        self.graphs: StepGraphs | None = None  # decode and verify steps replayed from captured graphs
 
     @property
     def num_slots(self) -> int:
@@ -122,8 +125,31 @@ class ModelEngine:
         weights = [model.lm_head] + [getattr(layer, name) for layer in model.layers for name in PROJECTION_PARTS]
         return sum(weight.numel() * weight.element_size() for weight in weights)
 
-    def allocate(self) -> None:
-        self._cache = KVCache(self.config, self.num_pages, self.page_size, self.dtype, self.device)
+    def allocate(self, scratch_page: bool = False) -> None:
+        """The cache of num_pages pages, and with `scratch_page` one more that only graphs' padding rows use."""
+        self._cache = KVCache(self.config, self.num_pages + scratch_page, self.page_size, self.dtype, self.device)
+
+    def capture_graphs(
+        self,
+        backend: GraphBackend,
+        max_rows: int,
+        max_query_tokens: int,
+        before_each: Callable[[int], None] = lambda number: None,
+    ) -> float:
+        """Capture the decode and verify steps' graphs (modeling/model/graphs.py); from then on a step that fits one
+        replays it. Needs the scratch page (allocate). Raises CaptureFailed, leaving no graph in use."""
+        if self._model is None or self._cache is None or self._cache.num_pages != self.num_pages + 1:
+            raise RuntimeError("graphs need the engine built with its scratch page: load() and allocate(True) first")
+        graphs = StepGraphs(
+            self._model,
+            self._cache,
+            max_rows=max_rows,
+            max_query_tokens=max_query_tokens,
+            capacity_pages=graph_capacity_pages(self.max_len, self.page_size),
+        )
+        seconds = graphs.capture_all(backend, before_each)
+        self.graphs = graphs
+        return seconds
 
     def forward(self, spans: list[SeqSpan]) -> torch.Tensor:
         """Write every span's tokens into its pages and return the logits it asks for: `[sum num_logits, V]`."""
@@ -139,6 +165,9 @@ class ModelEngine:
         """
         if self._model is None or self._cache is None:
             raise RuntimeError("the engine is not built: load() and allocate() come first")
+        if self.graphs is not None and (replayed := self.graphs.run(spans)) is not None:
+            logits, hidden = replayed
+            return (logits.float() if widen_logits else logits), hidden
         with torch.inference_mode():
             batch = self._model.plan(spans, self.page_size)
             hidden = self._model(batch, self._cache)

@@ -86,39 +86,65 @@ def two_workers(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
 @pytest.mark.parametrize("action", ["raise", "hang", "exit"])
 @pytest.mark.parametrize("phase", ["STARTING", "LOADING", "ALLOCATING", "WARMING"])
 def test_a_process_failing_in_any_start_up_phase_never_gets_a_step(two_workers: Stack, phase: str, action: str) -> None:
-    worker_id = f"faulty-{phase.lower()}-{action}"
-    started = time.monotonic()
     # A hang before any real work (STARTING, LOADING) is ended by the worker's own watchdog, given a short deadline
     # here; in ALLOCATING and WARMING the scheduler's deadline (10 s, the worker's own is 12) declares it FAILED.
     own_deadline = ("--phase-timeout-s", "3") if action == "hang" and phase in ("STARTING", "LOADING") else ()
-    two_workers.start_worker(
-        worker_id.removeprefix("worker-"), fault=f"worker-{worker_id}:{phase}:{action}", extra_args=own_deadline
-    )
-    process = two_workers.processes[f"worker-{worker_id}"]
+    never_gets_a_step(two_workers, f"faulty-{phase.lower()}-{action}", phase, action, own_deadline)
+
+
+# A worker on this CPU that captures its graphs through the recording backend (modeling/model/graphs.py): a few
+# buckets (2 sequences, verify steps of 3 tokens), on torch's ops as on a GPU.
+GRAPHS_ON_CPU = {"SPECSERVE_GRAPH_BACKEND": "recording", "SPECSERVE_NATIVE_OPS": "0"}
+SMALL_GRAPHS = ("--cuda-graphs", "on", "--max-num-seqs", "2", "--max-draft-tokens", "2")
+
+
+@pytest.mark.parametrize("action", ["raise", "hang", "exit"])
+def test_a_worker_whose_graph_capture_fails_part_way_never_gets_a_step(two_workers: Stack, action: str) -> None:
+    """The founding bug, SGLang's: a capture that raised half-way and was swallowed left a half-built worker serving.
+    Here the capture is the last part of WARMING: a fault at the second of its graphs leaves the worker FAILED (or
+    dead), never READY, and no step is sent to it, while the others serve."""
+    never_gets_a_step(two_workers, f"faulty-capture-{action}", "capture=2", action, SMALL_GRAPHS, GRAPHS_ON_CPU)
+
+
+def never_gets_a_step(
+    stack: Stack,
+    worker_id: str,
+    when: str,
+    action: str,
+    extra_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> None:
+    started = time.monotonic()
+    stack.start_worker(worker_id, fault=f"worker-{worker_id}:{when}:{action}", extra_args=extra_args, env=env)
+    process = stack.processes[f"worker-{worker_id}"]
     # The others keep serving while it fails.
-    assert len(two_workers.generate(greedy([1, 2, 3, 4], 8)).token_ids) == 8
-    log_path = two_workers.log_dir / f"worker-{worker_id}.log"
-    if phase in ("STARTING", "LOADING") and action == "exit":
+    assert len(stack.generate(greedy([1, 2, 3, 4], 8)).token_ids) == 8
+    log_path = stack.log_dir / f"worker-{worker_id}.log"
+    if when in ("STARTING", "LOADING") and action == "exit":
         # It exits within moments of queueing its hello (LOADING begins right after it), and the
         # hello may then never leave its socket, still connecting (a crash loses what is queued):
         # the scheduler either never knew it or declares it DEAD.
         assert process.wait(30) != 0
         time.sleep(1.0)  # whatever it did send has arrived by now
-        if two_workers.process_info(f"worker-{worker_id}") is None:
+        if stack.process_info(f"worker-{worker_id}") is None:
             assert "step" not in log_path.read_text()
             return
     failed = wait_for(
-        lambda: (p := two_workers.process_info(f"worker-{worker_id}")) and p.state in ("FAILED", "DEAD") and p,
-        30,
+        lambda: (p := stack.process_info(f"worker-{worker_id}")) and p.state in ("FAILED", "DEAD") and p,
+        60,
         f"{worker_id} FAILED or DEAD",
-        two_workers,
+        stack,
     )
     expected = {"raise": "InjectedFault", "hang": "--phase-timeout-s", "exit": "no heartbeat"}[action]
+    phase = "WARMING" if when.startswith("capture") else when
     assert expected in failed.failure and (action == "exit" or phase in failed.failure), failed.failure
+    if when.startswith("capture") and action == "raise":
+        assert "capturing graph 2 of" in failed.failure, failed.failure
     assert process.wait(30) != 0  # raise: 1, exit: 3, hang: its own watchdog ends it with 1
-    print(f"\n{phase} {action}: {failed.state} after {time.monotonic() - started:.1f} s: {failed.failure}")
+    print(f"\n{when} {action}: {failed.state} after {time.monotonic() - started:.1f} s: {failed.failure}")
     log = log_path.read_text()
-    assert "step" not in log.replace("--step-timeout-s", "")  # no step was ever sent to it, not even a refused one
+    # No step was ever sent to it, not even a refused one (a worker logs each request it starts and each refusal).
+    assert not any(event in log for event in ("seq.started", "step.refused", "step.done")), log
     assert "READY" not in log.replace("WARMING", "")
 
 

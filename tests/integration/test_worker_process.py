@@ -256,3 +256,95 @@ def test_sigterm_drains_steps_still_run_then_drain_stops_it_and_a_second_signal_
             if worker.poll() is None:
                 worker.kill()
                 worker.wait()
+
+
+# Graphs on this CPU: the recording backend replays the same static-buffer forward a CUDA graph would, on torch's ops.
+GRAPHS_ON_CPU = {"SPECSERVE_GRAPH_BACKEND": "recording", "SPECSERVE_NATIVE_OPS": "0"}
+SMALL_GRAPHS = ("--max-num-seqs", "2", "--max-draft-tokens", "2")
+
+
+def _serve_steps(scheduler: FakeScheduler, incarnation: int) -> list[int]:
+    """A prompt, then decode steps and a verify step of one sequence: the tokens the worker wrote."""
+    tokens = [1, 2, 3, 4, 5]
+    step_id = 0
+
+    def step(new: list[int], start: int, num_drafts: int = 0) -> list[int]:
+        nonlocal step_id
+        step_id += 1
+        work = m.SeqWork("r", [0, 1], start, new, True, GREEDY, num_draft_tokens=num_drafts)
+        scheduler.send(m.StepRequest(step_id, incarnation, [work]))
+        result = scheduler.receive(m.StepResult)
+        assert isinstance(result, m.StepResult) and result.step_id == step_id
+        return result.outputs[0].token_ids
+
+    written = step(tokens, 0)
+    for _ in range(3):
+        written += step([written[-1]], len(tokens) + len(written) - 1)
+    # A verify step: the last token and two drafts (the first of them the token a plain step would write).
+    written += step([written[-1], 7, 8], len(tokens) + len(written) - 1, num_drafts=2)
+    return written
+
+
+def test_a_worker_serves_from_its_graphs_as_it_does_without_them_and_says_which_at_ready(
+    default_model_dir: Path, scheduler: FakeScheduler, tmp_path: Path
+) -> None:
+    """The same steps (a prompt, decode steps, a verify step) through a worker with graphs and one without: the same
+    tokens; each READY report says what it captured."""
+    written: dict[str, list[int]] = {}
+    for graphs in ("off", "on"):
+        worker = _start_worker(
+            default_model_dir, scheduler.address, tmp_path, GRAPHS_ON_CPU, ("--cuda-graphs", graphs, *SMALL_GRAPHS)
+        )
+        try:
+            hello = scheduler.receive(m.WorkerHello)
+            assert isinstance(hello, m.WorkerHello)
+            while (report := scheduler.receive(m.LifecycleReport)).state != "READY":  # type: ignore[attr-defined]
+                pass
+            said = report.graphs  # type: ignore[attr-defined]
+            assert said == "off" if graphs == "off" else said.startswith("6 graphs (recording)"), said
+            written[graphs] = _serve_steps(scheduler, hello.incarnation)
+            scheduler.send(m.Drain(hello.incarnation))
+            assert worker.wait(30) == EXIT_DISMISSED
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+    assert written["on"] == written["off"] and len(written["on"]) >= 5
+    assert "graphs.captured" in (tmp_path / "worker.log").read_text()
+
+
+def test_a_worker_whose_capture_fails_with_fallback_serves_eagerly_and_says_why(
+    default_model_dir: Path, scheduler: FakeScheduler, tmp_path: Path
+) -> None:
+    worker = _start_worker(
+        default_model_dir,
+        scheduler.address,
+        tmp_path,
+        {**GRAPHS_ON_CPU, "SPECSERVE_FAULT": "worker-0:capture=3:raise"},
+        ("--cuda-graphs", "fallback", *SMALL_GRAPHS),
+    )
+    try:
+        hello = scheduler.receive(m.WorkerHello)
+        assert isinstance(hello, m.WorkerHello)
+        while (report := scheduler.receive(m.LifecycleReport)).state != "READY":  # type: ignore[attr-defined]
+            pass
+        said = report.graphs  # type: ignore[attr-defined]
+        assert said.startswith("fallback: eager (capturing graph 3 of 6") and "InjectedFault" in said, said
+        assert len(_serve_steps(scheduler, hello.incarnation)) >= 5
+        scheduler.send(m.Drain(hello.incarnation))
+        assert worker.wait(30) == EXIT_DISMISSED
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+
+
+def test_graphs_on_a_cpu_are_refused_by_name() -> None:
+    refused = subprocess.run(
+        [sys.executable, "-m", "gpu_worker", "--model", "x", "--scheduler-address", "tcp://127.0.0.1:1"]
+        + ["--cuda-graphs", "on", "--device", "cpu", "--insecure-loopback"],
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "SPECSERVE_GRAPH_BACKEND"},
+    )
+    assert refused.returncode != 0 and "--cuda-graphs on needs a CUDA device" in refused.stderr
