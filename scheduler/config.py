@@ -8,7 +8,7 @@ from pathlib import Path
 
 from common import settings
 from common.arguments import below_problem, not_positive_problem
-from common.draft_spec import DraftKind, DraftSpec
+from common.draft_spec import MODEL_KINDS, DraftKind, DraftSpec
 from common.transport import Transport
 from common.transport import from_arguments as transport_from_arguments
 from proto.messages import MAX_NAME_CHARS
@@ -86,6 +86,15 @@ def from_arguments(args: argparse.Namespace) -> SchedulerConfig:
     return SchedulerConfig(
         **{field.name: getattr(args, field.name) for field in fields(SchedulerConfig)}
     )  # one flag each
+
+
+def runs_a_model(draft_kind: str) -> bool:
+    """Whether a draft of this kind (its hello's draft_kind) runs a model per proposal, so that a longer proposal costs
+    it more; a lookup's ("" or one not known too) costs it next to nothing more."""
+    try:
+        return DraftKind(draft_kind) in MODEL_KINDS
+    except ValueError:
+        return False
 
 
 def speculation_caps(config: SchedulerConfig, draft_kind: str) -> tuple[int, int]:

@@ -20,11 +20,17 @@ from scheduler.workers import WorkerRecord
 
 
 def paying_drafts(
-    target: WorkerRecord, seqs: Sequence[ScheduledSeq], caps: dict[str, int], counters: SpecCounters, states: SpecStates
+    target: WorkerRecord,
+    seqs: Sequence[ScheduledSeq],
+    caps: dict[str, int],
+    counters: SpecCounters,
+    states: SpecStates,
+    lookups: bool = False,
 ) -> dict[str, int]:
     """Of the caps, the k that maximise the step's expected tokens per second, by each request's record over all
     sources and the wait for a proposal (policy.py), and the requests asked for to try them (`explored`); empty:
-    plain decoding pays best, or the target's step time is not known yet."""
+    plain decoding pays best, or the target's step time is not known yet. A request asked for gets its whole cap
+    where the draft is a lookup (`lookups`: it runs no model)."""
     server = counters.acceptance
     outlooks = {
         item.request.request_id: states.of(item.request.request_id).acceptance.outlook(
@@ -52,10 +58,12 @@ def paying_drafts(
         for item in seqs:
             states.of(item.request.request_id).acceptance.exploring = item.request.request_id in trying
         ks.update({rid: caps[rid] for rid in trying})
-    # Where a longer proposal costs the draft next to nothing (a lookup), the whole cap is asked for: what of it is
-    # verified is decided when it comes (`trimmed`), by its source's record.
+    # Where a longer proposal costs the draft next to nothing (a lookup, or a fitted cost that says so), the whole cap
+    # is asked for: what of it is verified is decided when it comes (`trimmed`), by its drafts' chances or its
+    # source's record. The plan's k comes from rates per position, which only steps that asked that far can raise: a
+    # lookup asked for 2 by them would never show that its matches run 6 deep.
     longest = propose.predict_ms(max(caps[rid] for rid in ks), len(ks)) if ks else 0.0
-    if ks and longest - propose.predict_ms(max(ks.values()), len(ks)) <= 0.01 * base_ms:
+    if ks and (lookups or longest - propose.predict_ms(max(ks.values()), len(ks)) <= 0.01 * base_ms):
         ks = {rid: caps[rid] for rid in ks}
     return ks
 

@@ -16,7 +16,7 @@ import msgspec
 from common.logs import get_logger
 from proto import messages as m
 from scheduler.batching import ScheduledSeq, StepPlan
-from scheduler.config import SchedulerConfig, speculation_caps
+from scheduler.config import SchedulerConfig, runs_a_model, speculation_caps
 from scheduler.outbox import Outbox
 from scheduler.requests import Request
 from scheduler.speculation.counters import SpecCounters
@@ -116,7 +116,8 @@ class DraftLink:
             )
             num_tokens = self._with_features(draft, seqs, draft_caps(seqs, limits))
             if num_tokens and cfg.speculation_policy == "goodput":
-                num_tokens = paying_drafts(target, seqs, num_tokens, self.counters, self.states)
+                lookups = not runs_a_model(draft.hello.draft_kind)
+                num_tokens = paying_drafts(target, seqs, num_tokens, self.counters, self.states, lookups)
         self.counters.decide(max(num_tokens.values(), default=0))
         return num_tokens
 

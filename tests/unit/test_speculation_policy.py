@@ -441,3 +441,24 @@ def test_a_drafts_chances_that_overstate_are_held_to_what_the_target_accepted() 
     record = sim.info().speculation
     assert record is not None and record.sources["suffix"].num_accepted_draft_tokens < record.num_draft_tokens
     assert sim.streamed("a") == SCRIPT[: len(sim.streamed("a"))]
+
+
+def test_a_lookup_draft_is_asked_for_its_whole_cap_and_its_chances_decide_what_is_verified() -> None:
+    """A lookup costs the draft no more for 4 tokens than for 2, and its later drafts' chances are only known once it
+    is asked that far: it is asked for the cap (4) in each step, and 2 of them (the ones it is sure of) are verified."""
+    sim, worker, draft = setup(3.0)
+    sim.submit("a", prompt(3), max_tokens=150)
+    asked: list[int] = []
+    drafts = []
+    for _ in range(30):
+        done = len(worker.returned.get("a", []))
+        if (request := draft.pending_propose()) is not None:
+            asked.append(request.seqs[0].num_tokens)
+            draft.answer({"a": SCRIPT[done : done + request.seqs[0].num_tokens]}, chances={"a": [1.0, 1.0, 0.1, 0.1]})
+        step = worker.pending_step()
+        if step is None:
+            break
+        drafts.append(step.seqs[0].num_draft_tokens)
+        worker.complete({"a": SCRIPT[done : done + 5]})
+    assert asked and set(asked) == {4}, asked
+    assert [d for d in drafts if d][-5:] == [2] * 5, drafts
