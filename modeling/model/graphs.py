@@ -21,6 +21,7 @@ tested on a CPU.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -195,7 +196,7 @@ class StepGraphs:
             try:
                 before_each(number)
                 with torch.inference_mode():
-                    graph.replay = backend.capture(lambda graph=graph: self._forward(graph))
+                    graph.replay = backend.capture(functools.partial(self._forward, graph))
             except Exception as error:  # any failure: the worker must not serve half-captured
                 raise CaptureFailed(
                     f"capturing graph {number} of {len(self.shapes)} ({shape.rows} sequences of "
